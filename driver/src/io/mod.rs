@@ -1,0 +1,680 @@
+//! The payload engine: moves bytes between [`Buffer`]s and a [`Target`] with
+//! io_uring, on the path each request declares.
+//!
+//! - `host`: plain `READ`/`WRITE` (or passthrough without a fixed buffer) from
+//!   unregistered memory;
+//! - `host_fixed`: `READ_FIXED`/`WRITE_FIXED` (or `URING_CMD` with
+//!   `IORING_URING_CMD_FIXED`) from a buffer registered with the ring.
+//!
+//! The engine never switches paths on its own: a request that its path cannot
+//! serve is refused before anything is submitted, with the reason and the path
+//! that would accept it. A batch is validated whole before its first byte
+//! moves, so a refused batch writes nothing.
+//!
+//! This module does not know what the bytes mean (chunks, journals): see
+//! `store/` for that.
+
+mod nvme;
+mod ring;
+mod sys;
+mod target;
+
+use std::cell::Cell;
+use std::fmt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+pub use nvme::NvmeStatus;
+pub use ring::MAX_TRANSFER_ID;
+pub use target::{Geometry, Target, TargetKind, TargetOptions};
+
+use crate::buffer::{Buffer, BufferError};
+use ring::{Completions, Driver, Planned, Segment};
+
+/// Payload provenance (DESIGN §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PayloadPath {
+    Host,
+    HostFixed,
+    DmabufFixed,
+}
+
+impl PayloadPath {
+    pub const ALL: [PayloadPath; 3] = [PayloadPath::Host, PayloadPath::HostFixed, PayloadPath::DmabufFixed];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PayloadPath::Host => "host",
+            PayloadPath::HostFixed => "host_fixed",
+            PayloadPath::DmabufFixed => "dmabuf_fixed",
+        }
+    }
+}
+
+impl fmt::Display for PayloadPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for PayloadPath {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown path {s:?}: expected host, host_fixed or dmabuf_fixed"))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Read,
+    Write,
+    Flush,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Op::Read => "read",
+            Op::Write => "write",
+            Op::Flush => "flush",
+        })
+    }
+}
+
+/// Names one payload transfer end to end; carried in every SQE's `user_data`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct TransferId(pub u64);
+
+impl fmt::Display for TransferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "transfer {}", self.0)
+    }
+}
+
+/// A buffer held by the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct BufferId(pub u32);
+
+impl fmt::Display for BufferId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "buffer {}", self.0)
+    }
+}
+
+/// One payload transfer between a buffer range and a target range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IoRequest {
+    pub transfer: TransferId,
+    pub op: Op,
+    pub path: PayloadPath,
+    pub buffer: BufferId,
+    pub buffer_offset: u64,
+    pub target_offset: u64,
+    pub len: u64,
+}
+
+/// How one request ended, and on which path its bytes moved.
+#[derive(Debug)]
+pub struct Completion {
+    pub transfer: TransferId,
+    pub op: Op,
+    pub path: PayloadPath,
+    pub bytes: u64,
+    pub latency: Duration,
+    pub result: Result<(), IoError>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    #[error("opening target {path}: {source}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("target {path} is a directory: give a file, a block device or /dev/ngXnY")]
+    IsDirectory { path: PathBuf },
+    #[error("target {path} is {what}: give a file, a block device or /dev/ngXnY")]
+    UnsupportedKind { path: PathBuf, what: &'static str },
+    #[error(
+        "target {path} is on {fs}, which cannot do direct I/O (it would copy through the page cache): put the target on ext4, XFS or a block device"
+    )]
+    NoDirectIo { path: PathBuf, fs: String },
+    #[error("target {path} is in use{}: unmount it or stop the other user first", mount.as_ref().map(|m| format!(" (mounted on {m})")).unwrap_or_else(|| " by another exclusive opener".into()))]
+    Busy { path: PathBuf, mount: Option<String> },
+    #[error("target {path} is locked by another process (another pdstor?): stop it first")]
+    Locked { path: PathBuf },
+    #[error("reading the {what} of target {path}: {source}")]
+    Geometry {
+        path: PathBuf,
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("preallocating {len} bytes for target {path}: {source} (is the filesystem full, or without fallocate?)")]
+    Preallocate {
+        path: PathBuf,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("io_uring {op} failed: {source}")]
+    Ring {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("registering {buffer} ({len} bytes) with io_uring failed: {source}{hint}", hint = register_hint(source))]
+    Register {
+        buffer: BufferId,
+        len: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("all {slots} buffer slots are in use: remove a buffer first or raise EngineOptions::buffer_slots")]
+    BufferTableFull { slots: u32 },
+    #[error("{0} is not held by this engine")]
+    UnknownBuffer(BufferId),
+    #[error("{transfer}: {what}")]
+    Buffer {
+        transfer: TransferId,
+        what: BufferError,
+    },
+    #[error("{transfer}: {field} {value} is not a multiple of {align} bytes, which direct I/O on this target needs; no payload path accepts it: align it")]
+    Unaligned {
+        transfer: TransferId,
+        field: &'static str,
+        value: u64,
+        align: u32,
+    },
+    #[error("{transfer}: a request of 0 bytes moves nothing: give a length")]
+    EmptyRequest { transfer: TransferId },
+    #[error("{transfer}: target range {offset}..{end} is beyond the target's {capacity} bytes", end = offset.saturating_add(*len))]
+    BeyondTarget {
+        transfer: TransferId,
+        offset: u64,
+        len: u64,
+        capacity: u64,
+    },
+    #[error("{transfer}: id is above {max}, the largest that fits in user_data beside the segment bits", max = MAX_TRANSFER_ID)]
+    TransferIdTooLarge { transfer: TransferId },
+    #[error("{transfer}: path {path} is not available: {why}; {hint}")]
+    PathUnavailable {
+        transfer: TransferId,
+        path: PayloadPath,
+        why: &'static str,
+        hint: &'static str,
+    },
+    #[error("{transfer}: {op} of {len} bytes at target offset {offset} failed: {source}")]
+    Transfer {
+        transfer: TransferId,
+        op: Op,
+        offset: u64,
+        len: u64,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{transfer}: NVMe {cmd} of {len} bytes at target offset {offset} failed: {status}", cmd = nvme_cmd_name(*op))]
+    Nvme {
+        transfer: TransferId,
+        op: Op,
+        offset: u64,
+        len: u64,
+        status: NvmeStatus,
+    },
+    #[error("{transfer}: {op} at target offset {offset} moved 0 of {expected} bytes: the target ended or stopped making progress")]
+    ShortTransfer {
+        transfer: TransferId,
+        op: Op,
+        offset: u64,
+        expected: u64,
+    },
+}
+
+fn register_hint(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::ENOMEM) => " (pinned memory is limited by RLIMIT_MEMLOCK: raise `ulimit -l` or run with CAP_IPC_LOCK)",
+        Some(libc::EINVAL) => " (one registered buffer is at most 1 GiB; use several)",
+        Some(libc::EOPNOTSUPP) => " (this memory cannot be pinned for fixed I/O)",
+        _ => "",
+    }
+}
+
+fn nvme_cmd_name(op: Op) -> &'static str {
+    match op {
+        Op::Read => nvme::opcode_name(nvme::OPC_READ),
+        Op::Write => nvme::opcode_name(nvme::OPC_WRITE),
+        Op::Flush => nvme::opcode_name(nvme::OPC_FLUSH),
+    }
+}
+
+/// Engine tuning.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineOptions {
+    /// Requests in flight at once.
+    pub queue_depth: u32,
+    /// Size of the registered-buffer table (sparse; filled by `register`).
+    pub buffer_slots: u32,
+    /// Caps the bytes per command below the target's own limit (tuning, and
+    /// exercising the split path on targets that would not need it).
+    pub max_transfer: Option<u32>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { queue_depth: 32, buffer_slots: 64, max_transfer: None }
+    }
+}
+
+/// Counters of what moved, by path.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct PathCounters {
+    pub requests: u64,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct EngineStats {
+    pub host: PathCounters,
+    pub host_fixed: PathCounters,
+    pub flushes: u64,
+    pub errors: u64,
+}
+
+enum Ring {
+    /// 64-byte SQEs for files and block devices.
+    Std(IoUring),
+    /// SQE128/CQE32, as `NVME_URING_CMD_IO` needs.
+    Nvme(IoUring<squeue::Entry128, io_uring::cqueue::Entry32>),
+}
+
+struct Slot {
+    buffer: Buffer,
+    registered: bool,
+}
+
+/// The io_uring payload engine over one target.
+pub struct Engine {
+    target: Target,
+    ring: Ring,
+    slots: Vec<Option<Slot>>,
+    queue_depth: u32,
+    stats: EngineStats,
+}
+
+/// The target's fd is the only registered file.
+const TARGET_FILE: types::Fixed = types::Fixed(0);
+
+impl Engine {
+    /// Builds a ring sized for `queue_depth` and registers the target's fd and a
+    /// sparse buffer table with it.
+    pub fn new(mut target: Target, opts: EngineOptions) -> Result<Engine, IoError> {
+        use std::os::fd::AsRawFd;
+        if let Some(cap) = opts.max_transfer {
+            target.cap_max_transfer(cap);
+        }
+        let queue_depth = opts.queue_depth.clamp(1, 1024);
+        // Room for split requests beside a full queue; the CQ is twice this.
+        let entries = (queue_depth * 2).next_power_of_two().clamp(8, 4096);
+        let ring_err = |op| move |source| IoError::Ring { op, source };
+        let fd = target.file().as_raw_fd();
+        let ring = match target.kind() {
+            TargetKind::NvmeGeneric => {
+                let r = IoUring::<squeue::Entry128, io_uring::cqueue::Entry32>::builder()
+                    .build(entries)
+                    .map_err(ring_err("setup (SQE128|CQE32)"))?;
+                r.submitter().register_files(&[fd]).map_err(ring_err("register_files"))?;
+                r.submitter()
+                    .register_buffers_sparse(opts.buffer_slots)
+                    .map_err(ring_err("register_buffers_sparse"))?;
+                Ring::Nvme(r)
+            }
+            _ => {
+                let r = IoUring::builder().build(entries).map_err(ring_err("setup"))?;
+                r.submitter().register_files(&[fd]).map_err(ring_err("register_files"))?;
+                r.submitter()
+                    .register_buffers_sparse(opts.buffer_slots)
+                    .map_err(ring_err("register_buffers_sparse"))?;
+                Ring::Std(r)
+            }
+        };
+        Ok(Engine {
+            target,
+            ring,
+            slots: (0..opts.buffer_slots).map(|_| None).collect(),
+            queue_depth,
+            stats: EngineStats::default(),
+        })
+    }
+
+    pub fn target(&self) -> &Target {
+        &self.target
+    }
+
+    pub fn geometry(&self) -> &Geometry {
+        self.target.geometry()
+    }
+
+    pub fn stats(&self) -> &EngineStats {
+        &self.stats
+    }
+
+    /// Holds `buffer` for the `host` path only (not registered).
+    pub fn add(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
+        let id = self.free_slot()?;
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: false });
+        Ok(id)
+    }
+
+    /// Holds `buffer` and registers it with io_uring, for the `host_fixed` path
+    /// (it remains usable on `host` too).
+    pub fn register(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
+        let id = self.free_slot()?;
+        let iov = libc::iovec { iov_base: buffer.addr() as *mut libc::c_void, iov_len: buffer.len() };
+        // SAFETY: the iovec describes `buffer`'s mapping, which the engine owns in
+        // `slots` from here until `remove` unregisters it (or the ring is dropped
+        // first, since `ring` is declared before `slots`).
+        let res = unsafe { self.update_buffer_table(id.0, &[iov]) };
+        res.map_err(|source| IoError::Register { buffer: id, len: buffer.len(), source })?;
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: true });
+        Ok(id)
+    }
+
+    /// Releases a buffer (unregistering it first) and hands it back.
+    pub fn remove(&mut self, id: BufferId) -> Result<Buffer, IoError> {
+        let slot = self.slots.get_mut(id.0 as usize).and_then(Option::take).ok_or(IoError::UnknownBuffer(id))?;
+        if slot.registered {
+            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+            // SAFETY: an empty iovec clears the table entry; no I/O is in flight
+            // because `execute` completes everything before returning.
+            let res = unsafe { self.update_buffer_table(id.0, &[empty]) };
+            if let Err(source) = res {
+                let len = slot.buffer.len();
+                self.slots[id.0 as usize] = Some(slot);
+                return Err(IoError::Register { buffer: id, len, source });
+            }
+        }
+        Ok(slot.buffer)
+    }
+
+    pub fn buffer(&self, id: BufferId) -> Result<&Buffer, IoError> {
+        self.slot(id).map(|s| &s.buffer)
+    }
+
+    pub fn is_registered(&self, id: BufferId) -> bool {
+        self.slot(id).is_ok_and(|s| s.registered)
+    }
+
+    /// Runs a batch to completion. Validation covers the whole batch first: if
+    /// any request is refused, the error names it and nothing is submitted.
+    /// I/O failures are per request, in each [`Completion`]'s `result`, in the
+    /// order of the batch.
+    pub fn execute(&mut self, batch: &[IoRequest]) -> Result<Vec<Completion>, IoError> {
+        for r in batch {
+            plan(&self.target, &self.slots, r)?;
+        }
+        let mut completions: Vec<Option<Completion>> = (0..batch.len()).map(|_| None).collect();
+        let slot_to_index: Vec<Cell<usize>> = vec![Cell::new(0); self.queue_depth as usize];
+        let mut cursor = 0usize;
+        self.stream(
+            |slot| {
+                let r = batch.get(cursor).copied()?;
+                slot_to_index[slot].set(cursor);
+                cursor += 1;
+                Some(r)
+            },
+            |slot, c| completions[slot_to_index[slot].get()] = Some(c),
+        )?;
+        let out: Vec<Completion> = completions.into_iter().flatten().collect();
+        debug_assert_eq!(out.len(), batch.len(), "every request completes exactly once");
+        Ok(out)
+    }
+
+    /// Like [`execute`](Self::execute), but the first failed request fails the
+    /// call. Returns the bytes moved.
+    pub fn execute_all(&mut self, batch: &[IoRequest]) -> Result<u64, IoError> {
+        let mut bytes = 0;
+        for c in self.execute(batch)? {
+            c.result?;
+            bytes += c.bytes;
+        }
+        Ok(bytes)
+    }
+
+    /// Streams requests from `next`, which is given the queue slot
+    /// (0..queue_depth) the request will occupy so a caller can give each slot
+    /// its own buffer range; `done` gets each completion with its slot. Each
+    /// request is validated as it is pulled; a refused one ends the stream once
+    /// the requests in flight finish, and is returned as the error.
+    pub fn stream(
+        &mut self,
+        mut next: impl FnMut(usize) -> Option<IoRequest>,
+        mut done: impl FnMut(usize, Completion),
+    ) -> Result<(), IoError> {
+        let Engine { target, ring, slots, queue_depth, stats } = self;
+        let mut refused = None;
+        let requests: Vec<Cell<Option<IoRequest>>> = vec![Cell::new(None); *queue_depth as usize];
+        let planned_next = |slot: usize| {
+            if refused.is_some() {
+                return None;
+            }
+            let req = next(slot)?;
+            match plan(target, slots, &req) {
+                Ok(p) => {
+                    requests[slot].set(Some(req));
+                    Some(p)
+                }
+                Err(e) => {
+                    refused = Some(e);
+                    None
+                }
+            }
+        };
+        let on_done = |slot: usize, outcome: ring::Outcome| {
+            let Some(req) = requests[slot].get() else { return };
+            stats.record(req.op, req.path, outcome.bytes, outcome.result.is_ok());
+            done(
+                slot,
+                Completion {
+                    transfer: outcome.transfer,
+                    op: req.op,
+                    path: req.path,
+                    bytes: outcome.bytes,
+                    latency: outcome.latency,
+                    result: outcome.result,
+                },
+            );
+        };
+        let driver = Driver {
+            queue_depth: *queue_depth as usize,
+            max_transfer: target.geometry().max_transfer,
+            completions: match ring {
+                Ring::Std(_) => Completions::Bytes,
+                Ring::Nvme(_) => Completions::NvmeStatus,
+            },
+        };
+        let geometry = *target.geometry();
+        match ring {
+            Ring::Std(r) => driver.run(r, planned_next, on_done, build_std),
+            Ring::Nvme(r) => driver.run(r, planned_next, on_done, |seg, ud| build_nvme(&geometry, seg, ud)),
+        }?;
+        refused.map_or(Ok(()), Err)
+    }
+
+    /// Makes everything written so far durable: NVMe Flush on passthrough,
+    /// `fdatasync` (through the ring) on files and block devices.
+    pub fn flush(&mut self) -> Result<(), IoError> {
+        let transfer = TransferId(0);
+        let Engine { ring, stats, .. } = self;
+        let flush = Planned { transfer, op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 1 };
+        let mut pending = Some(flush);
+        let mut result = Ok(());
+        let driver = Driver {
+            queue_depth: 1,
+            max_transfer: u32::MAX,
+            completions: match ring {
+                Ring::Std(_) => Completions::Bytes,
+                Ring::Nvme(_) => Completions::NvmeStatus,
+            },
+        };
+        let geometry = *self.target.geometry();
+        let on_done = |_: usize, o: ring::Outcome| result = o.result;
+        match ring {
+            Ring::Std(r) => driver.run(r, |_| pending.take(), on_done, build_std),
+            Ring::Nvme(r) => driver.run(r, |_| pending.take(), on_done, |seg, ud| build_nvme(&geometry, seg, ud)),
+        }?;
+        stats.flushes += 1;
+        result
+    }
+
+    fn free_slot(&self) -> Result<BufferId, IoError> {
+        self.slots
+            .iter()
+            .position(Option::is_none)
+            .map(|i| BufferId(i as u32))
+            .ok_or(IoError::BufferTableFull { slots: self.slots.len() as u32 })
+    }
+
+    fn slot(&self, id: BufferId) -> Result<&Slot, IoError> {
+        self.slots.get(id.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(id))
+    }
+
+    /// # Safety
+    /// Each non-empty iovec must describe memory that stays mapped until its
+    /// table entry is replaced or the ring is dropped.
+    unsafe fn update_buffer_table(&self, index: u32, iovs: &[libc::iovec]) -> std::io::Result<()> {
+        // SAFETY: forwarded to the caller's contract.
+        unsafe {
+            match &self.ring {
+                Ring::Std(r) => r.submitter().register_buffers_update(index, iovs, None),
+                Ring::Nvme(r) => r.submitter().register_buffers_update(index, iovs, None),
+            }
+        }
+    }
+}
+
+impl Drop for Engine {
+    /// Drops the ring's references to the target and the buffers now: ring
+    /// teardown in the kernel is asynchronous, and a registered file would keep
+    /// the target (and its lock) open after the process exits.
+    fn drop(&mut self) {
+        let _ = match &self.ring {
+            Ring::Std(r) => r.submitter().unregister_files().and(r.submitter().unregister_buffers()),
+            Ring::Nvme(r) => r.submitter().unregister_files().and(r.submitter().unregister_buffers()),
+        };
+    }
+}
+
+impl EngineStats {
+    fn record(&mut self, op: Op, path: PayloadPath, bytes: u64, ok: bool) {
+        if op == Op::Flush {
+            self.flushes += 1;
+        }
+        let c = match path {
+            PayloadPath::HostFixed => &mut self.host_fixed,
+            _ => &mut self.host,
+        };
+        c.requests += 1;
+        c.bytes += bytes;
+        self.errors += u64::from(!ok);
+    }
+}
+
+/// Checks one request against the target and the buffer table and resolves it
+/// to addresses. Pure: refusing changes nothing.
+fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Result<Planned, IoError> {
+    let t = r.transfer;
+    if t.0 > MAX_TRANSFER_ID {
+        return Err(IoError::TransferIdTooLarge { transfer: t });
+    }
+    if r.op == Op::Flush {
+        return Err(IoError::PathUnavailable {
+            transfer: t,
+            path: r.path,
+            why: "a flush moves no payload",
+            hint: "call Engine::flush instead",
+        });
+    }
+    if r.len == 0 {
+        return Err(IoError::EmptyRequest { transfer: t });
+    }
+    let slot = slots.get(r.buffer.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(r.buffer))?;
+    let buf_index = match r.path {
+        PayloadPath::Host => None,
+        PayloadPath::HostFixed if slot.registered => Some(r.buffer.0 as u16),
+        PayloadPath::HostFixed => {
+            return Err(IoError::PathUnavailable {
+                transfer: t,
+                path: r.path,
+                why: "the buffer is not registered with io_uring",
+                hint: "register it with Engine::register, or declare path host",
+            });
+        }
+        PayloadPath::DmabufFixed => {
+            return Err(IoError::PathUnavailable {
+                transfer: t,
+                path: r.path,
+                why: "DMA-BUF import is not built into this engine yet",
+                hint: "use host_fixed with a registered buffer",
+            });
+        }
+    };
+    let len = usize::try_from(r.len).map_err(|_| IoError::EmptyRequest { transfer: t })?;
+    slot.buffer
+        .slice(r.buffer_offset, len)
+        .map_err(|what| IoError::Buffer { transfer: t, what })?;
+    let g = target.geometry();
+    let addr = slot.buffer.addr() + r.buffer_offset;
+    let checks: [(&'static str, u64, u32); 3] = [
+        ("buffer address", addr, g.mem_align),
+        ("target offset", r.target_offset, g.offset_align),
+        ("length", r.len, g.offset_align),
+    ];
+    for (field, value, align) in checks {
+        if value % align as u64 != 0 {
+            return Err(IoError::Unaligned { transfer: t, field, value, align });
+        }
+    }
+    if r.target_offset.checked_add(r.len).is_none_or(|end| end > g.capacity) {
+        return Err(IoError::BeyondTarget { transfer: t, offset: r.target_offset, len: r.len, capacity: g.capacity });
+    }
+    Ok(Planned { transfer: t, op: r.op, addr, buf_index, offset: r.target_offset, len: r.len })
+}
+
+fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
+    let sqe = match (seg.op, seg.buf_index) {
+        (Op::Read, Some(idx)) => opcode::ReadFixed::new(TARGET_FILE, seg.addr as *mut u8, seg.len, idx)
+            .offset(seg.offset)
+            .build(),
+        (Op::Read, None) => opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len).offset(seg.offset).build(),
+        (Op::Write, Some(idx)) => opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx)
+            .offset(seg.offset)
+            .build(),
+        (Op::Write, None) => opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len).offset(seg.offset).build(),
+        (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE).flags(types::FsyncFlags::DATASYNC).build(),
+    };
+    sqe.user_data(user_data)
+}
+
+fn build_nvme(g: &Geometry, seg: &Segment, user_data: u64) -> squeue::Entry128 {
+    let nsid = g.nsid.unwrap_or(1);
+    let cmd = match seg.op {
+        Op::Flush => nvme::flush_command(nsid),
+        Op::Read | Op::Write => {
+            let opc = if seg.op == Op::Read { nvme::OPC_READ } else { nvme::OPC_WRITE };
+            let lba = g.logical_block as u64;
+            nvme::rw_command(opc, nsid, seg.offset / lba, (seg.len as u64 / lba) as u32, seg.addr, seg.len)
+        }
+    };
+    let mut sqe = opcode::UringCmd80::new(TARGET_FILE, sys::NVME_URING_CMD_IO).cmd(cmd);
+    if let Some(idx) = seg.buf_index {
+        sqe = sqe.buf_index(Some(idx));
+    }
+    sqe.build().user_data(user_data)
+}

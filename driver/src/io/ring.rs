@@ -1,0 +1,334 @@
+//! The submission loop: keeps up to `queue_depth` requests in flight on one
+//! io_uring, splits each into commands no larger than the target's maximum
+//! transfer, completes short transfers, resubmits `-EAGAIN`, and checks every
+//! completion.
+//!
+//! `user_data` of every SQE is `transfer_id << 16 | segment slot`, so the probes
+//! can recover the transfer id with a shift and the loop can find the segment.
+//!
+//! This module knows nothing of buffers or targets: it gets addresses, offsets
+//! and a function that turns a segment into an SQE.
+
+use std::collections::VecDeque;
+use std::io;
+use std::time::{Duration, Instant};
+
+use io_uring::{cqueue, squeue, IoUring};
+
+use super::{nvme::NvmeStatus, IoError, Op, TransferId};
+
+/// Bits of `user_data` that hold the segment slot.
+pub const SEGMENT_BITS: u32 = 16;
+/// Largest transfer id that fits above the segment bits.
+pub const MAX_TRANSFER_ID: u64 = (1 << (64 - SEGMENT_BITS)) - 1;
+/// A segment that keeps coming back with `-EAGAIN` this many times is an error,
+/// not a livelock.
+const MAX_RETRIES: u32 = 10_000;
+
+/// One request, resolved to addresses.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Planned {
+    pub transfer: TransferId,
+    pub op: Op,
+    pub addr: u64,
+    pub buf_index: Option<u16>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// One command as it goes into an SQE.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Segment {
+    pub op: Op,
+    pub addr: u64,
+    pub buf_index: Option<u16>,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// How a request ended.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub transfer: TransferId,
+    pub bytes: u64,
+    pub latency: Duration,
+    pub result: Result<(), IoError>,
+}
+
+struct ReqState {
+    planned: Planned,
+    issued: u64,
+    outstanding: u32,
+    done: u64,
+    error: Option<IoError>,
+    started: Instant,
+}
+
+struct SegState {
+    req: usize,
+    seg: Segment,
+    retries: u32,
+}
+
+/// What completions mean on this ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Completions {
+    /// `res` is a byte count or `-errno` (read/write/fsync).
+    Bytes,
+    /// `res` is 0, `-errno`, or a positive NVMe status (`URING_CMD`).
+    NvmeStatus,
+}
+
+pub(crate) struct Driver {
+    pub queue_depth: usize,
+    pub max_transfer: u32,
+    pub completions: Completions,
+}
+
+impl Driver {
+    /// Runs requests from `next` (called with a free request slot, `None` when
+    /// there are no more) until all have completed, handing each to `done` with
+    /// the slot it held. Returns early only if the ring itself fails; then the
+    /// requests in flight are drained first so no SQE outlives its buffer.
+    pub fn run<S, C>(
+        &self,
+        ring: &mut IoUring<S, C>,
+        mut next: impl FnMut(usize) -> Option<Planned>,
+        mut done: impl FnMut(usize, Outcome),
+        build: impl Fn(&Segment, u64) -> S,
+    ) -> Result<(), IoError>
+    where
+        S: squeue::EntryMarker,
+        C: cqueue::EntryMarker + Into<cqueue::Entry>,
+    {
+        let sq_cap = ring.params().sq_entries() as usize;
+        let mut reqs: Vec<Option<ReqState>> = (0..self.queue_depth).map(|_| None).collect();
+        let mut free_reqs: Vec<usize> = (0..self.queue_depth).rev().collect();
+        let mut to_issue: VecDeque<usize> = VecDeque::with_capacity(self.queue_depth);
+        let mut segs: Vec<Option<SegState>> = (0..sq_cap).map(|_| None).collect();
+        let mut free_segs: Vec<usize> = (0..sq_cap).rev().collect();
+        let mut resubmit: VecDeque<usize> = VecDeque::new();
+        let mut inflight = 0usize;
+        let mut exhausted = false;
+
+        loop {
+            while !exhausted && let Some(&slot) = free_reqs.last() {
+                match next(slot) {
+                    Some(planned) => {
+                        free_reqs.pop();
+                        reqs[slot] = Some(ReqState {
+                            planned,
+                            issued: 0,
+                            outstanding: 0,
+                            done: 0,
+                            error: None,
+                            started: Instant::now(),
+                        });
+                        to_issue.push_back(slot);
+                    }
+                    None => exhausted = true,
+                }
+            }
+
+            {
+                let mut sq = ring.submission();
+                while !sq.is_full() {
+                    let seg_slot = if let Some(s) = resubmit.pop_front() {
+                        s
+                    } else if let Some(&req_slot) = to_issue.front() {
+                        let Some(req) = reqs[req_slot].as_mut() else {
+                            to_issue.pop_front();
+                            continue;
+                        };
+                        if req.error.is_some() || req.issued >= req.planned.len {
+                            to_issue.pop_front();
+                            continue;
+                        }
+                        let Some(seg_slot) = free_segs.pop() else { break };
+                        let seg = self.carve(req);
+                        if req.issued >= req.planned.len {
+                            to_issue.pop_front();
+                        }
+                        req.outstanding += 1;
+                        segs[seg_slot] = Some(SegState { req: req_slot, seg, retries: 0 });
+                        seg_slot
+                    } else {
+                        break;
+                    };
+                    let Some(state) = segs[seg_slot].as_ref() else { break };
+                    let transfer = reqs[state.req].as_ref().map_or(0, |r| r.planned.transfer.0);
+                    let sqe = build(&state.seg, transfer << SEGMENT_BITS | seg_slot as u64);
+                    // SAFETY: every address in the SQE points into a buffer the
+                    // caller keeps alive for the duration of `run`, which does not
+                    // return before every pushed SQE has completed.
+                    if unsafe { sq.push(&sqe) }.is_err() {
+                        resubmit.push_front(seg_slot);
+                        break;
+                    }
+                    inflight += 1;
+                }
+            }
+
+            if inflight == 0 {
+                if exhausted && to_issue.is_empty() && resubmit.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            }
+
+            if let Err(e) = ring.submitter().submit_and_wait(1) {
+                match e.raw_os_error() {
+                    Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY) => {}
+                    _ => {
+                        drain(ring, inflight);
+                        return Err(IoError::Ring { op: "io_uring_enter", source: e });
+                    }
+                }
+            }
+
+            for cqe in ring.completion() {
+                let cqe: cqueue::Entry = cqe.into();
+                let seg_slot = (cqe.user_data() & ((1 << SEGMENT_BITS) - 1)) as usize;
+                inflight -= 1;
+                let Some(mut state) = segs[seg_slot].take() else {
+                    continue;
+                };
+                let req_slot = state.req;
+                let Some(req) = reqs[req_slot].as_mut() else { continue };
+                match self.judge(&state.seg, cqe.result(), req.planned.transfer) {
+                    Verdict::Done(n) => {
+                        req.done += n as u64;
+                        req.outstanding -= 1;
+                        free_segs.push(seg_slot);
+                    }
+                    Verdict::Partial(n) => {
+                        req.done += n as u64;
+                        state.seg.addr += n as u64;
+                        state.seg.offset += n as u64;
+                        state.seg.len -= n;
+                        segs[seg_slot] = Some(state);
+                        resubmit.push_back(seg_slot);
+                    }
+                    Verdict::Again if state.retries < MAX_RETRIES => {
+                        state.retries += 1;
+                        segs[seg_slot] = Some(state);
+                        resubmit.push_back(seg_slot);
+                    }
+                    Verdict::Again => {
+                        req.outstanding -= 1;
+                        free_segs.push(seg_slot);
+                        req.error.get_or_insert(IoError::Transfer {
+                            transfer: req.planned.transfer,
+                            op: state.seg.op,
+                            offset: state.seg.offset,
+                            len: state.seg.len as u64,
+                            source: io::Error::from_raw_os_error(libc::EAGAIN),
+                        });
+                    }
+                    Verdict::Failed(err) => {
+                        req.outstanding -= 1;
+                        free_segs.push(seg_slot);
+                        req.error.get_or_insert(err);
+                    }
+                }
+                let finished = req.outstanding == 0 && (req.error.is_some() || req.issued >= req.planned.len);
+                if finished && let Some(req) = reqs[req_slot].take() {
+                    free_reqs.push(req_slot);
+                    done(
+                        req_slot,
+                        Outcome {
+                            transfer: req.planned.transfer,
+                            bytes: req.done,
+                            latency: req.started.elapsed(),
+                            result: req.error.map_or(Ok(()), Err),
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    /// The next command of a request: at most `max_transfer` bytes. A flush is
+    /// one command of length 0 (its `Planned::len` is 1 by convention).
+    fn carve(&self, req: &mut ReqState) -> Segment {
+        let p = &req.planned;
+        if p.op == Op::Flush {
+            req.issued = p.len;
+            return Segment { op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 0 };
+        }
+        let len = (p.len - req.issued).min(self.max_transfer as u64) as u32;
+        let seg = Segment {
+            op: p.op,
+            addr: p.addr + req.issued,
+            buf_index: p.buf_index,
+            offset: p.offset + req.issued,
+            len,
+        };
+        req.issued += len as u64;
+        seg
+    }
+
+    /// What a completion's `res` means for its segment.
+    fn judge(&self, seg: &Segment, res: i32, transfer: TransferId) -> Verdict {
+        let fail = |source: io::Error| {
+            Verdict::Failed(IoError::Transfer {
+                transfer,
+                op: seg.op,
+                offset: seg.offset,
+                len: seg.len as u64,
+                source,
+            })
+        };
+        if res == -libc::EAGAIN || res == -libc::EINTR {
+            return Verdict::Again;
+        }
+        if res < 0 {
+            return fail(io::Error::from_raw_os_error(-res));
+        }
+        match self.completions {
+            Completions::NvmeStatus if res == 0 => Verdict::Done(seg.len),
+            Completions::NvmeStatus => Verdict::Failed(IoError::Nvme {
+                transfer,
+                op: seg.op,
+                offset: seg.offset,
+                len: seg.len as u64,
+                status: NvmeStatus(res as u16),
+            }),
+            Completions::Bytes if seg.op == Op::Flush => Verdict::Done(0),
+            Completions::Bytes => {
+                let n = res as u32;
+                if n == seg.len {
+                    Verdict::Done(n)
+                } else if n == 0 {
+                    Verdict::Failed(IoError::ShortTransfer {
+                        transfer,
+                        op: seg.op,
+                        offset: seg.offset,
+                        expected: seg.len as u64,
+                    })
+                } else if n < seg.len {
+                    Verdict::Partial(n)
+                } else {
+                    fail(io::Error::other(format!("kernel reported {n} bytes for a {}-byte command", seg.len)))
+                }
+            }
+        }
+    }
+}
+
+enum Verdict {
+    Done(u32),
+    Partial(u32),
+    Again,
+    Failed(IoError),
+}
+
+/// Waits (bounded) for `inflight` completions after a fatal ring error, so no
+/// SQE is left pointing at memory the caller may free.
+fn drain<S: squeue::EntryMarker, C: cqueue::EntryMarker>(ring: &mut IoUring<S, C>, mut inflight: usize) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while inflight > 0 && Instant::now() < deadline {
+        let _ = ring.submitter().submit_and_wait(1);
+        inflight = inflight.saturating_sub(ring.completion().count());
+    }
+}
