@@ -10,4 +10,6 @@ pub mod roundtrip;
 pub mod units;
 
 pub use buffer::{Buffer, BufferKind};
-pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};
+pub use io::{
+    Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
+};

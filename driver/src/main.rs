@@ -5,14 +5,18 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+use pdstor::PayloadPath;
 use pdstor::bench::{self, BenchConfig, Pattern};
 use pdstor::io::{Engine, EngineOptions, Target, TargetOptions};
 use pdstor::roundtrip::{self, RoundtripConfig};
 use pdstor::units::parse_size;
-use pdstor::PayloadPath;
 
 #[derive(Parser)]
-#[command(name = "pdstor", version, about = "Hands LLM KV cache from prefill to decode through NVMe, and proves it")]
+#[command(
+    name = "pdstor",
+    version,
+    about = "Hands LLM KV cache from prefill to decode through NVMe, and proves it"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -79,7 +83,14 @@ fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Info { target } => {
             let t = Target::open(&target, &TargetOptions::default())?;
-            let engine = Engine::new(t, EngineOptions { queue_depth: 1, buffer_slots: 1, ..Default::default() })?;
+            let engine = Engine::new(
+                t,
+                EngineOptions {
+                    queue_depth: 1,
+                    buffer_slots: 1,
+                    ..Default::default()
+                },
+            )?;
             let info = serde_json::json!({
                 "target": target,
                 "kind": engine.target().kind(),
@@ -87,33 +98,89 @@ fn run(command: Command) -> anyhow::Result<()> {
             });
             println!("{}", serde_json::to_string_pretty(&info)?);
         }
-        Command::Bench { target, path, pattern, bs, qd, size, seed, json } => {
-            let r = bench::run(&BenchConfig { target, path, pattern, block_size: bs, queue_depth: qd, size, seed })?;
+        Command::Bench {
+            target,
+            path,
+            pattern,
+            bs,
+            qd,
+            size,
+            seed,
+            json,
+        } => {
+            let r = bench::run(&BenchConfig {
+                target,
+                path,
+                pattern,
+                block_size: bs,
+                queue_depth: qd,
+                size,
+                seed,
+            })?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
                     "{:?} {} bs={} qd={} on {}: {:.1} MiB/s, {:.0} IOPS, lat us p50 {:.1} p99 {:.1} p99.9 {:.1} max {:.1}",
-                    r.pattern, r.path, r.bs, r.qd, r.target.display(), r.mib_per_s, r.iops,
-                    r.lat_us.p50, r.lat_us.p99, r.lat_us.p999, r.lat_us.max
+                    r.pattern,
+                    r.path,
+                    r.bs,
+                    r.qd,
+                    r.target.display(),
+                    r.mib_per_s,
+                    r.iops,
+                    r.lat_us.p50,
+                    r.lat_us.p99,
+                    r.lat_us.p999,
+                    r.lat_us.max
                 );
             }
         }
-        Command::Roundtrip { target, path, chunks, chunk_size, qd, seed, json } => {
-            let r = roundtrip::run(&RoundtripConfig { target, path, chunks, chunk_size, queue_depth: qd, seed })?;
+        Command::Roundtrip {
+            target,
+            path,
+            chunks,
+            chunk_size,
+            qd,
+            seed,
+            json,
+        } => {
+            let r = roundtrip::run(&RoundtripConfig {
+                target,
+                path,
+                chunks,
+                chunk_size,
+                queue_depth: qd,
+                seed,
+            })?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
                 println!(
                     "round trip on {} ({:?}) via {}: {} chunks x {} B = {:.1} MiB",
-                    r.target.display(), r.target_kind, r.path, r.chunks, r.chunk_size, r.bytes as f64 / 1048576.0
+                    r.target.display(),
+                    r.target_kind,
+                    r.path,
+                    r.chunks,
+                    r.chunk_size,
+                    r.bytes as f64 / 1048576.0
                 );
-                println!("  write  {:>8.1} MiB/s  ({:.3} s, flush {:.3} s)", r.write_mib_per_s, r.write_seconds, r.flush_seconds);
-                println!("  read   {:>8.1} MiB/s  ({:.3} s)", r.read_mib_per_s, r.read_seconds);
+                println!(
+                    "  write  {:>8.1} MiB/s  ({:.3} s, flush {:.3} s)",
+                    r.write_mib_per_s, r.write_seconds, r.flush_seconds
+                );
+                println!(
+                    "  read   {:>8.1} MiB/s  ({:.3} s)",
+                    r.read_mib_per_s, r.read_seconds
+                );
                 println!(
                     "  verified byte for byte: through the engine {}, independently (O_DIRECT pread) {}",
                     if r.verified_by_engine { "yes" } else { "no" },
-                    if r.verified_independently { "yes" } else { "n/a for passthrough" }
+                    if r.verified_independently {
+                        "yes"
+                    } else {
+                        "n/a for passthrough"
+                    }
                 );
             }
         }

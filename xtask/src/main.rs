@@ -1,1 +1,136 @@
-fn main() {}
+//! `cargo xtask`: the project's automation. `deps` installs what the build and
+//! tests need, `demo` runs the main job, `ci` runs every check, `bench` measures
+//! pdstor beside fio on the same targets.
+
+mod bench;
+mod deps;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use xshell::{Shell, cmd};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "pdstor's automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install the system packages the build and tests need (apt-get; root), or print the command.
+    Deps,
+    /// The main job: a verified KV payload round trip through the engine on a file target.
+    Demo,
+    /// Everything CI checks: deps, fmt, clippy, tests (with the list of skips).
+    Ci,
+    /// pdstor bench beside fio on the same targets; prints pdstor/fio ratios.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let sh = Shell::new()?;
+    sh.change_dir(project_root());
+    match cli.command {
+        Command::Deps => deps::install(&sh),
+        Command::Demo => demo(&sh),
+        Command::Ci => ci(&sh),
+        Command::Bench(args) => bench::run(&sh, &args),
+    }
+}
+
+pub fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Builds the release `pdstor` binary and returns its path.
+pub fn build_pdstor(sh: &Shell) -> Result<PathBuf> {
+    cmd!(sh, "cargo build --release --quiet -p pdstor --bin pdstor")
+        .run()
+        .context("building pdstor")?;
+    Ok(project_root().join("target/release/pdstor"))
+}
+
+fn step(what: &str) {
+    println!("\n==> {what}");
+}
+
+fn demo(sh: &Shell) -> Result<()> {
+    step("dependencies");
+    deps::install(sh)?;
+    step("build");
+    let pdstor = build_pdstor(sh)?;
+    let dir = project_root().join("target/pdstor-demo");
+    sh.create_dir(&dir)?;
+    let target = dir.join("kv-target.img");
+    step(&format!(
+        "KV round trip: 64 chunks x 8 MiB on {} (host_fixed)",
+        target.display()
+    ));
+    cmd!(
+        sh,
+        "{pdstor} roundtrip --target {target} --path host_fixed --chunks 64 --chunk-size 8M --qd 16"
+    )
+    .run()
+    .context("the demo round trip failed")?;
+    Ok(())
+}
+
+fn ci(sh: &Shell) -> Result<()> {
+    let started = std::time::Instant::now();
+    step("dependencies");
+    deps::install(sh)?;
+    step("cargo fmt --check");
+    cmd!(sh, "cargo fmt --all --check")
+        .run()
+        .context("formatting differs: run `cargo fmt --all`")?;
+    step("cargo clippy --all-targets -- -D warnings");
+    cmd!(
+        sh,
+        "cargo clippy --workspace --all-targets --quiet -- -D warnings"
+    )
+    .run()
+    .context("clippy found problems")?;
+    step("cargo test --workspace");
+    let skip_log = project_root().join("target/ci-skips.log");
+    let _ = std::fs::remove_file(&skip_log);
+    let tested = cmd!(sh, "cargo test --workspace")
+        .env("PDSTOR_SKIP_LOG", &skip_log)
+        .run();
+    let skips = std::fs::read_to_string(&skip_log).unwrap_or_default();
+    step("skipped tests");
+    if skips.trim().is_empty() {
+        println!("none");
+    } else {
+        print!("{skips}");
+    }
+    tested.context("tests failed")?;
+    step("demo round trip (small)");
+    let pdstor = build_pdstor(sh)?;
+    let dir = project_root().join("target/ci-demo");
+    sh.create_dir(&dir)?;
+    let target = dir.join("kv.img");
+    let _ = std::fs::remove_file(&target);
+    cmd!(
+        sh,
+        "{pdstor} roundtrip --target {target} --chunks 8 --chunk-size 8M"
+    )
+    .run()?;
+    println!(
+        "\nci: all checks passed in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    if skips.lines().count() > 0 && std::env::var_os("PDSTOR_CI_FORBID_SKIPS").is_some() {
+        bail!(
+            "PDSTOR_CI_FORBID_SKIPS is set and {} tests were skipped",
+            skips.lines().count()
+        );
+    }
+    Ok(())
+}

@@ -13,9 +13,9 @@ use std::collections::VecDeque;
 use std::io;
 use std::time::{Duration, Instant};
 
-use io_uring::{cqueue, squeue, IoUring};
+use io_uring::{IoUring, cqueue, squeue};
 
-use super::{nvme::NvmeStatus, IoError, Op, TransferId};
+use super::{IoError, Op, TransferId, nvme::NvmeStatus};
 
 /// Bits of `user_data` that hold the segment slot.
 pub const SEGMENT_BITS: u32 = 16;
@@ -144,18 +144,26 @@ impl Driver {
                             to_issue.pop_front();
                             continue;
                         }
-                        let Some(seg_slot) = free_segs.pop() else { break };
+                        let Some(seg_slot) = free_segs.pop() else {
+                            break;
+                        };
                         let seg = self.carve(req);
                         if req.issued >= req.planned.len {
                             to_issue.pop_front();
                         }
                         req.outstanding += 1;
-                        segs[seg_slot] = Some(SegState { req: req_slot, seg, retries: 0 });
+                        segs[seg_slot] = Some(SegState {
+                            req: req_slot,
+                            seg,
+                            retries: 0,
+                        });
                         seg_slot
                     } else {
                         break;
                     };
-                    let Some(state) = segs[seg_slot].as_ref() else { break };
+                    let Some(state) = segs[seg_slot].as_ref() else {
+                        break;
+                    };
                     let transfer = reqs[state.req].as_ref().map_or(0, |r| r.planned.transfer.0);
                     let sqe = build(&state.seg, transfer << SEGMENT_BITS | seg_slot as u64);
                     // SAFETY: every address in the SQE points into a buffer the
@@ -181,7 +189,10 @@ impl Driver {
                     Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY) => {}
                     _ => {
                         drain(ring, inflight);
-                        return Err(IoError::Ring { op: "io_uring_enter", source: e });
+                        return Err(IoError::Ring {
+                            op: "io_uring_enter",
+                            source: e,
+                        });
                     }
                 }
             }
@@ -194,7 +205,9 @@ impl Driver {
                     continue;
                 };
                 let req_slot = state.req;
-                let Some(req) = reqs[req_slot].as_mut() else { continue };
+                let Some(req) = reqs[req_slot].as_mut() else {
+                    continue;
+                };
                 match self.judge(&state.seg, cqe.result(), req.planned.transfer) {
                     Verdict::Done(n) => {
                         req.done += n as u64;
@@ -231,7 +244,8 @@ impl Driver {
                         req.error.get_or_insert(err);
                     }
                 }
-                let finished = req.outstanding == 0 && (req.error.is_some() || req.issued >= req.planned.len);
+                let finished =
+                    req.outstanding == 0 && (req.error.is_some() || req.issued >= req.planned.len);
                 if finished && let Some(req) = reqs[req_slot].take() {
                     free_reqs.push(req_slot);
                     done(
@@ -254,7 +268,13 @@ impl Driver {
         let p = &req.planned;
         if p.op == Op::Flush {
             req.issued = p.len;
-            return Segment { op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 0 };
+            return Segment {
+                op: Op::Flush,
+                addr: 0,
+                buf_index: None,
+                offset: 0,
+                len: 0,
+            };
         }
         let len = (p.len - req.issued).min(self.max_transfer as u64) as u32;
         let seg = Segment {
@@ -309,7 +329,10 @@ impl Driver {
                 } else if n < seg.len {
                     Verdict::Partial(n)
                 } else {
-                    fail(io::Error::other(format!("kernel reported {n} bytes for a {}-byte command", seg.len)))
+                    fail(io::Error::other(format!(
+                        "kernel reported {n} bytes for a {}-byte command",
+                        seg.len
+                    )))
                 }
             }
         }
@@ -325,7 +348,10 @@ enum Verdict {
 
 /// Waits (bounded) for `inflight` completions after a fatal ring error, so no
 /// SQE is left pointing at memory the caller may free.
-fn drain<S: squeue::EntryMarker, C: cqueue::EntryMarker>(ring: &mut IoUring<S, C>, mut inflight: usize) {
+fn drain<S: squeue::EntryMarker, C: cqueue::EntryMarker>(
+    ring: &mut IoUring<S, C>,
+    mut inflight: usize,
+) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while inflight > 0 && Instant::now() < deadline {
         let _ = ring.submitter().submit_and_wait(1);

@@ -49,7 +49,10 @@ pub struct NvmeCmd {
     pub timeout_ms: u32,
     pub result_or_rsvd2: u32,
 }
-const _: () = assert!(size_of::<NvmeCmd>() == 72, "struct nvme_uring_cmd is 72 bytes");
+const _: () = assert!(
+    size_of::<NvmeCmd>() == 72,
+    "struct nvme_uring_cmd is 72 bytes"
+);
 
 /// `NVME_IOCTL_ID`: `_IO('N', 0x40)`, returns the namespace id of the fd.
 const NVME_IOCTL_ID: u32 = ioc(IOC_NONE, b'N', 0x40, 0);

@@ -1,0 +1,278 @@
+//! `cargo xtask bench`: `pdstor bench` and fio (io_uring, O_DIRECT, fixed
+//! buffers, registered files) with the same pattern, block size, depth and size
+//! on the same target, in alternating rounds, reported as pdstor/fio ratios.
+//!
+//! Targets: a file on the root filesystem (a real disk) and a zram block device
+//! (memory speed, where software overhead shows). zram needs root; without it
+//! that target is skipped with the reason.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use serde_json::Value;
+use xshell::{Shell, cmd};
+
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Bytes each run covers (fio's --size).
+    #[arg(long, default_value = "1G")]
+    size: String,
+    /// Alternating rounds per case.
+    #[arg(long, default_value_t = 3)]
+    rounds: u32,
+    /// Targets to measure: file, zram.
+    #[arg(long, value_delimiter = ',', default_value = "file,zram")]
+    targets: Vec<String>,
+    /// pdstor payload path (fio always uses --fixedbufs).
+    #[arg(long, default_value = "host_fixed")]
+    path: String,
+}
+
+struct Case {
+    name: &'static str,
+    pattern: &'static str,
+    bs: &'static str,
+    qd: u32,
+}
+
+/// Write first: the read cases then read real data, not unwritten extents.
+const CASES: &[Case] = &[
+    Case {
+        name: "seq write 4M qd16",
+        pattern: "write",
+        bs: "4M",
+        qd: 16,
+    },
+    Case {
+        name: "seq read 4M qd16",
+        pattern: "read",
+        bs: "4M",
+        qd: 16,
+    },
+    Case {
+        name: "rand read 4k qd32",
+        pattern: "randread",
+        bs: "4k",
+        qd: 32,
+    },
+];
+
+#[derive(Serialize)]
+struct Sample {
+    pdstor_bytes_per_s: f64,
+    fio_bytes_per_s: f64,
+    pdstor_p99_us: f64,
+    fio_p99_us: f64,
+    ratio: f64,
+}
+
+#[derive(Serialize)]
+struct CaseReport {
+    target: String,
+    case: &'static str,
+    path: String,
+    samples: Vec<Sample>,
+    ratio_min: f64,
+    ratio_median: f64,
+    ratio_max: f64,
+}
+
+pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
+    crate::deps::install(sh)?;
+    let pdstor = crate::build_pdstor(sh)?;
+    let out_dir = crate::project_root().join("target/bench");
+    sh.create_dir(&out_dir)?;
+    let mut reports = Vec::new();
+    for t in &args.targets {
+        match t.as_str() {
+            "file" => {
+                let file = out_dir.join("bench-target.img");
+                let _ = std::fs::remove_file(&file);
+                reports.extend(measure(sh, &pdstor, "file (root fs)", &file, args)?);
+                let _ = std::fs::remove_file(&file);
+            }
+            "zram" => match Zram::new(sh, &args.size) {
+                Ok(z) => reports.extend(measure(sh, &pdstor, "zram", &z.device, args)?),
+                Err(why) => println!("SKIP: zram target: {why:#}"),
+            },
+            other => bail!("unknown bench target {other:?}: expected file or zram"),
+        }
+    }
+    println!(
+        "\n{:<16} {:<20} {:>14} {:>14} {:>22}",
+        "target", "case", "pdstor", "fio", "pdstor/fio min/med/max"
+    );
+    for r in &reports {
+        let med = |f: fn(&Sample) -> f64| median(r.samples.iter().map(f).collect());
+        let (unit, scale) = if r.case.contains("4k") {
+            ("kIOPS", 4096.0 * 1000.0)
+        } else {
+            ("MiB/s", 1048576.0)
+        };
+        println!(
+            "{:<16} {:<20} {:>8.1} {:<5} {:>8.1} {:<5} {:>6.3} {:>6.3} {:>6.3}",
+            r.target,
+            r.case,
+            med(|s| s.pdstor_bytes_per_s) / scale,
+            unit,
+            med(|s| s.fio_bytes_per_s) / scale,
+            unit,
+            r.ratio_min,
+            r.ratio_median,
+            r.ratio_max
+        );
+    }
+    let report = out_dir.join("report.json");
+    std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
+    println!("\nreport: {}", report.display());
+    Ok(())
+}
+
+fn measure(
+    sh: &Shell,
+    pdstor: &Path,
+    label: &str,
+    target: &Path,
+    args: &BenchArgs,
+) -> Result<Vec<CaseReport>> {
+    let mut out = Vec::new();
+    for case in CASES {
+        println!("bench: {label}: {} ({} rounds)", case.name, args.rounds);
+        let mut samples = Vec::new();
+        for round in 0..args.rounds {
+            // Alternate who goes first so drift (device warm-up, other load) hits both.
+            let (p, f) = if round % 2 == 0 {
+                let p = run_pdstor(sh, pdstor, target, case, args)?;
+                (p, run_fio(sh, target, case, &args.size)?)
+            } else {
+                let f = run_fio(sh, target, case, &args.size)?;
+                (run_pdstor(sh, pdstor, target, case, args)?, f)
+            };
+            samples.push(Sample {
+                pdstor_bytes_per_s: p.0,
+                fio_bytes_per_s: f.0,
+                pdstor_p99_us: p.1,
+                fio_p99_us: f.1,
+                ratio: p.0 / f.0,
+            });
+        }
+        let mut ratios: Vec<f64> = samples.iter().map(|s| s.ratio).collect();
+        ratios.sort_by(f64::total_cmp);
+        out.push(CaseReport {
+            target: label.into(),
+            case: case.name,
+            path: args.path.clone(),
+            ratio_min: ratios[0],
+            ratio_median: median(ratios.clone()),
+            ratio_max: ratios[ratios.len() - 1],
+            samples,
+        });
+    }
+    Ok(out)
+}
+
+/// (bytes/s, p99 µs) of one `pdstor bench` run.
+fn run_pdstor(
+    sh: &Shell,
+    pdstor: &Path,
+    target: &Path,
+    case: &Case,
+    args: &BenchArgs,
+) -> Result<(f64, f64)> {
+    let (path, pattern, bs, qd, size) = (
+        &args.path,
+        case.pattern,
+        case.bs,
+        case.qd.to_string(),
+        &args.size,
+    );
+    let json = cmd!(sh, "{pdstor} bench --json --target {target} --path {path} --pattern {pattern} --bs {bs} --qd {qd} --size {size}")
+        .read()
+        .with_context(|| format!("pdstor bench {} on {}", case.name, target.display()))?;
+    let v: Value = serde_json::from_str(&json).context("parsing pdstor bench --json")?;
+    let bytes = v["bytes"].as_f64().unwrap_or(0.0);
+    let secs = v["seconds"].as_f64().unwrap_or(f64::INFINITY);
+    Ok((
+        bytes / secs,
+        v["lat_us"]["p99"].as_f64().unwrap_or(f64::NAN),
+    ))
+}
+
+/// (bytes/s, p99 µs) of one fio run.
+fn run_fio(sh: &Shell, target: &Path, case: &Case, size: &str) -> Result<(f64, f64)> {
+    let (pattern, bs, qd) = (case.pattern, case.bs, case.qd.to_string());
+    let filename = format!("--filename={}", target.display());
+    let json = cmd!(
+        sh,
+        "fio --name=peer {filename} --ioengine=io_uring --direct=1 --fixedbufs --registerfiles --rw={pattern} --bs={bs} --iodepth={qd} --size={size} --norandommap --randrepeat=0 --output-format=json"
+    )
+    .read()
+    .with_context(|| format!("fio {} on {}", case.name, target.display()))?;
+    let v: Value = serde_json::from_str(&json).context("parsing fio --output-format=json")?;
+    let dir = if pattern.contains("write") {
+        "write"
+    } else {
+        "read"
+    };
+    let job = &v["jobs"][0][dir];
+    let bw = job["bw_bytes"]
+        .as_f64()
+        .context("fio JSON without bw_bytes")?;
+    let p99 = job["clat_ns"]["percentile"]["99.000000"]
+        .as_f64()
+        .unwrap_or(f64::NAN)
+        / 1000.0;
+    Ok((bw, p99))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// A zram device made for the bench and reset and removed after it.
+struct Zram {
+    id: String,
+    device: PathBuf,
+}
+
+impl Zram {
+    fn new(sh: &Shell, size: &str) -> Result<Zram> {
+        let control = Path::new("/sys/class/zram-control/hot_add");
+        if !control.exists() {
+            let _ = cmd!(sh, "modprobe zram num_devices=0")
+                .quiet()
+                .ignore_stderr()
+                .run();
+        }
+        let id = std::fs::read_to_string(control)
+            .with_context(|| {
+                format!(
+                    "reading {} (zram needs root and the zram module)",
+                    control.display()
+                )
+            })?
+            .trim()
+            .to_owned();
+        let z = Zram {
+            device: PathBuf::from(format!("/dev/zram{id}")),
+            id,
+        };
+        // Room for the data plus fio's and pdstor's alignment slack.
+        std::fs::write(format!("/sys/block/zram{}/disksize", z.id), size)
+            .with_context(|| format!("sizing zram{} to {size}", z.id))?;
+        Ok(z)
+    }
+}
+
+impl Drop for Zram {
+    fn drop(&mut self) {
+        let _ = std::fs::write(format!("/sys/block/zram{}/reset", self.id), "1");
+        let _ = std::fs::write("/sys/class/zram-control/hot_remove", &self.id);
+    }
+}
