@@ -2,6 +2,9 @@
 //! buffers, registered files) with the same pattern, block size, depth and size
 //! on the same target, in alternating rounds, reported as pdstor/fio ratios.
 //!
+//! fio runs with `--scramble_buffers=0`: by default it rewrites part of every
+//! buffer before each write (to defeat dedupe), work pdstor does not do.
+//!
 //! Targets: a file on the root filesystem (a real disk) and a zram block device
 //! (memory speed, where software overhead shows). zram needs root; without it
 //! that target is skipped with the reason.
@@ -136,6 +139,10 @@ fn measure(
     target: &Path,
     args: &BenchArgs,
 ) -> Result<Vec<CaseReport>> {
+    // Precondition: write the whole range once, untimed, so no measured run pays
+    // for first allocation (file extents, zram pages) that the other did not.
+    println!("bench: {label}: preconditioning {} with one full write", args.size);
+    run_pdstor(sh, pdstor, target, &CASES[0], args)?;
     let mut out = Vec::new();
     for case in CASES {
         println!("bench: {label}: {} ({} rounds)", case.name, args.rounds);
@@ -205,7 +212,7 @@ fn run_fio(sh: &Shell, target: &Path, case: &Case, size: &str) -> Result<(f64, f
     let filename = format!("--filename={}", target.display());
     let json = cmd!(
         sh,
-        "fio --name=peer {filename} --ioengine=io_uring --direct=1 --fixedbufs --registerfiles --rw={pattern} --bs={bs} --iodepth={qd} --size={size} --norandommap --randrepeat=0 --output-format=json"
+        "fio --name=peer {filename} --ioengine=io_uring --direct=1 --fixedbufs --registerfiles --rw={pattern} --bs={bs} --iodepth={qd} --size={size} --norandommap --randrepeat=0 --scramble_buffers=0 --output-format=json"
     )
     .read()
     .with_context(|| format!("fio {} on {}", case.name, target.display()))?;
@@ -271,8 +278,16 @@ impl Zram {
 }
 
 impl Drop for Zram {
+    /// Resets and removes the device. The last user's io_uring may still hold
+    /// it for a moment (ring teardown is asynchronous), so `reset` is retried.
     fn drop(&mut self) {
-        let _ = std::fs::write(format!("/sys/block/zram{}/reset", self.id), "1");
-        let _ = std::fs::write("/sys/class/zram-control/hot_remove", &self.id);
+        for _ in 0..100 {
+            if std::fs::write(format!("/sys/block/zram{}/reset", self.id), "1").is_ok() {
+                let _ = std::fs::write("/sys/class/zram-control/hot_remove", &self.id);
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        eprintln!("bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`", self.id);
     }
 }
