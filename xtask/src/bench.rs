@@ -141,7 +141,10 @@ fn measure(
 ) -> Result<Vec<CaseReport>> {
     // Precondition: write the whole range once, untimed, so no measured run pays
     // for first allocation (file extents, zram pages) that the other did not.
-    println!("bench: {label}: preconditioning {} with one full write", args.size);
+    println!(
+        "bench: {label}: preconditioning {} with one full write",
+        args.size
+    );
     run_pdstor(sh, pdstor, target, &CASES[0], args)?;
     let mut out = Vec::new();
     for case in CASES {
@@ -288,6 +291,9 @@ impl Drop for Zram {
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        eprintln!("bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`", self.id);
+        eprintln!(
+            "bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`",
+            self.id
+        );
     }
 }
