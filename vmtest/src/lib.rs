@@ -1,12 +1,41 @@
-//! The guest side of `cargo xtask vmtest`: the disks each guest gets and the
-//! result records its suites report. The QEMU launcher and guest `/init` build
-//! on these (see the vmtest issue); the disk table is the one place a disk is
-//! declared, so host and guest agree on serials and sizes.
+//! The guest side of `cargo xtask vmtest`: the disks each guest gets, the
+//! configuration the host hands the guest, the guest `/init` ([`guest`]), the
+//! contract suites ([`suites::SUITES`]) and the result records they report.
+//!
+//! The disk table and the suite table are the one place a disk or a suite is
+//! declared, so host and guest agree on serials, sizes and names. The QEMU
+//! launcher and the initramfs builder live in `xtask/src/vmtest/`.
+
+pub mod guest;
+pub mod suites;
 
 use serde::{Deserialize, Serialize};
 
+/// Where the host puts the guest configuration inside the initramfs.
+pub const GUEST_CONFIG_PATH: &str = "/etc/pdstor-vmtest.json";
+/// Name of the virtio-serial port the guest writes results to.
+pub const RESULT_PORT_NAME: &str = "vmtest.result";
+/// Printed on the console by the guest `/init` as soon as it runs: the host's
+/// proof that the kernel booted (used to probe whether an accelerator works).
+pub const BOOT_MARKER: &str = "PDSTOR-VMINIT-START";
+/// The last result line of a guest that ran to its end.
+pub const FINISHED_TEST: &str = "guest-finished";
+
+/// What the host tells the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestConfig {
+    /// Suites to run, by name, in order.
+    pub suites: Vec<String>,
+    /// Kernel modules (paths inside the initramfs) in load order.
+    pub modules: Vec<String>,
+    /// Kernel release the modules belong to.
+    pub kernel_release: String,
+    /// Disks whose tests run; tests of the others are skipped (`--fs`).
+    pub disks: Vec<DiskRole>,
+}
+
 /// What a disk holds in the guest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DiskRole {
     Ext4,
@@ -45,6 +74,20 @@ pub const DISKS: [DiskSpec; 3] = [
         logical_block: 4096,
     },
 ];
+
+/// QEMU's NVMe MDTS for every disk, as a power of two of 4 KiB pages: 7 means
+/// 512 KiB, so 1 MiB requests must be split by the engine.
+pub const NVME_MDTS: u32 = 7;
+
+impl std::fmt::Display for DiskRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DiskRole::Ext4 => "ext4",
+            DiskRole::Xfs => "xfs",
+            DiskRole::Raw => "raw",
+        })
+    }
+}
 
 /// Finds a disk by the serial sysfs reports (space-padded to 20 bytes).
 pub fn disk_by_serial(sysfs_serial: &str) -> Option<&'static DiskSpec> {

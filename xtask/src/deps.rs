@@ -15,6 +15,24 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "coreutils",
         "dd iflag=direct, the independent reader in tests",
     ),
+    ("qemu-system-x86", "the vmtest guests"),
+    (
+        "busybox-static",
+        "the vmtest guest's shell tools (dd, blockdev)",
+    ),
+    (
+        "nvme-cli",
+        "`nvme read`, the independent reader of passthrough payloads in the guest",
+    ),
+    (
+        "dmsetup",
+        "device-mapper error/flakey targets in the guest's faults suite",
+    ),
+    (
+        "kmod",
+        "depmod/modprobe to resolve the guest's module load order",
+    ),
+    ("xz-utils", "decompressing the guest kernel's modules"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {

@@ -4,6 +4,7 @@
 
 mod bench;
 mod deps;
+mod vmtest;
 
 use std::path::{Path, PathBuf};
 
@@ -28,6 +29,13 @@ enum Command {
     Ci,
     /// pdstor bench beside fio on the same targets; prints pdstor/fio ratios.
     Bench(bench::BenchArgs),
+    /// Boot QEMU guests with emulated NVMe (ext4, XFS, raw) and run the contract suites inside.
+    Vmtest(vmtest::VmtestArgs),
+    /// The guest kernel: fetch, check, defconfig.
+    Kernel {
+        #[command(subcommand)]
+        command: vmtest::KernelCmd,
+    },
 }
 
 fn main() -> Result<()> {
@@ -39,6 +47,8 @@ fn main() -> Result<()> {
         Command::Demo => demo(&sh),
         Command::Ci => ci(&sh),
         Command::Bench(args) => bench::run(&sh, &args),
+        Command::Vmtest(args) => vmtest::run(&sh, &args),
+        Command::Kernel { command } => vmtest::kernel_cmd(&sh, &command),
     }
 }
 
@@ -111,6 +121,8 @@ fn ci(sh: &Shell) -> Result<()> {
         print!("{skips}");
     }
     tested.context("tests failed")?;
+    step("cargo xtask vmtest (every suite, in a QEMU guest)");
+    vmtest::run(sh, &vmtest::VmtestArgs::all())?;
     step("demo round trip (small)");
     let pdstor = build_pdstor(sh)?;
     let dir = project_root().join("target/ci-demo");

@@ -1,0 +1,234 @@
+//! `faults`: a device-mapper table over the raw disk whose second half fails
+//! every I/O (`error` target; `flakey` with no up interval for a whole-device
+//! failure). Reads that fail must come back as errors that name their
+//! transfer — never as zeros, never as success — while the healthy transfers of
+//! the same batch complete with the right bytes.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor::{Buffer, PayloadPath, payload};
+
+use super::{Suite, Test, outcome};
+use crate::guest::{Ctx, sh};
+use crate::{DiskRole, Outcome};
+
+const CHUNK: u64 = 1 << 20;
+/// Sentinel the read buffer holds before a read; a failed read must leave it.
+const SENTINEL: u8 = 0xa5;
+const DM_NAME: &str = "pdfault";
+
+pub const SUITE: Suite = Suite {
+    name: "faults",
+    about: "device-mapper error and flakey targets: failed reads are errors naming the transfer",
+    tests: &[
+        Test {
+            name: "half_failing_batch",
+            disk: Some(DiskRole::Raw),
+            run: half_failing_batch,
+        },
+        Test {
+            name: "flakey_device_fails_reads_and_writes",
+            disk: Some(DiskRole::Raw),
+            run: flakey_everything,
+        },
+    ],
+};
+
+/// A dm device that removes itself.
+struct DmDevice(PathBuf);
+
+impl DmDevice {
+    fn create(table: &str) -> Result<DmDevice, String> {
+        let mut child = Command::new("dmsetup")
+            .args(["create", DM_NAME, "--noudevsync"])
+            .env("PATH", "/sbin:/bin")
+            .stdin(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("running dmsetup: {e}"))?;
+        child
+            .stdin
+            .take()
+            .ok_or("dmsetup stdin")?
+            .write_all(table.as_bytes())
+            .map_err(|e| format!("writing the dm table: {e}"))?;
+        let out = child
+            .wait_with_output()
+            .map_err(|e| format!("dmsetup: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "dmsetup create {DM_NAME} failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+        sh("dmsetup", &["mknodes", DM_NAME])?;
+        Ok(DmDevice(PathBuf::from(format!("/dev/mapper/{DM_NAME}"))))
+    }
+}
+
+impl Drop for DmDevice {
+    fn drop(&mut self) {
+        let _ = sh("dmsetup", &["remove", "--noudevsync", DM_NAME]);
+    }
+}
+
+fn sectors(dev: &Path) -> Result<u64, String> {
+    let out = sh("blockdev", &["--getsz", &dev.to_string_lossy()])?;
+    out.trim()
+        .parse::<u64>()
+        .map_err(|e| format!("blockdev --getsz {}: {e}", dev.display()))
+}
+
+fn engine_on(dev: &Path) -> Result<Engine, String> {
+    let t = Target::open(dev, &TargetOptions::default()).map_err(|e| e.to_string())?;
+    Engine::new(
+        t,
+        EngineOptions {
+            queue_depth: 8,
+            buffer_slots: 2,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn requests(op: Op, id: pdstor::io::BufferId, n: u64) -> Vec<IoRequest> {
+    (0..n)
+        .map(|i| IoRequest {
+            transfer: TransferId(100 + i),
+            op,
+            path: PayloadPath::HostFixed,
+            buffer: id,
+            buffer_offset: i * CHUNK,
+            target_offset: i * CHUNK,
+            len: CHUNK,
+        })
+        .collect()
+}
+
+/// Writes 8 seeded chunks straight to the raw disk, then reads them through a
+/// table that maps the first 4 MiB linearly and fails the rest.
+fn half_failing_batch(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let raw = ctx.disk(DiskRole::Raw)?.block.clone();
+        let seed = 0xfa17;
+        {
+            let mut e = engine_on(&raw)?;
+            let id = e
+                .register(Buffer::memfd("faults", (8 * CHUNK) as usize).map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
+            for i in 0..8 {
+                e.buffer(id)
+                    .map_err(|e| e.to_string())?
+                    .write_at(i * CHUNK, &payload::chunk(seed, i, CHUNK as usize))
+                    .map_err(|e| e.to_string())?;
+            }
+            e.execute_all(&requests(Op::Write, id, 8))
+                .map_err(|e| format!("seeding the disk: {e}"))?;
+            e.flush().map_err(|e| e.to_string())?;
+        }
+        let total = sectors(&raw)?;
+        let good = 4 * CHUNK / 512;
+        let table = format!(
+            "0 {good} linear {} 0\n{good} {} error\n",
+            raw.display(),
+            total - good
+        );
+        let dm = DmDevice::create(&table)?;
+        let mut e = engine_on(&dm.0)?;
+        let id = e
+            .register(
+                Buffer::memfd("faults-read", (8 * CHUNK) as usize).map_err(|e| e.to_string())?,
+            )
+            .map_err(|e| e.to_string())?;
+        e.buffer(id)
+            .map_err(|e| e.to_string())?
+            .write_at(0, &vec![SENTINEL; (8 * CHUNK) as usize])
+            .map_err(|e| e.to_string())?;
+        let done = e
+            .execute(&requests(Op::Read, id, 8))
+            .map_err(|e| e.to_string())?;
+        let mut got = vec![0u8; CHUNK as usize];
+        for (i, c) in done.iter().enumerate() {
+            let i = i as u64;
+            e.buffer(id)
+                .map_err(|e| e.to_string())?
+                .read_at(i * CHUNK, &mut got)
+                .map_err(|e| e.to_string())?;
+            match (&c.result, i < 4) {
+                (Ok(()), true) => {
+                    if got != payload::chunk(seed, i, CHUNK as usize) {
+                        return Err(format!("healthy transfer {} returned wrong bytes", 100 + i));
+                    }
+                }
+                (Ok(()), false) => {
+                    return Err(format!(
+                        "transfer {} over the error target reported success",
+                        100 + i
+                    ));
+                }
+                (Err(err), false) => {
+                    let msg = err.to_string();
+                    if !msg.contains(&format!("transfer {}", 100 + i)) {
+                        return Err(format!("error does not name its transfer: {msg}"));
+                    }
+                    if got.iter().all(|b| *b == 0) {
+                        return Err(format!(
+                            "failed transfer {} left zeros in the buffer",
+                            100 + i
+                        ));
+                    }
+                }
+                (Err(err), true) => {
+                    return Err(format!("healthy transfer {} failed: {err}", 100 + i));
+                }
+            }
+        }
+        Ok(())
+    })())
+}
+
+/// `flakey` with a zero up interval: every read and write fails.
+fn flakey_everything(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let raw = ctx.disk(DiskRole::Raw)?.block.clone();
+        let table = format!("0 {} flakey {} 0 0 3600\n", sectors(&raw)?, raw.display());
+        let dm = DmDevice::create(&table)?;
+        let mut e = engine_on(&dm.0)?;
+        let id = e
+            .register(Buffer::memfd("flakey", (2 * CHUNK) as usize).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        e.buffer(id)
+            .map_err(|e| e.to_string())?
+            .write_at(0, &vec![SENTINEL; (2 * CHUNK) as usize])
+            .map_err(|e| e.to_string())?;
+        for op in [Op::Read, Op::Write] {
+            for c in e.execute(&requests(op, id, 2)).map_err(|e| e.to_string())? {
+                match c.result {
+                    Ok(()) => {
+                        return Err(format!(
+                            "{op} {} on a failing device reported success",
+                            c.transfer
+                        ));
+                    }
+                    Err(err) if !err.to_string().contains(&c.transfer.to_string()) => {
+                        return Err(format!("error does not name {}: {err}", c.transfer));
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+        let mut got = vec![0u8; (2 * CHUNK) as usize];
+        e.buffer(id)
+            .map_err(|e| e.to_string())?
+            .read_at(0, &mut got)
+            .map_err(|e| e.to_string())?;
+        if got.iter().any(|b| *b != SENTINEL) {
+            return Err("a failed read changed the buffer".into());
+        }
+        Ok(())
+    })())
+}

@@ -1,0 +1,63 @@
+//! The contract suites the guest runs. Adding a suite is one entry in
+//! [`SUITES`]; adding a test is one entry in its suite's table.
+
+mod faults;
+mod io;
+mod probes;
+
+use crate::guest::Ctx;
+use crate::{DiskRole, Outcome};
+
+/// One test: a name, the disk it exercises, and the function that runs it.
+pub struct Test {
+    pub name: &'static str,
+    pub disk: Option<DiskRole>,
+    pub run: fn(&Ctx) -> Outcome,
+}
+
+pub struct Suite {
+    pub name: &'static str,
+    pub about: &'static str,
+    pub tests: &'static [Test],
+}
+
+/// Every suite, in the order `--suite all` runs them.
+pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE];
+
+pub fn find(name: &str) -> Option<&'static Suite> {
+    SUITES.iter().find(|s| s.name == name)
+}
+
+/// Turns a test body's `Result` into an outcome.
+pub(crate) fn outcome(r: Result<(), String>) -> Outcome {
+    match r {
+        Ok(()) => Outcome::Pass,
+        Err(e) if e.starts_with("SKIP: ") => Outcome::Skip(e.trim_start_matches("SKIP: ").into()),
+        Err(e) => Outcome::Fail(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suite_and_test_names_are_unique() {
+        for (i, s) in SUITES.iter().enumerate() {
+            assert!(
+                SUITES[i + 1..].iter().all(|o| o.name != s.name),
+                "suite {} twice",
+                s.name
+            );
+            for (j, t) in s.tests.iter().enumerate() {
+                assert!(
+                    s.tests[j + 1..].iter().all(|o| o.name != t.name),
+                    "{}/{} twice",
+                    s.name,
+                    t.name
+                );
+            }
+        }
+        assert!(find("io").is_some() && find("nope").is_none());
+    }
+}

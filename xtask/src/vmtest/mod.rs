@@ -1,0 +1,441 @@
+//! `cargo xtask vmtest`: boots QEMU guests with emulated NVMe (ext4, XFS, raw)
+//! and runs the contract suites inside them.
+//!
+//! Steps: build the static guest `/init` → fetch and check the Debian kernel →
+//! assemble the initramfs → create sparse disk images → boot (KVM if it works
+//! here, else TCG) → read one JSON result per test from the virtio-serial port
+//! → print a table. Any failing test, a guest that did not finish, a panic or a
+//! timeout fails the command.
+
+mod initramfs;
+mod kernel;
+mod qemu;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use indicatif::{ProgressBar, ProgressStyle};
+use pdstor_vmtest::{
+    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, TestResult,
+    suites::SUITES,
+};
+use xshell::{Shell, cmd};
+
+use qemu::{Accel, Vm};
+
+/// Modules the guest needs that Debian builds as modules.
+const MODULES: &[&str] = &["nvme", "ext4", "xfs", "dm-mod", "dm-flakey"];
+
+#[derive(clap::Args)]
+pub struct VmtestArgs {
+    /// Suites to run (default: all): io, faults, probes.
+    #[arg(long = "suite", value_delimiter = ',')]
+    suites: Vec<String>,
+    /// Disk roles whose tests run: ext4, xfs, raw (default: all).
+    #[arg(long, value_delimiter = ',')]
+    fs: Vec<String>,
+    /// Boot this kernel image instead of the fetched Debian one (its drivers must be built in).
+    #[arg(long)]
+    kernel: Option<PathBuf>,
+    /// tcg, kvm or auto (probe KVM, fall back to TCG). Also PDSTOR_VM_ACCEL.
+    #[arg(long, env = "PDSTOR_VM_ACCEL", default_value = "auto")]
+    accel: String,
+    /// Leave the disk images in target/vmtest/run/ (logs are always kept).
+    #[arg(long)]
+    keep: bool,
+    /// Wall-clock limit for the guest, in seconds.
+    #[arg(long, default_value_t = 900)]
+    timeout: u64,
+}
+
+#[derive(clap::Subcommand)]
+pub enum KernelCmd {
+    /// Download and unpack Debian's 6.12 kernel into target/vmtest/kernel/ (cached), then check it.
+    Fetch,
+    /// Check a kernel config against a fragment (default kernel-config/pd-storage.config).
+    Check {
+        /// The kernel's .config (default: the fetched kernel's).
+        #[arg(long)]
+        kernel_config: Option<PathBuf>,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Merge the fragments into a source tree's .config with scripts/kconfig/merge_config.sh.
+    Defconfig {
+        #[arg(long)]
+        src: PathBuf,
+    },
+}
+
+impl VmtestArgs {
+    /// Every suite on every disk, as `cargo xtask ci` runs it.
+    pub fn all() -> Self {
+        VmtestArgs {
+            suites: Vec::new(),
+            fs: Vec::new(),
+            kernel: None,
+            accel: std::env::var("PDSTOR_VM_ACCEL").unwrap_or_else(|_| "auto".into()),
+            keep: false,
+            timeout: 900,
+        }
+    }
+}
+
+fn spinner(msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new_spinner();
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+    );
+    pb.enable_steady_tick(Duration::from_millis(200));
+    pb.set_message(msg.to_owned());
+    pb
+}
+
+fn fragment(name: &str) -> PathBuf {
+    crate::project_root().join("kernel-config").join(name)
+}
+
+pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
+    match cmd_ {
+        KernelCmd::Fetch => {
+            crate::deps::install(sh)?;
+            let k = kernel::fetch(sh)?;
+            kernel::check(&k, &fragment("pd-storage.config"))?;
+            println!(
+                "kernel {} ({}) at {}: pd-storage.config satisfied",
+                k.release,
+                k.package,
+                k.vmlinuz.display()
+            );
+        }
+        KernelCmd::Check {
+            kernel_config,
+            config,
+        } => {
+            let cfg = match kernel_config {
+                Some(c) => c.clone(),
+                None => kernel::fetch(sh)?
+                    .config
+                    .context("the fetched kernel has no config")?,
+            };
+            let frag = config
+                .clone()
+                .unwrap_or_else(|| fragment("pd-storage.config"));
+            let missing = kernel::missing_options(&cfg, &frag)?;
+            if missing.is_empty() {
+                println!(
+                    "{}: every option of {} is set",
+                    cfg.display(),
+                    frag.display()
+                );
+            } else {
+                bail!(
+                    "{} lacks {} option(s) of {}: {}",
+                    cfg.display(),
+                    missing.len(),
+                    frag.display(),
+                    missing.join(", ")
+                );
+            }
+        }
+        KernelCmd::Defconfig { src } => {
+            let merge = src.join("scripts/kconfig/merge_config.sh");
+            if !merge.exists() {
+                bail!(
+                    "{} not found: --src must be a Linux source tree",
+                    merge.display()
+                );
+            }
+            let frags = ["pd-storage.config", "vm.config"].map(fragment);
+            let _cd = sh.push_dir(src);
+            cmd!(sh, "make defconfig").run()?;
+            cmd!(sh, "{merge} -m .config {frags...}").run()?;
+            cmd!(sh, "make olddefconfig").run()?;
+            println!(
+                "{}/.config now has the pdstor fragments; build with `make -j$(nproc) bzImage modules`",
+                src.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
+    let started = Instant::now();
+    crate::deps::install(sh)?;
+    let suites: Vec<String> = if args.suites.is_empty() || args.suites.iter().any(|s| s == "all") {
+        SUITES.iter().map(|s| s.name.to_owned()).collect()
+    } else {
+        args.suites.clone()
+    };
+    for s in &suites {
+        if !SUITES.iter().any(|k| k.name == s) {
+            bail!(
+                "unknown suite {s:?}: known suites are {}",
+                SUITES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+            );
+        }
+    }
+    let roles: Vec<DiskRole> = if args.fs.is_empty() {
+        DISKS.iter().map(|d| d.role).collect()
+    } else {
+        args.fs
+            .iter()
+            .map(|f| {
+                DISKS
+                    .iter()
+                    .find(|d| d.role.to_string() == *f)
+                    .map(|d| d.role)
+                    .with_context(|| format!("unknown --fs {f:?}: use ext4, xfs, raw"))
+            })
+            .collect::<Result<_>>()?
+    };
+
+    let pb = spinner("building the guest /init (static)");
+    let init = build_guest(sh)?;
+    pb.set_message("fetching the guest kernel");
+    let kernel = match &args.kernel {
+        Some(path) => kernel::Kernel {
+            package: "(given)".into(),
+            release: "custom".into(),
+            vmlinuz: path.clone(),
+            root: None,
+            config: None,
+        },
+        None => kernel::fetch(sh)?,
+    };
+    kernel::check(&kernel, &fragment("pd-storage.config"))?;
+    pb.set_message("assembling the initramfs");
+    let dir = crate::project_root().join("target/vmtest/run");
+    let _ = std::fs::remove_dir_all(&dir);
+    sh.create_dir(&dir)?;
+    let initrd = dir.join("initramfs.cpio");
+    let size = build_initramfs(sh, &kernel, &init, &suites, &roles, &initrd)?;
+    pb.set_message(format!("initramfs {} MiB; creating disks", size >> 20));
+    let mut disks = Vec::new();
+    for spec in DISKS {
+        let img = dir.join(format!("{}.img", spec.role));
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(spec.size_mib << 20))
+            .with_context(|| format!("creating {}", img.display()))?;
+        disks.push((spec, img));
+    }
+    let vm = Vm {
+        kernel: &kernel.vmlinuz,
+        initrd: &initrd,
+        disks,
+        dir: &dir,
+        extra_append: String::new(),
+    };
+    let timeout = Duration::from_secs(args.timeout);
+    let progress = |s: &str| pb.set_message(format!("guest: {s}"));
+    let run = match args.accel.as_str() {
+        "tcg" => vm.run(Accel::Tcg, timeout, None, progress)?,
+        "kvm" => vm.run(Accel::Kvm, timeout, None, progress)?,
+        "auto" => {
+            // Under KVM the guest reaches /init in well under a second; a host
+            // that cannot run it (a PVM host here) aborts or hangs instead.
+            const KVM_BOOT_DEADLINE: Duration = Duration::from_secs(10);
+            pb.set_message("probing KVM (boot marker within 10 s)");
+            let probe = if Path::new("/dev/kvm").exists() {
+                Some(vm.run(Accel::Kvm, timeout, Some(KVM_BOOT_DEADLINE), &progress)?)
+            } else {
+                None
+            };
+            match probe {
+                Some(r) if r.booted => r,
+                probe => {
+                    let why = match &probe {
+                        None => "no /dev/kvm".to_owned(),
+                        Some(r) => format!(
+                            "no boot marker within {KVM_BOOT_DEADLINE:?} ({})",
+                            r.qemu_stderr.lines().next().unwrap_or("qemu said nothing")
+                        ),
+                    };
+                    pb.println(format!("vmtest: KVM unusable here ({why}); using TCG. Set PDSTOR_VM_ACCEL=tcg to skip the probe."));
+                    vm.run(Accel::Tcg, timeout, None, &progress)?
+                }
+            }
+        }
+        other => bail!("--accel {other:?}: use tcg, kvm or auto"),
+    };
+    pb.finish_and_clear();
+    let verdict = report(&run, started.elapsed());
+    if !args.keep {
+        for (_, img) in &vm.disks {
+            let _ = std::fs::remove_file(img);
+        }
+    }
+    println!(
+        "logs: {} (console), {} (results), {}",
+        run.console_file.display(),
+        run.results_file.display(),
+        dir.join("qemu.stderr").display()
+    );
+    verdict
+}
+
+fn build_guest(sh: &Shell) -> Result<PathBuf> {
+    let target_dir = crate::project_root().join("target/vmtest/cargo");
+    cmd!(sh, "cargo build --release --quiet -p pdstor-vmtest --bin pdstor-vminit --target x86_64-unknown-linux-gnu --target-dir {target_dir}")
+        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        .run()
+        .context("building the static guest init")?;
+    Ok(target_dir.join("x86_64-unknown-linux-gnu/release/pdstor-vminit"))
+}
+
+fn build_initramfs(
+    sh: &Shell,
+    kernel: &kernel::Kernel,
+    init: &Path,
+    suites: &[String],
+    roles: &[DiskRole],
+    out: &Path,
+) -> Result<u64> {
+    let mut a = initramfs::Archive::default();
+    for d in [
+        "/dev", "/proc", "/sys", "/tmp", "/run", "/mnt", "/etc", "/bin", "/sbin",
+    ] {
+        a.dir(d);
+    }
+    a.host_file("/init", init, 0o755)?;
+    initramfs::add_busybox(&mut a, sh)?;
+    for (guest_path, tool) in initramfs::TOOLS {
+        a.program_with_libs(sh, guest_path, &initramfs::which(tool)?)?;
+    }
+    if Path::new("/etc/mke2fs.conf").exists() {
+        a.host_file("/etc/mke2fs.conf", Path::new("/etc/mke2fs.conf"), 0o644)?;
+    }
+    let mut modules = Vec::new();
+    for ko in kernel::module_order(sh, kernel, MODULES)? {
+        let name = ko
+            .file_name()
+            .map(|n| n.to_string_lossy().trim_end_matches(".xz").to_owned())
+            .context("module path")?;
+        let data = if ko.extension().is_some_and(|e| e == "xz") {
+            let out = std::process::Command::new("xz")
+                .arg("-dc")
+                .arg(&ko)
+                .output()
+                .context("running xz")?;
+            if !out.status.success() {
+                bail!(
+                    "xz -dc {} failed: {}",
+                    ko.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            out.stdout
+        } else {
+            std::fs::read(&ko)?
+        };
+        let guest = format!("/lib/modules/{}/{name}", kernel.release);
+        a.file(&guest, 0o644, data);
+        modules.push(guest);
+    }
+    let cfg = GuestConfig {
+        suites: suites.to_vec(),
+        modules,
+        kernel_release: kernel.release.clone(),
+        disks: roles.to_vec(),
+    };
+    a.file(GUEST_CONFIG_PATH, 0o644, serde_json::to_vec_pretty(&cfg)?);
+    a.write(out)
+}
+
+/// Prints the results table and decides the exit status.
+fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
+    let text = std::fs::read_to_string(&run.results_file).unwrap_or_default();
+    let mut results: Vec<TestResult> = Vec::new();
+    let mut garbled = 0;
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        match serde_json::from_str(line) {
+            Ok(r) => results.push(r),
+            Err(_) => garbled += 1,
+        }
+    }
+    let console = std::fs::read_to_string(&run.console_file).unwrap_or_default();
+    println!(
+        "\n{:<8} {:<40} {:<5} {:>7}  result",
+        "suite", "test", "disk", "ms"
+    );
+    let (mut pass, mut fail, mut skip) = (0, 0, 0);
+    let mut finished = false;
+    for r in &results {
+        if r.test == FINISHED_TEST {
+            finished = matches!(r.outcome, Outcome::Pass);
+            if let Outcome::Fail(e) = &r.outcome {
+                println!(
+                    "{:<8} {:<40} {:<5} {:>7}  FAIL: {e}",
+                    r.suite, r.test, "-", r.millis
+                );
+                fail += 1;
+            }
+            continue;
+        }
+        let disk = r.disk.map(|d| d.to_string()).unwrap_or_else(|| "-".into());
+        let verdict = match &r.outcome {
+            Outcome::Pass => {
+                pass += 1;
+                "ok".to_owned()
+            }
+            Outcome::Fail(e) => {
+                fail += 1;
+                format!("FAIL: {e}")
+            }
+            Outcome::Skip(why) => {
+                skip += 1;
+                format!("SKIP: {why}")
+            }
+        };
+        println!(
+            "{:<8} {:<40} {:<5} {:>7}  {verdict}",
+            r.suite, r.test, disk, r.millis
+        );
+    }
+    println!(
+        "\nvmtest: {pass} passed, {fail} failed, {skip} skipped ({}, {:.0} s)",
+        run.accel.name(),
+        elapsed.as_secs_f64()
+    );
+    let tail = |n: usize| {
+        console
+            .lines()
+            .rev()
+            .take(n)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    if console.contains("Kernel panic") {
+        bail!("the guest kernel panicked:\n{}", tail(40));
+    }
+    if run.timed_out {
+        bail!(
+            "the guest did not finish within the timeout; console tail:\n{}",
+            tail(40)
+        );
+    }
+    if !run.booted {
+        bail!(
+            "the guest never booted ({:?}); qemu said: {}\nconsole tail:\n{}",
+            run.status,
+            run.qemu_stderr.trim(),
+            tail(40)
+        );
+    }
+    if !finished {
+        bail!(
+            "the guest stopped before finishing its suites ({garbled} garbled result lines); console tail:\n{}",
+            tail(40)
+        );
+    }
+    if fail > 0 {
+        bail!("{fail} vmtest test(s) failed");
+    }
+    Ok(())
+}

@@ -1,0 +1,217 @@
+//! One QEMU guest: its command line, one small function per concern, and a
+//! bounded wait that reaps the child on every path.
+//!
+//! Progress is a small state machine read off the console log:
+//! `Starting` → (boot marker) `Booted` → (`pdstor-vminit: suite X`) `Suite(X)`
+//! → (QEMU exits) done, or `TimedOut`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use pdstor_vmtest::{BOOT_MARKER, DiskSpec, NVME_MDTS, RESULT_PORT_NAME};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Accel {
+    Tcg,
+    Kvm,
+}
+
+impl Accel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Accel::Tcg => "tcg",
+            Accel::Kvm => "kvm",
+        }
+    }
+}
+
+pub struct Vm<'a> {
+    pub kernel: &'a Path,
+    pub initrd: &'a Path,
+    pub disks: Vec<(DiskSpec, PathBuf)>,
+    pub dir: &'a Path,
+    pub extra_append: String,
+}
+
+pub struct VmRun {
+    pub accel: Accel,
+    pub timed_out: bool,
+    pub booted: bool,
+    pub results_file: PathBuf,
+    pub console_file: PathBuf,
+    pub qemu_stderr: String,
+    pub status: Option<std::process::ExitStatus>,
+}
+
+impl Vm<'_> {
+    pub fn console_file(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn results_file(&self) -> PathBuf {
+        self.dir.join("results.jsonl")
+    }
+
+    /// `-accel`/`-cpu`: TCG with every CPU feature it emulates (SSE4.2 for
+    /// crc32c, etc.); KVM with the host's.
+    fn machine_args(accel: Accel) -> Vec<String> {
+        let (accel, cpu) = match accel {
+            Accel::Tcg => ("tcg,thread=multi", "max"),
+            Accel::Kvm => ("kvm", "host"),
+        };
+        [
+            "-machine", "q35", "-accel", accel, "-cpu", cpu, "-smp", "2", "-m", "2048",
+        ]
+        .map(String::from)
+        .to_vec()
+    }
+
+    /// Kernel command line, each argument for a reason.
+    fn append(&self) -> String {
+        let mut a = [
+            "console=ttyS0", // the serial port QEMU writes to console.log
+            "panic=-1",      // reboot at once on panic; with -no-reboot QEMU then exits
+            "rdinit=/init",  // our Rust init in the initramfs
+            "loglevel=6",    // driver messages land in the log for post-mortems
+            "nokaslr",       // stable addresses in panic traces
+        ]
+        .join(" ");
+        if !self.extra_append.is_empty() {
+            a.push(' ');
+            a.push_str(&self.extra_append);
+        }
+        a
+    }
+
+    fn console_args(&self) -> Vec<String> {
+        vec![
+            "-chardev".into(),
+            format!("file,id=con,path={}", self.console_file().display()),
+            "-serial".into(),
+            "chardev:con".into(),
+        ]
+    }
+
+    /// The results port: a virtio-serial port the guest finds by name.
+    fn result_args(&self) -> Vec<String> {
+        vec![
+            "-device".into(),
+            "virtio-serial-pci,id=vser".into(),
+            "-chardev".into(),
+            format!("file,id=res,path={}", self.results_file().display()),
+            "-device".into(),
+            format!("virtserialport,bus=vser.0,chardev=res,name={RESULT_PORT_NAME}"),
+        ]
+    }
+
+    /// One NVMe controller per disk, found in the guest by its serial; MDTS is
+    /// set so passthrough must be split by the engine.
+    fn disk_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        for (i, (spec, image)) in self.disks.iter().enumerate() {
+            args.push("-drive".into());
+            args.push(format!(
+                "file={},if=none,id=d{i},format=raw,cache=unsafe",
+                image.display()
+            ));
+            args.push("-device".into());
+            args.push(format!(
+                "nvme,serial={},drive=d{i},logical_block_size={lb},physical_block_size={lb},mdts={NVME_MDTS}",
+                spec.serial,
+                lb = spec.logical_block
+            ));
+        }
+        args
+    }
+
+    fn command(&self, accel: Accel) -> Result<Command> {
+        let stderr =
+            std::fs::File::create(self.dir.join("qemu.stderr")).context("creating qemu.stderr")?;
+        let mut c = Command::new("qemu-system-x86_64");
+        c.args(["-nodefaults", "-no-reboot", "-display", "none"])
+            .args(Self::machine_args(accel))
+            .arg("-kernel")
+            .arg(self.kernel)
+            .arg("-initrd")
+            .arg(self.initrd)
+            .arg("-append")
+            .arg(self.append())
+            .args(self.console_args())
+            .args(self.result_args())
+            .args(self.disk_args())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        Ok(c)
+    }
+
+    /// Boots and waits. With `boot_deadline`, a guest that shows no boot marker
+    /// by then is killed and reported as not booted (the accelerator probe).
+    pub fn run(
+        &self,
+        accel: Accel,
+        timeout: Duration,
+        boot_deadline: Option<Duration>,
+        mut on_progress: impl FnMut(&str),
+    ) -> Result<VmRun> {
+        for f in [self.console_file(), self.results_file()] {
+            let _ = std::fs::remove_file(&f);
+        }
+        let mut child = self
+            .command(accel)?
+            .spawn()
+            .context("starting qemu-system-x86_64 (cargo xtask deps installs it)")?;
+        let started = Instant::now();
+        let mut booted = false;
+        let mut seen = 0usize;
+        let mut timed_out = false;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break Some(status);
+            }
+            let console = std::fs::read_to_string(self.console_file()).unwrap_or_default();
+            if !booted && console.contains(BOOT_MARKER) {
+                booted = true;
+                on_progress("booted");
+            }
+            for line in console.lines().skip(seen) {
+                seen += 1;
+                if let Some(s) = line.strip_prefix("pdstor-vminit: suite ") {
+                    on_progress(&format!("suite {s}"));
+                }
+            }
+            if let Some(d) = boot_deadline
+                && !booted
+                && started.elapsed() > d
+            {
+                kill(&mut child);
+                break None;
+            }
+            if started.elapsed() > timeout {
+                timed_out = true;
+                kill(&mut child);
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let console = std::fs::read_to_string(self.console_file()).unwrap_or_default();
+        booted |= console.contains(BOOT_MARKER);
+        let qemu_stderr = std::fs::read_to_string(self.dir.join("qemu.stderr")).unwrap_or_default();
+        Ok(VmRun {
+            accel,
+            timed_out,
+            booted,
+            results_file: self.results_file(),
+            console_file: self.console_file(),
+            qemu_stderr,
+            status,
+        })
+    }
+}
+
+/// Kills and reaps QEMU.
+fn kill(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
