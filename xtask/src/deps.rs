@@ -33,6 +33,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
         "depmod/modprobe to resolve the guest's module load order",
     ),
     ("xz-utils", "decompressing the guest kernel's modules"),
+    (
+        "bpftool",
+        "inspecting pinned BPF objects in the guest's probes suite",
+    ),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {

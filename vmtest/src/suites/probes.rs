@@ -1,7 +1,8 @@
 //! `probes`: the slot the eBPF probes fill. Until they exist it proves that the
 //! guest can run them: BTF is present (vmlinux and the nvme module), tracefs
 //! names tracepoints, a BPF program attached to `block:block_rq_issue` really
-//! counts the requests of a direct read, and bpffs pins it.
+//! counts the requests of a direct read, and bpffs pins it where `bpftool`
+//! finds it.
 //!
 //! The raw `bpf(2)` and `perf_event_open(2)` ABI lives in [`sys`] below.
 
@@ -72,10 +73,16 @@ fn tracepoint_counts(ctx: &Ctx) -> Outcome {
         }
         let pin = "/sys/fs/bpf/pdstor-vmtest-counter";
         sys::pin(&prog, pin)?;
-        let pinned = std::path::Path::new(pin).exists();
+        // bpftool, not our own code, must see the pinned program as a tracepoint program.
+        let shown = crate::guest::sh("bpftool", &["--json", "prog", "show", "pinned", pin]);
         let _ = std::fs::remove_file(pin);
-        if !pinned {
-            return Err(format!("{pin} does not exist after BPF_OBJ_PIN"));
+        let shown: serde_json::Value =
+            serde_json::from_str(&shown?).map_err(|e| format!("bpftool --json output: {e}"))?;
+        if shown["type"] != "tracepoint" {
+            return Err(format!(
+                "bpftool shows the pinned program as {}",
+                shown["type"]
+            ));
         }
         Ok(())
     })())

@@ -18,6 +18,7 @@ pub const TOOLS: &[(&str, &str)] = &[
     ("/sbin/xfs_repair", "xfs_repair"),
     ("/sbin/nvme", "nvme"),
     ("/sbin/dmsetup", "dmsetup"),
+    ("/sbin/bpftool", "bpftool"),
 ];
 
 #[derive(Default)]

@@ -75,10 +75,13 @@ pub fn fetch(sh: &Shell) -> Result<Kernel> {
     sh.create_dir(&root)?;
     {
         let _cd = sh.push_dir(&download);
-        cmd!(sh, "apt-get download -q {package}")
-            .quiet()
-            .run()
-            .with_context(|| format!("apt-get download {package}"))?;
+        cmd!(
+            sh,
+            "apt-get download -q -o APT::Sandbox::User=root {package}"
+        )
+        .quiet()
+        .run()
+        .with_context(|| format!("apt-get download {package}"))?;
     }
     let deb = std::fs::read_dir(&download)?
         .flatten()

@@ -65,6 +65,9 @@ pub enum KernelCmd {
     Defconfig {
         #[arg(long)]
         src: PathBuf,
+        /// Also merge dmabuf-rw.config (for a tree with the rw-dmabuf series).
+        #[arg(long)]
+        with_dmabuf_rw: bool,
     },
 }
 
@@ -140,7 +143,10 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
                 );
             }
         }
-        KernelCmd::Defconfig { src } => {
+        KernelCmd::Defconfig {
+            src,
+            with_dmabuf_rw,
+        } => {
             let merge = src.join("scripts/kconfig/merge_config.sh");
             if !merge.exists() {
                 bail!(
@@ -148,7 +154,10 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
                     merge.display()
                 );
             }
-            let frags = ["pd-storage.config", "vm.config"].map(fragment);
+            let mut frags = vec![fragment("pd-storage.config"), fragment("vm.config")];
+            if *with_dmabuf_rw {
+                frags.push(fragment("dmabuf-rw.config"));
+            }
             let _cd = sh.push_dir(src);
             cmd!(sh, "make defconfig").run()?;
             cmd!(sh, "{merge} -m .config {frags...}").run()?;
@@ -280,7 +289,8 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
 fn build_guest(sh: &Shell) -> Result<PathBuf> {
     let target_dir = crate::project_root().join("target/vmtest/cargo");
     cmd!(sh, "cargo build --release --quiet -p pdstor-vmtest --bin pdstor-vminit --target x86_64-unknown-linux-gnu --target-dir {target_dir}")
-        .env("RUSTFLAGS", "-C target-feature=+crt-static")
+        // Static so the initramfs needs no libc for it; no debug info, to keep it small.
+        .env("RUSTFLAGS", "-C target-feature=+crt-static -C strip=debuginfo")
         .run()
         .context("building the static guest init")?;
     Ok(target_dir.join("x86_64-unknown-linux-gnu/release/pdstor-vminit"))
