@@ -2,11 +2,13 @@
 //! through NVMe storage, and proves every step. See DESIGN.md in the project's
 //! shared folder and README.md.
 
+pub mod admission;
 pub mod bench;
 pub mod buffer;
 pub mod io;
 pub mod payload;
 pub mod roundtrip;
+pub mod store;
 pub mod units;
 
 pub use buffer::{Buffer, BufferKind};

@@ -4,6 +4,8 @@
 //!
 //! This is a measurement, not a test: it asserts nothing about speed.
 
+pub mod store;
+
 use std::path::PathBuf;
 use std::time::Instant;
 

@@ -1,0 +1,124 @@
+//! `pdstor bench-store`: publications per second through prepare → one-chunk
+//! store batch → publish → release on a formatted target, with concurrent
+//! writers, and what group commit saves: flushes and commit groups per
+//! publication, journal records per second.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::buffer::Buffer;
+use crate::store::{
+    self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreError, StoreOptions,
+};
+
+#[derive(Debug, Clone)]
+pub struct StoreBenchConfig {
+    pub target: PathBuf,
+    pub writers: u32,
+    pub publications: u32,
+    pub chunk: u64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StoreBenchReport {
+    pub writers: u32,
+    pub publications: u32,
+    pub chunk: u64,
+    pub seconds: f64,
+    pub publications_per_s: f64,
+    pub journal_records_per_s: f64,
+    pub flushes: u64,
+    pub flushes_per_publication: f64,
+    pub commit_groups_per_publication: f64,
+}
+
+pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
+    let slots = 4 * cfg.writers as u64;
+    let journal_half = 16 << 20;
+    let len = 2 * 4096 + 2 * journal_half + slots * cfg.chunk;
+    let _ = std::fs::remove_file(&cfg.target);
+    store::format(
+        &cfg.target,
+        &FormatOptions {
+            slot_size: cfg.chunk,
+            journal_half,
+            force: false,
+            create_len: Some(len),
+        },
+    )?;
+    let (s, _) = Store::open(
+        &cfg.target,
+        StoreOptions {
+            queue_depth: 32,
+            admission_timeout: Duration::from_secs(60),
+            fault: None,
+        },
+    )?;
+    let s = Arc::new(s);
+    let layout = Layout {
+        model_id: "bench".into(),
+        dtype: "bf16".into(),
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 1,
+        chunk_tokens: 256,
+        kv_format: "bench".into(),
+    };
+    let before = s.commit()?;
+    let per_writer = cfg.publications / cfg.writers;
+    let started = Instant::now();
+    let handles: Vec<_> = (0..cfg.writers)
+        .map(|w| {
+            let (s, layout, chunk) = (s.clone(), layout.clone(), cfg.chunk);
+            std::thread::spawn(move || -> Result<(), StoreError> {
+                let buf =
+                    Buffer::host(chunk as usize).map_err(|e| StoreError::Worker(e.to_string()))?;
+                buf.write_at(0, &crate::payload::chunk(w as u64, 0, chunk as usize))
+                    .map_err(|e| StoreError::Worker(e.to_string()))?;
+                let id = s.register_buffer(buf)?;
+                for i in 0..per_writer {
+                    let p = s.prepare(&format!("w{w}-{i}"), "bench", &layout, 1)?;
+                    let c = ChunkSource {
+                        index: 0,
+                        buffer: id,
+                        buffer_offset: 0,
+                        len: chunk,
+                    };
+                    s.store_batch(&StoreBatch {
+                        publication: p,
+                        chunks: vec![c],
+                        is_last_batch: true,
+                        total_chunks: 1,
+                    })?;
+                    s.publish(p, None)?;
+                    s.release(p)?;
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join()
+            .map_err(|_| StoreError::Worker("a bench writer panicked".into()))??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let after = s.commit()?;
+    let done = per_writer * cfg.writers;
+    let flushes = after.flushes - before.flushes;
+    // prepare, alloc, publish, release: four records per publication.
+    let records = 4.0 * done as f64;
+    let _ = std::fs::remove_file(&cfg.target);
+    Ok(StoreBenchReport {
+        writers: cfg.writers,
+        publications: done,
+        chunk: cfg.chunk,
+        seconds,
+        publications_per_s: done as f64 / seconds,
+        journal_records_per_s: records / seconds,
+        flushes,
+        flushes_per_publication: flushes as f64 / done as f64,
+        commit_groups_per_publication: (after.commit_groups - before.commit_groups) as f64
+            / done as f64,
+    })
+}

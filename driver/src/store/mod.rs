@@ -1,0 +1,1299 @@
+//! The crash-safe on-media store (DESIGN §3) and the admission control that
+//! guards it (§5): superblock, journal, slot allocator, recovery, and the
+//! prepare → store batches → publish path with full rollback on any failure.
+//!
+//! Every state change is a journal record applied to [`state::State`] under
+//! one lock and handed, in that order, to the I/O thread ([`worker`]). Records
+//! become durable at the next commit. A READY publication is acknowledged only
+//! after its payload was flushed, then its PUBLISH record written and flushed.
+//!
+//! This module does not sign receipts or enforce who may claim: that is the
+//! protocol's job (`protocol/`), built on the records defined here.
+
+pub mod journal;
+pub mod state;
+pub mod superblock;
+mod worker;
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::admission::{AdmitError, ReservationManager};
+use crate::buffer::Buffer;
+use crate::io::{
+    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions,
+    TransferId,
+};
+
+pub use journal::Record;
+pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication};
+pub use superblock::Superblock;
+pub use worker::{CommitInfo, FaultPlan};
+
+use superblock::{FORMAT_VERSION, SUPERBLOCK_BYTES, SuperblockError};
+use worker::{Job, Worker};
+
+/// Journal half sizes `format` accepts (powers of two, so a reader that lost
+/// superblock copy A can still find copy B).
+pub const JOURNAL_HALF_CHOICES: [u64; 13] = [
+    1 << 18,
+    1 << 19,
+    1 << 20,
+    1 << 21,
+    1 << 22,
+    1 << 23,
+    1 << 24,
+    1 << 25,
+    1 << 26,
+    1 << 27,
+    1 << 28,
+    1 << 29,
+    1 << 30,
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error("target {path} holds {signature}: refusing to format it; pass --force to overwrite")]
+    ForeignSignature { path: PathBuf, signature: String },
+    #[error(
+        "target {path} is {capacity} bytes; a pdstor namespace with these options needs at least {minimum}"
+    )]
+    TooSmall {
+        path: PathBuf,
+        capacity: u64,
+        minimum: u64,
+    },
+    #[error("bad format option: {0}")]
+    BadOption(String),
+    #[error("target {path}: {source}")]
+    Superblock {
+        path: PathBuf,
+        #[source]
+        source: SuperblockError,
+    },
+    #[error("recovering target {path}: {what}")]
+    Recovery { path: PathBuf, what: String },
+    #[error("store I/O thread: {0}")]
+    Worker(String),
+    #[error(
+        "the store failed earlier ({0}) and refuses further changes: restart it to recover from the journal"
+    )]
+    Failed(String),
+    #[error(transparent)]
+    Admission(#[from] AdmitError),
+    #[error("request {req}: already has live publication {publication}")]
+    DuplicateRequest { req: String, publication: u64 },
+    #[error("publication {0} is not live (unknown, or already finished)")]
+    UnknownPublication(u64),
+    #[error("publication {publication} is {phase:?}; {what}")]
+    WrongPhase {
+        publication: u64,
+        phase: Phase,
+        what: &'static str,
+    },
+    #[error(
+        "publication {publication}: the first store batch declares total_chunks 0; legacy senders are not supported"
+    )]
+    LegacySender { publication: u64 },
+    #[error(
+        "publication {publication}: batch declares total_chunks {declared} but the request was prepared with {prepared}"
+    )]
+    TotalMismatch {
+        publication: u64,
+        declared: u32,
+        prepared: u32,
+    },
+    #[error(
+        "publication {publication}: protocol violation, {what}; every chunk of the request was rolled back and its reservation released"
+    )]
+    ProtocolViolation { publication: u64, what: String },
+    #[error(
+        "publication {publication}: a store batch failed ({source}); every chunk of the request was rolled back and its reservation released"
+    )]
+    BatchFailed {
+        publication: u64,
+        #[source]
+        source: IoError,
+    },
+    #[error("publication {publication} was aborted while this batch was in flight")]
+    AbortedInFlight { publication: u64 },
+    #[error(
+        "publication {publication} is not ready to publish: {completed} of {total} chunks stored, last batch {last}, {inflight} batches in flight"
+    )]
+    NotPublishable {
+        publication: u64,
+        completed: u32,
+        total: u32,
+        last: &'static str,
+        inflight: u32,
+    },
+    #[error("publication {publication}, chunk {chunk}: {what}")]
+    Load {
+        publication: u64,
+        chunk: u32,
+        what: String,
+    },
+}
+
+/// How to format a target.
+#[derive(Debug, Clone)]
+pub struct FormatOptions {
+    /// Bytes per slot: the largest chunk. Multiple of 4 KiB.
+    pub slot_size: u64,
+    /// Bytes of each journal half (a power of two from 256 KiB to 1 GiB).
+    pub journal_half: u64,
+    /// Overwrite a target that holds a filesystem or another namespace.
+    pub force: bool,
+    /// For a file target that does not exist yet: create it this large.
+    pub create_len: Option<u64>,
+}
+
+impl Default for FormatOptions {
+    fn default() -> Self {
+        FormatOptions {
+            slot_size: 8 << 20,
+            journal_half: 16 << 20,
+            force: false,
+            create_len: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FormatReport {
+    pub target: PathBuf,
+    pub uuid: String,
+    pub slot_size: u64,
+    pub slot_count: u64,
+    pub data_offset: u64,
+    pub journal_half: u64,
+    pub overwrote: Option<String>,
+}
+
+/// Recognisable signatures at the start of a target.
+fn signature(head: &[u8]) -> Option<String> {
+    let at = |off: usize, magic: &[u8]| head.get(off..off + magic.len()) == Some(magic);
+    if at(0, superblock::MAGIC) {
+        return Some("a pdstor namespace".into());
+    }
+    if at(0, b"XFSB") {
+        return Some("an XFS filesystem".into());
+    }
+    if at(1080, &[0x53, 0xef]) {
+        return Some("an ext2/3/4 filesystem".into());
+    }
+    if at(0x10040, b"_BHRfS_M") {
+        return Some("a btrfs filesystem".into());
+    }
+    if at(4086, b"SWAPSPACE2") {
+        return Some("a swap area".into());
+    }
+    if at(512, b"LABELONE") || at(536, b"LVM2") {
+        return Some("an LVM physical volume".into());
+    }
+    if at(512, b"EFI PART") {
+        return Some("a GPT partition table".into());
+    }
+    None
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn engine_read(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
+    let id = engine
+        .register(Buffer::host(len as usize).map_err(|e| StoreError::Worker(e.to_string()))?)?;
+    let req = IoRequest {
+        transfer: TransferId(0),
+        op: Op::Read,
+        path: PayloadPath::HostFixed,
+        buffer: id,
+        buffer_offset: 0,
+        target_offset: offset,
+        len,
+    };
+    let r = engine.execute_all(&[req]);
+    let b = engine.remove(id)?;
+    r?;
+    let mut v = vec![0u8; len as usize];
+    b.read_at(0, &mut v)
+        .map_err(|e| StoreError::Worker(e.to_string()))?;
+    Ok(v)
+}
+
+fn engine_write(engine: &mut Engine, offset: u64, data: &[u8]) -> Result<(), StoreError> {
+    let id = engine
+        .register(Buffer::host(data.len()).map_err(|e| StoreError::Worker(e.to_string()))?)?;
+    engine
+        .buffer(id)?
+        .write_at(0, data)
+        .map_err(|e| StoreError::Worker(e.to_string()))?;
+    let req = IoRequest {
+        transfer: TransferId(0),
+        op: Op::Write,
+        path: PayloadPath::HostFixed,
+        buffer: id,
+        buffer_offset: 0,
+        target_offset: offset,
+        len: data.len() as u64,
+    };
+    let r = engine.execute_all(&[req]);
+    engine.remove(id)?;
+    r.map(|_| ()).map_err(StoreError::from)
+}
+
+/// Writes a fresh namespace: empty journal halves, then both superblock copies.
+pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
+    if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
+        return Err(StoreError::BadOption(format!(
+            "slot size {} must be a positive multiple of 4096",
+            opts.slot_size
+        )));
+    }
+    if !JOURNAL_HALF_CHOICES.contains(&opts.journal_half) {
+        return Err(StoreError::BadOption(format!(
+            "journal half {} must be a power of two from 256 KiB to 1 GiB",
+            opts.journal_half
+        )));
+    }
+    let target = Target::open(
+        path,
+        &TargetOptions {
+            create_len: opts.create_len,
+        },
+    )?;
+    let capacity = target.geometry().capacity;
+    let block_size = target.geometry().logical_block;
+    let data_offset = 2 * SUPERBLOCK_BYTES as u64 + 2 * opts.journal_half;
+    let minimum = data_offset + opts.slot_size;
+    if capacity < minimum {
+        return Err(StoreError::TooSmall {
+            path: path.into(),
+            capacity,
+            minimum,
+        });
+    }
+    let mut engine = Engine::new(
+        target,
+        EngineOptions {
+            queue_depth: 8,
+            buffer_slots: 4,
+            ..Default::default()
+        },
+    )?;
+    let head = engine_read(&mut engine, 0, (68 << 10).min(capacity))?;
+    let found = signature(&head);
+    if let Some(sig) = &found
+        && !opts.force
+    {
+        return Err(StoreError::ForeignSignature {
+            path: path.into(),
+            signature: sig.clone(),
+        });
+    }
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key).map_err(|e| StoreError::Worker(format!("getrandom: {e}")))?;
+    let sb = Superblock {
+        version: FORMAT_VERSION,
+        generation: 1,
+        uuid: uuid::Uuid::new_v4(),
+        epoch: 0,
+        block_size,
+        slot_size: opts.slot_size,
+        slot_count: (capacity - data_offset) / opts.slot_size,
+        data_offset,
+        journal_half: opts.journal_half,
+        active_half: 0,
+        journal_start_seq: 1,
+        hmac_key_id: 1,
+        hmac_key: key,
+        created_unix: now_unix(),
+    };
+    // Old superblocks go first, so a crash mid-format leaves no stale namespace.
+    engine_write(&mut engine, 0, &[0u8; SUPERBLOCK_BYTES])?;
+    let zeros = vec![0u8; (1 << 20).min(opts.journal_half) as usize];
+    for half in 0..2u8 {
+        let mut off = 0;
+        while off < opts.journal_half {
+            engine_write(&mut engine, sb.journal_offset(half) + off, &zeros)?;
+            off += zeros.len() as u64;
+        }
+    }
+    engine.flush()?;
+    engine_write(&mut engine, sb.copy_b_offset(), &sb.encode())?;
+    engine.flush()?;
+    engine_write(&mut engine, 0, &sb.encode())?;
+    engine.flush()?;
+    Ok(FormatReport {
+        target: path.into(),
+        uuid: sb.uuid.to_string(),
+        slot_size: sb.slot_size,
+        slot_count: sb.slot_count,
+        data_offset,
+        journal_half: sb.journal_half,
+        overwrote: found,
+    })
+}
+
+/// How to run a store.
+#[derive(Debug, Clone)]
+pub struct StoreOptions {
+    pub queue_depth: u32,
+    /// The longest `prepare` waits for capacity.
+    pub admission_timeout: Duration,
+    /// Crash-consistency testing: the device dies after this many writes.
+    pub fault: Option<Arc<FaultPlan>>,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            queue_depth: 32,
+            admission_timeout: Duration::from_secs(30),
+            fault: None,
+        }
+    }
+}
+
+/// What recovery found and did.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RecoveryReport {
+    pub epoch: u64,
+    pub records_replayed: usize,
+    pub rolled_back: Vec<u64>,
+    pub live: usize,
+    /// Where the journal stopped early, and why (torn tail, bad checksum).
+    pub journal_stop: Option<String>,
+    pub superblock_note: Option<String>,
+}
+
+/// Per-request batch accounting (DESIGN §5).
+#[derive(Debug, Default)]
+struct Batches {
+    seen_first: bool,
+    claimed: BTreeSet<u32>,
+    completed: u32,
+    last_seen: bool,
+    inflight: u32,
+    published: bool,
+}
+
+struct Live {
+    state: state::State,
+    next_seq: u64,
+    batches: HashMap<u64, Batches>,
+    failed: Option<String>,
+}
+
+/// One chunk of a store batch: where its bytes are.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkSource {
+    pub index: u32,
+    pub buffer: BufferId,
+    pub buffer_offset: u64,
+    pub len: u64,
+}
+
+/// A store batch: the AllocRequest of the source design.
+#[derive(Debug, Clone)]
+pub struct StoreBatch {
+    pub publication: u64,
+    pub chunks: Vec<ChunkSource>,
+    pub is_last_batch: bool,
+    pub total_chunks: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOutcome {
+    pub completed: u32,
+    pub total: u32,
+    pub publishable: bool,
+}
+
+/// One chunk to load: where to put it.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkDest {
+    pub index: u32,
+    pub buffer: BufferId,
+    pub buffer_offset: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AbortOutcome {
+    /// Rolled back now; this many slots were freed.
+    Aborted { slots: u32 },
+    /// Batches are in flight; the slots free when they finish.
+    Pending,
+    /// Nothing to abort: unknown or already finished.
+    NotFound,
+}
+
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct StoreStats {
+    pub slots: u64,
+    pub free_slots: u64,
+    pub reserved: u64,
+    pub live_publications: usize,
+    pub flushes: u64,
+    pub commit_groups: u64,
+    pub journal_used: u64,
+}
+
+pub struct Store {
+    path: PathBuf,
+    live: Mutex<Live>,
+    admission: ReservationManager,
+    jobs: Mutex<Sender<Job>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+    sb: Mutex<Superblock>,
+    opts: StoreOptions,
+    last_commit: Mutex<CommitInfo>,
+}
+
+impl Store {
+    /// Opens a formatted target: replays the journal, rolls back PREPARED
+    /// publications, keeps READY/CLAIMED/ADOPTED/RETAINED ones with their
+    /// slots, bumps and persists the epoch.
+    pub fn open(path: &Path, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
+        let target = Target::open(path, &TargetOptions::default())?;
+        let (tx, rx) = channel::<Job>();
+        let (otx, orx) = channel::<Result<(Superblock, Option<String>, Vec<u8>), StoreError>>();
+        let qd = opts.queue_depth;
+        let fault = opts.fault.clone();
+        let p = path.to_path_buf();
+        let handle = std::thread::Builder::new()
+            .name("pdstor-store-io".into())
+            .spawn(move || {
+                let opened = Worker::open(target, qd, fault).map_err(StoreError::Worker);
+                let (mut worker, a, b) = match opened {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = otx.send(Err(e));
+                        return;
+                    }
+                };
+                let chosen = superblock::choose(Superblock::decode(&a), Superblock::decode(&b))
+                    .map_err(|source| StoreError::Superblock {
+                        path: p.clone(),
+                        source,
+                    });
+                let (sb, note) = match chosen {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = otx.send(Err(e));
+                        return;
+                    }
+                };
+                match worker.load_journal(&sb) {
+                    Ok(j) => {
+                        let _ = otx.send(Ok((sb, note, j)));
+                    }
+                    Err(e) => {
+                        let _ = otx.send(Err(StoreError::Worker(e)));
+                        return;
+                    }
+                }
+                // The opener tells us where appends continue, then jobs flow.
+                if let Ok(Job::Append(end)) = rx.recv() {
+                    let end = u64::from_le_bytes(end[..8].try_into().unwrap_or([0; 8]));
+                    if worker.set_journal_end(end).is_err() {
+                        return;
+                    }
+                }
+                worker.run(rx);
+            })
+            .map_err(|e| StoreError::Worker(format!("spawning the I/O thread: {e}")))?;
+        let (sb, note, journal) = orx
+            .recv()
+            .map_err(|_| StoreError::Worker("the I/O thread exited during open".into()))??;
+
+        let mut state = state::State::new(sb.slot_count, sb.slot_size, sb.data_offset);
+        state.epoch = sb.epoch;
+        let (records, end, stop) = journal::replay(&journal, sb.journal_start_seq);
+        let mut report = RecoveryReport {
+            journal_stop: stop.map(|s| {
+                format!(
+                    "journal stops at byte {} (record {}): {}; later records ignored",
+                    s.offset, s.seq, s.reason
+                )
+            }),
+            superblock_note: note,
+            records_replayed: records.len(),
+            ..Default::default()
+        };
+        for (seq, r) in &records {
+            state.apply(r).map_err(|what| StoreError::Recovery {
+                path: path.into(),
+                what: format!("record {seq}: {what}"),
+            })?;
+        }
+        let next_seq = records.last().map_or(sb.journal_start_seq, |(s, _)| s + 1);
+        let _ = tx.send(Job::Append((end as u64).to_le_bytes().to_vec()));
+
+        let admission = ReservationManager::new(sb.slot_count);
+        let store = Store {
+            path: path.into(),
+            live: Mutex::new(Live {
+                state,
+                next_seq,
+                batches: HashMap::new(),
+                failed: None,
+            }),
+            admission,
+            jobs: Mutex::new(tx),
+            worker: Mutex::new(Some(handle)),
+            sb: Mutex::new(sb.clone()),
+            opts,
+            last_commit: Mutex::new(CommitInfo::default()),
+        };
+        // New epoch: superblock first (its write is the durable bump).
+        let mut next_sb = sb.clone();
+        next_sb.epoch += 1;
+        next_sb.generation += 1;
+        store.write_superblock(next_sb.clone())?;
+        *store.lock_sb() = next_sb.clone();
+        {
+            let mut live = store.lock_live();
+            let prepared: Vec<u64> = live
+                .state
+                .pubs
+                .values()
+                .filter(|p| matches!(p.phase, Phase::Prepared | Phase::Aborting))
+                .map(|p| p.id)
+                .collect();
+            for id in prepared {
+                store.log(
+                    &mut live,
+                    Record::Abort {
+                        publication: id,
+                        reason: "rolled back at recovery: never published".into(),
+                    },
+                )?;
+                report.rolled_back.push(id);
+            }
+            store.log(
+                &mut live,
+                Record::Epoch {
+                    epoch: next_sb.epoch,
+                },
+            )?;
+            let held: Vec<(u64, String, u64)> = live
+                .state
+                .pubs
+                .values()
+                .map(|p| (p.id, p.req_id.clone(), p.slots.len() as u64))
+                .collect();
+            for (id, req, n) in held {
+                store.admission.restore(&req, n)?;
+                live.batches.insert(
+                    id,
+                    Batches {
+                        seen_first: true,
+                        published: true,
+                        ..Default::default()
+                    },
+                );
+            }
+            report.live = live.state.pubs.len();
+            report.epoch = next_sb.epoch;
+            live.state.check().map_err(|what| StoreError::Recovery {
+                path: path.into(),
+                what,
+            })?;
+        }
+        store.commit()?;
+        Ok((store, report))
+    }
+
+    fn lock_live(&self) -> MutexGuard<'_, Live> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn lock_sb(&self) -> MutexGuard<'_, Superblock> {
+        self.sb.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn send(&self, job: Job) -> Result<(), StoreError> {
+        self.jobs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(job)
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))
+    }
+
+    /// Applies a record to the state and queues it for the journal, in order.
+    fn log(&self, live: &mut Live, r: Record) -> Result<(), StoreError> {
+        if let Some(f) = &live.failed {
+            return Err(StoreError::Failed(f.clone()));
+        }
+        live.state.apply(&r).map_err(|what| StoreError::Recovery {
+            path: self.path.clone(),
+            what,
+        })?;
+        debug_assert!(
+            live.state.check().is_ok(),
+            "allocator invariant broken by {r:?}: {:?}",
+            live.state.check()
+        );
+        let frame = journal::encode(live.next_seq, &r).map_err(StoreError::Worker)?;
+        live.next_seq += 1;
+        self.send(Job::Append(frame))
+    }
+
+    /// Makes every queued record durable (group commit), and checkpoints the
+    /// journal when its half is over half full.
+    pub fn commit(&self) -> Result<CommitInfo, StoreError> {
+        let (tx, rx) = channel();
+        self.send(Job::Commit(tx))?;
+        let info = rx
+            .recv()
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
+            .map_err(|e| self.fail(e))?;
+        *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
+        if info.journal_used > info.journal_half / 2 {
+            self.checkpoint()?;
+        }
+        Ok(info)
+    }
+
+    /// A commit that failed leaves memory ahead of the media: refuse changes.
+    fn fail(&self, why: String) -> StoreError {
+        self.lock_live().failed.get_or_insert(why.clone());
+        StoreError::Failed(why)
+    }
+
+    fn write_superblock(&self, sb: Superblock) -> Result<(), StoreError> {
+        let (tx, rx) = channel();
+        self.send(Job::WriteSuperblock(sb, tx))?;
+        rx.recv()
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
+            .map_err(|e| self.fail(e))
+    }
+
+    /// Compacts the journal into the other half: one CHECKPOINT record of the
+    /// live state, then the superblock points at it.
+    pub fn checkpoint(&self) -> Result<(), StoreError> {
+        let live = self.lock_live();
+        let seq = live.next_seq;
+        let rec = Record::Checkpoint {
+            next_publication: live.state.next_publication,
+            publications: live.state.pubs.values().cloned().collect(),
+        };
+        let frame = journal::encode(seq, &rec).map_err(StoreError::Worker)?;
+        let mut sb = self.lock_sb().clone();
+        sb.active_half = 1 - sb.active_half;
+        sb.journal_start_seq = seq;
+        sb.generation += 1;
+        let (tx, rx) = channel();
+        self.send(Job::Checkpoint {
+            frame,
+            superblock: sb.clone(),
+            reply: tx,
+        })?;
+        let r = rx
+            .recv()
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
+        drop(live);
+        r.map_err(|e| self.fail(e))?;
+        self.lock_live().next_seq = seq + 1;
+        *self.lock_sb() = sb;
+        Ok(())
+    }
+
+    pub fn superblock(&self) -> Superblock {
+        self.lock_sb().clone()
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.lock_sb().epoch
+    }
+
+    /// Hands a buffer to the I/O thread (registered for `host_fixed`).
+    pub fn register_buffer(&self, buffer: Buffer) -> Result<BufferId, StoreError> {
+        let (tx, rx) = channel();
+        self.send(Job::Register(buffer, tx))?;
+        Ok(rx
+            .recv()
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))??)
+    }
+
+    /// Step 1: admission. Reserves the whole chunk set (waiting up to the
+    /// admission timeout) and records the PREPARE.
+    pub fn prepare(
+        &self,
+        req_id: &str,
+        writer: &str,
+        layout: &Layout,
+        total_chunks: u32,
+    ) -> Result<u64, StoreError> {
+        self.prepare_with_timeout(
+            req_id,
+            writer,
+            layout,
+            total_chunks,
+            self.opts.admission_timeout,
+        )
+    }
+
+    pub fn prepare_with_timeout(
+        &self,
+        req_id: &str,
+        writer: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        timeout: Duration,
+    ) -> Result<u64, StoreError> {
+        if let Some(p) = self.lock_live().state.by_req(req_id) {
+            return Err(StoreError::DuplicateRequest {
+                req: req_id.into(),
+                publication: p.id,
+            });
+        }
+        self.admission
+            .try_admit(req_id, total_chunks as u64, timeout)?;
+        let mut live = self.lock_live();
+        let prepared = (|| {
+            if let Some(p) = live.state.by_req(req_id) {
+                return Err(StoreError::DuplicateRequest {
+                    req: req_id.into(),
+                    publication: p.id,
+                });
+            }
+            let slots = live.state.pick_slots(total_chunks).ok_or_else(|| {
+                StoreError::Worker(format!(
+                    "admission granted {total_chunks} slots but the allocator has {}",
+                    live.state.free_slots()
+                ))
+            })?;
+            let id = live.state.next_publication;
+            self.log(
+                &mut live,
+                Record::Prepare {
+                    publication: id,
+                    req_id: req_id.into(),
+                    writer: writer.into(),
+                    layout: layout.clone(),
+                    total_chunks,
+                    slots,
+                },
+            )?;
+            live.batches.insert(id, Batches::default());
+            Ok(id)
+        })();
+        if prepared.is_err() {
+            self.admission.release(req_id);
+        }
+        prepared
+    }
+
+    /// Rolls a PREPARED publication back under the lock (slots and reservation).
+    fn rollback_locked(&self, live: &mut Live, id: u64, reason: String) -> Result<u32, StoreError> {
+        let Some(p) = live.state.pubs.get(&id) else {
+            return Ok(0);
+        };
+        let (req, n) = (p.req_id.clone(), p.slots.len() as u32);
+        let inflight = live.batches.get(&id).map_or(0, |b| b.inflight);
+        if inflight > 0 {
+            live.state.mark_aborting(id);
+            return Ok(0);
+        }
+        self.log(
+            live,
+            Record::Abort {
+                publication: id,
+                reason,
+            },
+        )?;
+        live.batches.remove(&id);
+        self.admission.release(&req);
+        Ok(n)
+    }
+
+    /// Step 2: one store batch. Batches may run concurrently and complete out
+    /// of order. A violation or any failure rolls back the whole request.
+    pub fn store_batch(&self, batch: &StoreBatch) -> Result<BatchOutcome, StoreError> {
+        let id = batch.publication;
+        let requests = {
+            let mut live = self.lock_live();
+            let p = live
+                .state
+                .pubs
+                .get(&id)
+                .ok_or(StoreError::UnknownPublication(id))?;
+            if p.phase != Phase::Prepared {
+                return Err(StoreError::WrongPhase {
+                    publication: id,
+                    phase: p.phase,
+                    what: "store batches go to PREPARED publications only",
+                });
+            }
+            let (total, slots, slot_size) = (p.total_chunks, p.slots.clone(), live.state.slot_size);
+            let data_offset = live.state.data_offset;
+            let b = live.batches.entry(id).or_default();
+            if !b.seen_first && batch.total_chunks == 0 {
+                return Err(StoreError::LegacySender { publication: id });
+            }
+            if batch.total_chunks != total {
+                return Err(StoreError::TotalMismatch {
+                    publication: id,
+                    declared: batch.total_chunks,
+                    prepared: total,
+                });
+            }
+            if b.published {
+                return Err(StoreError::WrongPhase {
+                    publication: id,
+                    phase: Phase::Ready,
+                    what: "it is being published",
+                });
+            }
+            let mut violation = None;
+            let mut seen = BTreeSet::new();
+            for c in &batch.chunks {
+                if c.index >= total {
+                    violation = Some(format!(
+                        "chunk index {} is beyond the declared {total} chunks",
+                        c.index
+                    ));
+                } else if b.claimed.contains(&c.index) || !seen.insert(c.index) {
+                    violation = Some(format!("chunk {} stored twice", c.index));
+                } else if c.len == 0 || c.len > slot_size {
+                    violation = Some(format!(
+                        "chunk {} is {} bytes; a slot holds 1 to {slot_size}",
+                        c.index, c.len
+                    ));
+                }
+                if violation.is_some() {
+                    break;
+                }
+            }
+            let cumulative = b.claimed.len() + batch.chunks.len();
+            if violation.is_none() && cumulative > total as usize {
+                violation = Some(format!("{cumulative} chunks sent against {total} declared"));
+            }
+            if let Some(what) = violation {
+                self.rollback_locked(&mut live, id, format!("protocol violation: {what}"))?;
+                return Err(StoreError::ProtocolViolation {
+                    publication: id,
+                    what,
+                });
+            }
+            let b = live.batches.entry(id).or_default();
+            b.seen_first = true;
+            b.claimed.extend(batch.chunks.iter().map(|c| c.index));
+            b.inflight += 1;
+            batch
+                .chunks
+                .iter()
+                .map(|c| IoRequest {
+                    transfer: TransferId(id << 16 | c.index as u64),
+                    op: Op::Write,
+                    path: PayloadPath::HostFixed,
+                    buffer: c.buffer,
+                    buffer_offset: c.buffer_offset,
+                    target_offset: data_offset + slots[c.index as usize] as u64 * slot_size,
+                    len: c.len,
+                })
+                .collect::<Vec<_>>()
+        };
+        let io = if requests.is_empty() {
+            Ok(Vec::new())
+        } else {
+            self.payload(requests.clone())
+        };
+        let mut live = self.lock_live();
+        if let Some(b) = live.batches.get_mut(&id) {
+            b.inflight -= 1;
+        }
+        let aborting = live
+            .state
+            .pubs
+            .get(&id)
+            .is_none_or(|p| p.phase == Phase::Aborting);
+        if aborting {
+            if live
+                .state
+                .pubs
+                .get(&id)
+                .is_some_and(|p| p.phase == Phase::Aborting)
+                && live.batches.get(&id).is_some_and(|b| b.inflight == 0)
+            {
+                self.rollback_locked(&mut live, id, "aborted".into())?;
+            }
+            return Err(StoreError::AbortedInFlight { publication: id });
+        }
+        let failure = match io {
+            Err(e) => Some(e),
+            Ok(results) => {
+                let mut first_err = None;
+                let mut crcs = Vec::new();
+                for (c, r) in batch.chunks.iter().zip(results) {
+                    match r {
+                        Ok(crc) => crcs.push((c, crc)),
+                        Err(e) => {
+                            first_err.get_or_insert(e);
+                        }
+                    }
+                }
+                if first_err.is_none() {
+                    let slots = live
+                        .state
+                        .pubs
+                        .get(&id)
+                        .map(|p| p.slots.clone())
+                        .unwrap_or_default();
+                    for (c, crc) in crcs {
+                        self.log(
+                            &mut live,
+                            Record::Alloc {
+                                publication: id,
+                                chunk: c.index,
+                                slot: slots[c.index as usize],
+                                len: c.len,
+                                crc32c: crc,
+                            },
+                        )?;
+                    }
+                }
+                first_err
+            }
+        };
+        if let Some(source) = failure {
+            self.rollback_locked(&mut live, id, format!("store batch failed: {source}"))?;
+            return Err(StoreError::BatchFailed {
+                publication: id,
+                source,
+            });
+        }
+        let total = live.state.pubs.get(&id).map_or(0, |p| p.total_chunks);
+        let b = live.batches.entry(id).or_default();
+        b.completed += batch.chunks.len() as u32;
+        b.last_seen |= batch.is_last_batch;
+        Ok(BatchOutcome {
+            completed: b.completed,
+            total,
+            publishable: b.completed == total && b.last_seen && b.inflight == 0,
+        })
+    }
+
+    fn payload(&self, requests: Vec<IoRequest>) -> Result<Vec<Result<u32, IoError>>, IoError> {
+        let (tx, rx) = channel();
+        self.send(Job::Io(requests, tx))
+            .map_err(|e| IoError::Ring {
+                op: "store I/O thread",
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        rx.recv().map_err(|_| IoError::Ring {
+            op: "store I/O thread",
+            source: std::io::Error::other("gone"),
+        })?
+    }
+
+    /// Step 3: READY. Only when every chunk is stored and the last batch was
+    /// seen. Returns after the payload and the PUBLISH record are durable.
+    pub fn publish(&self, id: u64, first_token: Option<u32>) -> Result<Manifest, StoreError> {
+        let manifest = {
+            let mut live = self.lock_live();
+            let p = live
+                .state
+                .pubs
+                .get(&id)
+                .ok_or(StoreError::UnknownPublication(id))?;
+            if p.phase != Phase::Prepared {
+                return Err(StoreError::WrongPhase {
+                    publication: id,
+                    phase: p.phase,
+                    what: "only a PREPARED publication can be published",
+                });
+            }
+            let b = live
+                .batches
+                .get(&id)
+                .ok_or(StoreError::UnknownPublication(id))?;
+            if b.completed != p.total_chunks || !b.last_seen || b.inflight > 0 || b.published {
+                return Err(StoreError::NotPublishable {
+                    publication: id,
+                    completed: b.completed,
+                    total: p.total_chunks,
+                    last: if b.last_seen { "seen" } else { "not seen" },
+                    inflight: b.inflight,
+                });
+            }
+            let chunks: Option<Vec<ChunkEntry>> = p.chunks.iter().copied().collect();
+            let chunks = chunks.ok_or_else(|| {
+                StoreError::Worker(format!(
+                    "publication {id} counts all chunks but lacks an entry"
+                ))
+            })?;
+            let m = Manifest {
+                publication: id,
+                req_id: p.req_id.clone(),
+                layout: p.layout.clone(),
+                chunks,
+                first_token,
+            };
+            if let Some(b) = live.batches.get_mut(&id) {
+                b.published = true;
+            }
+            self.log(
+                &mut live,
+                Record::Publish {
+                    publication: id,
+                    manifest: m.clone(),
+                },
+            )?;
+            m
+        };
+        // The commit flushes the payload before it writes the PUBLISH record.
+        self.commit()?;
+        Ok(manifest)
+    }
+
+    /// Rolls back a publication that is not yet READY (slots and reservation).
+    /// Aborting an unknown or finished publication is a clear no-op.
+    pub fn abort(&self, id: u64) -> Result<AbortOutcome, StoreError> {
+        let mut live = self.lock_live();
+        let Some(p) = live.state.pubs.get(&id) else {
+            return Ok(AbortOutcome::NotFound);
+        };
+        if !matches!(p.phase, Phase::Prepared | Phase::Aborting)
+            || live.batches.get(&id).is_some_and(|b| b.published)
+        {
+            return Err(StoreError::WrongPhase {
+                publication: id,
+                phase: p.phase,
+                what: "abort applies before READY only; use release",
+            });
+        }
+        if live.batches.get(&id).is_some_and(|b| b.inflight > 0) {
+            live.state.mark_aborting(id);
+            return Ok(AbortOutcome::Pending);
+        }
+        let n = self.rollback_locked(&mut live, id, "aborted by the writer".into())?;
+        Ok(AbortOutcome::Aborted { slots: n })
+    }
+
+    /// Aborts by request id: also wakes a `prepare` of it still waiting.
+    pub fn abort_request(&self, req_id: &str) -> Result<AbortOutcome, StoreError> {
+        let id = self.lock_live().state.by_req(req_id).map(|p| p.id);
+        match id {
+            Some(id) => self.abort(id),
+            None => {
+                self.admission.abort(req_id);
+                Ok(AbortOutcome::NotFound)
+            }
+        }
+    }
+
+    /// Exact unread release: a READY publication that was never claimed. The
+    /// RELEASE record is journaled now and made durable by the next commit.
+    pub fn release(&self, id: u64) -> Result<(), StoreError> {
+        {
+            let mut live = self.lock_live();
+            let p = live
+                .state
+                .pubs
+                .get(&id)
+                .ok_or(StoreError::UnknownPublication(id))?;
+            if p.phase != Phase::Ready {
+                return Err(StoreError::WrongPhase {
+                    publication: id,
+                    phase: p.phase,
+                    what: "only a READY, never-claimed publication can be released",
+                });
+            }
+            let req = p.req_id.clone();
+            self.log(&mut live, Record::Release { publication: id })?;
+            live.batches.remove(&id);
+            self.admission.release(&req);
+        }
+        // Durable with the next commit. A crash before it brings the
+        // publication back READY with its slots: the safe direction.
+        Ok(())
+    }
+
+    /// Reads chunks of a READY (or later) publication into buffers and checks
+    /// each against its recorded checksum. A mismatch is an error, never data.
+    pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<(), StoreError> {
+        let manifest = {
+            let live = self.lock_live();
+            let p = live
+                .state
+                .pubs
+                .get(&id)
+                .ok_or(StoreError::UnknownPublication(id))?;
+            p.manifest.clone().ok_or(StoreError::WrongPhase {
+                publication: id,
+                phase: p.phase,
+                what: "it has no manifest yet (not READY)",
+            })?
+        };
+        let mut requests = Vec::with_capacity(dests.len());
+        for d in dests {
+            let c = manifest
+                .chunks
+                .get(d.index as usize)
+                .ok_or_else(|| StoreError::Load {
+                    publication: id,
+                    chunk: d.index,
+                    what: format!("missing: the manifest has {} chunks", manifest.chunks.len()),
+                })?;
+            requests.push(IoRequest {
+                transfer: TransferId(id << 16 | d.index as u64),
+                op: Op::Read,
+                path: PayloadPath::HostFixed,
+                buffer: d.buffer,
+                buffer_offset: d.buffer_offset,
+                target_offset: c.offset,
+                len: c.len,
+            });
+        }
+        let exact: Vec<IoRequest> = requests.clone();
+        let results = self.payload(requests)?;
+        for ((d, r), req) in dests.iter().zip(results).zip(exact) {
+            let c = manifest.chunks[d.index as usize];
+            r.map_err(|e| StoreError::Load {
+                publication: id,
+                chunk: d.index,
+                what: e.to_string(),
+            })?;
+            let crc = self.crc_of(req.buffer, req.buffer_offset, c.len)?;
+            if crc != c.crc32c {
+                return Err(StoreError::Load {
+                    publication: id,
+                    chunk: d.index,
+                    what: format!(
+                        "checksum mismatch: stored {:#010x}, read {crc:#010x}",
+                        c.crc32c
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn crc_of(&self, buffer: BufferId, offset: u64, len: u64) -> Result<u32, StoreError> {
+        // Ask the I/O thread: it owns the buffer mapping.
+        let req = IoRequest {
+            transfer: TransferId(0),
+            op: Op::Read,
+            path: PayloadPath::HostFixed,
+            buffer,
+            buffer_offset: offset,
+            target_offset: 0,
+            len,
+        };
+        let (tx, rx) = channel();
+        self.send(Job::Crc(req, tx))?;
+        rx.recv()
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
+            .map_err(StoreError::from)
+    }
+
+    pub fn publications(&self) -> Vec<Publication> {
+        self.lock_live().state.pubs.values().cloned().collect()
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let live = self.lock_live();
+        let c = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
+        StoreStats {
+            slots: live.state.slot_count(),
+            free_slots: live.state.free_slots(),
+            reserved: self.admission.stats().reserved,
+            live_publications: live.state.pubs.len(),
+            flushes: c.flushes,
+            commit_groups: c.commit_groups,
+            journal_used: c.journal_used,
+        }
+    }
+
+    /// Every invariant at once: the allocator's, the reservations', and their
+    /// agreement — each live publication's request holds exactly its slots.
+    /// A holder with no live publication is a `prepare` between admission and
+    /// its PREPARE record; [`Store::check_quiescent`] allows none.
+    pub fn check(&self) -> Result<(), String> {
+        let live = self.lock_live();
+        live.state.check()?;
+        self.admission.check()?;
+        let holders: HashMap<String, u64> = self.admission.holders().into_iter().collect();
+        for p in live.state.pubs.values() {
+            let held = holders.get(&p.req_id).copied().unwrap_or(0);
+            if held != p.slots.len() as u64 {
+                return Err(format!(
+                    "request {} holds {held} reservations for {} slots",
+                    p.req_id,
+                    p.slots.len()
+                ));
+            }
+        }
+        let in_transit: u64 = holders
+            .iter()
+            .filter(|(r, _)| live.state.by_req(r).is_none())
+            .map(|(_, n)| n)
+            .sum();
+        if in_transit > live.state.free_slots() {
+            return Err(format!(
+                "{in_transit} slots reserved in transit but only {} free",
+                live.state.free_slots()
+            ));
+        }
+        Ok(())
+    }
+
+    /// [`Store::check`], with no `prepare` in flight: reservations equal owned slots.
+    pub fn check_quiescent(&self) -> Result<(), String> {
+        self.check()?;
+        let live = self.lock_live();
+        let owned: u64 = live.state.pubs.values().map(|p| p.slots.len() as u64).sum();
+        let reserved = self.admission.stats().reserved;
+        if owned != reserved {
+            return Err(format!(
+                "publications own {owned} slots but {reserved} are reserved"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Store {
+    /// Closing commits what is queued (a lazy RELEASE, say), then stops the
+    /// I/O thread. A store that failed commits nothing more.
+    fn drop(&mut self) {
+        if self.lock_live().failed.is_none() {
+            let (tx, rx) = channel();
+            if self.send(Job::Commit(tx)).is_ok() {
+                let _ = rx.recv();
+            }
+        }
+        let _ = self.send(Job::Stop);
+        if let Some(h) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// What recognisable signature (filesystem, pdstor namespace, partition
+/// table, …) the start of `path` holds, if any. Used to refuse destructive
+/// commands on a target that holds something.
+pub fn signature_of(path: &Path) -> Result<Option<String>, StoreError> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(68 << 10);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(68 << 10).read_to_end(&mut head))
+        .map_err(|source| {
+            StoreError::Io(IoError::Open {
+                path: path.into(),
+                source,
+            })
+        })?;
+    Ok(signature(&head))
+}

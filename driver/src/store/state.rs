@@ -1,0 +1,471 @@
+//! The store's memory of who owns which bytes: publications, their phases,
+//! and the slot allocator. Every change is a journal [`Record`] applied here,
+//! live or during replay, so the state after recovery is exactly the state the
+//! records describe. Pure: no I/O.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::journal::Record;
+
+/// The KV layout a reader must match exactly (DESIGN §1).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Layout {
+    pub model_id: String,
+    pub dtype: String,
+    pub layers: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub chunk_tokens: u32,
+    pub kv_format: String,
+}
+
+/// One stored chunk of a publication.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkEntry {
+    pub index: u32,
+    pub slot: u32,
+    pub offset: u64,
+    pub len: u64,
+    pub crc32c: u32,
+}
+
+/// What a READY publication offers its reader.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub publication: u64,
+    pub req_id: String,
+    pub layout: Layout,
+    pub chunks: Vec<ChunkEntry>,
+    pub first_token: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Phase {
+    Prepared,
+    Ready,
+    Claimed,
+    Adopted,
+    Retained,
+    /// Aborted while batches were in flight: slots free when they finish.
+    Aborting,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Publication {
+    pub id: u64,
+    pub req_id: String,
+    pub writer: String,
+    pub layout: Layout,
+    pub total_chunks: u32,
+    /// Reserved slots; chunk `i` lives in `slots[i]`.
+    pub slots: Vec<u32>,
+    pub chunks: Vec<Option<ChunkEntry>>,
+    pub phase: Phase,
+    pub manifest: Option<Manifest>,
+    pub claim: Option<(String, String, u64)>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct State {
+    pub slot_size: u64,
+    pub data_offset: u64,
+    owner: Vec<Option<u64>>,
+    free: BTreeSet<u32>,
+    pub pubs: BTreeMap<u64, Publication>,
+    pub next_publication: u64,
+    pub epoch: u64,
+}
+
+impl State {
+    pub fn new(slot_count: u64, slot_size: u64, data_offset: u64) -> State {
+        State {
+            slot_size,
+            data_offset,
+            owner: vec![None; slot_count as usize],
+            free: (0..slot_count as u32).collect(),
+            pubs: BTreeMap::new(),
+            next_publication: 1,
+            epoch: 0,
+        }
+    }
+
+    pub fn slot_count(&self) -> u64 {
+        self.owner.len() as u64
+    }
+    pub fn free_slots(&self) -> u64 {
+        self.free.len() as u64
+    }
+
+    /// Picks `n` free slots (lowest first) without taking them.
+    pub fn pick_slots(&self, n: u32) -> Option<Vec<u32>> {
+        let v: Vec<u32> = self.free.iter().take(n as usize).copied().collect();
+        (v.len() == n as usize).then_some(v)
+    }
+
+    pub fn by_req(&self, req: &str) -> Option<&Publication> {
+        self.pubs.values().find(|p| p.req_id == req)
+    }
+
+    fn take_slots(&mut self, pub_id: u64, slots: &[u32]) -> Result<(), String> {
+        for s in slots {
+            match self.owner.get(*s as usize) {
+                Some(None) => {}
+                Some(Some(o)) => {
+                    return Err(format!("slot {s} is already owned by publication {o}"));
+                }
+                None => return Err(format!("slot {s} does not exist")),
+            }
+        }
+        for s in slots {
+            self.owner[*s as usize] = Some(pub_id);
+            self.free.remove(s);
+        }
+        Ok(())
+    }
+
+    fn free_pub(&mut self, pub_id: u64) -> Option<Publication> {
+        let p = self.pubs.remove(&pub_id)?;
+        for s in &p.slots {
+            if self.owner[*s as usize] == Some(pub_id) {
+                self.owner[*s as usize] = None;
+                self.free.insert(*s);
+            }
+        }
+        Some(p)
+    }
+
+    fn get_mut(&mut self, id: u64) -> Result<&mut Publication, String> {
+        self.pubs
+            .get_mut(&id)
+            .ok_or_else(|| format!("publication {id} is not live"))
+    }
+
+    /// Applies one record. Refuses (changing nothing) a record that does not
+    /// fit the current state.
+    pub fn apply(&mut self, r: &Record) -> Result<(), String> {
+        match r {
+            Record::Prepare {
+                publication,
+                req_id,
+                writer,
+                layout,
+                total_chunks,
+                slots,
+            } => {
+                if self.pubs.contains_key(publication) {
+                    return Err(format!("publication {publication} prepared twice"));
+                }
+                if slots.len() != *total_chunks as usize {
+                    return Err(format!("{} slots for {total_chunks} chunks", slots.len()));
+                }
+                self.take_slots(*publication, slots)?;
+                self.pubs.insert(
+                    *publication,
+                    Publication {
+                        id: *publication,
+                        req_id: req_id.clone(),
+                        writer: writer.clone(),
+                        layout: layout.clone(),
+                        total_chunks: *total_chunks,
+                        slots: slots.clone(),
+                        chunks: vec![None; *total_chunks as usize],
+                        phase: Phase::Prepared,
+                        manifest: None,
+                        claim: None,
+                    },
+                );
+                self.next_publication = self.next_publication.max(publication + 1);
+            }
+            Record::Alloc {
+                publication,
+                chunk,
+                slot,
+                len,
+                crc32c,
+            } => {
+                let (data_offset, slot_size) = (self.data_offset, self.slot_size);
+                let p = self.get_mut(*publication)?;
+                if p.phase != Phase::Prepared {
+                    return Err(format!(
+                        "chunk stored into publication {publication} in phase {:?}",
+                        p.phase
+                    ));
+                }
+                if p.slots.get(*chunk as usize) != Some(slot) || *len > slot_size {
+                    return Err(format!(
+                        "chunk {chunk} of publication {publication} does not belong in slot {slot}"
+                    ));
+                }
+                p.chunks[*chunk as usize] = Some(ChunkEntry {
+                    index: *chunk,
+                    slot: *slot,
+                    offset: data_offset + *slot as u64 * slot_size,
+                    len: *len,
+                    crc32c: *crc32c,
+                });
+            }
+            Record::Publish {
+                publication,
+                manifest,
+            } => {
+                let p = self.get_mut(*publication)?;
+                if p.phase != Phase::Prepared {
+                    return Err(format!(
+                        "publication {publication} published in phase {:?}",
+                        p.phase
+                    ));
+                }
+                p.phase = Phase::Ready;
+                p.manifest = Some(manifest.clone());
+            }
+            Record::Claim {
+                publication,
+                reader,
+                session,
+                lease_ms,
+            } => {
+                let p = self.get_mut(*publication)?;
+                if p.phase != Phase::Ready {
+                    return Err(format!(
+                        "publication {publication} claimed in phase {:?}",
+                        p.phase
+                    ));
+                }
+                p.phase = Phase::Claimed;
+                p.claim = Some((reader.clone(), session.clone(), *lease_ms));
+            }
+            Record::Adopt { publication } => {
+                let p = self.get_mut(*publication)?;
+                if p.phase != Phase::Claimed {
+                    return Err(format!(
+                        "publication {publication} adopted in phase {:?}",
+                        p.phase
+                    ));
+                }
+                p.phase = Phase::Adopted;
+            }
+            Record::Retain { publication, .. } => {
+                let p = self.get_mut(*publication)?;
+                if !matches!(p.phase, Phase::Claimed | Phase::Adopted) {
+                    return Err(format!(
+                        "publication {publication} retained in phase {:?}",
+                        p.phase
+                    ));
+                }
+                p.phase = Phase::Retained;
+            }
+            Record::Ack { publication } => {
+                let phase = self.get_mut(*publication)?.phase;
+                if phase != Phase::Adopted {
+                    return Err(format!(
+                        "publication {publication} acked in phase {phase:?}"
+                    ));
+                }
+                self.free_pub(*publication);
+            }
+            Record::Release { publication } => {
+                let phase = self.get_mut(*publication)?.phase;
+                if phase != Phase::Ready {
+                    return Err(format!(
+                        "publication {publication} released in phase {phase:?}"
+                    ));
+                }
+                self.free_pub(*publication);
+            }
+            Record::Reclaim { publication } => {
+                let phase = self.get_mut(*publication)?.phase;
+                if !matches!(phase, Phase::Retained | Phase::Claimed | Phase::Adopted) {
+                    return Err(format!(
+                        "publication {publication} reclaimed in phase {phase:?}"
+                    ));
+                }
+                self.free_pub(*publication);
+            }
+            Record::Abort { publication, .. } => {
+                let phase = self.get_mut(*publication)?.phase;
+                if !matches!(phase, Phase::Prepared | Phase::Aborting) {
+                    return Err(format!(
+                        "publication {publication} aborted in phase {phase:?}"
+                    ));
+                }
+                self.free_pub(*publication);
+            }
+            Record::Epoch { epoch } => self.epoch = *epoch,
+            Record::Checkpoint {
+                next_publication,
+                publications,
+            } => {
+                let mut fresh = State::new(self.slot_count(), self.slot_size, self.data_offset);
+                fresh.epoch = self.epoch;
+                for p in publications {
+                    fresh.take_slots(p.id, &p.slots)?;
+                    fresh.pubs.insert(p.id, p.clone());
+                }
+                fresh.next_publication = *next_publication;
+                *self = fresh;
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks a publication whose abort must wait for in-flight batches.
+    pub fn mark_aborting(&mut self, id: u64) {
+        if let Some(p) = self.pubs.get_mut(&id) {
+            p.phase = Phase::Aborting;
+        }
+    }
+
+    /// The allocator invariants: no slot owned twice, every owned slot belongs
+    /// to a live publication that lists it, the free set is exactly the
+    /// unowned slots, and every stored chunk sits in its reserved slot.
+    pub fn check(&self) -> Result<(), String> {
+        let mut seen = BTreeMap::new();
+        for p in self.pubs.values() {
+            if p.slots.len() != p.total_chunks as usize || p.chunks.len() != p.total_chunks as usize
+            {
+                return Err(format!(
+                    "publication {} has {} slots for {} chunks",
+                    p.id,
+                    p.slots.len(),
+                    p.total_chunks
+                ));
+            }
+            for (i, s) in p.slots.iter().enumerate() {
+                if let Some(other) = seen.insert(*s, p.id) {
+                    return Err(format!(
+                        "slot {s} owned by publications {other} and {}",
+                        p.id
+                    ));
+                }
+                if self.owner.get(*s as usize) != Some(&Some(p.id)) {
+                    return Err(format!(
+                        "slot {s} of publication {} is not marked as its own",
+                        p.id
+                    ));
+                }
+                if let Some(c) = &p.chunks[i]
+                    && c.slot != *s
+                {
+                    return Err(format!(
+                        "chunk {i} of publication {} is in slot {} not {s}",
+                        p.id, c.slot
+                    ));
+                }
+            }
+        }
+        for (s, o) in self.owner.iter().enumerate() {
+            let s = s as u32;
+            match o {
+                Some(id) if seen.get(&s) != Some(id) => {
+                    return Err(format!(
+                        "slot {s} marked for publication {id}, which does not list it"
+                    ));
+                }
+                None if !self.free.contains(&s) => {
+                    return Err(format!("slot {s} is neither owned nor free"));
+                }
+                Some(_) if self.free.contains(&s) => {
+                    return Err(format!("slot {s} is both owned and free"));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) fn test_layout() -> Layout {
+    Layout {
+        model_id: "test".into(),
+        dtype: "bf16".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 32,
+        chunk_tokens: 256,
+        kv_format: "pdstor-test".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prepare(id: u64, slots: Vec<u32>) -> Record {
+        Record::Prepare {
+            publication: id,
+            req_id: format!("r{id}"),
+            writer: "w".into(),
+            layout: test_layout(),
+            total_chunks: slots.len() as u32,
+            slots,
+        }
+    }
+
+    #[test]
+    fn a_slot_is_never_owned_twice() {
+        let mut s = State::new(4, 4096, 0);
+        s.apply(&prepare(1, vec![0, 1])).unwrap();
+        let e = s.apply(&prepare(2, vec![1, 2])).unwrap_err();
+        assert!(e.contains("slot 1 is already owned by publication 1"));
+        assert!(!s.pubs.contains_key(&2), "a refused record changes nothing");
+        s.check().unwrap();
+        assert_eq!(s.free_slots(), 2);
+    }
+
+    #[test]
+    fn lifecycle_frees_slots_exactly_once() {
+        let mut s = State::new(4, 4096, 0);
+        s.apply(&prepare(1, vec![2, 3])).unwrap();
+        let m = Manifest {
+            publication: 1,
+            req_id: "r1".into(),
+            layout: test_layout(),
+            chunks: vec![],
+            first_token: None,
+        };
+        s.apply(&Record::Publish {
+            publication: 1,
+            manifest: m,
+        })
+        .unwrap();
+        s.apply(&Record::Claim {
+            publication: 1,
+            reader: "d".into(),
+            session: "s".into(),
+            lease_ms: 10,
+        })
+        .unwrap();
+        assert!(
+            s.apply(&Record::Ack { publication: 1 }).is_err(),
+            "ack before adopt"
+        );
+        s.apply(&Record::Adopt { publication: 1 }).unwrap();
+        s.apply(&Record::Ack { publication: 1 }).unwrap();
+        assert!(
+            s.apply(&Record::Ack { publication: 1 }).is_err(),
+            "a second ack is refused, never a double free"
+        );
+        assert_eq!(s.free_slots(), 4);
+        s.check().unwrap();
+    }
+
+    #[test]
+    fn checkpoint_rebuilds_the_same_state() {
+        let mut s = State::new(8, 4096, 0);
+        s.apply(&prepare(3, vec![5])).unwrap();
+        s.apply(&prepare(4, vec![1, 2])).unwrap();
+        let cp = Record::Checkpoint {
+            next_publication: s.next_publication,
+            publications: s.pubs.values().cloned().collect(),
+        };
+        let mut t = State::new(8, 4096, 0);
+        t.apply(&cp).unwrap();
+        assert_eq!(t.pubs, s.pubs);
+        assert_eq!(t.free_slots(), 5);
+        t.check().unwrap();
+    }
+}

@@ -1,0 +1,235 @@
+//! The superblock: 4 KiB written at both ends of the metadata region, each
+//! copy checksummed and carrying a generation number. An update writes copy A,
+//! flushes, then writes copy B and flushes, so a crash leaves at least one
+//! valid copy; open picks the valid copy with the highest generation.
+//!
+//! Layout of the target:
+//!
+//! ```text
+//! 0            4K               4K+J            4K+2J           4K+2J+4K = data_offset
+//! | super A    | journal half 0 | journal half 1 | super B      | slot 0 | slot 1 | …
+//! ```
+
+use uuid::Uuid;
+
+pub const MAGIC: &[u8; 8] = b"PDSTORSB";
+/// On-media format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+pub const SUPERBLOCK_BYTES: usize = 4096;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Superblock {
+    pub version: u32,
+    pub generation: u64,
+    pub uuid: Uuid,
+    pub epoch: u64,
+    /// Logical block of the target at format time.
+    pub block_size: u32,
+    pub slot_size: u64,
+    pub slot_count: u64,
+    pub data_offset: u64,
+    /// Bytes of each of the two journal halves.
+    pub journal_half: u64,
+    /// Which half holds the live journal (0 or 1).
+    pub active_half: u8,
+    /// Sequence number of the first record in the active half.
+    pub journal_start_seq: u64,
+    pub hmac_key_id: u32,
+    pub hmac_key: [u8; 32],
+    pub created_unix: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SuperblockError {
+    #[error(
+        "no pdstor superblock (magic {found:?}): the target is not formatted; run `pdstor format`"
+    )]
+    NotPdstor { found: String },
+    #[error("superblock checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
+    Checksum { stored: u32, computed: u32 },
+    #[error(
+        "superblock format version {found} is newer than this pdstor understands ({FORMAT_VERSION}): upgrade pdstor"
+    )]
+    NewerVersion { found: u32 },
+    #[error("superblock geometry is inconsistent: {0}")]
+    Geometry(String),
+}
+
+impl Superblock {
+    pub fn journal_offset(&self, half: u8) -> u64 {
+        SUPERBLOCK_BYTES as u64 + half as u64 * self.journal_half
+    }
+    /// Offset of copy B.
+    pub fn copy_b_offset(&self) -> u64 {
+        SUPERBLOCK_BYTES as u64 + 2 * self.journal_half
+    }
+    pub fn slot_offset(&self, slot: u32) -> u64 {
+        self.data_offset + slot as u64 * self.slot_size
+    }
+
+    pub fn encode(&self) -> [u8; SUPERBLOCK_BYTES] {
+        let mut b = [0u8; SUPERBLOCK_BYTES];
+        b[0..8].copy_from_slice(MAGIC);
+        b[8..12].copy_from_slice(&self.version.to_le_bytes());
+        // 12..16: crc32c of the block with this field zero.
+        b[16..24].copy_from_slice(&self.generation.to_le_bytes());
+        b[24..40].copy_from_slice(self.uuid.as_bytes());
+        b[40..48].copy_from_slice(&self.epoch.to_le_bytes());
+        b[48..52].copy_from_slice(&self.block_size.to_le_bytes());
+        b[56..64].copy_from_slice(&self.slot_size.to_le_bytes());
+        b[64..72].copy_from_slice(&self.slot_count.to_le_bytes());
+        b[72..80].copy_from_slice(&self.data_offset.to_le_bytes());
+        b[80..88].copy_from_slice(&self.journal_half.to_le_bytes());
+        b[88] = self.active_half;
+        b[96..104].copy_from_slice(&self.journal_start_seq.to_le_bytes());
+        b[104..108].copy_from_slice(&self.hmac_key_id.to_le_bytes());
+        b[112..144].copy_from_slice(&self.hmac_key);
+        b[144..152].copy_from_slice(&self.created_unix.to_le_bytes());
+        let crc = crc32c::crc32c(&b);
+        b[12..16].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Superblock, SuperblockError> {
+        if b.len() < SUPERBLOCK_BYTES || &b[0..8] != MAGIC {
+            let found = String::from_utf8_lossy(&b[..8.min(b.len())])
+                .escape_debug()
+                .to_string();
+            return Err(SuperblockError::NotPdstor { found });
+        }
+        let u32_at = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        let u64_at = |at: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[at..at + 8]);
+            u64::from_le_bytes(x)
+        };
+        let stored = u32_at(12);
+        let mut copy = [0u8; SUPERBLOCK_BYTES];
+        copy.copy_from_slice(&b[..SUPERBLOCK_BYTES]);
+        copy[12..16].fill(0);
+        let computed = crc32c::crc32c(&copy);
+        if stored != computed {
+            return Err(SuperblockError::Checksum { stored, computed });
+        }
+        let version = u32_at(8);
+        if version > FORMAT_VERSION {
+            return Err(SuperblockError::NewerVersion { found: version });
+        }
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&b[24..40]);
+        let mut hmac_key = [0u8; 32];
+        hmac_key.copy_from_slice(&b[112..144]);
+        let sb = Superblock {
+            version,
+            generation: u64_at(16),
+            uuid: Uuid::from_bytes(uuid),
+            epoch: u64_at(40),
+            block_size: u32_at(48),
+            slot_size: u64_at(56),
+            slot_count: u64_at(64),
+            data_offset: u64_at(72),
+            journal_half: u64_at(80),
+            active_half: b[88],
+            journal_start_seq: u64_at(96),
+            hmac_key_id: u32_at(104),
+            hmac_key,
+            created_unix: u64_at(144),
+        };
+        if sb.active_half > 1
+            || sb.slot_size == 0
+            || sb.journal_half == 0
+            || sb.data_offset < sb.copy_b_offset() + SUPERBLOCK_BYTES as u64
+        {
+            return Err(SuperblockError::Geometry(format!("{sb:?}")));
+        }
+        Ok(sb)
+    }
+}
+
+/// Picks the copy to trust: the valid one with the highest generation. Returns
+/// it and, for the report, why the other was not used.
+pub fn choose(
+    a: Result<Superblock, SuperblockError>,
+    b: Result<Superblock, SuperblockError>,
+) -> Result<(Superblock, Option<String>), SuperblockError> {
+    match (a, b) {
+        (Ok(a), Ok(b)) if b.generation > a.generation => Ok((b, None)),
+        (Ok(a), Ok(_)) => Ok((a, None)),
+        (Ok(a), Err(e)) => Ok((a, Some(format!("superblock copy B unusable: {e}")))),
+        (Err(e), Ok(b)) => Ok((b, Some(format!("superblock copy A unusable: {e}")))),
+        (Err(e), Err(_)) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn sample() -> Superblock {
+        Superblock {
+            version: FORMAT_VERSION,
+            generation: 3,
+            uuid: Uuid::from_u128(0x1234),
+            epoch: 7,
+            block_size: 4096,
+            slot_size: 1 << 20,
+            slot_count: 10,
+            data_offset: 4096 * 2 + 2 * 65536,
+            journal_half: 65536,
+            active_half: 1,
+            journal_start_seq: 42,
+            hmac_key_id: 1,
+            hmac_key: [9; 32],
+            created_unix: 1,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_detects_corruption() {
+        let sb = sample();
+        let mut b = sb.encode();
+        assert_eq!(Superblock::decode(&b).unwrap(), sb);
+        b[200] ^= 1;
+        assert!(matches!(
+            Superblock::decode(&b),
+            Err(SuperblockError::Checksum { .. })
+        ));
+        assert!(matches!(
+            Superblock::decode(&[0u8; 4096]),
+            Err(SuperblockError::NotPdstor { .. })
+        ));
+    }
+
+    #[test]
+    fn newer_version_is_refused_by_number() {
+        let mut sb = sample();
+        sb.version = FORMAT_VERSION + 1;
+        let e = Superblock::decode(&sb.encode()).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("version {}", FORMAT_VERSION + 1)),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_newest_valid_copy_wins() {
+        let a = sample();
+        let mut b = sample();
+        b.generation = 4;
+        assert_eq!(
+            choose(Ok(a.clone()), Ok(b.clone())).unwrap().0.generation,
+            4
+        );
+        let (sb, note) = choose(
+            Ok(a),
+            Err(SuperblockError::Checksum {
+                stored: 1,
+                computed: 2,
+            }),
+        )
+        .unwrap();
+        assert_eq!(sb.generation, 3);
+        assert!(note.unwrap().contains("copy B"));
+    }
+}

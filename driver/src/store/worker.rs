@@ -1,0 +1,535 @@
+//! The store's I/O thread. It owns the [`Engine`] (which must stay on one
+//! thread), the in-memory image of the active journal half, and the device
+//! flushes. Group commit: every `Commit` waiting in the queue when the thread
+//! gets to one is served by a single "flush payload → write journal tail →
+//! flush" sequence, so concurrent publishers share flushes.
+//!
+//! A [`FaultPlan`] makes the device die after a given number of writes (the
+//! crash-consistency harness): later writes and flushes fail, and the first
+//! failing write may be torn (half of it reaches the media).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+
+use crate::buffer::Buffer;
+use crate::io::{
+    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TransferId,
+};
+
+use super::superblock::{SUPERBLOCK_BYTES, Superblock};
+
+/// Journal writes are whole 4 KiB blocks (every target here accepts that).
+pub const JOURNAL_BLOCK: u64 = 4096;
+
+/// Kills the device after `writes` more writes (payload, journal or superblock).
+#[derive(Debug)]
+pub struct FaultPlan {
+    writes_left: AtomicI64,
+    torn: bool,
+    dead: AtomicBool,
+}
+
+impl FaultPlan {
+    pub fn die_after_writes(writes: u64, torn: bool) -> Arc<FaultPlan> {
+        Arc::new(FaultPlan {
+            writes_left: AtomicI64::new(writes as i64),
+            torn,
+            dead: AtomicBool::new(false),
+        })
+    }
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::SeqCst)
+    }
+    /// Whether the next write may proceed: `Ok(true)` whole, `Ok(false)` torn.
+    fn admit_write(&self) -> Result<bool, ()> {
+        if self.is_dead() {
+            return Err(());
+        }
+        if self.writes_left.fetch_sub(1, Ordering::SeqCst) > 0 {
+            return Ok(true);
+        }
+        self.dead.store(true, Ordering::SeqCst);
+        if self.torn { Ok(false) } else { Err(()) }
+    }
+}
+
+fn dead_device() -> std::io::Error {
+    std::io::Error::other("device failed (fault injection)")
+}
+
+pub(crate) enum Job {
+    Register(Buffer, Sender<Result<BufferId, IoError>>),
+    /// Payload I/O; the reply has, per request, the crc32c of the bytes
+    /// written or read, or its error.
+    Io(
+        Vec<IoRequest>,
+        Sender<Result<Vec<Result<u32, IoError>>, IoError>>,
+    ),
+    /// Encoded records to append to the journal image (durable at the next commit).
+    Append(Vec<u8>),
+    Commit(Sender<Result<CommitInfo, String>>),
+    /// Starts the other half with this frame, then points the superblock at it.
+    Checkpoint {
+        frame: Vec<u8>,
+        superblock: Superblock,
+        reply: Sender<Result<(), String>>,
+    },
+    WriteSuperblock(Superblock, Sender<Result<(), String>>),
+    /// crc32c of a buffer range (`buffer`, `buffer_offset`, `len` of the request).
+    Crc(IoRequest, Sender<Result<u32, IoError>>),
+    Stop,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CommitInfo {
+    pub journal_used: u64,
+    pub journal_half: u64,
+    pub flushes: u64,
+    pub commit_groups: u64,
+}
+
+pub(crate) struct Worker {
+    engine: Engine,
+    sb: Superblock,
+    image: BufferId,
+    image_len: u64,
+    end: u64,
+    durable_end: u64,
+    payload_dirty: bool,
+    fault: Option<Arc<FaultPlan>>,
+    scratch: Vec<u8>,
+    flushes: u64,
+    groups: u64,
+}
+
+impl Worker {
+    /// Reads both superblock copies and, once the caller has chosen one, the
+    /// active journal half.
+    pub fn open(
+        target: Target,
+        queue_depth: u32,
+        fault: Option<Arc<FaultPlan>>,
+    ) -> Result<(Worker, Vec<u8>, Vec<u8>), String> {
+        let mut engine = Engine::new(
+            target,
+            EngineOptions {
+                queue_depth,
+                buffer_slots: 64,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| e.to_string())?;
+        let a = read_raw(&mut engine, 0, SUPERBLOCK_BYTES as u64)?;
+        let capacity = engine.geometry().capacity;
+        // Copy B sits after the journal, whose size copy A gives. If A is
+        // unreadable, try every size `format` can choose (powers of two).
+        let b_offsets: Vec<u64> = match Superblock::decode(&a) {
+            Ok(sb) => vec![sb.copy_b_offset()],
+            Err(_) => super::JOURNAL_HALF_CHOICES
+                .map(|j| SUPERBLOCK_BYTES as u64 + 2 * j)
+                .to_vec(),
+        };
+        let mut b = Vec::new();
+        for off in b_offsets
+            .into_iter()
+            .filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity)
+        {
+            let bytes = read_raw(&mut engine, off, SUPERBLOCK_BYTES as u64)?;
+            if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty()
+            {
+                let found = Superblock::decode(&bytes).is_ok();
+                b = bytes;
+                if found {
+                    break;
+                }
+            }
+        }
+        let sb = Superblock::decode(&a)
+            .or_else(|_| Superblock::decode(&b))
+            .unwrap_or_else(|_| blank_superblock());
+        let image = engine
+            .register(Buffer::host(JOURNAL_BLOCK as usize).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        Ok((
+            Worker {
+                engine,
+                sb,
+                image,
+                image_len: JOURNAL_BLOCK,
+                end: 0,
+                durable_end: 0,
+                payload_dirty: false,
+                fault,
+                scratch: Vec::new(),
+                flushes: 0,
+                groups: 0,
+            },
+            a,
+            b,
+        ))
+    }
+
+    /// Loads the active journal half of `sb` into the image and returns its bytes.
+    pub fn load_journal(&mut self, sb: &Superblock) -> Result<Vec<u8>, String> {
+        self.sb = sb.clone();
+        let old = self.image;
+        let buffer = Buffer::host(sb.journal_half as usize).map_err(|e| e.to_string())?;
+        self.image = self.engine.register(buffer).map_err(|e| e.to_string())?;
+        self.image_len = sb.journal_half;
+        let _ = self.engine.remove(old);
+        let off = sb.journal_offset(sb.active_half);
+        self.io_one(Op::Read, self.image, 0, off, sb.journal_half)
+            .map_err(|e| format!("reading the journal: {e}"))?;
+        let mut bytes = vec![0u8; sb.journal_half as usize];
+        self.engine
+            .buffer(self.image)
+            .map_err(|e| e.to_string())?
+            .read_at(0, &mut bytes)
+            .map_err(|e| e.to_string())?;
+        Ok(bytes)
+    }
+
+    /// Appends continue at `end` (the last good record); what follows is zeroed.
+    pub fn set_journal_end(&mut self, end: u64) -> Result<(), String> {
+        let zeros = vec![0u8; (self.image_len - end) as usize];
+        self.engine
+            .buffer(self.image)
+            .map_err(|e| e.to_string())?
+            .write_at(end, &zeros)
+            .map_err(|e| e.to_string())?;
+        self.end = end;
+        // The block holding `end` must be rewritten whole at the next commit.
+        self.durable_end = end - end % JOURNAL_BLOCK;
+        Ok(())
+    }
+
+    pub fn run(mut self, jobs: Receiver<Job>) {
+        let mut pending: Vec<Job> = Vec::new();
+        loop {
+            if pending.is_empty() {
+                match jobs.recv() {
+                    Ok(j) => pending.push(j),
+                    Err(_) => return,
+                }
+            }
+            pending.extend(jobs.try_iter());
+            // Group commit: every Commit in this batch of jobs is served by one
+            // commit after the batch's other jobs. That is safe: a writer sends
+            // its Commit only after its payload I/O and records were queued, so
+            // serving it later still covers them (and maybe more).
+            let mut commits: Vec<Sender<Result<CommitInfo, String>>> = Vec::new();
+            for job in std::mem::take(&mut pending) {
+                match job {
+                    Job::Commit(reply) => commits.push(reply),
+                    Job::Stop => {
+                        self.finish_commits(&mut commits);
+                        return;
+                    }
+                    job @ (Job::Checkpoint { .. } | Job::WriteSuperblock(..)) => {
+                        // These rewrite journal or superblock state: commit first.
+                        self.finish_commits(&mut commits);
+                        self.handle(job);
+                    }
+                    other => self.handle(other),
+                }
+            }
+            self.finish_commits(&mut commits);
+        }
+    }
+
+    fn finish_commits(&mut self, commits: &mut Vec<Sender<Result<CommitInfo, String>>>) {
+        if commits.is_empty() {
+            return;
+        }
+        let result = self.commit().map(|_| self.info());
+        for c in commits.drain(..) {
+            let _ = c.send(result.clone());
+        }
+    }
+
+    fn info(&self) -> CommitInfo {
+        CommitInfo {
+            journal_used: self.end,
+            journal_half: self.image_len,
+            flushes: self.flushes,
+            commit_groups: self.groups,
+        }
+    }
+
+    fn handle(&mut self, job: Job) {
+        match job {
+            Job::Register(buffer, reply) => {
+                let _ = reply.send(self.engine.register(buffer));
+            }
+            Job::Io(requests, reply) => {
+                let _ = reply.send(self.payload(&requests));
+            }
+            Job::Append(frame) => {
+                let fits = self.end + frame.len() as u64 <= self.image_len;
+                if fits && let Ok(b) = self.engine.buffer(self.image) {
+                    let _ = b.write_at(self.end, &frame);
+                    self.end += frame.len() as u64;
+                } else {
+                    // Reported by the next commit: the journal cannot take it.
+                    self.end = u64::MAX;
+                }
+            }
+            Job::Checkpoint {
+                frame,
+                superblock,
+                reply,
+            } => {
+                let _ = reply.send(self.checkpoint(&frame, superblock));
+            }
+            Job::WriteSuperblock(sb, reply) => {
+                let _ = reply.send(self.write_superblock(&sb));
+            }
+            Job::Crc(req, reply) => {
+                let _ = reply.send(self.crc(&req));
+            }
+            Job::Commit(_) | Job::Stop => {}
+        }
+    }
+
+    fn flush(&mut self) -> Result<(), String> {
+        if self.fault.as_ref().is_some_and(|f| f.is_dead()) {
+            return Err(dead_device().to_string());
+        }
+        self.engine.flush().map_err(|e| format!("flush: {e}"))?;
+        self.flushes += 1;
+        Ok(())
+    }
+
+    /// Flush payload (if any was written) → write the journal tail → flush.
+    fn commit(&mut self) -> Result<(), String> {
+        if self.end == u64::MAX {
+            return Err(format!(
+                "the journal half ({} bytes) is full: format with a larger --journal",
+                self.image_len
+            ));
+        }
+        self.groups += 1;
+        if self.payload_dirty {
+            self.flush()?;
+            self.payload_dirty = false;
+        }
+        if self.durable_end < self.end {
+            let start = self.durable_end - self.durable_end % JOURNAL_BLOCK;
+            let stop = self.end.div_ceil(JOURNAL_BLOCK) * JOURNAL_BLOCK;
+            let off = self.sb.journal_offset(self.sb.active_half) + start;
+            self.write_guarded(self.image, start, off, stop - start)
+                .map_err(|e| format!("writing the journal: {e}"))?;
+            self.flush()?;
+            self.durable_end = self.end;
+        }
+        Ok(())
+    }
+
+    fn checkpoint(&mut self, frame: &[u8], sb: Superblock) -> Result<(), String> {
+        self.commit()?;
+        if frame.len() as u64 + JOURNAL_BLOCK > self.image_len {
+            return Err(format!(
+                "a checkpoint of {} bytes does not fit the {}-byte journal half: format with a larger --journal",
+                frame.len(),
+                self.image_len
+            ));
+        }
+        // Build the new half in the image: the frame, then zeros.
+        let b = self.engine.buffer(self.image).map_err(|e| e.to_string())?;
+        b.write_at(0, frame).map_err(|e| e.to_string())?;
+        let zeros = vec![0u8; (self.image_len - frame.len() as u64) as usize];
+        b.write_at(frame.len() as u64, &zeros)
+            .map_err(|e| e.to_string())?;
+        let len = (frame.len() as u64).div_ceil(JOURNAL_BLOCK) * JOURNAL_BLOCK + JOURNAL_BLOCK;
+        let len = len.min(self.image_len);
+        let off = sb.journal_offset(sb.active_half);
+        self.write_guarded(self.image, 0, off, len)
+            .map_err(|e| format!("writing the checkpoint: {e}"))?;
+        self.flush()?;
+        self.write_superblock(&sb)?;
+        self.end = frame.len() as u64;
+        self.durable_end = self.end;
+        Ok(())
+    }
+
+    /// Copy A, flush, copy B, flush: one valid copy survives any crash.
+    fn write_superblock(&mut self, sb: &Superblock) -> Result<(), String> {
+        let bytes = sb.encode();
+        let tmp = self
+            .engine
+            .register(Buffer::host(SUPERBLOCK_BYTES).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        let result = (|| {
+            self.engine
+                .buffer(tmp)
+                .map_err(|e| e.to_string())?
+                .write_at(0, &bytes)
+                .map_err(|e| e.to_string())?;
+            for off in [0, sb.copy_b_offset()] {
+                self.write_guarded(tmp, 0, off, SUPERBLOCK_BYTES as u64)
+                    .map_err(|e| format!("writing the superblock at {off}: {e}"))?;
+                self.flush()?;
+            }
+            Ok(())
+        })();
+        let _ = self.engine.remove(tmp);
+        if result.is_ok() {
+            self.sb = sb.clone();
+        }
+        result
+    }
+
+    /// A write that the fault plan may refuse or tear.
+    fn write_guarded(
+        &mut self,
+        buffer: BufferId,
+        buffer_offset: u64,
+        target_offset: u64,
+        len: u64,
+    ) -> Result<(), IoError> {
+        let mut len = len;
+        if let Some(f) = &self.fault {
+            match f.admit_write() {
+                Ok(true) => {}
+                Ok(false) => {
+                    // Torn: the first half (whole blocks) reaches the media.
+                    let half = (len / 2) - (len / 2) % JOURNAL_BLOCK.min(len);
+                    if half > 0 {
+                        let _ = self.io_one(Op::Write, buffer, buffer_offset, target_offset, half);
+                    }
+                    len = 0;
+                }
+                Err(()) => len = 0,
+            }
+        }
+        if len == 0 {
+            return Err(IoError::Transfer {
+                transfer: TransferId(0),
+                op: Op::Write,
+                offset: target_offset,
+                len,
+                source: dead_device(),
+            });
+        }
+        self.io_one(Op::Write, buffer, buffer_offset, target_offset, len)
+    }
+
+    fn io_one(
+        &mut self,
+        op: Op,
+        buffer: BufferId,
+        buffer_offset: u64,
+        target_offset: u64,
+        len: u64,
+    ) -> Result<(), IoError> {
+        let req = IoRequest {
+            transfer: TransferId(0),
+            op,
+            path: PayloadPath::HostFixed,
+            buffer,
+            buffer_offset,
+            target_offset,
+            len,
+        };
+        self.engine.execute_all(&[req]).map(|_| ())
+    }
+
+    fn payload(&mut self, requests: &[IoRequest]) -> Result<Vec<Result<u32, IoError>>, IoError> {
+        let mut allowed = Vec::with_capacity(requests.len());
+        let mut refused = vec![false; requests.len()];
+        for (i, r) in requests.iter().enumerate() {
+            let ok = match (&self.fault, r.op) {
+                (Some(f), Op::Write) => f.admit_write() == Ok(true),
+                (Some(f), _) => !f.is_dead(),
+                (None, _) => true,
+            };
+            if ok {
+                allowed.push(*r);
+            } else {
+                refused[i] = true;
+            }
+        }
+        let mut done = self.engine.execute(&allowed)?.into_iter();
+        if requests.iter().any(|r| r.op == Op::Write) {
+            self.payload_dirty = true;
+        }
+        let mut out = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            if refused[i] {
+                out.push(Err(IoError::Transfer {
+                    transfer: r.transfer,
+                    op: r.op,
+                    offset: r.target_offset,
+                    len: r.len,
+                    source: dead_device(),
+                }));
+                continue;
+            }
+            let Some(c) = done.next() else {
+                out.push(Err(IoError::ShortTransfer {
+                    transfer: r.transfer,
+                    op: r.op,
+                    offset: r.target_offset,
+                    expected: r.len,
+                }));
+                continue;
+            };
+            out.push(c.result.and_then(|_| self.crc(r)));
+        }
+        Ok(out)
+    }
+
+    /// crc32c of the request's buffer range, read with volatile copies (the
+    /// memory may be shared with another process).
+    fn crc(&mut self, r: &IoRequest) -> Result<u32, IoError> {
+        let b = self.engine.buffer(r.buffer)?;
+        self.scratch.resize(r.len as usize, 0);
+        b.read_at(r.buffer_offset, &mut self.scratch)
+            .map_err(|what| IoError::Buffer {
+                transfer: r.transfer,
+                what,
+            })?;
+        Ok(crc32c::crc32c(&self.scratch))
+    }
+}
+
+fn read_raw(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+    let id = engine
+        .register(Buffer::host(len as usize).map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let req = IoRequest {
+        transfer: TransferId(0),
+        op: Op::Read,
+        path: PayloadPath::HostFixed,
+        buffer: id,
+        buffer_offset: 0,
+        target_offset: offset,
+        len,
+    };
+    let result = engine.execute_all(&[req]).map_err(|e| e.to_string());
+    let buffer = engine.remove(id).map_err(|e| e.to_string())?;
+    result?;
+    let mut out = vec![0u8; len as usize];
+    buffer.read_at(0, &mut out).map_err(|e| e.to_string())?;
+    Ok(out)
+}
+
+fn blank_superblock() -> Superblock {
+    Superblock {
+        version: 0,
+        generation: 0,
+        uuid: uuid::Uuid::nil(),
+        epoch: 0,
+        block_size: 4096,
+        slot_size: 1,
+        slot_count: 0,
+        data_offset: 0,
+        journal_half: 1,
+        active_half: 0,
+        journal_start_seq: 0,
+        hmac_key_id: 0,
+        hmac_key: [0; 32],
+        created_unix: 0,
+    }
+}
