@@ -107,15 +107,38 @@ fn errors_name_the_input_and_exit_nonzero() {
 fn format_inspect_and_refusing_to_overwrite_a_namespace() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = dir.path().join("ns.img");
-    let run = |args: &[&str]| Command::new(pdstor_bin()).args(args).arg("--target").arg(&target).output().unwrap();
-    let out = run(&["format", "--size", "64M", "--chunk-slot", "1M", "--journal", "1M"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let run = |args: &[&str]| {
+        Command::new(pdstor_bin())
+            .args(args)
+            .arg("--target")
+            .arg(&target)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "format",
+        "--size",
+        "64M",
+        "--chunk-slot",
+        "1M",
+        "--journal",
+        "1M",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let f: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(f["slot_size"], 1 << 20);
     assert!(f["slot_count"].as_u64().unwrap() > 50);
     for expected_epoch in [1, 2] {
         let out = run(&["inspect"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let i: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(i["namespace"], f["uuid"]);
         assert_eq!(i["epoch"], expected_epoch, "each open bumps the epoch");
@@ -124,6 +147,9 @@ fn format_inspect_and_refusing_to_overwrite_a_namespace() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("a pdstor namespace"));
     let out = run(&["roundtrip", "--chunks", "1", "--chunk-size", "1M"]);
-    assert!(!out.status.success(), "roundtrip would overwrite the namespace");
+    assert!(
+        !out.status.success(),
+        "roundtrip would overwrite the namespace"
+    );
     assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
 }
