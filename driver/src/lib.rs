@@ -3,15 +3,16 @@
 //! shared folder and README.md.
 
 pub mod admission;
+pub mod api;
 pub mod bench;
 pub mod buffer;
+pub mod client;
 pub mod io;
 pub mod payload;
+pub mod protocol;
 pub mod roundtrip;
 pub mod store;
 pub mod units;
 
 pub use buffer::{Buffer, BufferKind};
-pub use io::{
-    Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
-};
+pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};

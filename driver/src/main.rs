@@ -6,6 +6,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use pdstor::PayloadPath;
+use pdstor::client::ClientError;
+use pdstor::protocol::Receipt;
+use pdstor::store::Layout;
+
+mod handoff;
 use pdstor::bench::store::{self as store_bench, StoreBenchConfig};
 use pdstor::bench::{self, BenchConfig, Pattern};
 use pdstor::io::{Engine, EngineOptions, Target, TargetOptions};
@@ -14,18 +19,156 @@ use pdstor::store::{self, FormatOptions};
 use pdstor::units::parse_size;
 
 #[derive(Parser)]
-#[command(
-    name = "pdstor",
-    version,
-    about = "Hands LLM KV cache from prefill to decode through NVMe, and proves it"
-)]
+#[command(name = "pdstor", version, about = "Hands LLM KV cache from prefill to decode through NVMe, and proves it")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
+/// Where the daemon is, for client verbs.
+#[derive(clap::Args, Clone)]
+struct Daemon {
+    /// Control plane URL.
+    #[arg(long, env = "PDSTOR_SERVER", default_value = "http://127.0.0.1:7077")]
+    server: String,
+    /// Data plane socket.
+    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
+    data_socket: PathBuf,
+}
+
 #[derive(Subcommand)]
 enum Command {
+    /// Run the daemon: the store behind the HTTP control plane and the data plane.
+    Serve {
+        #[arg(long)]
+        target: PathBuf,
+        /// Control plane address (loopback by default).
+        #[arg(long, default_value = "127.0.0.1:7077", conflicts_with = "listen_unix")]
+        listen: std::net::SocketAddr,
+        /// Serve the control plane on a Unix socket instead.
+        #[arg(long)]
+        listen_unix: Option<PathBuf>,
+        #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
+        data_socket: PathBuf,
+        #[arg(long, default_value_t = 32)]
+        qd: u32,
+        /// Longest a prepare waits for capacity, in ms.
+        #[arg(long, default_value_t = 30_000)]
+        admission_timeout_ms: u64,
+    },
+    /// prepare + store a file's bytes through a memfd + publish; prints the READY receipt.
+    Put {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        req: String,
+        /// JSON layout (model_id, dtype, layers, kv_heads, head_dim, chunk_tokens, kv_format).
+        #[arg(long)]
+        layout: PathBuf,
+        #[arg(long)]
+        from: PathBuf,
+        #[arg(long, default_value = "8M", value_parser = parse_size)]
+        chunk_size: u64,
+        /// Chunks per store batch.
+        #[arg(long, default_value_t = 4)]
+        batch: u32,
+        #[arg(long)]
+        first_token: Option<u32>,
+    },
+    /// Claim a READY publication for one reader and session; prints the claim receipt.
+    Claim {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        receipt: PathBuf,
+        #[arg(long)]
+        reader: String,
+        #[arg(long)]
+        session: String,
+        #[arg(long, default_value_t = 60_000)]
+        lease_ms: u64,
+    },
+    /// adopt + load + verify; writes the bytes, prints the restore digest.
+    Get {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        claim: PathBuf,
+        #[arg(long)]
+        layout: PathBuf,
+        #[arg(long)]
+        out: PathBuf,
+        /// Acknowledge right after a verified restore.
+        #[arg(long)]
+        ack: bool,
+    },
+    /// Acknowledge a restore: frees the slots.
+    Ack {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        claim: PathBuf,
+        #[arg(long)]
+        restore_digest: String,
+    },
+    /// Release a READY, never-claimed publication.
+    Release {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        receipt: PathBuf,
+    },
+    /// Abort a publication that is not READY yet.
+    Abort {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        publication: u64,
+    },
+    /// Report a failed or uncertain read: the publication is RETAINED.
+    Fail {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        claim: PathBuf,
+        #[arg(long)]
+        reason: String,
+    },
+    /// Free a claimed or retained publication whose reader is fenced.
+    Reclaim {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        claim: PathBuf,
+    },
+    /// Fence a reader session (its claims become reclaimable).
+    CloseSession {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        session: String,
+    },
+    /// The daemon's metrics.
+    Status {
+        #[command(flatten)]
+        daemon: Daemon,
+    },
+    /// Live publications, optionally of one state.
+    Publications {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long)]
+        state: Option<String>,
+    },
+    /// A writer process and a reader process hand N bytes through the daemon, verified.
+    Handoff {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long, default_value = "64M", value_parser = parse_size)]
+        bytes: u64,
+        #[arg(long, default_value = "8M", value_parser = parse_size)]
+        chunk_size: u64,
+    },
     /// Print a target's kind and geometry as JSON.
     Info {
         #[arg(long)]
@@ -130,25 +273,133 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("pdstor: error: {e:#}");
-            ExitCode::from(1)
-        }
+        Err(e) => match e.downcast_ref::<ClientError>() {
+            Some(ClientError::Api(body)) => {
+                eprintln!("pdstor: refused: {} {} ({}): {}", body.status, body.code, body.field, body.message);
+                ExitCode::from(pdstor::api::error::exit_code(body))
+            }
+            Some(other) => {
+                eprintln!("pdstor: error: {other}");
+                ExitCode::from(pdstor::api::error::EXIT_FAILED)
+            }
+            None => {
+                eprintln!("pdstor: error: {e:#}");
+                ExitCode::from(1)
+            }
+        },
     }
+}
+
+fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path, what: &str) -> anyhow::Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("reading {what} {}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{what} {} is not valid: {e}", path.display()))
+}
+
+fn client_verbs(command: Command) -> anyhow::Result<()> {
+    use pdstor::client::{Client, Reader, Writer};
+    match command {
+        Command::Put { daemon, req, layout, from, chunk_size, batch, first_token } => {
+            let layout: Layout = read_json(&layout, "layout")?;
+            let payload = std::fs::read(&from).map_err(|e| anyhow::anyhow!("reading {}: {e}", from.display()))?;
+            if payload.is_empty() || !payload.len().is_multiple_of(4096) {
+                anyhow::bail!(
+                    "{} is {} bytes; a KV payload must be a non-empty multiple of 4096 bytes (direct I/O): pad it",
+                    from.display(),
+                    payload.len()
+                );
+            }
+            let chunks = payload.len().div_ceil(chunk_size as usize) as u32;
+            let mut w = Writer::new(&daemon.server, &daemon.data_socket, chunk_size, chunks)?;
+            let published = w.put(&req, &layout, &payload, batch, first_token)?;
+            println!("{}", serde_json::to_string_pretty(&published.receipt)?);
+        }
+        Command::Claim { daemon, receipt, reader, session, lease_ms } => {
+            let ready: Receipt = read_json(&receipt, "receipt")?;
+            let claim = Client::new(&daemon.server).claim(&ready, &reader, &session, lease_ms)?;
+            println!("{}", serde_json::to_string_pretty(&claim)?);
+        }
+        Command::Get { daemon, claim, layout, out, ack } => {
+            let claim: Receipt = read_json(&claim, "claim receipt")?;
+            let layout: Layout = read_json(&layout, "layout")?;
+            let mut r = Reader::new(&daemon.server, &daemon.data_socket)?;
+            let restored = r.get(&claim, &layout)?;
+            std::fs::write(&out, &restored.bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+            if ack {
+                r.client.ack(&claim, &restored.restore_digest)?;
+            }
+            let summary = serde_json::json!({
+                "publication": restored.manifest.publication,
+                "chunks": restored.manifest.chunks.len(),
+                "bytes": restored.bytes.len(),
+                "first_token": restored.manifest.first_token,
+                "restore_digest": restored.restore_digest,
+                "acked": ack,
+            });
+            println!("{}", serde_json::to_string_pretty(&summary)?);
+        }
+        Command::Ack { daemon, claim, restore_digest } => {
+            Client::new(&daemon.server).ack(&read_json(&claim, "claim receipt")?, &restore_digest)?;
+        }
+        Command::Release { daemon, receipt } => {
+            Client::new(&daemon.server).release(&read_json(&receipt, "receipt")?)?
+        }
+        Command::Abort { daemon, publication } => {
+            println!("{}", serde_json::to_string(&Client::new(&daemon.server).abort(publication)?)?);
+        }
+        Command::Fail { daemon, claim, reason } => {
+            Client::new(&daemon.server).fail(&read_json(&claim, "claim receipt")?, &reason)?
+        }
+        Command::Reclaim { daemon, claim } => {
+            Client::new(&daemon.server).reclaim(&read_json(&claim, "claim receipt")?)?
+        }
+        Command::CloseSession { daemon, session } => Client::new(&daemon.server).close_session(&session)?,
+        Command::Status { daemon } => print!("{}", Client::new(&daemon.server).metrics()?),
+        Command::Publications { daemon, state } => {
+            println!("{}", serde_json::to_string_pretty(&Client::new(&daemon.server).publications(state.as_deref())?)?);
+        }
+        Command::Handoff { daemon, bytes, chunk_size } => {
+            handoff::run(&daemon.server, &daemon.data_socket, bytes, chunk_size)?
+        }
+        _ => unreachable!("client_verbs is only called with client verbs"),
+    }
+    Ok(())
 }
 
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Serve { target, listen, listen_unix, data_socket, qd, admission_timeout_ms } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            pdstor::api::serve(pdstor::api::ServeConfig {
+                target,
+                listen: match listen_unix {
+                    Some(p) => pdstor::api::Listen::Unix(p),
+                    None => pdstor::api::Listen::Tcp(listen),
+                },
+                data_socket,
+                queue_depth: qd,
+                admission_timeout: std::time::Duration::from_millis(admission_timeout_ms),
+            })?;
+        }
+        c @ (Command::Put { .. }
+        | Command::Claim { .. }
+        | Command::Get { .. }
+        | Command::Ack { .. }
+        | Command::Release { .. }
+        | Command::Abort { .. }
+        | Command::Fail { .. }
+        | Command::Reclaim { .. }
+        | Command::CloseSession { .. }
+        | Command::Status { .. }
+        | Command::Publications { .. }
+        | Command::Handoff { .. }) => client_verbs(c)?,
         Command::Info { target } => {
             let t = Target::open(&target, &TargetOptions::default())?;
-            let engine = Engine::new(
-                t,
-                EngineOptions {
-                    queue_depth: 1,
-                    buffer_slots: 1,
-                    ..Default::default()
-                },
-            )?;
+            let engine = Engine::new(t, EngineOptions { queue_depth: 1, buffer_slots: 1, ..Default::default() })?;
             let info = serde_json::json!({
                 "target": target,
                 "kind": engine.target().kind(),
@@ -156,21 +407,10 @@ fn run(command: Command) -> anyhow::Result<()> {
             });
             println!("{}", serde_json::to_string_pretty(&info)?);
         }
-        Command::Format {
-            target,
-            chunk_slot,
-            journal,
-            size,
-            force,
-        } => {
+        Command::Format { target, chunk_slot, journal, size, force } => {
             let r = store::format(
                 &target,
-                &FormatOptions {
-                    slot_size: chunk_slot,
-                    journal_half: journal,
-                    force,
-                    create_len: size,
-                },
+                &FormatOptions { slot_size: chunk_slot, journal_half: journal, force, create_len: size },
             )?;
             println!("{}", serde_json::to_string_pretty(&r)?);
         }
@@ -193,19 +433,8 @@ fn run(command: Command) -> anyhow::Result<()> {
             });
             println!("{}", serde_json::to_string_pretty(&out)?);
         }
-        Command::BenchStore {
-            target,
-            writers,
-            publications,
-            chunk,
-            json,
-        } => {
-            let r = store_bench::run(&StoreBenchConfig {
-                target,
-                writers,
-                publications,
-                chunk,
-            })?;
+        Command::BenchStore { target, writers, publications, chunk, json } => {
+            let r = store_bench::run(&StoreBenchConfig { target, writers, publications, chunk })?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -221,27 +450,9 @@ fn run(command: Command) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench {
-            target,
-            path,
-            pattern,
-            bs,
-            qd,
-            size,
-            seed,
-            json,
-            force,
-        } => {
+        Command::Bench { target, path, pattern, bs, qd, size, seed, json, force } => {
             refuse_signature(&target, force)?;
-            let r = bench::run(&BenchConfig {
-                target,
-                path,
-                pattern,
-                block_size: bs,
-                queue_depth: qd,
-                size,
-                seed,
-            })?;
+            let r = bench::run(&BenchConfig { target, path, pattern, block_size: bs, queue_depth: qd, size, seed })?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -261,25 +472,9 @@ fn run(command: Command) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Roundtrip {
-            target,
-            path,
-            chunks,
-            chunk_size,
-            qd,
-            seed,
-            json,
-            force,
-        } => {
+        Command::Roundtrip { target, path, chunks, chunk_size, qd, seed, json, force } => {
             refuse_signature(&target, force)?;
-            let r = roundtrip::run(&RoundtripConfig {
-                target,
-                path,
-                chunks,
-                chunk_size,
-                queue_depth: qd,
-                seed,
-            })?;
+            let r = roundtrip::run(&RoundtripConfig { target, path, chunks, chunk_size, queue_depth: qd, seed })?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
@@ -296,18 +491,11 @@ fn run(command: Command) -> anyhow::Result<()> {
                     "  write  {:>8.1} MiB/s  ({:.3} s, flush {:.3} s)",
                     r.write_mib_per_s, r.write_seconds, r.flush_seconds
                 );
-                println!(
-                    "  read   {:>8.1} MiB/s  ({:.3} s)",
-                    r.read_mib_per_s, r.read_seconds
-                );
+                println!("  read   {:>8.1} MiB/s  ({:.3} s)", r.read_mib_per_s, r.read_seconds);
                 println!(
                     "  verified byte for byte: through the engine {}, independently (O_DIRECT pread) {}",
                     if r.verified_by_engine { "yes" } else { "no" },
-                    if r.verified_independently {
-                        "yes"
-                    } else {
-                        "n/a for passthrough"
-                    }
+                    if r.verified_independently { "yes" } else { "n/a for passthrough" }
                 );
             }
         }

@@ -12,8 +12,7 @@ use std::time::Instant;
 
 use crate::buffer::{Buffer, BufferError};
 use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetKind,
-    TargetOptions, TransferId,
+    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetKind, TargetOptions, TransferId,
 };
 use crate::payload;
 
@@ -56,11 +55,7 @@ pub enum RoundtripError {
     #[error("round trip: {0}")]
     Config(String),
     #[error("chunk {chunk} read back {how} differs from what was written, first at byte {offset}")]
-    Mismatch {
-        chunk: u64,
-        how: &'static str,
-        offset: usize,
-    },
+    Mismatch { chunk: u64, how: &'static str, offset: usize },
     #[error("independent O_DIRECT read of {path} at offset {offset}: {source}")]
     IndependentRead {
         path: PathBuf,
@@ -78,41 +73,24 @@ pub fn run(cfg: &RoundtripConfig) -> Result<RoundtripReport, RoundtripError> {
         )));
     }
     let total = cfg.chunks as u64 * cfg.chunk_size;
-    let target = Target::open(
-        &cfg.target,
-        &TargetOptions {
-            create_len: Some(total),
-        },
-    )?;
+    let target = Target::open(&cfg.target, &TargetOptions { create_len: Some(total) })?;
     let kind = target.kind();
     let per_region = (REGION_BYTES / cfg.chunk_size).max(1);
     let regions = (cfg.chunks as u64).div_ceil(per_region);
     let mut engine = Engine::new(
         target,
-        EngineOptions {
-            queue_depth: cfg.queue_depth,
-            buffer_slots: regions as u32,
-            ..Default::default()
-        },
+        EngineOptions { queue_depth: cfg.queue_depth, buffer_slots: regions as u32, ..Default::default() },
     )?;
     let mut ids: Vec<BufferId> = Vec::new();
     for r in 0..regions {
         let n = per_region.min(cfg.chunks as u64 - r * per_region);
-        let buffer = Buffer::memfd(
-            &format!("pdstor-roundtrip-{r}"),
-            (n * cfg.chunk_size) as usize,
-        )?;
+        let buffer = Buffer::memfd(&format!("pdstor-roundtrip-{r}"), (n * cfg.chunk_size) as usize)?;
         ids.push(match cfg.path {
             PayloadPath::Host => engine.add(buffer)?,
             _ => engine.register(buffer)?,
         });
     }
-    let locate = |chunk: u64| {
-        (
-            ids[(chunk / per_region) as usize],
-            (chunk % per_region) * cfg.chunk_size,
-        )
-    };
+    let locate = |chunk: u64| (ids[(chunk / per_region) as usize], (chunk % per_region) * cfg.chunk_size);
     let mut scratch = vec![0u8; cfg.chunk_size as usize];
     for chunk in 0..cfg.chunks as u64 {
         payload::fill(cfg.seed, chunk, &mut scratch);
@@ -159,11 +137,7 @@ pub fn run(cfg: &RoundtripConfig) -> Result<RoundtripReport, RoundtripError> {
         let (id, off) = locate(chunk);
         engine.buffer(id)?.read_at(off, &mut got)?;
         if let Some(offset) = payload::first_difference(&scratch, &got) {
-            return Err(RoundtripError::Mismatch {
-                chunk,
-                how: "through the engine",
-                offset,
-            });
+            return Err(RoundtripError::Mismatch { chunk, how: "through the engine", offset });
         }
     }
     let independent = kind != TargetKind::NvmeGeneric;
@@ -190,23 +164,9 @@ pub fn run(cfg: &RoundtripConfig) -> Result<RoundtripReport, RoundtripError> {
 
 /// Reads every chunk with `pread(2)` on a fresh `O_DIRECT` descriptor into an
 /// aligned buffer and compares it with the seeded payload.
-fn verify_independently(
-    path: &Path,
-    cfg: &RoundtripConfig,
-    align: usize,
-) -> Result<(), RoundtripError> {
-    let err = |offset: u64| {
-        move |source| RoundtripError::IndependentRead {
-            path: path.into(),
-            offset,
-            source,
-        }
-    };
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .map_err(err(0))?;
+fn verify_independently(path: &Path, cfg: &RoundtripConfig, align: usize) -> Result<(), RoundtripError> {
+    let err = |offset: u64| move |source| RoundtripError::IndependentRead { path: path.into(), offset, source };
+    let file = OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path).map_err(err(0))?;
     // A page-aligned buffer satisfies any direct-I/O memory alignment up to a page.
     let aligned = Buffer::host(cfg.chunk_size.max(align as u64) as usize)?;
     let mut got = vec![0u8; cfg.chunk_size as usize];
@@ -216,17 +176,12 @@ fn verify_independently(
         let slice = aligned.slice(0, cfg.chunk_size as usize)?;
         // SAFETY: `slice` is a live, writable mapping of exactly `chunk_size`
         // bytes owned by `aligned`; nothing else accesses it during the read.
-        let dst =
-            unsafe { std::slice::from_raw_parts_mut(slice.ptr_guard_mut().as_ptr(), slice.len()) };
+        let dst = unsafe { std::slice::from_raw_parts_mut(slice.ptr_guard_mut().as_ptr(), slice.len()) };
         file.read_exact_at(dst, offset).map_err(err(offset))?;
         aligned.read_at(0, &mut got)?;
         payload::fill(cfg.seed, chunk, &mut want);
         if let Some(at) = payload::first_difference(&want, &got) {
-            return Err(RoundtripError::Mismatch {
-                chunk,
-                how: "independently (O_DIRECT pread)",
-                offset: at,
-            });
+            return Err(RoundtripError::Mismatch { chunk, how: "independently (O_DIRECT pread)", offset: at });
         }
     }
     Ok(())

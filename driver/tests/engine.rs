@@ -9,8 +9,7 @@ use std::path::Path;
 
 use common::{Filesystem, LoopDevice, dd_direct, skip};
 use pdstor::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, Target, TargetKind, TargetOptions,
-    TransferId,
+    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
 };
 use pdstor::{Buffer, PayloadPath, payload};
 
@@ -31,14 +30,7 @@ fn buffer_for(engine: &mut Engine, path: PayloadPath, len: u64) -> BufferId {
     }
 }
 
-fn batch(
-    op: Op,
-    path: PayloadPath,
-    buffer: BufferId,
-    base: u64,
-    chunks: u64,
-    chunk: u64,
-) -> Vec<IoRequest> {
+fn batch(op: Op, path: PayloadPath, buffer: BufferId, base: u64, chunks: u64, chunk: u64) -> Vec<IoRequest> {
     (0..chunks)
         .map(|i| IoRequest {
             transfer: TransferId(i + 1),
@@ -57,15 +49,9 @@ fn batch(
 fn round_trip(engine: &mut Engine, target_path: &Path, path: PayloadPath, seed: u64, base: u64) {
     let id = buffer_for(engine, path, CHUNK * CHUNKS);
     for i in 0..CHUNKS {
-        engine
-            .buffer(id)
-            .unwrap()
-            .write_at(i * CHUNK, &payload::chunk(seed, i, CHUNK as usize))
-            .unwrap();
+        engine.buffer(id).unwrap().write_at(i * CHUNK, &payload::chunk(seed, i, CHUNK as usize)).unwrap();
     }
-    let done = engine
-        .execute(&batch(Op::Write, path, id, base, CHUNKS, CHUNK))
-        .unwrap();
+    let done = engine.execute(&batch(Op::Write, path, id, base, CHUNKS, CHUNK)).unwrap();
     assert_eq!(done.len() as u64, CHUNKS);
     for c in &done {
         assert!(c.result.is_ok(), "{:?}", c.result);
@@ -73,36 +59,15 @@ fn round_trip(engine: &mut Engine, target_path: &Path, path: PayloadPath, seed: 
         assert_eq!(c.path, path, "the completion records the path used");
     }
     engine.flush().unwrap();
-    engine
-        .buffer(id)
-        .unwrap()
-        .write_at(0, &vec![0u8; (CHUNK * CHUNKS) as usize])
-        .unwrap();
-    assert_eq!(
-        engine
-            .execute_all(&batch(Op::Read, path, id, base, CHUNKS, CHUNK))
-            .unwrap(),
-        CHUNK * CHUNKS
-    );
+    engine.buffer(id).unwrap().write_at(0, &vec![0u8; (CHUNK * CHUNKS) as usize]).unwrap();
+    assert_eq!(engine.execute_all(&batch(Op::Read, path, id, base, CHUNKS, CHUNK)).unwrap(), CHUNK * CHUNKS);
     for i in 0..CHUNKS {
         let want = payload::chunk(seed, i, CHUNK as usize);
         let mut got = vec![0u8; CHUNK as usize];
-        engine
-            .buffer(id)
-            .unwrap()
-            .read_at(i * CHUNK, &mut got)
-            .unwrap();
-        assert_eq!(
-            payload::first_difference(&want, &got),
-            None,
-            "chunk {i} via engine on {path}"
-        );
+        engine.buffer(id).unwrap().read_at(i * CHUNK, &mut got).unwrap();
+        assert_eq!(payload::first_difference(&want, &got), None, "chunk {i} via engine on {path}");
         let independent = dd_direct(target_path, base + i * CHUNK, CHUNK);
-        assert_eq!(
-            payload::first_difference(&want, &independent),
-            None,
-            "chunk {i} via dd on {path}"
-        );
+        assert_eq!(payload::first_difference(&want, &independent), None, "chunk {i} via dd on {path}");
     }
     engine.remove(id).unwrap();
 }
@@ -110,13 +75,7 @@ fn round_trip(engine: &mut Engine, target_path: &Path, path: PayloadPath, seed: 
 fn both_paths(target: &Path, create: Option<u64>) {
     let mut engine = open(target, create, EngineOptions::default());
     round_trip(&mut engine, target, PayloadPath::Host, 11, 0);
-    round_trip(
-        &mut engine,
-        target,
-        PayloadPath::HostFixed,
-        12,
-        CHUNK * CHUNKS,
-    );
+    round_trip(&mut engine, target, PayloadPath::HostFixed, 12, CHUNK * CHUNKS);
     let s = engine.stats();
     assert_eq!(s.host.requests, 2 * CHUNKS);
     assert_eq!(s.host_fixed.requests, 2 * CHUNKS);
@@ -130,11 +89,7 @@ fn file_on_root_filesystem() {
     both_paths(&target, Some(2 * CHUNK * CHUNKS));
     let engine = open(&target, None, EngineOptions::default());
     assert_eq!(engine.target().kind(), TargetKind::File);
-    assert_eq!(
-        engine.geometry().capacity,
-        2 * CHUNK * CHUNKS,
-        "preallocated to the requested size"
-    );
+    assert_eq!(engine.geometry().capacity, 2 * CHUNK * CHUNKS, "preallocated to the requested size");
 }
 
 #[test]
@@ -173,43 +128,20 @@ fn ext4_on_loop_device() {
 fn requests_larger_than_the_command_limit_are_split_and_reassembled() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = dir.path().join("split.img");
-    let t = Target::open(
-        &target,
-        &TargetOptions {
-            create_len: Some(8 << 20),
-        },
-    )
-    .unwrap();
-    let mut engine = Engine::new(
-        t,
-        EngineOptions {
-            queue_depth: 3,
-            max_transfer: Some(64 * 1024),
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let t = Target::open(&target, &TargetOptions { create_len: Some(8 << 20) }).unwrap();
+    let mut engine =
+        Engine::new(t, EngineOptions { queue_depth: 3, max_transfer: Some(64 * 1024), ..Default::default() }).unwrap();
     assert_eq!(engine.geometry().max_transfer, 64 * 1024);
     // 5 requests of 1 MiB + 4 KiB each: 17 commands apiece, 3 requests in flight.
     let len = (1 << 20) + 4096;
     let id = buffer_for(&mut engine, PayloadPath::HostFixed, 5 * len);
     for i in 0..5 {
-        engine
-            .buffer(id)
-            .unwrap()
-            .write_at(i * len, &payload::chunk(3, i, len as usize))
-            .unwrap();
+        engine.buffer(id).unwrap().write_at(i * len, &payload::chunk(3, i, len as usize)).unwrap();
     }
-    engine
-        .execute_all(&batch(Op::Write, PayloadPath::HostFixed, id, 0, 5, len))
-        .unwrap();
+    engine.execute_all(&batch(Op::Write, PayloadPath::HostFixed, id, 0, 5, len)).unwrap();
     engine.flush().unwrap();
     for i in 0..5 {
-        assert_eq!(
-            dd_direct(&target, i * len, len),
-            payload::chunk(3, i, len as usize),
-            "request {i}"
-        );
+        assert_eq!(dd_direct(&target, i * len, len), payload::chunk(3, i, len as usize), "request {i}");
     }
 }
 
@@ -217,38 +149,18 @@ fn requests_larger_than_the_command_limit_are_split_and_reassembled() {
 fn many_small_requests_through_a_shallow_queue() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = dir.path().join("small.img");
-    let mut engine = open(
-        &target,
-        Some(4 << 20),
-        EngineOptions {
-            queue_depth: 4,
-            ..Default::default()
-        },
-    );
+    let mut engine = open(&target, Some(4 << 20), EngineOptions { queue_depth: 4, ..Default::default() });
     let id = buffer_for(&mut engine, PayloadPath::HostFixed, 4 << 20);
-    engine
-        .buffer(id)
-        .unwrap()
-        .write_at(0, &payload::chunk(5, 0, 4 << 20))
-        .unwrap();
+    engine.buffer(id).unwrap().write_at(0, &payload::chunk(5, 0, 4 << 20)).unwrap();
     let n = (4 << 20) / 4096;
-    let done = engine
-        .execute(&batch(Op::Write, PayloadPath::HostFixed, id, 0, n, 4096))
-        .unwrap();
+    let done = engine.execute(&batch(Op::Write, PayloadPath::HostFixed, id, 0, n, 4096)).unwrap();
     assert_eq!(done.len() as u64, n);
     for (i, c) in done.iter().enumerate() {
-        assert_eq!(
-            c.transfer,
-            TransferId(i as u64 + 1),
-            "completions come back in batch order"
-        );
+        assert_eq!(c.transfer, TransferId(i as u64 + 1), "completions come back in batch order");
         assert!(c.result.is_ok());
     }
     engine.flush().unwrap();
-    assert_eq!(
-        dd_direct(&target, 0, 4 << 20),
-        payload::chunk(5, 0, 4 << 20)
-    );
+    assert_eq!(dd_direct(&target, 0, 4 << 20), payload::chunk(5, 0, 4 << 20));
 }
 
 /// Runs `bad` against a target holding a known pattern and checks it is refused
@@ -261,57 +173,19 @@ fn refused(name: &str, bad: impl FnOnce(&mut Engine, BufferId, BufferId) -> IoEr
     let plain = buffer_for(&mut engine, PayloadPath::Host, 1 << 20);
     let before = payload::chunk(9, 0, 1 << 20);
     engine.buffer(fixed).unwrap().write_at(0, &before).unwrap();
-    engine
-        .execute_all(&batch(
-            Op::Write,
-            PayloadPath::HostFixed,
-            fixed,
-            0,
-            1,
-            1 << 20,
-        ))
-        .unwrap();
+    engine.execute_all(&batch(Op::Write, PayloadPath::HostFixed, fixed, 0, 1, 1 << 20)).unwrap();
     engine.flush().unwrap();
-    engine
-        .buffer(fixed)
-        .unwrap()
-        .write_at(0, &payload::chunk(10, 0, 1 << 20))
-        .unwrap();
-    engine
-        .buffer(plain)
-        .unwrap()
-        .write_at(0, &payload::chunk(10, 0, 1 << 20))
-        .unwrap();
+    engine.buffer(fixed).unwrap().write_at(0, &payload::chunk(10, 0, 1 << 20)).unwrap();
+    engine.buffer(plain).unwrap().write_at(0, &payload::chunk(10, 0, 1 << 20)).unwrap();
     let err = bad(&mut engine, fixed, plain);
     let msg = err.to_string();
-    assert!(
-        msg.contains(expect),
-        "{name}: error {msg:?} should mention {expect:?}"
-    );
+    assert!(msg.contains(expect), "{name}: error {msg:?} should mention {expect:?}");
     drop(engine);
-    assert_eq!(
-        dd_direct(&target, 0, 1 << 20),
-        before,
-        "{name}: a refused request wrote nothing"
-    );
+    assert_eq!(dd_direct(&target, 0, 1 << 20), before, "{name}: a refused request wrote nothing");
 }
 
-fn write_req(
-    buffer: BufferId,
-    path: PayloadPath,
-    buffer_offset: u64,
-    target_offset: u64,
-    len: u64,
-) -> IoRequest {
-    IoRequest {
-        transfer: TransferId(77),
-        op: Op::Write,
-        path,
-        buffer,
-        buffer_offset,
-        target_offset,
-        len,
-    }
+fn write_req(buffer: BufferId, path: PayloadPath, buffer_offset: u64, target_offset: u64, len: u64) -> IoRequest {
+    IoRequest { transfer: TransferId(77), op: Op::Write, path, buffer, buffer_offset, target_offset, len }
 }
 
 #[test]
@@ -319,80 +193,47 @@ fn refusals_name_the_problem_and_write_nothing() {
     let good = |b| write_req(b, PayloadPath::HostFixed, 0, 0, 4096);
     refused(
         "unaligned target offset",
-        |e, f, _| {
-            e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 0, 100, 4096)])
-                .unwrap_err()
-        },
+        |e, f, _| e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 0, 100, 4096)]).unwrap_err(),
         "target offset 100 is not a multiple of",
     );
     refused(
         "unaligned buffer",
-        |e, f, _| {
-            e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 1, 0, 4096)])
-                .unwrap_err()
-        },
+        |e, f, _| e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 1, 0, 4096)]).unwrap_err(),
         "buffer address",
     );
     refused(
         "unaligned length",
-        |e, f, _| {
-            e.execute(&[write_req(f, PayloadPath::HostFixed, 0, 0, 1000)])
-                .unwrap_err()
-        },
+        |e, f, _| e.execute(&[write_req(f, PayloadPath::HostFixed, 0, 0, 1000)]).unwrap_err(),
         "length 1000",
     );
     refused(
         "beyond the target",
-        |e, f, _| {
-            e.execute(&[
-                good(f),
-                write_req(f, PayloadPath::HostFixed, 0, (1 << 20) - 4096, 8192),
-            ])
-            .unwrap_err()
-        },
+        |e, f, _| e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 0, (1 << 20) - 4096, 8192)]).unwrap_err(),
         "beyond the target's 1048576 bytes",
     );
     refused(
         "beyond the buffer",
-        |e, f, _| {
-            e.execute(&[
-                good(f),
-                write_req(f, PayloadPath::HostFixed, 1 << 20, 0, 4096),
-            ])
-            .unwrap_err()
-        },
+        |e, f, _| e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 1 << 20, 0, 4096)]).unwrap_err(),
         "outside the 1048576-byte buffer",
     );
     refused(
         "host_fixed on an unregistered buffer",
-        |e, _, p| {
-            e.execute(&[write_req(p, PayloadPath::HostFixed, 0, 0, 4096)])
-                .unwrap_err()
-        },
+        |e, _, p| e.execute(&[write_req(p, PayloadPath::HostFixed, 0, 0, 4096)]).unwrap_err(),
         "not registered with io_uring",
     );
     refused(
         "dmabuf_fixed without import",
-        |e, f, _| {
-            e.execute(&[write_req(f, PayloadPath::DmabufFixed, 0, 0, 4096)])
-                .unwrap_err()
-        },
+        |e, f, _| e.execute(&[write_req(f, PayloadPath::DmabufFixed, 0, 0, 4096)]).unwrap_err(),
         "path dmabuf_fixed is not available",
     );
     refused(
         "empty request",
-        |e, f, _| {
-            e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 0, 0, 0)])
-                .unwrap_err()
-        },
+        |e, f, _| e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 0, 0, 0)]).unwrap_err(),
         "0 bytes",
     );
     refused(
         "unknown buffer",
-        |e, _, _| {
-            e.execute(&[write_req(BufferId(63), PayloadPath::Host, 0, 0, 4096)])
-                .unwrap_err()
-        },
+        |e, _, _| e.execute(&[write_req(BufferId(63), PayloadPath::Host, 0, 0, 4096)]).unwrap_err(),
         "buffer 63 is not held",
     );
     refused(
@@ -416,32 +257,19 @@ fn a_directory_is_not_a_target() {
 
 #[test]
 fn tmpfs_is_refused_for_lack_of_direct_io() {
-    let Some(dir) = ["/dev/shm", "/run"].into_iter().find(|d| {
-        nix::sys::statfs::statfs(*d)
-            .is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
-    }) else {
-        return skip(
-            "tmpfs_is_refused_for_lack_of_direct_io",
-            "no tmpfs mounted at /dev/shm or /run",
-        );
+    let Some(dir) = ["/dev/shm", "/run"]
+        .into_iter()
+        .find(|d| nix::sys::statfs::statfs(*d).is_ok_and(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC))
+    else {
+        return skip("tmpfs_is_refused_for_lack_of_direct_io", "no tmpfs mounted at /dev/shm or /run");
     };
     let dir = tempfile::tempdir_in(dir).unwrap();
     let path = dir.path().join("kv.img");
     std::fs::write(&path, b"untouched").unwrap();
-    let err = Target::open(
-        &path,
-        &TargetOptions {
-            create_len: Some(1 << 20),
-        },
-    )
-    .unwrap_err();
+    let err = Target::open(&path, &TargetOptions { create_len: Some(1 << 20) }).unwrap_err();
     assert!(matches!(err, IoError::NoDirectIo { .. }), "{err}");
     assert!(err.to_string().contains("tmpfs"), "{err}");
-    assert_eq!(
-        std::fs::read(&path).unwrap(),
-        b"untouched",
-        "a refused open changes nothing"
-    );
+    assert_eq!(std::fs::read(&path).unwrap(), b"untouched", "a refused open changes nothing");
 }
 
 #[test]
@@ -453,10 +281,7 @@ fn a_block_device_with_a_mounted_filesystem_is_refused() {
     let before = dd_direct(&fs.dev.device, 0, 1 << 20);
     let err = Target::open(&fs.dev.device, &TargetOptions::default()).unwrap_err();
     assert!(matches!(err, IoError::Busy { .. }), "{err}");
-    assert!(
-        err.to_string().contains(&fs.mount.display().to_string()),
-        "names the mount point: {err}"
-    );
+    assert!(err.to_string().contains(&fs.mount.display().to_string()), "names the mount point: {err}");
     assert_eq!(dd_direct(&fs.dev.device, 0, 1 << 20), before);
 }
 
@@ -468,34 +293,20 @@ fn a_second_opener_of_the_same_file_is_refused_until_the_first_closes() {
     let err = Target::open(&path, &TargetOptions::default()).unwrap_err();
     assert!(matches!(err, IoError::Locked { .. }), "{err}");
     drop(first);
-    Target::open(&path, &TargetOptions::default())
-        .expect("free again once the first engine is gone");
+    Target::open(&path, &TargetOptions::default()).expect("free again once the first engine is gone");
 }
 
 #[test]
 fn buffers_are_registered_removed_and_their_slots_reused() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = dir.path().join("slots.img");
-    let mut engine = open(
-        &path,
-        Some(1 << 20),
-        EngineOptions {
-            buffer_slots: 2,
-            ..Default::default()
-        },
-    );
+    let mut engine = open(&path, Some(1 << 20), EngineOptions { buffer_slots: 2, ..Default::default() });
     let a = buffer_for(&mut engine, PayloadPath::HostFixed, 4096);
     let b = buffer_for(&mut engine, PayloadPath::HostFixed, 4096);
     let err = engine.register(Buffer::host(4096).unwrap()).unwrap_err();
-    assert!(
-        err.to_string().contains("all 2 buffer slots are in use"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("all 2 buffer slots are in use"), "{err}");
     engine.remove(a).unwrap();
-    assert!(
-        engine.remove(a).is_err(),
-        "removing twice is an error, not a double free"
-    );
+    assert!(engine.remove(a).is_err(), "removing twice is an error, not a double free");
     let c = engine.register(Buffer::host(4096).unwrap()).unwrap();
     assert_eq!(c, a, "the freed slot is reused");
     engine

@@ -13,8 +13,8 @@ use std::time::Duration;
 use pdstor::admission::AdmitError;
 use pdstor::io::BufferId;
 use pdstor::store::{
-    self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Layout, Phase, Store,
-    StoreBatch, StoreError, StoreOptions, Superblock, journal,
+    self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Layout, Phase, Store, StoreBatch, StoreError,
+    StoreOptions, Superblock, journal,
 };
 use pdstor::{Buffer, payload};
 use rand::rngs::SmallRng;
@@ -43,27 +43,15 @@ fn format_file(dir: &Path, slots: u64) -> PathBuf {
     let path = dir.join("ns.img");
     store::format(
         &path,
-        &FormatOptions {
-            slot_size: SLOT,
-            journal_half: JOURNAL,
-            force: false,
-            create_len: Some(target_len(slots)),
-        },
+        &FormatOptions { slot_size: SLOT, journal_half: JOURNAL, force: false, create_len: Some(target_len(slots)) },
     )
     .expect("format");
     path
 }
 
 fn open(path: &Path) -> (Store, store::RecoveryReport) {
-    Store::open(
-        path,
-        StoreOptions {
-            queue_depth: 8,
-            admission_timeout: Duration::from_secs(10),
-            fault: None,
-        },
-    )
-    .expect("open")
+    Store::open(path, StoreOptions { queue_depth: 8, admission_timeout: Duration::from_secs(10), fault: None })
+        .expect("open")
 }
 
 /// A client's view of a shared buffer: its own mapping, plus the id the store
@@ -75,20 +63,15 @@ struct Shared {
 
 fn shared(store: &Store, chunks: u64) -> Shared {
     let mine = Buffer::memfd("client", (chunks * SLOT) as usize).unwrap();
-    let theirs = Buffer::from_memfd(
-        mine.memfd_fd().unwrap().try_clone_to_owned().unwrap(),
-        (chunks * SLOT) as usize,
-    )
-    .unwrap();
+    let theirs =
+        Buffer::from_memfd(mine.memfd_fd().unwrap().try_clone_to_owned().unwrap(), (chunks * SLOT) as usize).unwrap();
     let id = store.register_buffer(theirs).unwrap();
     Shared { mine, id }
 }
 
 fn fill(b: &Shared, seed: u64, chunks: u32) {
     for i in 0..chunks as u64 {
-        b.mine
-            .write_at(i * SLOT, &payload::chunk(seed, i, SLOT as usize))
-            .unwrap();
+        b.mine.write_at(i * SLOT, &payload::chunk(seed, i, SLOT as usize)).unwrap();
     }
 }
 
@@ -97,12 +80,7 @@ fn batch(publication: u64, b: &Shared, idx: &[u32], last: bool, total: u32) -> S
         publication,
         chunks: idx
             .iter()
-            .map(|i| ChunkSource {
-                index: *i,
-                buffer: b.id,
-                buffer_offset: *i as u64 * SLOT,
-                len: SLOT,
-            })
+            .map(|i| ChunkSource { index: *i, buffer: b.id, buffer_offset: *i as u64 * SLOT, len: SLOT })
             .collect(),
         is_last_batch: last,
         total_chunks: total,
@@ -114,25 +92,16 @@ fn put(store: &Store, b: &Shared, req: &str, seed: u64, chunks: u32) -> u64 {
     fill(b, seed, chunks);
     let id = store.prepare(req, "writer", &layout(), chunks).unwrap();
     let all: Vec<u32> = (0..chunks).collect();
-    let out = store
-        .store_batch(&batch(id, b, &all, true, chunks))
-        .unwrap();
+    let out = store.store_batch(&batch(id, b, &all, true, chunks)).unwrap();
     assert!(out.publishable);
     store.publish(id, Some(7)).unwrap();
     id
 }
 
 fn verify(store: &Store, id: u64, b: &Shared, seed: u64, chunks: u32) {
-    b.mine
-        .write_at(0, &vec![0u8; (chunks as u64 * SLOT) as usize])
-        .unwrap();
-    let dests: Vec<ChunkDest> = (0..chunks)
-        .map(|i| ChunkDest {
-            index: i,
-            buffer: b.id,
-            buffer_offset: i as u64 * SLOT,
-        })
-        .collect();
+    b.mine.write_at(0, &vec![0u8; (chunks as u64 * SLOT) as usize]).unwrap();
+    let dests: Vec<ChunkDest> =
+        (0..chunks).map(|i| ChunkDest { index: i, buffer: b.id, buffer_offset: i as u64 * SLOT }).collect();
     store.load(id, &dests).unwrap();
     let mut got = vec![0u8; SLOT as usize];
     for i in 0..chunks as u64 {
@@ -149,43 +118,18 @@ fn verify(store: &Store, id: u64, b: &Shared, seed: u64, chunks: u32) {
 fn format_refuses_signatures_unless_forced_and_names_them() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = format_file(dir.path(), 4);
-    let opts = FormatOptions {
-        slot_size: SLOT,
-        journal_half: JOURNAL,
-        force: false,
-        create_len: None,
-    };
+    let opts = FormatOptions { slot_size: SLOT, journal_half: JOURNAL, force: false, create_len: None };
     let e = store::format(&path, &opts).unwrap_err();
-    assert!(
-        e.to_string().contains("a pdstor namespace") && e.to_string().contains("--force"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("a pdstor namespace") && e.to_string().contains("--force"), "{e}");
     let before = open(&path).0.superblock().uuid;
-    let again = store::format(
-        &path,
-        &FormatOptions {
-            force: true,
-            ..opts.clone()
-        },
-    )
-    .unwrap();
+    let again = store::format(&path, &FormatOptions { force: true, ..opts.clone() }).unwrap();
     assert_eq!(again.overwrote.as_deref(), Some("a pdstor namespace"));
     assert_ne!(open(&path).0.superblock().uuid, before, "a new namespace");
 
-    for (fs, mkfs, args) in [
-        ("ext2/3/4", "mkfs.ext4", vec!["-q", "-F"]),
-        ("XFS", "mkfs.xfs", vec!["-q", "-f"]),
-    ] {
+    for (fs, mkfs, args) in [("ext2/3/4", "mkfs.ext4", vec!["-q", "-F"]), ("XFS", "mkfs.xfs", vec!["-q", "-f"])] {
         let img = dir.path().join(format!("{mkfs}.img"));
-        std::fs::File::create(&img)
-            .unwrap()
-            .set_len(320 << 20)
-            .unwrap();
-        let ok = std::process::Command::new(mkfs)
-            .args(&args)
-            .arg(&img)
-            .status()
-            .is_ok_and(|s| s.success());
+        std::fs::File::create(&img).unwrap().set_len(320 << 20).unwrap();
+        let ok = std::process::Command::new(mkfs).args(&args).arg(&img).status().is_ok_and(|s| s.success());
         if !ok {
             common::skip("format_refuses_signatures", &format!("{mkfs} unavailable"));
             continue;
@@ -194,11 +138,7 @@ fn format_refuses_signatures_unless_forced_and_names_them() {
         assert!(e.to_string().contains(fs), "{e}");
         let head = std::fs::read(&img).unwrap()[..4096].to_vec();
         assert!(matches!(e, StoreError::ForeignSignature { .. }));
-        assert_eq!(
-            std::fs::read(&img).unwrap()[..4096],
-            head[..],
-            "a refusal writes nothing"
-        );
+        assert_eq!(std::fs::read(&img).unwrap()[..4096], head[..], "a refusal writes nothing");
     }
 }
 
@@ -208,28 +148,13 @@ fn a_target_below_the_minimum_is_refused_with_the_minimum() {
     let path = dir.path().join("small.img");
     let e = store::format(
         &path,
-        &FormatOptions {
-            slot_size: SLOT,
-            journal_half: JOURNAL,
-            force: false,
-            create_len: Some(target_len(0)),
-        },
+        &FormatOptions { slot_size: SLOT, journal_half: JOURNAL, force: false, create_len: Some(target_len(0)) },
     )
     .unwrap_err();
-    assert!(
-        matches!(e, StoreError::TooSmall { minimum, .. } if minimum == target_len(1)),
-        "{e}"
-    );
-    let e = store::format(
-        &path,
-        &FormatOptions {
-            slot_size: 1000,
-            journal_half: JOURNAL,
-            force: false,
-            create_len: None,
-        },
-    )
-    .unwrap_err();
+    assert!(matches!(e, StoreError::TooSmall { minimum, .. } if minimum == target_len(1)), "{e}");
+    let e =
+        store::format(&path, &FormatOptions { slot_size: 1000, journal_half: JOURNAL, force: false, create_len: None })
+            .unwrap_err();
     assert!(e.to_string().contains("multiple of 4096"));
 }
 
@@ -270,17 +195,12 @@ fn lmcache_two_requests_of_8_in_a_buffer_of_10_do_not_deadlock() {
     assert_eq!(s.stats().reserved, 8, "B waits for capacity");
     let b = shared(&s, 8);
     fill(&b, 1, 8);
-    s.store_batch(&batch(a, &b, &[0, 1, 2, 3, 4], false, 8))
-        .unwrap();
+    s.store_batch(&batch(a, &b, &[0, 1, 2, 3, 4], false, 8)).unwrap();
     s.store_batch(&batch(a, &b, &[5, 6, 7], true, 8)).unwrap();
     s.publish(a, None).unwrap();
     s.release(a).unwrap();
-    let bid = waiter
-        .join()
-        .unwrap()
-        .expect("B is admitted after A releases");
-    s.store_batch(&batch(bid, &b, &[0, 1, 2, 3, 4, 5, 6, 7], true, 8))
-        .unwrap();
+    let bid = waiter.join().unwrap().expect("B is admitted after A releases");
+    s.store_batch(&batch(bid, &b, &[0, 1, 2, 3, 4, 5, 6, 7], true, 8)).unwrap();
     s.publish(bid, None).unwrap();
     verify(&s, bid, &b, 1, 8);
     s.check_quiescent().unwrap();
@@ -295,32 +215,22 @@ fn lmcache_overflow_rolls_back_everything_and_others_still_succeed() {
     fill(&b, 2, 16);
     // Declared 5, batches 5 + 5 + 1: the second batch is the violation.
     let x = s.prepare("X", "w", &layout(), 5).unwrap();
-    s.store_batch(&batch(x, &b, &[0, 1, 2, 3, 4], false, 5))
-        .unwrap();
-    let e = s
-        .store_batch(&batch(x, &b, &[5, 6, 7, 8, 9], false, 5))
-        .unwrap_err();
+    s.store_batch(&batch(x, &b, &[0, 1, 2, 3, 4], false, 5)).unwrap();
+    let e = s.store_batch(&batch(x, &b, &[5, 6, 7, 8, 9], false, 5)).unwrap_err();
     assert!(matches!(&e, StoreError::ProtocolViolation { .. }), "{e}");
     assert!(
-        e.to_string().contains("beyond the declared 5")
-            || e.to_string().contains("10 chunks sent against 5"),
+        e.to_string().contains("beyond the declared 5") || e.to_string().contains("10 chunks sent against 5"),
         "{e}"
     );
     assert!(
-        matches!(
-            s.store_batch(&batch(x, &b, &[0], true, 5)),
-            Err(StoreError::UnknownPublication(_))
-        ),
+        matches!(s.store_batch(&batch(x, &b, &[0], true, 5)), Err(StoreError::UnknownPublication(_))),
         "rolled back: gone"
     );
     // Declared 4, batches 3 + 2.
     let y = s.prepare("Y", "w", &layout(), 4).unwrap();
     s.store_batch(&batch(y, &b, &[0, 1, 2], false, 4)).unwrap();
     let e = s.store_batch(&batch(y, &b, &[3, 0], true, 4)).unwrap_err();
-    assert!(
-        e.to_string().contains("stored twice") || e.to_string().contains("5 chunks sent against 4"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("stored twice") || e.to_string().contains("5 chunks sent against 4"), "{e}");
     assert_eq!(s.stats().reserved, 0, "reservations released");
     assert_eq!(s.stats().free_slots, 16, "slots released");
     let z = put(&s, &b, "Z", 2, 4);
@@ -356,19 +266,10 @@ fn abort_releases_slots_and_reservation_and_unknown_is_a_no_op() {
     assert_eq!(s.abort(id).unwrap(), AbortOutcome::Aborted { slots: 6 });
     assert_eq!((s.stats().reserved, s.stats().free_slots), (0, 6));
     assert_eq!(s.abort(id).unwrap(), AbortOutcome::NotFound);
-    assert_eq!(
-        s.abort_request("never-seen").unwrap(),
-        AbortOutcome::NotFound
-    );
+    assert_eq!(s.abort_request("never-seen").unwrap(), AbortOutcome::NotFound);
     let r = put(&s, &b, "R", 3, 2);
     assert!(
-        matches!(
-            s.abort(r),
-            Err(StoreError::WrongPhase {
-                phase: Phase::Ready,
-                ..
-            })
-        ),
+        matches!(s.abort(r), Err(StoreError::WrongPhase { phase: Phase::Ready, .. })),
         "READY is released, not aborted"
     );
     s.check_quiescent().unwrap();
@@ -385,10 +286,7 @@ fn abort_wakes_a_waiting_prepare() {
     thread::sleep(Duration::from_millis(100));
     s.abort_request("late").unwrap();
     let e = w.join().unwrap().unwrap_err();
-    assert!(
-        matches!(e, StoreError::Admission(AdmitError::Aborted { .. })),
-        "{e}"
-    );
+    assert!(matches!(e, StoreError::Admission(AdmitError::Aborted { .. })), "{e}");
 }
 
 #[test]
@@ -399,30 +297,16 @@ fn last_batch_with_no_chunks_completes_and_release_frees_all() {
     let b = shared(&s, 3);
     fill(&b, 4, 3);
     let id = s.prepare("E", "w", &layout(), 3).unwrap();
-    assert!(
-        !s.store_batch(&batch(id, &b, &[0, 1, 2], false, 3))
-            .unwrap()
-            .publishable
-    );
-    assert!(
-        s.store_batch(&batch(id, &b, &[], true, 3))
-            .unwrap()
-            .publishable
-    );
+    assert!(!s.store_batch(&batch(id, &b, &[0, 1, 2], false, 3)).unwrap().publishable);
+    assert!(s.store_batch(&batch(id, &b, &[], true, 3)).unwrap().publishable);
     s.publish(id, None).unwrap();
     s.release(id).unwrap();
     assert_eq!(s.stats().reserved, 0);
     let e = s.prepare("Z", "w", &layout(), 0).unwrap_err();
-    assert!(
-        e.to_string().contains("legacy senders are not supported"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("legacy senders are not supported"), "{e}");
     let id = s.prepare("L", "w", &layout(), 2).unwrap();
     let e = s.store_batch(&batch(id, &b, &[0], false, 0)).unwrap_err();
-    assert!(
-        e.to_string().contains("legacy senders are not supported"),
-        "{e}"
-    );
+    assert!(e.to_string().contains("legacy senders are not supported"), "{e}");
 }
 
 #[test]
@@ -431,18 +315,10 @@ fn admission_times_out_when_one_request_holds_the_whole_store() {
     let path = format_file(dir.path(), 4);
     let s = open(&path).0;
     s.prepare("hog", "w", &layout(), 4).unwrap();
-    let e = s
-        .prepare_with_timeout("late", "w", &layout(), 1, Duration::from_millis(100))
-        .unwrap_err();
-    assert!(
-        e.to_string().contains("waited") && e.to_string().contains("0 of 4"),
-        "{e}"
-    );
+    let e = s.prepare_with_timeout("late", "w", &layout(), 1, Duration::from_millis(100)).unwrap_err();
+    assert!(e.to_string().contains("waited") && e.to_string().contains("0 of 4"), "{e}");
     let e = s.prepare("huge", "w", &layout(), 5).unwrap_err();
-    assert!(
-        matches!(e, StoreError::Admission(AdmitError::TooLarge { .. })),
-        "{e}"
-    );
+    assert!(matches!(e, StoreError::Admission(AdmitError::TooLarge { .. })), "{e}");
 }
 
 #[test]
@@ -456,14 +332,7 @@ fn out_of_order_batches_publish_exactly_once_after_the_last() {
     // The batch flagged last completes first.
     let first = s.store_batch(&batch(id, &b, &[11], true, 12)).unwrap();
     assert!(!first.publishable);
-    assert!(matches!(
-        s.publish(id, None),
-        Err(StoreError::NotPublishable {
-            completed: 1,
-            total: 12,
-            ..
-        })
-    ));
+    assert!(matches!(s.publish(id, None), Err(StoreError::NotPublishable { completed: 1, total: 12, .. })));
     let handles: Vec<_> = (0..11u32)
         .collect::<Vec<_>>()
         .chunks(3)
@@ -473,16 +342,9 @@ fn out_of_order_batches_publish_exactly_once_after_the_last() {
         })
         .collect();
     let outcomes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    assert_eq!(
-        outcomes.iter().filter(|o| o.publishable).count(),
-        1,
-        "exactly one completion makes it publishable"
-    );
+    assert_eq!(outcomes.iter().filter(|o| o.publishable).count(), 1, "exactly one completion makes it publishable");
     s.publish(id, None).unwrap();
-    assert!(
-        matches!(s.publish(id, None), Err(StoreError::WrongPhase { .. })),
-        "published once"
-    );
+    assert!(matches!(s.publish(id, None), Err(StoreError::WrongPhase { .. })), "published once");
     verify(&s, id, &b, 5, 12);
 }
 
@@ -493,9 +355,7 @@ fn two_writers_that_fit_run_concurrently() {
     let s = Arc::new(open(&path).0);
     let a = s.prepare("P1", "w1", &layout(), 10).unwrap();
     // P2 is admitted at once while P1 holds its reservation.
-    let b = s
-        .prepare_with_timeout("P2", "w2", &layout(), 10, Duration::ZERO)
-        .expect("fits beside P1");
+    let b = s.prepare_with_timeout("P2", "w2", &layout(), 10, Duration::ZERO).expect("fits beside P1");
     assert_ne!(a, b);
     assert_eq!(s.stats().reserved, 20);
 }
@@ -525,10 +385,7 @@ fn a_bad_checksum_mid_journal_stops_replay_there_and_says_where() {
     std::fs::write(&path, &img).unwrap();
     let (s, report) = open(&path);
     let stop = report.journal_stop.expect("the damage is reported");
-    assert!(
-        stop.contains(&format!("byte {at}")) && stop.contains("checksum"),
-        "{stop}"
-    );
+    assert!(stop.contains(&format!("byte {at}")) && stop.contains("checksum"), "{stop}");
     assert_eq!(report.records_replayed, 2);
     s.check_quiescent().unwrap();
 }
@@ -544,9 +401,7 @@ fn a_superblock_of_a_newer_version_is_refused_by_number() {
     img[..4096].copy_from_slice(&sb.encode());
     img[b_off..b_off + 4096].copy_from_slice(&sb.encode());
     std::fs::write(&path, &img).unwrap();
-    let e = Store::open(&path, StoreOptions::default())
-        .err()
-        .expect("refused");
+    let e = Store::open(&path, StoreOptions::default()).err().expect("refused");
     assert!(e.to_string().contains("version 99"), "{e}");
 }
 
@@ -562,22 +417,11 @@ fn a_corrupted_superblock_copy_is_survived_either_way() {
         };
         let mut img = std::fs::read(&path).unwrap();
         let sb = Superblock::decode(&img[..4096]).unwrap();
-        let at = if copy == "A" {
-            100
-        } else {
-            sb.copy_b_offset() as usize + 100
-        };
+        let at = if copy == "A" { 100 } else { sb.copy_b_offset() as usize + 100 };
         img[at] ^= 0xff;
         std::fs::write(&path, &img).unwrap();
         let (s, report) = open(&path);
-        assert!(
-            report
-                .superblock_note
-                .as_deref()
-                .unwrap_or("")
-                .contains(&format!("copy {copy}")),
-            "{report:?}"
-        );
+        assert!(report.superblock_note.as_deref().unwrap_or("").contains(&format!("copy {copy}")), "{report:?}");
         let b = shared(&s, 2);
         verify(&s, id, &b, 9, 2);
         drop(s);
@@ -601,11 +445,7 @@ fn checkpoints_keep_the_journal_bounded_across_reopen() {
             let id = put(&s, &b, &format!("r{i}"), 4, 1);
             s.release(id).unwrap();
         }
-        assert_ne!(
-            s.superblock().active_half,
-            half,
-            "the journal was compacted into the other half"
-        );
+        assert_ne!(s.superblock().active_half, half, "the journal was compacted into the other half");
         assert!(s.stats().journal_used < JOURNAL);
         s.check_quiescent().unwrap();
     }
@@ -641,11 +481,7 @@ fn recovery_after_a_crash_at_every_write() {
                 );
                 // The open itself writes (epoch bump, journal): it may be the crash.
                 let Ok((s, _)) = opened else {
-                    assert!(
-                        fault.is_dead(),
-                        "open failed without a crash: {:?}",
-                        opened.err()
-                    );
+                    assert!(fault.is_dead(), "open failed without a crash: {:?}", opened.err());
                     let (s, _) = open(&path);
                     s.check_quiescent().unwrap();
                     assert!(s.publications().is_empty());
@@ -675,13 +511,9 @@ fn recovery_after_a_crash_at_every_write() {
                 acked
             };
             let (s, report) = open(&path);
-            s.check()
-                .unwrap_or_else(|e| panic!("after {writes} writes: {e}"));
+            s.check().unwrap_or_else(|e| panic!("after {writes} writes: {e}"));
             let pubs = s.publications();
-            assert!(
-                pubs.iter().all(|p| p.phase == Phase::Ready),
-                "after {writes} writes: {pubs:?} ({report:?})"
-            );
+            assert!(pubs.iter().all(|p| p.phase == Phase::Ready), "after {writes} writes: {pubs:?} ({report:?})");
             for (id, _) in &acked {
                 assert!(
                     pubs.iter().any(|p| p.id == *id),
@@ -696,10 +528,7 @@ fn recovery_after_a_crash_at_every_write() {
             writes += 1;
             assert!(writes < 200, "the scenario should finish within 200 writes");
         }
-        assert!(
-            writes > 10,
-            "the crash points covered the whole scenario ({writes})"
-        );
+        assert!(writes > 10, "the crash points covered the whole scenario ({writes})");
     }
 }
 
@@ -708,10 +537,7 @@ fn recovery_after_a_crash_at_every_write() {
 /// after every step, and every schedule must end with no slot leaked.
 #[test]
 fn seeded_schedules_keep_every_invariant() {
-    let schedules: u64 = std::env::var("PDSTOR_SCHEDULES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2000);
+    let schedules: u64 = std::env::var("PDSTOR_SCHEDULES").ok().and_then(|v| v.parse().ok()).unwrap_or(2000);
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = format_file(dir.path(), 10);
     let s = open(&path).0;
@@ -727,12 +553,7 @@ fn seeded_schedules_keep_every_invariant() {
     for seed in 0..schedules {
         let mut rng = SmallRng::seed_from_u64(seed);
         let writers = rng.random_range(2..6);
-        let mut ws: Vec<W> = (0..writers)
-            .map(|_| W::Waiting {
-                need: rng.random_range(1..=8),
-                tries: 0,
-            })
-            .collect();
+        let mut ws: Vec<W> = (0..writers).map(|_| W::Waiting { need: rng.random_range(1..=8), tries: 0 }).collect();
         let mut steps = 0;
         while ws.iter().any(|w| !matches!(w, W::Done)) {
             steps += 1;
@@ -742,16 +563,9 @@ fn seeded_schedules_keep_every_invariant() {
             ws[i] = match std::mem::replace(&mut ws[i], W::Done) {
                 W::Waiting { need, tries } => {
                     match s.prepare_with_timeout(&req, "w", &layout(), need, Duration::ZERO) {
-                        Ok(id) => W::Storing {
-                            id,
-                            next: 0,
-                            total: need,
-                        },
+                        Ok(id) => W::Storing { id, next: 0, total: need },
                         Err(StoreError::Admission(AdmitError::Timeout { .. })) if tries < 200 => {
-                            W::Waiting {
-                                need,
-                                tries: tries + 1,
-                            }
+                            W::Waiting { need, tries: tries + 1 }
                         }
                         Err(StoreError::Admission(AdmitError::Timeout { .. })) => W::Done, // gave up: timed out
                         Err(e) => panic!("schedule {seed}: {e}"),
@@ -766,11 +580,7 @@ fn seeded_schedules_keep_every_invariant() {
                         s.publish(id, None).unwrap();
                         if roll < 50 {
                             let dests: Vec<ChunkDest> = (0..total)
-                                .map(|c| ChunkDest {
-                                    index: c,
-                                    buffer: b.id,
-                                    buffer_offset: c as u64 * SLOT,
-                                })
+                                .map(|c| ChunkDest { index: c, buffer: b.id, buffer_offset: c as u64 * SLOT })
                                 .collect();
                             s.load(id, &dests).unwrap();
                         }
@@ -782,44 +592,24 @@ fn seeded_schedules_keep_every_invariant() {
                         let mut bt = batch(id, &b, &idx, next + n == total, total);
                         if roll < 10 {
                             bt.chunks[0].buffer = BufferId(63); // injected I/O failure
-                            assert!(matches!(
-                                s.store_batch(&bt),
-                                Err(StoreError::BatchFailed { .. })
-                            ));
+                            assert!(matches!(s.store_batch(&bt), Err(StoreError::BatchFailed { .. })));
                             W::Done
                         } else if roll < 13 {
-                            bt.chunks.push(ChunkSource {
-                                index: 0,
-                                buffer: b.id,
-                                buffer_offset: 0,
-                                len: SLOT,
-                            }); // duplicate
-                            assert!(matches!(
-                                s.store_batch(&bt),
-                                Err(StoreError::ProtocolViolation { .. })
-                            ));
+                            bt.chunks.push(ChunkSource { index: 0, buffer: b.id, buffer_offset: 0, len: SLOT }); // duplicate
+                            assert!(matches!(s.store_batch(&bt), Err(StoreError::ProtocolViolation { .. })));
                             W::Done
                         } else {
                             s.store_batch(&bt).unwrap();
-                            W::Storing {
-                                id,
-                                next: next + n,
-                                total,
-                            }
+                            W::Storing { id, next: next + n, total }
                         }
                     }
                 }
                 W::Done => W::Done,
             };
-            s.check()
-                .unwrap_or_else(|e| panic!("schedule {seed}, step {steps}: {e}"));
+            s.check().unwrap_or_else(|e| panic!("schedule {seed}, step {steps}: {e}"));
         }
         let st = s.stats();
-        assert_eq!(
-            (st.reserved, st.free_slots, st.live_publications),
-            (0, 10, 0),
-            "schedule {seed} leaked"
-        );
+        assert_eq!((st.reserved, st.free_slots, st.live_publications), (0, 10, 0), "schedule {seed} leaked");
     }
 }
 
@@ -840,15 +630,13 @@ fn concurrent_writers_under_pressure_finish_and_leak_nothing() {
                 let mut rng = SmallRng::seed_from_u64(w);
                 for i in 0..15 {
                     let total = rng.random_range(1..=6u32);
-                    let id = s
-                        .prepare(&format!("t{w}-{i}"), "w", &layout(), total)
-                        .expect("admitted within the timeout");
+                    let id =
+                        s.prepare(&format!("t{w}-{i}"), "w", &layout(), total).expect("admitted within the timeout");
                     let mut next = 0;
                     while next < total {
                         let n = rng.random_range(1..=total - next);
                         let idx: Vec<u32> = (next..next + n).collect();
-                        s.store_batch(&batch(id, &b, &idx, next + n == total, total))
-                            .unwrap();
+                        s.store_batch(&batch(id, &b, &idx, next + n == total, total)).unwrap();
                         next += n;
                     }
                     if rng.random_range(0..4) == 0 {
@@ -867,10 +655,7 @@ fn concurrent_writers_under_pressure_finish_and_leak_nothing() {
         h.join().expect("writer finished");
     }
     let st = s.stats();
-    assert_eq!(
-        (st.reserved, st.free_slots, st.live_publications),
-        (0, 10, 0)
-    );
+    assert_eq!((st.reserved, st.free_slots, st.live_publications), (0, 10, 0));
     s.check().unwrap();
 }
 
@@ -891,32 +676,11 @@ fn a_corrupted_chunk_fails_its_load_instead_of_returning_bytes() {
     let s = open(&path).0;
     let b = shared(&s, 2);
     let dests = [
-        ChunkDest {
-            index: 0,
-            buffer: b.id,
-            buffer_offset: 0,
-        },
-        ChunkDest {
-            index: 1,
-            buffer: b.id,
-            buffer_offset: SLOT,
-        },
+        ChunkDest { index: 0, buffer: b.id, buffer_offset: 0 },
+        ChunkDest { index: 1, buffer: b.id, buffer_offset: SLOT },
     ];
     let e = s.load(id, &dests).unwrap_err();
-    assert!(
-        matches!(e, StoreError::Load { chunk: 1, .. })
-            && e.to_string().contains("checksum mismatch"),
-        "{e}"
-    );
-    let e = s
-        .load(
-            id,
-            &[ChunkDest {
-                index: 5,
-                buffer: b.id,
-                buffer_offset: 0,
-            }],
-        )
-        .unwrap_err();
+    assert!(matches!(e, StoreError::Load { chunk: 1, .. }) && e.to_string().contains("checksum mismatch"), "{e}");
+    let e = s.load(id, &[ChunkDest { index: 5, buffer: b.id, buffer_offset: 0 }]).unwrap_err();
     assert!(e.to_string().contains("missing"), "{e}");
 }

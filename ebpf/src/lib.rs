@@ -68,11 +68,7 @@ pub struct ParseVerdictError(String);
 impl FromStr for Verdict {
     type Err = ParseVerdictError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let inner = |prefix: &str| {
-            s.strip_prefix(prefix)
-                .and_then(|r| r.strip_suffix(')'))
-                .filter(|r| !r.is_empty())
-        };
+        let inner = |prefix: &str| s.strip_prefix(prefix).and_then(|r| r.strip_suffix(')')).filter(|r| !r.is_empty());
         if s == "native" {
             Ok(Verdict::Native)
         } else if let Some(why) = inner("fallback(") {
@@ -104,11 +100,7 @@ mod tests {
 
     #[test]
     fn verdicts_round_trip_through_text() {
-        for v in [
-            Native,
-            Fallback("page-cache".into()),
-            Unverifiable("kprobe".into()),
-        ] {
+        for v in [Native, Fallback("page-cache".into()), Unverifiable("kprobe".into())] {
             assert_eq!(v.to_string().parse::<Verdict>(), Ok(v));
         }
         assert!("fallback()".parse::<Verdict>().is_err());
@@ -122,10 +114,7 @@ mod tests {
             Verdict::combine([Native, Fallback("bounce".into()), Unverifiable("x".into())]),
             Fallback("bounce".into())
         );
-        assert_eq!(
-            Verdict::combine([Native, Unverifiable("fentry".into())]),
-            Unverifiable("fentry".into())
-        );
+        assert_eq!(Verdict::combine([Native, Unverifiable("fentry".into())]), Unverifiable("fentry".into()));
         assert!(!Verdict::combine([]).is_native());
     }
 }

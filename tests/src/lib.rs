@@ -10,10 +10,7 @@ use std::process::Command;
 pub fn pdstor_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     // target/<profile>/deps/<test> -> target/<profile>/pdstor
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target profile dir");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target profile dir");
     let bin = profile_dir.join("pdstor");
     if !bin.exists() {
         let status = Command::new(env!("CARGO"))
@@ -29,19 +26,11 @@ pub fn pdstor_bin() -> PathBuf {
 pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
     let out = Command::new("dd")
         .arg(format!("if={}", path.display()))
-        .args([
-            "iflag=direct,skip_bytes,count_bytes",
-            "bs=1M",
-            "status=none",
-        ])
+        .args(["iflag=direct,skip_bytes,count_bytes", "bs=1M", "status=none"])
         .arg(format!("skip={offset}"))
         .arg(format!("count={len}"))
         .output()
         .expect("running dd");
-    assert!(
-        out.status.success(),
-        "dd failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "dd failed: {}", String::from_utf8_lossy(&out.stderr));
     out.stdout
 }

@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use nix::mount::{MsFlags, mount, umount};
 
 use crate::{
-    BOOT_MARKER, DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome,
-    RESULT_PORT_NAME, TestResult, suites,
+    BOOT_MARKER, DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, RESULT_PORT_NAME, TestResult,
+    suites,
 };
 
 /// One NVMe namespace in the guest.
@@ -43,9 +43,7 @@ pub struct Ctx {
 
 impl Ctx {
     pub fn disk(&self, role: DiskRole) -> Result<&GuestDisk, String> {
-        self.disks
-            .get(&role)
-            .ok_or_else(|| format!("no {role} disk was found in the guest"))
+        self.disks.get(&role).ok_or_else(|| format!("no {role} disk was found in the guest"))
     }
 }
 
@@ -105,21 +103,16 @@ fn run(port: &mut Option<File>) -> Result<(), String> {
     mount_pseudo_filesystems()?;
     console(BOOT_MARKER);
     let cfg: GuestConfig = serde_json::from_str(
-        &std::fs::read_to_string(GUEST_CONFIG_PATH)
-            .map_err(|e| format!("reading {GUEST_CONFIG_PATH}: {e}"))?,
+        &std::fs::read_to_string(GUEST_CONFIG_PATH).map_err(|e| format!("reading {GUEST_CONFIG_PATH}: {e}"))?,
     )
     .map_err(|e| format!("parsing {GUEST_CONFIG_PATH}: {e}"))?;
-    console(&format!(
-        "pdstor-vminit: kernel {}, suites {:?}",
-        cfg.kernel_release, cfg.suites
-    ));
+    console(&format!("pdstor-vminit: kernel {}, suites {:?}", cfg.kernel_release, cfg.suites));
     load_modules(&cfg.modules)?;
     *port = Some(open_result_port()?);
     let mut disks = find_disks(Duration::from_secs(30))?;
     prepare_filesystems(&mut disks)?;
     let scratch = PathBuf::from("/tmp/vmtest");
-    std::fs::create_dir_all(&scratch)
-        .map_err(|e| format!("creating {}: {e}", scratch.display()))?;
+    std::fs::create_dir_all(&scratch).map_err(|e| format!("creating {}: {e}", scratch.display()))?;
     let ctx = Ctx { disks, scratch };
     for name in &cfg.suites {
         let suite = suites::find(name).ok_or_else(|| format!("unknown suite {name:?}"))?;
@@ -127,9 +120,7 @@ fn run(port: &mut Option<File>) -> Result<(), String> {
         for test in suite.tests {
             let t = Instant::now();
             let outcome = match test.disk {
-                Some(d) if !cfg.disks.contains(&d) => {
-                    Outcome::Skip(format!("--fs leaves out the {d} disk"))
-                }
+                Some(d) if !cfg.disks.contains(&d) => Outcome::Skip(format!("--fs leaves out the {d} disk")),
                 _ => (test.run)(&ctx),
             };
             let result = TestResult {
@@ -171,14 +162,8 @@ fn mount_pseudo_filesystems() -> Result<(), String> {
     ];
     for (source, target, fstype) in mounts {
         let _ = std::fs::create_dir_all(target);
-        mount(
-            Some(source),
-            target,
-            Some(fstype),
-            MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|e| format!("mounting {fstype} on {target}: {e}"))?;
+        mount(Some(source), target, Some(fstype), MsFlags::empty(), None::<&str>)
+            .map_err(|e| format!("mounting {fstype} on {target}: {e}"))?;
     }
     Ok(())
 }
@@ -191,15 +176,12 @@ fn load_modules(modules: &[String]) -> Result<(), String> {
         let params = CString::default();
         // SAFETY: finit_module reads the module from the open fd and the empty,
         // NUL-terminated parameter string; both outlive the call.
-        let rc =
-            unsafe { libc::syscall(libc::SYS_finit_module, file.as_raw_fd(), params.as_ptr(), 0) };
+        let rc = unsafe { libc::syscall(libc::SYS_finit_module, file.as_raw_fd(), params.as_ptr(), 0) };
         if rc != 0 {
             let err = std::io::Error::last_os_error();
             match err.raw_os_error() {
                 Some(libc::EEXIST) => {}
-                Some(libc::ENODEV) => console(&format!(
-                    "pdstor-vminit: module {m} does not apply here: {err}"
-                )),
+                Some(libc::ENODEV) => console(&format!("pdstor-vminit: module {m} does not apply here: {err}")),
                 _ => return Err(format!("loading module {m}: {err}")),
             }
         }
@@ -223,9 +205,7 @@ fn open_result_port() -> Result<File, String> {
             }
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "no virtio-serial port named {RESULT_PORT_NAME} appeared within 10 s"
-            ));
+            return Err(format!("no virtio-serial port named {RESULT_PORT_NAME} appeared within 10 s"));
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -237,14 +217,9 @@ fn find_disks(timeout: Duration) -> Result<BTreeMap<DiskRole, GuestDisk>, String
     let deadline = Instant::now() + timeout;
     loop {
         let mut found = BTreeMap::new();
-        let serial_of =
-            |sys: &Path| std::fs::read_to_string(sys.join("device/serial")).unwrap_or_default();
+        let serial_of = |sys: &Path| std::fs::read_to_string(sys.join("device/serial")).unwrap_or_default();
         let generics: Vec<(String, PathBuf)> = std::fs::read_dir("/sys/class/nvme-generic")
-            .map(|rd| {
-                rd.flatten()
-                    .map(|e| (serial_of(&e.path()), Path::new("/dev").join(e.file_name())))
-                    .collect()
-            })
+            .map(|rd| rd.flatten().map(|e| (serial_of(&e.path()), Path::new("/dev").join(e.file_name()))).collect())
             .unwrap_or_default();
         if let Ok(blocks) = std::fs::read_dir("/sys/block") {
             for e in blocks.flatten() {
@@ -264,26 +239,13 @@ fn find_disks(timeout: Duration) -> Result<BTreeMap<DiskRole, GuestDisk>, String
                     .unwrap_or(generic);
                 let block = Path::new("/dev").join(&name);
                 if block.exists() && generic.exists() {
-                    found.insert(
-                        spec.role,
-                        GuestDisk {
-                            role: spec.role,
-                            block,
-                            generic,
-                            mount: None,
-                        },
-                    );
+                    found.insert(spec.role, GuestDisk { role: spec.role, block, generic, mount: None });
                 }
             }
         }
         if found.len() == DISKS.len() {
             for d in found.values() {
-                console(&format!(
-                    "pdstor-vminit: {} disk is {} / {}",
-                    d.role,
-                    d.block.display(),
-                    d.generic.display()
-                ));
+                console(&format!("pdstor-vminit: {} disk is {} / {}", d.role, d.block.display(), d.generic.display()));
             }
             return Ok(found);
         }
@@ -301,9 +263,7 @@ fn find_disks(timeout: Duration) -> Result<BTreeMap<DiskRole, GuestDisk>, String
 
 fn prepare_filesystems(disks: &mut BTreeMap<DiskRole, GuestDisk>) -> Result<(), String> {
     for (role, fstype) in [(DiskRole::Ext4, "ext4"), (DiskRole::Xfs, "xfs")] {
-        let disk = disks
-            .get_mut(&role)
-            .ok_or_else(|| format!("no {role} disk"))?;
+        let disk = disks.get_mut(&role).ok_or_else(|| format!("no {role} disk"))?;
         let dev = disk.block.to_string_lossy().into_owned();
         match fstype {
             "xfs" => sh("mkfs.xfs", &["-q", "-f", &dev])?,
@@ -311,14 +271,8 @@ fn prepare_filesystems(disks: &mut BTreeMap<DiskRole, GuestDisk>) -> Result<(), 
         };
         let mnt = PathBuf::from(format!("/mnt/{fstype}"));
         std::fs::create_dir_all(&mnt).map_err(|e| format!("creating {}: {e}", mnt.display()))?;
-        mount(
-            Some(disk.block.as_path()),
-            mnt.as_path(),
-            Some(fstype),
-            MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|e| format!("mounting {dev} ({fstype}) on {}: {e}", mnt.display()))?;
+        mount(Some(disk.block.as_path()), mnt.as_path(), Some(fstype), MsFlags::empty(), None::<&str>)
+            .map_err(|e| format!("mounting {dev} ({fstype}) on {}: {e}", mnt.display()))?;
         disk.mount = Some(mnt);
     }
     Ok(())

@@ -55,24 +55,9 @@ pub struct DiskSpec {
 
 /// The guest's disks. `mkfs.xfs` needs at least 300 MiB.
 pub const DISKS: [DiskSpec; 3] = [
-    DiskSpec {
-        role: DiskRole::Ext4,
-        serial: "PDEXT4",
-        size_mib: 512,
-        logical_block: 512,
-    },
-    DiskSpec {
-        role: DiskRole::Xfs,
-        serial: "PDXFS",
-        size_mib: 512,
-        logical_block: 512,
-    },
-    DiskSpec {
-        role: DiskRole::Raw,
-        serial: "PDRAW",
-        size_mib: 512,
-        logical_block: 4096,
-    },
+    DiskSpec { role: DiskRole::Ext4, serial: "PDEXT4", size_mib: 512, logical_block: 512 },
+    DiskSpec { role: DiskRole::Xfs, serial: "PDXFS", size_mib: 512, logical_block: 512 },
+    DiskSpec { role: DiskRole::Raw, serial: "PDRAW", size_mib: 512, logical_block: 4096 },
 ];
 
 /// QEMU's NVMe MDTS for every disk, as a power of two of 4 KiB pages: 7 means
@@ -124,19 +109,12 @@ mod tests {
             assert!(d.serial.len() <= 20 && d.serial.is_ascii());
             assert_eq!(DISKS.iter().filter(|o| o.serial == d.serial).count(), 1);
         }
-        assert!(
-            DISKS
-                .iter()
-                .any(|d| d.role == DiskRole::Xfs && d.size_mib >= 300)
-        );
+        assert!(DISKS.iter().any(|d| d.role == DiskRole::Xfs && d.size_mib >= 300));
     }
 
     #[test]
     fn padded_sysfs_serial_finds_its_disk() {
-        assert_eq!(
-            disk_by_serial("PDRAW               \n").map(|d| d.role),
-            Some(DiskRole::Raw)
-        );
+        assert_eq!(disk_by_serial("PDRAW               \n").map(|d| d.role), Some(DiskRole::Raw));
         assert_eq!(disk_by_serial("PDRAWX"), None);
     }
 

@@ -41,24 +41,9 @@ struct Case {
 
 /// Write first: the read cases then read real data, not unwritten extents.
 const CASES: &[Case] = &[
-    Case {
-        name: "seq write 4M qd16",
-        pattern: "write",
-        bs: "4M",
-        qd: 16,
-    },
-    Case {
-        name: "seq read 4M qd16",
-        pattern: "read",
-        bs: "4M",
-        qd: 16,
-    },
-    Case {
-        name: "rand read 4k qd32",
-        pattern: "randread",
-        bs: "4k",
-        qd: 32,
-    },
+    Case { name: "seq write 4M qd16", pattern: "write", bs: "4M", qd: 16 },
+    Case { name: "seq read 4M qd16", pattern: "read", bs: "4M", qd: 16 },
+    Case { name: "rand read 4k qd32", pattern: "randread", bs: "4k", qd: 32 },
 ];
 
 #[derive(Serialize)]
@@ -102,17 +87,10 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
             other => bail!("unknown bench target {other:?}: expected file or zram"),
         }
     }
-    println!(
-        "\n{:<16} {:<20} {:>14} {:>14} {:>22}",
-        "target", "case", "pdstor", "fio", "pdstor/fio min/med/max"
-    );
+    println!("\n{:<16} {:<20} {:>14} {:>14} {:>22}", "target", "case", "pdstor", "fio", "pdstor/fio min/med/max");
     for r in &reports {
         let med = |f: fn(&Sample) -> f64| median(r.samples.iter().map(f).collect());
-        let (unit, scale) = if r.case.contains("4k") {
-            ("kIOPS", 4096.0 * 1000.0)
-        } else {
-            ("MiB/s", 1048576.0)
-        };
+        let (unit, scale) = if r.case.contains("4k") { ("kIOPS", 4096.0 * 1000.0) } else { ("MiB/s", 1048576.0) };
         println!(
             "{:<16} {:<20} {:>8.1} {:<5} {:>8.1} {:<5} {:>6.3} {:>6.3} {:>6.3}",
             r.target,
@@ -131,9 +109,10 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     for writers in [1u32, 8, 16] {
         let target = out_dir.join("bench-store.img");
         let w = writers.to_string();
-        let json = cmd!(sh, "{pdstor} bench-store --json --target {target} --writers {w} --publications 2000 --chunk 256k")
-            .read()
-            .context("pdstor bench-store")?;
+        let json =
+            cmd!(sh, "{pdstor} bench-store --json --target {target} --writers {w} --publications 2000 --chunk 256k")
+                .read()
+                .context("pdstor bench-store")?;
         let v: Value = serde_json::from_str(&json).context("parsing bench-store --json")?;
         println!(
             "  {writers:>2} writers: {:>6.0} publications/s, {:>6.0} journal records/s, {:.3} flushes/publication (goal <= 1 at >= 8 writers)",
@@ -143,29 +122,17 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
         );
         store_reports.push(v);
     }
-    std::fs::write(
-        out_dir.join("store-report.json"),
-        serde_json::to_string_pretty(&store_reports)?,
-    )?;
+    std::fs::write(out_dir.join("store-report.json"), serde_json::to_string_pretty(&store_reports)?)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
     Ok(())
 }
 
-fn measure(
-    sh: &Shell,
-    pdstor: &Path,
-    label: &str,
-    target: &Path,
-    args: &BenchArgs,
-) -> Result<Vec<CaseReport>> {
+fn measure(sh: &Shell, pdstor: &Path, label: &str, target: &Path, args: &BenchArgs) -> Result<Vec<CaseReport>> {
     // Precondition: write the whole range once, untimed, so no measured run pays
     // for first allocation (file extents, zram pages) that the other did not.
-    println!(
-        "bench: {label}: preconditioning {} with one full write",
-        args.size
-    );
+    println!("bench: {label}: preconditioning {} with one full write", args.size);
     run_pdstor(sh, pdstor, target, &CASES[0], args)?;
     let mut out = Vec::new();
     for case in CASES {
@@ -204,30 +171,18 @@ fn measure(
 }
 
 /// (bytes/s, p99 µs) of one `pdstor bench` run.
-fn run_pdstor(
-    sh: &Shell,
-    pdstor: &Path,
-    target: &Path,
-    case: &Case,
-    args: &BenchArgs,
-) -> Result<(f64, f64)> {
-    let (path, pattern, bs, qd, size) = (
-        &args.path,
-        case.pattern,
-        case.bs,
-        case.qd.to_string(),
-        &args.size,
-    );
-    let json = cmd!(sh, "{pdstor} bench --json --target {target} --path {path} --pattern {pattern} --bs {bs} --qd {qd} --size {size}")
-        .read()
-        .with_context(|| format!("pdstor bench {} on {}", case.name, target.display()))?;
+fn run_pdstor(sh: &Shell, pdstor: &Path, target: &Path, case: &Case, args: &BenchArgs) -> Result<(f64, f64)> {
+    let (path, pattern, bs, qd, size) = (&args.path, case.pattern, case.bs, case.qd.to_string(), &args.size);
+    let json = cmd!(
+        sh,
+        "{pdstor} bench --json --target {target} --path {path} --pattern {pattern} --bs {bs} --qd {qd} --size {size}"
+    )
+    .read()
+    .with_context(|| format!("pdstor bench {} on {}", case.name, target.display()))?;
     let v: Value = serde_json::from_str(&json).context("parsing pdstor bench --json")?;
     let bytes = v["bytes"].as_f64().unwrap_or(0.0);
     let secs = v["seconds"].as_f64().unwrap_or(f64::INFINITY);
-    Ok((
-        bytes / secs,
-        v["lat_us"]["p99"].as_f64().unwrap_or(f64::NAN),
-    ))
+    Ok((bytes / secs, v["lat_us"]["p99"].as_f64().unwrap_or(f64::NAN)))
 }
 
 /// (bytes/s, p99 µs) of one fio run.
@@ -241,19 +196,10 @@ fn run_fio(sh: &Shell, target: &Path, case: &Case, size: &str) -> Result<(f64, f
     .read()
     .with_context(|| format!("fio {} on {}", case.name, target.display()))?;
     let v: Value = serde_json::from_str(&json).context("parsing fio --output-format=json")?;
-    let dir = if pattern.contains("write") {
-        "write"
-    } else {
-        "read"
-    };
+    let dir = if pattern.contains("write") { "write" } else { "read" };
     let job = &v["jobs"][0][dir];
-    let bw = job["bw_bytes"]
-        .as_f64()
-        .context("fio JSON without bw_bytes")?;
-    let p99 = job["clat_ns"]["percentile"]["99.000000"]
-        .as_f64()
-        .unwrap_or(f64::NAN)
-        / 1000.0;
+    let bw = job["bw_bytes"].as_f64().context("fio JSON without bw_bytes")?;
+    let p99 = job["clat_ns"]["percentile"]["99.000000"].as_f64().unwrap_or(f64::NAN) / 1000.0;
     Ok((bw, p99))
 }
 
@@ -276,24 +222,13 @@ impl Zram {
     fn new(sh: &Shell, size: &str) -> Result<Zram> {
         let control = Path::new("/sys/class/zram-control/hot_add");
         if !control.exists() {
-            let _ = cmd!(sh, "modprobe zram num_devices=0")
-                .quiet()
-                .ignore_stderr()
-                .run();
+            let _ = cmd!(sh, "modprobe zram num_devices=0").quiet().ignore_stderr().run();
         }
         let id = std::fs::read_to_string(control)
-            .with_context(|| {
-                format!(
-                    "reading {} (zram needs root and the zram module)",
-                    control.display()
-                )
-            })?
+            .with_context(|| format!("reading {} (zram needs root and the zram module)", control.display()))?
             .trim()
             .to_owned();
-        let z = Zram {
-            device: PathBuf::from(format!("/dev/zram{id}")),
-            id,
-        };
+        let z = Zram { device: PathBuf::from(format!("/dev/zram{id}")), id };
         // Room for the data plus fio's and pdstor's alignment slack.
         std::fs::write(format!("/sys/block/zram{}/disksize", z.id), size)
             .with_context(|| format!("sizing zram{} to {size}", z.id))?;
@@ -312,9 +247,6 @@ impl Drop for Zram {
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        eprintln!(
-            "bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`",
-            self.id
-        );
+        eprintln!("bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`", self.id);
     }
 }

@@ -11,32 +11,14 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("xfsprogs", "mkfs.xfs for the XFS engine tests"),
     ("e2fsprogs", "mkfs.ext4 for the ext4 engine tests"),
     ("util-linux", "losetup and mount for loop-device tests"),
-    (
-        "coreutils",
-        "dd iflag=direct, the independent reader in tests",
-    ),
+    ("coreutils", "dd iflag=direct, the independent reader in tests"),
     ("qemu-system-x86", "the vmtest guests"),
-    (
-        "busybox-static",
-        "the vmtest guest's shell tools (dd, blockdev)",
-    ),
-    (
-        "nvme-cli",
-        "`nvme read`, the independent reader of passthrough payloads in the guest",
-    ),
-    (
-        "dmsetup",
-        "device-mapper error/flakey targets in the guest's faults suite",
-    ),
-    (
-        "kmod",
-        "depmod/modprobe to resolve the guest's module load order",
-    ),
+    ("busybox-static", "the vmtest guest's shell tools (dd, blockdev)"),
+    ("nvme-cli", "`nvme read`, the independent reader of passthrough payloads in the guest"),
+    ("dmsetup", "device-mapper error/flakey targets in the guest's faults suite"),
+    ("kmod", "depmod/modprobe to resolve the guest's module load order"),
     ("xz-utils", "decompressing the guest kernel's modules"),
-    (
-        "bpftool",
-        "inspecting pinned BPF objects in the guest's probes suite",
-    ),
+    ("bpftool", "inspecting pinned BPF objects in the guest's probes suite"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {
@@ -49,23 +31,13 @@ fn installed(sh: &Shell, pkg: &str) -> bool {
 }
 
 pub fn install(sh: &Shell) -> Result<()> {
-    if cmd!(sh, "dpkg-query --version")
-        .quiet()
-        .ignore_stdout()
-        .ignore_stderr()
-        .run()
-        .is_err()
-    {
+    if cmd!(sh, "dpkg-query --version").quiet().ignore_stdout().ignore_stderr().run().is_err() {
         bail!(
             "dpkg-query not found: this is not a Debian-like system. Install by hand: {}",
             PACKAGES.iter().map(|p| p.0).collect::<Vec<_>>().join(" ")
         );
     }
-    let missing: Vec<&str> = PACKAGES
-        .iter()
-        .map(|p| p.0)
-        .filter(|p| !installed(sh, p))
-        .collect();
+    let missing: Vec<&str> = PACKAGES.iter().map(|p| p.0).filter(|p| !installed(sh, p)).collect();
     if missing.is_empty() {
         println!("deps: all {} packages present", PACKAGES.len());
         return Ok(());
@@ -79,16 +51,10 @@ pub fn install(sh: &Shell) -> Result<()> {
         );
     }
     println!("deps: installing {}", missing.join(" "));
-    cmd!(sh, "apt-get update -qq")
+    cmd!(sh, "apt-get update -qq").env("DEBIAN_FRONTEND", "noninteractive").run().context("apt-get update")?;
+    cmd!(sh, "apt-get install -y -qq --no-install-recommends {missing...}")
         .env("DEBIAN_FRONTEND", "noninteractive")
         .run()
-        .context("apt-get update")?;
-    cmd!(
-        sh,
-        "apt-get install -y -qq --no-install-recommends {missing...}"
-    )
-    .env("DEBIAN_FRONTEND", "noninteractive")
-    .run()
-    .context("apt-get install")?;
+        .context("apt-get install")?;
     Ok(())
 }

@@ -53,17 +53,12 @@ fn main() -> Result<()> {
 }
 
 pub fn project_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
 /// Builds the release `pdstor` binary and returns its path.
 pub fn build_pdstor(sh: &Shell) -> Result<PathBuf> {
-    cmd!(sh, "cargo build --release --quiet -p pdstor --bin pdstor")
-        .run()
-        .context("building pdstor")?;
+    cmd!(sh, "cargo build --release --quiet -p pdstor --bin pdstor").run().context("building pdstor")?;
     Ok(project_root().join("target/release/pdstor"))
 }
 
@@ -79,16 +74,10 @@ fn demo(sh: &Shell) -> Result<()> {
     let dir = project_root().join("target/pdstor-demo");
     sh.create_dir(&dir)?;
     let target = dir.join("kv-target.img");
-    step(&format!(
-        "KV round trip: 64 chunks x 8 MiB on {} (host_fixed)",
-        target.display()
-    ));
-    cmd!(
-        sh,
-        "{pdstor} roundtrip --target {target} --path host_fixed --chunks 64 --chunk-size 8M --qd 16"
-    )
-    .run()
-    .context("the demo round trip failed")?;
+    step(&format!("KV round trip: 64 chunks x 8 MiB on {} (host_fixed)", target.display()));
+    cmd!(sh, "{pdstor} roundtrip --target {target} --path host_fixed --chunks 64 --chunk-size 8M --qd 16")
+        .run()
+        .context("the demo round trip failed")?;
     Ok(())
 }
 
@@ -97,22 +86,13 @@ fn ci(sh: &Shell) -> Result<()> {
     step("dependencies");
     deps::install(sh)?;
     step("cargo fmt --check");
-    cmd!(sh, "cargo fmt --all --check")
-        .run()
-        .context("formatting differs: run `cargo fmt --all`")?;
+    cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
     step("cargo clippy --all-targets -- -D warnings");
-    cmd!(
-        sh,
-        "cargo clippy --workspace --all-targets --quiet -- -D warnings"
-    )
-    .run()
-    .context("clippy found problems")?;
+    cmd!(sh, "cargo clippy --workspace --all-targets --quiet -- -D warnings").run().context("clippy found problems")?;
     step("cargo test --workspace");
     let skip_log = project_root().join("target/ci-skips.log");
     let _ = std::fs::remove_file(&skip_log);
-    let tested = cmd!(sh, "cargo test --workspace")
-        .env("PDSTOR_SKIP_LOG", &skip_log)
-        .run();
+    let tested = cmd!(sh, "cargo test --workspace").env("PDSTOR_SKIP_LOG", &skip_log).run();
     let skips = std::fs::read_to_string(&skip_log).unwrap_or_default();
     step("skipped tests");
     if skips.trim().is_empty() {
@@ -129,20 +109,10 @@ fn ci(sh: &Shell) -> Result<()> {
     sh.create_dir(&dir)?;
     let target = dir.join("kv.img");
     let _ = std::fs::remove_file(&target);
-    cmd!(
-        sh,
-        "{pdstor} roundtrip --target {target} --chunks 8 --chunk-size 8M"
-    )
-    .run()?;
-    println!(
-        "\nci: all checks passed in {:.0} s",
-        started.elapsed().as_secs_f64()
-    );
+    cmd!(sh, "{pdstor} roundtrip --target {target} --chunks 8 --chunk-size 8M").run()?;
+    println!("\nci: all checks passed in {:.0} s", started.elapsed().as_secs_f64());
     if skips.lines().count() > 0 && std::env::var_os("PDSTOR_CI_FORBID_SKIPS").is_some() {
-        bail!(
-            "PDSTOR_CI_FORBID_SKIPS is set and {} tests were skipped",
-            skips.lines().count()
-        );
+        bail!("PDSTOR_CI_FORBID_SKIPS is set and {} tests were skipped", skips.lines().count());
     }
     Ok(())
 }

@@ -23,24 +23,13 @@ pub enum AdmitError {
     #[error(
         "request {req} needs {needed} slots but the store has only {capacity} in all: it can never fit; use fewer or smaller chunks, or a larger target"
     )]
-    TooLarge {
-        req: ReqId,
-        needed: u64,
-        capacity: u64,
-    },
+    TooLarge { req: ReqId, needed: u64, capacity: u64 },
     #[error("request {req} is already admitted (holding {held} slots)")]
     AlreadyAdmitted { req: ReqId, held: u64 },
     #[error(
         "request {req} waited {waited_ms} ms for {needed} slots; {free} of {capacity} were free (held by {holders} requests): retry later or raise the admission timeout"
     )]
-    Timeout {
-        req: ReqId,
-        needed: u64,
-        free: u64,
-        capacity: u64,
-        holders: usize,
-        waited_ms: u64,
-    },
+    Timeout { req: ReqId, needed: u64, free: u64, capacity: u64, holders: usize, waited_ms: u64 },
     #[error("request {req} was aborted while waiting for admission")]
     Aborted { req: ReqId },
 }
@@ -52,21 +41,14 @@ struct Reservations {
     held: HashMap<ReqId, u64>,
     /// Requests aborted while (possibly) waiting; their waiters give up.
     aborted: HashSet<ReqId>,
+    /// Admissions that had to wait for capacity.
+    waits: u64,
 }
 
 impl Reservations {
     fn check(&self) {
-        debug_assert!(
-            self.reserved <= self.capacity,
-            "reserved {} > capacity {}",
-            self.reserved,
-            self.capacity
-        );
-        debug_assert_eq!(
-            self.reserved,
-            self.held.values().sum::<u64>(),
-            "reserved total disagrees with holders"
-        );
+        debug_assert!(self.reserved <= self.capacity, "reserved {} > capacity {}", self.reserved, self.capacity);
+        debug_assert_eq!(self.reserved, self.held.values().sum::<u64>(), "reserved total disagrees with holders");
     }
 }
 
@@ -83,17 +65,13 @@ pub struct ReservationStats {
     pub capacity: u64,
     pub reserved: u64,
     pub holders: usize,
+    /// Admissions that found too little capacity and waited (or timed out).
+    pub waits: u64,
 }
 
 impl ReservationManager {
     pub fn new(capacity: u64) -> Self {
-        ReservationManager {
-            state: Mutex::new(Reservations {
-                capacity,
-                ..Default::default()
-            }),
-            freed: Condvar::new(),
-        }
+        ReservationManager { state: Mutex::new(Reservations { capacity, ..Default::default() }), freed: Condvar::new() }
     }
 
     fn lock(&self) -> MutexGuard<'_, Reservations> {
@@ -110,19 +88,13 @@ impl ReservationManager {
             return Err(AdmitError::ZeroChunks { req: req.into() });
         }
         if n > s.capacity {
-            return Err(AdmitError::TooLarge {
-                req: req.into(),
-                needed: n,
-                capacity: s.capacity,
-            });
+            return Err(AdmitError::TooLarge { req: req.into(), needed: n, capacity: s.capacity });
         }
         if let Some(&held) = s.held.get(req) {
-            return Err(AdmitError::AlreadyAdmitted {
-                req: req.into(),
-                held,
-            });
+            return Err(AdmitError::AlreadyAdmitted { req: req.into(), held });
         }
         s.aborted.remove(req);
+        let mut counted = false;
         loop {
             if s.aborted.remove(req) {
                 return Err(AdmitError::Aborted { req: req.into() });
@@ -134,6 +106,10 @@ impl ReservationManager {
                 return Ok(());
             }
             let waited = started.elapsed();
+            if !counted {
+                s.waits += 1;
+                counted = true;
+            }
             if waited >= timeout {
                 return Err(AdmitError::Timeout {
                     req: req.into(),
@@ -144,11 +120,7 @@ impl ReservationManager {
                     waited_ms: waited.as_millis() as u64,
                 });
             }
-            s = self
-                .freed
-                .wait_timeout(s, timeout - waited)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            s = self.freed.wait_timeout(s, timeout - waited).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
     }
 
@@ -156,17 +128,10 @@ impl ReservationManager {
     pub fn restore(&self, req: &str, n: u64) -> Result<(), AdmitError> {
         let mut s = self.lock();
         if s.held.contains_key(req) {
-            return Err(AdmitError::AlreadyAdmitted {
-                req: req.into(),
-                held: s.held[req],
-            });
+            return Err(AdmitError::AlreadyAdmitted { req: req.into(), held: s.held[req] });
         }
         if s.capacity - s.reserved < n {
-            return Err(AdmitError::TooLarge {
-                req: req.into(),
-                needed: n,
-                capacity: s.capacity - s.reserved,
-            });
+            return Err(AdmitError::TooLarge { req: req.into(), needed: n, capacity: s.capacity - s.reserved });
         }
         s.reserved += n;
         s.held.insert(req.into(), n);
@@ -222,11 +187,7 @@ impl ReservationManager {
 
     /// Every request holding a reservation, with what it holds.
     pub fn holders(&self) -> Vec<(ReqId, u64)> {
-        self.lock()
-            .held
-            .iter()
-            .map(|(k, v)| (k.clone(), *v))
-            .collect()
+        self.lock().held.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
     pub fn held(&self, req: &str) -> u64 {
@@ -235,11 +196,7 @@ impl ReservationManager {
 
     pub fn stats(&self) -> ReservationStats {
         let s = self.lock();
-        ReservationStats {
-            capacity: s.capacity,
-            reserved: s.reserved,
-            holders: s.held.len(),
-        }
+        ReservationStats { capacity: s.capacity, reserved: s.reserved, holders: s.held.len(), waits: s.waits }
     }
 
     /// The invariant, as a checkable result for tests: reserved <= capacity and
@@ -248,10 +205,7 @@ impl ReservationManager {
         let s = self.lock();
         let sum: u64 = s.held.values().sum();
         if s.reserved > s.capacity || sum != s.reserved {
-            return Err(format!(
-                "reserved {} (holders sum {sum}) vs capacity {}",
-                s.reserved, s.capacity
-            ));
+            return Err(format!("reserved {} (holders sum {sum}) vs capacity {}", s.reserved, s.capacity));
         }
         Ok(())
     }
@@ -284,11 +238,7 @@ struct Staging {
 impl StagingPool {
     pub fn new(slots: usize) -> Self {
         StagingPool {
-            state: Mutex::new(Staging {
-                free: (0..slots).rev().collect(),
-                slots,
-                aborted: HashSet::new(),
-            }),
+            state: Mutex::new(Staging { free: (0..slots).rev().collect(), slots, aborted: HashSet::new() }),
             freed: Condvar::new(),
         }
     }
@@ -310,26 +260,16 @@ impl StagingPool {
             }
             let waited = started.elapsed();
             if waited >= timeout {
-                return Err(StagingError::Timeout {
-                    slots: s.slots,
-                    waited_ms: waited.as_millis() as u64,
-                });
+                return Err(StagingError::Timeout { slots: s.slots, waited_ms: waited.as_millis() as u64 });
             }
-            s = self
-                .freed
-                .wait_timeout(s, timeout - waited)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|p| p.into_inner().0);
+            s = self.freed.wait_timeout(s, timeout - waited).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
     }
 
     /// Returns a slot after its write completed.
     pub fn free(&self, slot: usize) {
         let mut s = self.lock();
-        debug_assert!(
-            slot < s.slots && !s.free.contains(&slot),
-            "staging slot {slot} freed twice"
-        );
+        debug_assert!(slot < s.slots && !s.free.contains(&slot), "staging slot {slot} freed twice");
         if slot < s.slots && !s.free.contains(&slot) {
             s.free.push(slot);
         }
@@ -375,14 +315,7 @@ mod tests {
         assert_eq!(m.release("A"), 8);
         let waited = b.join().unwrap().expect("B is admitted once A releases");
         assert!(waited >= Duration::from_millis(90));
-        assert_eq!(
-            m.stats(),
-            ReservationStats {
-                capacity: 10,
-                reserved: 8,
-                holders: 1
-            }
-        );
+        assert_eq!(m.stats(), ReservationStats { capacity: 10, reserved: 8, holders: 1, waits: 1 });
         m.check().unwrap();
     }
 
@@ -390,18 +323,8 @@ mod tests {
     fn too_large_fails_at_once_and_zero_is_refused() {
         let m = ReservationManager::new(10);
         let t = Instant::now();
-        assert!(matches!(
-            m.try_admit("big", 11, LONG),
-            Err(AdmitError::TooLarge {
-                needed: 11,
-                capacity: 10,
-                ..
-            })
-        ));
-        assert!(
-            t.elapsed() < Duration::from_secs(1),
-            "never waits for the impossible"
-        );
+        assert!(matches!(m.try_admit("big", 11, LONG), Err(AdmitError::TooLarge { needed: 11, capacity: 10, .. })));
+        assert!(t.elapsed() < Duration::from_secs(1), "never waits for the impossible");
         let e = m.try_admit("legacy", 0, LONG).unwrap_err();
         assert!(e.to_string().contains("legacy senders are not supported"));
         assert_eq!(m.stats().reserved, 0, "refusals change nothing");
@@ -411,16 +334,9 @@ mod tests {
     fn admission_times_out_when_one_request_holds_everything() {
         let m = ReservationManager::new(4);
         m.try_admit("hog", 4, LONG).unwrap();
-        let e = m
-            .try_admit("late", 1, Duration::from_millis(50))
-            .unwrap_err();
+        let e = m.try_admit("late", 1, Duration::from_millis(50)).unwrap_err();
         match e {
-            AdmitError::Timeout {
-                free: 0,
-                capacity: 4,
-                holders: 1,
-                ..
-            } => {}
+            AdmitError::Timeout { free: 0, capacity: 4, holders: 1, .. } => {}
             other => panic!("{other:?}"),
         }
         assert_eq!(m.held("late"), 0);
@@ -434,15 +350,11 @@ mod tests {
         let w = thread::spawn(move || m2.try_admit("B", 2, LONG));
         thread::sleep(Duration::from_millis(50));
         m.abort("B");
-        assert_eq!(
-            w.join().unwrap(),
-            Err(AdmitError::Aborted { req: "B".into() })
-        );
+        assert_eq!(w.join().unwrap(), Err(AdmitError::Aborted { req: "B".into() }));
         assert_eq!(m.release("A"), 2);
         assert_eq!(m.release("A"), 0, "second release is a no-op");
         assert_eq!(m.abort("unknown"), 0);
-        m.try_admit("B", 2, LONG)
-            .expect("an aborted request id may be admitted again later");
+        m.try_admit("B", 2, LONG).expect("an aborted request id may be admitted again later");
     }
 
     #[test]
@@ -467,13 +379,7 @@ mod tests {
         let w = thread::spawn(move || p3.allocate("B", LONG));
         thread::sleep(Duration::from_millis(50));
         p.abort("B");
-        assert_eq!(
-            w.join().unwrap(),
-            Err(StagingError::Aborted { req: "B".into() })
-        );
-        assert!(matches!(
-            p.allocate("C", Duration::from_millis(10)),
-            Err(StagingError::Timeout { .. })
-        ));
+        assert_eq!(w.join().unwrap(), Err(StagingError::Aborted { req: "B".into() }));
+        assert!(matches!(p.allocate("C", Duration::from_millis(10)), Err(StagingError::Timeout { .. })));
     }
 }

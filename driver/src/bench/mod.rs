@@ -15,8 +15,7 @@ use rand::{Rng, SeedableRng};
 
 use crate::buffer::Buffer;
 use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions,
-    TransferId,
+    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
 };
 
 /// fio's `--rw` names.
@@ -98,12 +97,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
             cfg.block_size, cfg.size, cfg.queue_depth
         )));
     }
-    let target = Target::open(
-        &cfg.target,
-        &TargetOptions {
-            create_len: Some(cfg.size),
-        },
-    )?;
+    let target = Target::open(&cfg.target, &TargetOptions { create_len: Some(cfg.size) })?;
     if cfg.size > target.geometry().capacity {
         return Err(BenchError::Config(format!(
             "--size {} is larger than target {} ({} bytes)",
@@ -113,14 +107,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
         )));
     }
     let kind = target.kind();
-    let mut engine = Engine::new(
-        target,
-        EngineOptions {
-            queue_depth: cfg.queue_depth,
-            buffer_slots: 1,
-            ..Default::default()
-        },
-    )?;
+    let mut engine =
+        Engine::new(target, EngineOptions { queue_depth: cfg.queue_depth, buffer_slots: 1, ..Default::default() })?;
     let region = usize::try_from(cfg.block_size * cfg.queue_depth as u64)
         .map_err(|_| BenchError::Config("bs * qd does not fit in memory".into()))?;
     let buffer = Buffer::host(region)?;
@@ -147,11 +135,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
             if issued == ios {
                 return None;
             }
-            let block = if cfg.pattern.random() {
-                rng.random_range(0..blocks)
-            } else {
-                issued
-            };
+            let block = if cfg.pattern.random() { rng.random_range(0..blocks) } else { issued };
             issued += 1;
             Some(IoRequest {
                 transfer: TransferId(issued),

@@ -8,9 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
-use crate::store::{
-    self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreError, StoreOptions,
-};
+use crate::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreError, StoreOptions};
 
 #[derive(Debug, Clone)]
 pub struct StoreBenchConfig {
@@ -40,20 +38,11 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
     let _ = std::fs::remove_file(&cfg.target);
     store::format(
         &cfg.target,
-        &FormatOptions {
-            slot_size: cfg.chunk,
-            journal_half,
-            force: false,
-            create_len: Some(len),
-        },
+        &FormatOptions { slot_size: cfg.chunk, journal_half, force: false, create_len: Some(len) },
     )?;
     let (s, _) = Store::open(
         &cfg.target,
-        StoreOptions {
-            queue_depth: 32,
-            admission_timeout: Duration::from_secs(60),
-            fault: None,
-        },
+        StoreOptions { queue_depth: 32, admission_timeout: Duration::from_secs(60), fault: None },
     )?;
     let s = Arc::new(s);
     let layout = Layout {
@@ -72,19 +61,13 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
         .map(|w| {
             let (s, layout, chunk) = (s.clone(), layout.clone(), cfg.chunk);
             std::thread::spawn(move || -> Result<(), StoreError> {
-                let buf =
-                    Buffer::host(chunk as usize).map_err(|e| StoreError::Worker(e.to_string()))?;
+                let buf = Buffer::host(chunk as usize).map_err(|e| StoreError::Worker(e.to_string()))?;
                 buf.write_at(0, &crate::payload::chunk(w as u64, 0, chunk as usize))
                     .map_err(|e| StoreError::Worker(e.to_string()))?;
                 let id = s.register_buffer(buf)?;
                 for i in 0..per_writer {
                     let p = s.prepare(&format!("w{w}-{i}"), "bench", &layout, 1)?;
-                    let c = ChunkSource {
-                        index: 0,
-                        buffer: id,
-                        buffer_offset: 0,
-                        len: chunk,
-                    };
+                    let c = ChunkSource { index: 0, buffer: id, buffer_offset: 0, len: chunk };
                     s.store_batch(&StoreBatch {
                         publication: p,
                         chunks: vec![c],
@@ -99,8 +82,7 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
         })
         .collect();
     for h in handles {
-        h.join()
-            .map_err(|_| StoreError::Worker("a bench writer panicked".into()))??;
+        h.join().map_err(|_| StoreError::Worker("a bench writer panicked".into()))??;
     }
     let seconds = started.elapsed().as_secs_f64();
     let after = s.commit()?;
@@ -118,7 +100,6 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
         journal_records_per_s: records / seconds,
         flushes,
         flushes_per_publication: flushes as f64 / done as f64,
-        commit_groups_per_publication: (after.commit_groups - before.commit_groups) as f64
-            / done as f64,
+        commit_groups_per_publication: (after.commit_groups - before.commit_groups) as f64 / done as f64,
     })
 }

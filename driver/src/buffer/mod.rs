@@ -36,11 +36,7 @@ pub enum BufferError {
         "range {offset}..{end} is outside the {len}-byte buffer: keep offset + length within the buffer",
         end = offset.saturating_add(*count as u64)
     )]
-    OutOfBounds {
-        offset: u64,
-        count: usize,
-        len: usize,
-    },
+    OutOfBounds { offset: u64, count: usize, len: usize },
 }
 
 /// Where a buffer's memory comes from.
@@ -75,16 +71,8 @@ impl Buffer {
         if len == 0 {
             return Err(BufferError::ZeroLength);
         }
-        let region = MmapRegion::new(len).map_err(|source| BufferError::Map {
-            kind: BufferKind::Host,
-            len,
-            source,
-        })?;
-        Ok(Buffer {
-            region,
-            kind: BufferKind::Host,
-            memfd: None,
-        })
+        let region = MmapRegion::new(len).map_err(|source| BufferError::Map { kind: BufferKind::Host, len, source })?;
+        Ok(Buffer { region, kind: BufferKind::Host, memfd: None })
     }
 
     /// A new memfd of `len` bytes, mapped shared.
@@ -92,11 +80,7 @@ impl Buffer {
         if len == 0 {
             return Err(BufferError::ZeroLength);
         }
-        let memfd_err = |source| BufferError::Memfd {
-            name: name.to_owned(),
-            len,
-            source,
-        };
+        let memfd_err = |source| BufferError::Memfd { name: name.to_owned(), len, source };
         let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
             .map_err(|e| memfd_err(e.into()))?;
         let file = File::from(fd);
@@ -110,43 +94,20 @@ impl Buffer {
             return Err(BufferError::ZeroLength);
         }
         let file = File::from(fd);
-        let size = file
-            .metadata()
-            .map_err(|source| BufferError::Memfd {
-                name: "<received>".into(),
-                len,
-                source,
-            })?
-            .len();
+        let size =
+            file.metadata().map_err(|source| BufferError::Memfd { name: "<received>".into(), len, source })?.len();
         if size < len as u64 {
-            return Err(BufferError::OutOfBounds {
-                offset: 0,
-                count: len,
-                len: size as usize,
-            });
+            return Err(BufferError::OutOfBounds { offset: 0, count: len, len: size as usize });
         }
         Self::map_memfd(file, len)
     }
 
     fn map_memfd(file: File, len: usize) -> Result<Self, BufferError> {
-        let mapping_file = file.try_clone().map_err(|source| BufferError::Memfd {
-            name: "<dup>".into(),
-            len,
-            source,
-        })?;
-        let region =
-            MmapRegion::from_file(FileOffset::new(mapping_file, 0), len).map_err(|source| {
-                BufferError::Map {
-                    kind: BufferKind::Memfd,
-                    len,
-                    source,
-                }
-            })?;
-        Ok(Buffer {
-            region,
-            kind: BufferKind::Memfd,
-            memfd: Some(file),
-        })
+        let mapping_file =
+            file.try_clone().map_err(|source| BufferError::Memfd { name: "<dup>".into(), len, source })?;
+        let region = MmapRegion::from_file(FileOffset::new(mapping_file, 0), len)
+            .map_err(|source| BufferError::Map { kind: BufferKind::Memfd, len, source })?;
+        Ok(Buffer { region, kind: BufferKind::Memfd, memfd: Some(file) })
     }
 
     pub fn len(&self) -> usize {
@@ -173,11 +134,7 @@ impl Buffer {
 
     /// A bounds-checked volatile view of `count` bytes at `offset`.
     pub fn slice(&self, offset: u64, count: usize) -> Result<VolatileSlice<'_>, BufferError> {
-        let oob = || BufferError::OutOfBounds {
-            offset,
-            count,
-            len: self.len(),
-        };
+        let oob = || BufferError::OutOfBounds { offset, count, len: self.len() };
         let offset = usize::try_from(offset).map_err(|_| oob())?;
         self.region.get_slice(offset, count).map_err(|_| oob())
     }
@@ -208,10 +165,7 @@ mod tests {
         b.read_at(4096, &mut out).unwrap();
         assert_eq!(&out, b"kv");
         let err = b.write_at(3 * 4096 - 1, b"kv").unwrap_err();
-        assert!(
-            err.to_string().contains("outside the 12288-byte buffer"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("outside the 12288-byte buffer"), "{err}");
         assert!(matches!(Buffer::host(0), Err(BufferError::ZeroLength)));
     }
 
@@ -227,19 +181,13 @@ mod tests {
         b.write_at(0, b"decode").unwrap();
         let mut back = [0u8; 6];
         a.read_at(0, &mut back).unwrap();
-        assert_eq!(
-            &back, b"decode",
-            "writes through one mapping are seen through the other"
-        );
+        assert_eq!(&back, b"decode", "writes through one mapping are seen through the other");
     }
 
     #[test]
     fn received_memfd_smaller_than_claimed_is_refused() {
         let a = Buffer::memfd("small", 4096).unwrap();
         let dup = a.memfd_fd().unwrap().try_clone_to_owned().unwrap();
-        assert!(matches!(
-            Buffer::from_memfd(dup, 8192),
-            Err(BufferError::OutOfBounds { .. })
-        ));
+        assert!(matches!(Buffer::from_memfd(dup, 8192), Err(BufferError::OutOfBounds { .. })));
     }
 }

@@ -43,11 +43,7 @@ pub enum PayloadPath {
 }
 
 impl PayloadPath {
-    pub const ALL: [PayloadPath; 3] = [
-        PayloadPath::Host,
-        PayloadPath::HostFixed,
-        PayloadPath::DmabufFixed,
-    ];
+    pub const ALL: [PayloadPath; 3] = [PayloadPath::Host, PayloadPath::HostFixed, PayloadPath::DmabufFixed];
     pub fn as_str(self) -> &'static str {
         match self {
             PayloadPath::Host => "host",
@@ -151,10 +147,7 @@ pub enum IoError {
     )]
     NoDirectIo { path: PathBuf, fs: String },
     #[error("target {path} is in use{}: unmount it or stop the other user first", mount.as_ref().map(|m| format!(" (mounted on {m})")).unwrap_or_else(|| " by another exclusive opener".into()))]
-    Busy {
-        path: PathBuf,
-        mount: Option<String>,
-    },
+    Busy { path: PathBuf, mount: Option<String> },
     #[error("target {path} is locked by another process (another pdstor?): stop it first")]
     Locked { path: PathBuf },
     #[error("reading the {what} of target {path}: {source}")]
@@ -164,9 +157,7 @@ pub enum IoError {
         #[source]
         source: std::io::Error,
     },
-    #[error(
-        "preallocating {len} bytes for target {path}: {source} (is the filesystem full, or without fallocate?)"
-    )]
+    #[error("preallocating {len} bytes for target {path}: {source} (is the filesystem full, or without fallocate?)")]
     Preallocate {
         path: PathBuf,
         len: u64,
@@ -186,44 +177,24 @@ pub enum IoError {
         #[source]
         source: std::io::Error,
     },
-    #[error(
-        "all {slots} buffer slots are in use: remove a buffer first or raise EngineOptions::buffer_slots"
-    )]
+    #[error("all {slots} buffer slots are in use: remove a buffer first or raise EngineOptions::buffer_slots")]
     BufferTableFull { slots: u32 },
     #[error("{0} is not held by this engine")]
     UnknownBuffer(BufferId),
     #[error("{transfer}: {what}")]
-    Buffer {
-        transfer: TransferId,
-        what: BufferError,
-    },
+    Buffer { transfer: TransferId, what: BufferError },
     #[error(
         "{transfer}: {field} {value} is not a multiple of {align} bytes, which direct I/O on this target needs; no payload path accepts it: align it"
     )]
-    Unaligned {
-        transfer: TransferId,
-        field: &'static str,
-        value: u64,
-        align: u32,
-    },
+    Unaligned { transfer: TransferId, field: &'static str, value: u64, align: u32 },
     #[error("{transfer}: a request of 0 bytes moves nothing: give a length")]
     EmptyRequest { transfer: TransferId },
     #[error("{transfer}: target range {offset}..{end} is beyond the target's {capacity} bytes", end = offset.saturating_add(*len))]
-    BeyondTarget {
-        transfer: TransferId,
-        offset: u64,
-        len: u64,
-        capacity: u64,
-    },
+    BeyondTarget { transfer: TransferId, offset: u64, len: u64, capacity: u64 },
     #[error("{transfer}: id is above {max}, the largest that fits in user_data beside the segment bits", max = MAX_TRANSFER_ID)]
     TransferIdTooLarge { transfer: TransferId },
     #[error("{transfer}: path {path} is not available: {why}; {hint}")]
-    PathUnavailable {
-        transfer: TransferId,
-        path: PayloadPath,
-        why: &'static str,
-        hint: &'static str,
-    },
+    PathUnavailable { transfer: TransferId, path: PayloadPath, why: &'static str, hint: &'static str },
     #[error("{transfer}: {op} of {len} bytes at target offset {offset} failed: {source}")]
     Transfer {
         transfer: TransferId,
@@ -234,22 +205,11 @@ pub enum IoError {
         source: std::io::Error,
     },
     #[error("{transfer}: NVMe {cmd} of {len} bytes at target offset {offset} failed: {status}", cmd = nvme_cmd_name(*op))]
-    Nvme {
-        transfer: TransferId,
-        op: Op,
-        offset: u64,
-        len: u64,
-        status: NvmeStatus,
-    },
+    Nvme { transfer: TransferId, op: Op, offset: u64, len: u64, status: NvmeStatus },
     #[error(
         "{transfer}: {op} at target offset {offset} moved 0 of {expected} bytes: the target ended or stopped making progress"
     )]
-    ShortTransfer {
-        transfer: TransferId,
-        op: Op,
-        offset: u64,
-        expected: u64,
-    },
+    ShortTransfer { transfer: TransferId, op: Op, offset: u64, expected: u64 },
 }
 
 fn register_hint(e: &std::io::Error) -> &'static str {
@@ -285,11 +245,7 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions {
-            queue_depth: 32,
-            buffer_slots: 64,
-            max_transfer: None,
-        }
+        EngineOptions { queue_depth: 32, buffer_slots: 64, max_transfer: None }
     }
 }
 
@@ -343,23 +299,14 @@ pub struct Engine {
 fn build_ring<S: squeue::EntryMarker, C: io_uring::cqueue::EntryMarker>(
     entries: u32,
 ) -> Result<IoUring<S, C>, IoError> {
-    let tuned = IoUring::<S, C>::builder()
-        .setup_coop_taskrun()
-        .setup_single_issuer()
-        .setup_defer_taskrun()
-        .build(entries);
+    let tuned =
+        IoUring::<S, C>::builder().setup_coop_taskrun().setup_single_issuer().setup_defer_taskrun().build(entries);
     match tuned {
         Ok(r) => Ok(r),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => IoUring::<S, C>::builder()
-            .build(entries)
-            .map_err(|source| IoError::Ring {
-                op: "setup",
-                source,
-            }),
-        Err(source) => Err(IoError::Ring {
-            op: "setup",
-            source,
-        }),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            IoUring::<S, C>::builder().build(entries).map_err(|source| IoError::Ring { op: "setup", source })
+        }
+        Err(source) => Err(IoError::Ring { op: "setup", source }),
     }
 }
 
@@ -382,9 +329,7 @@ impl Engine {
         let ring = match target.kind() {
             TargetKind::NvmeGeneric => {
                 let r = build_ring::<squeue::Entry128, io_uring::cqueue::Entry32>(entries)?;
-                r.submitter()
-                    .register_files(&[fd])
-                    .map_err(ring_err("register_files"))?;
+                r.submitter().register_files(&[fd]).map_err(ring_err("register_files"))?;
                 r.submitter()
                     .register_buffers_sparse(opts.buffer_slots)
                     .map_err(ring_err("register_buffers_sparse"))?;
@@ -392,9 +337,7 @@ impl Engine {
             }
             _ => {
                 let r = build_ring::<squeue::Entry, io_uring::cqueue::Entry>(entries)?;
-                r.submitter()
-                    .register_files(&[fd])
-                    .map_err(ring_err("register_files"))?;
+                r.submitter().register_files(&[fd]).map_err(ring_err("register_files"))?;
                 r.submitter()
                     .register_buffers_sparse(opts.buffer_slots)
                     .map_err(ring_err("register_buffers_sparse"))?;
@@ -426,10 +369,7 @@ impl Engine {
     /// Holds `buffer` for the `host` path only (not registered).
     pub fn add(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
         let id = self.free_slot()?;
-        self.slots[id.0 as usize] = Some(Slot {
-            buffer,
-            registered: false,
-        });
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: false });
         Ok(id)
     }
 
@@ -437,49 +377,28 @@ impl Engine {
     /// (it remains usable on `host` too).
     pub fn register(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
         let id = self.free_slot()?;
-        let iov = libc::iovec {
-            iov_base: buffer.addr() as *mut libc::c_void,
-            iov_len: buffer.len(),
-        };
+        let iov = libc::iovec { iov_base: buffer.addr() as *mut libc::c_void, iov_len: buffer.len() };
         // SAFETY: the iovec describes `buffer`'s mapping, which the engine owns in
         // `slots` from here until `remove` unregisters it (or the ring is dropped
         // first, since `ring` is declared before `slots`).
         let res = unsafe { self.update_buffer_table(id.0, &[iov]) };
-        res.map_err(|source| IoError::Register {
-            buffer: id,
-            len: buffer.len(),
-            source,
-        })?;
-        self.slots[id.0 as usize] = Some(Slot {
-            buffer,
-            registered: true,
-        });
+        res.map_err(|source| IoError::Register { buffer: id, len: buffer.len(), source })?;
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: true });
         Ok(id)
     }
 
     /// Releases a buffer (unregistering it first) and hands it back.
     pub fn remove(&mut self, id: BufferId) -> Result<Buffer, IoError> {
-        let slot = self
-            .slots
-            .get_mut(id.0 as usize)
-            .and_then(Option::take)
-            .ok_or(IoError::UnknownBuffer(id))?;
+        let slot = self.slots.get_mut(id.0 as usize).and_then(Option::take).ok_or(IoError::UnknownBuffer(id))?;
         if slot.registered {
-            let empty = libc::iovec {
-                iov_base: std::ptr::null_mut(),
-                iov_len: 0,
-            };
+            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
             // SAFETY: an empty iovec clears the table entry; no I/O is in flight
             // because `execute` completes everything before returning.
             let res = unsafe { self.update_buffer_table(id.0, &[empty]) };
             if let Err(source) = res {
                 let len = slot.buffer.len();
                 self.slots[id.0 as usize] = Some(slot);
-                return Err(IoError::Register {
-                    buffer: id,
-                    len,
-                    source,
-                });
+                return Err(IoError::Register { buffer: id, len, source });
             }
         }
         Ok(slot.buffer)
@@ -514,11 +433,7 @@ impl Engine {
             |slot, c| completions[slot_to_index[slot].get()] = Some(c),
         )?;
         let out: Vec<Completion> = completions.into_iter().flatten().collect();
-        debug_assert_eq!(
-            out.len(),
-            batch.len(),
-            "every request completes exactly once"
-        );
+        debug_assert_eq!(out.len(), batch.len(), "every request completes exactly once");
         Ok(out)
     }
 
@@ -543,14 +458,7 @@ impl Engine {
         mut next: impl FnMut(usize) -> Option<IoRequest>,
         mut done: impl FnMut(usize, Completion),
     ) -> Result<(), IoError> {
-        let Engine {
-            target,
-            ring,
-            slots,
-            queue_depth,
-            stats,
-            ..
-        } = self;
+        let Engine { target, ring, slots, queue_depth, stats, .. } = self;
         let mut refused = None;
         let requests: Vec<Cell<Option<IoRequest>>> = vec![Cell::new(None); *queue_depth as usize];
         let planned_next = |slot: usize| {
@@ -597,9 +505,7 @@ impl Engine {
         let geometry = *target.geometry();
         match ring {
             Ring::Std(r) => driver.run(r, planned_next, on_done, build_std),
-            Ring::Nvme(r) => driver.run(r, planned_next, on_done, |seg, ud| {
-                build_nvme(&geometry, seg, ud)
-            }),
+            Ring::Nvme(r) => driver.run(r, planned_next, on_done, |seg, ud| build_nvme(&geometry, seg, ud)),
         }?;
         refused.map_or(Ok(()), Err)
     }
@@ -609,14 +515,7 @@ impl Engine {
     pub fn flush(&mut self) -> Result<(), IoError> {
         let transfer = TransferId(0);
         let Engine { ring, stats, .. } = self;
-        let flush = Planned {
-            transfer,
-            op: Op::Flush,
-            addr: 0,
-            buf_index: None,
-            offset: 0,
-            len: 1,
-        };
+        let flush = Planned { transfer, op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 1 };
         let mut pending = Some(flush);
         let mut result = Ok(());
         let driver = Driver {
@@ -631,12 +530,7 @@ impl Engine {
         let on_done = |_: usize, o: ring::Outcome| result = o.result;
         match ring {
             Ring::Std(r) => driver.run(r, |_| pending.take(), on_done, build_std),
-            Ring::Nvme(r) => driver.run(
-                r,
-                |_| pending.take(),
-                on_done,
-                |seg, ud| build_nvme(&geometry, seg, ud),
-            ),
+            Ring::Nvme(r) => driver.run(r, |_| pending.take(), on_done, |seg, ud| build_nvme(&geometry, seg, ud)),
         }?;
         stats.flushes += 1;
         result
@@ -647,16 +541,11 @@ impl Engine {
             .iter()
             .position(Option::is_none)
             .map(|i| BufferId(i as u32))
-            .ok_or(IoError::BufferTableFull {
-                slots: self.slots.len() as u32,
-            })
+            .ok_or(IoError::BufferTableFull { slots: self.slots.len() as u32 })
     }
 
     fn slot(&self, id: BufferId) -> Result<&Slot, IoError> {
-        self.slots
-            .get(id.0 as usize)
-            .and_then(Option::as_ref)
-            .ok_or(IoError::UnknownBuffer(id))
+        self.slots.get(id.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(id))
     }
 
     /// # Safety
@@ -679,14 +568,8 @@ impl Drop for Engine {
     /// the target (and its lock) open after the process exits.
     fn drop(&mut self) {
         let _ = match &self.ring {
-            Ring::Std(r) => r
-                .submitter()
-                .unregister_files()
-                .and(r.submitter().unregister_buffers()),
-            Ring::Nvme(r) => r
-                .submitter()
-                .unregister_files()
-                .and(r.submitter().unregister_buffers()),
+            Ring::Std(r) => r.submitter().unregister_files().and(r.submitter().unregister_buffers()),
+            Ring::Nvme(r) => r.submitter().unregister_files().and(r.submitter().unregister_buffers()),
         };
     }
 }
@@ -724,10 +607,7 @@ fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Result<Planne
     if r.len == 0 {
         return Err(IoError::EmptyRequest { transfer: t });
     }
-    let slot = slots
-        .get(r.buffer.0 as usize)
-        .and_then(Option::as_ref)
-        .ok_or(IoError::UnknownBuffer(r.buffer))?;
+    let slot = slots.get(r.buffer.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(r.buffer))?;
     let buf_index = match r.path {
         PayloadPath::Host => None,
         PayloadPath::HostFixed if slot.registered => Some(r.buffer.0 as u16),
@@ -749,9 +629,7 @@ fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Result<Planne
         }
     };
     let len = usize::try_from(r.len).map_err(|_| IoError::EmptyRequest { transfer: t })?;
-    slot.buffer
-        .slice(r.buffer_offset, len)
-        .map_err(|what| IoError::Buffer { transfer: t, what })?;
+    slot.buffer.slice(r.buffer_offset, len).map_err(|what| IoError::Buffer { transfer: t, what })?;
     let g = target.geometry();
     let addr = slot.buffer.addr() + r.buffer_offset;
     let checks: [(&'static str, u64, u32); 3] = [
@@ -761,56 +639,26 @@ fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Result<Planne
     ];
     for (field, value, align) in checks {
         if value % align as u64 != 0 {
-            return Err(IoError::Unaligned {
-                transfer: t,
-                field,
-                value,
-                align,
-            });
+            return Err(IoError::Unaligned { transfer: t, field, value, align });
         }
     }
-    if r.target_offset
-        .checked_add(r.len)
-        .is_none_or(|end| end > g.capacity)
-    {
-        return Err(IoError::BeyondTarget {
-            transfer: t,
-            offset: r.target_offset,
-            len: r.len,
-            capacity: g.capacity,
-        });
+    if r.target_offset.checked_add(r.len).is_none_or(|end| end > g.capacity) {
+        return Err(IoError::BeyondTarget { transfer: t, offset: r.target_offset, len: r.len, capacity: g.capacity });
     }
-    Ok(Planned {
-        transfer: t,
-        op: r.op,
-        addr,
-        buf_index,
-        offset: r.target_offset,
-        len: r.len,
-    })
+    Ok(Planned { transfer: t, op: r.op, addr, buf_index, offset: r.target_offset, len: r.len })
 }
 
 fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
     let sqe = match (seg.op, seg.buf_index) {
         (Op::Read, Some(idx)) => {
-            opcode::ReadFixed::new(TARGET_FILE, seg.addr as *mut u8, seg.len, idx)
-                .offset(seg.offset)
-                .build()
+            opcode::ReadFixed::new(TARGET_FILE, seg.addr as *mut u8, seg.len, idx).offset(seg.offset).build()
         }
-        (Op::Read, None) => opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len)
-            .offset(seg.offset)
-            .build(),
+        (Op::Read, None) => opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len).offset(seg.offset).build(),
         (Op::Write, Some(idx)) => {
-            opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx)
-                .offset(seg.offset)
-                .build()
+            opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx).offset(seg.offset).build()
         }
-        (Op::Write, None) => opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len)
-            .offset(seg.offset)
-            .build(),
-        (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE)
-            .flags(types::FsyncFlags::DATASYNC)
-            .build(),
+        (Op::Write, None) => opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len).offset(seg.offset).build(),
+        (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE).flags(types::FsyncFlags::DATASYNC).build(),
     };
     sqe.user_data(user_data)
 }
@@ -820,20 +668,9 @@ fn build_nvme(g: &Geometry, seg: &Segment, user_data: u64) -> squeue::Entry128 {
     let cmd = match seg.op {
         Op::Flush => nvme::flush_command(nsid),
         Op::Read | Op::Write => {
-            let opc = if seg.op == Op::Read {
-                nvme::OPC_READ
-            } else {
-                nvme::OPC_WRITE
-            };
+            let opc = if seg.op == Op::Read { nvme::OPC_READ } else { nvme::OPC_WRITE };
             let lba = g.logical_block as u64;
-            nvme::rw_command(
-                opc,
-                nsid,
-                seg.offset / lba,
-                (seg.len as u64 / lba) as u32,
-                seg.addr,
-                seg.len,
-            )
+            nvme::rw_command(opc, nsid, seg.offset / lba, (seg.len as u64 / lba) as u32, seg.addr, seg.len)
         }
     };
     let mut sqe = opcode::UringCmd80::new(TARGET_FILE, sys::NVME_URING_CMD_IO).cmd(cmd);

@@ -25,19 +25,9 @@ pub const CNS_CONTROLLER: u32 = 0x01;
 /// Builds a Read or Write of `nlb` logical blocks at `slba` into the 80-byte
 /// `cmd` area of an SQE128. `addr` is a user virtual address; for a fixed buffer
 /// it must lie inside the registered buffer named by the SQE's `buf_index`.
-pub fn rw_command(
-    opcode: u8,
-    nsid: u32,
-    slba: u64,
-    nlb: u32,
-    addr: u64,
-    data_len: u32,
-) -> [u8; 80] {
+pub fn rw_command(opcode: u8, nsid: u32, slba: u64, nlb: u32, addr: u64, data_len: u32) -> [u8; 80] {
     debug_assert!(opcode == OPC_READ || opcode == OPC_WRITE);
-    debug_assert!(
-        (1..=1 << 16).contains(&nlb),
-        "NLB is a 16-bit 0's based field"
-    );
+    debug_assert!((1..=1 << 16).contains(&nlb), "NLB is a 16-bit 0's based field");
     encode(&NvmeCmd {
         opcode,
         nsid,
@@ -53,11 +43,7 @@ pub fn rw_command(
 
 /// Builds a Flush of the whole namespace.
 pub fn flush_command(nsid: u32) -> [u8; 80] {
-    encode(&NvmeCmd {
-        opcode: OPC_FLUSH,
-        nsid,
-        ..NvmeCmd::default()
-    })
+    encode(&NvmeCmd { opcode: OPC_FLUSH, nsid, ..NvmeCmd::default() })
 }
 
 /// Little-endian encoding of `struct nvme_uring_cmd` into the SQE128 command area.
@@ -66,28 +52,14 @@ fn encode(cmd: &NvmeCmd) -> [u8; 80] {
     out[0] = cmd.opcode;
     out[1] = cmd.flags;
     out[2..4].copy_from_slice(&cmd.rsvd1.to_le_bytes());
-    let words32: [(usize, u32); 4] = [
-        (4, cmd.nsid),
-        (8, cmd.cdw2),
-        (12, cmd.cdw3),
-        (32, cmd.metadata_len),
-    ];
+    let words32: [(usize, u32); 4] = [(4, cmd.nsid), (8, cmd.cdw2), (12, cmd.cdw3), (32, cmd.metadata_len)];
     for (at, v) in words32 {
         out[at..at + 4].copy_from_slice(&v.to_le_bytes());
     }
     out[16..24].copy_from_slice(&cmd.metadata.to_le_bytes());
     out[24..32].copy_from_slice(&cmd.addr.to_le_bytes());
     out[36..40].copy_from_slice(&cmd.data_len.to_le_bytes());
-    let tail = [
-        cmd.cdw10,
-        cmd.cdw11,
-        cmd.cdw12,
-        cmd.cdw13,
-        cmd.cdw14,
-        cmd.cdw15,
-        cmd.timeout_ms,
-        cmd.result_or_rsvd2,
-    ];
+    let tail = [cmd.cdw10, cmd.cdw11, cmd.cdw12, cmd.cdw13, cmd.cdw14, cmd.cdw15, cmd.timeout_ms, cmd.result_or_rsvd2];
     for (i, v) in tail.iter().enumerate() {
         out[40 + 4 * i..44 + 4 * i].copy_from_slice(&v.to_le_bytes());
     }
@@ -108,10 +80,7 @@ pub struct NamespaceInfo {
 /// Parses an Identify Namespace data structure (4096 bytes).
 pub fn parse_identify_namespace(data: &[u8]) -> Result<NamespaceInfo, String> {
     if data.len() < 4096 {
-        return Err(format!(
-            "Identify Namespace data is {} bytes, expected 4096",
-            data.len()
-        ));
+        return Err(format!("Identify Namespace data is {} bytes, expected 4096", data.len()));
     }
     let blocks = u64::from_le_bytes(data[0..8].try_into().map_err(|_| "NSZE")?);
     let nlbaf = data[25] as usize + 1;
@@ -119,35 +88,25 @@ pub fn parse_identify_namespace(data: &[u8]) -> Result<NamespaceInfo, String> {
     // FLBAS bits 3:0 are the low index; bits 6:5 the high bits when NLBAF > 16.
     let index = (flbas & 0x0f) as usize | (((flbas >> 5) & 0x03) as usize) << 4;
     if index >= nlbaf.max(1) || index >= 64 {
-        return Err(format!(
-            "FLBAS selects LBA format {index} but NLBAF says {nlbaf} formats"
-        ));
+        return Err(format!("FLBAS selects LBA format {index} but NLBAF says {nlbaf} formats"));
     }
     let lbaf = &data[128 + 4 * index..132 + 4 * index];
     let metadata_size = u16::from_le_bytes([lbaf[0], lbaf[1]]);
     let lbads = lbaf[2];
     if !(9..=16).contains(&lbads) {
-        return Err(format!(
-            "LBA format {index} has LBADS {lbads}; expected 9 (512 B) to 16 (64 KiB)"
-        ));
+        return Err(format!("LBA format {index} has LBADS {lbads}; expected 9 (512 B) to 16 (64 KiB)"));
     }
     if blocks == 0 {
         return Err("namespace size (NSZE) is 0: the namespace is not usable".into());
     }
-    Ok(NamespaceInfo {
-        blocks,
-        lba_size: 1 << lbads,
-        metadata_size,
-    })
+    Ok(NamespaceInfo { blocks, lba_size: 1 << lbads, metadata_size })
 }
 
 /// Maximum data transfer size from Identify Controller (CNS 1) byte 77, in bytes,
 /// given the controller's minimum memory page size (CAP.MPSMIN, usually 4 KiB).
 /// `None` means the controller reports no limit.
 pub fn parse_mdts(identify_controller: &[u8], min_page_size: u32) -> Result<Option<u32>, String> {
-    let mdts = *identify_controller
-        .get(77)
-        .ok_or("Identify Controller data too short for MDTS (byte 77)")?;
+    let mdts = *identify_controller.get(77).ok_or("Identify Controller data too short for MDTS (byte 77)")?;
     if mdts == 0 {
         return Ok(None);
     }
@@ -238,18 +197,12 @@ mod tests {
         let c = rw_command(OPC_READ, 1, slba, 128, 0xdead_b000, 128 * 4096);
         assert_eq!(c[0], 0x02);
         assert_eq!(le32(&c, 4), 1, "nsid");
-        assert_eq!(
-            u64::from_le_bytes(c[24..32].try_into().unwrap()),
-            0xdead_b000
-        );
+        assert_eq!(u64::from_le_bytes(c[24..32].try_into().unwrap()), 0xdead_b000);
         assert_eq!(le32(&c, 36), 128 * 4096, "data_len");
         assert_eq!(le32(&c, 40), 0x2345_6789, "cdw10 = SLBA low");
         assert_eq!(le32(&c, 44), 0x1, "cdw11 = SLBA high");
         assert_eq!(le32(&c, 48), 127, "cdw12 = NLB, 0's based");
-        assert!(
-            c[72..].iter().all(|b| *b == 0),
-            "bytes past the 72-byte struct stay zero"
-        );
+        assert!(c[72..].iter().all(|b| *b == 0), "bytes past the 72-byte struct stay zero");
     }
 
     #[test]
@@ -277,14 +230,7 @@ mod tests {
     fn identify_namespace_picks_the_formatted_lba_format() {
         let d = identify_ns(1 << 20, 1, &[(0, 9), (0, 12), (8, 12)]);
         let ns = parse_identify_namespace(&d).unwrap();
-        assert_eq!(
-            ns,
-            NamespaceInfo {
-                blocks: 1 << 20,
-                lba_size: 4096,
-                metadata_size: 0
-            }
-        );
+        assert_eq!(ns, NamespaceInfo { blocks: 1 << 20, lba_size: 4096, metadata_size: 0 });
         let d = identify_ns(10, 2, &[(0, 9), (0, 12), (8, 12)]);
         assert_eq!(parse_identify_namespace(&d).unwrap().metadata_size, 8);
     }

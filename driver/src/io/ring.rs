@@ -157,11 +157,7 @@ impl Driver {
                             to_issue.pop_front();
                         }
                         req.outstanding += 1;
-                        segs[seg_slot] = Some(SegState {
-                            req: req_slot,
-                            seg,
-                            retries: 0,
-                        });
+                        segs[seg_slot] = Some(SegState { req: req_slot, seg, retries: 0 });
                         seg_slot
                     } else {
                         break;
@@ -187,10 +183,7 @@ impl Driver {
                             _ => {
                                 drop(sq);
                                 drain(ring, inflight);
-                                return Err(IoError::Ring {
-                                    op: "io_uring_enter",
-                                    source: e,
-                                });
+                                return Err(IoError::Ring { op: "io_uring_enter", source: e });
                             }
                         }
                     }
@@ -209,10 +202,7 @@ impl Driver {
                     Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY) => {}
                     _ => {
                         drain(ring, inflight);
-                        return Err(IoError::Ring {
-                            op: "io_uring_enter",
-                            source: e,
-                        });
+                        return Err(IoError::Ring { op: "io_uring_enter", source: e });
                     }
                 }
             }
@@ -264,8 +254,7 @@ impl Driver {
                         req.error.get_or_insert(err);
                     }
                 }
-                let finished =
-                    req.outstanding == 0 && (req.error.is_some() || req.issued >= req.planned.len);
+                let finished = req.outstanding == 0 && (req.error.is_some() || req.issued >= req.planned.len);
                 if finished && let Some(req) = reqs[req_slot].take() {
                     free_reqs.push(req_slot);
                     done(
@@ -288,22 +277,11 @@ impl Driver {
         let p = &req.planned;
         if p.op == Op::Flush {
             req.issued = p.len;
-            return Segment {
-                op: Op::Flush,
-                addr: 0,
-                buf_index: None,
-                offset: 0,
-                len: 0,
-            };
+            return Segment { op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 0 };
         }
         let len = (p.len - req.issued).min(self.max_transfer as u64) as u32;
-        let seg = Segment {
-            op: p.op,
-            addr: p.addr + req.issued,
-            buf_index: p.buf_index,
-            offset: p.offset + req.issued,
-            len,
-        };
+        let seg =
+            Segment { op: p.op, addr: p.addr + req.issued, buf_index: p.buf_index, offset: p.offset + req.issued, len };
         req.issued += len as u64;
         seg
     }
@@ -311,13 +289,7 @@ impl Driver {
     /// What a completion's `res` means for its segment.
     fn judge(&self, seg: &Segment, res: i32, transfer: TransferId) -> Verdict {
         let fail = |source: io::Error| {
-            Verdict::Failed(IoError::Transfer {
-                transfer,
-                op: seg.op,
-                offset: seg.offset,
-                len: seg.len as u64,
-                source,
-            })
+            Verdict::Failed(IoError::Transfer { transfer, op: seg.op, offset: seg.offset, len: seg.len as u64, source })
         };
         if res == -libc::EAGAIN || res == -libc::EINTR {
             return Verdict::Again;
@@ -349,10 +321,7 @@ impl Driver {
                 } else if n < seg.len {
                     Verdict::Partial(n)
                 } else {
-                    fail(io::Error::other(format!(
-                        "kernel reported {n} bytes for a {}-byte command",
-                        seg.len
-                    )))
+                    fail(io::Error::other(format!("kernel reported {n} bytes for a {}-byte command", seg.len)))
                 }
             }
         }
@@ -368,10 +337,7 @@ enum Verdict {
 
 /// Waits (bounded) for `inflight` completions after a fatal ring error, so no
 /// SQE is left pointing at memory the caller may free.
-fn drain<S: squeue::EntryMarker, C: cqueue::EntryMarker>(
-    ring: &mut IoUring<S, C>,
-    mut inflight: usize,
-) {
+fn drain<S: squeue::EntryMarker, C: cqueue::EntryMarker>(ring: &mut IoUring<S, C>, mut inflight: usize) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while inflight > 0 && Instant::now() < deadline {
         let _ = ring.submitter().submit_and_wait(1);

@@ -49,10 +49,7 @@ pub struct NvmeCmd {
     pub timeout_ms: u32,
     pub result_or_rsvd2: u32,
 }
-const _: () = assert!(
-    size_of::<NvmeCmd>() == 72,
-    "struct nvme_uring_cmd is 72 bytes"
-);
+const _: () = assert!(size_of::<NvmeCmd>() == 72, "struct nvme_uring_cmd is 72 bytes");
 
 /// `NVME_IOCTL_ID`: `_IO('N', 0x40)`, returns the namespace id of the fd.
 const NVME_IOCTL_ID: u32 = ioc(IOC_NONE, b'N', 0x40, 0);
@@ -89,15 +86,7 @@ pub fn statx_dio_align(path: &Path) -> io::Result<DioSupport> {
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: `c_path` is a valid NUL-terminated string and `stx` is a writable
     // `struct statx` that outlives the call.
-    let rc = unsafe {
-        libc::statx(
-            libc::AT_FDCWD,
-            c_path.as_ptr(),
-            0,
-            libc::STATX_DIOALIGN,
-            &mut stx,
-        )
-    };
+    let rc = unsafe { libc::statx(libc::AT_FDCWD, c_path.as_ptr(), 0, libc::STATX_DIOALIGN, &mut stx) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -107,10 +96,7 @@ pub fn statx_dio_align(path: &Path) -> io::Result<DioSupport> {
     if stx.stx_dio_mem_align == 0 || stx.stx_dio_offset_align == 0 {
         return Ok(DioSupport::Unsupported);
     }
-    Ok(DioSupport::Aligned(DioAlign {
-        mem: stx.stx_dio_mem_align,
-        offset: stx.stx_dio_offset_align,
-    }))
+    Ok(DioSupport::Aligned(DioAlign { mem: stx.stx_dio_mem_align, offset: stx.stx_dio_offset_align }))
 }
 
 pub fn block_logical_size(fd: BorrowedFd<'_>) -> io::Result<u32> {

@@ -72,20 +72,11 @@ impl Target {
         let meta = match std::fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && opts.create_len.is_some() => {
-                File::create_new(path).map_err(|source| IoError::Open {
-                    path: path.into(),
-                    source,
-                })?;
-                std::fs::metadata(path).map_err(|source| IoError::Open {
-                    path: path.into(),
-                    source,
-                })?
+                File::create_new(path).map_err(|source| IoError::Open { path: path.into(), source })?;
+                std::fs::metadata(path).map_err(|source| IoError::Open { path: path.into(), source })?
             }
             Err(source) => {
-                return Err(IoError::Open {
-                    path: path.into(),
-                    source,
-                });
+                return Err(IoError::Open { path: path.into(), source });
             }
         };
         let ft = meta.file_type();
@@ -101,10 +92,7 @@ impl Target {
         if ft.is_char_device() {
             return open_nvme_generic(path, meta.rdev());
         }
-        Err(IoError::UnsupportedKind {
-            path: path.into(),
-            what: "a socket, FIFO or other special file",
-        })
+        Err(IoError::UnsupportedKind { path: path.into(), what: "a socket, FIFO or other special file" })
     }
 
     pub fn path(&self) -> &Path {
@@ -130,82 +118,39 @@ impl Target {
 
 fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
     let fs = filesystem_name(path);
-    let align = match sys::statx_dio_align(path).map_err(|source| IoError::Open {
-        path: path.into(),
-        source,
-    })? {
+    let align = match sys::statx_dio_align(path).map_err(|source| IoError::Open { path: path.into(), source })? {
         DioSupport::Aligned(a) => a,
         DioSupport::Unsupported => {
-            return Err(IoError::NoDirectIo {
-                path: path.into(),
-                fs,
-            });
+            return Err(IoError::NoDirectIo { path: path.into(), fs });
         }
         // Kernels before 6.1 do not report STATX_DIOALIGN; the filesystem block
         // size is what ext4 and XFS require there.
         DioSupport::Unknown => {
-            let blk = nix::sys::statvfs::statvfs(path)
-                .map(|s| s.block_size() as u32)
-                .unwrap_or(4096);
-            sys::DioAlign {
-                mem: blk,
-                offset: blk,
-            }
+            let blk = nix::sys::statvfs::statvfs(path).map(|s| s.block_size() as u32).unwrap_or(4096);
+            sys::DioAlign { mem: blk, offset: blk }
         }
     };
     // tmpfs and ramfs accept O_DIRECT but serve it from the page cache: that is
     // a copy through host memory, which pdstor must not hide.
     if matches!(fs.as_str(), "tmpfs" | "ramfs") {
-        return Err(IoError::NoDirectIo {
-            path: path.into(),
-            fs,
-        });
+        return Err(IoError::NoDirectIo { path: path.into(), fs });
     }
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|source| match source.raw_os_error() {
-            Some(libc::EINVAL) => IoError::NoDirectIo {
-                path: path.into(),
-                fs: fs.clone(),
+    let file =
+        OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT | libc::O_CLOEXEC).open(path).map_err(
+            |source| match source.raw_os_error() {
+                Some(libc::EINVAL) => IoError::NoDirectIo { path: path.into(), fs: fs.clone() },
+                _ => IoError::Open { path: path.into(), source },
             },
-            _ => IoError::Open {
-                path: path.into(),
-                source,
-            },
-        })?;
+        )?;
     lock_exclusive(&file, path)?;
     if let Some(len) = opts.create_len {
-        let current = file
-            .metadata()
-            .map_err(|source| IoError::Open {
-                path: path.into(),
-                source,
-            })?
-            .len();
+        let current = file.metadata().map_err(|source| IoError::Open { path: path.into(), source })?.len();
         if current < len {
-            nix::fcntl::fallocate(
-                file.as_fd(),
-                nix::fcntl::FallocateFlags::empty(),
-                0,
-                len as i64,
-            )
-            .map_err(|e| IoError::Preallocate {
-                path: path.into(),
-                len,
-                source: e.into(),
-            })?;
+            nix::fcntl::fallocate(file.as_fd(), nix::fcntl::FallocateFlags::empty(), 0, len as i64)
+                .map_err(|e| IoError::Preallocate { path: path.into(), len, source: e.into() })?;
         }
     }
-    let capacity = file
-        .metadata()
-        .map_err(|source| IoError::Open {
-            path: path.into(),
-            source,
-        })?
-        .len();
+    let capacity = file.metadata().map_err(|source| IoError::Open { path: path.into(), source })?.len();
     let offset_align = align.offset.max(512);
     Ok(Target {
         path: path.into(),
@@ -229,35 +174,19 @@ fn open_block_device(path: &Path, rdev: u64) -> Result<Target, IoError> {
         .custom_flags(libc::O_DIRECT | libc::O_EXCL | libc::O_CLOEXEC)
         .open(path)
         .map_err(|source| match source.raw_os_error() {
-            Some(libc::EBUSY) => IoError::Busy {
-                path: path.into(),
-                mount: mount_point_of(rdev),
-            },
-            _ => IoError::Open {
-                path: path.into(),
-                source,
-            },
+            Some(libc::EBUSY) => IoError::Busy { path: path.into(), mount: mount_point_of(rdev) },
+            _ => IoError::Open { path: path.into(), source },
         })?;
-    let probe = |what: &'static str| {
-        move |source| IoError::Geometry {
-            path: path.into(),
-            what,
-            source,
-        }
-    };
-    let logical_block =
-        sys::block_logical_size(file.as_fd()).map_err(probe("logical block size (BLKSSZGET)"))?;
+    let probe = |what: &'static str| move |source| IoError::Geometry { path: path.into(), what, source };
+    let logical_block = sys::block_logical_size(file.as_fd()).map_err(probe("logical block size (BLKSSZGET)"))?;
     let capacity = sys::block_size_bytes(file.as_fd()).map_err(probe("size (BLKGETSIZE64)"))?;
     let mem_align = match sys::statx_dio_align(path) {
         Ok(DioSupport::Aligned(a)) => a.mem,
         _ => logical_block,
     };
-    let max_transfer = sysfs_queue_u64(
-        &format!("/sys/dev/block/{}:{}", major(rdev), minor(rdev)),
-        "max_hw_sectors_kb",
-    )
-    .map(|kb| (kb * 1024).min(MAX_FILE_TRANSFER as u64) as u32)
-    .unwrap_or(MAX_FILE_TRANSFER);
+    let max_transfer = sysfs_queue_u64(&format!("/sys/dev/block/{}:{}", major(rdev), minor(rdev)), "max_hw_sectors_kb")
+        .map(|kb| (kb * 1024).min(MAX_FILE_TRANSFER as u64) as u32)
+        .unwrap_or(MAX_FILE_TRANSFER);
     Ok(Target {
         path: path.into(),
         file,
@@ -278,10 +207,7 @@ fn open_block_device(path: &Path, rdev: u64) -> Result<Target, IoError> {
 fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
     let sys_dir = format!("/sys/dev/char/{}:{}", major(rdev), minor(rdev));
     let subsystem = std::fs::read_link(format!("{sys_dir}/subsystem")).ok();
-    if !subsystem
-        .as_deref()
-        .is_some_and(|s| s.ends_with("nvme-generic"))
-    {
+    if !subsystem.as_deref().is_some_and(|s| s.ends_with("nvme-generic")) {
         return Err(IoError::UnsupportedKind {
             path: path.into(),
             what: "a character device that is not an NVMe generic device (/dev/ngXnY)",
@@ -292,27 +218,13 @@ fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
         .write(true)
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
-        .map_err(|source| IoError::Open {
-            path: path.into(),
-            source,
-        })?;
+        .map_err(|source| IoError::Open { path: path.into(), source })?;
     lock_exclusive(&file, path)?;
-    let probe = |what: &'static str| {
-        move |source| IoError::Geometry {
-            path: path.into(),
-            what,
-            source,
-        }
-    };
-    let nsid =
-        sys::nvme_namespace_id(file.as_fd()).map_err(probe("namespace id (NVME_IOCTL_ID)"))?;
+    let probe = |what: &'static str| move |source| IoError::Geometry { path: path.into(), what, source };
+    let nsid = sys::nvme_namespace_id(file.as_fd()).map_err(probe("namespace id (NVME_IOCTL_ID)"))?;
     let mut data = vec![0u8; 4096];
-    let identify = |cns: u32, nsid: u32| sys::NvmeCmd {
-        opcode: nvme::ADMIN_IDENTIFY,
-        nsid,
-        cdw10: cns,
-        ..Default::default()
-    };
+    let identify =
+        |cns: u32, nsid: u32| sys::NvmeCmd { opcode: nvme::ADMIN_IDENTIFY, nsid, cdw10: cns, ..Default::default() };
     sys::nvme_admin_read(file.as_fd(), identify(nvme::CNS_NAMESPACE, nsid), &mut data)
         .map_err(probe("Identify Namespace"))?;
     let ns = nvme::parse_identify_namespace(&data).map_err(|msg| IoError::Geometry {
@@ -332,15 +244,9 @@ fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
     if let Some((_, dev)) = &sibling
         && let Some(mount) = mount_point_of(*dev)
     {
-        return Err(IoError::Busy {
-            path: path.into(),
-            mount: Some(mount),
-        });
+        return Err(IoError::Busy { path: path.into(), mount: Some(mount) });
     }
-    let max_transfer = match sibling
-        .as_ref()
-        .and_then(|(dir, _)| sysfs_queue_u64(dir, "max_hw_sectors_kb"))
-    {
+    let max_transfer = match sibling.as_ref().and_then(|(dir, _)| sysfs_queue_u64(dir, "max_hw_sectors_kb")) {
         Some(kb) => (kb * 1024).min(u32::MAX as u64) as u32,
         None => {
             sys::nvme_admin_read(file.as_fd(), identify(nvme::CNS_CONTROLLER, 0), &mut data)
@@ -354,8 +260,7 @@ fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
                 .unwrap_or(1 << 20)
         }
     };
-    let max_transfer =
-        (max_transfer as u64).min(nvme::MAX_BLOCKS_PER_COMMAND * ns.lba_size as u64) as u32;
+    let max_transfer = (max_transfer as u64).min(nvme::MAX_BLOCKS_PER_COMMAND * ns.lba_size as u64) as u32;
     let max_transfer = max_transfer - max_transfer % ns.lba_size;
     Ok(Target {
         path: path.into(),
@@ -410,10 +315,7 @@ fn lock_exclusive(file: &File, path: &Path) -> Result<(), IoError> {
             }
             Some(libc::EWOULDBLOCK) => return Err(IoError::Locked { path: path.into() }),
             _ => {
-                return Err(IoError::Open {
-                    path: path.into(),
-                    source: err,
-                });
+                return Err(IoError::Open { path: path.into(), source: err });
             }
         }
     }
@@ -421,13 +323,10 @@ fn lock_exclusive(file: &File, path: &Path) -> Result<(), IoError> {
 
 /// `queue/<attr>` of a block device's sysfs dir; for a partition, of its parent.
 fn sysfs_queue_u64(dev_dir: &str, attr: &str) -> Option<u64> {
-    [
-        format!("{dev_dir}/queue/{attr}"),
-        format!("{dev_dir}/../queue/{attr}"),
-    ]
-    .iter()
-    .find_map(|p| std::fs::read_to_string(p).ok())
-    .and_then(|s| s.trim().parse().ok())
+    [format!("{dev_dir}/queue/{attr}"), format!("{dev_dir}/../queue/{attr}")]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok())
+        .and_then(|s| s.trim().parse().ok())
 }
 
 /// Where a block device is mounted, from `/proc/self/mountinfo`.
@@ -447,11 +346,7 @@ fn filesystem_name(path: &Path) -> String {
     use nix::sys::statfs::{EXT4_SUPER_MAGIC, FsType, TMPFS_MAGIC, XFS_SUPER_MAGIC, statfs};
     // Not exported by nix; `include/uapi/linux/magic.h`.
     const RAMFS_MAGIC: FsType = FsType(0x8584_58f6);
-    let dir = if path.exists() {
-        path
-    } else {
-        path.parent().unwrap_or(Path::new("."))
-    };
+    let dir = if path.exists() { path } else { path.parent().unwrap_or(Path::new(".")) };
     match statfs(dir).map(|s| s.filesystem_type()) {
         Ok(t) if t == EXT4_SUPER_MAGIC => "ext4".into(),
         Ok(t) if t == XFS_SUPER_MAGIC => "xfs".into(),

@@ -45,12 +45,15 @@ pub enum Record {
         reader: String,
         session: String,
         lease_ms: u64,
+        epoch: u64,
+        claimed_unix_ms: u64,
     },
     Adopt {
         publication: u64,
     },
     Ack {
         publication: u64,
+        restore_digest: String,
     },
     Release {
         publication: u64,
@@ -130,13 +133,7 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
     let mut out = Vec::new();
     let mut at = 0usize;
     let mut seq = start_seq;
-    let stop = |at: usize, seq: u64, reason: String| {
-        Some(Stop {
-            offset: at as u64,
-            seq,
-            reason,
-        })
-    };
+    let stop = |at: usize, seq: u64, reason: String| Some(Stop { offset: at as u64, seq, reason });
     loop {
         if at + HEADER_BYTES > bytes.len() {
             return (out, at, None);
@@ -148,11 +145,7 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
             return (out, at, None);
         }
         if magic != RECORD_MAGIC {
-            return (
-                out,
-                at,
-                stop(at, seq, format!("no record header (magic {magic:#010x})")),
-            );
+            return (out, at, stop(at, seq, format!("no record header (magic {magic:#010x})")));
         }
         let mut s8 = [0u8; 8];
         s8.copy_from_slice(&h[8..16]);
@@ -160,29 +153,14 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
         let len = u32_at(20) as usize;
         let end = at + HEADER_BYTES + len;
         if end > bytes.len() {
-            return (
-                out,
-                at,
-                stop(
-                    at,
-                    seq,
-                    format!("record of {len} bytes runs past the journal (torn write)"),
-                ),
-            );
+            return (out, at, stop(at, seq, format!("record of {len} bytes runs past the journal (torn write)")));
         }
         let crc = crc32c::crc32c(&bytes[at + 8..end]);
         if crc != u32_at(4) {
             return (
                 out,
                 at,
-                stop(
-                    at,
-                    seq,
-                    format!(
-                        "checksum mismatch (stored {:#010x}, computed {crc:#010x})",
-                        u32_at(4)
-                    ),
-                ),
+                stop(at, seq, format!("checksum mismatch (stored {:#010x}, computed {crc:#010x})", u32_at(4))),
             );
         }
         if rec_seq < seq {
@@ -190,30 +168,14 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
             return (out, at, None);
         }
         if rec_seq != seq {
-            return (
-                out,
-                at,
-                stop(
-                    at,
-                    seq,
-                    format!("sequence {rec_seq} where {seq} was expected (records missing)"),
-                ),
-            );
+            return (out, at, stop(at, seq, format!("sequence {rec_seq} where {seq} was expected (records missing)")));
         }
         let record: Record = match serde_json::from_slice(&bytes[at + HEADER_BYTES..end]) {
             Ok(r) => r,
             Err(e) => return (out, at, stop(at, seq, format!("undecodable payload: {e}"))),
         };
         if record.kind_byte() != h[16] {
-            return (
-                out,
-                at,
-                stop(
-                    at,
-                    seq,
-                    format!("kind byte {} disagrees with the payload", h[16]),
-                ),
-            );
+            return (out, at, stop(at, seq, format!("kind byte {} disagrees with the payload", h[16])));
         }
         out.push((seq, record));
         seq += 1;
@@ -240,13 +202,10 @@ mod tests {
 
     #[test]
     fn records_replay_in_order_to_a_clean_end() {
-        let j = journal(&[epoch(1), epoch(2), Record::Ack { publication: 9 }], 10);
+        let j = journal(&[epoch(1), epoch(2), Record::Release { publication: 9 }], 10);
         let (recs, end, stop) = replay(&j, 10);
-        assert_eq!(
-            recs.iter().map(|r| r.0).collect::<Vec<_>>(),
-            vec![10, 11, 12]
-        );
-        assert_eq!(recs[2].1, Record::Ack { publication: 9 });
+        assert_eq!(recs.iter().map(|r| r.0).collect::<Vec<_>>(), vec![10, 11, 12]);
+        assert_eq!(recs[2].1, Record::Release { publication: 9 });
         assert_eq!(stop, None);
         assert!(end > 0 && end % 8 == 0);
     }

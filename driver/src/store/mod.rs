@@ -25,8 +25,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crate::admission::{AdmitError, ReservationManager};
 use crate::buffer::Buffer;
 use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions,
-    TransferId,
+    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
 };
 
 pub use journal::Record;
@@ -61,14 +60,8 @@ pub enum StoreError {
     Io(#[from] IoError),
     #[error("target {path} holds {signature}: refusing to format it; pass --force to overwrite")]
     ForeignSignature { path: PathBuf, signature: String },
-    #[error(
-        "target {path} is {capacity} bytes; a pdstor namespace with these options needs at least {minimum}"
-    )]
-    TooSmall {
-        path: PathBuf,
-        capacity: u64,
-        minimum: u64,
-    },
+    #[error("target {path} is {capacity} bytes; a pdstor namespace with these options needs at least {minimum}")]
+    TooSmall { path: PathBuf, capacity: u64, minimum: u64 },
     #[error("bad format option: {0}")]
     BadOption(String),
     #[error("target {path}: {source}")]
@@ -81,9 +74,7 @@ pub enum StoreError {
     Recovery { path: PathBuf, what: String },
     #[error("store I/O thread: {0}")]
     Worker(String),
-    #[error(
-        "the store failed earlier ({0}) and refuses further changes: restart it to recover from the journal"
-    )]
+    #[error("the store failed earlier ({0}) and refuses further changes: restart it to recover from the journal")]
     Failed(String),
     #[error(transparent)]
     Admission(#[from] AdmitError),
@@ -92,11 +83,7 @@ pub enum StoreError {
     #[error("publication {0} is not live (unknown, or already finished)")]
     UnknownPublication(u64),
     #[error("publication {publication} is {phase:?}; {what}")]
-    WrongPhase {
-        publication: u64,
-        phase: Phase,
-        what: &'static str,
-    },
+    WrongPhase { publication: u64, phase: Phase, what: &'static str },
     #[error(
         "publication {publication}: the first store batch declares total_chunks 0; legacy senders are not supported"
     )]
@@ -104,11 +91,7 @@ pub enum StoreError {
     #[error(
         "publication {publication}: batch declares total_chunks {declared} but the request was prepared with {prepared}"
     )]
-    TotalMismatch {
-        publication: u64,
-        declared: u32,
-        prepared: u32,
-    },
+    TotalMismatch { publication: u64, declared: u32, prepared: u32 },
     #[error(
         "publication {publication}: protocol violation, {what}; every chunk of the request was rolled back and its reservation released"
     )]
@@ -126,19 +109,9 @@ pub enum StoreError {
     #[error(
         "publication {publication} is not ready to publish: {completed} of {total} chunks stored, last batch {last}, {inflight} batches in flight"
     )]
-    NotPublishable {
-        publication: u64,
-        completed: u32,
-        total: u32,
-        last: &'static str,
-        inflight: u32,
-    },
+    NotPublishable { publication: u64, completed: u32, total: u32, last: &'static str, inflight: u32 },
     #[error("publication {publication}, chunk {chunk}: {what}")]
-    Load {
-        publication: u64,
-        chunk: u32,
-        what: String,
-    },
+    Load { publication: u64, chunk: u32, what: String },
 }
 
 /// How to format a target.
@@ -156,12 +129,7 @@ pub struct FormatOptions {
 
 impl Default for FormatOptions {
     fn default() -> Self {
-        FormatOptions {
-            slot_size: 8 << 20,
-            journal_half: 16 << 20,
-            force: false,
-            create_len: None,
-        }
+        FormatOptions { slot_size: 8 << 20, journal_half: 16 << 20, force: false, create_len: None }
     }
 }
 
@@ -204,14 +172,11 @@ fn signature(head: &[u8]) -> Option<String> {
 }
 
 fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 fn engine_read(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
-    let id = engine
-        .register(Buffer::host(len as usize).map_err(|e| StoreError::Worker(e.to_string()))?)?;
+    let id = engine.register(Buffer::host(len as usize).map_err(|e| StoreError::Worker(e.to_string()))?)?;
     let req = IoRequest {
         transfer: TransferId(0),
         op: Op::Read,
@@ -225,18 +190,13 @@ fn engine_read(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, St
     let b = engine.remove(id)?;
     r?;
     let mut v = vec![0u8; len as usize];
-    b.read_at(0, &mut v)
-        .map_err(|e| StoreError::Worker(e.to_string()))?;
+    b.read_at(0, &mut v).map_err(|e| StoreError::Worker(e.to_string()))?;
     Ok(v)
 }
 
 fn engine_write(engine: &mut Engine, offset: u64, data: &[u8]) -> Result<(), StoreError> {
-    let id = engine
-        .register(Buffer::host(data.len()).map_err(|e| StoreError::Worker(e.to_string()))?)?;
-    engine
-        .buffer(id)?
-        .write_at(0, data)
-        .map_err(|e| StoreError::Worker(e.to_string()))?;
+    let id = engine.register(Buffer::host(data.len()).map_err(|e| StoreError::Worker(e.to_string()))?)?;
+    engine.buffer(id)?.write_at(0, data).map_err(|e| StoreError::Worker(e.to_string()))?;
     let req = IoRequest {
         transfer: TransferId(0),
         op: Op::Write,
@@ -254,10 +214,7 @@ fn engine_write(engine: &mut Engine, offset: u64, data: &[u8]) -> Result<(), Sto
 /// Writes a fresh namespace: empty journal halves, then both superblock copies.
 pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
     if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
-        return Err(StoreError::BadOption(format!(
-            "slot size {} must be a positive multiple of 4096",
-            opts.slot_size
-        )));
+        return Err(StoreError::BadOption(format!("slot size {} must be a positive multiple of 4096", opts.slot_size)));
     }
     if !JOURNAL_HALF_CHOICES.contains(&opts.journal_half) {
         return Err(StoreError::BadOption(format!(
@@ -265,40 +222,21 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
             opts.journal_half
         )));
     }
-    let target = Target::open(
-        path,
-        &TargetOptions {
-            create_len: opts.create_len,
-        },
-    )?;
+    let target = Target::open(path, &TargetOptions { create_len: opts.create_len })?;
     let capacity = target.geometry().capacity;
     let block_size = target.geometry().logical_block;
     let data_offset = 2 * SUPERBLOCK_BYTES as u64 + 2 * opts.journal_half;
     let minimum = data_offset + opts.slot_size;
     if capacity < minimum {
-        return Err(StoreError::TooSmall {
-            path: path.into(),
-            capacity,
-            minimum,
-        });
+        return Err(StoreError::TooSmall { path: path.into(), capacity, minimum });
     }
-    let mut engine = Engine::new(
-        target,
-        EngineOptions {
-            queue_depth: 8,
-            buffer_slots: 4,
-            ..Default::default()
-        },
-    )?;
+    let mut engine = Engine::new(target, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() })?;
     let head = engine_read(&mut engine, 0, (68 << 10).min(capacity))?;
     let found = signature(&head);
     if let Some(sig) = &found
         && !opts.force
     {
-        return Err(StoreError::ForeignSignature {
-            path: path.into(),
-            signature: sig.clone(),
-        });
+        return Err(StoreError::ForeignSignature { path: path.into(), signature: sig.clone() });
     }
     let mut key = [0u8; 32];
     getrandom::fill(&mut key).map_err(|e| StoreError::Worker(format!("getrandom: {e}")))?;
@@ -356,11 +294,7 @@ pub struct StoreOptions {
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions {
-            queue_depth: 32,
-            admission_timeout: Duration::from_secs(30),
-            fault: None,
-        }
+        StoreOptions { queue_depth: 32, admission_timeout: Duration::from_secs(30), fault: None }
     }
 }
 
@@ -446,6 +380,7 @@ pub struct StoreStats {
     pub flushes: u64,
     pub commit_groups: u64,
     pub journal_used: u64,
+    pub admission_waits: u64,
 }
 
 pub struct Store {
@@ -482,10 +417,7 @@ impl Store {
                     }
                 };
                 let chosen = superblock::choose(Superblock::decode(&a), Superblock::decode(&b))
-                    .map_err(|source| StoreError::Superblock {
-                        path: p.clone(),
-                        source,
-                    });
+                    .map_err(|source| StoreError::Superblock { path: p.clone(), source });
                 let (sb, note) = match chosen {
                     Ok(x) => x,
                     Err(e) => {
@@ -512,29 +444,24 @@ impl Store {
                 worker.run(rx);
             })
             .map_err(|e| StoreError::Worker(format!("spawning the I/O thread: {e}")))?;
-        let (sb, note, journal) = orx
-            .recv()
-            .map_err(|_| StoreError::Worker("the I/O thread exited during open".into()))??;
+        let (sb, note, journal) =
+            orx.recv().map_err(|_| StoreError::Worker("the I/O thread exited during open".into()))??;
 
         let mut state = state::State::new(sb.slot_count, sb.slot_size, sb.data_offset);
         state.epoch = sb.epoch;
         let (records, end, stop) = journal::replay(&journal, sb.journal_start_seq);
         let mut report = RecoveryReport {
             journal_stop: stop.map(|s| {
-                format!(
-                    "journal stops at byte {} (record {}): {}; later records ignored",
-                    s.offset, s.seq, s.reason
-                )
+                format!("journal stops at byte {} (record {}): {}; later records ignored", s.offset, s.seq, s.reason)
             }),
             superblock_note: note,
             records_replayed: records.len(),
             ..Default::default()
         };
         for (seq, r) in &records {
-            state.apply(r).map_err(|what| StoreError::Recovery {
-                path: path.into(),
-                what: format!("record {seq}: {what}"),
-            })?;
+            state
+                .apply(r)
+                .map_err(|what| StoreError::Recovery { path: path.into(), what: format!("record {seq}: {what}") })?;
         }
         let next_seq = records.last().map_or(sb.journal_start_seq, |(s, _)| s + 1);
         let _ = tx.send(Job::Append((end as u64).to_le_bytes().to_vec()));
@@ -542,12 +469,7 @@ impl Store {
         let admission = ReservationManager::new(sb.slot_count);
         let store = Store {
             path: path.into(),
-            live: Mutex::new(Live {
-                state,
-                next_seq,
-                batches: HashMap::new(),
-                failed: None,
-            }),
+            live: Mutex::new(Live { state, next_seq, batches: HashMap::new(), failed: None }),
             admission,
             jobs: Mutex::new(tx),
             worker: Mutex::new(Some(handle)),
@@ -573,42 +495,20 @@ impl Store {
             for id in prepared {
                 store.log(
                     &mut live,
-                    Record::Abort {
-                        publication: id,
-                        reason: "rolled back at recovery: never published".into(),
-                    },
+                    Record::Abort { publication: id, reason: "rolled back at recovery: never published".into() },
                 )?;
                 report.rolled_back.push(id);
             }
-            store.log(
-                &mut live,
-                Record::Epoch {
-                    epoch: next_sb.epoch,
-                },
-            )?;
-            let held: Vec<(u64, String, u64)> = live
-                .state
-                .pubs
-                .values()
-                .map(|p| (p.id, p.req_id.clone(), p.slots.len() as u64))
-                .collect();
+            store.log(&mut live, Record::Epoch { epoch: next_sb.epoch })?;
+            let held: Vec<(u64, String, u64)> =
+                live.state.pubs.values().map(|p| (p.id, p.req_id.clone(), p.slots.len() as u64)).collect();
             for (id, req, n) in held {
                 store.admission.restore(&req, n)?;
-                live.batches.insert(
-                    id,
-                    Batches {
-                        seen_first: true,
-                        published: true,
-                        ..Default::default()
-                    },
-                );
+                live.batches.insert(id, Batches { seen_first: true, published: true, ..Default::default() });
             }
             report.live = live.state.pubs.len();
             report.epoch = next_sb.epoch;
-            live.state.check().map_err(|what| StoreError::Recovery {
-                path: path.into(),
-                what,
-            })?;
+            live.state.check().map_err(|what| StoreError::Recovery { path: path.into(), what })?;
         }
         store.commit()?;
         Ok((store, report))
@@ -634,15 +534,8 @@ impl Store {
         if let Some(f) = &live.failed {
             return Err(StoreError::Failed(f.clone()));
         }
-        live.state.apply(&r).map_err(|what| StoreError::Recovery {
-            path: self.path.clone(),
-            what,
-        })?;
-        debug_assert!(
-            live.state.check().is_ok(),
-            "allocator invariant broken by {r:?}: {:?}",
-            live.state.check()
-        );
+        live.state.apply(&r).map_err(|what| StoreError::Recovery { path: self.path.clone(), what })?;
+        debug_assert!(live.state.check().is_ok(), "allocator invariant broken by {r:?}: {:?}", live.state.check());
         let frame = journal::encode(live.next_seq, &r).map_err(StoreError::Worker)?;
         live.next_seq += 1;
         self.send(Job::Append(frame))
@@ -656,7 +549,7 @@ impl Store {
         let info = rx
             .recv()
             .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
-            .map_err(|e| self.fail(e))?;
+            .map_err(|e| self.mark_failed(e))?;
         *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
         if info.journal_used > info.journal_half / 2 {
             self.checkpoint()?;
@@ -665,7 +558,7 @@ impl Store {
     }
 
     /// A commit that failed leaves memory ahead of the media: refuse changes.
-    fn fail(&self, why: String) -> StoreError {
+    fn mark_failed(&self, why: String) -> StoreError {
         self.lock_live().failed.get_or_insert(why.clone());
         StoreError::Failed(why)
     }
@@ -673,9 +566,7 @@ impl Store {
     fn write_superblock(&self, sb: Superblock) -> Result<(), StoreError> {
         let (tx, rx) = channel();
         self.send(Job::WriteSuperblock(sb, tx))?;
-        rx.recv()
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
-            .map_err(|e| self.fail(e))
+        rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?.map_err(|e| self.mark_failed(e))
     }
 
     /// Compacts the journal into the other half: one CHECKPOINT record of the
@@ -693,16 +584,10 @@ impl Store {
         sb.journal_start_seq = seq;
         sb.generation += 1;
         let (tx, rx) = channel();
-        self.send(Job::Checkpoint {
-            frame,
-            superblock: sb.clone(),
-            reply: tx,
-        })?;
-        let r = rx
-            .recv()
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
+        self.send(Job::Checkpoint { frame, superblock: sb.clone(), reply: tx })?;
+        let r = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
         drop(live);
-        r.map_err(|e| self.fail(e))?;
+        r.map_err(|e| self.mark_failed(e))?;
         self.lock_live().next_seq = seq + 1;
         *self.lock_sb() = sb;
         Ok(())
@@ -720,27 +605,23 @@ impl Store {
     pub fn register_buffer(&self, buffer: Buffer) -> Result<BufferId, StoreError> {
         let (tx, rx) = channel();
         self.send(Job::Register(buffer, tx))?;
-        Ok(rx
-            .recv()
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))??)
+        Ok(rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))??)
+    }
+
+    /// Gives a buffer back (a data-plane client went away).
+    pub fn unregister_buffer(&self, id: BufferId) -> Result<(), StoreError> {
+        let (tx, rx) = channel();
+        self.send(Job::Unregister(id, tx))?;
+        rx.recv()
+            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
+            .map(|_| ())
+            .map_err(StoreError::from)
     }
 
     /// Step 1: admission. Reserves the whole chunk set (waiting up to the
     /// admission timeout) and records the PREPARE.
-    pub fn prepare(
-        &self,
-        req_id: &str,
-        writer: &str,
-        layout: &Layout,
-        total_chunks: u32,
-    ) -> Result<u64, StoreError> {
-        self.prepare_with_timeout(
-            req_id,
-            writer,
-            layout,
-            total_chunks,
-            self.opts.admission_timeout,
-        )
+    pub fn prepare(&self, req_id: &str, writer: &str, layout: &Layout, total_chunks: u32) -> Result<u64, StoreError> {
+        self.prepare_with_timeout(req_id, writer, layout, total_chunks, self.opts.admission_timeout)
     }
 
     pub fn prepare_with_timeout(
@@ -752,20 +633,13 @@ impl Store {
         timeout: Duration,
     ) -> Result<u64, StoreError> {
         if let Some(p) = self.lock_live().state.by_req(req_id) {
-            return Err(StoreError::DuplicateRequest {
-                req: req_id.into(),
-                publication: p.id,
-            });
+            return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
         }
-        self.admission
-            .try_admit(req_id, total_chunks as u64, timeout)?;
+        self.admission.try_admit(req_id, total_chunks as u64, timeout)?;
         let mut live = self.lock_live();
         let prepared = (|| {
             if let Some(p) = live.state.by_req(req_id) {
-                return Err(StoreError::DuplicateRequest {
-                    req: req_id.into(),
-                    publication: p.id,
-                });
+                return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
             }
             let slots = live.state.pick_slots(total_chunks).ok_or_else(|| {
                 StoreError::Worker(format!(
@@ -805,13 +679,7 @@ impl Store {
             live.state.mark_aborting(id);
             return Ok(0);
         }
-        self.log(
-            live,
-            Record::Abort {
-                publication: id,
-                reason,
-            },
-        )?;
+        self.log(live, Record::Abort { publication: id, reason })?;
         live.batches.remove(&id);
         self.admission.release(&req);
         Ok(n)
@@ -823,11 +691,7 @@ impl Store {
         let id = batch.publication;
         let requests = {
             let mut live = self.lock_live();
-            let p = live
-                .state
-                .pubs
-                .get(&id)
-                .ok_or(StoreError::UnknownPublication(id))?;
+            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
             if p.phase != Phase::Prepared {
                 return Err(StoreError::WrongPhase {
                     publication: id,
@@ -859,17 +723,11 @@ impl Store {
             let mut seen = BTreeSet::new();
             for c in &batch.chunks {
                 if c.index >= total {
-                    violation = Some(format!(
-                        "chunk index {} is beyond the declared {total} chunks",
-                        c.index
-                    ));
+                    violation = Some(format!("chunk index {} is beyond the declared {total} chunks", c.index));
                 } else if b.claimed.contains(&c.index) || !seen.insert(c.index) {
                     violation = Some(format!("chunk {} stored twice", c.index));
                 } else if c.len == 0 || c.len > slot_size {
-                    violation = Some(format!(
-                        "chunk {} is {} bytes; a slot holds 1 to {slot_size}",
-                        c.index, c.len
-                    ));
+                    violation = Some(format!("chunk {} is {} bytes; a slot holds 1 to {slot_size}", c.index, c.len));
                 }
                 if violation.is_some() {
                     break;
@@ -881,10 +739,7 @@ impl Store {
             }
             if let Some(what) = violation {
                 self.rollback_locked(&mut live, id, format!("protocol violation: {what}"))?;
-                return Err(StoreError::ProtocolViolation {
-                    publication: id,
-                    what,
-                });
+                return Err(StoreError::ProtocolViolation { publication: id, what });
             }
             let b = live.batches.entry(id).or_default();
             b.seen_first = true;
@@ -904,26 +759,14 @@ impl Store {
                 })
                 .collect::<Vec<_>>()
         };
-        let io = if requests.is_empty() {
-            Ok(Vec::new())
-        } else {
-            self.payload(requests.clone())
-        };
+        let io = if requests.is_empty() { Ok(Vec::new()) } else { self.payload(requests.clone()) };
         let mut live = self.lock_live();
         if let Some(b) = live.batches.get_mut(&id) {
             b.inflight -= 1;
         }
-        let aborting = live
-            .state
-            .pubs
-            .get(&id)
-            .is_none_or(|p| p.phase == Phase::Aborting);
+        let aborting = live.state.pubs.get(&id).is_none_or(|p| p.phase == Phase::Aborting);
         if aborting {
-            if live
-                .state
-                .pubs
-                .get(&id)
-                .is_some_and(|p| p.phase == Phase::Aborting)
+            if live.state.pubs.get(&id).is_some_and(|p| p.phase == Phase::Aborting)
                 && live.batches.get(&id).is_some_and(|b| b.inflight == 0)
             {
                 self.rollback_locked(&mut live, id, "aborted".into())?;
@@ -944,12 +787,7 @@ impl Store {
                     }
                 }
                 if first_err.is_none() {
-                    let slots = live
-                        .state
-                        .pubs
-                        .get(&id)
-                        .map(|p| p.slots.clone())
-                        .unwrap_or_default();
+                    let slots = live.state.pubs.get(&id).map(|p| p.slots.clone()).unwrap_or_default();
                     for (c, crc) in crcs {
                         self.log(
                             &mut live,
@@ -968,10 +806,7 @@ impl Store {
         };
         if let Some(source) = failure {
             self.rollback_locked(&mut live, id, format!("store batch failed: {source}"))?;
-            return Err(StoreError::BatchFailed {
-                publication: id,
-                source,
-            });
+            return Err(StoreError::BatchFailed { publication: id, source });
         }
         let total = live.state.pubs.get(&id).map_or(0, |p| p.total_chunks);
         let b = live.batches.entry(id).or_default();
@@ -987,14 +822,8 @@ impl Store {
     fn payload(&self, requests: Vec<IoRequest>) -> Result<Vec<Result<u32, IoError>>, IoError> {
         let (tx, rx) = channel();
         self.send(Job::Io(requests, tx))
-            .map_err(|e| IoError::Ring {
-                op: "store I/O thread",
-                source: std::io::Error::other(e.to_string()),
-            })?;
-        rx.recv().map_err(|_| IoError::Ring {
-            op: "store I/O thread",
-            source: std::io::Error::other("gone"),
-        })?
+            .map_err(|e| IoError::Ring { op: "store I/O thread", source: std::io::Error::other(e.to_string()) })?;
+        rx.recv().map_err(|_| IoError::Ring { op: "store I/O thread", source: std::io::Error::other("gone") })?
     }
 
     /// Step 3: READY. Only when every chunk is stored and the last batch was
@@ -1002,11 +831,7 @@ impl Store {
     pub fn publish(&self, id: u64, first_token: Option<u32>) -> Result<Manifest, StoreError> {
         let manifest = {
             let mut live = self.lock_live();
-            let p = live
-                .state
-                .pubs
-                .get(&id)
-                .ok_or(StoreError::UnknownPublication(id))?;
+            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
             if p.phase != Phase::Prepared {
                 return Err(StoreError::WrongPhase {
                     publication: id,
@@ -1014,10 +839,7 @@ impl Store {
                     what: "only a PREPARED publication can be published",
                 });
             }
-            let b = live
-                .batches
-                .get(&id)
-                .ok_or(StoreError::UnknownPublication(id))?;
+            let b = live.batches.get(&id).ok_or(StoreError::UnknownPublication(id))?;
             if b.completed != p.total_chunks || !b.last_seen || b.inflight > 0 || b.published {
                 return Err(StoreError::NotPublishable {
                     publication: id,
@@ -1028,28 +850,14 @@ impl Store {
                 });
             }
             let chunks: Option<Vec<ChunkEntry>> = p.chunks.iter().copied().collect();
-            let chunks = chunks.ok_or_else(|| {
-                StoreError::Worker(format!(
-                    "publication {id} counts all chunks but lacks an entry"
-                ))
-            })?;
-            let m = Manifest {
-                publication: id,
-                req_id: p.req_id.clone(),
-                layout: p.layout.clone(),
-                chunks,
-                first_token,
-            };
+            let chunks = chunks
+                .ok_or_else(|| StoreError::Worker(format!("publication {id} counts all chunks but lacks an entry")))?;
+            let m =
+                Manifest { publication: id, req_id: p.req_id.clone(), layout: p.layout.clone(), chunks, first_token };
             if let Some(b) = live.batches.get_mut(&id) {
                 b.published = true;
             }
-            self.log(
-                &mut live,
-                Record::Publish {
-                    publication: id,
-                    manifest: m.clone(),
-                },
-            )?;
+            self.log(&mut live, Record::Publish { publication: id, manifest: m.clone() })?;
             m
         };
         // The commit flushes the payload before it writes the PUBLISH record.
@@ -1064,9 +872,7 @@ impl Store {
         let Some(p) = live.state.pubs.get(&id) else {
             return Ok(AbortOutcome::NotFound);
         };
-        if !matches!(p.phase, Phase::Prepared | Phase::Aborting)
-            || live.batches.get(&id).is_some_and(|b| b.published)
-        {
+        if !matches!(p.phase, Phase::Prepared | Phase::Aborting) || live.batches.get(&id).is_some_and(|b| b.published) {
             return Err(StoreError::WrongPhase {
                 publication: id,
                 phase: p.phase,
@@ -1098,11 +904,7 @@ impl Store {
     pub fn release(&self, id: u64) -> Result<(), StoreError> {
         {
             let mut live = self.lock_live();
-            let p = live
-                .state
-                .pubs
-                .get(&id)
-                .ok_or(StoreError::UnknownPublication(id))?;
+            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
             if p.phase != Phase::Ready {
                 return Err(StoreError::WrongPhase {
                     publication: id,
@@ -1120,16 +922,97 @@ impl Store {
         Ok(())
     }
 
+    /// Runs one protocol transition: checks the phase, journals `record`,
+    /// releases the reservation if the record frees the slots, and commits.
+    fn transition(
+        &self,
+        id: u64,
+        allowed: &[Phase],
+        what: &'static str,
+        record: Record,
+    ) -> Result<Publication, StoreError> {
+        let frees = matches!(record, Record::Ack { .. } | Record::Reclaim { .. });
+        let before = {
+            let mut live = self.lock_live();
+            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?.clone();
+            if !allowed.contains(&p.phase) {
+                return Err(StoreError::WrongPhase { publication: id, phase: p.phase, what });
+            }
+            self.log(&mut live, record)?;
+            if frees {
+                live.batches.remove(&id);
+                self.admission.release(&p.req_id);
+            }
+            p
+        };
+        self.commit()?;
+        Ok(self.publication(id).unwrap_or(before))
+    }
+
+    /// Step 4: binds exactly one reader and session to a READY publication.
+    pub fn claim(&self, id: u64, reader: &str, session: &str, lease_ms: u64) -> Result<Publication, StoreError> {
+        let record = Record::Claim {
+            publication: id,
+            reader: reader.into(),
+            session: session.into(),
+            lease_ms,
+            epoch: self.epoch(),
+            claimed_unix_ms: crate::protocol::now_unix_ms(),
+        };
+        self.transition(id, &[Phase::Ready], "only a READY, unclaimed publication can be claimed", record)
+    }
+
+    /// Step 5: the claimed reader adopts the publication (checks are the caller's).
+    pub fn adopt(&self, id: u64) -> Result<Publication, StoreError> {
+        self.transition(
+            id,
+            &[Phase::Claimed],
+            "only a CLAIMED publication can be adopted",
+            Record::Adopt { publication: id },
+        )
+    }
+
+    /// Step 7: frees the slots. A second ACK finds no live publication.
+    pub fn ack(&self, id: u64, restore_digest: &str) -> Result<(), StoreError> {
+        let r = Record::Ack { publication: id, restore_digest: restore_digest.into() };
+        self.transition(id, &[Phase::Adopted], "only an ADOPTED publication can be acknowledged", r).map(|_| ())
+    }
+
+    /// A failed or uncertain claimed read: RETAINED, bytes and slots kept.
+    pub fn fail(&self, id: u64, reason: &str) -> Result<(), StoreError> {
+        let r = Record::Retain { publication: id, reason: reason.into() };
+        self.transition(id, &[Phase::Claimed, Phase::Adopted], "only a claimed publication can fail", r).map(|_| ())
+    }
+
+    /// Frees a claimed or retained publication's slots; the caller has checked
+    /// that its reader is fenced.
+    pub fn reclaim(&self, id: u64) -> Result<(), StoreError> {
+        let r = Record::Reclaim { publication: id };
+        self.transition(
+            id,
+            &[Phase::Claimed, Phase::Adopted, Phase::Retained],
+            "only a claimed or retained publication can be reclaimed",
+            r,
+        )
+        .map(|_| ())
+    }
+
+    pub fn publication(&self, id: u64) -> Option<Publication> {
+        self.lock_live().state.pubs.get(&id).cloned()
+    }
+
+    /// The receipt signer of this namespace.
+    pub fn signer(&self) -> crate::protocol::Signer {
+        let sb = self.lock_sb();
+        crate::protocol::Signer::new(sb.hmac_key, sb.hmac_key_id, sb.uuid.to_string())
+    }
+
     /// Reads chunks of a READY (or later) publication into buffers and checks
     /// each against its recorded checksum. A mismatch is an error, never data.
-    pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<(), StoreError> {
+    pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<u32>, StoreError> {
         let manifest = {
             let live = self.lock_live();
-            let p = live
-                .state
-                .pubs
-                .get(&id)
-                .ok_or(StoreError::UnknownPublication(id))?;
+            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
             p.manifest.clone().ok_or(StoreError::WrongPhase {
                 publication: id,
                 phase: p.phase,
@@ -1138,14 +1021,11 @@ impl Store {
         };
         let mut requests = Vec::with_capacity(dests.len());
         for d in dests {
-            let c = manifest
-                .chunks
-                .get(d.index as usize)
-                .ok_or_else(|| StoreError::Load {
-                    publication: id,
-                    chunk: d.index,
-                    what: format!("missing: the manifest has {} chunks", manifest.chunks.len()),
-                })?;
+            let c = manifest.chunks.get(d.index as usize).ok_or_else(|| StoreError::Load {
+                publication: id,
+                chunk: d.index,
+                what: format!("missing: the manifest has {} chunks", manifest.chunks.len()),
+            })?;
             requests.push(IoRequest {
                 transfer: TransferId(id << 16 | d.index as u64),
                 op: Op::Read,
@@ -1158,26 +1038,21 @@ impl Store {
         }
         let exact: Vec<IoRequest> = requests.clone();
         let results = self.payload(requests)?;
+        let mut crcs = Vec::with_capacity(dests.len());
         for ((d, r), req) in dests.iter().zip(results).zip(exact) {
             let c = manifest.chunks[d.index as usize];
-            r.map_err(|e| StoreError::Load {
-                publication: id,
-                chunk: d.index,
-                what: e.to_string(),
-            })?;
+            r.map_err(|e| StoreError::Load { publication: id, chunk: d.index, what: e.to_string() })?;
             let crc = self.crc_of(req.buffer, req.buffer_offset, c.len)?;
             if crc != c.crc32c {
                 return Err(StoreError::Load {
                     publication: id,
                     chunk: d.index,
-                    what: format!(
-                        "checksum mismatch: stored {:#010x}, read {crc:#010x}",
-                        c.crc32c
-                    ),
+                    what: format!("checksum mismatch: stored {:#010x}, read {crc:#010x}", c.crc32c),
                 });
             }
+            crcs.push(crc);
         }
-        Ok(())
+        Ok(crcs)
     }
 
     fn crc_of(&self, buffer: BufferId, offset: u64, len: u64) -> Result<u32, StoreError> {
@@ -1193,9 +1068,7 @@ impl Store {
         };
         let (tx, rx) = channel();
         self.send(Job::Crc(req, tx))?;
-        rx.recv()
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
-            .map_err(StoreError::from)
+        rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?.map_err(StoreError::from)
     }
 
     pub fn publications(&self) -> Vec<Publication> {
@@ -1213,6 +1086,7 @@ impl Store {
             flushes: c.flushes,
             commit_groups: c.commit_groups,
             journal_used: c.journal_used,
+            admission_waits: self.admission.stats().waits,
         }
     }
 
@@ -1228,23 +1102,12 @@ impl Store {
         for p in live.state.pubs.values() {
             let held = holders.get(&p.req_id).copied().unwrap_or(0);
             if held != p.slots.len() as u64 {
-                return Err(format!(
-                    "request {} holds {held} reservations for {} slots",
-                    p.req_id,
-                    p.slots.len()
-                ));
+                return Err(format!("request {} holds {held} reservations for {} slots", p.req_id, p.slots.len()));
             }
         }
-        let in_transit: u64 = holders
-            .iter()
-            .filter(|(r, _)| live.state.by_req(r).is_none())
-            .map(|(_, n)| n)
-            .sum();
+        let in_transit: u64 = holders.iter().filter(|(r, _)| live.state.by_req(r).is_none()).map(|(_, n)| n).sum();
         if in_transit > live.state.free_slots() {
-            return Err(format!(
-                "{in_transit} slots reserved in transit but only {} free",
-                live.state.free_slots()
-            ));
+            return Err(format!("{in_transit} slots reserved in transit but only {} free", live.state.free_slots()));
         }
         Ok(())
     }
@@ -1256,9 +1119,7 @@ impl Store {
         let owned: u64 = live.state.pubs.values().map(|p| p.slots.len() as u64).sum();
         let reserved = self.admission.stats().reserved;
         if owned != reserved {
-            return Err(format!(
-                "publications own {owned} slots but {reserved} are reserved"
-            ));
+            return Err(format!("publications own {owned} slots but {reserved} are reserved"));
         }
         Ok(())
     }
@@ -1289,11 +1150,6 @@ pub fn signature_of(path: &Path) -> Result<Option<String>, StoreError> {
     let mut head = Vec::with_capacity(68 << 10);
     std::fs::File::open(path)
         .and_then(|f| f.take(68 << 10).read_to_end(&mut head))
-        .map_err(|source| {
-            StoreError::Io(IoError::Open {
-                path: path.into(),
-                source,
-            })
-        })?;
+        .map_err(|source| StoreError::Io(IoError::Open { path: path.into(), source }))?;
     Ok(signature(&head))
 }

@@ -65,7 +65,18 @@ pub struct Publication {
     pub chunks: Vec<Option<ChunkEntry>>,
     pub phase: Phase,
     pub manifest: Option<Manifest>,
-    pub claim: Option<(String, String, u64)>,
+    pub claim: Option<ClaimInfo>,
+}
+
+/// Who holds a claim, bound by the CLAIM record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimInfo {
+    pub reader: String,
+    pub session: String,
+    pub lease_ms: u64,
+    /// The daemon epoch the claim was made in; a later epoch fences it.
+    pub epoch: u64,
+    pub claimed_unix_ms: u64,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -138,23 +149,14 @@ impl State {
     }
 
     fn get_mut(&mut self, id: u64) -> Result<&mut Publication, String> {
-        self.pubs
-            .get_mut(&id)
-            .ok_or_else(|| format!("publication {id} is not live"))
+        self.pubs.get_mut(&id).ok_or_else(|| format!("publication {id} is not live"))
     }
 
     /// Applies one record. Refuses (changing nothing) a record that does not
     /// fit the current state.
     pub fn apply(&mut self, r: &Record) -> Result<(), String> {
         match r {
-            Record::Prepare {
-                publication,
-                req_id,
-                writer,
-                layout,
-                total_chunks,
-                slots,
-            } => {
+            Record::Prepare { publication, req_id, writer, layout, total_chunks, slots } => {
                 if self.pubs.contains_key(publication) {
                     return Err(format!("publication {publication} prepared twice"));
                 }
@@ -179,25 +181,14 @@ impl State {
                 );
                 self.next_publication = self.next_publication.max(publication + 1);
             }
-            Record::Alloc {
-                publication,
-                chunk,
-                slot,
-                len,
-                crc32c,
-            } => {
+            Record::Alloc { publication, chunk, slot, len, crc32c } => {
                 let (data_offset, slot_size) = (self.data_offset, self.slot_size);
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Prepared {
-                    return Err(format!(
-                        "chunk stored into publication {publication} in phase {:?}",
-                        p.phase
-                    ));
+                    return Err(format!("chunk stored into publication {publication} in phase {:?}", p.phase));
                 }
                 if p.slots.get(*chunk as usize) != Some(slot) || *len > slot_size {
-                    return Err(format!(
-                        "chunk {chunk} of publication {publication} does not belong in slot {slot}"
-                    ));
+                    return Err(format!("chunk {chunk} of publication {publication} does not belong in slot {slot}"));
                 }
                 p.chunks[*chunk as usize] = Some(ChunkEntry {
                     index: *chunk,
@@ -207,97 +198,72 @@ impl State {
                     crc32c: *crc32c,
                 });
             }
-            Record::Publish {
-                publication,
-                manifest,
-            } => {
+            Record::Publish { publication, manifest } => {
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Prepared {
-                    return Err(format!(
-                        "publication {publication} published in phase {:?}",
-                        p.phase
-                    ));
+                    return Err(format!("publication {publication} published in phase {:?}", p.phase));
                 }
                 p.phase = Phase::Ready;
                 p.manifest = Some(manifest.clone());
             }
-            Record::Claim {
-                publication,
-                reader,
-                session,
-                lease_ms,
-            } => {
+            Record::Claim { publication, reader, session, lease_ms, epoch, claimed_unix_ms } => {
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Ready {
-                    return Err(format!(
-                        "publication {publication} claimed in phase {:?}",
-                        p.phase
-                    ));
+                    return Err(format!("publication {publication} claimed in phase {:?}", p.phase));
                 }
                 p.phase = Phase::Claimed;
-                p.claim = Some((reader.clone(), session.clone(), *lease_ms));
+                p.claim = Some(ClaimInfo {
+                    reader: reader.clone(),
+                    session: session.clone(),
+                    lease_ms: *lease_ms,
+                    epoch: *epoch,
+                    claimed_unix_ms: *claimed_unix_ms,
+                });
             }
             Record::Adopt { publication } => {
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Claimed {
-                    return Err(format!(
-                        "publication {publication} adopted in phase {:?}",
-                        p.phase
-                    ));
+                    return Err(format!("publication {publication} adopted in phase {:?}", p.phase));
                 }
                 p.phase = Phase::Adopted;
             }
             Record::Retain { publication, .. } => {
                 let p = self.get_mut(*publication)?;
                 if !matches!(p.phase, Phase::Claimed | Phase::Adopted) {
-                    return Err(format!(
-                        "publication {publication} retained in phase {:?}",
-                        p.phase
-                    ));
+                    return Err(format!("publication {publication} retained in phase {:?}", p.phase));
                 }
                 p.phase = Phase::Retained;
             }
-            Record::Ack { publication } => {
+            Record::Ack { publication, .. } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if phase != Phase::Adopted {
-                    return Err(format!(
-                        "publication {publication} acked in phase {phase:?}"
-                    ));
+                    return Err(format!("publication {publication} acked in phase {phase:?}"));
                 }
                 self.free_pub(*publication);
             }
             Record::Release { publication } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if phase != Phase::Ready {
-                    return Err(format!(
-                        "publication {publication} released in phase {phase:?}"
-                    ));
+                    return Err(format!("publication {publication} released in phase {phase:?}"));
                 }
                 self.free_pub(*publication);
             }
             Record::Reclaim { publication } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if !matches!(phase, Phase::Retained | Phase::Claimed | Phase::Adopted) {
-                    return Err(format!(
-                        "publication {publication} reclaimed in phase {phase:?}"
-                    ));
+                    return Err(format!("publication {publication} reclaimed in phase {phase:?}"));
                 }
                 self.free_pub(*publication);
             }
             Record::Abort { publication, .. } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if !matches!(phase, Phase::Prepared | Phase::Aborting) {
-                    return Err(format!(
-                        "publication {publication} aborted in phase {phase:?}"
-                    ));
+                    return Err(format!("publication {publication} aborted in phase {phase:?}"));
                 }
                 self.free_pub(*publication);
             }
             Record::Epoch { epoch } => self.epoch = *epoch,
-            Record::Checkpoint {
-                next_publication,
-                publications,
-            } => {
+            Record::Checkpoint { next_publication, publications } => {
                 let mut fresh = State::new(self.slot_count(), self.slot_size, self.data_offset);
                 fresh.epoch = self.epoch;
                 for p in publications {
@@ -324,35 +290,20 @@ impl State {
     pub fn check(&self) -> Result<(), String> {
         let mut seen = BTreeMap::new();
         for p in self.pubs.values() {
-            if p.slots.len() != p.total_chunks as usize || p.chunks.len() != p.total_chunks as usize
-            {
-                return Err(format!(
-                    "publication {} has {} slots for {} chunks",
-                    p.id,
-                    p.slots.len(),
-                    p.total_chunks
-                ));
+            if p.slots.len() != p.total_chunks as usize || p.chunks.len() != p.total_chunks as usize {
+                return Err(format!("publication {} has {} slots for {} chunks", p.id, p.slots.len(), p.total_chunks));
             }
             for (i, s) in p.slots.iter().enumerate() {
                 if let Some(other) = seen.insert(*s, p.id) {
-                    return Err(format!(
-                        "slot {s} owned by publications {other} and {}",
-                        p.id
-                    ));
+                    return Err(format!("slot {s} owned by publications {other} and {}", p.id));
                 }
                 if self.owner.get(*s as usize) != Some(&Some(p.id)) {
-                    return Err(format!(
-                        "slot {s} of publication {} is not marked as its own",
-                        p.id
-                    ));
+                    return Err(format!("slot {s} of publication {} is not marked as its own", p.id));
                 }
                 if let Some(c) = &p.chunks[i]
                     && c.slot != *s
                 {
-                    return Err(format!(
-                        "chunk {i} of publication {} is in slot {} not {s}",
-                        p.id, c.slot
-                    ));
+                    return Err(format!("chunk {i} of publication {} is in slot {} not {s}", p.id, c.slot));
                 }
             }
         }
@@ -360,9 +311,7 @@ impl State {
             let s = s as u32;
             match o {
                 Some(id) if seen.get(&s) != Some(id) => {
-                    return Err(format!(
-                        "slot {s} marked for publication {id}, which does not list it"
-                    ));
+                    return Err(format!("slot {s} marked for publication {id}, which does not list it"));
                 }
                 None if !self.free.contains(&s) => {
                     return Err(format!("slot {s} is neither owned nor free"));
@@ -420,35 +369,23 @@ mod tests {
     fn lifecycle_frees_slots_exactly_once() {
         let mut s = State::new(4, 4096, 0);
         s.apply(&prepare(1, vec![2, 3])).unwrap();
-        let m = Manifest {
-            publication: 1,
-            req_id: "r1".into(),
-            layout: test_layout(),
-            chunks: vec![],
-            first_token: None,
-        };
-        s.apply(&Record::Publish {
-            publication: 1,
-            manifest: m,
-        })
-        .unwrap();
-        s.apply(&Record::Claim {
+        let m =
+            Manifest { publication: 1, req_id: "r1".into(), layout: test_layout(), chunks: vec![], first_token: None };
+        s.apply(&Record::Publish { publication: 1, manifest: m }).unwrap();
+        let claim = Record::Claim {
             publication: 1,
             reader: "d".into(),
             session: "s".into(),
             lease_ms: 10,
-        })
-        .unwrap();
-        assert!(
-            s.apply(&Record::Ack { publication: 1 }).is_err(),
-            "ack before adopt"
-        );
+            epoch: 1,
+            claimed_unix_ms: 0,
+        };
+        s.apply(&claim).unwrap();
+        let ack = Record::Ack { publication: 1, restore_digest: "x".into() };
+        assert!(s.apply(&ack).is_err(), "ack before adopt");
         s.apply(&Record::Adopt { publication: 1 }).unwrap();
-        s.apply(&Record::Ack { publication: 1 }).unwrap();
-        assert!(
-            s.apply(&Record::Ack { publication: 1 }).is_err(),
-            "a second ack is refused, never a double free"
-        );
+        s.apply(&ack).unwrap();
+        assert!(s.apply(&ack).is_err(), "a second ack is refused, never a double free");
         assert_eq!(s.free_slots(), 4);
         s.check().unwrap();
     }

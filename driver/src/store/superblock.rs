@@ -41,9 +41,7 @@ pub struct Superblock {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SuperblockError {
-    #[error(
-        "no pdstor superblock (magic {found:?}): the target is not formatted; run `pdstor format`"
-    )]
+    #[error("no pdstor superblock (magic {found:?}): the target is not formatted; run `pdstor format`")]
     NotPdstor { found: String },
     #[error("superblock checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
     Checksum { stored: u32, computed: u32 },
@@ -92,9 +90,7 @@ impl Superblock {
 
     pub fn decode(b: &[u8]) -> Result<Superblock, SuperblockError> {
         if b.len() < SUPERBLOCK_BYTES || &b[0..8] != MAGIC {
-            let found = String::from_utf8_lossy(&b[..8.min(b.len())])
-                .escape_debug()
-                .to_string();
+            let found = String::from_utf8_lossy(&b[..8.min(b.len())]).escape_debug().to_string();
             return Err(SuperblockError::NotPdstor { found });
         }
         let u32_at = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
@@ -190,14 +186,8 @@ mod tests {
         let mut b = sb.encode();
         assert_eq!(Superblock::decode(&b).unwrap(), sb);
         b[200] ^= 1;
-        assert!(matches!(
-            Superblock::decode(&b),
-            Err(SuperblockError::Checksum { .. })
-        ));
-        assert!(matches!(
-            Superblock::decode(&[0u8; 4096]),
-            Err(SuperblockError::NotPdstor { .. })
-        ));
+        assert!(matches!(Superblock::decode(&b), Err(SuperblockError::Checksum { .. })));
+        assert!(matches!(Superblock::decode(&[0u8; 4096]), Err(SuperblockError::NotPdstor { .. })));
     }
 
     #[test]
@@ -205,11 +195,7 @@ mod tests {
         let mut sb = sample();
         sb.version = FORMAT_VERSION + 1;
         let e = Superblock::decode(&sb.encode()).unwrap_err();
-        assert!(
-            e.to_string()
-                .contains(&format!("version {}", FORMAT_VERSION + 1)),
-            "{e}"
-        );
+        assert!(e.to_string().contains(&format!("version {}", FORMAT_VERSION + 1)), "{e}");
     }
 
     #[test]
@@ -217,18 +203,8 @@ mod tests {
         let a = sample();
         let mut b = sample();
         b.generation = 4;
-        assert_eq!(
-            choose(Ok(a.clone()), Ok(b.clone())).unwrap().0.generation,
-            4
-        );
-        let (sb, note) = choose(
-            Ok(a),
-            Err(SuperblockError::Checksum {
-                stored: 1,
-                computed: 2,
-            }),
-        )
-        .unwrap();
+        assert_eq!(choose(Ok(a.clone()), Ok(b.clone())).unwrap().0.generation, 4);
+        let (sb, note) = choose(Ok(a), Err(SuperblockError::Checksum { stored: 1, computed: 2 })).unwrap();
         assert_eq!(sb.generation, 3);
         assert!(note.unwrap().contains("copy B"));
     }

@@ -13,9 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 
 use crate::buffer::Buffer;
-use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TransferId,
-};
+use crate::io::{BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TransferId};
 
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
 
@@ -32,11 +30,7 @@ pub struct FaultPlan {
 
 impl FaultPlan {
     pub fn die_after_writes(writes: u64, torn: bool) -> Arc<FaultPlan> {
-        Arc::new(FaultPlan {
-            writes_left: AtomicI64::new(writes as i64),
-            torn,
-            dead: AtomicBool::new(false),
-        })
+        Arc::new(FaultPlan { writes_left: AtomicI64::new(writes as i64), torn, dead: AtomicBool::new(false) })
     }
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)
@@ -60,12 +54,10 @@ fn dead_device() -> std::io::Error {
 
 pub(crate) enum Job {
     Register(Buffer, Sender<Result<BufferId, IoError>>),
+    Unregister(BufferId, Sender<Result<(), IoError>>),
     /// Payload I/O; the reply has, per request, the crc32c of the bytes
     /// written or read, or its error.
-    Io(
-        Vec<IoRequest>,
-        Sender<Result<Vec<Result<u32, IoError>>, IoError>>,
-    ),
+    Io(Vec<IoRequest>, Sender<Result<Vec<Result<u32, IoError>>, IoError>>),
     /// Encoded records to append to the journal image (durable at the next commit).
     Append(Vec<u8>),
     Commit(Sender<Result<CommitInfo, String>>),
@@ -111,33 +103,20 @@ impl Worker {
         queue_depth: u32,
         fault: Option<Arc<FaultPlan>>,
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), String> {
-        let mut engine = Engine::new(
-            target,
-            EngineOptions {
-                queue_depth,
-                buffer_slots: 64,
-                ..Default::default()
-            },
-        )
-        .map_err(|e| e.to_string())?;
+        let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })
+            .map_err(|e| e.to_string())?;
         let a = read_raw(&mut engine, 0, SUPERBLOCK_BYTES as u64)?;
         let capacity = engine.geometry().capacity;
         // Copy B sits after the journal, whose size copy A gives. If A is
         // unreadable, try every size `format` can choose (powers of two).
         let b_offsets: Vec<u64> = match Superblock::decode(&a) {
             Ok(sb) => vec![sb.copy_b_offset()],
-            Err(_) => super::JOURNAL_HALF_CHOICES
-                .map(|j| SUPERBLOCK_BYTES as u64 + 2 * j)
-                .to_vec(),
+            Err(_) => super::JOURNAL_HALF_CHOICES.map(|j| SUPERBLOCK_BYTES as u64 + 2 * j).to_vec(),
         };
         let mut b = Vec::new();
-        for off in b_offsets
-            .into_iter()
-            .filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity)
-        {
+        for off in b_offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
             let bytes = read_raw(&mut engine, off, SUPERBLOCK_BYTES as u64)?;
-            if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty()
-            {
+            if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty() {
                 let found = Superblock::decode(&bytes).is_ok();
                 b = bytes;
                 if found {
@@ -145,9 +124,7 @@ impl Worker {
                 }
             }
         }
-        let sb = Superblock::decode(&a)
-            .or_else(|_| Superblock::decode(&b))
-            .unwrap_or_else(|_| blank_superblock());
+        let sb = Superblock::decode(&a).or_else(|_| Superblock::decode(&b)).unwrap_or_else(|_| blank_superblock());
         let image = engine
             .register(Buffer::host(JOURNAL_BLOCK as usize).map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?;
@@ -179,25 +156,16 @@ impl Worker {
         self.image_len = sb.journal_half;
         let _ = self.engine.remove(old);
         let off = sb.journal_offset(sb.active_half);
-        self.io_one(Op::Read, self.image, 0, off, sb.journal_half)
-            .map_err(|e| format!("reading the journal: {e}"))?;
+        self.io_one(Op::Read, self.image, 0, off, sb.journal_half).map_err(|e| format!("reading the journal: {e}"))?;
         let mut bytes = vec![0u8; sb.journal_half as usize];
-        self.engine
-            .buffer(self.image)
-            .map_err(|e| e.to_string())?
-            .read_at(0, &mut bytes)
-            .map_err(|e| e.to_string())?;
+        self.engine.buffer(self.image).map_err(|e| e.to_string())?.read_at(0, &mut bytes).map_err(|e| e.to_string())?;
         Ok(bytes)
     }
 
     /// Appends continue at `end` (the last good record); what follows is zeroed.
     pub fn set_journal_end(&mut self, end: u64) -> Result<(), String> {
         let zeros = vec![0u8; (self.image_len - end) as usize];
-        self.engine
-            .buffer(self.image)
-            .map_err(|e| e.to_string())?
-            .write_at(end, &zeros)
-            .map_err(|e| e.to_string())?;
+        self.engine.buffer(self.image).map_err(|e| e.to_string())?.write_at(end, &zeros).map_err(|e| e.to_string())?;
         self.end = end;
         // The block holding `end` must be rewritten whole at the next commit.
         self.durable_end = end - end % JOURNAL_BLOCK;
@@ -262,6 +230,9 @@ impl Worker {
             Job::Register(buffer, reply) => {
                 let _ = reply.send(self.engine.register(buffer));
             }
+            Job::Unregister(id, reply) => {
+                let _ = reply.send(self.engine.remove(id).map(drop));
+            }
             Job::Io(requests, reply) => {
                 let _ = reply.send(self.payload(&requests));
             }
@@ -275,11 +246,7 @@ impl Worker {
                     self.end = u64::MAX;
                 }
             }
-            Job::Checkpoint {
-                frame,
-                superblock,
-                reply,
-            } => {
+            Job::Checkpoint { frame, superblock, reply } => {
                 let _ = reply.send(self.checkpoint(&frame, superblock));
             }
             Job::WriteSuperblock(sb, reply) => {
@@ -304,10 +271,7 @@ impl Worker {
     /// Flush payload (if any was written) → write the journal tail → flush.
     fn commit(&mut self) -> Result<(), String> {
         if self.end == u64::MAX {
-            return Err(format!(
-                "the journal half ({} bytes) is full: format with a larger --journal",
-                self.image_len
-            ));
+            return Err(format!("the journal half ({} bytes) is full: format with a larger --journal", self.image_len));
         }
         self.groups += 1;
         if self.payload_dirty {
@@ -339,13 +303,11 @@ impl Worker {
         let b = self.engine.buffer(self.image).map_err(|e| e.to_string())?;
         b.write_at(0, frame).map_err(|e| e.to_string())?;
         let zeros = vec![0u8; (self.image_len - frame.len() as u64) as usize];
-        b.write_at(frame.len() as u64, &zeros)
-            .map_err(|e| e.to_string())?;
+        b.write_at(frame.len() as u64, &zeros).map_err(|e| e.to_string())?;
         let len = (frame.len() as u64).div_ceil(JOURNAL_BLOCK) * JOURNAL_BLOCK + JOURNAL_BLOCK;
         let len = len.min(self.image_len);
         let off = sb.journal_offset(sb.active_half);
-        self.write_guarded(self.image, 0, off, len)
-            .map_err(|e| format!("writing the checkpoint: {e}"))?;
+        self.write_guarded(self.image, 0, off, len).map_err(|e| format!("writing the checkpoint: {e}"))?;
         self.flush()?;
         self.write_superblock(&sb)?;
         self.end = frame.len() as u64;
@@ -361,11 +323,7 @@ impl Worker {
             .register(Buffer::host(SUPERBLOCK_BYTES).map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?;
         let result = (|| {
-            self.engine
-                .buffer(tmp)
-                .map_err(|e| e.to_string())?
-                .write_at(0, &bytes)
-                .map_err(|e| e.to_string())?;
+            self.engine.buffer(tmp).map_err(|e| e.to_string())?.write_at(0, &bytes).map_err(|e| e.to_string())?;
             for off in [0, sb.copy_b_offset()] {
                 self.write_guarded(tmp, 0, off, SUPERBLOCK_BYTES as u64)
                     .map_err(|e| format!("writing the superblock at {off}: {e}"))?;
@@ -485,19 +443,13 @@ impl Worker {
     fn crc(&mut self, r: &IoRequest) -> Result<u32, IoError> {
         let b = self.engine.buffer(r.buffer)?;
         self.scratch.resize(r.len as usize, 0);
-        b.read_at(r.buffer_offset, &mut self.scratch)
-            .map_err(|what| IoError::Buffer {
-                transfer: r.transfer,
-                what,
-            })?;
+        b.read_at(r.buffer_offset, &mut self.scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
         Ok(crc32c::crc32c(&self.scratch))
     }
 }
 
 fn read_raw(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, String> {
-    let id = engine
-        .register(Buffer::host(len as usize).map_err(|e| e.to_string())?)
-        .map_err(|e| e.to_string())?;
+    let id = engine.register(Buffer::host(len as usize).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let req = IoRequest {
         transfer: TransferId(0),
         op: Op::Read,

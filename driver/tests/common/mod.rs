@@ -13,11 +13,7 @@ pub fn skip(test: &str, reason: &str) {
     eprintln!("{line}");
     if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
         use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-        {
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
             let _ = writeln!(f, "{line}");
         }
     }
@@ -28,20 +24,13 @@ pub fn is_root() -> bool {
 }
 
 fn have(tool: &str) -> bool {
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {tool}"))
-        .output()
-        .is_ok_and(|o| o.status.success())
+    Command::new("sh").arg("-c").arg(format!("command -v {tool}")).output().is_ok_and(|o| o.status.success())
 }
 
 fn run(cmd: &mut Command) -> Result<String, String> {
     let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
     if !out.status.success() {
-        return Err(format!(
-            "{cmd:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ));
+        return Err(format!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr)));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
 }
@@ -63,22 +52,11 @@ impl LoopDevice {
         }
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).map_err(|e| e.to_string())?;
         let image = dir.path().join("disk.img");
-        std::fs::File::create(&image)
-            .and_then(|f| f.set_len(size))
-            .map_err(|e| e.to_string())?;
+        std::fs::File::create(&image).and_then(|f| f.set_len(size)).map_err(|e| e.to_string())?;
         let device = run(Command::new("losetup")
-            .args([
-                "--find",
-                "--show",
-                "--direct-io=on",
-                "--sector-size",
-                &block_size.to_string(),
-            ])
+            .args(["--find", "--show", "--direct-io=on", "--sector-size", &block_size.to_string()])
             .arg(&image))?;
-        Ok(LoopDevice {
-            device: device.into(),
-            _dir: dir,
-        })
+        Ok(LoopDevice { device: device.into(), _dir: dir })
     }
 }
 
@@ -111,12 +89,7 @@ impl Filesystem {
         run(cmd.arg(&dev.device))?;
         let mnt = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).map_err(|e| e.to_string())?;
         run(Command::new("mount").arg(&dev.device).arg(mnt.path()))?;
-        Ok(Filesystem {
-            mount: mnt.path().into(),
-            fstype,
-            dev,
-            _mnt: mnt,
-        })
+        Ok(Filesystem { mount: mnt.path().into(), fstype, dev, _mnt: mnt })
     }
 }
 
@@ -131,25 +104,12 @@ impl Drop for Filesystem {
 pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
     let out = Command::new("dd")
         .arg(format!("if={}", path.display()))
-        .args([
-            "iflag=direct,skip_bytes,count_bytes",
-            "bs=1M",
-            "status=none",
-        ])
+        .args(["iflag=direct,skip_bytes,count_bytes", "bs=1M", "status=none"])
         .arg(format!("skip={offset}"))
         .arg(format!("count={len}"))
         .output()
         .expect("running dd");
-    assert!(
-        out.status.success(),
-        "dd failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        out.stdout.len() as u64,
-        len,
-        "dd read {} of {len} bytes",
-        out.stdout.len()
-    );
+    assert!(out.status.success(), "dd failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.stdout.len() as u64, len, "dd read {} of {len} bytes", out.stdout.len());
     out.stdout
 }

@@ -24,16 +24,8 @@ pub const SUITE: Suite = Suite {
     name: "faults",
     about: "device-mapper error and flakey targets: failed reads are errors naming the transfer",
     tests: &[
-        Test {
-            name: "half_failing_batch",
-            disk: Some(DiskRole::Raw),
-            run: half_failing_batch,
-        },
-        Test {
-            name: "flakey_device_fails_reads_and_writes",
-            disk: Some(DiskRole::Raw),
-            run: flakey_everything,
-        },
+        Test { name: "half_failing_batch", disk: Some(DiskRole::Raw), run: half_failing_batch },
+        Test { name: "flakey_device_fails_reads_and_writes", disk: Some(DiskRole::Raw), run: flakey_everything },
     ],
 };
 
@@ -55,14 +47,9 @@ impl DmDevice {
             .ok_or("dmsetup stdin")?
             .write_all(table.as_bytes())
             .map_err(|e| format!("writing the dm table: {e}"))?;
-        let out = child
-            .wait_with_output()
-            .map_err(|e| format!("dmsetup: {e}"))?;
+        let out = child.wait_with_output().map_err(|e| format!("dmsetup: {e}"))?;
         if !out.status.success() {
-            return Err(format!(
-                "dmsetup create {DM_NAME} failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            ));
+            return Err(format!("dmsetup create {DM_NAME} failed: {}", String::from_utf8_lossy(&out.stderr)));
         }
         sh("dmsetup", &["mknodes", DM_NAME])?;
         Ok(DmDevice(PathBuf::from(format!("/dev/mapper/{DM_NAME}"))))
@@ -77,22 +64,12 @@ impl Drop for DmDevice {
 
 fn sectors(dev: &Path) -> Result<u64, String> {
     let out = sh("blockdev", &["--getsz", &dev.to_string_lossy()])?;
-    out.trim()
-        .parse::<u64>()
-        .map_err(|e| format!("blockdev --getsz {}: {e}", dev.display()))
+    out.trim().parse::<u64>().map_err(|e| format!("blockdev --getsz {}: {e}", dev.display()))
 }
 
 fn engine_on(dev: &Path) -> Result<Engine, String> {
     let t = Target::open(dev, &TargetOptions::default()).map_err(|e| e.to_string())?;
-    Engine::new(
-        t,
-        EngineOptions {
-            queue_depth: 8,
-            buffer_slots: 2,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| e.to_string())
+    Engine::new(t, EngineOptions { queue_depth: 8, buffer_slots: 2, ..Default::default() }).map_err(|e| e.to_string())
 }
 
 fn requests(op: Op, id: pdstor::io::BufferId, n: u64) -> Vec<IoRequest> {
@@ -126,38 +103,26 @@ fn half_failing_batch(ctx: &Ctx) -> Outcome {
                     .write_at(i * CHUNK, &payload::chunk(seed, i, CHUNK as usize))
                     .map_err(|e| e.to_string())?;
             }
-            e.execute_all(&requests(Op::Write, id, 8))
-                .map_err(|e| format!("seeding the disk: {e}"))?;
+            e.execute_all(&requests(Op::Write, id, 8)).map_err(|e| format!("seeding the disk: {e}"))?;
             e.flush().map_err(|e| e.to_string())?;
         }
         let total = sectors(&raw)?;
         let good = 4 * CHUNK / 512;
-        let table = format!(
-            "0 {good} linear {} 0\n{good} {} error\n",
-            raw.display(),
-            total - good
-        );
+        let table = format!("0 {good} linear {} 0\n{good} {} error\n", raw.display(), total - good);
         let dm = DmDevice::create(&table)?;
         let mut e = engine_on(&dm.0)?;
         let id = e
-            .register(
-                Buffer::memfd("faults-read", (8 * CHUNK) as usize).map_err(|e| e.to_string())?,
-            )
+            .register(Buffer::memfd("faults-read", (8 * CHUNK) as usize).map_err(|e| e.to_string())?)
             .map_err(|e| e.to_string())?;
         e.buffer(id)
             .map_err(|e| e.to_string())?
             .write_at(0, &vec![SENTINEL; (8 * CHUNK) as usize])
             .map_err(|e| e.to_string())?;
-        let done = e
-            .execute(&requests(Op::Read, id, 8))
-            .map_err(|e| e.to_string())?;
+        let done = e.execute(&requests(Op::Read, id, 8)).map_err(|e| e.to_string())?;
         let mut got = vec![0u8; CHUNK as usize];
         for (i, c) in done.iter().enumerate() {
             let i = i as u64;
-            e.buffer(id)
-                .map_err(|e| e.to_string())?
-                .read_at(i * CHUNK, &mut got)
-                .map_err(|e| e.to_string())?;
+            e.buffer(id).map_err(|e| e.to_string())?.read_at(i * CHUNK, &mut got).map_err(|e| e.to_string())?;
             match (&c.result, i < 4) {
                 (Ok(()), true) => {
                     if got != payload::chunk(seed, i, CHUNK as usize) {
@@ -165,10 +130,7 @@ fn half_failing_batch(ctx: &Ctx) -> Outcome {
                     }
                 }
                 (Ok(()), false) => {
-                    return Err(format!(
-                        "transfer {} over the error target reported success",
-                        100 + i
-                    ));
+                    return Err(format!("transfer {} over the error target reported success", 100 + i));
                 }
                 (Err(err), false) => {
                     let msg = err.to_string();
@@ -176,10 +138,7 @@ fn half_failing_batch(ctx: &Ctx) -> Outcome {
                         return Err(format!("error does not name its transfer: {msg}"));
                     }
                     if got.iter().all(|b| *b == 0) {
-                        return Err(format!(
-                            "failed transfer {} left zeros in the buffer",
-                            100 + i
-                        ));
+                        return Err(format!("failed transfer {} left zeros in the buffer", 100 + i));
                     }
                 }
                 (Err(err), true) => {
@@ -209,10 +168,7 @@ fn flakey_everything(ctx: &Ctx) -> Outcome {
             for c in e.execute(&requests(op, id, 2)).map_err(|e| e.to_string())? {
                 match c.result {
                     Ok(()) => {
-                        return Err(format!(
-                            "{op} {} on a failing device reported success",
-                            c.transfer
-                        ));
+                        return Err(format!("{op} {} on a failing device reported success", c.transfer));
                     }
                     Err(err) if !err.to_string().contains(&c.transfer.to_string()) => {
                         return Err(format!("error does not name {}: {err}", c.transfer));
@@ -222,10 +178,7 @@ fn flakey_everything(ctx: &Ctx) -> Outcome {
             }
         }
         let mut got = vec![0u8; (2 * CHUNK) as usize];
-        e.buffer(id)
-            .map_err(|e| e.to_string())?
-            .read_at(0, &mut got)
-            .map_err(|e| e.to_string())?;
+        e.buffer(id).map_err(|e| e.to_string())?.read_at(0, &mut got).map_err(|e| e.to_string())?;
         if got.iter().any(|b| *b != SENTINEL) {
             return Err("a failed read changed the buffer".into());
         }

@@ -8,9 +8,7 @@
 
 use std::path::Path;
 
-use pdstor::io::{
-    Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
-};
+use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId};
 use pdstor::{Buffer, PayloadPath, payload};
 
 use super::{Suite, Test, outcome};
@@ -46,21 +44,13 @@ pub const SUITE: Suite = Suite {
             disk: Some(DiskRole::Xfs),
             run: |c| fs_file(c, DiskRole::Xfs, PayloadPath::HostFixed),
         },
-        Test {
-            name: "raw_block_host",
-            disk: Some(DiskRole::Raw),
-            run: |c| raw_block(c, PayloadPath::Host, 0),
-        },
+        Test { name: "raw_block_host", disk: Some(DiskRole::Raw), run: |c| raw_block(c, PayloadPath::Host, 0) },
         Test {
             name: "raw_block_host_fixed",
             disk: Some(DiskRole::Raw),
             run: |c| raw_block(c, PayloadPath::HostFixed, 16 << 20),
         },
-        Test {
-            name: "passthrough_geometry",
-            disk: Some(DiskRole::Raw),
-            run: passthrough_geometry,
-        },
+        Test { name: "passthrough_geometry", disk: Some(DiskRole::Raw), run: passthrough_geometry },
         Test {
             name: "passthrough_host",
             disk: Some(DiskRole::Raw),
@@ -71,16 +61,8 @@ pub const SUITE: Suite = Suite {
             disk: Some(DiskRole::Raw),
             run: |c| passthrough(c, PayloadPath::HostFixed, 48 << 20),
         },
-        Test {
-            name: "ext4_fsck_clean",
-            disk: Some(DiskRole::Ext4),
-            run: |c| fsck(c, DiskRole::Ext4),
-        },
-        Test {
-            name: "xfs_repair_clean",
-            disk: Some(DiskRole::Xfs),
-            run: |c| fsck(c, DiskRole::Xfs),
-        },
+        Test { name: "ext4_fsck_clean", disk: Some(DiskRole::Ext4), run: |c| fsck(c, DiskRole::Ext4) },
+        Test { name: "xfs_repair_clean", disk: Some(DiskRole::Xfs), run: |c| fsck(c, DiskRole::Xfs) },
     ],
 };
 
@@ -93,34 +75,16 @@ enum Independent {
 
 fn fs_file(ctx: &Ctx, role: DiskRole, path: PayloadPath) -> Outcome {
     outcome((|| {
-        let mount = ctx
-            .disk(role)?
-            .mount
-            .clone()
-            .ok_or("filesystem not mounted")?;
+        let mount = ctx.disk(role)?.mount.clone().ok_or("filesystem not mounted")?;
         let file = mount.join(format!("kv-{path}.img"));
-        round_trip(
-            &file,
-            Some(FILE_BYTES),
-            path,
-            0,
-            Independent::Dd,
-            TargetKind::File,
-        )
+        round_trip(&file, Some(FILE_BYTES), path, 0, Independent::Dd, TargetKind::File)
     })())
 }
 
 fn raw_block(ctx: &Ctx, path: PayloadPath, base: u64) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
-        round_trip(
-            &disk.block,
-            None,
-            path,
-            base,
-            Independent::Dd,
-            TargetKind::BlockDevice,
-        )
+        round_trip(&disk.block, None, path, base, Independent::Dd, TargetKind::BlockDevice)
     })())
 }
 
@@ -128,18 +92,8 @@ fn passthrough(ctx: &Ctx, path: PayloadPath, base: u64) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
         let g = open(&disk.generic, None)?.geometry().to_owned();
-        let reader = Independent::NvmeRead {
-            lba: g.logical_block as u64,
-            max_bytes: g.max_transfer as u64,
-        };
-        round_trip(
-            &disk.generic,
-            None,
-            path,
-            base,
-            reader,
-            TargetKind::NvmeGeneric,
-        )
+        let reader = Independent::NvmeRead { lba: g.logical_block as u64, max_bytes: g.max_transfer as u64 };
+        round_trip(&disk.generic, None, path, base, reader, TargetKind::NvmeGeneric)
     })())
 }
 
@@ -152,16 +106,10 @@ fn passthrough_geometry(ctx: &Ctx) -> Outcome {
         let g = engine.geometry();
         let mdts = 4096u32 << NVME_MDTS;
         if engine.target().kind() != TargetKind::NvmeGeneric {
-            return Err(format!(
-                "{} opened as {:?}",
-                disk.generic.display(),
-                engine.target().kind()
-            ));
+            return Err(format!("{} opened as {:?}", disk.generic.display(), engine.target().kind()));
         }
         if g.logical_block != 4096 || g.nsid != Some(1) || g.max_transfer != mdts {
-            return Err(format!(
-                "geometry {g:?}: want 4096-byte LBAs, nsid 1, max_transfer {mdts}"
-            ));
+            return Err(format!("geometry {g:?}: want 4096-byte LBAs, nsid 1, max_transfer {mdts}"));
         }
         if CHUNK <= g.max_transfer as u64 {
             return Err(format!(
@@ -175,15 +123,7 @@ fn passthrough_geometry(ctx: &Ctx) -> Outcome {
 
 fn open(path: &Path, create: Option<u64>) -> Result<Engine, String> {
     let t = Target::open(path, &TargetOptions { create_len: create }).map_err(|e| e.to_string())?;
-    Engine::new(
-        t,
-        EngineOptions {
-            queue_depth: 8,
-            buffer_slots: 4,
-            ..Default::default()
-        },
-    )
-    .map_err(|e| e.to_string())
+    Engine::new(t, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() }).map_err(|e| e.to_string())
 }
 
 fn round_trip(
@@ -197,11 +137,7 @@ fn round_trip(
     let seed = base ^ path as u64 ^ 0x5eed;
     let mut engine = open(target, create)?;
     if engine.target().kind() != kind {
-        return Err(format!(
-            "{} opened as {:?}, expected {kind:?}",
-            target.display(),
-            engine.target().kind()
-        ));
+        return Err(format!("{} opened as {:?}, expected {kind:?}", target.display(), engine.target().kind()));
     }
     let buffer = Buffer::memfd("vmtest", (CHUNK * CHUNKS) as usize).map_err(|e| e.to_string())?;
     let id = match path {
@@ -211,11 +147,7 @@ fn round_trip(
     .map_err(|e| e.to_string())?;
     for i in 0..CHUNKS {
         let bytes = payload::chunk(seed, i, CHUNK as usize);
-        engine
-            .buffer(id)
-            .map_err(|e| e.to_string())?
-            .write_at(i * CHUNK, &bytes)
-            .map_err(|e| e.to_string())?;
+        engine.buffer(id).map_err(|e| e.to_string())?.write_at(i * CHUNK, &bytes).map_err(|e| e.to_string())?;
     }
     let batch = |op| -> Vec<IoRequest> {
         (0..CHUNKS)
@@ -230,31 +162,16 @@ fn round_trip(
             })
             .collect()
     };
-    engine
-        .execute_all(&batch(Op::Write))
-        .map_err(|e| format!("write: {e}"))?;
+    engine.execute_all(&batch(Op::Write)).map_err(|e| format!("write: {e}"))?;
     engine.flush().map_err(|e| format!("flush: {e}"))?;
     let zeros = vec![0u8; (CHUNK * CHUNKS) as usize];
-    engine
-        .buffer(id)
-        .map_err(|e| e.to_string())?
-        .write_at(0, &zeros)
-        .map_err(|e| e.to_string())?;
-    engine
-        .execute_all(&batch(Op::Read))
-        .map_err(|e| format!("read: {e}"))?;
+    engine.buffer(id).map_err(|e| e.to_string())?.write_at(0, &zeros).map_err(|e| e.to_string())?;
+    engine.execute_all(&batch(Op::Read)).map_err(|e| format!("read: {e}"))?;
     let mut got = vec![0u8; CHUNK as usize];
     for i in 0..CHUNKS {
-        engine
-            .buffer(id)
-            .map_err(|e| e.to_string())?
-            .read_at(i * CHUNK, &mut got)
-            .map_err(|e| e.to_string())?;
-        if let Some(at) = payload::first_difference(&payload::chunk(seed, i, CHUNK as usize), &got)
-        {
-            return Err(format!(
-                "chunk {i} read through the engine differs at byte {at}"
-            ));
+        engine.buffer(id).map_err(|e| e.to_string())?.read_at(i * CHUNK, &mut got).map_err(|e| e.to_string())?;
+        if let Some(at) = payload::first_difference(&payload::chunk(seed, i, CHUNK as usize), &got) {
+            return Err(format!("chunk {i} read through the engine differs at byte {at}"));
         }
     }
     drop(engine);
@@ -262,17 +179,10 @@ fn round_trip(
         let offset = base + i * CHUNK;
         let bytes = match independent {
             Independent::Dd => dd_direct(target, offset, CHUNK)?,
-            Independent::NvmeRead { lba, max_bytes } => {
-                nvme_read(target, offset, CHUNK, lba, max_bytes)?
-            }
+            Independent::NvmeRead { lba, max_bytes } => nvme_read(target, offset, CHUNK, lba, max_bytes)?,
         };
-        if let Some(at) =
-            payload::first_difference(&payload::chunk(seed, i, CHUNK as usize), &bytes)
-        {
-            return Err(format!(
-                "chunk {i} read independently differs at byte {at} (of {})",
-                bytes.len()
-            ));
+        if let Some(at) = payload::first_difference(&payload::chunk(seed, i, CHUNK as usize), &bytes) {
+            return Err(format!("chunk {i} read independently differs at byte {at} (of {})", bytes.len()));
         }
     }
     Ok(())
@@ -296,13 +206,7 @@ pub(crate) fn dd_direct(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, S
 }
 
 /// `nvme read` on the generic device, in pieces no larger than MDTS.
-fn nvme_read(
-    dev: &Path,
-    offset: u64,
-    len: u64,
-    lba: u64,
-    max_bytes: u64,
-) -> Result<Vec<u8>, String> {
+fn nvme_read(dev: &Path, offset: u64, len: u64, lba: u64, max_bytes: u64) -> Result<Vec<u8>, String> {
     let mut all = Vec::with_capacity(len as usize);
     let piece_file = "/tmp/vmtest/nvme.out";
     let mut done = 0;
@@ -330,8 +234,7 @@ fn fsck(ctx: &Ctx, role: DiskRole) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(role)?;
         let mount = disk.mount.clone().ok_or("filesystem not mounted")?;
-        nix::mount::umount(mount.as_path())
-            .map_err(|e| format!("unmounting {}: {e}", mount.display()))?;
+        nix::mount::umount(mount.as_path()).map_err(|e| format!("unmounting {}: {e}", mount.display()))?;
         let dev = disk.block.to_string_lossy().into_owned();
         let checked = match role {
             DiskRole::Xfs => sh("xfs_repair", &["-n", &dev]),

@@ -44,18 +44,9 @@ mod tests {
     #[test]
     fn suite_and_test_names_are_unique() {
         for (i, s) in SUITES.iter().enumerate() {
-            assert!(
-                SUITES[i + 1..].iter().all(|o| o.name != s.name),
-                "suite {} twice",
-                s.name
-            );
+            assert!(SUITES[i + 1..].iter().all(|o| o.name != s.name), "suite {} twice", s.name);
             for (j, t) in s.tests.iter().enumerate() {
-                assert!(
-                    s.tests[j + 1..].iter().all(|o| o.name != t.name),
-                    "{}/{} twice",
-                    s.name,
-                    t.name
-                );
+                assert!(s.tests[j + 1..].iter().all(|o| o.name != t.name), "{}/{} twice", s.name, t.name);
             }
         }
         assert!(find("io").is_some() && find("nope").is_none());

@@ -16,26 +16,14 @@ pub const SUITE: Suite = Suite {
     name: "probes",
     about: "BTF, tracefs and bpffs work; a tracepoint BPF program counts block requests",
     tests: &[
-        Test {
-            name: "btf_present",
-            disk: None,
-            run: btf_present,
-        },
-        Test {
-            name: "tracepoint_program_counts_requests",
-            disk: Some(DiskRole::Raw),
-            run: tracepoint_counts,
-        },
+        Test { name: "btf_present", disk: None, run: btf_present },
+        Test { name: "tracepoint_program_counts_requests", disk: Some(DiskRole::Raw), run: tracepoint_counts },
     ],
 };
 
 fn btf_present(_: &Ctx) -> Outcome {
     outcome((|| {
-        for f in [
-            "/sys/kernel/btf/vmlinux",
-            "/sys/kernel/btf/nvme",
-            "/sys/kernel/btf/nvme_core",
-        ] {
+        for f in ["/sys/kernel/btf/vmlinux", "/sys/kernel/btf/nvme", "/sys/kernel/btf/nvme_core"] {
             let len = std::fs::metadata(f).map_err(|e| format!("{f}: {e}"))?.len();
             if len == 0 {
                 return Err(format!("{f} is empty"));
@@ -66,10 +54,7 @@ fn tracepoint_counts(ctx: &Ctx) -> Outcome {
         drop(events);
         // 1 MiB in 64 KiB direct reads is at least 16 requests.
         if after < before + 16 {
-            return Err(format!(
-                "block_rq_issue counted {} requests for a 1 MiB direct read",
-                after - before
-            ));
+            return Err(format!("block_rq_issue counted {} requests for a 1 MiB direct read", after - before));
         }
         let pin = "/sys/fs/bpf/pdstor-vmtest-counter";
         sys::pin(&prog, pin)?;
@@ -79,10 +64,7 @@ fn tracepoint_counts(ctx: &Ctx) -> Outcome {
         let shown: serde_json::Value =
             serde_json::from_str(&shown?).map_err(|e| format!("bpftool --json output: {e}"))?;
         if shown["type"] != "tracepoint" {
-            return Err(format!(
-                "bpftool shows the pinned program as {}",
-                shown["type"]
-            ));
+            return Err(format!("bpftool shows the pinned program as {}", shown["type"]));
         }
         Ok(())
     })())
@@ -177,12 +159,10 @@ mod sys {
         put32(&mut a, 24, 1); // log_level
         put32(&mut a, 28, log.len() as u32);
         put64(&mut a, 32, log.as_mut_ptr() as u64);
-        bpf(BPF_PROG_LOAD, &mut a, "PROG_LOAD")
-            .map(fd)
-            .map_err(|e| {
-                let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
-                format!("{e}; verifier: {}", String::from_utf8_lossy(&log[..end]))
-            })
+        bpf(BPF_PROG_LOAD, &mut a, "PROG_LOAD").map(fd).map_err(|e| {
+            let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
+            format!("{e}; verifier: {}", String::from_utf8_lossy(&log[..end]))
+        })
     }
 
     pub fn read_counter(map: &OwnedFd) -> Result<u64, String> {
@@ -205,38 +185,17 @@ mod sys {
         put64(&mut a, 16, 1);
         // SAFETY: `a` is a zero-extended `struct perf_event_attr` of the size
         // it declares; pid -1 with a cpu counts every task on that CPU.
-        let rc = unsafe {
-            libc::syscall(
-                libc::SYS_perf_event_open,
-                a.as_ptr(),
-                -1,
-                cpu,
-                -1,
-                PERF_FLAG_FD_CLOEXEC,
-            )
-        };
+        let rc = unsafe { libc::syscall(libc::SYS_perf_event_open, a.as_ptr(), -1, cpu, -1, PERF_FLAG_FD_CLOEXEC) };
         if rc < 0 {
-            return Err(format!(
-                "perf_event_open(tracepoint {tp_id}, cpu {cpu}): {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(format!("perf_event_open(tracepoint {tp_id}, cpu {cpu}): {}", std::io::Error::last_os_error()));
         }
         let ev = fd(rc);
         // SAFETY: both ioctls take an int argument (the program fd, or none).
-        let set = unsafe {
-            libc::ioctl(
-                ev.as_raw_fd(),
-                PERF_EVENT_IOC_SET_BPF as _,
-                prog.as_raw_fd(),
-            )
-        };
+        let set = unsafe { libc::ioctl(ev.as_raw_fd(), PERF_EVENT_IOC_SET_BPF as _, prog.as_raw_fd()) };
         // SAFETY: as above.
         let on = unsafe { libc::ioctl(ev.as_raw_fd(), PERF_EVENT_IOC_ENABLE as _, 0) };
         if set != 0 || on != 0 {
-            return Err(format!(
-                "attaching the program to tracepoint {tp_id}: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(format!("attaching the program to tracepoint {tp_id}: {}", std::io::Error::last_os_error()));
         }
         Ok(ev)
     }

@@ -28,15 +28,8 @@ pub struct Archive {
 }
 
 enum Entry {
-    File {
-        path: String,
-        mode: u32,
-        data: Vec<u8>,
-    },
-    Symlink {
-        path: String,
-        target: String,
-    },
+    File { path: String, mode: u32, data: Vec<u8> },
+    Symlink { path: String, target: String },
 }
 
 impl Archive {
@@ -59,59 +52,48 @@ impl Archive {
 
     pub fn file(&mut self, path: &str, mode: u32, data: Vec<u8>) {
         self.parents(path);
-        self.entries.retain(|e| !matches!(e, Entry::File { path: p, .. } | Entry::Symlink { path: p, .. } if p == path));
-        self.entries.push(Entry::File {
-            path: path.to_owned(),
-            mode,
-            data,
-        });
+        self.entries
+            .retain(|e| !matches!(e, Entry::File { path: p, .. } | Entry::Symlink { path: p, .. } if p == path));
+        self.entries.push(Entry::File { path: path.to_owned(), mode, data });
     }
 
     pub fn host_file(&mut self, path: &str, host: &Path, mode: u32) -> Result<()> {
-        let data = std::fs::read(host)
-            .with_context(|| format!("reading {} for the initramfs", host.display()))?;
+        let data = std::fs::read(host).with_context(|| format!("reading {} for the initramfs", host.display()))?;
         self.file(path, mode, data);
         Ok(())
     }
 
     pub fn symlink(&mut self, path: &str, target: &str) {
         self.parents(path);
-        if self.entries.iter().any(|e| matches!(e, Entry::File { path: p, .. } | Entry::Symlink { path: p, .. } if p == path)) {
+        if self
+            .entries
+            .iter()
+            .any(|e| matches!(e, Entry::File { path: p, .. } | Entry::Symlink { path: p, .. } if p == path))
+        {
             return;
         }
-        self.entries.push(Entry::Symlink {
-            path: path.to_owned(),
-            target: target.to_owned(),
-        });
+        self.entries.push(Entry::Symlink { path: path.to_owned(), target: target.to_owned() });
     }
 
     /// Copies a dynamically linked host program and every library `ldd` names.
     pub fn program_with_libs(&mut self, sh: &Shell, path: &str, host: &Path) -> Result<()> {
         self.host_file(path, host, 0o755)?;
-        let ldd = cmd!(sh, "ldd {host}")
-            .quiet()
-            .ignore_status()
-            .read()
-            .unwrap_or_default();
+        let ldd = cmd!(sh, "ldd {host}").quiet().ignore_status().read().unwrap_or_default();
         for lib in ldd_paths(&ldd) {
-            let real = std::fs::canonicalize(&lib)
-                .with_context(|| format!("resolving {lib} for {}", host.display()))?;
+            let real =
+                std::fs::canonicalize(&lib).with_context(|| format!("resolving {lib} for {}", host.display()))?;
             self.host_file(&lib, &real, 0o755)?;
         }
         Ok(())
     }
 
     pub fn write(&self, out: &Path) -> Result<u64> {
-        let file =
-            std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
+        let file = std::fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
         let mut w = BufWriter::new(file);
         let mut ino = 1u32;
         let strip = |p: &str| p.trim_start_matches('/').to_owned();
         for d in &self.dirs {
-            let b = cpio::newc::Builder::new(&strip(d))
-                .ino(ino)
-                .mode(0o040755)
-                .nlink(2);
+            let b = cpio::newc::Builder::new(&strip(d)).ino(ino).mode(0o040755).nlink(2);
             b.write(&mut w, 0).finish()?;
             ino += 1;
         }
@@ -119,10 +101,8 @@ impl Archive {
             match e {
                 Entry::File { path, mode, data } => {
                     let size = u32::try_from(data.len()).context("initramfs file over 4 GiB")?;
-                    let mut fw = cpio::newc::Builder::new(&strip(path))
-                        .ino(ino)
-                        .mode(0o100000 | mode)
-                        .write(&mut w, size);
+                    let mut fw =
+                        cpio::newc::Builder::new(&strip(path)).ino(ino).mode(0o100000 | mode).write(&mut w, size);
                     fw.write_all(data)?;
                     fw.finish()?;
                 }
@@ -165,15 +145,8 @@ pub fn add_busybox(a: &mut Archive, sh: &Shell) -> Result<()> {
         bail!("/bin/busybox is missing: cargo xtask deps installs busybox-static");
     }
     a.host_file("/bin/busybox", busybox, 0o755)?;
-    let list = cmd!(sh, "/bin/busybox --list")
-        .quiet()
-        .read()
-        .context("busybox --list")?;
-    for applet in list
-        .lines()
-        .map(str::trim)
-        .filter(|s| !s.is_empty() && *s != "busybox")
-    {
+    let list = cmd!(sh, "/bin/busybox --list").quiet().read().context("busybox --list")?;
+    for applet in list.lines().map(str::trim).filter(|s| !s.is_empty() && *s != "busybox") {
         a.symlink(&format!("/bin/{applet}"), "busybox");
     }
     Ok(())
@@ -210,8 +183,7 @@ mod tests {
         let mut a = Archive::default();
         a.file("/etc/x.json", 0o644, b"{}".to_vec());
         a.symlink("/bin/sh", "busybox");
-        let out =
-            std::env::temp_dir().join(format!("pdstor-initramfs-{}.cpio", std::process::id()));
+        let out = std::env::temp_dir().join(format!("pdstor-initramfs-{}.cpio", std::process::id()));
         a.write(&out).unwrap();
         let mut r = std::fs::File::open(&out).unwrap();
         let mut names = Vec::new();

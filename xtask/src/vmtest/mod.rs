@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use pdstor_vmtest::{
-    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, TestResult,
-    suites::SUITES,
+    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, TestResult, suites::SUITES,
 };
 use xshell::{Shell, cmd};
 
@@ -106,33 +105,17 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
             crate::deps::install(sh)?;
             let k = kernel::fetch(sh)?;
             kernel::check(&k, &fragment("pd-storage.config"))?;
-            println!(
-                "kernel {} ({}) at {}: pd-storage.config satisfied",
-                k.release,
-                k.package,
-                k.vmlinuz.display()
-            );
+            println!("kernel {} ({}) at {}: pd-storage.config satisfied", k.release, k.package, k.vmlinuz.display());
         }
-        KernelCmd::Check {
-            kernel_config,
-            config,
-        } => {
+        KernelCmd::Check { kernel_config, config } => {
             let cfg = match kernel_config {
                 Some(c) => c.clone(),
-                None => kernel::fetch(sh)?
-                    .config
-                    .context("the fetched kernel has no config")?,
+                None => kernel::fetch(sh)?.config.context("the fetched kernel has no config")?,
             };
-            let frag = config
-                .clone()
-                .unwrap_or_else(|| fragment("pd-storage.config"));
+            let frag = config.clone().unwrap_or_else(|| fragment("pd-storage.config"));
             let missing = kernel::missing_options(&cfg, &frag)?;
             if missing.is_empty() {
-                println!(
-                    "{}: every option of {} is set",
-                    cfg.display(),
-                    frag.display()
-                );
+                println!("{}: every option of {} is set", cfg.display(), frag.display());
             } else {
                 bail!(
                     "{} lacks {} option(s) of {}: {}",
@@ -143,16 +126,10 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
                 );
             }
         }
-        KernelCmd::Defconfig {
-            src,
-            with_dmabuf_rw,
-        } => {
+        KernelCmd::Defconfig { src, with_dmabuf_rw } => {
             let merge = src.join("scripts/kconfig/merge_config.sh");
             if !merge.exists() {
-                bail!(
-                    "{} not found: --src must be a Linux source tree",
-                    merge.display()
-                );
+                bail!("{} not found: --src must be a Linux source tree", merge.display());
             }
             let mut frags = vec![fragment("pd-storage.config"), fragment("vm.config")];
             if *with_dmabuf_rw {
@@ -231,13 +208,7 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
             .with_context(|| format!("creating {}", img.display()))?;
         disks.push((spec, img));
     }
-    let vm = Vm {
-        kernel: &kernel.vmlinuz,
-        initrd: &initrd,
-        disks,
-        dir: &dir,
-        extra_append: String::new(),
-    };
+    let vm = Vm { kernel: &kernel.vmlinuz, initrd: &initrd, disks, dir: &dir, extra_append: String::new() };
     let timeout = Duration::from_secs(args.timeout);
     let progress = |s: &str| pb.set_message(format!("guest: {s}"));
     let run = match args.accel.as_str() {
@@ -263,7 +234,9 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
                             r.qemu_stderr.lines().next().unwrap_or("qemu said nothing")
                         ),
                     };
-                    pb.println(format!("vmtest: KVM unusable here ({why}); using TCG. Set PDSTOR_VM_ACCEL=tcg to skip the probe."));
+                    pb.println(format!(
+                        "vmtest: KVM unusable here ({why}); using TCG. Set PDSTOR_VM_ACCEL=tcg to skip the probe."
+                    ));
                     vm.run(Accel::Tcg, timeout, None, &progress)?
                 }
             }
@@ -305,9 +278,7 @@ fn build_initramfs(
     out: &Path,
 ) -> Result<u64> {
     let mut a = initramfs::Archive::default();
-    for d in [
-        "/dev", "/proc", "/sys", "/tmp", "/run", "/mnt", "/etc", "/bin", "/sbin",
-    ] {
+    for d in ["/dev", "/proc", "/sys", "/tmp", "/run", "/mnt", "/etc", "/bin", "/sbin"] {
         a.dir(d);
     }
     a.host_file("/init", init, 0o755)?;
@@ -320,22 +291,12 @@ fn build_initramfs(
     }
     let mut modules = Vec::new();
     for ko in kernel::module_order(sh, kernel, MODULES)? {
-        let name = ko
-            .file_name()
-            .map(|n| n.to_string_lossy().trim_end_matches(".xz").to_owned())
-            .context("module path")?;
+        let name =
+            ko.file_name().map(|n| n.to_string_lossy().trim_end_matches(".xz").to_owned()).context("module path")?;
         let data = if ko.extension().is_some_and(|e| e == "xz") {
-            let out = std::process::Command::new("xz")
-                .arg("-dc")
-                .arg(&ko)
-                .output()
-                .context("running xz")?;
+            let out = std::process::Command::new("xz").arg("-dc").arg(&ko).output().context("running xz")?;
             if !out.status.success() {
-                bail!(
-                    "xz -dc {} failed: {}",
-                    ko.display(),
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                bail!("xz -dc {} failed: {}", ko.display(), String::from_utf8_lossy(&out.stderr));
             }
             out.stdout
         } else {
@@ -345,12 +306,8 @@ fn build_initramfs(
         a.file(&guest, 0o644, data);
         modules.push(guest);
     }
-    let cfg = GuestConfig {
-        suites: suites.to_vec(),
-        modules,
-        kernel_release: kernel.release.clone(),
-        disks: roles.to_vec(),
-    };
+    let cfg =
+        GuestConfig { suites: suites.to_vec(), modules, kernel_release: kernel.release.clone(), disks: roles.to_vec() };
     a.file(GUEST_CONFIG_PATH, 0o644, serde_json::to_vec_pretty(&cfg)?);
     a.write(out)
 }
@@ -367,20 +324,14 @@ fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
         }
     }
     let console = std::fs::read_to_string(&run.console_file).unwrap_or_default();
-    println!(
-        "\n{:<8} {:<40} {:<5} {:>7}  result",
-        "suite", "test", "disk", "ms"
-    );
+    println!("\n{:<8} {:<40} {:<5} {:>7}  result", "suite", "test", "disk", "ms");
     let (mut pass, mut fail, mut skip) = (0, 0, 0);
     let mut finished = false;
     for r in &results {
         if r.test == FINISHED_TEST {
             finished = matches!(r.outcome, Outcome::Pass);
             if let Outcome::Fail(e) = &r.outcome {
-                println!(
-                    "{:<8} {:<40} {:<5} {:>7}  FAIL: {e}",
-                    r.suite, r.test, "-", r.millis
-                );
+                println!("{:<8} {:<40} {:<5} {:>7}  FAIL: {e}", r.suite, r.test, "-", r.millis);
                 fail += 1;
             }
             continue;
@@ -400,35 +351,20 @@ fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
                 format!("SKIP: {why}")
             }
         };
-        println!(
-            "{:<8} {:<40} {:<5} {:>7}  {verdict}",
-            r.suite, r.test, disk, r.millis
-        );
+        println!("{:<8} {:<40} {:<5} {:>7}  {verdict}", r.suite, r.test, disk, r.millis);
     }
     println!(
         "\nvmtest: {pass} passed, {fail} failed, {skip} skipped ({}, {:.0} s)",
         run.accel.name(),
         elapsed.as_secs_f64()
     );
-    let tail = |n: usize| {
-        console
-            .lines()
-            .rev()
-            .take(n)
-            .collect::<Vec<_>>()
-            .into_iter()
-            .rev()
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
+    let tail =
+        |n: usize| console.lines().rev().take(n).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
     if console.contains("Kernel panic") {
         bail!("the guest kernel panicked:\n{}", tail(40));
     }
     if run.timed_out {
-        bail!(
-            "the guest did not finish within the timeout; console tail:\n{}",
-            tail(40)
-        );
+        bail!("the guest did not finish within the timeout; console tail:\n{}", tail(40));
     }
     if !run.booted {
         bail!(

@@ -60,11 +60,7 @@ impl Vm<'_> {
             Accel::Tcg => ("tcg,thread=multi", "max"),
             Accel::Kvm => ("kvm", "host"),
         };
-        [
-            "-machine", "q35", "-accel", accel, "-cpu", cpu, "-smp", "2", "-m", "2048",
-        ]
-        .map(String::from)
-        .to_vec()
+        ["-machine", "q35", "-accel", accel, "-cpu", cpu, "-smp", "2", "-m", "2048"].map(String::from).to_vec()
     }
 
     /// Kernel command line, each argument for a reason.
@@ -111,10 +107,7 @@ impl Vm<'_> {
         let mut args = Vec::new();
         for (i, (spec, image)) in self.disks.iter().enumerate() {
             args.push("-drive".into());
-            args.push(format!(
-                "file={},if=none,id=d{i},format=raw,cache=unsafe",
-                image.display()
-            ));
+            args.push(format!("file={},if=none,id=d{i},format=raw,cache=unsafe", image.display()));
             args.push("-device".into());
             args.push(format!(
                 "nvme,serial={},drive=d{i},logical_block_size={lb},physical_block_size={lb},mdts={NVME_MDTS}",
@@ -126,8 +119,7 @@ impl Vm<'_> {
     }
 
     fn command(&self, accel: Accel) -> Result<Command> {
-        let stderr =
-            std::fs::File::create(self.dir.join("qemu.stderr")).context("creating qemu.stderr")?;
+        let stderr = std::fs::File::create(self.dir.join("qemu.stderr")).context("creating qemu.stderr")?;
         let mut c = Command::new("qemu-system-x86_64");
         c.args(["-nodefaults", "-no-reboot", "-display", "none"])
             .args(Self::machine_args(accel))
@@ -158,10 +150,8 @@ impl Vm<'_> {
         for f in [self.console_file(), self.results_file()] {
             let _ = std::fs::remove_file(&f);
         }
-        let mut child = self
-            .command(accel)?
-            .spawn()
-            .context("starting qemu-system-x86_64 (cargo xtask deps installs it)")?;
+        let mut child =
+            self.command(accel)?.spawn().context("starting qemu-system-x86_64 (cargo xtask deps installs it)")?;
         let started = Instant::now();
         let mut booted = false;
         let mut seen = 0usize;

@@ -1,0 +1,252 @@
+//! The data plane: a Unix socket (mode 0600). A client registers a buffer by
+//! sending its memfd with `SCM_RIGHTS`; the daemon maps it, registers it with
+//! io_uring and answers a buffer id. Store and load batches then name
+//! `(buffer, offset)` per chunk and the daemon moves the bytes itself — no
+//! payload byte crosses the socket. A client that disconnects has its
+//! unfinished (PREPARED) publications aborted and its buffers unregistered.
+//!
+//! Frames: `u32` little-endian length, then JSON ([`DataRequest`] /
+//! [`DataResponse`]); a `register` frame carries the fd.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
+
+use super::error::{from_protocol, from_store};
+use super::http::Metrics;
+use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody};
+use crate::buffer::Buffer;
+use crate::io::BufferId;
+use crate::protocol::service::{ProtocolError, Service};
+use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
+
+/// Largest frame accepted (a batch of thousands of chunks fits easily).
+const MAX_FRAME: usize = 16 << 20;
+
+pub struct DataPlane {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DataPlane {
+    pub fn start(path: &Path, service: Arc<Service>, metrics: Arc<Metrics>) -> std::io::Result<DataPlane> {
+        if path.exists() {
+            if UnixStream::connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("{} is served by another process", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
+        let listener = UnixListener::bind(path)?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new().name("pdstor-data".into()).spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::SeqCst) {
+                    break;
+                }
+                let Ok(conn) = conn else { continue };
+                let (service, metrics) = (service.clone(), metrics.clone());
+                let _ = std::thread::Builder::new().name("pdstor-data-conn".into()).spawn(move || {
+                    let mut c =
+                        Conn { service, metrics, buffers: HashMap::new(), next: 1, stored_into: HashSet::new() };
+                    c.serve(conn);
+                    c.cleanup();
+                });
+            }
+        })?;
+        Ok(DataPlane { path: path.into(), stop, thread: Some(thread) })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = UnixStream::connect(&self.path); // unblock accept
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+struct Conn {
+    service: Arc<Service>,
+    metrics: Arc<Metrics>,
+    /// Client buffer id → (store buffer, length).
+    buffers: HashMap<u32, (BufferId, u64)>,
+    next: u32,
+    stored_into: HashSet<u64>,
+}
+
+fn err(status: u16, code: &str, field: &str, message: String) -> ErrorBody {
+    ErrorBody { status, code: code.into(), field: field.into(), message }
+}
+
+/// Reads one frame, collecting any fds sent with it.
+pub fn read_frame(stream: &mut UnixStream) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    let mut header = [0u8; 4];
+    let mut got = 0;
+    let mut fds = Vec::new();
+    while got < 4 {
+        let mut space = nix::cmsg_space!([RawFd; 4]);
+        let mut iov = [IoSliceMut::new(&mut header[got..])];
+        let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+            .map_err(std::io::Error::from)?;
+        if msg.bytes == 0 {
+            return if got == 0 { Ok(None) } else { Err(std::io::ErrorKind::UnexpectedEof.into()) };
+        }
+        for c in msg.cmsgs().map_err(std::io::Error::from)? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                // SAFETY: SCM_RIGHTS hands us new descriptors that nothing else owns.
+                fds.extend(raw.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
+            }
+        }
+        got += msg.bytes;
+    }
+    let len = u32::from_le_bytes(header) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("frame of {len} bytes is over {MAX_FRAME}"),
+        ));
+    }
+    let mut body = vec![0u8; len];
+    stream.read_exact(&mut body)?;
+    Ok(Some((body, fds)))
+}
+
+/// Writes one frame, with `fd` attached when given.
+pub fn write_frame(stream: &mut UnixStream, body: &[u8], fd: Option<RawFd>) -> std::io::Result<()> {
+    let mut frame = Vec::with_capacity(body.len() + 4);
+    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    frame.extend_from_slice(body);
+    match fd {
+        Some(fd) => {
+            let fds = [fd];
+            let cmsg = [ControlMessage::ScmRights(&fds)];
+            let sent = sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(&frame)], &cmsg, MsgFlags::empty(), None)
+                .map_err(std::io::Error::from)?;
+            stream.write_all(&frame[sent..])
+        }
+        None => stream.write_all(&frame),
+    }
+}
+
+impl Conn {
+    fn serve(&mut self, mut stream: UnixStream) {
+        loop {
+            let (body, fds) = match read_frame(&mut stream) {
+                Ok(Some(f)) => f,
+                _ => return,
+            };
+            let resp = match serde_json::from_slice::<DataRequest>(&body) {
+                Ok(req) => self.handle(req, fds),
+                Err(e) => Err(err(400, "bad_request", "frame", format!("not a data-plane request: {e}"))),
+            };
+            let resp = resp.unwrap_or_else(|e| {
+                self.metrics.error(&e.code);
+                DataResponse { ok: false, error: Some(e), ..Default::default() }
+            });
+            let Ok(bytes) = serde_json::to_vec(&resp) else { return };
+            if write_frame(&mut stream, &bytes, None).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn buffer(&self, c: &DataChunk) -> Result<BufferId, ErrorBody> {
+        self.buffers.get(&c.buffer).map(|b| b.0).ok_or_else(|| {
+            err(400, "unknown_buffer", "buffer", format!("buffer {} is not registered on this connection", c.buffer))
+        })
+    }
+
+    fn handle(&mut self, req: DataRequest, mut fds: Vec<OwnedFd>) -> Result<DataResponse, ErrorBody> {
+        let store = self.service.store().clone();
+        match req {
+            DataRequest::Register { len } => {
+                let fd = fds
+                    .pop()
+                    .ok_or_else(|| err(400, "no_fd", "fd", "register needs the buffer's fd in SCM_RIGHTS".into()))?;
+                let buffer = Buffer::from_memfd(fd, len as usize)
+                    .map_err(|e| err(400, "bad_buffer", "len", format!("mapping the received buffer: {e}")))?;
+                let id = store.register_buffer(buffer).map_err(|e| from_store(&e))?;
+                let client = self.next;
+                self.next += 1;
+                self.buffers.insert(client, (id, len));
+                Ok(DataResponse { ok: true, buffer: Some(client), ..Default::default() })
+            }
+            DataRequest::Store { publication, chunks, is_last_batch, total_chunks } => {
+                let mut sources = Vec::with_capacity(chunks.len());
+                for c in &chunks {
+                    sources.push(ChunkSource {
+                        index: c.index,
+                        buffer: self.buffer(c)?,
+                        buffer_offset: c.offset,
+                        len: c.len,
+                    });
+                }
+                self.stored_into.insert(publication);
+                let out = store
+                    .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
+                    .map_err(|e| from_store(&e))?;
+                let bytes: u64 = chunks.iter().map(|c| c.len).sum();
+                self.metrics.bytes_host_fixed.fetch_add(bytes, Ordering::Relaxed);
+                Ok(DataResponse {
+                    ok: true,
+                    completed: Some(out.completed),
+                    total: Some(out.total),
+                    publishable: Some(out.publishable),
+                    paths: vec!["host_fixed".into(); chunks.len()],
+                    ..Default::default()
+                })
+            }
+            DataRequest::Load { receipt, chunks } => {
+                let manifest = self.service.authorize_load(&receipt).map_err(|e: ProtocolError| from_protocol(&e))?;
+                let mut dests = Vec::with_capacity(chunks.len());
+                for c in &chunks {
+                    dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: c.offset });
+                }
+                let crcs = store.load(manifest.publication, &dests).map_err(|e| from_store(&e))?;
+                let bytes: u64 =
+                    chunks.iter().filter_map(|c| manifest.chunks.get(c.index as usize)).map(|m| m.len).sum();
+                self.metrics.bytes_host_fixed.fetch_add(bytes, Ordering::Relaxed);
+                Ok(DataResponse {
+                    ok: true,
+                    crc32c: crcs,
+                    paths: vec!["host_fixed".into(); chunks.len()],
+                    ..Default::default()
+                })
+            }
+        }
+    }
+
+    /// The client went away: abort what it left unpublished, drop its buffers.
+    fn cleanup(&mut self) {
+        let store = self.service.store().clone();
+        for id in self.stored_into.drain() {
+            if store.publication(id).is_some_and(|p| p.phase == Phase::Prepared) {
+                let _ = store.abort(id);
+            }
+        }
+        for (_, (id, _)) in self.buffers.drain() {
+            let _ = store.unregister_buffer(id);
+        }
+    }
+}

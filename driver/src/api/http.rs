@@ -1,0 +1,260 @@
+//! The HTTP control plane (axum): one endpoint per protocol step of DESIGN §4,
+//! JSON in and out, every refusal as `{status, code, field, message}` with the
+//! matching HTTP status. Store work runs on blocking threads. Also `/healthz`,
+//! Prometheus `/metrics`, and the OpenAPI document at `/openapi.json`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::error::from_protocol;
+use super::wire::*;
+use crate::protocol::service::{ProtocolError, Service};
+use crate::store::{AbortOutcome, Phase};
+
+/// The OpenAPI document, kept in the repository beside the crate.
+pub const OPENAPI: &str = include_str!("../../openapi.json");
+
+/// Counters the daemon exports.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub errors: Mutex<BTreeMap<String, u64>>,
+    /// Payload bytes by path: host, host_fixed, dmabuf_fixed.
+    pub bytes_host: AtomicU64,
+    pub bytes_host_fixed: AtomicU64,
+    pub requests: AtomicU64,
+}
+
+impl Metrics {
+    pub fn error(&self, code: &str) {
+        *self.errors.lock().unwrap_or_else(|p| p.into_inner()).entry(code.into()).or_default() += 1;
+    }
+}
+
+pub struct AppState {
+    pub service: Arc<Service>,
+    pub metrics: Arc<Metrics>,
+}
+
+type Shared = Arc<AppState>;
+
+fn json_response<T: Serialize>(status: StatusCode, v: &T) -> Response {
+    let body = serde_json::to_vec(v).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+fn error_response(state: &AppState, e: ErrorBody) -> Response {
+    state.metrics.error(&e.code);
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    json_response(status, &e)
+}
+
+fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ErrorBody> {
+    serde_json::from_slice(body).map_err(|e| ErrorBody {
+        status: 400,
+        code: "bad_request".into(),
+        field: "body".into(),
+        message: format!("request body is not the expected JSON: {e}"),
+    })
+}
+
+/// Parses the body, runs `f` on a blocking thread, and maps the outcome.
+async fn step<Req, Resp, F>(state: Shared, body: Bytes, f: F) -> Response
+where
+    Req: DeserializeOwned + Send + 'static,
+    Resp: Serialize + Send + 'static,
+    F: FnOnce(&Service, Req) -> Result<Resp, ProtocolError> + Send + 'static,
+{
+    state.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let req: Req = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(&state, e),
+    };
+    let service = state.service.clone();
+    match tokio::task::spawn_blocking(move || f(&service, req)).await {
+        Ok(Ok(resp)) => json_response(StatusCode::OK, &resp),
+        Ok(Err(e)) => error_response(&state, from_protocol(&e)),
+        Err(join) => error_response(
+            &state,
+            ErrorBody {
+                status: 500,
+                code: "internal".into(),
+                field: String::new(),
+                message: format!("handler panicked: {join}"),
+            },
+        ),
+    }
+}
+
+pub fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }))
+        .route("/metrics", get(metrics))
+        .route("/storage-pd/publications", get(publications))
+        .route(
+            "/storage-pd/prepare",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer))
+            }),
+        )
+        .route(
+            "/storage-pd/publish",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: PublishRequest| svc.publish(r.publication, r.first_token))
+            }),
+        )
+        .route(
+            "/storage-pd/claim",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: ClaimRequest| {
+                    svc.claim(&r.receipt, &r.reader_id, &r.session_id, r.lease_ms)
+                        .map(|receipt| ReceiptResponse { receipt })
+                })
+            }),
+        )
+        .route(
+            "/storage-pd/adopt",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: AdoptRequest| {
+                    svc.adopt(&r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout)
+                })
+            }),
+        )
+        .route(
+            "/storage-pd/ack",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: AckRequest| svc.ack(&r.receipt, &r.restore_digest).map(|_| Done { ok: true }))
+            }),
+        )
+        .route(
+            "/storage-pd/release",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: ReceiptOnly| svc.release(&r.receipt).map(|_| Done { ok: true }))
+            }),
+        )
+        .route(
+            "/storage-pd/abort",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: AbortRequest| {
+                    svc.abort(r.publication).map(|o| match o {
+                        AbortOutcome::Aborted { slots } => AbortResponse { outcome: "aborted".into(), slots },
+                        AbortOutcome::Pending => AbortResponse { outcome: "pending".into(), slots: 0 },
+                        AbortOutcome::NotFound => AbortResponse { outcome: "not_found".into(), slots: 0 },
+                    })
+                })
+            }),
+        )
+        .route(
+            "/storage-pd/fail",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: FailRequest| svc.fail(&r.receipt, &r.reason).map(|_| Done { ok: true }))
+            }),
+        )
+        .route(
+            "/storage-pd/reclaim",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: ReceiptOnly| svc.reclaim(&r.receipt).map(|_| Done { ok: true }))
+            }),
+        )
+        .route(
+            "/storage-pd/session/close",
+            post(|State(s): State<Shared>, b: Bytes| {
+                step(s, b, |svc, r: SessionCloseRequest| {
+                    svc.close_session(&r.session_id);
+                    Ok(Done { ok: true })
+                })
+            }),
+        )
+        .with_state(state)
+}
+
+fn phase_name(p: Phase) -> &'static str {
+    match p {
+        Phase::Prepared => "PREPARED",
+        Phase::Ready => "READY",
+        Phase::Claimed => "CLAIMED",
+        Phase::Adopted => "ADOPTED",
+        Phase::Retained => "RETAINED",
+        Phase::Aborting => "ABORTING",
+    }
+}
+
+async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+    let want = q.get("state").map(|v| v.to_ascii_uppercase());
+    let list: Vec<PublicationInfo> = s
+        .service
+        .store()
+        .publications()
+        .into_iter()
+        .filter(|p| want.as_deref().is_none_or(|w| w == phase_name(p.phase)))
+        .map(|p| PublicationInfo {
+            publication: p.id,
+            req_id: p.req_id.clone(),
+            state: phase_name(p.phase).into(),
+            chunks: p.total_chunks,
+            writer: p.writer.clone(),
+            reader: p.claim.as_ref().map(|c| c.reader.clone()),
+        })
+        .collect();
+    json_response(StatusCode::OK, &list)
+}
+
+/// Prometheus text exposition.
+async fn metrics(State(s): State<Shared>) -> Response {
+    use std::fmt::Write;
+    let store = s.service.store();
+    let st = store.stats();
+    let mut by_state: BTreeMap<&'static str, u64> =
+        ["PREPARED", "READY", "CLAIMED", "ADOPTED", "RETAINED", "ABORTING"].into_iter().map(|k| (k, 0)).collect();
+    let mut used = 0u64;
+    for p in store.publications() {
+        *by_state.entry(phase_name(p.phase)).or_default() += 1;
+        used += p.slots.len() as u64;
+    }
+    let mut out = String::new();
+    let _ = writeln!(out, "# HELP pdstor_publications Live publications by state.\n# TYPE pdstor_publications gauge");
+    for (k, v) in &by_state {
+        let _ = writeln!(out, "pdstor_publications{{state=\"{k}\"}} {v}");
+    }
+    let _ = writeln!(out, "# HELP pdstor_slots Data slots by use.\n# TYPE pdstor_slots gauge");
+    let _ = writeln!(out, "pdstor_slots{{kind=\"free\"}} {}", st.free_slots);
+    let _ = writeln!(out, "pdstor_slots{{kind=\"reserved\"}} {}", st.reserved.saturating_sub(used));
+    let _ = writeln!(out, "pdstor_slots{{kind=\"used\"}} {used}");
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_admission_waits_total Admissions that waited for capacity.\n# TYPE pdstor_admission_waits_total counter"
+    );
+    let _ = writeln!(out, "pdstor_admission_waits_total {}", st.admission_waits);
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_payload_bytes_total Payload bytes moved, by path.\n# TYPE pdstor_payload_bytes_total counter"
+    );
+    let _ =
+        writeln!(out, "pdstor_payload_bytes_total{{path=\"host\"}} {}", s.metrics.bytes_host.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "pdstor_payload_bytes_total{{path=\"host_fixed\"}} {}",
+        s.metrics.bytes_host_fixed.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(out, "pdstor_payload_bytes_total{{path=\"dmabuf_fixed\"}} 0");
+    let _ =
+        writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
+    for (code, n) in s.metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = writeln!(out, "pdstor_errors_total{{code=\"{code}\"}} {n}");
+    }
+    let _ = writeln!(out, "# HELP pdstor_flushes_total Device flushes.\n# TYPE pdstor_flushes_total counter");
+    let _ = writeln!(out, "pdstor_flushes_total {}", st.flushes);
+    let _ =
+        writeln!(out, "# HELP pdstor_epoch Daemon epoch.\n# TYPE pdstor_epoch gauge\npdstor_epoch {}", store.epoch());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}

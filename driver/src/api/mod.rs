@@ -1,0 +1,86 @@
+//! The daemon's two planes (DESIGN §2): the HTTP control plane ([`http`]) and
+//! the buffer-passing data plane ([`data`]), their wire types ([`wire`]) and
+//! the one place errors become statuses and exit codes ([`error`]).
+
+pub mod data;
+pub mod error;
+pub mod http;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::protocol::service::Service;
+use crate::store::{Store, StoreOptions};
+
+/// Where the control plane listens.
+#[derive(Debug, Clone)]
+pub enum Listen {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub target: PathBuf,
+    pub listen: Listen,
+    pub data_socket: PathBuf,
+    pub queue_depth: u32,
+    pub admission_timeout: Duration,
+}
+
+/// Runs the daemon until SIGTERM or SIGINT, then stops accepting, lets
+/// in-flight requests finish, and closes the store (which commits).
+pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
+    let (store, report) = Store::open(
+        &cfg.target,
+        StoreOptions { queue_depth: cfg.queue_depth, admission_timeout: cfg.admission_timeout, fault: None },
+    )?;
+    tracing::info!(
+        target = %cfg.target.display(),
+        epoch = report.epoch,
+        live = report.live,
+        rolled_back = report.rolled_back.len(),
+        journal_stop = ?report.journal_stop,
+        "store opened"
+    );
+    let store = Arc::new(store);
+    let service = Arc::new(Service::new(store.clone()));
+    let metrics = Arc::new(http::Metrics::default());
+    let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone())
+        .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
+    tracing::info!(data_socket = %data.path().display(), "data plane listening");
+    let app = http::router(Arc::new(http::AppState { service, metrics }));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async move {
+        let shutdown = async {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {},
+                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
+            }
+            tracing::info!("shutting down");
+        };
+        match &cfg.listen {
+            Listen::Tcp(addr) => {
+                let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
+                tracing::info!(%addr, "control plane listening");
+                axum::serve(l, app).with_graceful_shutdown(shutdown).await?;
+            }
+            Listen::Unix(path) => {
+                let _ = std::fs::remove_file(path);
+                let l = tokio::net::UnixListener::bind(path).map_err(|e| anyhow::anyhow!("listening on {}: {e}", path.display()))?;
+                tracing::info!(path = %path.display(), "control plane listening");
+                axum::serve(l, app).with_graceful_shutdown(shutdown).await?;
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        anyhow::Ok(())
+    })?;
+    drop(data);
+    drop(store);
+    tracing::info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! JSON bodies of the control plane and the data plane, shared by the daemon
+//! and the client so the two cannot drift apart.
+
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::Receipt;
+use crate::store::Layout;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PrepareRequest {
+    pub req_id: String,
+    pub layout: Layout,
+    pub total_chunks: u32,
+    pub writer: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PublishRequest {
+    pub publication: u64,
+    pub first_token: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ClaimRequest {
+    pub receipt: Receipt,
+    pub reader_id: String,
+    pub session_id: String,
+    pub lease_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReceiptResponse {
+    pub receipt: Receipt,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdoptRequest {
+    pub receipt: Receipt,
+    pub namespace: String,
+    pub epoch: u64,
+    pub manifest_digest: String,
+    pub layout: Layout,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AckRequest {
+    pub receipt: Receipt,
+    pub restore_digest: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReceiptOnly {
+    pub receipt: Receipt,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AbortRequest {
+    pub publication: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AbortResponse {
+    /// `aborted`, `pending` (batches in flight) or `not_found`.
+    pub outcome: String,
+    pub slots: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FailRequest {
+    pub receipt: Receipt,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SessionCloseRequest {
+    pub session_id: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Done {
+    pub ok: bool,
+}
+
+/// Every refusal and failure: HTTP status, a stable code, the offending field.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub status: u16,
+    pub code: String,
+    pub field: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for ErrorBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {} ({}): {}", self.status, self.code, self.field, self.message)
+    }
+}
+
+impl std::error::Error for ErrorBody {}
+
+/// A publication as listed by `GET /storage-pd/publications`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PublicationInfo {
+    pub publication: u64,
+    pub req_id: String,
+    pub state: String,
+    pub chunks: u32,
+    pub writer: String,
+    pub reader: Option<String>,
+}
+
+/// Data-plane requests: one JSON frame each (`u32` little-endian length, then
+/// JSON). `Register` travels with the buffer's fd in `SCM_RIGHTS`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum DataRequest {
+    Register { len: u64 },
+    Store { publication: u64, chunks: Vec<DataChunk>, is_last_batch: bool, total_chunks: u32 },
+    Load { receipt: Receipt, chunks: Vec<DataChunk> },
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct DataChunk {
+    pub index: u32,
+    pub buffer: u32,
+    pub offset: u64,
+    /// Bytes to store (ignored by loads: the manifest says).
+    #[serde(default)]
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct DataResponse {
+    pub ok: bool,
+    pub buffer: Option<u32>,
+    pub completed: Option<u32>,
+    pub total: Option<u32>,
+    pub publishable: Option<bool>,
+    /// The path each chunk moved on.
+    pub paths: Vec<String>,
+    /// crc32c of each loaded chunk, as read.
+    pub crc32c: Vec<u32>,
+    pub error: Option<ErrorBody>,
+}

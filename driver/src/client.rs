@@ -1,0 +1,306 @@
+//! `pdstor::client`: the writer and reader sides of the handoff over both
+//! planes. [`Client`] speaks the HTTP control plane; [`DataConn`] the data
+//! plane (buffers registered once, by fd, and reused); [`Writer`] and
+//! [`Reader`] run the whole of `prepare → store → publish` and
+//! `claim → adopt → load → ack`, verifying every restored chunk's crc32c on
+//! the client side, independently of the daemon.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::api::data::{read_frame, write_frame};
+use crate::api::wire::*;
+use crate::buffer::Buffer;
+use crate::protocol::service::{Prepared, Published, restore_digest};
+use crate::protocol::{Receipt, manifest_digest};
+use crate::store::{Layout, Manifest};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The daemon refused or failed the step.
+    #[error("{0}")]
+    Api(ErrorBody),
+    #[error("talking to the daemon at {url}: {message} (is `pdstor serve` running?)")]
+    Transport { url: String, message: String },
+    #[error("data plane: {0}")]
+    Data(String),
+    #[error("restored chunk {chunk} fails verification: {what}")]
+    Verify { chunk: u32, what: String },
+}
+
+/// The HTTP control plane.
+pub struct Client {
+    agent: ureq::Agent,
+    base: String,
+}
+
+impl Client {
+    /// `base` is like `http://127.0.0.1:7077`.
+    pub fn new(base: &str) -> Client {
+        let agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        Client { agent, base: base.trim_end_matches('/').to_owned() }
+    }
+
+    fn post<Req: Serialize, Resp: DeserializeOwned>(&self, path: &str, req: &Req) -> Result<Resp, ClientError> {
+        let url = format!("{}{path}", self.base);
+        let transport = |message: String| ClientError::Transport { url: url.clone(), message };
+        let mut resp = self.agent.post(&url).send_json(req).map_err(|e| transport(e.to_string()))?;
+        let status = resp.status().as_u16();
+        if status != 200 {
+            let body: ErrorBody = resp.body_mut().read_json().map_err(|e| transport(format!("HTTP {status}: {e}")))?;
+            return Err(ClientError::Api(body));
+        }
+        resp.body_mut().read_json().map_err(|e| transport(e.to_string()))
+    }
+
+    fn get_text(&self, path: &str) -> Result<String, ClientError> {
+        let url = format!("{}{path}", self.base);
+        let mut resp = self
+            .agent
+            .get(&url)
+            .call()
+            .map_err(|e| ClientError::Transport { url: url.clone(), message: e.to_string() })?;
+        resp.body_mut().read_to_string().map_err(|e| ClientError::Transport { url, message: e.to_string() })
+    }
+
+    pub fn prepare(
+        &self,
+        req_id: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        writer: &str,
+    ) -> Result<Prepared, ClientError> {
+        let r = PrepareRequest { req_id: req_id.into(), layout: layout.clone(), total_chunks, writer: writer.into() };
+        self.post("/storage-pd/prepare", &r)
+    }
+    pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ClientError> {
+        self.post("/storage-pd/publish", &PublishRequest { publication, first_token })
+    }
+    pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ClientError> {
+        let r = ClaimRequest { receipt: ready.clone(), reader_id: reader.into(), session_id: session.into(), lease_ms };
+        self.post::<_, ReceiptResponse>("/storage-pd/claim", &r).map(|r| r.receipt)
+    }
+    pub fn adopt(&self, req: &AdoptRequest) -> Result<Manifest, ClientError> {
+        self.post("/storage-pd/adopt", req)
+    }
+    pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ClientError> {
+        self.post::<_, Done>("/storage-pd/ack", &AckRequest { receipt: claim.clone(), restore_digest: restore.into() })
+            .map(drop)
+    }
+    pub fn release(&self, ready: &Receipt) -> Result<(), ClientError> {
+        self.post::<_, Done>("/storage-pd/release", &ReceiptOnly { receipt: ready.clone() }).map(drop)
+    }
+    pub fn abort(&self, publication: u64) -> Result<AbortResponse, ClientError> {
+        self.post("/storage-pd/abort", &AbortRequest { publication })
+    }
+    pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ClientError> {
+        self.post::<_, Done>("/storage-pd/fail", &FailRequest { receipt: claim.clone(), reason: reason.into() })
+            .map(drop)
+    }
+    pub fn reclaim(&self, claim: &Receipt) -> Result<(), ClientError> {
+        self.post::<_, Done>("/storage-pd/reclaim", &ReceiptOnly { receipt: claim.clone() }).map(drop)
+    }
+    pub fn close_session(&self, session: &str) -> Result<(), ClientError> {
+        self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { session_id: session.into() }).map(drop)
+    }
+    pub fn publications(&self, state: Option<&str>) -> Result<Vec<PublicationInfo>, ClientError> {
+        let path = match state {
+            Some(s) => format!("/storage-pd/publications?state={s}"),
+            None => "/storage-pd/publications".into(),
+        };
+        serde_json::from_str(&self.get_text(&path)?).map_err(|e| ClientError::Data(format!("publications: {e}")))
+    }
+    pub fn metrics(&self) -> Result<String, ClientError> {
+        self.get_text("/metrics")
+    }
+}
+
+/// A data-plane connection.
+pub struct DataConn {
+    stream: UnixStream,
+}
+
+impl DataConn {
+    pub fn connect(path: &Path) -> Result<DataConn, ClientError> {
+        let stream = UnixStream::connect(path).map_err(|e| {
+            ClientError::Data(format!("connecting to {}: {e} (is `pdstor serve` running?)", path.display()))
+        })?;
+        Ok(DataConn { stream })
+    }
+
+    fn call(&mut self, req: &DataRequest, fd: Option<i32>) -> Result<DataResponse, ClientError> {
+        let body = serde_json::to_vec(req).map_err(|e| ClientError::Data(e.to_string()))?;
+        write_frame(&mut self.stream, &body, fd).map_err(|e| ClientError::Data(format!("sending: {e}")))?;
+        let (resp, _) = read_frame(&mut self.stream)
+            .map_err(|e| ClientError::Data(format!("receiving: {e}")))?
+            .ok_or_else(|| ClientError::Data("the daemon closed the data socket".into()))?;
+        let resp: DataResponse = serde_json::from_slice(&resp).map_err(|e| ClientError::Data(e.to_string()))?;
+        match resp.error {
+            Some(e) => Err(ClientError::Api(e)),
+            None => Ok(resp),
+        }
+    }
+
+    /// Shares a memfd buffer with the daemon; returns its id on this connection.
+    pub fn register(&mut self, buffer: &Buffer) -> Result<u32, ClientError> {
+        let fd = buffer.memfd_fd().ok_or_else(|| ClientError::Data("only memfd buffers can be shared".into()))?;
+        let r = self.call(&DataRequest::Register { len: buffer.len() as u64 }, Some(fd.as_raw_fd()))?;
+        r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))
+    }
+
+    pub fn store(
+        &mut self,
+        publication: u64,
+        chunks: Vec<DataChunk>,
+        is_last_batch: bool,
+        total_chunks: u32,
+    ) -> Result<DataResponse, ClientError> {
+        self.call(&DataRequest::Store { publication, chunks, is_last_batch, total_chunks }, None)
+    }
+
+    pub fn load(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
+        self.call(&DataRequest::Load { receipt: claim.clone(), chunks }, None)
+    }
+}
+
+/// The prefill side: one shared buffer, registered once.
+pub struct Writer {
+    pub client: Client,
+    data: DataConn,
+    buffer: Buffer,
+    buffer_id: u32,
+    chunk_size: u64,
+}
+
+impl Writer {
+    pub fn new(server: &str, data_socket: &Path, chunk_size: u64, chunks: u32) -> Result<Writer, ClientError> {
+        let client = Client::new(server);
+        let mut data = DataConn::connect(data_socket)?;
+        let buffer = Buffer::memfd("pdstor-writer", (chunk_size * chunks as u64) as usize)
+            .map_err(|e| ClientError::Data(e.to_string()))?;
+        let buffer_id = data.register(&buffer)?;
+        Ok(Writer { client, data, buffer, buffer_id, chunk_size })
+    }
+
+    pub fn buffer(&self) -> &Buffer {
+        &self.buffer
+    }
+
+    /// prepare → store in `batch` chunks per batch → publish. `payload` is the
+    /// whole KV set; the last chunk may be short (padded to 4 KiB on media).
+    pub fn put(
+        &mut self,
+        req_id: &str,
+        layout: &Layout,
+        payload: &[u8],
+        batch: u32,
+        first_token: Option<u32>,
+    ) -> Result<Published, ClientError> {
+        let cs = self.chunk_size as usize;
+        let total = payload.len().div_ceil(cs) as u32;
+        if total as usize * cs > self.buffer.len() {
+            return Err(ClientError::Data(format!(
+                "{} bytes do not fit the {}-byte writer buffer",
+                payload.len(),
+                self.buffer.len()
+            )));
+        }
+        let mut padded = payload.to_vec();
+        padded.resize(payload.len().div_ceil(4096) * 4096, 0);
+        self.buffer.write_at(0, &padded).map_err(|e| ClientError::Data(e.to_string()))?;
+        let p = self.client.prepare(req_id, layout, total, "writer")?;
+        let chunks: Vec<DataChunk> = (0..total)
+            .map(|i| {
+                let off = i as u64 * self.chunk_size;
+                let len = (padded.len() as u64 - off).min(self.chunk_size);
+                DataChunk { index: i, buffer: self.buffer_id, offset: off, len }
+            })
+            .collect();
+        for (n, group) in chunks.chunks(batch.max(1) as usize).enumerate() {
+            let last = (n + 1) * batch.max(1) as usize >= chunks.len();
+            if let Err(e) = self.data.store(p.publication, group.to_vec(), last, total) {
+                let _ = self.client.abort(p.publication);
+                return Err(e);
+            }
+        }
+        self.client.publish(p.publication, first_token)
+    }
+}
+
+/// The decode side. Its buffer is sized by the first manifest it adopts,
+/// registered once, and reused while large enough.
+pub struct Reader {
+    pub client: Client,
+    data: DataConn,
+    buffer: Option<(Buffer, u32)>,
+}
+
+/// What a reader restored.
+pub struct Restored {
+    pub manifest: Manifest,
+    pub bytes: Vec<u8>,
+    pub restore_digest: String,
+}
+
+impl Reader {
+    pub fn new(server: &str, data_socket: &Path) -> Result<Reader, ClientError> {
+        Ok(Reader { client: Client::new(server), data: DataConn::connect(data_socket)?, buffer: None })
+    }
+
+    /// A registered buffer of at least `len` bytes.
+    fn buffer_for(&mut self, len: u64) -> Result<(&Buffer, u32), ClientError> {
+        if self.buffer.as_ref().is_none_or(|(b, _)| (b.len() as u64) < len) {
+            let b =
+                Buffer::memfd("pdstor-reader", len.max(4096) as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let id = self.data.register(&b)?;
+            self.buffer = Some((b, id));
+        }
+        let (b, id) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("no reader buffer".into()))?;
+        Ok((b, *id))
+    }
+
+    /// adopt (every field from the claim) → load → verify each chunk's
+    /// crc32c here, from the bytes this process sees. Strict: any mismatch,
+    /// missing chunk or short manifest is an error, never a partial result.
+    pub fn get(&mut self, claim: &Receipt, layout: &Layout) -> Result<Restored, ClientError> {
+        let adopt = AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout.clone(),
+        };
+        let manifest = self.client.adopt(&adopt)?;
+        if manifest_digest(&manifest) != claim.manifest_digest {
+            return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
+        }
+        let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
+        let (_, buffer_id) = self.buffer_for(total)?;
+        let mut chunks = Vec::with_capacity(manifest.chunks.len());
+        let mut off = 0u64;
+        for c in &manifest.chunks {
+            chunks.push(DataChunk { index: c.index, buffer: buffer_id, offset: off, len: c.len });
+            off += c.len;
+        }
+        self.data.load(claim, chunks.clone())?;
+        let mut bytes = vec![0u8; off as usize];
+        let (buffer, _) = self.buffer_for(total)?;
+        buffer.read_at(0, &mut bytes).map_err(|e| ClientError::Data(e.to_string()))?;
+        let mut crcs = Vec::with_capacity(chunks.len());
+        for (c, m) in chunks.iter().zip(&manifest.chunks) {
+            let crc = crc32c::crc32c(&bytes[c.offset as usize..(c.offset + m.len) as usize]);
+            if crc != m.crc32c {
+                return Err(ClientError::Verify {
+                    chunk: m.index,
+                    what: format!("crc32c {crc:#010x}, manifest says {:#010x}", m.crc32c),
+                });
+            }
+            crcs.push(crc);
+        }
+        Ok(Restored { restore_digest: restore_digest(&crcs), manifest, bytes })
+    }
+}

@@ -1,0 +1,320 @@
+//! The protocol steps of DESIGN §4 as one service over a [`Store`]: each step
+//! verifies the receipt it is given (signature, namespace, publication, state,
+//! manifest digest, reader, session), then runs the store transition. The HTTP
+//! control plane and the data plane are thin shells around it.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use super::{Receipt, ReceiptKind, Refusal, Signer, manifest_digest, now_unix_ms};
+use crate::store::{AbortOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
+
+/// A refused or failed protocol step, as the API reports it.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Prepared {
+    pub publication: u64,
+    pub namespace: String,
+    pub epoch: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Published {
+    pub receipt: Receipt,
+    pub manifest: Manifest,
+}
+
+pub struct Service {
+    store: Arc<Store>,
+    signer: Signer,
+    closed_sessions: Mutex<HashSet<String>>,
+}
+
+/// The digest a reader acknowledges with: SHA-256 over the little-endian
+/// crc32c of each chunk it restored, in chunk order. Both sides compute it
+/// from their own view of the bytes.
+pub fn restore_digest(chunk_crcs: &[u32]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for c in chunk_crcs {
+        h.update(c.to_le_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+impl Service {
+    pub fn new(store: Arc<Store>) -> Service {
+        let signer = store.signer();
+        Service { store, signer, closed_sessions: Mutex::new(HashSet::new()) }
+    }
+
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    pub fn namespace(&self) -> &str {
+        self.signer.namespace()
+    }
+
+    fn live(&self, id: u64) -> Result<Publication, Refusal> {
+        self.store
+            .publication(id)
+            .ok_or_else(|| Refusal::new("unknown_publication", "publication", format!("publication {id} is not live")))
+    }
+
+    fn digest_of(p: &Publication) -> Result<String, Refusal> {
+        p.manifest.as_ref().map(manifest_digest).ok_or_else(|| {
+            Refusal::new("not_ready", "publication", format!("publication {} has no manifest ({:?})", p.id, p.phase))
+        })
+    }
+
+    /// Checks a receipt against the live publication it names.
+    fn check(&self, r: &Receipt, kind: ReceiptKind) -> Result<Publication, Refusal> {
+        self.signer.verify(r)?;
+        if r.kind != kind {
+            return Err(Refusal::new(
+                "wrong_receipt",
+                "kind",
+                format!("a {kind:?} receipt is needed, got {:?}", r.kind),
+            ));
+        }
+        let p = self.live(r.publication)?;
+        if p.req_id != r.req_id {
+            return Err(Refusal::new(
+                "req_mismatch",
+                "req_id",
+                format!("publication {} is request {}", p.id, p.req_id),
+            ));
+        }
+        if Self::digest_of(&p)? != r.manifest_digest {
+            return Err(Refusal::new(
+                "digest_mismatch",
+                "manifest_digest",
+                "the receipt's manifest digest is not this publication's",
+            ));
+        }
+        if kind == ReceiptKind::Claim {
+            let claim =
+                p.claim.as_ref().ok_or_else(|| Refusal::new("not_claimed", "publication", "no claim is recorded"))?;
+            if r.reader.as_deref() != Some(claim.reader.as_str()) {
+                return Err(Refusal::new("reader_mismatch", "reader", format!("claimed by {}", claim.reader)));
+            }
+            if r.session.as_deref() != Some(claim.session.as_str()) {
+                return Err(Refusal::new("session_mismatch", "session", "the claim belongs to another session"));
+            }
+            if r.epoch != claim.epoch {
+                return Err(Refusal::new(
+                    "epoch_mismatch",
+                    "epoch",
+                    format!("the claim was made in epoch {}", claim.epoch),
+                ));
+            }
+        }
+        Ok(p)
+    }
+
+    fn receipt(&self, kind: ReceiptKind, p: &Publication, epoch: u64) -> Result<Receipt, Refusal> {
+        let claim = p.claim.as_ref().filter(|_| kind == ReceiptKind::Claim);
+        Ok(self.signer.sign(Receipt {
+            kind,
+            namespace: String::new(),
+            epoch,
+            publication: p.id,
+            req_id: p.req_id.clone(),
+            manifest_digest: Self::digest_of(p)?,
+            reader: claim.map(|c| c.reader.clone()),
+            session: claim.map(|c| c.session.clone()),
+            lease_ms: claim.map(|c| c.lease_ms),
+            issued_unix_ms: now_unix_ms(),
+            key_id: 0,
+            signature: String::new(),
+        }))
+    }
+
+    pub fn prepare(
+        &self,
+        req_id: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        writer: &str,
+    ) -> Result<Prepared, ProtocolError> {
+        let publication = self.store.prepare(req_id, writer, layout, total_chunks)?;
+        Ok(Prepared { publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
+    }
+
+    pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ProtocolError> {
+        let manifest = self.store.publish(publication, first_token)?;
+        let p = self.live(publication)?;
+        Ok(Published { receipt: self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?, manifest })
+    }
+
+    pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ProtocolError> {
+        let p = self.check(ready, ReceiptKind::Ready)?;
+        if p.phase != Phase::Ready {
+            return Err(Refusal::new(
+                "already_claimed",
+                "publication",
+                format!("publication {} is {:?}", p.id, p.phase),
+            )
+            .into());
+        }
+        if reader.is_empty() || session.is_empty() {
+            return Err(Refusal::new("bad_request", "reader_id", "reader_id and session_id must not be empty").into());
+        }
+        let p = self.store.claim(p.id, reader, session, lease_ms)?;
+        let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
+        Ok(self.receipt(ReceiptKind::Claim, &p, epoch)?)
+    }
+
+    /// Every field must match exactly; the manifest comes back.
+    pub fn adopt(
+        &self,
+        claim: &Receipt,
+        namespace: &str,
+        epoch: u64,
+        digest: &str,
+        layout: &Layout,
+    ) -> Result<Manifest, ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        if namespace != self.namespace() {
+            return Err(Refusal::new(
+                "namespace_mismatch",
+                "namespace",
+                format!("this namespace is {}", self.namespace()),
+            )
+            .into());
+        }
+        if epoch != claim.epoch {
+            return Err(Refusal::new(
+                "epoch_mismatch",
+                "epoch",
+                format!("the claim was made in epoch {}", claim.epoch),
+            )
+            .into());
+        }
+        if digest != claim.manifest_digest {
+            return Err(Refusal::new("digest_mismatch", "manifest_digest", "not the claimed manifest").into());
+        }
+        if *layout != p.layout {
+            return Err(Refusal::new(
+                "layout_mismatch",
+                "layout",
+                format!("the publication's layout is {:?}", p.layout),
+            )
+            .into());
+        }
+        if p.phase != Phase::Claimed {
+            return Err(
+                Refusal::new("wrong_state", "publication", format!("publication {} is {:?}", p.id, p.phase)).into()
+            );
+        }
+        if let Some(c) = &p.claim
+            && now_unix_ms() > c.claimed_unix_ms + c.lease_ms
+        {
+            return Err(Refusal::new(
+                "lease_expired",
+                "lease_ms",
+                "the lease expired; the bytes stay retained until reclaimed",
+            )
+            .into());
+        }
+        let p = self.store.adopt(p.id)?;
+        p.manifest.ok_or_else(|| Refusal::new("not_ready", "publication", "no manifest").into())
+    }
+
+    /// Checks that `claim` may load now: adopted, lease running.
+    pub fn authorize_load(&self, claim: &Receipt) -> Result<Manifest, ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        if p.phase != Phase::Adopted {
+            return Err(Refusal::new(
+                "wrong_state",
+                "publication",
+                format!("load needs an ADOPTED publication; it is {:?}", p.phase),
+            )
+            .into());
+        }
+        if let Some(c) = &p.claim
+            && now_unix_ms() > c.claimed_unix_ms + c.lease_ms
+        {
+            return Err(Refusal::new("lease_expired", "lease_ms", "the lease expired").into());
+        }
+        p.manifest.ok_or_else(|| Refusal::new("not_ready", "publication", "no manifest").into())
+    }
+
+    pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        if p.phase != Phase::Adopted {
+            return Err(Refusal::new(
+                "wrong_state",
+                "publication",
+                format!("ack needs an ADOPTED publication; it is {:?}", p.phase),
+            )
+            .into());
+        }
+        let expected = restore_digest(
+            &p.manifest.as_ref().map(|m| m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>()).unwrap_or_default(),
+        );
+        if restore != expected {
+            return Err(Refusal::new(
+                "restore_mismatch",
+                "restore_digest",
+                "the restored bytes are not the published ones",
+            )
+            .into());
+        }
+        Ok(self.store.ack(p.id, restore)?)
+    }
+
+    pub fn release(&self, ready: &Receipt) -> Result<(), ProtocolError> {
+        let p = self.check(ready, ReceiptKind::Ready)?;
+        if p.phase != Phase::Ready {
+            return Err(Refusal::new(
+                "already_claimed",
+                "publication",
+                format!("publication {} is {:?}: only unread READY can be released", p.id, p.phase),
+            )
+            .into());
+        }
+        Ok(self.store.release(p.id)?)
+    }
+
+    pub fn abort(&self, publication: u64) -> Result<AbortOutcome, ProtocolError> {
+        Ok(self.store.abort(publication)?)
+    }
+
+    pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        Ok(self.store.fail(p.id, reason)?)
+    }
+
+    /// Frees a claimed/retained publication only once its reader is fenced:
+    /// its session closed, or its claim made in an earlier daemon epoch.
+    pub fn reclaim(&self, claim: &Receipt) -> Result<(), ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        let c = p.claim.as_ref().ok_or_else(|| Refusal::new("not_claimed", "publication", "no claim"))?;
+        let closed = self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&c.session);
+        if !closed && c.epoch >= self.store.epoch() {
+            return Err(Refusal::new(
+                "not_fenced",
+                "session",
+                "the reader is not fenced: close its session (POST /storage-pd/session/close) or restart the daemon first",
+            )
+            .into());
+        }
+        Ok(self.store.reclaim(p.id)?)
+    }
+
+    /// Fences a reader session: its claims become reclaimable.
+    pub fn close_session(&self, session: &str) {
+        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(session.into());
+    }
+}
