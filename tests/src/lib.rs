@@ -1,9 +1,11 @@
-//! Helpers for pdstor's end-to-end tests: finding the `pdstor` binary that
-//! `cargo test --workspace` built, and reading target bytes with a tool that is
-//! not pdstor.
+//! Helpers for pdstor's end-to-end tests: the `pdstor` binary that
+//! `cargo test --workspace` built, a daemon running in its own process on a
+//! scratch target, and a reader of target bytes that is not pdstor.
 
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// The `pdstor` binary of this build profile (built by `cargo test --workspace`;
 /// built here if a narrower invocation skipped it).
@@ -33,4 +35,117 @@ pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
         .expect("running dd");
     assert!(out.status.success(), "dd failed: {}", String::from_utf8_lossy(&out.stderr));
     out.stdout
+}
+
+/// A `pdstor serve` process on a target, killed on drop.
+pub struct Daemon {
+    pub target: PathBuf,
+    pub server: String,
+    pub data_socket: PathBuf,
+    pub addr: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+impl Daemon {
+    /// Formats a file target in `dir` (`slots` slots of `slot` bytes) and serves it.
+    pub fn format_and_start(dir: &Path, slots: u64, slot: u64) -> Daemon {
+        let target = dir.join("target.img");
+        let size = 2 * 4096 + 2 * (256 << 10) + slots * slot;
+        let out = Command::new(pdstor_bin())
+            .args([
+                "format",
+                "--journal",
+                "256k",
+                "--chunk-slot",
+                &slot.to_string(),
+                "--size",
+                &size.to_string(),
+                "--target",
+            ])
+            .arg(&target)
+            .output()
+            .expect("pdstor format");
+        assert!(out.status.success(), "format: {}", String::from_utf8_lossy(&out.stderr));
+        Daemon::start(&target, dir)
+    }
+
+    /// Formats an existing block device (or file) with 8 MiB slots and serves it.
+    pub fn format_device_and_start(device: &Path, dir: &Path) -> Daemon {
+        let out = Command::new(pdstor_bin())
+            .args(["format", "--journal", "1M", "--chunk-slot", "8M", "--force", "--target"])
+            .arg(device)
+            .output()
+            .expect("pdstor format");
+        assert!(out.status.success(), "format: {}", String::from_utf8_lossy(&out.stderr));
+        Daemon::start(device, dir)
+    }
+
+    /// Serves an already formatted target.
+    pub fn start(target: &Path, dir: &Path) -> Daemon {
+        let port = free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let data_socket = dir.join(format!("data-{port}.sock"));
+        let log = dir.join(format!("serve-{port}.log"));
+        let mut d =
+            Daemon { target: target.into(), server: format!("http://{addr}"), data_socket, addr, child: None, log };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::File::create(&self.log).expect("daemon log");
+        let child = Command::new(pdstor_bin())
+            .args(["serve", "--admission-timeout-ms", "2000", "--listen", &self.addr, "--target"])
+            .arg(&self.target)
+            .arg("--data-socket")
+            .arg(&self.data_socket)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("starting pdstor serve");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let up = ureq::get(&format!("{}/healthz", self.server)).call().is_ok() && self.data_socket.exists();
+            if up {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not come up: {}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `kill -9`, then start again on the same target, port and socket.
+    pub fn kill9_and_restart(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.spawn();
+    }
+
+    /// SIGTERM and wait: a graceful stop.
+    pub fn stop(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        let _ = Command::new("kill").arg("-TERM").arg(c.id().to_string()).status();
+        c.wait().expect("wait")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }

@@ -66,6 +66,8 @@ fn step(what: &str) {
     println!("\n==> {what}");
 }
 
+/// The main job: a writer process hands a KV set to a reader process through
+/// `pdstor serve` on a file-backed namespace, verified byte for byte.
 fn demo(sh: &Shell) -> Result<()> {
     step("dependencies");
     deps::install(sh)?;
@@ -73,12 +75,48 @@ fn demo(sh: &Shell) -> Result<()> {
     let pdstor = build_pdstor(sh)?;
     let dir = project_root().join("target/pdstor-demo");
     sh.create_dir(&dir)?;
-    let target = dir.join("kv-target.img");
-    step(&format!("KV round trip: 64 chunks x 8 MiB on {} (host_fixed)", target.display()));
-    cmd!(sh, "{pdstor} roundtrip --target {target} --path host_fixed --chunks 64 --chunk-size 8M --qd 16")
-        .run()
-        .context("the demo round trip failed")?;
-    Ok(())
+    let target = dir.join("kv-namespace.img");
+    let data_socket = dir.join("data.sock");
+    let _ = std::fs::remove_file(&target);
+    step(&format!("format a 1 GiB namespace on {}", target.display()));
+    cmd!(sh, "{pdstor} format --target {target} --size 1G --chunk-slot 8M --journal 16M").run()?;
+    step("start pdstor serve (control plane 127.0.0.1:7078, data plane on a Unix socket)");
+    let log = std::fs::File::create(dir.join("serve.log"))?;
+    let mut daemon = std::process::Command::new(&pdstor)
+        .arg("serve")
+        .arg("--target")
+        .arg(&target)
+        .args(["--listen", "127.0.0.1:7078", "--data-socket"])
+        .arg(&data_socket)
+        .stderr(log)
+        .spawn()
+        .context("starting pdstor serve")?;
+    let result = (|| -> Result<()> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !data_socket.exists() {
+            if std::time::Instant::now() > deadline {
+                bail!("pdstor serve did not come up; see {}", dir.join("serve.log").display());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        step(
+            "handoff: writer process stores 64 chunks x 8 MiB and publishes; reader process claims, adopts, loads, verifies, acks",
+        );
+        cmd!(
+            sh,
+            "{pdstor} handoff --server http://127.0.0.1:7078 --data-socket {data_socket} --bytes 512M --chunk-size 8M"
+        )
+        .run()?;
+        step("daemon state after the handoff");
+        cmd!(sh, "{pdstor} publications --server http://127.0.0.1:7078 --data-socket {data_socket}").run()?;
+        Ok(())
+    })();
+    step("stop the daemon (SIGTERM)");
+    let pid = daemon.id().to_string();
+    let _ = cmd!(sh, "kill -TERM {pid}").quiet().run();
+    let status = daemon.wait()?;
+    println!("pdstor serve exited: {status}");
+    result
 }
 
 fn ci(sh: &Shell) -> Result<()> {

@@ -1,0 +1,307 @@
+//! The ownership protocol end to end: a real `pdstor serve` process, writers
+//! and readers talking to it over HTTP and the data plane. Every refusal is
+//! checked by its code and by the state it leaves unchanged.
+
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdstor::api::wire::AdoptRequest;
+use pdstor::client::{Client, ClientError, Reader, Writer};
+use pdstor::store::Layout;
+use pdstor::{payload, protocol::service::Published};
+use pdstor_tests::{Daemon, pdstor_bin};
+
+const SLOT: u64 = 1 << 20;
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "e2e".into(),
+        dtype: "bf16".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        chunk_tokens: 256,
+        kv_format: "pdstor-e2e".into(),
+    }
+}
+
+fn kv(seed: u64, chunks: u64) -> Vec<u8> {
+    (0..chunks).flat_map(|i| payload::chunk(seed, i, SLOT as usize)).collect()
+}
+
+fn put(d: &Daemon, req: &str, seed: u64, chunks: u32) -> Published {
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, chunks).unwrap();
+    w.put(req, &layout(), &kv(seed, chunks as u64), 2, Some(9)).unwrap()
+}
+
+fn code(r: Result<impl std::fmt::Debug, ClientError>) -> (u16, String, String) {
+    match r {
+        Err(ClientError::Api(e)) => (e.status, e.code, e.field),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn state(c: &Client, publication: u64) -> Option<String> {
+    c.publications(None).unwrap().into_iter().find(|p| p.publication == publication).map(|p| p.state)
+}
+
+#[test]
+fn writer_and_reader_processes_hand_off_through_a_file_target() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 40, 8 << 20);
+    let out = Command::new(pdstor_bin())
+        .args(["handoff", "--bytes", "96M", "--chunk-size", "8M", "--server", &d.server, "--data-socket"])
+        .arg(&d.data_socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("restored byte for byte"));
+    let c = Client::new(&d.server);
+    assert!(c.publications(None).unwrap().is_empty(), "acked: nothing left");
+    let m = c.metrics().unwrap();
+    assert!(m.contains("pdstor_slots{kind=\"free\"} 40"), "{m}");
+    assert!(m.contains("pdstor_payload_bytes_total{path=\"host_fixed\"} 201326592"), "{m}");
+}
+
+#[test]
+fn writer_and_reader_processes_hand_off_through_a_loop_device() {
+    let root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if !root {
+        eprintln!("SKIP: loop devices need root");
+        if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
+            let _ = std::fs::write(
+                log,
+                "SKIP: writer_and_reader_processes_hand_off_through_a_loop_device: loop devices need root\n",
+            );
+        }
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let image = dir.path().join("disk.img");
+    std::fs::File::create(&image).unwrap().set_len(256 << 20).unwrap();
+    let out = Command::new("losetup").args(["--find", "--show", "--direct-io=on"]).arg(&image).output().unwrap();
+    assert!(out.status.success(), "losetup: {}", String::from_utf8_lossy(&out.stderr));
+    let dev = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    struct Detach(std::path::PathBuf);
+    impl Drop for Detach {
+        fn drop(&mut self) {
+            let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+        }
+    }
+    let _detach = Detach(dev.clone());
+    let d = Daemon::format_device_and_start(&dev, dir.path());
+    let out = Command::new(pdstor_bin())
+        .args(["handoff", "--bytes", "64M", "--chunk-size", "8M", "--server", &d.server, "--data-socket"])
+        .arg(&d.data_socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    drop(d);
+}
+
+#[test]
+fn the_refusal_matrix_leaves_state_unchanged() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 16, SLOT);
+    let c = Client::new(&d.server);
+    let p = put(&d, "m1", 1, 2);
+    let ready = p.receipt.clone();
+    let id = ready.publication;
+
+    // Forged and truncated receipts, and one from another namespace.
+    let mut forged = ready.clone();
+    forged.req_id = "someone-else".into();
+    assert_eq!(code(c.claim(&forged, "r", "s", 60_000)).1, "bad_signature");
+    let mut truncated = ready.clone();
+    truncated.signature.truncate(16);
+    assert_eq!(code(c.claim(&truncated, "r", "s", 60_000)).0, 403);
+    let other_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let other = Daemon::format_and_start(other_dir.path(), 4, SLOT);
+    assert_eq!(code(Client::new(&other.server).claim(&ready, "r", "s", 60_000)).1, "namespace_mismatch");
+    assert_eq!(state(&c, id).as_deref(), Some("READY"));
+
+    // Claim once; a second claim is refused.
+    let claim = c.claim(&ready, "decode-0", "sess-1", 60_000).unwrap();
+    assert_eq!(code(c.claim(&ready, "decode-1", "sess-2", 60_000)).1, "already_claimed");
+    // Release after claim, ack before adopt.
+    assert_eq!(code(c.release(&ready)).1, "already_claimed");
+    assert_eq!(code(c.ack(&claim, "00")).1, "wrong_state");
+
+    // Adopt with each field wrong.
+    let good = AdoptRequest {
+        receipt: claim.clone(),
+        namespace: claim.namespace.clone(),
+        epoch: claim.epoch,
+        manifest_digest: claim.manifest_digest.clone(),
+        layout: layout(),
+    };
+    let wrong = |f: &dyn Fn(&mut AdoptRequest)| {
+        let mut r = good.clone();
+        f(&mut r);
+        code(c.adopt(&r))
+    };
+    assert_eq!(wrong(&|r| r.namespace = "00000000-0000-0000-0000-000000000000".into()).2, "namespace");
+    assert_eq!(wrong(&|r| r.epoch += 1).2, "epoch");
+    assert_eq!(wrong(&|r| r.manifest_digest = "ab".repeat(32)).2, "manifest_digest");
+    assert_eq!(wrong(&|r| r.layout.head_dim = 128).2, "layout");
+    assert_eq!(wrong(&|r| r.receipt.reader = Some("decode-9".into())).1, "bad_signature", "reader is signed");
+    assert_eq!(wrong(&|r| r.receipt.session = Some("sess-9".into())).1, "bad_signature", "session is signed");
+    assert_eq!(state(&c, id).as_deref(), Some("CLAIMED"), "refusals changed nothing");
+
+    // The real reader adopts, loads, acks; a second ack is refused.
+    let mut reader = Reader::new(&d.server, &d.data_socket).unwrap();
+    let restored = reader.get(&claim, &layout()).unwrap();
+    assert_eq!(restored.bytes, kv(1, 2));
+    assert_eq!(code(c.ack(&claim, "ff")).1, "restore_mismatch");
+    c.ack(&claim, &restored.restore_digest).unwrap();
+    assert_eq!(code(c.ack(&claim, &restored.restore_digest)).0, 404, "a second ack is never a double free");
+    assert_eq!(code(c.release(&ready)).1, "unknown_publication");
+
+    // Publish before the last batch; store after publish.
+    let prep = c.prepare("m2", &layout(), 2, "w").unwrap();
+    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("t", 2 * SLOT as usize).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk = |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT };
+    data.store(prep.publication, vec![chunk(0)], false, 2).unwrap();
+    assert_eq!(code(c.publish(prep.publication, None)).1, "not_publishable");
+    data.store(prep.publication, vec![chunk(1)], true, 2).unwrap();
+    c.publish(prep.publication, None).unwrap();
+    assert_eq!(code(data.store(prep.publication, vec![chunk(0)], false, 2)).1, "wrong_state");
+    assert_eq!(state(&c, prep.publication).as_deref(), Some("READY"));
+    let m = c.metrics().unwrap();
+    assert!(m.contains("pdstor_errors_total{code=\"bad_signature\"}"), "{m}");
+}
+
+#[test]
+fn a_failed_read_retains_the_bytes_until_a_fenced_reclaim() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let c = Client::new(&d.server);
+    let p = put(&d, "f1", 2, 4);
+    let claim = c.claim(&p.receipt, "decode-0", "s-1", 100).unwrap();
+    c.fail(&claim, "GPU reset mid-load").unwrap();
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("RETAINED"));
+    std::thread::sleep(Duration::from_millis(300)); // the lease is long gone
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let e = w.put("f2", &layout(), &kv(3, 1), 1, None).unwrap_err();
+    assert!(matches!(&e, ClientError::Api(b) if b.code == "admission_timeout"), "retained slots are not reused: {e}");
+    assert_eq!(code(c.reclaim(&claim)).1, "not_fenced");
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("RETAINED"));
+    c.close_session("s-1").unwrap();
+    c.reclaim(&claim).unwrap();
+    assert_eq!(state(&c, claim.publication), None);
+    let mut w4 = Writer::new(&d.server, &d.data_socket, SLOT, 4).unwrap();
+    w4.put("f3", &layout(), &kv(3, 4), 2, None).expect("exactly those slots are free again");
+}
+
+#[test]
+fn publications_and_receipts_survive_kill_9() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut d = Daemon::format_and_start(dir.path(), 16, SLOT);
+    let c = Client::new(&d.server);
+    let ready = put(&d, "ready", 10, 2).receipt;
+    let claimed_ready = put(&d, "claimed", 11, 2).receipt;
+    let claimed = c.claim(&claimed_ready, "decode-0", "s-claimed", 600_000).unwrap();
+    let adopted_ready = put(&d, "adopted", 12, 2).receipt;
+    let adopted = c.claim(&adopted_ready, "decode-1", "s-adopted", 600_000).unwrap();
+    let mut r1 = Reader::new(&d.server, &d.data_socket).unwrap();
+    let before = r1.get(&adopted, &layout()).unwrap();
+    let retained_ready = put(&d, "retained", 13, 2).receipt;
+    let retained = c.claim(&retained_ready, "decode-2", "s-ret", 600_000).unwrap();
+    c.fail(&retained, "uncertain").unwrap();
+    let prepared = c.prepare("prepared", &layout(), 2, "w").unwrap();
+    let epoch = ready.epoch;
+
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    assert_eq!(state(&c, ready.publication).as_deref(), Some("READY"));
+    assert_eq!(state(&c, claimed.publication).as_deref(), Some("CLAIMED"));
+    assert_eq!(state(&c, adopted.publication).as_deref(), Some("ADOPTED"));
+    assert_eq!(state(&c, retained.publication).as_deref(), Some("RETAINED"));
+    assert_eq!(state(&c, prepared.publication), None, "PREPARED rolled back");
+    assert!(c.metrics().unwrap().contains(&format!("pdstor_epoch {}", epoch + 1)));
+
+    // Receipts from before the restart still verify.
+    c.release(&ready).unwrap();
+    let mut r0 = Reader::new(&d.server, &d.data_socket).unwrap();
+    let restored = r0.get(&claimed, &layout()).unwrap();
+    assert_eq!(restored.bytes, kv(11, 2));
+    c.ack(&claimed, &restored.restore_digest).unwrap();
+    c.ack(&adopted, &before.restore_digest).unwrap();
+    // The retained claim was made in an earlier epoch: it is fenced now.
+    c.reclaim(&retained).unwrap();
+    assert!(c.publications(None).unwrap().is_empty());
+}
+
+#[test]
+fn pressure_and_disconnects_leave_no_slot_behind() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Arc::new(Daemon::format_and_start(dir.path(), 6, SLOT));
+    let handles: Vec<_> = (0..6u64)
+        .map(|t| {
+            let d = d.clone();
+            std::thread::spawn(move || {
+                let c = Client::new(&d.server);
+                let mut done = 0;
+                for i in 0..6u64 {
+                    let chunks = 1 + ((t + i) % 3) as u32;
+                    if (t + i) % 4 == 0 {
+                        // Disconnect mid-request: prepared and stored, never published.
+                        let p = c.prepare(&format!("drop-{t}-{i}"), &layout(), chunks, "w");
+                        if let Ok(p) = p {
+                            let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+                            let buf = pdstor::Buffer::memfd("t", SLOT as usize).unwrap();
+                            let b = data.register(&buf).unwrap();
+                            let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: SLOT };
+                            let _ = data.store(p.publication, vec![chunk], false, chunks);
+                            drop(data);
+                        }
+                        continue;
+                    }
+                    let mut w = match Writer::new(&d.server, &d.data_socket, SLOT, chunks) {
+                        Ok(w) => w,
+                        Err(e) => panic!("writer {t}: {e}"),
+                    };
+                    match w.put(&format!("p-{t}-{i}"), &layout(), &kv(t, chunks as u64), 1, None) {
+                        Ok(p) => {
+                            c.release(&p.receipt).unwrap();
+                            done += 1;
+                        }
+                        Err(ClientError::Api(e)) if e.code == "admission_timeout" => {}
+                        Err(e) => panic!("writer {t}: {e}"),
+                    }
+                }
+                done
+            })
+        })
+        .collect();
+    let done: u32 = handles.into_iter().map(|h| h.join().expect("no writer deadlocked")).sum();
+    assert!(done > 0);
+    let c = Client::new(&d.server);
+    // Disconnect aborts run when the daemon sees the socket close.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !c.publications(None).unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "leaked: {:?}", c.publications(None).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let m = c.metrics().unwrap();
+    assert!(m.contains("pdstor_slots{kind=\"free\"} 6"), "{m}");
+    assert!(m.contains("pdstor_slots{kind=\"reserved\"} 0"), "{m}");
+}
+
+#[test]
+fn sigterm_stops_the_daemon_cleanly() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let _ = put(&d, "x", 1, 1);
+    let status = d.stop();
+    assert!(status.success(), "exit {status:?}: {}", std::fs::read_to_string(&d.log).unwrap_or_default());
+    assert!(!d.data_socket.exists(), "the data socket is removed");
+    // The namespace reopens cleanly: the daemon committed on the way out.
+    let out = Command::new(pdstor_bin()).arg("inspect").arg("--target").arg(&d.target).output().unwrap();
+    let i: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(i["recovery"]["journal_stop"], serde_json::Value::Null);
+    assert_eq!(i["publications"].as_array().map(Vec::len), Some(1), "the READY publication is kept");
+}
