@@ -209,14 +209,29 @@ impl Writer {
                 self.buffer.len()
             )));
         }
-        let mut padded = payload.to_vec();
-        padded.resize(payload.len().div_ceil(4096) * 4096, 0);
-        self.buffer.write_at(0, &padded).map_err(|e| ClientError::Data(e.to_string()))?;
+        if !payload.len().is_multiple_of(4096) {
+            return Err(ClientError::Data(format!("{} bytes is not a multiple of 4096 (direct I/O)", payload.len())));
+        }
+        self.buffer.write_at(0, payload).map_err(|e| ClientError::Data(e.to_string()))?;
+        self.put_in_place(req_id, layout, payload.len() as u64, batch, first_token)
+    }
+
+    /// Like [`Writer::put`] for `len` bytes already in the writer's buffer
+    /// (where the engine wrote its KV cache).
+    pub fn put_in_place(
+        &mut self,
+        req_id: &str,
+        layout: &Layout,
+        len: u64,
+        batch: u32,
+        first_token: Option<u32>,
+    ) -> Result<Published, ClientError> {
+        let total = len.div_ceil(self.chunk_size) as u32;
         let p = self.client.prepare(req_id, layout, total, "writer")?;
         let chunks: Vec<DataChunk> = (0..total)
             .map(|i| {
                 let off = i as u64 * self.chunk_size;
-                let len = (padded.len() as u64 - off).min(self.chunk_size);
+                let len = (len - off).min(self.chunk_size);
                 DataChunk { index: i, buffer: self.buffer_id, offset: off, len }
             })
             .collect();
@@ -239,10 +254,11 @@ pub struct Reader {
     buffer: Option<(Buffer, u32)>,
 }
 
-/// What a reader restored.
+/// What a reader restored: the bytes are in the reader's buffer
+/// ([`Reader::restored_bytes`]), verified.
 pub struct Restored {
     pub manifest: Manifest,
-    pub bytes: Vec<u8>,
+    pub len: u64,
     pub restore_digest: String,
 }
 
@@ -287,12 +303,19 @@ impl Reader {
             off += c.len;
         }
         self.data.load(claim, chunks.clone())?;
-        let mut bytes = vec![0u8; off as usize];
+        // Verify from this process's own view of the bytes, a piece at a time.
         let (buffer, _) = self.buffer_for(total)?;
-        buffer.read_at(0, &mut bytes).map_err(|e| ClientError::Data(e.to_string()))?;
+        let mut scratch = vec![0u8; (1 << 20).min(total.max(1)) as usize];
         let mut crcs = Vec::with_capacity(chunks.len());
         for (c, m) in chunks.iter().zip(&manifest.chunks) {
-            let crc = crc32c::crc32c(&bytes[c.offset as usize..(c.offset + m.len) as usize]);
+            let mut crc = 0u32;
+            let mut at = 0u64;
+            while at < m.len {
+                let n = (m.len - at).min(scratch.len() as u64) as usize;
+                buffer.read_at(c.offset + at, &mut scratch[..n]).map_err(|e| ClientError::Data(e.to_string()))?;
+                crc = crc32c::crc32c_append(crc, &scratch[..n]);
+                at += n as u64;
+            }
             if crc != m.crc32c {
                 return Err(ClientError::Verify {
                     chunk: m.index,
@@ -301,6 +324,14 @@ impl Reader {
             }
             crcs.push(crc);
         }
-        Ok(Restored { restore_digest: restore_digest(&crcs), manifest, bytes })
+        Ok(Restored { restore_digest: restore_digest(&crcs), manifest, len: total })
+    }
+
+    /// A copy of the first `len` restored bytes.
+    pub fn restored_bytes(&self, len: u64) -> Result<Vec<u8>, ClientError> {
+        let (b, _) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("nothing restored yet".into()))?;
+        let mut out = vec![0u8; len as usize];
+        b.read_at(0, &mut out).map_err(|e| ClientError::Data(e.to_string()))?;
+        Ok(out)
     }
 }

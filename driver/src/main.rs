@@ -160,6 +160,21 @@ enum Command {
         #[arg(long)]
         state: Option<String>,
     },
+    /// The handoff against a running daemon, buffers registered once: wall time and per-step latency.
+    BenchHandoff {
+        #[command(flatten)]
+        daemon: Daemon,
+        #[arg(long, default_value = "512M", value_parser = parse_size)]
+        bytes: u64,
+        #[arg(long, default_value = "8M", value_parser = parse_size)]
+        chunk: u64,
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+        #[arg(long, default_value_t = 300)]
+        latency_samples: u32,
+        #[arg(long)]
+        json: bool,
+    },
     /// A writer process and a reader process hand N bytes through the daemon, verified.
     Handoff {
         #[command(flatten)]
@@ -323,14 +338,15 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
             let layout: Layout = read_json(&layout, "layout")?;
             let mut r = Reader::new(&daemon.server, &daemon.data_socket)?;
             let restored = r.get(&claim, &layout)?;
-            std::fs::write(&out, &restored.bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+            let bytes = r.restored_bytes(restored.len)?;
+            std::fs::write(&out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
             if ack {
                 r.client.ack(&claim, &restored.restore_digest)?;
             }
             let summary = serde_json::json!({
                 "publication": restored.manifest.publication,
                 "chunks": restored.manifest.chunks.len(),
-                "bytes": restored.bytes.len(),
+                "bytes": restored.len,
                 "first_token": restored.manifest.first_token,
                 "restore_digest": restored.restore_digest,
                 "acked": ack,
@@ -356,6 +372,28 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
         Command::Status { daemon } => print!("{}", Client::new(&daemon.server).metrics()?),
         Command::Publications { daemon, state } => {
             println!("{}", serde_json::to_string_pretty(&Client::new(&daemon.server).publications(state.as_deref())?)?);
+        }
+        Command::BenchHandoff { daemon, bytes, chunk, rounds, latency_samples, json } => {
+            let cfg = pdstor::bench::handoff::HandoffBenchConfig {
+                server: daemon.server,
+                data_socket: daemon.data_socket,
+                bytes,
+                chunk,
+                rounds,
+                latency_samples,
+            };
+            let r = pdstor::bench::handoff::run(&cfg)?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                println!(
+                    "handoff of {} bytes: median {:.3} s ({:.0} MiB/s) over {} rounds",
+                    r.bytes, r.median_seconds, r.mib_per_s, r.rounds
+                );
+                for (k, v) in &r.steps {
+                    println!("  {k:<22} p50 {:>8.0} us  p99 {:>8.0} us", v.p50_us, v.p99_us);
+                }
+            }
         }
         Command::Handoff { daemon, bytes, chunk_size } => {
             handoff::run(&daemon.server, &daemon.data_socket, bytes, chunk_size)?
@@ -396,7 +434,8 @@ fn run(command: Command) -> anyhow::Result<()> {
         | Command::CloseSession { .. }
         | Command::Status { .. }
         | Command::Publications { .. }
-        | Command::Handoff { .. }) => client_verbs(c)?,
+        | Command::Handoff { .. }
+        | Command::BenchHandoff { .. }) => client_verbs(c)?,
         Command::Info { target } => {
             let t = Target::open(&target, &TargetOptions::default())?;
             let engine = Engine::new(t, EngineOptions { queue_depth: 1, buffer_slots: 1, ..Default::default() })?;

@@ -152,7 +152,7 @@ fn the_refusal_matrix_leaves_state_unchanged() {
     // The real reader adopts, loads, acks; a second ack is refused.
     let mut reader = Reader::new(&d.server, &d.data_socket).unwrap();
     let restored = reader.get(&claim, &layout()).unwrap();
-    assert_eq!(restored.bytes, kv(1, 2));
+    assert_eq!(reader.restored_bytes(restored.len).unwrap(), kv(1, 2));
     assert_eq!(code(c.ack(&claim, "ff")).1, "restore_mismatch");
     c.ack(&claim, &restored.restore_digest).unwrap();
     assert_eq!(code(c.ack(&claim, &restored.restore_digest)).0, 404, "a second ack is never a double free");
@@ -227,7 +227,7 @@ fn publications_and_receipts_survive_kill_9() {
     c.release(&ready).unwrap();
     let mut r0 = Reader::new(&d.server, &d.data_socket).unwrap();
     let restored = r0.get(&claimed, &layout()).unwrap();
-    assert_eq!(restored.bytes, kv(11, 2));
+    assert_eq!(r0.restored_bytes(restored.len).unwrap(), kv(11, 2));
     c.ack(&claimed, &restored.restore_digest).unwrap();
     c.ack(&adopted, &before.restore_digest).unwrap();
     // The retained claim was made in an earlier epoch: it is fenced now.

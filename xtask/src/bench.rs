@@ -123,6 +123,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
         store_reports.push(v);
     }
     std::fs::write(out_dir.join("store-report.json"), serde_json::to_string_pretty(&store_reports)?)?;
+    handoff_vs_fio(sh, &pdstor, &out_dir)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
@@ -249,4 +250,79 @@ impl Drop for Zram {
         }
         eprintln!("bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`", self.id);
     }
+}
+
+/// The full handoff (512 MiB in 8 MiB chunks) through `pdstor serve` on a file
+/// target, against fio writing then reading the same bytes on the same
+/// filesystem: ratio = handoff wall time / (fio write + fio read).
+fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path) -> Result<()> {
+    println!(
+        "\nhandoff: 512 MiB, 8 MiB chunks, through pdstor serve on a file target, vs fio write + read of the same bytes"
+    );
+    let target = out_dir.join("handoff.img");
+    let sock = out_dir.join("handoff.sock");
+    let _ = std::fs::remove_file(&target);
+    cmd!(sh, "{pdstor} format --target {target} --size 1200M --chunk-slot 8M").quiet().ignore_stdout().run()?;
+    let mut daemon = std::process::Command::new(pdstor)
+        .arg("serve")
+        .arg("--target")
+        .arg(&target)
+        .args(["--listen", "127.0.0.1:7079", "--data-socket"])
+        .arg(&sock)
+        .stderr(std::fs::File::create(out_dir.join("handoff-serve.log"))?)
+        .spawn()
+        .context("starting pdstor serve")?;
+    let measured = (|| -> Result<Value> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while !sock.exists() {
+            if std::time::Instant::now() > deadline {
+                bail!("pdstor serve did not start; see handoff-serve.log");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let json = cmd!(sh, "{pdstor} bench-handoff --json --server http://127.0.0.1:7079 --data-socket {sock} --bytes 512M --chunk 8M --rounds 5")
+            .read()?;
+        Ok(serde_json::from_str(&json)?)
+    })();
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    let _ = std::fs::remove_file(&target);
+    let h = measured?;
+    let fio_file = out_dir.join("handoff-fio.img");
+    let mut fio_total = Vec::new();
+    for _ in 0..3 {
+        let mut secs = 0.0;
+        for rw in ["write", "read"] {
+            let filename = format!("--filename={}", fio_file.display());
+            let json = cmd!(sh, "fio --name=peer {filename} --ioengine=io_uring --direct=1 --fixedbufs --registerfiles --rw={rw} --bs=8M --iodepth=16 --size=512M --scramble_buffers=0 --output-format=json").read()?;
+            let v: Value = serde_json::from_str(&json)?;
+            secs += v["jobs"][0][rw]["runtime"].as_f64().unwrap_or(f64::NAN) / 1000.0;
+        }
+        fio_total.push(secs);
+    }
+    let _ = std::fs::remove_file(&fio_file);
+    let fio = median(fio_total);
+    let wall = h["median_seconds"].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "  handoff median {wall:.3} s ({:.0} MiB/s); fio write + read {fio:.3} s; ratio {:.2} (goal <= 1.10)",
+        512.0 / wall,
+        wall / fio
+    );
+    if let Some(steps) = h["steps"].as_object() {
+        println!("  control-plane latency on loopback (goal p99 <= 2 ms):");
+        for (k, v) in steps {
+            println!(
+                "    {k:<20} p50 {:>6.0} us  p99 {:>6.0} us",
+                v["p50_us"].as_f64().unwrap_or(0.0),
+                v["p99_us"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
+    std::fs::write(
+        out_dir.join("handoff-report.json"),
+        serde_json::to_string_pretty(
+            &serde_json::json!({"handoff": h, "fio_write_plus_read_s": fio, "ratio": wall / fio}),
+        )?,
+    )?;
+    Ok(())
 }

@@ -1036,13 +1036,12 @@ impl Store {
                 len: c.len,
             });
         }
-        let exact: Vec<IoRequest> = requests.clone();
+        // The I/O thread computes each read chunk's crc32c from the bytes it landed.
         let results = self.payload(requests)?;
         let mut crcs = Vec::with_capacity(dests.len());
-        for ((d, r), req) in dests.iter().zip(results).zip(exact) {
+        for (d, r) in dests.iter().zip(results) {
             let c = manifest.chunks[d.index as usize];
-            r.map_err(|e| StoreError::Load { publication: id, chunk: d.index, what: e.to_string() })?;
-            let crc = self.crc_of(req.buffer, req.buffer_offset, c.len)?;
+            let crc = r.map_err(|e| StoreError::Load { publication: id, chunk: d.index, what: e.to_string() })?;
             if crc != c.crc32c {
                 return Err(StoreError::Load {
                     publication: id,
@@ -1053,22 +1052,6 @@ impl Store {
             crcs.push(crc);
         }
         Ok(crcs)
-    }
-
-    fn crc_of(&self, buffer: BufferId, offset: u64, len: u64) -> Result<u32, StoreError> {
-        // Ask the I/O thread: it owns the buffer mapping.
-        let req = IoRequest {
-            transfer: TransferId(0),
-            op: Op::Read,
-            path: PayloadPath::HostFixed,
-            buffer,
-            buffer_offset: offset,
-            target_offset: 0,
-            len,
-        };
-        let (tx, rx) = channel();
-        self.send(Job::Crc(req, tx))?;
-        rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?.map_err(StoreError::from)
     }
 
     pub fn publications(&self) -> Vec<Publication> {

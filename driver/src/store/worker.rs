@@ -68,8 +68,6 @@ pub(crate) enum Job {
         reply: Sender<Result<(), String>>,
     },
     WriteSuperblock(Superblock, Sender<Result<(), String>>),
-    /// crc32c of a buffer range (`buffer`, `buffer_offset`, `len` of the request).
-    Crc(IoRequest, Sender<Result<u32, IoError>>),
     Stop,
 }
 
@@ -251,9 +249,6 @@ impl Worker {
             }
             Job::WriteSuperblock(sb, reply) => {
                 let _ = reply.send(self.write_superblock(&sb));
-            }
-            Job::Crc(req, reply) => {
-                let _ = reply.send(self.crc(&req));
             }
             Job::Commit(_) | Job::Stop => {}
         }

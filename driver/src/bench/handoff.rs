@@ -1,0 +1,162 @@
+//! `pdstor bench-handoff`: the whole handoff against a running daemon, with
+//! writer and reader buffers registered once and reused: prepare → store →
+//! publish → claim → adopt → load (+ client-side crc32c of every chunk) → ack.
+//! Reports the median wall time of a full handoff and the latency of each
+//! control-plane step (measured on many small handoffs).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use hdrhistogram::Histogram;
+
+use crate::client::{ClientError, Reader, Writer};
+use crate::store::Layout;
+
+#[derive(Debug, Clone)]
+pub struct HandoffBenchConfig {
+    pub server: String,
+    pub data_socket: PathBuf,
+    pub bytes: u64,
+    pub chunk: u64,
+    pub rounds: u32,
+    pub latency_samples: u32,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StepLatency {
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct HandoffBenchReport {
+    pub bytes: u64,
+    pub chunk: u64,
+    pub rounds: u32,
+    pub seconds: Vec<f64>,
+    pub median_seconds: f64,
+    pub mib_per_s: f64,
+    pub steps: BTreeMap<String, StepLatency>,
+    /// Where each full round spent its time, in µs.
+    pub round_steps_us: Vec<BTreeMap<String, u64>>,
+}
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "bench".into(),
+        dtype: "bf16".into(),
+        layers: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        chunk_tokens: 256,
+        kv_format: "bench".into(),
+    }
+}
+
+/// One handoff; returns each step's duration in µs.
+fn handoff(w: &mut Writer, r: &mut Reader, req: &str, bytes: u64) -> Result<Vec<(&'static str, u64)>, ClientError> {
+    let mut steps = Vec::with_capacity(6);
+    let t = Instant::now();
+    let published = w.put_in_place(req, &layout(), bytes, 4, Some(1))?;
+    steps.push(("prepare+store+publish", t.elapsed().as_micros() as u64));
+    let t = Instant::now();
+    let claim = r.client.claim(&published.receipt, "bench-reader", req, 60_000)?;
+    steps.push(("claim", t.elapsed().as_micros() as u64));
+    let t = Instant::now();
+    let restored = r.get(&claim, &layout())?;
+    steps.push(("adopt+load+verify", t.elapsed().as_micros() as u64));
+    let t = Instant::now();
+    r.client.ack(&claim, &restored.restore_digest)?;
+    steps.push(("ack", t.elapsed().as_micros() as u64));
+    Ok(steps)
+}
+
+pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> {
+    let chunks = cfg.bytes.div_ceil(cfg.chunk) as u32;
+    let mut w = Writer::new(&cfg.server, &cfg.data_socket, cfg.chunk, chunks)?;
+    let payload: Vec<u8> = (0..chunks as u64)
+        .flat_map(|i| crate::payload::chunk(7, i, cfg.chunk as usize))
+        .take(cfg.bytes as usize)
+        .collect();
+    w.buffer().write_at(0, &payload).map_err(|e| ClientError::Data(e.to_string()))?;
+    let mut r = Reader::new(&cfg.server, &cfg.data_socket)?;
+    let run_id = crate::protocol::now_unix_ms();
+    // Warm-up: first-touch of the reader's buffer pages is not the protocol's cost.
+    handoff(&mut w, &mut r, &format!("bench-{run_id}-warm"), cfg.bytes)?;
+    let mut round_steps_us: Vec<BTreeMap<String, u64>> = Vec::new();
+    let mut seconds = Vec::new();
+    for i in 0..cfg.rounds {
+        let t = Instant::now();
+        let steps = handoff(&mut w, &mut r, &format!("bench-{run_id}-{i}"), cfg.bytes)?;
+        seconds.push(t.elapsed().as_secs_f64());
+        round_steps_us.push(steps.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
+    }
+    // Control-plane latency: small handoffs, each step timed on its own.
+    let steps = ["prepare", "store (data plane)", "publish", "claim", "adopt", "load (data plane)", "ack"];
+    let mut hist: BTreeMap<&'static str, Histogram<u64>> = BTreeMap::new();
+    for k in steps {
+        hist.insert(k, Histogram::new(3).map_err(|e| ClientError::Data(e.to_string()))?);
+    }
+    let client = crate::client::Client::new(&cfg.server);
+    let mut data = crate::client::DataConn::connect(&cfg.data_socket)?;
+    let small = crate::buffer::Buffer::memfd("bench-small", 4096).map_err(|e| ClientError::Data(e.to_string()))?;
+    let b = data.register(&small)?;
+    let chunk = crate::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: 4096 };
+    for i in 0..cfg.latency_samples {
+        let req = format!("lat-{run_id}-{i}");
+        let mut times = Vec::with_capacity(steps.len());
+        let mut t = Instant::now();
+        let mut lap = |times: &mut Vec<u64>| {
+            times.push(t.elapsed().as_micros() as u64);
+            t = Instant::now();
+        };
+        let p = client.prepare(&req, &layout(), 1, "w")?;
+        lap(&mut times);
+        data.store(p.publication, vec![chunk], true, 1)?;
+        lap(&mut times);
+        let published = client.publish(p.publication, None)?;
+        lap(&mut times);
+        let claim = client.claim(&published.receipt, "lat", &req, 60_000)?;
+        lap(&mut times);
+        let adopt = crate::api::wire::AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout(),
+        };
+        client.adopt(&adopt)?;
+        lap(&mut times);
+        let loaded = data.load(&claim, vec![chunk])?;
+        lap(&mut times);
+        client.ack(&claim, &crate::protocol::service::restore_digest(&loaded.crc32c))?;
+        lap(&mut times);
+        for (k, us) in steps.iter().zip(times) {
+            if let Some(h) = hist.get_mut(k) {
+                let _ = h.record(us);
+            }
+        }
+    }
+    let mut sorted = seconds.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    Ok(HandoffBenchReport {
+        bytes: cfg.bytes,
+        chunk: cfg.chunk,
+        rounds: cfg.rounds,
+        seconds,
+        median_seconds: median,
+        mib_per_s: cfg.bytes as f64 / 1048576.0 / median,
+        steps: hist
+            .into_iter()
+            .map(|(k, h)| {
+                (
+                    k.to_owned(),
+                    StepLatency { p50_us: h.value_at_quantile(0.5) as f64, p99_us: h.value_at_quantile(0.99) as f64 },
+                )
+            })
+            .collect(),
+        round_steps_us,
+    })
+}
