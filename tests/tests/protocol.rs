@@ -305,3 +305,24 @@ fn sigterm_stops_the_daemon_cleanly() {
     assert_eq!(i["recovery"]["journal_stop"], serde_json::Value::Null);
     assert_eq!(i["publications"].as_array().map(Vec::len), Some(1), "the READY publication is kept");
 }
+
+#[test]
+fn cli_exit_codes_tell_a_refusal_from_a_failure() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let mut ready = put(&d, "cli", 4, 1).receipt;
+    ready.signature = "00".repeat(32);
+    let forged = dir.path().join("forged.json");
+    std::fs::write(&forged, serde_json::to_vec(&ready).unwrap()).unwrap();
+    let out = Command::new(pdstor_bin())
+        .args(["claim", "--reader", "r", "--session", "s", "--server", &d.server, "--receipt"])
+        .arg(&forged)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "a refusal exits 2");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("403 bad_signature (signature)"), "{err}");
+    let out = Command::new(pdstor_bin()).args(["publications", "--server", "http://127.0.0.1:9"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(3), "no daemon is a failure, exit 3");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is `pdstor serve` running?"));
+}

@@ -108,6 +108,8 @@ fn run(port: &mut Option<File>) -> Result<(), String> {
     .map_err(|e| format!("parsing {GUEST_CONFIG_PATH}: {e}"))?;
     console(&format!("pdstor-vminit: kernel {}, suites {:?}", cfg.kernel_release, cfg.suites));
     load_modules(&cfg.modules)?;
+    // The control plane listens on loopback.
+    sh("ip", &["link", "set", "lo", "up"])?;
     *port = Some(open_result_port()?);
     let mut disks = find_disks(Duration::from_secs(30))?;
     prepare_filesystems(&mut disks)?;

@@ -4,6 +4,7 @@
 mod faults;
 mod io;
 mod probes;
+mod protocol;
 
 use crate::guest::Ctx;
 use crate::{DiskRole, Outcome};
@@ -22,7 +23,7 @@ pub struct Suite {
 }
 
 /// Every suite, in the order `--suite all` runs them.
-pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE];
+pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE];
 
 pub fn find(name: &str) -> Option<&'static Suite> {
     SUITES.iter().find(|s| s.name == name)

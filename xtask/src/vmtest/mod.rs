@@ -261,7 +261,10 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
 
 fn build_guest(sh: &Shell) -> Result<PathBuf> {
     let target_dir = crate::project_root().join("target/vmtest/cargo");
-    cmd!(sh, "cargo build --release --quiet -p pdstor-vmtest --bin pdstor-vminit --target x86_64-unknown-linux-gnu --target-dir {target_dir}")
+    cmd!(
+        sh,
+        "cargo build --release --quiet -p pdstor-vmtest -p pdstor --bin pdstor-vminit --bin pdstor --target x86_64-unknown-linux-gnu --target-dir {target_dir}"
+    )
         // Static so the initramfs needs no libc for it; no debug info, to keep it small.
         .env("RUSTFLAGS", "-C target-feature=+crt-static -C strip=debuginfo")
         .run()
@@ -282,6 +285,9 @@ fn build_initramfs(
         a.dir(d);
     }
     a.host_file("/init", init, 0o755)?;
+    // The static pdstor binary, for suites that run the daemon and its clients.
+    let pdstor = init.with_file_name("pdstor");
+    a.host_file("/bin/pdstor", &pdstor, 0o755)?;
     initramfs::add_busybox(&mut a, sh)?;
     for (guest_path, tool) in initramfs::TOOLS {
         a.program_with_libs(sh, guest_path, &initramfs::which(tool)?)?;

@@ -1,0 +1,104 @@
+//! `protocol`: the end-to-end handoff inside the guest — `pdstor serve` on the
+//! raw NVMe namespace through passthrough (`/dev/ngXnY`, chunks larger than
+//! MDTS) and on a file on XFS, a writer process and a reader process running
+//! `pdstor handoff`, and the restored bytes compared outside the daemon.
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{Suite, Test, outcome};
+use crate::guest::{Ctx, sh};
+use crate::{DiskRole, Outcome};
+
+pub const SUITE: Suite = Suite {
+    name: "protocol",
+    about: "pdstor serve + a writer and a reader process handing KV off on NVMe passthrough and on XFS",
+    tests: &[
+        Test { name: "handoff_nvme_passthrough", disk: Some(DiskRole::Raw), run: passthrough },
+        Test { name: "handoff_xfs_file", disk: Some(DiskRole::Xfs), run: xfs },
+    ],
+};
+
+const SERVER: &str = "http://127.0.0.1:7077";
+const SOCKET: &str = "/tmp/vmtest/pdstor-data.sock";
+
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn serve(target: &Path) -> Result<Daemon, String> {
+    let _ = std::fs::remove_file(SOCKET);
+    let log = std::fs::File::create("/tmp/vmtest/serve.log").map_err(|e| e.to_string())?;
+    let child = Command::new("/bin/pdstor")
+        .args(["serve", "--listen", "127.0.0.1:7077", "--data-socket", SOCKET, "--target"])
+        .arg(target)
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("starting pdstor serve: {e}"))?;
+    let d = Daemon(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !Path::new(SOCKET).exists() {
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string("/tmp/vmtest/serve.log").unwrap_or_default();
+            return Err(format!("pdstor serve did not come up: {log}"));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(d)
+}
+
+fn handoff(target: &Path, format_args: &[&str]) -> Result<(), String> {
+    let t = target.to_string_lossy().into_owned();
+    let mut args = vec!["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t];
+    args.extend_from_slice(format_args);
+    sh("/bin/pdstor", &args)?;
+    let daemon = serve(target)?;
+    let out = sh(
+        "/bin/pdstor",
+        &["handoff", "--bytes", "24M", "--chunk-size", "1M", "--server", SERVER, "--data-socket", SOCKET],
+    )?;
+    if !out.contains("restored byte for byte") {
+        return Err(format!("handoff did not verify: {out}"));
+    }
+    let left = sh("/bin/pdstor", &["publications", "--server", SERVER, "--data-socket", SOCKET])?;
+    if left.trim() != "[]" {
+        return Err(format!("publications left after the ack: {left}"));
+    }
+    drop(daemon);
+    // The namespace reopens cleanly after the daemon's shutdown.
+    let inspect = sh("/bin/pdstor", &["inspect", "--target", &t])?;
+    if !inspect.contains("\"journal_stop\": null") {
+        return Err(format!("the journal did not close cleanly: {inspect}"));
+    }
+    Ok(())
+}
+
+fn passthrough(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        handoff(&disk.generic, &[])
+    })())
+}
+
+fn xfs(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("XFS not mounted")?;
+        handoff(&mount.join("pdstor-ns.img"), &["--size", "128M"])
+    })())
+}
