@@ -184,6 +184,11 @@ enum Command {
         #[arg(long, default_value = "8M", value_parser = parse_size)]
         chunk_size: u64,
     },
+    /// eBPF provenance probes: attach, status, dump, detach.
+    Probe {
+        #[command(subcommand)]
+        command: ProbeCmd,
+    },
     /// Print a target's kind and geometry as JSON.
     Info {
         #[arg(long)]
@@ -268,6 +273,60 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum ProbeCmd {
+    /// Load and attach the probes for a process (default: this one); with
+    /// --pin they stay attached under /sys/fs/bpf/pdstor after this exits.
+    Attach {
+        #[arg(long)]
+        tgid: Option<u32>,
+        #[arg(long)]
+        pin: bool,
+    },
+    /// Which programs attach on this kernel, and which signals are unverifiable here and why.
+    Status,
+    /// The per-transfer signals of the pinned probe set, as JSON.
+    Dump,
+    /// Remove the pinned probe set.
+    Detach,
+}
+
+fn probe(cmd: ProbeCmd) -> anyhow::Result<()> {
+    let pin_dir = std::path::Path::new(pdstor_probes::PIN_DIR);
+    match cmd {
+        ProbeCmd::Attach { tgid, pin } => {
+            let mut p = pdstor_probes::Probes::attach(tgid.unwrap_or_else(std::process::id))?;
+            if pin {
+                p.pin(pin_dir)?;
+            }
+            println!(
+                "{}",
+                serde_json::to_string_pretty(
+                    &serde_json::json!({"pinned": pin.then_some(pin_dir), "programs": p.status()})
+                )?
+            );
+        }
+        ProbeCmd::Status => {
+            let p = pdstor_probes::Probes::attach(std::process::id())?;
+            let pinned = pin_dir.join("signals").exists();
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({"programs": p.status(), "pinned_set": pinned}))?
+            );
+        }
+        ProbeCmd::Dump => {
+            let all = pdstor_probes::read_pinned(pin_dir)?;
+            let rows: Vec<_> = all.iter().map(|(t, s)| serde_json::json!({"transfer": t, "signals": s})).collect();
+            println!("{}", serde_json::to_string_pretty(&rows)?);
+        }
+        ProbeCmd::Detach => {
+            let n = pdstor_probes::detach_pinned(pin_dir)?;
+            println!("removed {n} pins from {}", pin_dir.display());
+        }
+    }
+    Ok(())
 }
 
 /// Refuses to let a raw-writing command destroy a filesystem or namespace.
@@ -405,6 +464,7 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
 
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
+        Command::Probe { command } => probe(command)?,
         Command::Serve { target, listen, listen_unix, data_socket, qd, admission_timeout_ms } => {
             tracing_subscriber::fmt()
                 .with_env_filter(

@@ -3,10 +3,16 @@
 //! A verdict says what the kernel was seen doing for one transfer: `native`
 //! (the declared path, no copy), `fallback(<why>)` (seen taking a slower or
 //! copying path) or `unverifiable(<what>)` (a probe that would tell could not
-//! attach). This crate holds the verdict type and the rule that combines
-//! signals into one; the BPF programs that gather the signals come with the
-//! probes work (see the issue tracker), and nothing here claims `native`
+//! attach, or saw nothing). The BPF programs (`src/bpf/provenance.bpf.c`)
+//! gather per-transfer [`Signals`]; [`Probes`] loads and attaches them;
+//! [`judge`] turns signals into a verdict. Nothing here claims `native`
 //! without a signal that says so.
+
+mod loader;
+mod signals;
+
+pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, detach_pinned, read_pinned};
+pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 
 use std::fmt;
 use std::str::FromStr;

@@ -19,6 +19,10 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("kmod", "depmod/modprobe to resolve the guest's module load order"),
     ("xz-utils", "decompressing the guest kernel's modules"),
     ("bpftool", "inspecting pinned BPF objects in the guest's probes suite"),
+    ("clang", "compiling the eBPF provenance programs (libbpf-cargo)"),
+    ("libelf-dev", "libbpf, built from source by libbpf-sys"),
+    ("zlib1g-dev", "libbpf, built from source by libbpf-sys"),
+    ("pkg-config", "locating libelf and zlib for libbpf-sys"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {

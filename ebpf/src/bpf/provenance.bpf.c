@@ -1,0 +1,192 @@
+// SPDX-License-Identifier: GPL-2.0
+/* pdstor provenance probes: tracepoints only (they attach on every kernel
+ * pdstor runs on; kprobe/fentry signals come later and are reported as
+ * unverifiable until then). Each event of our process is attributed to the
+ * transfer the submitting thread is working on: io_uring_submit_req records
+ * it per thread, and the direct-I/O, page-cache and block events that follow
+ * on that thread inside the same submission count for it. */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_core_read.h>
+#include <bpf/bpf_tracing.h>
+#include "provenance.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+/* Set by the loader between open and load: only this process is traced. */
+const volatile __u32 target_tgid = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 65536);
+	__type(key, struct transfer_key);
+	__type(value, struct transfer_signals);
+} signals SEC(".maps");
+
+/* Thread id -> transfer it is submitting. Key 0 holds the process's most
+ * recent transfer: work that io_uring punts to an io-wq worker thread runs on
+ * another tid and is attributed to it (approximate under concurrency). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 4096);
+	__type(key, __u32);
+	__type(value, struct transfer_key);
+} current_transfer SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, COUNT_MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} path_counters SEC(".maps");
+
+static __always_inline bool ours(void)
+{
+	return (bpf_get_current_pid_tgid() >> 32) == target_tgid;
+}
+
+static __always_inline struct transfer_signals *signals_for(__u64 transfer)
+{
+	struct transfer_key key = { .transfer = transfer };
+	struct transfer_signals zero = {};
+	struct transfer_signals *s = bpf_map_lookup_elem(&signals, &key);
+
+	if (s)
+		return s;
+	bpf_map_update_elem(&signals, &key, &zero, BPF_NOEXIST);
+	return bpf_map_lookup_elem(&signals, &key);
+}
+
+/* The transfer the current thread is submitting, if any. */
+static __always_inline struct transfer_signals *current_signals(void)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct transfer_key *k = bpf_map_lookup_elem(&current_transfer, &tid);
+
+	if (!k) {
+		__u32 process = 0;
+		k = bpf_map_lookup_elem(&current_transfer, &process);
+	}
+	if (!k)
+		return NULL;
+	return bpf_map_lookup_elem(&signals, k);
+}
+
+static __always_inline void count(__u32 which)
+{
+	__u64 *c = bpf_map_lookup_elem(&path_counters, &which);
+
+	if (c)
+		*c += 1;
+}
+
+/* Which kind of payload op an io_uring opcode is: 1 fixed, 2 plain, 3 uring_cmd, 0 other. */
+static __always_inline int op_kind(__u8 opcode)
+{
+	if (opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_READ_FIXED) ||
+	    opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_WRITE_FIXED))
+		return 1;
+	if (opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_READ) ||
+	    opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_WRITE) ||
+	    opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_READV) ||
+	    opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_WRITEV))
+		return 2;
+	if (opcode == bpf_core_enum_value(enum io_uring_op, IORING_OP_URING_CMD))
+		return 3;
+	return 0;
+}
+
+SEC("tracepoint/io_uring/io_uring_submit_req")
+int on_submit(struct trace_event_raw_io_uring_submit_req *ctx)
+{
+	if (!ours())
+		return 0;
+	__u64 transfer = ctx->user_data >> PDSTOR_SEGMENT_BITS;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	int kind = op_kind(ctx->opcode);
+
+	if (transfer == 0 || kind == 0) {
+		bpf_map_delete_elem(&current_transfer, &tid);
+		return 0;
+	}
+	struct transfer_signals *s = signals_for(transfer);
+	if (!s)
+		return 0;
+	__sync_fetch_and_add(&s->submits, 1);
+	if (kind == 1) {
+		__sync_fetch_and_add(&s->fixed_ops, 1);
+		count(COUNT_FIXED);
+	} else if (kind == 2) {
+		__sync_fetch_and_add(&s->plain_ops, 1);
+		count(COUNT_PLAIN);
+	} else {
+		__sync_fetch_and_add(&s->uring_cmds, 1);
+		count(COUNT_URING_CMD);
+	}
+	struct transfer_key key = { .transfer = transfer };
+	__u32 process = 0;
+	bpf_map_update_elem(&current_transfer, &tid, &key, BPF_ANY);
+	bpf_map_update_elem(&current_transfer, &process, &key, BPF_ANY);
+	return 0;
+}
+
+SEC("tracepoint/io_uring/io_uring_complete")
+int on_complete(struct trace_event_raw_io_uring_complete *ctx)
+{
+	if (!ours())
+		return 0;
+	__u64 transfer = ctx->user_data >> PDSTOR_SEGMENT_BITS;
+	struct transfer_key key = { .transfer = transfer };
+	struct transfer_signals *s = bpf_map_lookup_elem(&signals, &key);
+
+	if (!s)
+		return 0;
+	__sync_fetch_and_add(&s->completions, 1);
+	s->last_res = ctx->res;
+	return 0;
+}
+
+/* iomap_dio_rw_begin(iocb, iter, dio_flags, done_before): a registered
+ * buffer reaches the filesystem as a bvec iterator, user memory as ubuf/iovec. */
+SEC("tp_btf/iomap_dio_rw_begin")
+int BPF_PROG(on_dio_begin, struct kiocb *iocb, struct iov_iter *iter, unsigned int dio_flags, size_t done_before)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (!s)
+		return 0;
+	__u8 type = BPF_CORE_READ(iter, iter_type);
+	if (type == bpf_core_enum_value(enum iter_type, ITER_BVEC))
+		__sync_fetch_and_add(&s->dio_bvec, 1);
+	else
+		__sync_fetch_and_add(&s->dio_user, 1);
+	return 0;
+}
+
+SEC("tracepoint/filemap/mm_filemap_add_to_page_cache")
+int on_page_cache_add(struct trace_event_raw_mm_filemap_op_page_cache *ctx)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (s)
+		__sync_fetch_and_add(&s->page_cache_adds, 1);
+	return 0;
+}
+
+SEC("tracepoint/block/block_rq_issue")
+int on_rq_issue(struct trace_event_raw_block_rq *ctx)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (!s)
+		return 0;
+	__sync_fetch_and_add(&s->rq_issued, 1);
+	__sync_fetch_and_add(&s->rq_bytes, ctx->bytes);
+	return 0;
+}

@@ -1,0 +1,36 @@
+/* Shared between the BPF programs and the Rust loader: the per-transfer
+ * signals the kernel was seen producing. Keys and values are BTF-typed, so
+ * `bpftool map dump pinned /sys/fs/bpf/pdstor/signals` prints named fields. */
+#ifndef PDSTOR_PROVENANCE_H
+#define PDSTOR_PROVENANCE_H
+
+/* user_data = transfer_id << SEGMENT_BITS | segment slot (driver/src/io/ring.rs). */
+#define PDSTOR_SEGMENT_BITS 16
+
+struct transfer_key {
+	__u64 transfer;
+};
+
+struct transfer_signals {
+	__u64 submits;          /* io_uring_submit_req of this transfer */
+	__u64 fixed_ops;        /* ... with READ_FIXED / WRITE_FIXED */
+	__u64 plain_ops;        /* ... with READ / WRITE / READV / WRITEV */
+	__u64 uring_cmds;       /* ... with URING_CMD (passthrough) */
+	__u64 completions;      /* io_uring_complete */
+	__s64 last_res;         /* res of the last completion */
+	__u64 dio_bvec;         /* iomap direct I/O on a bvec iterator: a registered buffer */
+	__u64 dio_user;         /* iomap direct I/O on a user-memory iterator */
+	__u64 page_cache_adds;  /* page-cache insertions while this transfer was current */
+	__u64 rq_issued;        /* block requests issued while this transfer was current */
+	__u64 rq_bytes;
+};
+
+/* Per-CPU counters of submitted payload ops, by kind. */
+enum path_counter {
+	COUNT_PLAIN = 0,
+	COUNT_FIXED = 1,
+	COUNT_URING_CMD = 2,
+	COUNT_MAX = 3,
+};
+
+#endif

@@ -1,0 +1,232 @@
+//! Loads the provenance programs for one process, attaches each one (a
+//! program that cannot attach is reported, never hidden), reads the
+//! per-transfer signals, and pins maps and links under [`PIN_DIR`] so a probe
+//! set outlives its loader and `bpftool` can read it.
+
+use std::mem::MaybeUninit;
+use std::path::{Path, PathBuf};
+
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
+
+use crate::signals::{Attached, Signals};
+
+#[allow(clippy::all, clippy::pedantic, unsafe_op_in_unsafe_fn, dead_code, non_camel_case_types, unused)]
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/provenance.skel.rs"));
+}
+
+use skel::{ProvenanceSkel, ProvenanceSkelBuilder};
+
+/// Where `--pin` puts maps and links.
+pub const PIN_DIR: &str = "/sys/fs/bpf/pdstor";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("loading the provenance programs: {0} (needs root or CAP_BPF + CAP_PERFMON, and a kernel with BTF)")]
+    Load(String),
+    #[error("pinning under {dir}: {what} (is bpffs mounted at /sys/fs/bpf?)")]
+    Pin { dir: PathBuf, what: String },
+    #[error("reading the signals map: {0}")]
+    Read(String),
+}
+
+/// Whether one program attached, and if not, why.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProgramStatus {
+    pub name: &'static str,
+    pub attached: bool,
+    pub detail: String,
+}
+
+pub struct Probes {
+    skel: ProvenanceSkel<'static>,
+    links: Vec<(&'static str, Link)>,
+    status: Vec<ProgramStatus>,
+}
+
+/// Whether the kernel has a tracepoint, from tracefs (or debugfs).
+fn tracepoint_exists(group: &str, name: &str) -> bool {
+    ["/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events"]
+        .iter()
+        .any(|root| Path::new(root).join(group).join(name).exists())
+}
+
+impl Probes {
+    /// Loads the programs with `tgid` as the only traced process and attaches
+    /// every one that can attach here.
+    pub fn attach(tgid: u32) -> Result<Probes, ProbeError> {
+        // The skeleton borrows its object for as long as it lives; a probe set
+        // lives for the process, so the few bytes are leaked on purpose.
+        let object: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
+        let mut open = ProvenanceSkelBuilder::default().open(object).map_err(|e| ProbeError::Load(e.to_string()))?;
+        if let Some(r) = open.maps.rodata_data.as_deref_mut() {
+            r.target_tgid = tgid;
+        }
+        let has_iomap = tracepoint_exists("iomap", "iomap_dio_rw_begin");
+        if !has_iomap {
+            // tp_btf needs the tracepoint's BTF at load time: leave it out.
+            open.progs.on_dio_begin.set_autoload(false);
+        }
+        let skel = open.load().map_err(|e| ProbeError::Load(e.to_string()))?;
+        let mut links = Vec::new();
+        let mut status = Vec::new();
+        let mut try_attach = |name: &'static str, r: libbpf_rs::Result<Link>| match r {
+            Ok(l) => {
+                status.push(ProgramStatus { name, attached: true, detail: "attached".into() });
+                links.push((name, l));
+            }
+            Err(e) => status.push(ProgramStatus { name, attached: false, detail: e.to_string() }),
+        };
+        try_attach("io_uring:io_uring_submit_req", skel.progs.on_submit.attach());
+        try_attach("io_uring:io_uring_complete", skel.progs.on_complete.attach());
+        if has_iomap {
+            try_attach("iomap:iomap_dio_rw_begin (tp_btf)", skel.progs.on_dio_begin.attach());
+        }
+        try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
+        try_attach("block:block_rq_issue", skel.progs.on_rq_issue.attach());
+        if !has_iomap {
+            status.push(ProgramStatus {
+                name: "iomap:iomap_dio_rw_begin (tp_btf)",
+                attached: false,
+                detail: "this kernel has no iomap_dio_rw_begin tracepoint".into(),
+            });
+        }
+        for name in [
+            "kprobe:blk_rq_map_user_iov (passthrough bounce)",
+            "fentry:dma_buf_map_attachment",
+            "fentry:dma_buf_begin_cpu_access",
+            "fentry:swiotlb_tbl_map_single",
+        ] {
+            status.push(ProgramStatus { name, attached: false, detail: "not built yet: reported unverifiable".into() });
+        }
+        Ok(Probes { skel, links, status })
+    }
+
+    pub fn status(&self) -> &[ProgramStatus] {
+        &self.status
+    }
+
+    fn is_attached(&self, prefix: &str) -> bool {
+        self.status.iter().any(|s| s.attached && s.name.starts_with(prefix))
+    }
+
+    /// Which signal sources are live, for [`crate::judge`].
+    pub fn attached(&self) -> Attached {
+        Attached {
+            io_uring: self.is_attached("io_uring:io_uring_submit_req")
+                && self.is_attached("io_uring:io_uring_complete"),
+            iomap_dio: self.is_attached("iomap:"),
+            page_cache: self.is_attached("filemap:"),
+            block: self.is_attached("block:"),
+        }
+    }
+
+    /// What was seen for one transfer.
+    pub fn signals(&self, transfer: u64) -> Result<Option<Signals>, ProbeError> {
+        let v = self
+            .skel
+            .maps
+            .signals
+            .lookup(&transfer.to_ne_bytes(), MapFlags::ANY)
+            .map_err(|e| ProbeError::Read(e.to_string()))?;
+        Ok(v.as_deref().and_then(Signals::from_bytes))
+    }
+
+    /// Every transfer seen so far.
+    pub fn all_signals(&self) -> Result<Vec<(u64, Signals)>, ProbeError> {
+        read_all(&self.skel.maps.signals)
+    }
+
+    /// Payload ops submitted by kind: [plain, fixed, uring_cmd], summed over CPUs.
+    pub fn counters(&self) -> Result<[u64; 3], ProbeError> {
+        let mut out = [0u64; 3];
+        for (i, slot) in out.iter_mut().enumerate() {
+            let per_cpu = self
+                .skel
+                .maps
+                .path_counters
+                .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
+                .map_err(|e| ProbeError::Read(e.to_string()))?
+                .unwrap_or_default();
+            *slot = per_cpu.iter().map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap_or([0; 8]))).sum();
+        }
+        Ok(out)
+    }
+
+    /// Pins the maps and the links under `dir`: the programs stay attached
+    /// after this process exits, until [`detach_pinned`].
+    pub fn pin(&mut self, dir: &Path) -> Result<(), ProbeError> {
+        let err = |what: String| ProbeError::Pin { dir: dir.into(), what };
+        ensure_bpffs(dir.parent().unwrap_or(Path::new("/sys/fs/bpf"))).map_err(err)?;
+        std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        self.skel.maps.signals.pin(dir.join("signals")).map_err(|e| err(e.to_string()))?;
+        self.skel.maps.path_counters.pin(dir.join("path_counters")).map_err(|e| err(e.to_string()))?;
+        for (name, link) in &mut self.links {
+            let file: String = name
+                .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+                .filter(|s| !s.is_empty())
+                .collect::<Vec<_>>()
+                .join("_");
+            link.pin(dir.join(format!("link_{file}"))).map_err(|e| err(format!("{name}: {e}")))?;
+        }
+        Ok(())
+    }
+}
+
+/// Mounts bpffs at `root` if something else (or nothing) is there, as
+/// systemd does at boot; hosts without systemd often lack it.
+fn ensure_bpffs(root: &Path) -> Result<(), String> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    let c = std::ffi::CString::new(root.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: `statfs` is plain old data; all-zero is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` is writable for the call.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0 && st.f_type as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    let fstype = c"bpf";
+    // SAFETY: every pointer is a NUL-terminated string alive for the call.
+    let rc = unsafe { libc::mount(fstype.as_ptr(), c.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
+    if rc != 0 {
+        return Err(format!(
+            "{} is not bpffs and mounting it failed: {}",
+            root.display(),
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+fn read_all<M: MapCore>(map: &M) -> Result<Vec<(u64, Signals)>, ProbeError> {
+    let mut out = Vec::new();
+    for key in map.keys() {
+        let Some(v) = map.lookup(&key, MapFlags::ANY).map_err(|e| ProbeError::Read(e.to_string()))? else { continue };
+        let transfer = u64::from_ne_bytes(key[..8].try_into().unwrap_or([0; 8]));
+        if let Some(s) = Signals::from_bytes(&v) {
+            out.push((transfer, s));
+        }
+    }
+    out.sort_by_key(|(t, _)| *t);
+    Ok(out)
+}
+
+/// Reads the signals of a pinned probe set.
+pub fn read_pinned(dir: &Path) -> Result<Vec<(u64, Signals)>, ProbeError> {
+    let map = MapHandle::from_pinned_path(dir.join("signals"))
+        .map_err(|e| ProbeError::Read(format!("{}: {e}", dir.display())))?;
+    read_all(&map)
+}
+
+/// Removes a pinned probe set (its links detach when their last pin goes).
+/// Returns how many pins were removed.
+pub fn detach_pinned(dir: &Path) -> Result<usize, ProbeError> {
+    let mut n = 0;
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(0) };
+    for e in entries.flatten() {
+        std::fs::remove_file(e.path()).map_err(|err| ProbeError::Pin { dir: dir.into(), what: err.to_string() })?;
+        n += 1;
+    }
+    let _ = std::fs::remove_dir(dir);
+    Ok(n)
+}

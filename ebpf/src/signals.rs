@@ -1,0 +1,176 @@
+//! What the probes saw for one transfer, and the rule that judges it.
+
+use crate::Verdict;
+
+/// Mirror of `struct transfer_signals` in `bpf/provenance.h`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Signals {
+    pub submits: u64,
+    pub fixed_ops: u64,
+    pub plain_ops: u64,
+    pub uring_cmds: u64,
+    pub completions: u64,
+    pub last_res: i64,
+    pub dio_bvec: u64,
+    pub dio_user: u64,
+    pub page_cache_adds: u64,
+    pub rq_issued: u64,
+    pub rq_bytes: u64,
+}
+const _: () = assert!(std::mem::size_of::<Signals>() == 88, "struct transfer_signals is 11 x 8 bytes");
+
+impl Signals {
+    /// Decodes a map value (native endianness, as the kernel wrote it).
+    pub fn from_bytes(b: &[u8]) -> Option<Signals> {
+        if b.len() < std::mem::size_of::<Signals>() {
+            return None;
+        }
+        let w = |i: usize| u64::from_ne_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        Some(Signals {
+            submits: w(0),
+            fixed_ops: w(1),
+            plain_ops: w(2),
+            uring_cmds: w(3),
+            completions: w(4),
+            last_res: w(5) as i64,
+            dio_bvec: w(6),
+            dio_user: w(7),
+            page_cache_adds: w(8),
+            rq_issued: w(9),
+            rq_bytes: w(10),
+        })
+    }
+}
+
+/// The path a transfer declared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declared {
+    Host,
+    HostFixed,
+}
+
+/// What kind of target the transfer went to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TargetClass {
+    File,
+    BlockDevice,
+    NvmePassthrough,
+}
+
+/// Which signal sources are attached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attached {
+    pub io_uring: bool,
+    pub iomap_dio: bool,
+    pub page_cache: bool,
+    pub block: bool,
+}
+
+/// Judges one transfer. A copy seen anywhere is a fallback; `native` needs
+/// positive evidence of the declared path; everything else is unverifiable.
+pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached) -> Verdict {
+    if !a.io_uring {
+        return Verdict::Unverifiable("io_uring tracepoints".into());
+    }
+    if s.submits == 0 {
+        return Verdict::Unverifiable("no io_uring submission seen for this transfer".into());
+    }
+    if s.page_cache_adds > 0 {
+        return Verdict::Fallback("page-cache".into());
+    }
+    match declared {
+        Declared::HostFixed => {
+            if target == TargetClass::NvmePassthrough || s.uring_cmds > 0 {
+                // The tracepoint does not carry uring_cmd_flags.
+                return Verdict::Unverifiable("IORING_URING_CMD_FIXED (needs a kprobe)".into());
+            }
+            if s.fixed_ops == 0 {
+                return Verdict::Fallback("not-fixed".into());
+            }
+            match target {
+                TargetClass::File if s.dio_user > 0 => Verdict::Fallback("user-buffer".into()),
+                TargetClass::File if s.dio_bvec > 0 => Verdict::Native,
+                TargetClass::File if !a.iomap_dio => Verdict::Unverifiable("iomap_dio_rw_begin".into()),
+                TargetClass::File => Verdict::Fallback("no-direct-io".into()),
+                _ if s.rq_issued > 0 => Verdict::Native,
+                _ if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
+                _ => Verdict::Unverifiable("block requests issued off the submitting thread".into()),
+            }
+        }
+        Declared::Host => {
+            if s.fixed_ops > 0 {
+                return Verdict::Fallback("declared host, submitted fixed".into());
+            }
+            if s.dio_user > 0 || (target != TargetClass::File && s.rq_issued > 0) {
+                Verdict::Native
+            } else {
+                Verdict::Unverifiable("no direct-I/O signal for this transfer".into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: Attached = Attached { io_uring: true, iomap_dio: true, page_cache: true, block: true };
+
+    fn fixed_file() -> Signals {
+        Signals { submits: 1, fixed_ops: 1, completions: 1, dio_bvec: 1, rq_issued: 1, ..Default::default() }
+    }
+
+    #[test]
+    fn a_registered_buffer_through_iomap_is_native() {
+        assert_eq!(judge(Declared::HostFixed, TargetClass::File, &fixed_file(), &ALL), Verdict::Native);
+    }
+
+    #[test]
+    fn page_cache_and_plain_ops_are_fallbacks() {
+        let s = Signals { page_cache_adds: 3, ..fixed_file() };
+        assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &ALL), Verdict::Fallback("page-cache".into()));
+        let s = Signals { fixed_ops: 0, plain_ops: 1, ..fixed_file() };
+        assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &ALL), Verdict::Fallback("not-fixed".into()));
+        let s = Signals { dio_bvec: 0, dio_user: 1, ..fixed_file() };
+        assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &ALL), Verdict::Fallback("user-buffer".into()));
+    }
+
+    #[test]
+    fn missing_probes_and_silence_are_never_native() {
+        let no_iomap = Attached { iomap_dio: false, ..ALL };
+        let s = Signals { dio_bvec: 0, ..fixed_file() };
+        assert!(matches!(judge(Declared::HostFixed, TargetClass::File, &s, &no_iomap), Verdict::Unverifiable(_)));
+        assert!(matches!(
+            judge(Declared::HostFixed, TargetClass::File, &Signals::default(), &ALL),
+            Verdict::Unverifiable(_)
+        ));
+        let pt = Signals { uring_cmds: 1, fixed_ops: 0, ..fixed_file() };
+        assert!(matches!(
+            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &pt, &ALL),
+            Verdict::Unverifiable(_)
+        ));
+        let none = Attached { io_uring: false, ..ALL };
+        assert!(matches!(
+            judge(Declared::HostFixed, TargetClass::File, &fixed_file(), &none),
+            Verdict::Unverifiable(_)
+        ));
+    }
+
+    #[test]
+    fn a_plain_read_on_the_host_path_is_not_counted_as_fixed() {
+        let s = Signals { submits: 1, plain_ops: 1, dio_user: 1, ..Default::default() };
+        assert_eq!(judge(Declared::Host, TargetClass::File, &s, &ALL), Verdict::Native);
+        assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &ALL), Verdict::Fallback("not-fixed".into()));
+    }
+
+    #[test]
+    fn map_values_decode_field_by_field() {
+        let mut b = vec![0u8; 88];
+        b[8..16].copy_from_slice(&7u64.to_ne_bytes());
+        b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
+        let s = Signals::from_bytes(&b).unwrap();
+        assert_eq!((s.fixed_ops, s.last_res), (7, -5));
+        assert!(Signals::from_bytes(&b[..80]).is_none());
+    }
+}

@@ -1,0 +1,87 @@
+//! The provenance probes on this host's kernel, tracepoints only: positive
+//! and negative controls. Needs root (BPF); says SKIP otherwise.
+
+use std::os::fd::AsRawFd;
+
+use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor::{Buffer, PayloadPath, payload};
+use pdstor_probes::{Declared, Probes, TargetClass, Verdict, judge};
+
+fn skip(reason: &str) {
+    let line = format!("SKIP: provenance_controls_on_the_host_kernel: {reason}");
+    eprintln!("{line}");
+    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+/// One test, so the controls do not see each other's transfers.
+#[test]
+fn provenance_controls_on_the_host_kernel() {
+    let probes = match Probes::attach(std::process::id()) {
+        Ok(p) => p,
+        Err(e) => return skip(&e.to_string()),
+    };
+    let a = probes.attached();
+    assert!(a.io_uring, "io_uring tracepoints attach here: {:?}", probes.status());
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+
+    // Positive: host_fixed, O_DIRECT on a file.
+    let path = dir.path().join("direct.img");
+    let t = Target::open(&path, &TargetOptions { create_len: Some(4 << 20) }).unwrap();
+    let mut engine = Engine::new(t, EngineOptions::default()).unwrap();
+    let fixed = engine.register(Buffer::host(1 << 20).unwrap()).unwrap();
+    let plain = engine.add(Buffer::host(1 << 20).unwrap()).unwrap();
+    engine.buffer(fixed).unwrap().write_at(0, &payload::chunk(1, 0, 1 << 20)).unwrap();
+    let req = |transfer, op, path, buffer| IoRequest {
+        transfer: TransferId(transfer),
+        op,
+        path,
+        buffer,
+        buffer_offset: 0,
+        target_offset: 0,
+        len: 1 << 20,
+    };
+    engine.execute_all(&[req(1001, Op::Write, PayloadPath::HostFixed, fixed)]).unwrap();
+    let s = probes.signals(1001).unwrap().expect("the write was seen");
+    assert_eq!(s.fixed_ops, 1, "{s:?}");
+    let v = judge(Declared::HostFixed, TargetClass::File, &s, &a);
+    if a.iomap_dio {
+        assert_eq!(v, Verdict::Native, "{s:?}");
+    } else {
+        assert!(matches!(v, Verdict::Unverifiable(_)), "{v}");
+    }
+
+    // Control: a plain READ into an unregistered buffer is not counted as fixed.
+    let before = probes.counters().unwrap();
+    engine.execute_all(&[req(1002, Op::Read, PayloadPath::Host, plain)]).unwrap();
+    let s = probes.signals(1002).unwrap().expect("the read was seen");
+    assert_eq!((s.fixed_ops, s.plain_ops), (0, 1), "{s:?}");
+    assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &a), Verdict::Fallback("not-fixed".into()));
+    let after = probes.counters().unwrap();
+    assert_eq!(after[1], before[1], "the fixed counter did not move");
+    assert_eq!(after[0], before[0] + 1, "the plain counter did");
+    drop(engine);
+
+    // Negative: the same bytes written without O_DIRECT go through the page cache.
+    let buffered = dir.path().join("buffered.img");
+    let file = std::fs::File::create(&buffered).unwrap();
+    let data = payload::chunk(1, 0, 1 << 20);
+    let mut ring = io_uring::IoUring::new(4).unwrap();
+    let sqe = io_uring::opcode::Write::new(io_uring::types::Fd(file.as_raw_fd()), data.as_ptr(), data.len() as u32)
+        .offset(0)
+        .build()
+        .user_data(2001 << 16);
+    // SAFETY: `data` outlives the submission, which completes before it drops.
+    unsafe { ring.submission().push(&sqe).unwrap() };
+    ring.submit_and_wait(1).unwrap();
+    let cqe = ring.completion().next().unwrap();
+    assert_eq!(cqe.result(), data.len() as i32);
+    let s = probes.signals(2001).unwrap().expect("the buffered write was seen");
+    assert!(s.page_cache_adds > 0, "page-cache insertions are seen: {s:?}");
+    assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &a), Verdict::Fallback("page-cache".into()));
+    assert_eq!(judge(Declared::Host, TargetClass::File, &s, &a), Verdict::Fallback("page-cache".into()));
+}
