@@ -55,6 +55,12 @@ enum Command {
         /// Longest a prepare waits for capacity, in ms.
         #[arg(long, default_value_t = 30_000)]
         admission_timeout_ms: u64,
+        /// Attach the eBPF provenance probes and stamp every payload transfer with a verdict.
+        #[arg(long)]
+        provenance: bool,
+        /// With --provenance: a fallback verdict on a host_fixed transfer fails it.
+        #[arg(long, requires = "provenance")]
+        require_native: bool,
     },
     /// prepare + store a file's bytes through a memfd + publish; prints the READY receipt.
     Put {
@@ -252,6 +258,9 @@ enum Command {
         /// Write even over a target that holds a filesystem or namespace.
         #[arg(long)]
         force: bool,
+        /// Run with the eBPF provenance probes attached to this process (overhead measurement).
+        #[arg(long)]
+        provenance: bool,
     },
     /// Write seeded chunks, flush, read them back and verify byte for byte.
     Roundtrip {
@@ -465,7 +474,16 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
 fn run(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Probe { command } => probe(command)?,
-        Command::Serve { target, listen, listen_unix, data_socket, qd, admission_timeout_ms } => {
+        Command::Serve {
+            target,
+            listen,
+            listen_unix,
+            data_socket,
+            qd,
+            admission_timeout_ms,
+            provenance,
+            require_native,
+        } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
                     tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -481,6 +499,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 data_socket,
                 queue_depth: qd,
                 admission_timeout: std::time::Duration::from_millis(admission_timeout_ms),
+                provenance,
+                require_native,
             })?;
         }
         c @ (Command::Put { .. }
@@ -549,8 +569,9 @@ fn run(command: Command) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Bench { target, path, pattern, bs, qd, size, seed, json, force } => {
+        Command::Bench { target, path, pattern, bs, qd, size, seed, json, force, provenance } => {
             refuse_signature(&target, force)?;
+            let _probes = if provenance { Some(pdstor_probes::Probes::attach(std::process::id())?) } else { None };
             let r = bench::run(&BenchConfig { target, path, pattern, block_size: bs, queue_depth: qd, size, seed })?;
             if json {
                 println!("{}", serde_json::to_string(&r)?);

@@ -11,7 +11,7 @@
 mod loader;
 mod signals;
 
-pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, detach_pinned, read_pinned};
+pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, detach_pinned, read_pinned};
 pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 
 use std::fmt;

@@ -122,6 +122,12 @@ impl Probes {
         }
     }
 
+    /// A `Send + Sync` reader of the signals map, for other threads.
+    pub fn reader(&self) -> Result<SignalReader, ProbeError> {
+        let signals = MapHandle::try_from(&self.skel.maps.signals).map_err(|e| ProbeError::Read(e.to_string()))?;
+        Ok(SignalReader { signals, attached: self.attached() })
+    }
+
     /// What was seen for one transfer.
     pub fn signals(&self, transfer: u64) -> Result<Option<Signals>, ProbeError> {
         let v = self
@@ -196,6 +202,26 @@ fn ensure_bpffs(root: &Path) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// Reads per-transfer signals from any thread while the [`Probes`] that
+/// created it stay attached.
+#[derive(Debug)]
+pub struct SignalReader {
+    signals: MapHandle,
+    attached: Attached,
+}
+
+impl SignalReader {
+    pub fn attached(&self) -> Attached {
+        self.attached
+    }
+
+    pub fn signals(&self, transfer: u64) -> Result<Option<Signals>, ProbeError> {
+        let v =
+            self.signals.lookup(&transfer.to_ne_bytes(), MapFlags::ANY).map_err(|e| ProbeError::Read(e.to_string()))?;
+        Ok(v.as_deref().and_then(Signals::from_bytes))
+    }
 }
 
 fn read_all<M: MapCore>(map: &M) -> Result<Vec<(u64, Signals)>, ProbeError> {

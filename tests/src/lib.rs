@@ -45,6 +45,7 @@ pub struct Daemon {
     pub addr: String,
     child: Option<Child>,
     pub log: PathBuf,
+    extra: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -87,12 +88,24 @@ impl Daemon {
 
     /// Serves an already formatted target.
     pub fn start(target: &Path, dir: &Path) -> Daemon {
+        Daemon::start_with(target, dir, &[])
+    }
+
+    /// Serves an already formatted target with extra `serve` flags.
+    pub fn start_with(target: &Path, dir: &Path, extra: &[&str]) -> Daemon {
         let port = free_port();
         let addr = format!("127.0.0.1:{port}");
         let data_socket = dir.join(format!("data-{port}.sock"));
         let log = dir.join(format!("serve-{port}.log"));
-        let mut d =
-            Daemon { target: target.into(), server: format!("http://{addr}"), data_socket, addr, child: None, log };
+        let mut d = Daemon {
+            target: target.into(),
+            server: format!("http://{addr}"),
+            data_socket,
+            addr,
+            child: None,
+            log,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         d.spawn();
         d
     }
@@ -104,6 +117,7 @@ impl Daemon {
             .arg(&self.target)
             .arg("--data-socket")
             .arg(&self.data_socket)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()

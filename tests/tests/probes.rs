@@ -85,3 +85,54 @@ fn provenance_controls_on_the_host_kernel() {
     assert_eq!(judge(Declared::HostFixed, TargetClass::File, &s, &a), Verdict::Fallback("page-cache".into()));
     assert_eq!(judge(Declared::Host, TargetClass::File, &s, &a), Verdict::Fallback("page-cache".into()));
 }
+
+/// `pdstor serve --provenance`: every stored and loaded chunk comes back with
+/// its observed verdict, and /metrics counts them.
+#[test]
+fn the_daemon_stamps_each_transfer_with_its_verdict() {
+    if pdstor_probes::Probes::attach(std::process::id()).is_err() {
+        return skip("BPF unavailable (needs root)");
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = dir.path().join("ns.img");
+    let out = std::process::Command::new(pdstor_tests::pdstor_bin())
+        .args(["format", "--size", "64M", "--chunk-slot", "1M", "--journal", "1M", "--target"])
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let d = pdstor_tests::Daemon::start_with(&target, dir.path(), &["--provenance", "--require-native"]);
+    let c = pdstor::client::Client::new(&d.server);
+    let layout = pdstor::store::Layout {
+        model_id: "p".into(),
+        dtype: "bf16".into(),
+        layers: 1,
+        kv_heads: 1,
+        head_dim: 1,
+        chunk_tokens: 256,
+        kv_format: "p".into(),
+    };
+    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = Buffer::memfd("p", 2 << 20).unwrap();
+    buf.write_at(0, &payload::chunk(3, 0, 2 << 20)).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk =
+        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * (1 << 20), len: 1 << 20 };
+    let p = c.prepare("prov", &layout, 2, "w").unwrap();
+    let stored = data.store(p.publication, vec![chunk(0), chunk(1)], true, 2).unwrap();
+    assert_eq!(stored.verdicts, vec!["native", "native"], "{stored:?}");
+    let published = c.publish(p.publication, None).unwrap();
+    let claim = c.claim(&published.receipt, "r", "s", 60_000).unwrap();
+    let adopt = pdstor::api::wire::AdoptRequest {
+        receipt: claim.clone(),
+        namespace: claim.namespace.clone(),
+        epoch: claim.epoch,
+        manifest_digest: claim.manifest_digest.clone(),
+        layout: layout.clone(),
+    };
+    c.adopt(&adopt).unwrap();
+    let loaded = data.load(&claim, vec![chunk(0), chunk(1)]).unwrap();
+    assert_eq!(loaded.verdicts, vec!["native", "native"], "{loaded:?}");
+    let m = c.metrics().unwrap();
+    assert!(m.contains("pdstor_verdicts_total{path=\"host_fixed\",verdict=\"native\"} 4"), "{m}");
+}

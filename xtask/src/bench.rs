@@ -124,6 +124,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     std::fs::write(out_dir.join("store-report.json"), serde_json::to_string_pretty(&store_reports)?)?;
     handoff_vs_fio(sh, &pdstor, &out_dir)?;
+    probe_overhead(sh, &pdstor, &out_dir, args)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
@@ -324,5 +325,42 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path) -> Result<()> {
             &serde_json::json!({"handoff": h, "fio_write_plus_read_s": fio, "ratio": wall / fio}),
         )?,
     )?;
+    Ok(())
+}
+
+/// The engine's 4 MiB sequential figures with the provenance probes attached
+/// and without, alternating, as a ratio (goal >= 0.97).
+fn probe_overhead(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+    println!("\nprovenance probe overhead: 4 MiB sequential, QD16, on a file target, probes attached vs not");
+    let target = out_dir.join("probe-overhead.img");
+    let _ = std::fs::remove_file(&target);
+    let size = &args.size;
+    let mut rows = Vec::new();
+    for pattern in ["write", "read"] {
+        let mut ratios = Vec::new();
+        for round in 0..args.rounds.max(3) {
+            let run = |probes: bool| -> Result<f64> {
+                let flag = if probes { vec!["--provenance"] } else { Vec::new() };
+                let json = cmd!(sh, "{pdstor} bench --json --target {target} --pattern {pattern} --bs 4M --qd 16 --size {size} {flag...}").read()?;
+                let v: Value = serde_json::from_str(&json)?;
+                Ok(v["bytes"].as_f64().unwrap_or(0.0) / v["seconds"].as_f64().unwrap_or(f64::INFINITY))
+            };
+            let (with, without) = if round % 2 == 0 {
+                (run(true)?, run(false)?)
+            } else {
+                let w = run(false)?;
+                (run(true)?, w)
+            };
+            ratios.push(with / without);
+        }
+        let med = median(ratios.clone());
+        println!(
+            "  seq {pattern:<5}: with/without probes median {med:.3} (rounds {:?})",
+            ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>()
+        );
+        rows.push(serde_json::json!({"pattern": pattern, "ratios": ratios, "median": med}));
+    }
+    let _ = std::fs::remove_file(&target);
+    std::fs::write(out_dir.join("probe-overhead.json"), serde_json::to_string_pretty(&rows)?)?;
     Ok(())
 }

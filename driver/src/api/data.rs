@@ -31,6 +31,14 @@ use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 /// Largest frame accepted (a batch of thousands of chunks fits easily).
 const MAX_FRAME: usize = 16 << 20;
 
+/// Provenance checking for the data plane (`pdstor serve --provenance`).
+pub struct Provenance {
+    pub reader: pdstor_probes::SignalReader,
+    pub class: pdstor_probes::TargetClass,
+    /// A `fallback` verdict fails the transfer.
+    pub require_native: bool,
+}
+
 pub struct DataPlane {
     path: PathBuf,
     stop: Arc<AtomicBool>,
@@ -38,7 +46,12 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    pub fn start(path: &Path, service: Arc<Service>, metrics: Arc<Metrics>) -> std::io::Result<DataPlane> {
+    pub fn start(
+        path: &Path,
+        service: Arc<Service>,
+        metrics: Arc<Metrics>,
+        provenance: Option<Arc<Provenance>>,
+    ) -> std::io::Result<DataPlane> {
         if path.exists() {
             if UnixStream::connect(path).is_ok() {
                 return Err(std::io::Error::new(
@@ -58,10 +71,16 @@ impl DataPlane {
                     break;
                 }
                 let Ok(conn) = conn else { continue };
-                let (service, metrics) = (service.clone(), metrics.clone());
+                let (service, metrics, provenance) = (service.clone(), metrics.clone(), provenance.clone());
                 let _ = std::thread::Builder::new().name("pdstor-data-conn".into()).spawn(move || {
-                    let mut c =
-                        Conn { service, metrics, buffers: HashMap::new(), next: 1, stored_into: HashSet::new() };
+                    let mut c = Conn {
+                        service,
+                        metrics,
+                        provenance,
+                        buffers: HashMap::new(),
+                        next: 1,
+                        stored_into: HashSet::new(),
+                    };
                     c.serve(conn);
                     c.cleanup();
                 });
@@ -89,6 +108,7 @@ impl Drop for DataPlane {
 struct Conn {
     service: Arc<Service>,
     metrics: Arc<Metrics>,
+    provenance: Option<Arc<Provenance>>,
     /// Client buffer id → (store buffer, length).
     buffers: HashMap<u32, (BufferId, u64)>,
     next: u32,
@@ -208,8 +228,16 @@ impl Conn {
                     .map_err(|e| from_store(&e))?;
                 let bytes: u64 = chunks.iter().map(|c| c.len).sum();
                 self.metrics.bytes_host_fixed.fetch_add(bytes, Ordering::Relaxed);
+                let verdicts = match self.verdicts(publication, &chunks) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        let _ = store.abort(publication);
+                        return Err(e);
+                    }
+                };
                 Ok(DataResponse {
                     ok: true,
+                    verdicts,
                     completed: Some(out.completed),
                     total: Some(out.total),
                     publishable: Some(out.publishable),
@@ -227,14 +255,47 @@ impl Conn {
                 let bytes: u64 =
                     chunks.iter().filter_map(|c| manifest.chunks.get(c.index as usize)).map(|m| m.len).sum();
                 self.metrics.bytes_host_fixed.fetch_add(bytes, Ordering::Relaxed);
+                let verdicts = self.verdicts(manifest.publication, &chunks)?;
                 Ok(DataResponse {
                     ok: true,
                     crc32c: crcs,
+                    verdicts,
                     paths: vec!["host_fixed".into(); chunks.len()],
                     ..Default::default()
                 })
             }
         }
+    }
+
+    /// The observed verdict of each chunk's transfer (the store names chunk
+    /// `i` of publication `p` transfer `p << 16 | i`). Empty without probes.
+    fn verdicts(&self, publication: u64, chunks: &[DataChunk]) -> Result<Vec<String>, ErrorBody> {
+        let Some(p) = &self.provenance else { return Ok(Vec::new()) };
+        let mut out = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            let transfer = publication << 16 | c.index as u64;
+            let v = match p.reader.signals(transfer) {
+                Ok(Some(s)) => {
+                    pdstor_probes::judge(pdstor_probes::Declared::HostFixed, p.class, &s, &p.reader.attached())
+                }
+                Ok(None) => pdstor_probes::Verdict::Unverifiable("no signal recorded for this transfer".into()),
+                Err(e) => pdstor_probes::Verdict::Unverifiable(format!("reading the probes: {e}")),
+            };
+            self.metrics.verdict("host_fixed", &v);
+            if p.require_native && matches!(v, pdstor_probes::Verdict::Fallback(_)) {
+                return Err(err(
+                    500,
+                    "not_native",
+                    "chunks",
+                    format!(
+                        "chunk {} of publication {publication} took {v} on a host_fixed transfer (--require-native)",
+                        c.index
+                    ),
+                ));
+            }
+            out.push(v.to_string());
+        }
+        Ok(out)
     }
 
     /// The client went away: abort what it left unpublished, drop its buffers.

@@ -32,9 +32,20 @@ pub struct Metrics {
     pub bytes_host: AtomicU64,
     pub bytes_host_fixed: AtomicU64,
     pub requests: AtomicU64,
+    /// Observed verdicts by (path, kind): kind is native, fallback or unverifiable.
+    pub verdicts: Mutex<BTreeMap<(String, String), u64>>,
 }
 
 impl Metrics {
+    pub fn verdict(&self, path: &str, v: &pdstor_probes::Verdict) {
+        let kind = match v {
+            pdstor_probes::Verdict::Native => "native",
+            pdstor_probes::Verdict::Fallback(_) => "fallback",
+            pdstor_probes::Verdict::Unverifiable(_) => "unverifiable",
+        };
+        *self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).entry((path.into(), kind.into())).or_default() += 1;
+    }
+
     pub fn error(&self, code: &str) {
         *self.errors.lock().unwrap_or_else(|p| p.into_inner()).entry(code.into()).or_default() += 1;
     }
@@ -251,6 +262,13 @@ async fn metrics(State(s): State<Shared>) -> Response {
         writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
     for (code, n) in s.metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = writeln!(out, "pdstor_errors_total{{code=\"{code}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_verdicts_total Observed payload provenance (pdstor serve --provenance).\n# TYPE pdstor_verdicts_total counter"
+    );
+    for ((path, kind), n) in s.metrics.verdicts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        let _ = writeln!(out, "pdstor_verdicts_total{{path=\"{path}\",verdict=\"{kind}\"}} {n}");
     }
     let _ = writeln!(out, "# HELP pdstor_flushes_total Device flushes.\n# TYPE pdstor_flushes_total counter");
     let _ = writeln!(out, "pdstor_flushes_total {}", st.flushes);

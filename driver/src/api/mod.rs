@@ -29,6 +29,10 @@ pub struct ServeConfig {
     pub data_socket: PathBuf,
     pub queue_depth: u32,
     pub admission_timeout: Duration,
+    /// Attach the provenance probes and stamp every payload transfer.
+    pub provenance: bool,
+    /// With `provenance`: a `fallback` verdict fails the transfer.
+    pub require_native: bool,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops accepting, lets
@@ -49,7 +53,23 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let store = Arc::new(store);
     let service = Arc::new(Service::new(store.clone()));
     let metrics = Arc::new(http::Metrics::default());
-    let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone())
+    // The probes stay attached for as long as `probes` lives: this function.
+    let probes = if cfg.provenance { Some(pdstor_probes::Probes::attach(std::process::id())?) } else { None };
+    let provenance = match &probes {
+        Some(p) => {
+            for s in p.status() {
+                tracing::info!(program = s.name, attached = s.attached, detail = %s.detail, "provenance probe");
+            }
+            let class = match store.target_kind() {
+                crate::io::TargetKind::File => pdstor_probes::TargetClass::File,
+                crate::io::TargetKind::BlockDevice => pdstor_probes::TargetClass::BlockDevice,
+                crate::io::TargetKind::NvmeGeneric => pdstor_probes::TargetClass::NvmePassthrough,
+            };
+            Some(Arc::new(data::Provenance { reader: p.reader()?, class, require_native: cfg.require_native }))
+        }
+        None => None,
+    };
+    let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance)
         .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
     let app = http::router(Arc::new(http::AppState { service, metrics }));
@@ -80,6 +100,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         anyhow::Ok(())
     })?;
     drop(data);
+    drop(probes);
     drop(store);
     tracing::info!("stopped");
     Ok(())

@@ -140,5 +140,9 @@ pub struct DataResponse {
     pub paths: Vec<String>,
     /// crc32c of each loaded chunk, as read.
     pub crc32c: Vec<u32>,
+    /// Observed provenance of each chunk (`native`, `fallback(..)`,
+    /// `unverifiable(..)`) when the daemon runs with `--provenance`.
+    #[serde(default)]
+    pub verdicts: Vec<String>,
     pub error: Option<ErrorBody>,
 }

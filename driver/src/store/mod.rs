@@ -392,6 +392,7 @@ pub struct Store {
     sb: Mutex<Superblock>,
     opts: StoreOptions,
     last_commit: Mutex<CommitInfo>,
+    target_kind: crate::io::TargetKind,
 }
 
 impl Store {
@@ -400,6 +401,7 @@ impl Store {
     /// slots, bumps and persists the epoch.
     pub fn open(path: &Path, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
         let target = Target::open(path, &TargetOptions::default())?;
+        let target_kind = target.kind();
         let (tx, rx) = channel::<Job>();
         let (otx, orx) = channel::<Result<(Superblock, Option<String>, Vec<u8>), StoreError>>();
         let qd = opts.queue_depth;
@@ -476,6 +478,7 @@ impl Store {
             sb: Mutex::new(sb.clone()),
             opts,
             last_commit: Mutex::new(CommitInfo::default()),
+            target_kind,
         };
         // New epoch: superblock first (its write is the durable bump).
         let mut next_sb = sb.clone();
@@ -591,6 +594,10 @@ impl Store {
         self.lock_live().next_seq = seq + 1;
         *self.lock_sb() = sb;
         Ok(())
+    }
+
+    pub fn target_kind(&self) -> crate::io::TargetKind {
+        self.target_kind
     }
 
     pub fn superblock(&self) -> Superblock {
