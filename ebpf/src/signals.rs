@@ -17,8 +17,11 @@ pub struct Signals {
     pub page_cache_adds: u64,
     pub rq_issued: u64,
     pub rq_bytes: u64,
+    pub cmd_fixed_imports: u64,
+    pub swiotlb_bounces: u64,
+    pub dmabuf_cpu_access: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 88, "struct transfer_signals is 11 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 112, "struct transfer_signals is 14 x 8 bytes");
 
 impl Signals {
     /// Decodes a map value (native endianness, as the kernel wrote it).
@@ -39,6 +42,9 @@ impl Signals {
             page_cache_adds: w(8),
             rq_issued: w(9),
             rq_bytes: w(10),
+            cmd_fixed_imports: w(11),
+            swiotlb_bounces: w(12),
+            dmabuf_cpu_access: w(13),
         })
     }
 }
@@ -65,6 +71,10 @@ pub struct Attached {
     pub iomap_dio: bool,
     pub page_cache: bool,
     pub block: bool,
+    /// kprobe on io_uring_cmd_import_fixed.
+    pub cmd_fixed: bool,
+    /// kprobe on swiotlb_tbl_map_single.
+    pub swiotlb: bool,
 }
 
 /// Judges one transfer. A copy seen anywhere is a fallback; `native` needs
@@ -79,11 +89,17 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
     if s.page_cache_adds > 0 {
         return Verdict::Fallback("page-cache".into());
     }
+    if s.swiotlb_bounces > 0 {
+        return Verdict::Fallback("swiotlb-bounce".into());
+    }
     match declared {
         Declared::HostFixed => {
             if target == TargetClass::NvmePassthrough || s.uring_cmds > 0 {
-                // The tracepoint does not carry uring_cmd_flags.
-                return Verdict::Unverifiable("IORING_URING_CMD_FIXED (needs a kprobe)".into());
+                // The tracepoint does not carry uring_cmd_flags: the kprobe tells.
+                if !a.cmd_fixed {
+                    return Verdict::Unverifiable("kprobe:io_uring_cmd_import_fixed".into());
+                }
+                return if s.cmd_fixed_imports > 0 { Verdict::Native } else { Verdict::Fallback("not-fixed".into()) };
             }
             if s.fixed_ops == 0 {
                 return Verdict::Fallback("not-fixed".into());
@@ -99,8 +115,11 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
             }
         }
         Declared::Host => {
-            if s.fixed_ops > 0 {
+            if s.fixed_ops > 0 || s.cmd_fixed_imports > 0 {
                 return Verdict::Fallback("declared host, submitted fixed".into());
+            }
+            if s.uring_cmds > 0 {
+                return Verdict::Native;
             }
             if s.dio_user > 0 || (target != TargetClass::File && s.rq_issued > 0) {
                 Verdict::Native
@@ -115,7 +134,8 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
 mod tests {
     use super::*;
 
-    const ALL: Attached = Attached { io_uring: true, iomap_dio: true, page_cache: true, block: true };
+    const ALL: Attached =
+        Attached { io_uring: true, iomap_dio: true, page_cache: true, block: true, cmd_fixed: true, swiotlb: true };
 
     fn fixed_file() -> Signals {
         Signals { submits: 1, fixed_ops: 1, completions: 1, dio_bvec: 1, rq_issued: 1, ..Default::default() }
@@ -146,8 +166,9 @@ mod tests {
             Verdict::Unverifiable(_)
         ));
         let pt = Signals { uring_cmds: 1, fixed_ops: 0, ..fixed_file() };
+        let no_kprobe = Attached { cmd_fixed: false, ..ALL };
         assert!(matches!(
-            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &pt, &ALL),
+            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &pt, &no_kprobe),
             Verdict::Unverifiable(_)
         ));
         let none = Attached { io_uring: false, ..ALL };
@@ -165,12 +186,29 @@ mod tests {
     }
 
     #[test]
+    fn passthrough_is_judged_by_the_fixed_import_kprobe() {
+        let pt = Signals { submits: 1, uring_cmds: 1, completions: 1, ..Default::default() };
+        assert_eq!(
+            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &pt, &ALL),
+            Verdict::Fallback("not-fixed".into())
+        );
+        let fixed = Signals { cmd_fixed_imports: 1, ..pt };
+        assert_eq!(judge(Declared::HostFixed, TargetClass::NvmePassthrough, &fixed, &ALL), Verdict::Native);
+        assert_eq!(judge(Declared::Host, TargetClass::NvmePassthrough, &pt, &ALL), Verdict::Native);
+        let bounced = Signals { swiotlb_bounces: 2, ..fixed };
+        assert_eq!(
+            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &bounced, &ALL),
+            Verdict::Fallback("swiotlb-bounce".into())
+        );
+    }
+
+    #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 88];
+        let mut b = vec![0u8; 112];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
         assert_eq!((s.fixed_ops, s.last_res), (7, -5));
-        assert!(Signals::from_bytes(&b[..80]).is_none());
+        assert!(Signals::from_bytes(&b[..104]).is_none());
     }
 }

@@ -177,6 +177,44 @@ int on_page_cache_add(struct trace_event_raw_mm_filemap_op_page_cache *ctx)
 	return 0;
 }
 
+/* Optional signals: kprobes attach only where the kernel allows them (not on
+ * every host); the loader reports the ones that did not as unverifiable. */
+SEC("kprobe/io_uring_cmd_import_fixed")
+int on_cmd_import_fixed(struct pt_regs *ctx)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (s)
+		__sync_fetch_and_add(&s->cmd_fixed_imports, 1);
+	return 0;
+}
+
+SEC("kprobe/swiotlb_tbl_map_single")
+int on_swiotlb_map(struct pt_regs *ctx)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (s)
+		__sync_fetch_and_add(&s->swiotlb_bounces, 1);
+	return 0;
+}
+
+SEC("kprobe/dma_buf_begin_cpu_access")
+int on_dmabuf_cpu_access(struct pt_regs *ctx)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (s)
+		__sync_fetch_and_add(&s->dmabuf_cpu_access, 1);
+	return 0;
+}
+
 SEC("tracepoint/block/block_rq_issue")
 int on_rq_issue(struct trace_event_raw_block_rq *ctx)
 {

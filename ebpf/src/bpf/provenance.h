@@ -23,6 +23,9 @@ struct transfer_signals {
 	__u64 page_cache_adds;  /* page-cache insertions while this transfer was current */
 	__u64 rq_issued;        /* block requests issued while this transfer was current */
 	__u64 rq_bytes;
+	__u64 cmd_fixed_imports;/* io_uring_cmd_import_fixed: passthrough on a registered buffer (kprobe) */
+	__u64 swiotlb_bounces;  /* swiotlb_tbl_map_single: a DMA bounce through swiotlb (kprobe) */
+	__u64 dmabuf_cpu_access;/* dma_buf_begin_cpu_access: the CPU touched a DMA-BUF (kprobe) */
 };
 
 /* Per-CPU counters of submitted payload ops, by kind. */

@@ -1,12 +1,18 @@
-//! `probes`: the slot the eBPF probes fill. Until they exist it proves that the
-//! guest can run them: BTF is present (vmlinux and the nvme module), tracefs
-//! names tracepoints, a BPF program attached to `block:block_rq_issue` really
-//! counts the requests of a direct read, and bpffs pins it where `bpftool`
-//! finds it.
+//! `probes`: the provenance probes on the guest kernel, where every program
+//! (tracepoints, tp_btf and kprobes) can attach. Positive controls: `host_fixed`
+//! on ext4, XFS, the raw block device and NVMe passthrough is `native`.
+//! Negative controls: a non-fixed passthrough is `fallback(not-fixed)`, a
+//! buffered write is `fallback(page-cache)`. `bpftool` reads the pinned
+//! signals map by field name. Also: BTF is present, and a hand-assembled BPF
+//! program on `block:block_rq_issue` counts requests and is pinned.
 //!
 //! The raw `bpf(2)` and `perf_event_open(2)` ABI lives in [`sys`] below.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+
+use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor::{Buffer, PayloadPath};
 
 use super::{Suite, Test, outcome};
 use crate::guest::Ctx;
@@ -17,9 +23,185 @@ pub const SUITE: Suite = Suite {
     about: "BTF, tracefs and bpffs work; a tracepoint BPF program counts block requests",
     tests: &[
         Test { name: "btf_present", disk: None, run: btf_present },
+        Test { name: "every_program_attaches", disk: None, run: every_program_attaches },
+        Test {
+            name: "host_fixed_is_native_on_ext4",
+            disk: Some(DiskRole::Ext4),
+            run: |c| native_on_fs(c, DiskRole::Ext4),
+        },
+        Test {
+            name: "host_fixed_is_native_on_xfs",
+            disk: Some(DiskRole::Xfs),
+            run: |c| native_on_fs(c, DiskRole::Xfs),
+        },
+        Test { name: "host_fixed_is_native_on_raw_block", disk: Some(DiskRole::Raw), run: native_on_raw_block },
+        Test { name: "passthrough_fixed_native_plain_not", disk: Some(DiskRole::Raw), run: passthrough_verdicts },
+        Test { name: "buffered_write_is_page_cache_fallback", disk: Some(DiskRole::Xfs), run: page_cache_control },
+        Test { name: "bpftool_reads_the_pinned_signals", disk: Some(DiskRole::Xfs), run: bpftool_dump },
         Test { name: "tracepoint_program_counts_requests", disk: Some(DiskRole::Raw), run: tracepoint_counts },
     ],
 };
+
+fn attach() -> Result<pdstor_probes::Probes, String> {
+    pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())
+}
+
+fn every_program_attaches(_: &Ctx) -> Outcome {
+    outcome((|| {
+        let p = attach()?;
+        let missing: Vec<String> = p
+            .status()
+            .iter()
+            .filter(|s| !s.attached && !s.detail.starts_with("not built yet"))
+            .map(|s| format!("{}: {}", s.name, s.detail))
+            .collect();
+        if !missing.is_empty() {
+            return Err(format!("programs that did not attach in the guest: {missing:?}"));
+        }
+        Ok(())
+    })())
+}
+
+/// One `host_fixed` write of 1 MiB + 64 KiB through the engine, judged.
+fn fixed_write_verdict(
+    target: &Path,
+    create: Option<u64>,
+    class: pdstor_probes::TargetClass,
+    path: PayloadPath,
+    transfer: u64,
+) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
+    let probes = attach()?;
+    let t = Target::open(target, &TargetOptions { create_len: create }).map_err(|e| e.to_string())?;
+    let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
+    let len = (1 << 20) + (64 << 10);
+    let b = Buffer::host(len as usize).map_err(|e| e.to_string())?;
+    let id = match path {
+        PayloadPath::HostFixed => engine.register(b),
+        _ => engine.add(b),
+    }
+    .map_err(|e| e.to_string())?;
+    let req = IoRequest {
+        transfer: TransferId(transfer),
+        op: Op::Write,
+        path,
+        buffer: id,
+        buffer_offset: 0,
+        target_offset: 64 << 20,
+        len,
+    };
+    engine.execute_all(&[req]).map_err(|e| e.to_string())?;
+    let s = probes.signals(transfer).map_err(|e| e.to_string())?.ok_or("no signals were recorded for the transfer")?;
+    Ok((pdstor_probes::judge(pdstor_probes::Declared::HostFixed, class, &s, &probes.attached()), s))
+}
+
+fn expect(v: (pdstor_probes::Verdict, pdstor_probes::Signals), want: pdstor_probes::Verdict) -> Result<(), String> {
+    if v.0 != want {
+        return Err(format!("verdict {} where {want} was expected; signals {:?}", v.0, v.1));
+    }
+    Ok(())
+}
+
+fn native_on_fs(ctx: &Ctx, role: DiskRole) -> Outcome {
+    outcome((|| {
+        let mount = ctx.disk(role)?.mount.clone().ok_or("not mounted")?;
+        let v = fixed_write_verdict(
+            &mount.join("probe.img"),
+            Some(128 << 20),
+            pdstor_probes::TargetClass::File,
+            PayloadPath::HostFixed,
+            501,
+        )?;
+        expect(v, pdstor_probes::Verdict::Native)
+    })())
+}
+
+fn native_on_raw_block(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let dev = ctx.disk(DiskRole::Raw)?.block.clone();
+        let v = fixed_write_verdict(&dev, None, pdstor_probes::TargetClass::BlockDevice, PayloadPath::HostFixed, 502)?;
+        expect(v, pdstor_probes::Verdict::Native)
+    })())
+}
+
+fn passthrough_verdicts(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let ng = ctx.disk(DiskRole::Raw)?.generic.clone();
+        let class = pdstor_probes::TargetClass::NvmePassthrough;
+        expect(fixed_write_verdict(&ng, None, class, PayloadPath::HostFixed, 503)?, pdstor_probes::Verdict::Native)?;
+        // Negative control: the same passthrough without a registered buffer.
+        expect(
+            fixed_write_verdict(&ng, None, class, PayloadPath::Host, 504)?,
+            pdstor_probes::Verdict::Fallback("not-fixed".into()),
+        )
+    })())
+}
+
+fn page_cache_control(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        use std::os::fd::AsRawFd;
+        let probes = attach()?;
+        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
+        let file = std::fs::File::create(mount.join("buffered.img")).map_err(|e| e.to_string())?;
+        let data = vec![0x5au8; 1 << 20];
+        let mut ring = io_uring::IoUring::new(4).map_err(|e| e.to_string())?;
+        let sqe = io_uring::opcode::Write::new(io_uring::types::Fd(file.as_raw_fd()), data.as_ptr(), data.len() as u32)
+            .build()
+            .user_data(505 << 16);
+        // SAFETY: `data` outlives the submission, which completes before it drops.
+        unsafe { ring.submission().push(&sqe) }.map_err(|_| "submission queue full".to_string())?;
+        ring.submit_and_wait(1).map_err(|e| e.to_string())?;
+        let s = probes.signals(505).map_err(|e| e.to_string())?.ok_or("no signals for the buffered write")?;
+        let v = pdstor_probes::judge(
+            pdstor_probes::Declared::HostFixed,
+            pdstor_probes::TargetClass::File,
+            &s,
+            &probes.attached(),
+        );
+        expect((v, s), pdstor_probes::Verdict::Fallback("page-cache".into()))
+    })())
+}
+
+fn bpftool_dump(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let dir = Path::new(pdstor_probes::PIN_DIR);
+        let _ = pdstor_probes::detach_pinned(dir);
+        let mut probes = attach()?;
+        probes.pin(dir).map_err(|e| e.to_string())?;
+        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
+        let t = Target::open(&mount.join("pin.img"), &TargetOptions { create_len: Some(8 << 20) })
+            .map_err(|e| e.to_string())?;
+        let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
+        let id = engine.register(Buffer::host(1 << 20).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        let req = IoRequest {
+            transfer: TransferId(506),
+            op: Op::Write,
+            path: PayloadPath::HostFixed,
+            buffer: id,
+            buffer_offset: 0,
+            target_offset: 0,
+            len: 1 << 20,
+        };
+        engine.execute_all(&[req]).map_err(|e| e.to_string())?;
+        let out =
+            crate::guest::sh("bpftool", &["--json", "map", "dump", "pinned", &dir.join("signals").to_string_lossy()]);
+        let links = crate::guest::sh("bpftool", &["--json", "link", "show"]);
+        let _ = pdstor_probes::detach_pinned(dir);
+        let rows: serde_json::Value = serde_json::from_str(&out?).map_err(|e| format!("bpftool JSON: {e}"))?;
+        let row = rows
+            .as_array()
+            .and_then(|a| a.iter().find(|r| r["formatted"]["key"]["transfer"] == 506 || r["key"]["transfer"] == 506))
+            .ok_or_else(|| format!("bpftool shows no entry named transfer 506: {rows}"))?;
+        let value = if row["formatted"].is_object() { &row["formatted"]["value"] } else { &row["value"] };
+        if value["fixed_ops"] != 1 || value["dio_bvec"].as_u64().unwrap_or(0) == 0 {
+            return Err(format!("bpftool's fields disagree: {value}"));
+        }
+        let links: serde_json::Value = serde_json::from_str(&links?).map_err(|e| format!("bpftool link JSON: {e}"))?;
+        if links.as_array().is_none_or(|l| l.len() < 5) {
+            return Err(format!("bpftool link show lists too few links: {links}"));
+        }
+        Ok(())
+    })())
+}
 
 fn btf_present(_: &Ctx) -> Outcome {
     outcome((|| {
