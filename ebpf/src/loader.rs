@@ -135,6 +135,21 @@ impl Probes {
         Ok(Probes { skel, links, status })
     }
 
+    /// Runs the in-kernel `op_kind` helper on `opcode` with BPF_PROG_TEST_RUN:
+    /// 1 fixed read/write, 2 plain read/write, 3 URING_CMD, 0 anything else.
+    pub fn test_op_kind(&self, opcode: u8) -> Result<u32, ProbeError> {
+        let mut args = (opcode as u64).to_ne_bytes();
+        let mut input = libbpf_rs::ProgramInput::default();
+        input.context_in = Some(&mut args);
+        let out = self
+            .skel
+            .progs
+            .harness_op_kind
+            .test_run(input)
+            .map_err(|e| ProbeError::Read(format!("BPF_PROG_TEST_RUN: {e}")))?;
+        Ok(out.return_value)
+    }
+
     pub fn status(&self) -> &[ProgramStatus] {
         &self.status
     }

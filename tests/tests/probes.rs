@@ -27,6 +27,20 @@ fn provenance_controls_on_the_host_kernel() {
     };
     let a = probes.attached();
     assert!(a.io_uring, "io_uring tracepoints attach here: {:?}", probes.status());
+    // The in-kernel decision helper, run with BPF_PROG_TEST_RUN on a raw_tp harness.
+    use io_uring::opcode as opc;
+    for (code, kind) in [
+        (opc::ReadFixed::CODE, 1),
+        (opc::WriteFixed::CODE, 1),
+        (opc::Read::CODE, 2),
+        (opc::Write::CODE, 2),
+        (opc::Readv::CODE, 2),
+        (opc::UringCmd80::CODE, 3),
+        (opc::Fsync::CODE, 0),
+        (opc::Nop::CODE, 0),
+    ] {
+        assert_eq!(probes.test_op_kind(code).unwrap(), kind, "opcode {code}");
+    }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
 
     // Positive: host_fixed, O_DIRECT on a file.

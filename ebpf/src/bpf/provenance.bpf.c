@@ -228,3 +228,11 @@ int on_rq_issue(struct trace_event_raw_block_rq *ctx)
 	__sync_fetch_and_add(&s->rq_bytes, ctx->bytes);
 	return 0;
 }
+
+/* Test harness: runs the op_kind decision helper on an opcode given as the
+ * first argument (BPF_PROG_TEST_RUN); never attached. */
+SEC("raw_tp")
+int harness_op_kind(struct bpf_raw_tracepoint_args *ctx)
+{
+	return op_kind((__u8)ctx->args[0]);
+}
