@@ -139,8 +139,7 @@ impl Probes {
     /// 1 fixed read/write, 2 plain read/write, 3 URING_CMD, 0 anything else.
     pub fn test_op_kind(&self, opcode: u8) -> Result<u32, ProbeError> {
         let mut args = (opcode as u64).to_ne_bytes();
-        let mut input = libbpf_rs::ProgramInput::default();
-        input.context_in = Some(&mut args);
+        let input = libbpf_rs::ProgramInput { context_in: Some(&mut args), ..Default::default() };
         let out = self
             .skel
             .progs
