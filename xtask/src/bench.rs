@@ -263,6 +263,7 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path) -> Result<()> {
     let target = out_dir.join("handoff.img");
     let sock = out_dir.join("handoff.sock");
     let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_file(&sock);
     cmd!(sh, "{pdstor} format --target {target} --size 1200M --chunk-slot 8M").quiet().ignore_stdout().run()?;
     let mut daemon = std::process::Command::new(pdstor)
         .arg("serve")
@@ -275,7 +276,7 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path) -> Result<()> {
         .context("starting pdstor serve")?;
     let measured = (|| -> Result<Value> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while !sock.exists() {
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
             if std::time::Instant::now() > deadline {
                 bail!("pdstor serve did not start; see handoff-serve.log");
             }

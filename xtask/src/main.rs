@@ -78,6 +78,7 @@ fn demo(sh: &Shell) -> Result<()> {
     let target = dir.join("kv-namespace.img");
     let data_socket = dir.join("data.sock");
     let _ = std::fs::remove_file(&target);
+    let _ = std::fs::remove_file(&data_socket);
     step(&format!("format a 1 GiB namespace on {}", target.display()));
     cmd!(sh, "{pdstor} format --target {target} --size 1G --chunk-slot 8M --journal 16M").run()?;
     step("start pdstor serve (control plane 127.0.0.1:7078, data plane on a Unix socket)");
@@ -93,7 +94,7 @@ fn demo(sh: &Shell) -> Result<()> {
         .context("starting pdstor serve")?;
     let result = (|| -> Result<()> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while !data_socket.exists() {
+        while std::os::unix::net::UnixStream::connect(&data_socket).is_err() {
             if std::time::Instant::now() > deadline {
                 bail!("pdstor serve did not come up; see {}", dir.join("serve.log").display());
             }

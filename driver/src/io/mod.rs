@@ -510,6 +510,49 @@ impl Engine {
         refused.map_or(Ok(()), Err)
     }
 
+    /// Reads `len` bytes at `offset` through a temporary registered buffer
+    /// (metadata-sized I/O: superblocks, signatures, journals).
+    pub fn read_to_vec(&mut self, offset: u64, len: u64) -> Result<Vec<u8>, IoError> {
+        let transfer = TransferId(0);
+        let buffer = Buffer::host(len as usize).map_err(|what| IoError::Buffer { transfer, what })?;
+        let id = self.register(buffer)?;
+        let req = IoRequest {
+            transfer,
+            op: Op::Read,
+            path: PayloadPath::HostFixed,
+            buffer: id,
+            buffer_offset: 0,
+            target_offset: offset,
+            len,
+        };
+        let result = self.execute_all(&[req]);
+        let buffer = self.remove(id)?;
+        result?;
+        let mut out = vec![0u8; len as usize];
+        buffer.read_at(0, &mut out).map_err(|what| IoError::Buffer { transfer, what })?;
+        Ok(out)
+    }
+
+    /// Writes `data` at `offset` through a temporary registered buffer.
+    pub fn write_from_slice(&mut self, offset: u64, data: &[u8]) -> Result<(), IoError> {
+        let transfer = TransferId(0);
+        let buffer = Buffer::host(data.len()).map_err(|what| IoError::Buffer { transfer, what })?;
+        buffer.write_at(0, data).map_err(|what| IoError::Buffer { transfer, what })?;
+        let id = self.register(buffer)?;
+        let req = IoRequest {
+            transfer,
+            op: Op::Write,
+            path: PayloadPath::HostFixed,
+            buffer: id,
+            buffer_offset: 0,
+            target_offset: offset,
+            len: data.len() as u64,
+        };
+        let result = self.execute_all(&[req]);
+        self.remove(id)?;
+        result.map(drop)
+    }
+
     /// Makes everything written so far durable: NVMe Flush on passthrough,
     /// `fdatasync` (through the ring) on files and block devices.
     pub fn flush(&mut self) -> Result<(), IoError> {

@@ -175,42 +175,6 @@ fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-fn engine_read(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
-    let id = engine.register(Buffer::host(len as usize).map_err(|e| StoreError::Worker(e.to_string()))?)?;
-    let req = IoRequest {
-        transfer: TransferId(0),
-        op: Op::Read,
-        path: PayloadPath::HostFixed,
-        buffer: id,
-        buffer_offset: 0,
-        target_offset: offset,
-        len,
-    };
-    let r = engine.execute_all(&[req]);
-    let b = engine.remove(id)?;
-    r?;
-    let mut v = vec![0u8; len as usize];
-    b.read_at(0, &mut v).map_err(|e| StoreError::Worker(e.to_string()))?;
-    Ok(v)
-}
-
-fn engine_write(engine: &mut Engine, offset: u64, data: &[u8]) -> Result<(), StoreError> {
-    let id = engine.register(Buffer::host(data.len()).map_err(|e| StoreError::Worker(e.to_string()))?)?;
-    engine.buffer(id)?.write_at(0, data).map_err(|e| StoreError::Worker(e.to_string()))?;
-    let req = IoRequest {
-        transfer: TransferId(0),
-        op: Op::Write,
-        path: PayloadPath::HostFixed,
-        buffer: id,
-        buffer_offset: 0,
-        target_offset: offset,
-        len: data.len() as u64,
-    };
-    let r = engine.execute_all(&[req]);
-    engine.remove(id)?;
-    r.map(|_| ()).map_err(StoreError::from)
-}
-
 /// Writes a fresh namespace: empty journal halves, then both superblock copies.
 pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
     if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
@@ -231,7 +195,7 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
         return Err(StoreError::TooSmall { path: path.into(), capacity, minimum });
     }
     let mut engine = Engine::new(target, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() })?;
-    let head = engine_read(&mut engine, 0, (68 << 10).min(capacity))?;
+    let head = engine.read_to_vec(0, (68 << 10).min(capacity))?;
     let found = signature(&head);
     if let Some(sig) = &found
         && !opts.force
@@ -257,19 +221,19 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
         created_unix: now_unix(),
     };
     // Old superblocks go first, so a crash mid-format leaves no stale namespace.
-    engine_write(&mut engine, 0, &[0u8; SUPERBLOCK_BYTES])?;
+    engine.write_from_slice(0, &[0u8; SUPERBLOCK_BYTES])?;
     let zeros = vec![0u8; (1 << 20).min(opts.journal_half) as usize];
     for half in 0..2u8 {
         let mut off = 0;
         while off < opts.journal_half {
-            engine_write(&mut engine, sb.journal_offset(half) + off, &zeros)?;
+            engine.write_from_slice(sb.journal_offset(half) + off, &zeros)?;
             off += zeros.len() as u64;
         }
     }
     engine.flush()?;
-    engine_write(&mut engine, sb.copy_b_offset(), &sb.encode())?;
+    engine.write_from_slice(sb.copy_b_offset(), &sb.encode())?;
     engine.flush()?;
-    engine_write(&mut engine, 0, &sb.encode())?;
+    engine.write_from_slice(0, &sb.encode())?;
     engine.flush()?;
     Ok(FormatReport {
         target: path.into(),

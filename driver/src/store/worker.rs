@@ -103,7 +103,7 @@ impl Worker {
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), String> {
         let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })
             .map_err(|e| e.to_string())?;
-        let a = read_raw(&mut engine, 0, SUPERBLOCK_BYTES as u64)?;
+        let a = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64).map_err(|e| e.to_string())?;
         let capacity = engine.geometry().capacity;
         // Copy B sits after the journal, whose size copy A gives. If A is
         // unreadable, try every size `format` can choose (powers of two).
@@ -113,7 +113,7 @@ impl Worker {
         };
         let mut b = Vec::new();
         for off in b_offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
-            let bytes = read_raw(&mut engine, off, SUPERBLOCK_BYTES as u64)?;
+            let bytes = engine.read_to_vec(off, SUPERBLOCK_BYTES as u64).map_err(|e| e.to_string())?;
             if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty() {
                 let found = Superblock::decode(&bytes).is_ok();
                 b = bytes;
@@ -441,25 +441,6 @@ impl Worker {
         b.read_at(r.buffer_offset, &mut self.scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
         Ok(crc32c::crc32c(&self.scratch))
     }
-}
-
-fn read_raw(engine: &mut Engine, offset: u64, len: u64) -> Result<Vec<u8>, String> {
-    let id = engine.register(Buffer::host(len as usize).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-    let req = IoRequest {
-        transfer: TransferId(0),
-        op: Op::Read,
-        path: PayloadPath::HostFixed,
-        buffer: id,
-        buffer_offset: 0,
-        target_offset: offset,
-        len,
-    };
-    let result = engine.execute_all(&[req]).map_err(|e| e.to_string());
-    let buffer = engine.remove(id).map_err(|e| e.to_string())?;
-    result?;
-    let mut out = vec![0u8; len as usize];
-    buffer.read_at(0, &mut out).map_err(|e| e.to_string())?;
-    Ok(out)
 }
 
 fn blank_superblock() -> Superblock {
