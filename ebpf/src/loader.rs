@@ -127,11 +127,7 @@ impl Probes {
             "kprobe:dma_buf_begin_cpu_access",
             skel.progs.on_dmabuf_cpu_access.attach(),
         );
-        status.push(ProgramStatus {
-            name: "kprobe:blk_rq_map_user_iov (passthrough bounce copy)",
-            attached: false,
-            detail: "not built yet: a misaligned passthrough buffer is not detected (unverifiable)".into(),
-        });
+        try_optional(&mut status, &mut links, "kprobe:blk_rq_map_user_iov", skel.progs.on_map_user_iov.attach());
         Ok(Probes { skel, links, status })
     }
 
@@ -167,6 +163,7 @@ impl Probes {
             block: self.is_attached("block:"),
             cmd_fixed: self.is_attached("kprobe:io_uring_cmd_import_fixed"),
             swiotlb: self.is_attached("kprobe:swiotlb_tbl_map_single"),
+            bounce: self.is_attached("kprobe:blk_rq_map_user_iov"),
         }
     }
 

@@ -20,8 +20,9 @@ pub struct Signals {
     pub cmd_fixed_imports: u64,
     pub swiotlb_bounces: u64,
     pub dmabuf_cpu_access: u64,
+    pub passthrough_bounces: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 112, "struct transfer_signals is 14 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 120, "struct transfer_signals is 15 x 8 bytes");
 
 impl Signals {
     /// Decodes a map value (native endianness, as the kernel wrote it).
@@ -45,6 +46,7 @@ impl Signals {
             cmd_fixed_imports: w(11),
             swiotlb_bounces: w(12),
             dmabuf_cpu_access: w(13),
+            passthrough_bounces: w(14),
         })
     }
 }
@@ -75,6 +77,8 @@ pub struct Attached {
     pub cmd_fixed: bool,
     /// kprobe on swiotlb_tbl_map_single.
     pub swiotlb: bool,
+    /// kprobe on blk_rq_map_user_iov.
+    pub bounce: bool,
 }
 
 /// Judges one transfer. A copy seen anywhere is a fallback; `native` needs
@@ -91,6 +95,9 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
     }
     if s.swiotlb_bounces > 0 {
         return Verdict::Fallback("swiotlb-bounce".into());
+    }
+    if s.passthrough_bounces > 0 {
+        return Verdict::Fallback("bounce".into());
     }
     match declared {
         Declared::HostFixed => {
@@ -134,8 +141,15 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
 mod tests {
     use super::*;
 
-    const ALL: Attached =
-        Attached { io_uring: true, iomap_dio: true, page_cache: true, block: true, cmd_fixed: true, swiotlb: true };
+    const ALL: Attached = Attached {
+        io_uring: true,
+        iomap_dio: true,
+        page_cache: true,
+        block: true,
+        cmd_fixed: true,
+        swiotlb: true,
+        bounce: true,
+    };
 
     fn fixed_file() -> Signals {
         Signals { submits: 1, fixed_ops: 1, completions: 1, dio_bvec: 1, rq_issued: 1, ..Default::default() }
@@ -195,6 +209,11 @@ mod tests {
         let fixed = Signals { cmd_fixed_imports: 1, ..pt };
         assert_eq!(judge(Declared::HostFixed, TargetClass::NvmePassthrough, &fixed, &ALL), Verdict::Native);
         assert_eq!(judge(Declared::Host, TargetClass::NvmePassthrough, &pt, &ALL), Verdict::Native);
+        let copied = Signals { passthrough_bounces: 1, ..fixed };
+        assert_eq!(
+            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &copied, &ALL),
+            Verdict::Fallback("bounce".into())
+        );
         let bounced = Signals { swiotlb_bounces: 2, ..fixed };
         assert_eq!(
             judge(Declared::HostFixed, TargetClass::NvmePassthrough, &bounced, &ALL),
@@ -204,11 +223,11 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 112];
+        let mut b = vec![0u8; 120];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
         assert_eq!((s.fixed_ops, s.last_res), (7, -5));
-        assert!(Signals::from_bytes(&b[..104]).is_none());
+        assert!(Signals::from_bytes(&b[..112]).is_none());
     }
 }

@@ -14,7 +14,7 @@
 //! This module does not know what the bytes mean (chunks, journals): see
 //! `store/` for that.
 
-mod nvme;
+pub mod nvme;
 mod ring;
 mod sys;
 mod target;

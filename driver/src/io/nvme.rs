@@ -10,6 +10,9 @@ use std::fmt;
 
 use super::sys::NvmeCmd;
 
+/// The `cmd_op` of an I/O passthrough `IORING_OP_URING_CMD`.
+pub const URING_CMD_IO: u32 = super::sys::NVME_URING_CMD_IO;
+
 /// NVMe I/O command set opcodes (NVM Command Set spec, figure "Opcodes for NVM Commands").
 pub const OPC_FLUSH: u8 = 0x00;
 pub const OPC_WRITE: u8 = 0x01;

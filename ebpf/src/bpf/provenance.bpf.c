@@ -191,6 +191,36 @@ int on_cmd_import_fixed(struct pt_regs *ctx)
 	return 0;
 }
 
+/* blk_rq_map_user_iov(q, rq, map_data, iter, gfp) copies through bounce pages
+ * (bio_copy_user_iov) when given map_data or when the buffer's address or
+ * length is not aligned to the queue's DMA alignment; the same test here. */
+SEC("kprobe/blk_rq_map_user_iov")
+int BPF_KPROBE(on_map_user_iov, struct request_queue *q, struct request *rq, void *map_data, const struct iov_iter *iter)
+{
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (!s)
+		return 0;
+	__u64 align = BPF_CORE_READ(q, limits.dma_alignment);
+	__u8 type = BPF_CORE_READ(iter, iter_type);
+	__u64 count = BPF_CORE_READ(iter, count);
+	__u64 addr;
+
+	if (type == bpf_core_enum_value(enum iter_type, ITER_UBUF)) {
+		addr = (__u64)BPF_CORE_READ(iter, ubuf) + BPF_CORE_READ(iter, iov_offset);
+	} else if (type == bpf_core_enum_value(enum iter_type, ITER_BVEC)) {
+		const struct bio_vec *bv = BPF_CORE_READ(iter, bvec);
+		addr = (__u64)BPF_CORE_READ(bv, bv_offset) + BPF_CORE_READ(iter, iov_offset);
+	} else {
+		return 0;
+	}
+	if (map_data || ((addr | count) & align))
+		__sync_fetch_and_add(&s->passthrough_bounces, 1);
+	return 0;
+}
+
 SEC("kprobe/swiotlb_tbl_map_single")
 int on_swiotlb_map(struct pt_regs *ctx)
 {

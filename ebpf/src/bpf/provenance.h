@@ -26,6 +26,7 @@ struct transfer_signals {
 	__u64 cmd_fixed_imports;/* io_uring_cmd_import_fixed: passthrough on a registered buffer (kprobe) */
 	__u64 swiotlb_bounces;  /* swiotlb_tbl_map_single: a DMA bounce through swiotlb (kprobe) */
 	__u64 dmabuf_cpu_access;/* dma_buf_begin_cpu_access: the CPU touched a DMA-BUF (kprobe) */
+	__u64 passthrough_bounces;/* blk_rq_map_user_iov on a buffer the queue must copy (kprobe) */
 };
 
 /* Per-CPU counters of submitted payload ops, by kind. */

@@ -132,8 +132,48 @@ fn passthrough_verdicts(ctx: &Ctx) -> Outcome {
         expect(
             fixed_write_verdict(&ng, None, class, PayloadPath::Host, 504)?,
             pdstor_probes::Verdict::Fallback("not-fixed".into()),
-        )
+        )?;
+        // Negative control: a deliberately misaligned buffer, which the engine
+        // refuses, submitted by hand: the block layer copies it through bounce pages.
+        expect(misaligned_passthrough(&ng, 507)?, pdstor_probes::Verdict::Fallback("bounce".into()))
     })())
+}
+
+/// One 4 KiB NVMe Write from a buffer one byte off alignment, by raw
+/// `URING_CMD`, judged as a `host` transfer.
+fn misaligned_passthrough(
+    ng: &Path,
+    transfer: u64,
+) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
+    use pdstor::io::nvme;
+    let probes = attach()?;
+    let file =
+        std::fs::OpenOptions::new().read(true).write(true).open(ng).map_err(|e| format!("{}: {e}", ng.display()))?;
+    let buffer = Buffer::host(3 * 4096).map_err(|e| e.to_string())?;
+    let base = buffer.slice(0, 3 * 4096).map_err(|e| e.to_string())?.ptr_guard_mut().as_ptr() as u64;
+    let cmd = nvme::rw_command(nvme::OPC_WRITE, 1, (96 << 20) / 4096, 1, base + 1, 4096);
+    let mut ring = io_uring::IoUring::<io_uring::squeue::Entry128, io_uring::cqueue::Entry32>::builder()
+        .build(4)
+        .map_err(|e| e.to_string())?;
+    let sqe = io_uring::opcode::UringCmd80::new(io_uring::types::Fd(file.as_raw_fd()), nvme::URING_CMD_IO)
+        .cmd(cmd)
+        .build()
+        .user_data(transfer << 16);
+    // SAFETY: `buffer` outlives the command, which completes before it drops.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| "submission queue full".to_string())?;
+    ring.submit_and_wait(1).map_err(|e| e.to_string())?;
+    let res = ring.completion().next().map(|c| c.result()).ok_or("no completion")?;
+    if res != 0 {
+        return Err(format!("the misaligned passthrough write failed: {res}"));
+    }
+    let s = probes.signals(transfer).map_err(|e| e.to_string())?.ok_or("no signals for the misaligned write")?;
+    let v = pdstor_probes::judge(
+        pdstor_probes::Declared::Host,
+        pdstor_probes::TargetClass::NvmePassthrough,
+        &s,
+        &probes.attached(),
+    );
+    Ok((v, s))
 }
 
 fn page_cache_control(ctx: &Ctx) -> Outcome {
