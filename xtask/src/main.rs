@@ -142,6 +142,8 @@ fn ci(sh: &Shell) -> Result<()> {
     tested.context("tests failed")?;
     step("cargo xtask vmtest (every suite, in a QEMU guest)");
     vmtest::run(sh, &vmtest::VmtestArgs::all())?;
+    step("cargo xtask vmtest --suite swiotlb --append swiotlb=force");
+    vmtest::run(sh, &vmtest::VmtestArgs::swiotlb_forced())?;
     step("demo round trip (small)");
     let pdstor = build_pdstor(sh)?;
     let dir = project_root().join("target/ci-demo");

@@ -5,6 +5,7 @@ mod faults;
 mod io;
 mod probes;
 mod protocol;
+mod swiotlb;
 
 use crate::guest::Ctx;
 use crate::{DiskRole, Outcome};
@@ -23,7 +24,7 @@ pub struct Suite {
 }
 
 /// Every suite, in the order `--suite all` runs them.
-pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE];
+pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, swiotlb::SUITE];
 
 pub fn find(name: &str) -> Option<&'static Suite> {
     SUITES.iter().find(|s| s.name == name)

@@ -63,7 +63,7 @@ fn every_program_attaches(_: &Ctx) -> Outcome {
 }
 
 /// One `host_fixed` write of 1 MiB + 64 KiB through the engine, judged.
-fn fixed_write_verdict(
+pub(crate) fn fixed_write_verdict(
     target: &Path,
     create: Option<u64>,
     class: pdstor_probes::TargetClass,
@@ -94,7 +94,10 @@ fn fixed_write_verdict(
     Ok((pdstor_probes::judge(pdstor_probes::Declared::HostFixed, class, &s, &probes.attached()), s))
 }
 
-fn expect(v: (pdstor_probes::Verdict, pdstor_probes::Signals), want: pdstor_probes::Verdict) -> Result<(), String> {
+pub(crate) fn expect(
+    v: (pdstor_probes::Verdict, pdstor_probes::Signals),
+    want: pdstor_probes::Verdict,
+) -> Result<(), String> {
     if v.0 != want {
         return Err(format!("verdict {} where {want} was expected; signals {:?}", v.0, v.1));
     }

@@ -46,6 +46,9 @@ pub struct VmtestArgs {
     /// Wall-clock limit for the guest, in seconds.
     #[arg(long, default_value_t = 900)]
     timeout: u64,
+    /// Extra guest kernel arguments (e.g. swiotlb=force for the swiotlb suite).
+    #[arg(long)]
+    append: Option<String>,
 }
 
 #[derive(clap::Subcommand)]
@@ -80,7 +83,13 @@ impl VmtestArgs {
             accel: std::env::var("PDSTOR_VM_ACCEL").unwrap_or_else(|_| "auto".into()),
             keep: false,
             timeout: 900,
+            append: None,
         }
+    }
+
+    /// The swiotlb suite in a guest booted with swiotlb=force.
+    pub fn swiotlb_forced() -> Self {
+        VmtestArgs { suites: vec!["swiotlb".into()], append: Some("swiotlb=force".into()), ..VmtestArgs::all() }
     }
 }
 
@@ -208,7 +217,13 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
             .with_context(|| format!("creating {}", img.display()))?;
         disks.push((spec, img));
     }
-    let vm = Vm { kernel: &kernel.vmlinuz, initrd: &initrd, disks, dir: &dir, extra_append: String::new() };
+    let vm = Vm {
+        kernel: &kernel.vmlinuz,
+        initrd: &initrd,
+        disks,
+        dir: &dir,
+        extra_append: args.append.clone().unwrap_or_default(),
+    };
     let timeout = Duration::from_secs(args.timeout);
     let progress = |s: &str| pb.set_message(format!("guest: {s}"));
     let run = match args.accel.as_str() {
