@@ -128,6 +128,7 @@ impl Probes {
             skel.progs.on_dmabuf_cpu_access.attach(),
         );
         try_optional(&mut status, &mut links, "kprobe:blk_rq_map_user_iov", skel.progs.on_map_user_iov.attach());
+        try_optional(&mut status, &mut links, "raw_tp:nvme_setup_cmd", skel.progs.on_nvme_setup_cmd.attach());
         Ok(Probes { skel, links, status })
     }
 

@@ -27,6 +27,8 @@ struct transfer_signals {
 	__u64 swiotlb_bounces;  /* swiotlb_tbl_map_single: a DMA bounce through swiotlb (kprobe) */
 	__u64 dmabuf_cpu_access;/* dma_buf_begin_cpu_access: the CPU touched a DMA-BUF (kprobe) */
 	__u64 passthrough_bounces;/* blk_rq_map_user_iov on a buffer the queue must copy (kprobe) */
+	__u64 nvme_cmds;        /* nvme:nvme_setup_cmd issued while this transfer was current */
+	__u64 nvme_blocks;      /* logical blocks those Read/Write commands moved (NLB + 1) */
 };
 
 /* Per-CPU counters of submitted payload ops, by kind. */

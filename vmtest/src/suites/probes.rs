@@ -130,7 +130,16 @@ fn passthrough_verdicts(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let ng = ctx.disk(DiskRole::Raw)?.generic.clone();
         let class = pdstor_probes::TargetClass::NvmePassthrough;
-        expect(fixed_write_verdict(&ng, None, class, PayloadPath::HostFixed, 503)?, pdstor_probes::Verdict::Native)?;
+        let fixed = fixed_write_verdict(&ng, None, class, PayloadPath::HostFixed, 503)?;
+        // The device saw exactly the request: 1 MiB + 64 KiB in 4 KiB blocks,
+        // as three commands (MDTS 512 KiB).
+        if fixed.1.nvme_blocks * 4096 != (1 << 20) + (64 << 10) || fixed.1.nvme_cmds != 3 {
+            return Err(format!(
+                "nvme_setup_cmd saw {} commands of {} blocks in all: {:?}",
+                fixed.1.nvme_cmds, fixed.1.nvme_blocks, fixed.1
+            ));
+        }
+        expect(fixed, pdstor_probes::Verdict::Native)?;
         // Negative control: the same passthrough without a registered buffer.
         expect(
             fixed_write_verdict(&ng, None, class, PayloadPath::Host, 504)?,
