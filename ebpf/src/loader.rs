@@ -107,6 +107,7 @@ impl Probes {
         }
         try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
         try_attach("block:block_rq_issue", skel.progs.on_rq_issue.attach());
+        try_attach("block:block_rq_complete", skel.progs.on_rq_complete.attach());
         if !has_iomap {
             status.push(ProgramStatus {
                 name: "iomap:iomap_dio_rw_begin (tp_btf)",

@@ -23,8 +23,10 @@ pub struct Signals {
     pub passthrough_bounces: u64,
     pub nvme_cmds: u64,
     pub nvme_blocks: u64,
+    pub rq_completed: u64,
+    pub rq_errors: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 136, "struct transfer_signals is 17 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 152, "struct transfer_signals is 19 x 8 bytes");
 
 impl Signals {
     /// Decodes a map value (native endianness, as the kernel wrote it).
@@ -51,6 +53,8 @@ impl Signals {
             passthrough_bounces: w(14),
             nvme_cmds: w(15),
             nvme_blocks: w(16),
+            rq_completed: w(17),
+            rq_errors: w(18),
         })
     }
 }
@@ -227,11 +231,11 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 136];
+        let mut b = vec![0u8; 152];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
         assert_eq!((s.fixed_ops, s.last_res), (7, -5));
-        assert!(Signals::from_bytes(&b[..128]).is_none());
+        assert!(Signals::from_bytes(&b[..144]).is_none());
     }
 }

@@ -33,6 +33,15 @@ struct {
 	__type(value, struct transfer_key);
 } current_transfer SEC(".maps");
 
+/* Block requests our transfers issued, so their completions (in interrupt
+ * context, on any task) can be attributed. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 16384);
+	__type(key, struct rq_key);
+	__type(value, struct transfer_key);
+} inflight_rq SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, COUNT_MAX);
@@ -278,6 +287,35 @@ int on_rq_issue(struct trace_event_raw_block_rq *ctx)
 		return 0;
 	__sync_fetch_and_add(&s->rq_issued, 1);
 	__sync_fetch_and_add(&s->rq_bytes, ctx->bytes);
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct transfer_key *k = bpf_map_lookup_elem(&current_transfer, &tid);
+	if (!k) {
+		__u32 process = 0;
+		k = bpf_map_lookup_elem(&current_transfer, &process);
+	}
+	if (k) {
+		struct rq_key rk = { .dev = ctx->dev, .sector = ctx->sector };
+		struct transfer_key v = *k;
+		bpf_map_update_elem(&inflight_rq, &rk, &v, BPF_ANY);
+	}
+	return 0;
+}
+
+SEC("tracepoint/block/block_rq_complete")
+int on_rq_complete(struct trace_event_raw_block_rq_completion *ctx)
+{
+	struct rq_key rk = { .dev = ctx->dev, .sector = ctx->sector };
+	struct transfer_key *k = bpf_map_lookup_elem(&inflight_rq, &rk);
+
+	if (!k)
+		return 0;
+	struct transfer_signals *s = bpf_map_lookup_elem(&signals, k);
+	if (s) {
+		__sync_fetch_and_add(&s->rq_completed, 1);
+		if (ctx->error)
+			__sync_fetch_and_add(&s->rq_errors, 1);
+	}
+	bpf_map_delete_elem(&inflight_rq, &rk);
 	return 0;
 }
 

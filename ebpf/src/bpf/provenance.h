@@ -29,6 +29,15 @@ struct transfer_signals {
 	__u64 passthrough_bounces;/* blk_rq_map_user_iov on a buffer the queue must copy (kprobe) */
 	__u64 nvme_cmds;        /* nvme:nvme_setup_cmd issued while this transfer was current */
 	__u64 nvme_blocks;      /* logical blocks those Read/Write commands moved (NLB + 1) */
+	__u64 rq_completed;     /* block requests of this transfer completed (any context) */
+	__u64 rq_errors;        /* ... that completed with an error */
+};
+
+/* A block request in flight, as the block tracepoints name it. */
+struct rq_key {
+	__u32 dev;
+	__u32 pad;
+	__u64 sector;
 };
 
 /* Per-CPU counters of submitted payload ops, by kind. */

@@ -122,6 +122,9 @@ fn native_on_raw_block(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let dev = ctx.disk(DiskRole::Raw)?.block.clone();
         let v = fixed_write_verdict(&dev, None, pdstor_probes::TargetClass::BlockDevice, PayloadPath::HostFixed, 502)?;
+        if v.1.rq_completed == 0 || v.1.rq_completed != v.1.rq_issued || v.1.rq_errors != 0 {
+            return Err(format!("block requests issued and completed disagree: {:?}", v.1));
+        }
         expect(v, pdstor_probes::Verdict::Native)
     })())
 }
