@@ -144,6 +144,21 @@ pub struct FormatReport {
     pub overwrote: Option<String>,
 }
 
+/// The live publication `id`, if it is in one of `allowed` phases; otherwise
+/// the refusal that names its phase and `what` would have been allowed.
+fn in_phase<'a>(
+    state: &'a state::State,
+    id: u64,
+    allowed: &[Phase],
+    what: &'static str,
+) -> Result<&'a Publication, StoreError> {
+    let p = state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
+    if !allowed.contains(&p.phase) {
+        return Err(StoreError::WrongPhase { publication: id, phase: p.phase, what });
+    }
+    Ok(p)
+}
+
 /// Recognisable signatures at the start of a target.
 fn signature(head: &[u8]) -> Option<String> {
     let at = |off: usize, magic: &[u8]| head.get(off..off + magic.len()) == Some(magic);
@@ -662,14 +677,7 @@ impl Store {
         let id = batch.publication;
         let requests = {
             let mut live = self.lock_live();
-            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
-            if p.phase != Phase::Prepared {
-                return Err(StoreError::WrongPhase {
-                    publication: id,
-                    phase: p.phase,
-                    what: "store batches go to PREPARED publications only",
-                });
-            }
+            let p = in_phase(&live.state, id, &[Phase::Prepared], "store batches go to PREPARED publications only")?;
             let (total, slots, slot_size) = (p.total_chunks, p.slots.clone(), live.state.slot_size);
             let data_offset = live.state.data_offset;
             let b = live.batches.entry(id).or_default();
@@ -802,14 +810,7 @@ impl Store {
     pub fn publish(&self, id: u64, first_token: Option<u32>) -> Result<Manifest, StoreError> {
         let manifest = {
             let mut live = self.lock_live();
-            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
-            if p.phase != Phase::Prepared {
-                return Err(StoreError::WrongPhase {
-                    publication: id,
-                    phase: p.phase,
-                    what: "only a PREPARED publication can be published",
-                });
-            }
+            let p = in_phase(&live.state, id, &[Phase::Prepared], "only a PREPARED publication can be published")?;
             let b = live.batches.get(&id).ok_or(StoreError::UnknownPublication(id))?;
             if b.completed != p.total_chunks || !b.last_seen || b.inflight > 0 || b.published {
                 return Err(StoreError::NotPublishable {
@@ -875,14 +876,8 @@ impl Store {
     pub fn release(&self, id: u64) -> Result<(), StoreError> {
         {
             let mut live = self.lock_live();
-            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
-            if p.phase != Phase::Ready {
-                return Err(StoreError::WrongPhase {
-                    publication: id,
-                    phase: p.phase,
-                    what: "only a READY, never-claimed publication can be released",
-                });
-            }
+            let p =
+                in_phase(&live.state, id, &[Phase::Ready], "only a READY, never-claimed publication can be released")?;
             let req = p.req_id.clone();
             self.log(&mut live, Record::Release { publication: id })?;
             live.batches.remove(&id);
@@ -905,10 +900,7 @@ impl Store {
         let frees = matches!(record, Record::Ack { .. } | Record::Reclaim { .. });
         let before = {
             let mut live = self.lock_live();
-            let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?.clone();
-            if !allowed.contains(&p.phase) {
-                return Err(StoreError::WrongPhase { publication: id, phase: p.phase, what });
-            }
+            let p = in_phase(&live.state, id, allowed, what)?.clone();
             self.log(&mut live, record)?;
             if frees {
                 live.batches.remove(&id);
