@@ -415,14 +415,11 @@ impl Store {
                         return;
                     }
                 }
-                // The opener tells us where appends continue, then jobs flow.
-                if let Ok(Job::Append(end)) = rx.recv() {
-                    let end = u64::from_le_bytes(end[..8].try_into().unwrap_or([0; 8]));
-                    if worker.set_journal_end(end).is_err() {
-                        return;
-                    }
+                // After replay the opener says where appends continue; then jobs flow.
+                match rx.recv() {
+                    Ok(Job::Resume { journal_end }) if worker.set_journal_end(journal_end).is_ok() => worker.run(rx),
+                    _ => {}
                 }
-                worker.run(rx);
             })
             .map_err(|e| StoreError::Worker(format!("spawning the I/O thread: {e}")))?;
         let (sb, note, journal) =
@@ -445,7 +442,7 @@ impl Store {
                 .map_err(|what| StoreError::Recovery { path: path.into(), what: format!("record {seq}: {what}") })?;
         }
         let next_seq = records.last().map_or(sb.journal_start_seq, |(s, _)| s + 1);
-        let _ = tx.send(Job::Append((end as u64).to_le_bytes().to_vec()));
+        let _ = tx.send(Job::Resume { journal_end: end as u64 });
 
         let admission = ReservationManager::new(sb.slot_count);
         let store = Store {

@@ -53,6 +53,10 @@ fn dead_device() -> std::io::Error {
 }
 
 pub(crate) enum Job {
+    /// First job after open: appends continue at this offset of the active half.
+    Resume {
+        journal_end: u64,
+    },
     Register(Buffer, Sender<Result<BufferId, IoError>>),
     Unregister(BufferId, Sender<Result<(), IoError>>),
     /// Payload I/O; the reply has, per request, the crc32c of the bytes
@@ -250,7 +254,7 @@ impl Worker {
             Job::WriteSuperblock(sb, reply) => {
                 let _ = reply.send(self.write_superblock(&sb));
             }
-            Job::Commit(_) | Job::Stop => {}
+            Job::Commit(_) | Job::Stop | Job::Resume { .. } => {}
         }
     }
 
