@@ -168,15 +168,28 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
 }
 
 fn open_block_device(path: &Path, rdev: u64) -> Result<Target, IoError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT | libc::O_EXCL | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|source| match source.raw_os_error() {
-            Some(libc::EBUSY) => IoError::Busy { path: path.into(), mount: mount_point_of(rdev) },
-            _ => IoError::Open { path: path.into(), source },
-        })?;
+    // A process that just exited may hold the device for a moment: the kernel
+    // tears down an io_uring (and its registered files) asynchronously. A
+    // mounted device never frees itself, so that is refused at once.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let file = loop {
+        let opened = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT | libc::O_EXCL | libc::O_CLOEXEC)
+            .open(path);
+        match opened {
+            Ok(f) => break f,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
+                let mount = mount_point_of(rdev);
+                if mount.is_some() || std::time::Instant::now() >= deadline {
+                    return Err(IoError::Busy { path: path.into(), mount });
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(source) => return Err(IoError::Open { path: path.into(), source }),
+        }
+    };
     let probe = |what: &'static str| move |source| IoError::Geometry { path: path.into(), what, source };
     let logical_block = sys::block_logical_size(file.as_fd()).map_err(probe("logical block size (BLKSSZGET)"))?;
     let capacity = sys::block_size_bytes(file.as_fd()).map_err(probe("size (BLKGETSIZE64)"))?;
