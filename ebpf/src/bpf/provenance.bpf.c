@@ -81,6 +81,18 @@ static __always_inline struct transfer_signals *current_signals(void)
 	return bpf_map_lookup_elem(&signals, k);
 }
 
+/* The body of a program whose only job is to count one signal for the
+ * transfer the current thread (or process) is submitting. */
+#define COUNT_FOR_CURRENT(field)                                        \
+	do {                                                            \
+		if (!ours())                                            \
+			return 0;                                       \
+		struct transfer_signals *s = current_signals();         \
+		if (s)                                                  \
+			__sync_fetch_and_add(&s->field, 1);             \
+		return 0;                                               \
+	} while (0)
+
 static __always_inline void count(__u32 which)
 {
 	__u64 *c = bpf_map_lookup_elem(&path_counters, &which);
@@ -177,13 +189,7 @@ int BPF_PROG(on_dio_begin, struct kiocb *iocb, struct iov_iter *iter, unsigned i
 SEC("tracepoint/filemap/mm_filemap_add_to_page_cache")
 int on_page_cache_add(struct trace_event_raw_mm_filemap_op_page_cache *ctx)
 {
-	if (!ours())
-		return 0;
-	struct transfer_signals *s = current_signals();
-
-	if (s)
-		__sync_fetch_and_add(&s->page_cache_adds, 1);
-	return 0;
+	COUNT_FOR_CURRENT(page_cache_adds);
 }
 
 /* Optional signals: kprobes attach only where the kernel allows them (not on
@@ -191,13 +197,7 @@ int on_page_cache_add(struct trace_event_raw_mm_filemap_op_page_cache *ctx)
 SEC("kprobe/io_uring_cmd_import_fixed")
 int on_cmd_import_fixed(struct pt_regs *ctx)
 {
-	if (!ours())
-		return 0;
-	struct transfer_signals *s = current_signals();
-
-	if (s)
-		__sync_fetch_and_add(&s->cmd_fixed_imports, 1);
-	return 0;
+	COUNT_FOR_CURRENT(cmd_fixed_imports);
 }
 
 /* blk_rq_map_user_iov(q, rq, map_data, iter, gfp) copies through bounce pages
@@ -255,25 +255,13 @@ int BPF_PROG(on_nvme_setup_cmd, struct request *req, void *cmd)
 SEC("kprobe/swiotlb_tbl_map_single")
 int on_swiotlb_map(struct pt_regs *ctx)
 {
-	if (!ours())
-		return 0;
-	struct transfer_signals *s = current_signals();
-
-	if (s)
-		__sync_fetch_and_add(&s->swiotlb_bounces, 1);
-	return 0;
+	COUNT_FOR_CURRENT(swiotlb_bounces);
 }
 
 SEC("kprobe/dma_buf_begin_cpu_access")
 int on_dmabuf_cpu_access(struct pt_regs *ctx)
 {
-	if (!ours())
-		return 0;
-	struct transfer_signals *s = current_signals();
-
-	if (s)
-		__sync_fetch_and_add(&s->dmabuf_cpu_access, 1);
-	return 0;
+	COUNT_FOR_CURRENT(dmabuf_cpu_access);
 }
 
 SEC("tracepoint/block/block_rq_issue")
