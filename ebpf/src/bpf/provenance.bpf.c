@@ -189,6 +189,11 @@ int BPF_PROG(on_dio_begin, struct kiocb *iocb, struct iov_iter *iter, unsigned i
 SEC("tracepoint/filemap/mm_filemap_add_to_page_cache")
 int on_page_cache_add(struct trace_event_raw_mm_filemap_op_page_cache *ctx)
 {
+	/* Filesystem metadata read through the block device's own page cache
+	 * (the "bdev" pseudo-fs, major 0) is not the payload: count only pages
+	 * of files on a disk-backed filesystem (major = dev_t >> 20). */
+	if ((ctx->s_dev >> 20) == 0)
+		return 0;
 	COUNT_FOR_CURRENT(page_cache_adds);
 }
 
