@@ -15,6 +15,7 @@ use serde::de::DeserializeOwned;
 use crate::api::data::{read_frame, write_frame};
 use crate::api::wire::*;
 use crate::buffer::Buffer;
+use crate::io::PayloadPath;
 use crate::protocol::service::{Prepared, Published, restore_digest};
 use crate::protocol::{Receipt, manifest_digest};
 use crate::store::{Layout, Manifest};
@@ -132,9 +133,9 @@ impl DataConn {
         Ok(DataConn { stream })
     }
 
-    fn call(&mut self, req: &DataRequest, fd: Option<i32>) -> Result<DataResponse, ClientError> {
+    fn call(&mut self, req: &DataRequest, fds: &[i32]) -> Result<DataResponse, ClientError> {
         let body = serde_json::to_vec(req).map_err(|e| ClientError::Data(e.to_string()))?;
-        write_frame(&mut self.stream, &body, fd).map_err(|e| ClientError::Data(format!("sending: {e}")))?;
+        write_frame(&mut self.stream, &body, fds).map_err(|e| ClientError::Data(format!("sending: {e}")))?;
         let (resp, _) = read_frame(&mut self.stream)
             .map_err(|e| ClientError::Data(format!("receiving: {e}")))?
             .ok_or_else(|| ClientError::Data("the daemon closed the data socket".into()))?;
@@ -145,10 +146,31 @@ impl DataConn {
         }
     }
 
-    /// Shares a memfd buffer with the daemon; returns its id on this connection.
+    /// Shares a memfd buffer with the daemon for `host_fixed`; returns its id
+    /// on this connection.
     pub fn register(&mut self, buffer: &Buffer) -> Result<u32, ClientError> {
-        let fd = buffer.memfd_fd().ok_or_else(|| ClientError::Data("only memfd buffers can be shared".into()))?;
-        let r = self.call(&DataRequest::Register { len: buffer.len() as u64 }, Some(fd.as_raw_fd()))?;
+        self.register_for(buffer, PayloadPath::HostFixed)
+    }
+
+    /// Shares a buffer with the daemon for `path`: a memfd buffer sends its
+    /// memfd; a DMA-BUF sends the DMA-BUF and, for a udmabuf, the memfd behind
+    /// it (so host paths can map it). The daemon refuses, holding nothing, if
+    /// the path cannot take the buffer.
+    pub fn register_for(&mut self, buffer: &Buffer, path: PayloadPath) -> Result<u32, ClientError> {
+        let (kind, fds) = match (buffer.dmabuf(), buffer.memfd_fd()) {
+            (Some(d), backing) => {
+                let mut fds = vec![d.fd().as_raw_fd()];
+                fds.extend(backing.map(|m| m.as_raw_fd()));
+                (SharedKind::Dmabuf, fds)
+            }
+            (None, Some(m)) => (SharedKind::Memfd, vec![m.as_raw_fd()]),
+            (None, None) => {
+                return Err(ClientError::Data(
+                    "a private host buffer cannot be shared: use a memfd or a DMA-BUF buffer".into(),
+                ));
+            }
+        };
+        let r = self.call(&DataRequest::Register { len: buffer.len() as u64, kind, path: Some(path) }, &fds)?;
         r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))
     }
 
@@ -159,11 +181,71 @@ impl DataConn {
         is_last_batch: bool,
         total_chunks: u32,
     ) -> Result<DataResponse, ClientError> {
-        self.call(&DataRequest::Store { publication, chunks, is_last_batch, total_chunks }, None)
+        self.call(&DataRequest::Store { publication, chunks, is_last_batch, total_chunks }, &[])
     }
 
     pub fn load(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
-        self.call(&DataRequest::Load { receipt: claim.clone(), chunks }, None)
+        self.call(&DataRequest::Load { receipt: claim.clone(), chunks }, &[])
+    }
+}
+
+/// Who provides a client's buffer memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Exporter {
+    /// A memfd (shared memory).
+    #[default]
+    Memfd,
+    /// A udmabuf made from a sealed memfd (`/dev/udmabuf`).
+    Udmabuf,
+    /// The system DMA heap (`/dev/dma_heap/system`).
+    DmaHeap,
+}
+
+impl std::str::FromStr for Exporter {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "memfd" => Ok(Exporter::Memfd),
+            "udmabuf" => Ok(Exporter::Udmabuf),
+            "dma-heap" => Ok(Exporter::DmaHeap),
+            _ => Err(format!("unknown buffer exporter {s:?}: expected memfd, udmabuf or dma-heap")),
+        }
+    }
+}
+
+impl std::fmt::Display for Exporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Exporter::Memfd => "memfd",
+            Exporter::Udmabuf => "udmabuf",
+            Exporter::DmaHeap => "dma-heap",
+        })
+    }
+}
+
+/// A client buffer: whose memory, and the path the daemon moves it on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BufferSpec {
+    pub exporter: Exporter,
+    pub path: PayloadPath,
+}
+
+impl Default for BufferSpec {
+    fn default() -> Self {
+        BufferSpec { exporter: Exporter::Memfd, path: PayloadPath::HostFixed }
+    }
+}
+
+impl BufferSpec {
+    /// Allocates `len` bytes from the exporter.
+    pub fn allocate(&self, name: &str, len: usize) -> Result<Buffer, ClientError> {
+        let b = match self.exporter {
+            Exporter::Memfd => Buffer::memfd(name, len),
+            Exporter::Udmabuf => Buffer::udmabuf(name, len),
+            Exporter::DmaHeap => Buffer::dma_heap("system", len),
+        };
+        b.map_err(|e| ClientError::Data(e.to_string()))
     }
 }
 
@@ -178,11 +260,21 @@ pub struct Writer {
 
 impl Writer {
     pub fn new(server: &str, data_socket: &Path, chunk_size: u64, chunks: u32) -> Result<Writer, ClientError> {
+        Self::with_buffer(server, data_socket, chunk_size, chunks, BufferSpec::default())
+    }
+
+    /// A writer whose buffer comes from `spec.exporter` and moves on `spec.path`.
+    pub fn with_buffer(
+        server: &str,
+        data_socket: &Path,
+        chunk_size: u64,
+        chunks: u32,
+        spec: BufferSpec,
+    ) -> Result<Writer, ClientError> {
         let client = Client::new(server);
         let mut data = DataConn::connect(data_socket)?;
-        let buffer = Buffer::memfd("pdstor-writer", (chunk_size * chunks as u64) as usize)
-            .map_err(|e| ClientError::Data(e.to_string()))?;
-        let buffer_id = data.register(&buffer)?;
+        let buffer = spec.allocate("pdstor-writer", (chunk_size * chunks as u64) as usize)?;
+        let buffer_id = data.register_for(&buffer, spec.path)?;
         Ok(Writer { client, data, buffer, buffer_id, chunk_size })
     }
 
@@ -232,7 +324,7 @@ impl Writer {
             .map(|i| {
                 let off = i as u64 * self.chunk_size;
                 let len = (len - off).min(self.chunk_size);
-                DataChunk { index: i, buffer: self.buffer_id, offset: off, len }
+                DataChunk { index: i, buffer: self.buffer_id, offset: off, len, crc32c: None }
             })
             .collect();
         for (n, group) in chunks.chunks(batch.max(1) as usize).enumerate() {
@@ -252,6 +344,7 @@ pub struct Reader {
     pub client: Client,
     data: DataConn,
     buffer: Option<(Buffer, u32)>,
+    spec: BufferSpec,
 }
 
 /// What a reader restored: the bytes are in the reader's buffer
@@ -264,15 +357,20 @@ pub struct Restored {
 
 impl Reader {
     pub fn new(server: &str, data_socket: &Path) -> Result<Reader, ClientError> {
-        Ok(Reader { client: Client::new(server), data: DataConn::connect(data_socket)?, buffer: None })
+        Self::with_buffer(server, data_socket, BufferSpec::default())
     }
 
-    /// A registered buffer of at least `len` bytes.
+    /// A reader whose buffers come from `spec.exporter` and move on `spec.path`.
+    pub fn with_buffer(server: &str, data_socket: &Path, spec: BufferSpec) -> Result<Reader, ClientError> {
+        Ok(Reader { client: Client::new(server), data: DataConn::connect(data_socket)?, buffer: None, spec })
+    }
+
+    /// A registered buffer of at least `len` bytes (page-rounded: DMA-BUF
+    /// exporters allocate whole pages).
     fn buffer_for(&mut self, len: u64) -> Result<(&Buffer, u32), ClientError> {
         if self.buffer.as_ref().is_none_or(|(b, _)| (b.len() as u64) < len) {
-            let b =
-                Buffer::memfd("pdstor-reader", len.max(4096) as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-            let id = self.data.register(&b)?;
+            let b = self.spec.allocate("pdstor-reader", len.max(4096).next_multiple_of(4096) as usize)?;
+            let id = self.data.register_for(&b, self.spec.path)?;
             self.buffer = Some((b, id));
         }
         let (b, id) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("no reader buffer".into()))?;
@@ -299,7 +397,7 @@ impl Reader {
         let mut chunks = Vec::with_capacity(manifest.chunks.len());
         let mut off = 0u64;
         for c in &manifest.chunks {
-            chunks.push(DataChunk { index: c.index, buffer: buffer_id, offset: off, len: c.len });
+            chunks.push(DataChunk { index: c.index, buffer: buffer_id, offset: off, len: c.len, crc32c: None });
             off += c.len;
         }
         self.data.load(claim, chunks.clone())?;

@@ -24,7 +24,15 @@ fn pdstor(args: &[&str], server: &str, data_socket: &Path) -> anyhow::Result<Str
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-pub fn run(server: &str, data_socket: &Path, bytes: u64, chunk_size: u64) -> anyhow::Result<()> {
+pub fn run(
+    server: &str,
+    data_socket: &Path,
+    bytes: u64,
+    chunk_size: u64,
+    buffer: pdstor::client::BufferSpec,
+) -> anyhow::Result<()> {
+    let (exporter, on_path) = (buffer.exporter.to_string(), buffer.path.to_string());
+    let buffer_args = ["--buffer", exporter.as_str(), "--path", on_path.as_str()];
     if bytes == 0 || !bytes.is_multiple_of(4096) || !chunk_size.is_multiple_of(4096) {
         bail!("--bytes and --chunk-size must be positive multiples of 4096");
     }
@@ -59,6 +67,10 @@ pub fn run(server: &str, data_socket: &Path, bytes: u64, chunk_size: u64) -> any
             &cs,
             "--first-token",
             "42",
+            buffer_args[0],
+            buffer_args[1],
+            buffer_args[2],
+            buffer_args[3],
         ],
         server,
         data_socket,
@@ -66,7 +78,7 @@ pub fn run(server: &str, data_socket: &Path, bytes: u64, chunk_size: u64) -> any
     let put_s = t.elapsed().as_secs_f64();
     std::fs::write(path("ready.json"), &ready)?;
     println!(
-        "writer: prepare → {} chunks stored → published READY in {put_s:.3} s ({:.0} MiB/s)",
+        "writer: prepare → {} chunks stored from a {exporter} buffer on {on_path} → published READY in {put_s:.3} s ({:.0} MiB/s)",
         bytes.div_ceil(chunk_size),
         bytes as f64 / 1048576.0 / put_s
     );
@@ -81,7 +93,20 @@ pub fn run(server: &str, data_socket: &Path, bytes: u64, chunk_size: u64) -> any
 
     let t = Instant::now();
     let got = pdstor(
-        &["get", "--claim", &s("claim.json"), "--layout", &s("layout.json"), "--out", &s("restored.bin"), "--ack"],
+        &[
+            "get",
+            "--claim",
+            &s("claim.json"),
+            "--layout",
+            &s("layout.json"),
+            "--out",
+            &s("restored.bin"),
+            "--ack",
+            buffer_args[0],
+            buffer_args[1],
+            buffer_args[2],
+            buffer_args[3],
+        ],
         server,
         data_socket,
     )?;

@@ -36,6 +36,24 @@ struct Daemon {
     data_socket: PathBuf,
 }
 
+/// A client's buffer: whose memory, and the path the daemon moves it on.
+#[derive(clap::Args, Clone, Copy)]
+struct BufferArgs {
+    /// Buffer memory: memfd, udmabuf (a DMA-BUF from /dev/udmabuf) or dma-heap (/dev/dma_heap/system).
+    #[arg(long = "buffer", default_value = "memfd")]
+    exporter: pdstor::client::Exporter,
+    /// Payload path: host, host_fixed, or dmabuf_fixed (a DMA-BUF buffer, a raw block device
+    /// target and a kernel with the rw-dmabuf series).
+    #[arg(long, default_value = "host_fixed")]
+    path: PayloadPath,
+}
+
+impl BufferArgs {
+    fn spec(self) -> pdstor::client::BufferSpec {
+        pdstor::client::BufferSpec { exporter: self.exporter, path: self.path }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the daemon: the store behind the HTTP control plane and the data plane.
@@ -80,6 +98,8 @@ enum Command {
         batch: u32,
         #[arg(long)]
         first_token: Option<u32>,
+        #[command(flatten)]
+        buffer: BufferArgs,
     },
     /// Claim a READY publication for one reader and session; prints the claim receipt.
     Claim {
@@ -107,6 +127,8 @@ enum Command {
         /// Acknowledge right after a verified restore.
         #[arg(long)]
         ack: bool,
+        #[command(flatten)]
+        buffer: BufferArgs,
     },
     /// Acknowledge a restore: frees the slots.
     Ack {
@@ -189,6 +211,8 @@ enum Command {
         bytes: u64,
         #[arg(long, default_value = "8M", value_parser = parse_size)]
         chunk_size: u64,
+        #[command(flatten)]
+        buffer: BufferArgs,
     },
     /// eBPF provenance probes: attach, status, dump, detach.
     Probe {
@@ -381,7 +405,7 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path, what: &str)
 fn client_verbs(command: Command) -> anyhow::Result<()> {
     use pdstor::client::{Client, Reader, Writer};
     match command {
-        Command::Put { daemon, req, layout, from, chunk_size, batch, first_token } => {
+        Command::Put { daemon, req, layout, from, chunk_size, batch, first_token, buffer } => {
             let layout: Layout = read_json(&layout, "layout")?;
             let payload = std::fs::read(&from).map_err(|e| anyhow::anyhow!("reading {}: {e}", from.display()))?;
             if payload.is_empty() || !payload.len().is_multiple_of(4096) {
@@ -392,7 +416,7 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
                 );
             }
             let chunks = payload.len().div_ceil(chunk_size as usize) as u32;
-            let mut w = Writer::new(&daemon.server, &daemon.data_socket, chunk_size, chunks)?;
+            let mut w = Writer::with_buffer(&daemon.server, &daemon.data_socket, chunk_size, chunks, buffer.spec())?;
             let published = w.put(&req, &layout, &payload, batch, first_token)?;
             println!("{}", serde_json::to_string_pretty(&published.receipt)?);
         }
@@ -401,10 +425,10 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
             let claim = Client::new(&daemon.server).claim(&ready, &reader, &session, lease_ms)?;
             println!("{}", serde_json::to_string_pretty(&claim)?);
         }
-        Command::Get { daemon, claim, layout, out, ack } => {
+        Command::Get { daemon, claim, layout, out, ack, buffer } => {
             let claim: Receipt = read_json(&claim, "claim receipt")?;
             let layout: Layout = read_json(&layout, "layout")?;
-            let mut r = Reader::new(&daemon.server, &daemon.data_socket)?;
+            let mut r = Reader::with_buffer(&daemon.server, &daemon.data_socket, buffer.spec())?;
             let restored = r.get(&claim, &layout)?;
             let bytes = r.restored_bytes(restored.len)?;
             std::fs::write(&out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
@@ -463,8 +487,8 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Handoff { daemon, bytes, chunk_size } => {
-            handoff::run(&daemon.server, &daemon.data_socket, bytes, chunk_size)?
+        Command::Handoff { daemon, bytes, chunk_size, buffer } => {
+            handoff::run(&daemon.server, &daemon.data_socket, bytes, chunk_size, buffer.spec())?
         }
         _ => unreachable!("client_verbs is only called with client verbs"),
     }
@@ -523,6 +547,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 "target": target,
                 "kind": engine.target().kind(),
                 "geometry": engine.geometry(),
+                "dmabuf_rw": engine.dmabuf_rw(),
+                "dmabuf_exporters": pdstor::buffer::dmabuf::exporters(),
             });
             println!("{}", serde_json::to_string_pretty(&info)?);
         }

@@ -80,7 +80,7 @@ fn batch(publication: u64, b: &Shared, idx: &[u32], last: bool, total: u32) -> S
         publication,
         chunks: idx
             .iter()
-            .map(|i| ChunkSource { index: *i, buffer: b.id, buffer_offset: *i as u64 * SLOT, len: SLOT })
+            .map(|i| ChunkSource { index: *i, buffer: b.id, buffer_offset: *i as u64 * SLOT, len: SLOT, crc32c: None })
             .collect(),
         is_last_batch: last,
         total_chunks: total,
@@ -595,7 +595,13 @@ fn seeded_schedules_keep_every_invariant() {
                             assert!(matches!(s.store_batch(&bt), Err(StoreError::BatchFailed { .. })));
                             W::Done
                         } else if roll < 13 {
-                            bt.chunks.push(ChunkSource { index: 0, buffer: b.id, buffer_offset: 0, len: SLOT }); // duplicate
+                            bt.chunks.push(ChunkSource {
+                                index: 0,
+                                buffer: b.id,
+                                buffer_offset: 0,
+                                len: SLOT,
+                                crc32c: None,
+                            }); // duplicate
                             assert!(matches!(s.store_batch(&bt), Err(StoreError::ProtocolViolation { .. })));
                             W::Done
                         } else {

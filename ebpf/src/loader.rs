@@ -129,6 +129,7 @@ impl Probes {
             skel.progs.on_dmabuf_cpu_access.attach(),
         );
         try_optional(&mut status, &mut links, "kprobe:blk_rq_map_user_iov", skel.progs.on_map_user_iov.attach());
+        try_optional(&mut status, &mut links, "kprobe:io_wq_submit_work", skel.progs.on_iowq_work.attach());
         try_optional(&mut status, &mut links, "raw_tp:nvme_setup_cmd", skel.progs.on_nvme_setup_cmd.attach());
         Ok(Probes { skel, links, status })
     }
@@ -166,6 +167,7 @@ impl Probes {
             cmd_fixed: self.is_attached("kprobe:io_uring_cmd_import_fixed"),
             swiotlb: self.is_attached("kprobe:swiotlb_tbl_map_single"),
             bounce: self.is_attached("kprobe:blk_rq_map_user_iov"),
+            dmabuf_cpu: self.is_attached("kprobe:dma_buf_begin_cpu_access"),
         }
     }
 
@@ -267,6 +269,14 @@ impl SignalReader {
     pub fn signals(&self, transfer: u64) -> Result<Option<Signals>, ProbeError> {
         let v =
             self.signals.lookup(&transfer.to_ne_bytes(), MapFlags::ANY).map_err(|e| ProbeError::Read(e.to_string()))?;
+        Ok(v.as_deref().and_then(Signals::from_bytes))
+    }
+
+    /// Reads a transfer's signals and removes them, so a later transfer with
+    /// the same id (the load of a chunk that was stored) starts from nothing
+    /// and a long-running daemon does not fill the map.
+    pub fn take(&self, transfer: u64) -> Result<Option<Signals>, ProbeError> {
+        let v = self.signals.lookup_and_delete(&transfer.to_ne_bytes()).map_err(|e| ProbeError::Read(e.to_string()))?;
         Ok(v.as_deref().and_then(Signals::from_bytes))
     }
 }

@@ -64,6 +64,7 @@ impl Signals {
 pub enum Declared {
     Host,
     HostFixed,
+    DmabufFixed,
 }
 
 /// What kind of target the transfer went to.
@@ -87,6 +88,8 @@ pub struct Attached {
     pub swiotlb: bool,
     /// kprobe on blk_rq_map_user_iov.
     pub bounce: bool,
+    /// kprobe on dma_buf_begin_cpu_access.
+    pub dmabuf_cpu: bool,
 }
 
 /// Judges one transfer. A copy seen anywhere is a fallback; `native` needs
@@ -107,7 +110,28 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
     if s.passthrough_bounces > 0 {
         return Verdict::Fallback("bounce".into());
     }
+    if s.dmabuf_cpu_access > 0 {
+        return Verdict::Fallback("dmabuf-cpu-access".into());
+    }
     match declared {
+        Declared::DmabufFixed => {
+            // The device must have DMAed into the DMA-BUF: a fixed op, block
+            // requests issued, and (where the kprobe attaches) no CPU access.
+            if s.fixed_ops == 0 {
+                return Verdict::Fallback("not-fixed".into());
+            }
+            if !a.dmabuf_cpu {
+                return Verdict::Unverifiable("kprobe:dma_buf_begin_cpu_access".into());
+            }
+            match target {
+                TargetClass::BlockDevice if s.rq_issued > 0 => Verdict::Native,
+                TargetClass::BlockDevice if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
+                TargetClass::BlockDevice => {
+                    Verdict::Unverifiable("block requests issued off the submitting thread".into())
+                }
+                _ => Verdict::Fallback("dmabuf_fixed needs a raw block device target".into()),
+            }
+        }
         Declared::HostFixed => {
             if target == TargetClass::NvmePassthrough || s.uring_cmds > 0 {
                 // The tracepoint does not carry uring_cmd_flags: the kprobe tells.
@@ -157,6 +181,7 @@ mod tests {
         cmd_fixed: true,
         swiotlb: true,
         bounce: true,
+        dmabuf_cpu: true,
     };
 
     fn fixed_file() -> Signals {
@@ -227,6 +252,36 @@ mod tests {
             judge(Declared::HostFixed, TargetClass::NvmePassthrough, &bounced, &ALL),
             Verdict::Fallback("swiotlb-bounce".into())
         );
+    }
+
+    #[test]
+    fn dmabuf_fixed_needs_a_fixed_op_block_requests_and_no_cpu_access() {
+        let dma = Signals { submits: 1, fixed_ops: 1, completions: 1, rq_issued: 2, ..Default::default() };
+        assert_eq!(judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &ALL), Verdict::Native);
+        let touched = Signals { dmabuf_cpu_access: 1, ..dma };
+        assert_eq!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &touched, &ALL),
+            Verdict::Fallback("dmabuf-cpu-access".into())
+        );
+        assert_eq!(
+            judge(Declared::HostFixed, TargetClass::BlockDevice, &touched, &ALL),
+            Verdict::Fallback("dmabuf-cpu-access".into()),
+            "a CPU touch of a DMA-BUF during any transfer is a copy"
+        );
+        let plain = Signals { fixed_ops: 0, plain_ops: 1, ..dma };
+        assert_eq!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &plain, &ALL),
+            Verdict::Fallback("not-fixed".into())
+        );
+        let no_kprobe = Attached { dmabuf_cpu: false, ..ALL };
+        assert!(matches!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &no_kprobe),
+            Verdict::Unverifiable(_)
+        ));
+        assert!(matches!(
+            judge(Declared::DmabufFixed, TargetClass::File, &dma, &ALL),
+            Verdict::Fallback(w) if w.contains("raw block device")
+        ));
     }
 
     #[test]

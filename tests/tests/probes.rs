@@ -134,8 +134,13 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
     let buf = Buffer::memfd("p", 2 << 20).unwrap();
     buf.write_at(0, &payload::chunk(3, 0, 2 << 20)).unwrap();
     let b = data.register(&buf).unwrap();
-    let chunk =
-        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * (1 << 20), len: 1 << 20 };
+    let chunk = |i: u32| pdstor::api::wire::DataChunk {
+        index: i,
+        buffer: b,
+        offset: i as u64 * (1 << 20),
+        len: 1 << 20,
+        crc32c: None,
+    };
     let p = c.prepare("prov", &layout, 2, "w").unwrap();
     let stored = data.store(p.publication, vec![chunk(0), chunk(1)], true, 2).unwrap();
     assert_eq!(stored.verdicts, vec!["native", "native"], "{stored:?}");

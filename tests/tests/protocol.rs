@@ -163,7 +163,8 @@ fn the_refusal_matrix_leaves_state_unchanged() {
     let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
     let buf = pdstor::Buffer::memfd("t", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
-    let chunk = |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT };
+    let chunk =
+        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
     data.store(prep.publication, vec![chunk(0)], false, 2).unwrap();
     assert_eq!(code(c.publish(prep.publication, None)).1, "not_publishable");
     data.store(prep.publication, vec![chunk(1)], true, 2).unwrap();
@@ -254,7 +255,13 @@ fn pressure_and_disconnects_leave_no_slot_behind() {
                             let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
                             let buf = pdstor::Buffer::memfd("t", SLOT as usize).unwrap();
                             let b = data.register(&buf).unwrap();
-                            let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: SLOT };
+                            let chunk = pdstor::api::wire::DataChunk {
+                                index: 0,
+                                buffer: b,
+                                offset: 0,
+                                len: SLOT,
+                                crc32c: None,
+                            };
                             let _ = data.store(p.publication, vec![chunk], false, chunks);
                             drop(data);
                         }
@@ -325,4 +332,77 @@ fn cli_exit_codes_tell_a_refusal_from_a_failure() {
     let out = Command::new(pdstor_bin()).args(["publications", "--server", "http://127.0.0.1:9"]).output().unwrap();
     assert_eq!(out.status.code(), Some(3), "no daemon is a failure, exit 3");
     assert!(String::from_utf8_lossy(&out.stderr).contains("is `pdstor serve` running?"));
+}
+
+/// Sends one raw `register` frame with `fds` and returns the daemon's answer.
+fn raw_register(d: &Daemon, body: serde_json::Value, fds: &[i32]) -> pdstor::api::wire::DataResponse {
+    let mut s = std::os::unix::net::UnixStream::connect(&d.data_socket).unwrap();
+    pdstor::api::data::write_frame(&mut s, &serde_json::to_vec(&body).unwrap(), fds).unwrap();
+    let (resp, _) = pdstor::api::data::read_frame(&mut s).unwrap().unwrap();
+    serde_json::from_slice(&resp).unwrap()
+}
+
+#[test]
+fn dmabuf_registrations_that_cannot_work_are_refused_and_hold_nothing() {
+    use std::os::fd::AsRawFd;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let memfd = pdstor::Buffer::memfd("not-a-dmabuf", SLOT as usize).unwrap();
+    let fd = memfd.memfd_fd().unwrap().as_raw_fd();
+    let refused = |body: serde_json::Value, fds: &[i32], code: &str, says: &str| {
+        let r = raw_register(&d, body.clone(), fds);
+        let e = r.error.unwrap_or_else(|| panic!("{body} was accepted"));
+        assert_eq!((e.status, e.code.as_str()), (400, code), "{body}: {e}");
+        assert!(e.message.contains(says), "{body}: {e}");
+    };
+    // A memfd declared as a DMA-BUF: its filesystem is not DMA_BUF_MAGIC.
+    refused(serde_json::json!({"op": "register", "len": SLOT, "kind": "dmabuf"}), &[fd], "bad_buffer", "not a DMA-BUF");
+    // Zero length, no fd, too many fds.
+    refused(serde_json::json!({"op": "register", "len": 0, "kind": "dmabuf"}), &[fd], "bad_buffer", "0 bytes");
+    refused(serde_json::json!({"op": "register", "len": SLOT, "kind": "dmabuf"}), &[], "no_fd", "got 0");
+    refused(serde_json::json!({"op": "register", "len": SLOT, "kind": "dmabuf"}), &[fd, fd, fd], "no_fd", "got 3");
+    refused(serde_json::json!({"op": "register", "len": SLOT}), &[fd, fd], "no_fd", "got 2");
+    // dmabuf_fixed with memfd memory: refused with the path's reason (422),
+    // never a silent host_fixed.
+    let r = raw_register(&d, serde_json::json!({"op": "register", "len": SLOT, "path": "dmabuf_fixed"}), &[fd]);
+    let e = r.error.expect("dmabuf_fixed with a memfd was accepted");
+    assert_eq!((e.status, e.code.as_str()), (422, "path_unavailable"), "{e}");
+    assert!(e.message.contains("not a DMA-BUF") && e.message.contains("kernel-config/dmabuf-rw.config"), "{e}");
+    // The daemon still works, and nothing was left registered or published.
+    let p = put(&d, "after-refusals", 3, 2);
+    assert_eq!(p.manifest.chunks.len(), 2);
+    let c = Client::new(&d.server);
+    assert_eq!(c.publications(None).unwrap().len(), 1);
+    let metrics = c.metrics().unwrap();
+    assert!(metrics.contains("pdstor_errors_total{code=\"path_unavailable\"} 1"), "{metrics}");
+}
+
+#[test]
+fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let b = pdstor::Buffer::memfd("small", SLOT as usize).unwrap();
+    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let id = data.register(&b).unwrap();
+    let p = c.prepare("beyond", &layout(), 2, "w").unwrap();
+    let chunks = (0..2)
+        .map(|i| pdstor::api::wire::DataChunk {
+            index: i,
+            buffer: id,
+            offset: i as u64 * SLOT,
+            len: SLOT,
+            crc32c: None,
+        })
+        .collect();
+    let (status, code, _) = code(data.store(p.publication, chunks, true, 2));
+    assert_eq!((status, code.as_str()), (422, "bad_chunk"));
+    assert!(c.publications(None).unwrap().is_empty(), "the refused request was rolled back");
+    // A declared checksum that disagrees with the bytes is refused too.
+    let p = c.prepare("bad-crc", &layout(), 1, "w").unwrap();
+    b.write_at(0, &payload::chunk(5, 0, SLOT as usize)).unwrap();
+    let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c: Some(0xdead_beef) };
+    let r = data.store(p.publication, vec![chunk], true, 1);
+    assert!(matches!(&r, Err(ClientError::Api(e)) if e.message.contains("declared crc32c 0xdeadbeef")), "{r:?}");
+    assert!(c.publications(None).unwrap().is_empty());
 }

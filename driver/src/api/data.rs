@@ -1,6 +1,8 @@
 //! The data plane: a Unix socket (mode 0600). A client registers a buffer by
-//! sending its memfd with `SCM_RIGHTS`; the daemon maps it, registers it with
-//! io_uring and answers a buffer id. Store and load batches then name
+//! sending its memfd or DMA-BUF with `SCM_RIGHTS`, naming the path it is for;
+//! the daemon maps or imports it, registers it with io_uring for that path and
+//! answers a buffer id (or refuses, holding nothing, if the path cannot take
+//! it: `dmabuf_fixed` on a kernel without the rw-dmabuf series). Store and load batches then name
 //! `(buffer, offset)` per chunk and the daemon moves the bytes itself — no
 //! payload byte crosses the socket. A client that disconnects has its
 //! unfinished (PREPARED) publications aborted and its buffers unregistered.
@@ -22,9 +24,10 @@ use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, s
 
 use super::error::{from_protocol, from_store};
 use super::http::Metrics;
-use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody};
+use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
 use crate::buffer::Buffer;
-use crate::io::BufferId;
+use crate::buffer::dmabuf::DmaBuf;
+use crate::io::{BufferId, PayloadPath};
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 
@@ -109,8 +112,8 @@ struct Conn {
     service: Arc<Service>,
     metrics: Arc<Metrics>,
     provenance: Option<Arc<Provenance>>,
-    /// Client buffer id → (store buffer, length).
-    buffers: HashMap<u32, (BufferId, u64)>,
+    /// Client buffer id → (store buffer, length, path).
+    buffers: HashMap<u32, (BufferId, u64, PayloadPath)>,
     next: u32,
     stored_into: HashSet<u64>,
 }
@@ -152,20 +155,19 @@ pub fn read_frame(stream: &mut UnixStream) -> std::io::Result<Option<(Vec<u8>, V
     Ok(Some((body, fds)))
 }
 
-/// Writes one frame, with `fd` attached when given.
-pub fn write_frame(stream: &mut UnixStream, body: &[u8], fd: Option<RawFd>) -> std::io::Result<()> {
+/// Writes one frame, with `fds` attached when there are any.
+pub fn write_frame(stream: &mut UnixStream, body: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
     let mut frame = Vec::with_capacity(body.len() + 4);
     frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
     frame.extend_from_slice(body);
-    match fd {
-        Some(fd) => {
-            let fds = [fd];
-            let cmsg = [ControlMessage::ScmRights(&fds)];
+    match fds {
+        [] => stream.write_all(&frame),
+        fds => {
+            let cmsg = [ControlMessage::ScmRights(fds)];
             let sent = sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(&frame)], &cmsg, MsgFlags::empty(), None)
                 .map_err(std::io::Error::from)?;
             stream.write_all(&frame[sent..])
         }
-        None => stream.write_all(&frame),
     }
 }
 
@@ -185,7 +187,7 @@ impl Conn {
                 DataResponse { ok: false, error: Some(e), ..Default::default() }
             });
             let Ok(bytes) = serde_json::to_vec(&resp) else { return };
-            if write_frame(&mut stream, &bytes, None).is_err() {
+            if write_frame(&mut stream, &bytes, &[]).is_err() {
                 return;
             }
         }
@@ -197,20 +199,79 @@ impl Conn {
         })
     }
 
-    fn handle(&mut self, req: DataRequest, mut fds: Vec<OwnedFd>) -> Result<DataResponse, ErrorBody> {
+    fn path_of(&self, c: &DataChunk) -> PayloadPath {
+        self.buffers.get(&c.buffer).map_or(PayloadPath::HostFixed, |b| b.2)
+    }
+
+    fn count_bytes(&self, path: PayloadPath, bytes: u64) {
+        let counter = match path {
+            PayloadPath::Host => &self.metrics.bytes_host,
+            PayloadPath::HostFixed => &self.metrics.bytes_host_fixed,
+            PayloadPath::DmabufFixed => &self.metrics.bytes_dmabuf_fixed,
+        };
+        counter.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Maps or imports the fds of a `register` frame into a buffer.
+    fn receive_buffer(kind: SharedKind, len: u64, mut fds: Vec<OwnedFd>) -> Result<Buffer, ErrorBody> {
+        if len == 0 {
+            return Err(err(400, "bad_buffer", "len", "a buffer of 0 bytes holds nothing: give its length".into()));
+        }
+        let expected = match kind {
+            SharedKind::Memfd => "1 fd (the memfd)",
+            SharedKind::Dmabuf => "1 or 2 fds (the DMA-BUF, then optionally its backing memfd)",
+        };
+        let bad_fds = |n: usize| {
+            err(400, "no_fd", "fd", format!("register of a {kind:?} buffer needs {expected} in SCM_RIGHTS, got {n}"))
+        };
+        match kind {
+            SharedKind::Memfd => {
+                if fds.len() != 1 {
+                    return Err(bad_fds(fds.len()));
+                }
+                let fd = fds.remove(0);
+                Buffer::from_memfd(fd, len as usize)
+                    .map_err(|e| err(400, "bad_buffer", "len", format!("mapping the received buffer: {e}")))
+            }
+            SharedKind::Dmabuf => {
+                if fds.is_empty() || fds.len() > 2 {
+                    return Err(bad_fds(fds.len()));
+                }
+                let backing = if fds.len() == 2 { fds.pop() } else { None };
+                let dmabuf = DmaBuf::import(fds.remove(0))
+                    .map_err(|e| err(400, "bad_buffer", "fd", format!("importing the DMA-BUF: {e}")))?;
+                if dmabuf.size() != len {
+                    return Err(err(
+                        400,
+                        "bad_buffer",
+                        "len",
+                        format!("the DMA-BUF is {} bytes, the request says {len}: send its real size", dmabuf.size()),
+                    ));
+                }
+                Buffer::from_dmabuf(dmabuf, backing)
+                    .map_err(|e| err(400, "bad_buffer", "fd", format!("mapping the DMA-BUF's backing memfd: {e}")))
+            }
+        }
+    }
+
+    fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, ErrorBody> {
         let store = self.service.store().clone();
         match req {
-            DataRequest::Register { len } => {
-                let fd = fds
-                    .pop()
-                    .ok_or_else(|| err(400, "no_fd", "fd", "register needs the buffer's fd in SCM_RIGHTS".into()))?;
-                let buffer = Buffer::from_memfd(fd, len as usize)
-                    .map_err(|e| err(400, "bad_buffer", "len", format!("mapping the received buffer: {e}")))?;
-                let id = store.register_buffer(buffer).map_err(|e| from_store(&e))?;
+            DataRequest::Register { len, kind, path } => {
+                let path = path.unwrap_or(PayloadPath::HostFixed);
+                let buffer = Self::receive_buffer(kind, len, fds)?;
+                let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
+                let id = store.register_buffer_for(buffer, path).map_err(|e| from_store(&e))?;
                 let client = self.next;
                 self.next += 1;
-                self.buffers.insert(client, (id, len));
-                Ok(DataResponse { ok: true, buffer: Some(client), ..Default::default() })
+                self.buffers.insert(client, (id, len, path));
+                Ok(DataResponse {
+                    ok: true,
+                    buffer: Some(client),
+                    paths: vec![path.to_string()],
+                    exporter,
+                    ..Default::default()
+                })
             }
             DataRequest::Store { publication, chunks, is_last_batch, total_chunks } => {
                 let mut sources = Vec::with_capacity(chunks.len());
@@ -220,14 +281,16 @@ impl Conn {
                         buffer: self.buffer(c)?,
                         buffer_offset: c.offset,
                         len: c.len,
+                        crc32c: c.crc32c,
                     });
                 }
                 self.stored_into.insert(publication);
                 let out = store
                     .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
                     .map_err(|e| from_store(&e))?;
-                let bytes: u64 = chunks.iter().map(|c| c.len).sum();
-                self.metrics.bytes_host_fixed.fetch_add(bytes, Ordering::Relaxed);
+                for c in &chunks {
+                    self.count_bytes(self.path_of(c), c.len);
+                }
                 let verdicts = match self.verdicts(publication, &chunks) {
                     Ok(v) => v,
                     Err(e) => {
@@ -241,7 +304,7 @@ impl Conn {
                     completed: Some(out.completed),
                     total: Some(out.total),
                     publishable: Some(out.publishable),
-                    paths: vec!["host_fixed".into(); chunks.len()],
+                    paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
                     ..Default::default()
                 })
             }
@@ -252,15 +315,19 @@ impl Conn {
                     dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: c.offset });
                 }
                 let crcs = store.load(manifest.publication, &dests).map_err(|e| from_store(&e))?;
-                let bytes: u64 =
-                    chunks.iter().filter_map(|c| manifest.chunks.get(c.index as usize)).map(|m| m.len).sum();
-                self.metrics.bytes_host_fixed.fetch_add(bytes, Ordering::Relaxed);
+                for c in &chunks {
+                    if let Some(m) = manifest.chunks.get(c.index as usize) {
+                        self.count_bytes(self.path_of(c), m.len);
+                    }
+                }
                 let verdicts = self.verdicts(manifest.publication, &chunks)?;
+                let unverified = chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
                 Ok(DataResponse {
                     ok: true,
-                    crc32c: crcs,
+                    crc32c: crcs.into_iter().flatten().collect(),
+                    unverified,
                     verdicts,
-                    paths: vec!["host_fixed".into(); chunks.len()],
+                    paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
                     ..Default::default()
                 })
             }
@@ -274,21 +341,25 @@ impl Conn {
         let mut out = Vec::with_capacity(chunks.len());
         for c in chunks {
             let transfer = publication << 16 | c.index as u64;
-            let v = match p.reader.signals(transfer) {
-                Ok(Some(s)) => {
-                    pdstor_probes::judge(pdstor_probes::Declared::HostFixed, p.class, &s, &p.reader.attached())
-                }
+            let path = self.path_of(c);
+            let declared = match path {
+                PayloadPath::Host => pdstor_probes::Declared::Host,
+                PayloadPath::HostFixed => pdstor_probes::Declared::HostFixed,
+                PayloadPath::DmabufFixed => pdstor_probes::Declared::DmabufFixed,
+            };
+            let v = match p.reader.take(transfer) {
+                Ok(Some(s)) => pdstor_probes::judge(declared, p.class, &s, &p.reader.attached()),
                 Ok(None) => pdstor_probes::Verdict::Unverifiable("no signal recorded for this transfer".into()),
                 Err(e) => pdstor_probes::Verdict::Unverifiable(format!("reading the probes: {e}")),
             };
-            self.metrics.verdict("host_fixed", &v);
+            self.metrics.verdict(path.as_str(), &v);
             if p.require_native && matches!(v, pdstor_probes::Verdict::Fallback(_)) {
                 return Err(err(
                     500,
                     "not_native",
                     "chunks",
                     format!(
-                        "chunk {} of publication {publication} took {v} on a host_fixed transfer (--require-native)",
+                        "chunk {} of publication {publication} took {v} on a {path} transfer (--require-native)",
                         c.index
                     ),
                 ));
@@ -306,7 +377,7 @@ impl Conn {
                 let _ = store.abort(id);
             }
         }
-        for (_, (id, _)) in self.buffers.drain() {
+        for (_, (id, _, _)) in self.buffers.drain() {
             let _ = store.unregister_buffer(id);
         }
     }

@@ -49,9 +49,28 @@ pub fn from_store(e: &StoreError) -> ErrorBody {
         StoreError::TotalMismatch { .. } => body(400, "total_mismatch", "total_chunks", m),
         StoreError::ProtocolViolation { .. } => body(422, "protocol_violation", "chunks", m),
         StoreError::AbortedInFlight { .. } => body(409, "aborted", "publication", m),
+        // A batch the engine refused before submitting anything: the request
+        // was wrong, and nothing was written.
+        StoreError::BatchFailed {
+            source:
+                crate::io::IoError::Buffer { .. }
+                | crate::io::IoError::Unaligned { .. }
+                | crate::io::IoError::BeyondTarget { .. }
+                | crate::io::IoError::UnknownBuffer(_)
+                | crate::io::IoError::EmptyRequest { .. }
+                | crate::io::IoError::PathUnavailable { .. },
+            ..
+        } => body(422, "bad_chunk", "chunks", m),
         StoreError::BatchFailed { .. } => body(500, "batch_failed", "chunks", m),
         StoreError::Load { .. } => body(500, "load_failed", "chunks", m),
         StoreError::Failed(_) => body(503, "store_failed", "", m),
+        StoreError::Io(
+            crate::io::IoError::DmabufUnsupported { .. }
+            | crate::io::IoError::PathUnavailable { .. }
+            | crate::io::IoError::BufferUnusable { .. }
+            | crate::io::IoError::DmabufNotPinnable { .. },
+        ) => body(422, "path_unavailable", "path", m),
+        StoreError::Io(crate::io::IoError::BufferTableFull { .. }) => body(503, "buffer_table_full", "buffer", m),
         _ => body(500, "io_error", "", m),
     }
 }

@@ -31,6 +31,7 @@ pub struct Metrics {
     /// Payload bytes by path: host, host_fixed, dmabuf_fixed.
     pub bytes_host: AtomicU64,
     pub bytes_host_fixed: AtomicU64,
+    pub bytes_dmabuf_fixed: AtomicU64,
     pub requests: AtomicU64,
     /// Observed verdicts by (path, kind): kind is native, fallback or unverifiable.
     pub verdicts: Mutex<BTreeMap<(String, String), u64>>,
@@ -257,7 +258,16 @@ async fn metrics(State(s): State<Shared>) -> Response {
         "pdstor_payload_bytes_total{{path=\"host_fixed\"}} {}",
         s.metrics.bytes_host_fixed.load(Ordering::Relaxed)
     );
-    let _ = writeln!(out, "pdstor_payload_bytes_total{{path=\"dmabuf_fixed\"}} 0");
+    let _ = writeln!(
+        out,
+        "pdstor_payload_bytes_total{{path=\"dmabuf_fixed\"}} {}",
+        s.metrics.bytes_dmabuf_fixed.load(Ordering::Relaxed)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_dmabuf_cpu_accesses_total CPU accesses the daemon made to DMA-BUF memory (checksums), each bracketed by DMA_BUF_IOCTL_SYNC.\n# TYPE pdstor_dmabuf_cpu_accesses_total counter"
+    );
+    let _ = writeln!(out, "pdstor_dmabuf_cpu_accesses_total {}", crate::buffer::dmabuf::cpu_accesses());
     let _ =
         writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
     for (code, n) in s.metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {

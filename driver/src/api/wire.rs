@@ -109,14 +109,42 @@ pub struct PublicationInfo {
     pub reader: Option<String>,
 }
 
+/// What a `register` frame's fds are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SharedKind {
+    /// One fd: a memfd.
+    #[default]
+    Memfd,
+    /// One or two fds: a DMA-BUF, then optionally the memfd behind it (a
+    /// udmabuf's), through which the daemon maps the memory for host paths.
+    Dmabuf,
+}
+
 /// Data-plane requests: one JSON frame each (`u32` little-endian length, then
-/// JSON). `Register` travels with the buffer's fd in `SCM_RIGHTS`.
+/// JSON). `Register` travels with the buffer's fd(s) in `SCM_RIGHTS`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum DataRequest {
-    Register { len: u64 },
-    Store { publication: u64, chunks: Vec<DataChunk>, is_last_batch: bool, total_chunks: u32 },
-    Load { receipt: Receipt, chunks: Vec<DataChunk> },
+    /// Share a buffer for one path (default `host_fixed`); every chunk stored
+    /// from or loaded into it moves on that path.
+    Register {
+        len: u64,
+        #[serde(default)]
+        kind: SharedKind,
+        #[serde(default)]
+        path: Option<crate::io::PayloadPath>,
+    },
+    Store {
+        publication: u64,
+        chunks: Vec<DataChunk>,
+        is_last_batch: bool,
+        total_chunks: u32,
+    },
+    Load {
+        receipt: Receipt,
+        chunks: Vec<DataChunk>,
+    },
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -127,6 +155,10 @@ pub struct DataChunk {
     /// Bytes to store (ignored by loads: the manifest says).
     #[serde(default)]
     pub len: u64,
+    /// The writer's crc32c of the chunk (stores). Checked against the bytes
+    /// where the daemon can map them; required where it cannot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -138,8 +170,15 @@ pub struct DataResponse {
     pub publishable: Option<bool>,
     /// The path each chunk moved on.
     pub paths: Vec<String>,
-    /// crc32c of each loaded chunk, as read.
+    /// crc32c of each loaded chunk, as read (chunks in `unverified` omitted).
     pub crc32c: Vec<u32>,
+    /// Loaded chunks the daemon could not checksum (memory it cannot map):
+    /// the reader must verify them.
+    #[serde(default)]
+    pub unverified: Vec<u32>,
+    /// The exporter of a registered DMA-BUF, as the kernel names it.
+    #[serde(default)]
+    pub exporter: Option<String>,
     /// Observed provenance of each chunk (`native`, `fallback(..)`,
     /// `unverifiable(..)`) when the daemon runs with `--provenance`.
     #[serde(default)]

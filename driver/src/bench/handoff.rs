@@ -102,7 +102,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
     let mut data = crate::client::DataConn::connect(&cfg.data_socket)?;
     let small = crate::buffer::Buffer::memfd("bench-small", 4096).map_err(|e| ClientError::Data(e.to_string()))?;
     let b = data.register(&small)?;
-    let chunk = crate::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: 4096 };
+    let chunk = crate::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: 4096, crc32c: None };
     for i in 0..cfg.latency_samples {
         let req = format!("lat-{run_id}-{i}");
         let mut times = Vec::with_capacity(steps.len());

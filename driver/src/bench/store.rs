@@ -67,7 +67,7 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
                 let id = s.register_buffer(buf)?;
                 for i in 0..per_writer {
                     let p = s.prepare(&format!("w{w}-{i}"), "bench", &layout, 1)?;
-                    let c = ChunkSource { index: 0, buffer: id, buffer_offset: 0, len: chunk };
+                    let c = ChunkSource { index: 0, buffer: id, buffer_offset: 0, len: chunk, crc32c: None };
                     s.store_batch(&StoreBatch {
                         publication: p,
                         chunks: vec![c],

@@ -6,7 +6,12 @@
 //! unsound. Whether a buffer is *registered* with io_uring (the `host_fixed`
 //! path) is the engine's business, not the buffer's; see [`crate::io::Engine`].
 //!
-//! This module does not do DMA-BUF or CUDA memory (later kinds).
+//! DMA-BUFs ([`dmabuf`]) are buffers too: mapped through their backing memfd
+//! (udmabuf) or their own `mmap` (DMA heaps) where the exporter allows, and
+//! with no CPU mapping at all where it does not (device memory), in which case
+//! only the `dmabuf_fixed` path can move them.
+
+pub mod dmabuf;
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -37,6 +42,12 @@ pub enum BufferError {
         end = offset.saturating_add(*count as u64)
     )]
     OutOfBounds { offset: u64, count: usize, len: usize },
+    #[error(transparent)]
+    DmaBuf(#[from] dmabuf::DmaBufError),
+    #[error(
+        "the {exporter} DMA-BUF has no CPU mapping in this process (device memory): only the dmabuf_fixed path can move it, and its checksums must come from the client"
+    )]
+    NoCpuMapping { exporter: String },
 }
 
 /// Where a buffer's memory comes from.
@@ -46,6 +57,8 @@ pub enum BufferKind {
     Host,
     /// A memfd mapping, shareable with another process by passing its fd.
     Memfd,
+    /// A DMA-BUF (udmabuf, DMA heap, GPU memory).
+    DmaBuf,
 }
 
 impl std::fmt::Display for BufferKind {
@@ -53,6 +66,7 @@ impl std::fmt::Display for BufferKind {
         f.write_str(match self {
             BufferKind::Host => "host",
             BufferKind::Memfd => "memfd",
+            BufferKind::DmaBuf => "dmabuf",
         })
     }
 }
@@ -60,9 +74,13 @@ impl std::fmt::Display for BufferKind {
 /// A page-aligned payload buffer.
 #[derive(Debug)]
 pub struct Buffer {
-    region: MmapRegion<()>,
+    /// The CPU mapping; `None` only for a DMA-BUF this process cannot map.
+    region: Option<MmapRegion<()>>,
     kind: BufferKind,
     memfd: Option<File>,
+    dmabuf: Option<dmabuf::DmaBuf>,
+    /// Length when there is no mapping (the DMA-BUF's size).
+    len: usize,
 }
 
 impl Buffer {
@@ -73,7 +91,7 @@ impl Buffer {
         }
         let region = MmapRegion::new(len).map_err(|source| BufferError::Map { kind: BufferKind::Host, len, source })?;
         advise_huge_pages(&region);
-        Ok(Buffer { region, kind: BufferKind::Host, memfd: None })
+        Ok(Buffer { region: Some(region), kind: BufferKind::Host, memfd: None, dmabuf: None, len })
     }
 
     /// A new memfd of `len` bytes, mapped shared.
@@ -108,11 +126,48 @@ impl Buffer {
             file.try_clone().map_err(|source| BufferError::Memfd { name: "<dup>".into(), len, source })?;
         let region = MmapRegion::from_file(FileOffset::new(mapping_file, 0), len)
             .map_err(|source| BufferError::Map { kind: BufferKind::Memfd, len, source })?;
-        Ok(Buffer { region, kind: BufferKind::Memfd, memfd: Some(file) })
+        Ok(Buffer { region: Some(region), kind: BufferKind::Memfd, memfd: Some(file), dmabuf: None, len })
+    }
+
+    /// A new udmabuf of `len` bytes, mapped through its memfd (so it can also
+    /// be registered for `host_fixed`).
+    pub fn udmabuf(name: &str, len: usize) -> Result<Self, BufferError> {
+        let (buf, memfd) = dmabuf::create_udmabuf(name, len as u64)?;
+        let mut b = Self::map_memfd(memfd, len)?;
+        b.kind = BufferKind::DmaBuf;
+        b.dmabuf = Some(buf);
+        Ok(b)
+    }
+
+    /// A new buffer of `len` bytes from DMA heap `heap`, mapped with the
+    /// DMA-BUF's own `mmap`.
+    pub fn dma_heap(heap: &str, len: usize) -> Result<Self, BufferError> {
+        let buf = dmabuf::alloc_from_heap(heap, len as u64)?;
+        Self::from_dmabuf(buf, None)
+    }
+
+    /// Wraps an imported DMA-BUF. With `backing` (a udmabuf's memfd), the
+    /// memory is mapped through the memfd; otherwise through the DMA-BUF's own
+    /// `mmap` if the exporter allows it, else not at all (device memory).
+    pub fn from_dmabuf(buf: dmabuf::DmaBuf, backing: Option<OwnedFd>) -> Result<Self, BufferError> {
+        let len = usize::try_from(buf.size()).map_err(|_| BufferError::ZeroLength)?;
+        let region = match backing {
+            Some(fd) => {
+                let mut b = Self::from_memfd(fd, len)?;
+                b.kind = BufferKind::DmaBuf;
+                b.dmabuf = Some(buf);
+                return Ok(b);
+            }
+            None => buf
+                .try_clone_fd()
+                .ok()
+                .and_then(|fd| MmapRegion::from_file(FileOffset::new(File::from(fd), 0), len).ok()),
+        };
+        Ok(Buffer { region, kind: BufferKind::DmaBuf, memfd: None, dmabuf: Some(buf), len })
     }
 
     pub fn len(&self) -> usize {
-        self.region.size()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
@@ -128,27 +183,59 @@ impl Buffer {
         self.memfd.as_ref().map(|f| f.as_fd())
     }
 
-    /// Start address, for the kernel (io_uring SQEs, buffer registration).
-    pub(crate) fn addr(&self) -> u64 {
-        self.region.as_ptr() as u64
+    /// The DMA-BUF behind this buffer, if it is one.
+    pub fn dmabuf(&self) -> Option<&dmabuf::DmaBuf> {
+        self.dmabuf.as_ref()
+    }
+
+    /// Whether this process can read and write the bytes (and so register
+    /// them for `host`/`host_fixed`).
+    pub fn is_mapped(&self) -> bool {
+        self.region.is_some()
+    }
+
+    /// Start address of the CPU mapping, for the kernel (io_uring SQEs,
+    /// buffer registration).
+    pub(crate) fn addr(&self) -> Result<u64, BufferError> {
+        Ok(self.region()?.as_ptr() as u64)
+    }
+
+    fn region(&self) -> Result<&MmapRegion<()>, BufferError> {
+        self.region.as_ref().ok_or_else(|| BufferError::NoCpuMapping {
+            exporter: self.dmabuf.as_ref().map_or("unknown", |d| d.exporter()).to_owned(),
+        })
+    }
+
+    /// Checks that `offset..offset + count` lies within the buffer.
+    pub fn check_range(&self, offset: u64, count: usize) -> Result<(), BufferError> {
+        let oob = || BufferError::OutOfBounds { offset, count, len: self.len() };
+        let end = offset.checked_add(count as u64).ok_or_else(oob)?;
+        if end > self.len as u64 { Err(oob()) } else { Ok(()) }
     }
 
     /// A bounds-checked volatile view of `count` bytes at `offset`.
     pub fn slice(&self, offset: u64, count: usize) -> Result<VolatileSlice<'_>, BufferError> {
+        self.check_range(offset, count)?;
         let oob = || BufferError::OutOfBounds { offset, count, len: self.len() };
         let offset = usize::try_from(offset).map_err(|_| oob())?;
-        self.region.get_slice(offset, count).map_err(|_| oob())
+        self.region()?.get_slice(offset, count).map_err(|_| oob())
     }
 
-    /// Copies `src` into the buffer at `offset`.
+    /// Copies `src` into the buffer at `offset` (a DMA-BUF's access is
+    /// bracketed with `DMA_BUF_IOCTL_SYNC` and counted).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), BufferError> {
-        self.slice(offset, src.len())?.copy_from(src);
+        let slice = self.slice(offset, src.len())?;
+        let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Write)).transpose()?;
+        slice.copy_from(src);
         Ok(())
     }
 
-    /// Copies `dst.len()` bytes at `offset` out of the buffer.
+    /// Copies `dst.len()` bytes at `offset` out of the buffer (bracketed and
+    /// counted for a DMA-BUF).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), BufferError> {
-        self.slice(offset, dst.len())?.copy_to(dst);
+        let slice = self.slice(offset, dst.len())?;
+        let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Read)).transpose()?;
+        slice.copy_to(dst);
         Ok(())
     }
 }
@@ -173,7 +260,7 @@ mod tests {
     #[test]
     fn host_buffer_is_page_aligned_and_bounds_checked() {
         let b = Buffer::host(3 * 4096).unwrap();
-        assert_eq!(b.addr() % 4096, 0);
+        assert_eq!(b.addr().unwrap() % 4096, 0);
         b.write_at(4096, b"kv").unwrap();
         let mut out = [0u8; 2];
         b.read_at(4096, &mut out).unwrap();

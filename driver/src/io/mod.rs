@@ -4,7 +4,12 @@
 //! - `host`: plain `READ`/`WRITE` (or passthrough without a fixed buffer) from
 //!   unregistered memory;
 //! - `host_fixed`: `READ_FIXED`/`WRITE_FIXED` (or `URING_CMD` with
-//!   `IORING_URING_CMD_FIXED`) from a buffer registered with the ring.
+//!   `IORING_URING_CMD_FIXED`) from a buffer registered with the ring;
+//! - `dmabuf_fixed`: `READ_FIXED`/`WRITE_FIXED` on a raw block device from a
+//!   DMA-BUF installed in the buffer table with the rw-dmabuf UAPI
+//!   ([`crate::buffer::dmabuf::uapi`]); the SQE's `addr` is an offset into the
+//!   DMA-BUF. Probed at start-up ([`Engine::dmabuf_rw`]); without the kernel
+//!   series, registering for it fails with an error that names what is missing.
 //!
 //! The engine never switches paths on its own: a request that its path cannot
 //! serve is refused before anything is submitted, with the reason and the path
@@ -30,7 +35,7 @@ pub use nvme::NvmeStatus;
 pub use ring::MAX_TRANSFER_ID;
 pub use target::{Geometry, Target, TargetKind, TargetOptions};
 
-use crate::buffer::{Buffer, BufferError};
+use crate::buffer::{Buffer, BufferError, dmabuf};
 use ring::{Completions, Driver, Planned, Segment};
 
 /// Payload provenance (DESIGN §6).
@@ -177,6 +182,20 @@ pub enum IoError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the dmabuf_fixed path is not available: {why}. It needs the io_uring rw-dmabuf series (IORING_RSRC_UPDATE_EXTENDED with io_uring_regbuf_desc type DMABUF), which no released kernel has: boot a kernel built with it and kernel-config/dmabuf-rw.config, or use host_fixed"
+    )]
+    DmabufUnsupported { why: String },
+    #[error("{buffer} cannot be used here: {what}")]
+    BufferUnusable { buffer: BufferId, what: BufferError },
+    #[error(
+        "the {exporter} DMA-BUF's own CPU mapping cannot be pinned for direct I/O ({source}): the exporter maps raw page frames, which host and host_fixed cannot use without a copy; send its backing memfd (udmabuf), or use dmabuf_fixed"
+    )]
+    DmabufNotPinnable {
+        exporter: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("all {slots} buffer slots are in use: remove a buffer first or raise EngineOptions::buffer_slots")]
     BufferTableFull { slots: u32 },
     #[error("{0} is not held by this engine")]
@@ -210,6 +229,10 @@ pub enum IoError {
         "{transfer}: {op} at target offset {offset} moved 0 of {expected} bytes: the target ended or stopped making progress"
     )]
     ShortTransfer { transfer: TransferId, op: Op, offset: u64, expected: u64 },
+}
+
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().to_owned())
 }
 
 fn register_hint(e: &std::io::Error) -> &'static str {
@@ -260,6 +283,7 @@ pub struct PathCounters {
 pub struct EngineStats {
     pub host: PathCounters,
     pub host_fixed: PathCounters,
+    pub dmabuf_fixed: PathCounters,
     pub flushes: u64,
     pub errors: u64,
 }
@@ -271,9 +295,28 @@ enum Ring {
     Nvme(IoUring<squeue::Entry128, io_uring::cqueue::Entry32>),
 }
 
+/// How a held buffer is known to the ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Registration {
+    /// Held only, for the `host` path.
+    None,
+    /// Its CPU mapping is registered (`host_fixed`).
+    Host,
+    /// The DMA-BUF itself is installed (`dmabuf_fixed`).
+    DmaBuf,
+}
+
 struct Slot {
     buffer: Buffer,
-    registered: bool,
+    registered: Registration,
+}
+
+/// Whether the kernel has the rw-dmabuf io_uring UAPI, as probed at start-up.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "state", content = "detail", rename_all = "snake_case")]
+pub enum DmabufRw {
+    Available,
+    Missing(String),
 }
 
 /// The io_uring payload engine over one target.
@@ -288,6 +331,7 @@ pub struct Engine {
     slots: Vec<Option<Slot>>,
     queue_depth: u32,
     stats: EngineStats,
+    dmabuf_rw: DmabufRw,
     _one_thread: std::marker::PhantomData<*const ()>,
 }
 
@@ -344,14 +388,125 @@ impl Engine {
                 Ring::Std(r)
             }
         };
-        Ok(Engine {
+        let mut engine = Engine {
             target,
             ring,
             slots: (0..opts.buffer_slots).map(|_| None).collect(),
             queue_depth,
             stats: EngineStats::default(),
+            dmabuf_rw: DmabufRw::Missing("not probed".into()),
             _one_thread: std::marker::PhantomData,
-        })
+        };
+        engine.dmabuf_rw = engine.probe_dmabuf_rw();
+        Ok(engine)
+    }
+
+    /// Whether this kernel can install a DMA-BUF in the buffer table.
+    pub fn dmabuf_rw(&self) -> &DmabufRw {
+        &self.dmabuf_rw
+    }
+
+    /// Asks the kernel to install DMA-BUF fd -1 through the extended update.
+    /// A kernel without the series refuses the `flags` word (`EINVAL`) before
+    /// looking further; one with it gets as far as the fd (`EBADF`). Nothing is
+    /// installed either way.
+    fn probe_dmabuf_rw(&self) -> DmabufRw {
+        use std::os::fd::AsRawFd;
+        let Some(last) = self.slots.len().checked_sub(1) else {
+            return DmabufRw::Missing("the engine has no buffer slots".into());
+        };
+        let desc = dmabuf::uapi::IoUringRegbufDesc {
+            kind: dmabuf::uapi::IO_REGBUF_TYPE_DMABUF,
+            dmabuf_fd: -1,
+            target_fd: self.target.file().as_raw_fd(),
+            ..Default::default()
+        };
+        match self.update_extended(last as u32, &desc) {
+            Err(e) if e.raw_os_error() == Some(libc::EBADF) => DmabufRw::Available,
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => DmabufRw::Missing(format!(
+                "this kernel ({}) refuses IORING_RSRC_UPDATE_EXTENDED (EINVAL)",
+                kernel_release()
+            )),
+            Err(e) => DmabufRw::Missing(format!("the capability probe failed unexpectedly: {e}")),
+            Ok(()) => {
+                // SAFETY: an empty iovec clears the slot the probe touched.
+                let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+                let _ = unsafe { self.update_buffer_table(last as u32, &[empty]) };
+                DmabufRw::Missing("the kernel accepted an invalid DMA-BUF fd; not trusting it".into())
+            }
+        }
+    }
+
+    /// `IORING_REGISTER_BUFFERS_UPDATE` with one extended descriptor.
+    fn update_extended(&self, index: u32, desc: &dmabuf::uapi::IoUringRegbufDesc) -> std::io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let up = dmabuf::uapi::IoUringRsrcUpdate2 {
+            offset: index,
+            flags: dmabuf::uapi::IORING_RSRC_UPDATE_EXTENDED,
+            data: desc as *const _ as u64,
+            nr: 1,
+            ..Default::default()
+        };
+        let ring_fd = match &self.ring {
+            Ring::Std(r) => r.as_raw_fd(),
+            Ring::Nvme(r) => r.as_raw_fd(),
+        };
+        // SAFETY: io_uring_register reads one 32-byte update and, through its
+        // `data`, one 80-byte descriptor (sizes asserted in `uapi`); both live
+        // on this stack frame for the whole call. A DMA-BUF descriptor makes
+        // the kernel take its own reference to the DMA-BUF.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_io_uring_register,
+                ring_fd,
+                dmabuf::uapi::IORING_REGISTER_BUFFERS_UPDATE,
+                &up as *const dmabuf::uapi::IoUringRsrcUpdate2,
+                size_of::<dmabuf::uapi::IoUringRsrcUpdate2>(),
+            )
+        };
+        match ret {
+            1 => Ok(()),
+            r if r < 0 => Err(std::io::Error::last_os_error()),
+            r => Err(std::io::Error::other(format!("the kernel updated {r} buffer slots, not 1"))),
+        }
+    }
+
+    /// Holds a DMA-BUF buffer and installs the DMA-BUF itself in the buffer
+    /// table, bound to the target, for the `dmabuf_fixed` path. Refused, with
+    /// nothing installed, unless the kernel has the rw-dmabuf series and the
+    /// target is a raw block device.
+    pub fn register_dmabuf(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
+        use std::os::fd::AsRawFd;
+        let Some(dmabuf) = buffer.dmabuf() else {
+            return Err(IoError::DmabufUnsupported {
+                why: format!("the buffer is {} memory, not a DMA-BUF", buffer.kind()),
+            });
+        };
+        if let DmabufRw::Missing(why) = &self.dmabuf_rw {
+            return Err(IoError::DmabufUnsupported { why: why.clone() });
+        }
+        if self.target.kind() != TargetKind::BlockDevice {
+            return Err(IoError::DmabufUnsupported {
+                why: format!(
+                    "the target is {:?}; DMA-BUF I/O goes to a raw block device opened O_DIRECT (e.g. /dev/nvme0n1)",
+                    self.target.kind()
+                ),
+            });
+        }
+        let id = self.free_slot()?;
+        let desc = dmabuf::uapi::IoUringRegbufDesc {
+            kind: dmabuf::uapi::IO_REGBUF_TYPE_DMABUF,
+            dmabuf_fd: dmabuf.fd().as_raw_fd(),
+            target_fd: self.target.file().as_raw_fd(),
+            ..Default::default()
+        };
+        self.update_extended(id.0, &desc).map_err(|source| IoError::Register {
+            buffer: id,
+            len: buffer.len(),
+            source,
+        })?;
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::DmaBuf });
+        Ok(id)
     }
 
     pub fn target(&self) -> &Target {
@@ -366,10 +521,24 @@ impl Engine {
         &self.stats
     }
 
-    /// Holds `buffer` for the `host` path only (not registered).
+    /// Holds `buffer` for the `host` path only (not registered). A DMA-BUF
+    /// mapped through its own `mmap` is refused if that mapping cannot be
+    /// pinned (direct I/O pins user memory the same way registration does):
+    /// it would fail at the first transfer instead.
     pub fn add(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
         let id = self.free_slot()?;
-        self.slots[id.0 as usize] = Some(Slot { buffer, registered: false });
+        if let (Some(d), None) = (buffer.dmabuf(), buffer.memfd_fd()) {
+            let addr = buffer.addr().map_err(|what| IoError::BufferUnusable { buffer: id, what })?;
+            let iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: buffer.len() };
+            // SAFETY: a trial registration of `buffer`'s live mapping, cleared
+            // right after; no I/O uses the slot in between.
+            let trial = unsafe { self.update_buffer_table(id.0, &[iov]) };
+            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+            // SAFETY: an empty iovec clears the slot.
+            let _ = unsafe { self.update_buffer_table(id.0, &[empty]) };
+            trial.map_err(|source| IoError::DmabufNotPinnable { exporter: d.exporter().to_owned(), source })?;
+        }
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::None });
         Ok(id)
     }
 
@@ -377,20 +546,26 @@ impl Engine {
     /// (it remains usable on `host` too).
     pub fn register(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
         let id = self.free_slot()?;
-        let iov = libc::iovec { iov_base: buffer.addr() as *mut libc::c_void, iov_len: buffer.len() };
+        let addr = buffer.addr().map_err(|what| IoError::BufferUnusable { buffer: id, what })?;
+        let iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: buffer.len() };
         // SAFETY: the iovec describes `buffer`'s mapping, which the engine owns in
         // `slots` from here until `remove` unregisters it (or the ring is dropped
         // first, since `ring` is declared before `slots`).
         let res = unsafe { self.update_buffer_table(id.0, &[iov]) };
-        res.map_err(|source| IoError::Register { buffer: id, len: buffer.len(), source })?;
-        self.slots[id.0 as usize] = Some(Slot { buffer, registered: true });
+        res.map_err(|source| match buffer.dmabuf() {
+            Some(d) if buffer.memfd_fd().is_none() => {
+                IoError::DmabufNotPinnable { exporter: d.exporter().to_owned(), source }
+            }
+            _ => IoError::Register { buffer: id, len: buffer.len(), source },
+        })?;
+        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::Host });
         Ok(id)
     }
 
     /// Releases a buffer (unregistering it first) and hands it back.
     pub fn remove(&mut self, id: BufferId) -> Result<Buffer, IoError> {
         let slot = self.slots.get_mut(id.0 as usize).and_then(Option::take).ok_or(IoError::UnknownBuffer(id))?;
-        if slot.registered {
+        if slot.registered != Registration::None {
             let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
             // SAFETY: an empty iovec clears the table entry; no I/O is in flight
             // because `execute` completes everything before returning.
@@ -408,8 +583,18 @@ impl Engine {
         self.slot(id).map(|s| &s.buffer)
     }
 
+    /// Whether the buffer's CPU mapping is registered (`host_fixed`).
     pub fn is_registered(&self, id: BufferId) -> bool {
-        self.slot(id).is_ok_and(|s| s.registered)
+        self.slot(id).is_ok_and(|s| s.registered == Registration::Host)
+    }
+
+    /// The fixed path a held buffer serves, if any.
+    pub fn fixed_path(&self, id: BufferId) -> Option<PayloadPath> {
+        match self.slot(id).ok()?.registered {
+            Registration::None => None,
+            Registration::Host => Some(PayloadPath::HostFixed),
+            Registration::DmaBuf => Some(PayloadPath::DmabufFixed),
+        }
     }
 
     /// Runs a batch to completion. Validation covers the whole batch first: if
@@ -624,7 +809,8 @@ impl EngineStats {
         }
         let c = match path {
             PayloadPath::HostFixed => &mut self.host_fixed,
-            _ => &mut self.host,
+            PayloadPath::DmabufFixed => &mut self.dmabuf_fixed,
+            PayloadPath::Host => &mut self.host,
         };
         c.requests += 1;
         c.bytes += bytes;
@@ -651,30 +837,34 @@ fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Result<Planne
         return Err(IoError::EmptyRequest { transfer: t });
     }
     let slot = slots.get(r.buffer.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(r.buffer))?;
-    let buf_index = match r.path {
-        PayloadPath::Host => None,
-        PayloadPath::HostFixed if slot.registered => Some(r.buffer.0 as u16),
-        PayloadPath::HostFixed => {
+    let len = usize::try_from(r.len).map_err(|_| IoError::EmptyRequest { transfer: t })?;
+    slot.buffer.check_range(r.buffer_offset, len).map_err(|what| IoError::Buffer { transfer: t, what })?;
+    let mapped =
+        || slot.buffer.addr().map(|a| a + r.buffer_offset).map_err(|what| IoError::Buffer { transfer: t, what });
+    let index = r.buffer.0 as u16;
+    let (buf_index, addr) = match (r.path, slot.registered) {
+        (PayloadPath::Host, _) => (None, mapped()?),
+        (PayloadPath::HostFixed, Registration::Host) => (Some(index), mapped()?),
+        (PayloadPath::HostFixed, _) => {
             return Err(IoError::PathUnavailable {
                 transfer: t,
                 path: r.path,
-                why: "the buffer is not registered with io_uring",
+                why: "the buffer's memory is not registered with io_uring",
                 hint: "register it with Engine::register, or declare path host",
             });
         }
-        PayloadPath::DmabufFixed => {
+        // The rw-dmabuf UAPI takes an offset into the DMA-BUF as the address.
+        (PayloadPath::DmabufFixed, Registration::DmaBuf) => (Some(index), r.buffer_offset),
+        (PayloadPath::DmabufFixed, _) => {
             return Err(IoError::PathUnavailable {
                 transfer: t,
                 path: r.path,
-                why: "DMA-BUF import is not built into this engine yet",
-                hint: "use host_fixed with a registered buffer",
+                why: "the buffer is not a DMA-BUF installed in the buffer table",
+                hint: "register it with Engine::register_dmabuf, or declare the path it was registered for",
             });
         }
     };
-    let len = usize::try_from(r.len).map_err(|_| IoError::EmptyRequest { transfer: t })?;
-    slot.buffer.slice(r.buffer_offset, len).map_err(|what| IoError::Buffer { transfer: t, what })?;
     let g = target.geometry();
-    let addr = slot.buffer.addr() + r.buffer_offset;
     let checks: [(&'static str, u64, u32); 3] = [
         ("buffer address", addr, g.mem_align),
         ("target offset", r.target_offset, g.offset_align),

@@ -314,6 +314,9 @@ pub struct ChunkSource {
     pub buffer: BufferId,
     pub buffer_offset: u64,
     pub len: u64,
+    /// The client's crc32c of the chunk. Checked against the bytes where the
+    /// daemon can read them; the only checksum for memory it cannot map.
+    pub crc32c: Option<u32>,
 }
 
 /// A store batch: the AllocRequest of the source design.
@@ -372,6 +375,9 @@ pub struct Store {
     opts: StoreOptions,
     last_commit: Mutex<CommitInfo>,
     target_kind: crate::io::TargetKind,
+    dmabuf_rw: crate::io::DmabufRw,
+    /// The path each held buffer was registered for.
+    buffer_paths: Mutex<HashMap<BufferId, PayloadPath>>,
 }
 
 impl Store {
@@ -382,7 +388,8 @@ impl Store {
         let target = Target::open(path, &TargetOptions::default())?;
         let target_kind = target.kind();
         let (tx, rx) = channel::<Job>();
-        let (otx, orx) = channel::<Result<(Superblock, Option<String>, Vec<u8>), StoreError>>();
+        type Opened = (Superblock, Option<String>, Vec<u8>, crate::io::DmabufRw);
+        let (otx, orx) = channel::<Result<Opened, StoreError>>();
         let qd = opts.queue_depth;
         let fault = opts.fault.clone();
         let p = path.to_path_buf();
@@ -408,7 +415,7 @@ impl Store {
                 };
                 match worker.load_journal(&sb) {
                     Ok(j) => {
-                        let _ = otx.send(Ok((sb, note, j)));
+                        let _ = otx.send(Ok((sb, note, j, worker.dmabuf_rw())));
                     }
                     Err(e) => {
                         let _ = otx.send(Err(StoreError::Worker(e)));
@@ -422,7 +429,7 @@ impl Store {
                 }
             })
             .map_err(|e| StoreError::Worker(format!("spawning the I/O thread: {e}")))?;
-        let (sb, note, journal) =
+        let (sb, note, journal, dmabuf_rw) =
             orx.recv().map_err(|_| StoreError::Worker("the I/O thread exited during open".into()))??;
 
         let mut state = state::State::new(sb.slot_count, sb.slot_size, sb.data_offset);
@@ -455,6 +462,8 @@ impl Store {
             opts,
             last_commit: Mutex::new(CommitInfo::default()),
             target_kind,
+            dmabuf_rw,
+            buffer_paths: Mutex::new(HashMap::new()),
         };
         // New epoch: superblock first (its write is the durable bump).
         let mut next_sb = sb.clone();
@@ -586,19 +595,42 @@ impl Store {
 
     /// Hands a buffer to the I/O thread (registered for `host_fixed`).
     pub fn register_buffer(&self, buffer: Buffer) -> Result<BufferId, StoreError> {
+        self.register_buffer_for(buffer, PayloadPath::HostFixed)
+    }
+
+    /// Hands a buffer to the I/O thread for `path`: held for `host`, its
+    /// mapping registered for `host_fixed`, the DMA-BUF itself installed for
+    /// `dmabuf_fixed`. Every chunk stored from or loaded into it moves on that
+    /// path. Refused (nothing held) if the path cannot take it.
+    pub fn register_buffer_for(&self, buffer: Buffer, path: PayloadPath) -> Result<BufferId, StoreError> {
         let (tx, rx) = channel();
-        self.send(Job::Register(buffer, tx))?;
-        Ok(rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))??)
+        self.send(Job::Register(buffer, path, tx))?;
+        let id = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))??;
+        self.lock_paths().insert(id, path);
+        Ok(id)
+    }
+
+    /// The path a held buffer moves on.
+    pub fn buffer_path(&self, id: BufferId) -> Option<PayloadPath> {
+        self.lock_paths().get(&id).copied()
+    }
+
+    /// Whether this kernel has the rw-dmabuf io_uring UAPI (`dmabuf_fixed`).
+    pub fn dmabuf_rw(&self) -> &crate::io::DmabufRw {
+        &self.dmabuf_rw
+    }
+
+    fn lock_paths(&self) -> std::sync::MutexGuard<'_, HashMap<BufferId, PayloadPath>> {
+        self.buffer_paths.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Gives a buffer back (a data-plane client went away).
     pub fn unregister_buffer(&self, id: BufferId) -> Result<(), StoreError> {
         let (tx, rx) = channel();
         self.send(Job::Unregister(id, tx))?;
-        rx.recv()
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
-            .map(|_| ())
-            .map_err(StoreError::from)
+        rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?.map_err(StoreError::from)?;
+        self.lock_paths().remove(&id);
+        Ok(())
     }
 
     /// Step 1: admission. Reserves the whole chunk set (waiting up to the
@@ -721,13 +753,14 @@ impl Store {
             b.seen_first = true;
             b.claimed.extend(batch.chunks.iter().map(|c| c.index));
             b.inflight += 1;
+            let paths = self.lock_paths();
             batch
                 .chunks
                 .iter()
                 .map(|c| IoRequest {
                     transfer: TransferId(id << 16 | c.index as u64),
                     op: Op::Write,
-                    path: PayloadPath::HostFixed,
+                    path: paths.get(&c.buffer).copied().unwrap_or(PayloadPath::HostFixed),
                     buffer: c.buffer,
                     buffer_offset: c.buffer_offset,
                     target_offset: data_offset + slots[c.index as usize] as u64 * slot_size,
@@ -755,7 +788,7 @@ impl Store {
                 let mut first_err = None;
                 let mut crcs = Vec::new();
                 for (c, r) in batch.chunks.iter().zip(results) {
-                    match r {
+                    match r.and_then(|read| chunk_checksum(id, c, read)) {
                         Ok(crc) => crcs.push((c, crc)),
                         Err(e) => {
                             first_err.get_or_insert(e);
@@ -795,7 +828,7 @@ impl Store {
         })
     }
 
-    fn payload(&self, requests: Vec<IoRequest>) -> Result<Vec<Result<u32, IoError>>, IoError> {
+    fn payload(&self, requests: Vec<IoRequest>) -> worker::PayloadReply {
         let (tx, rx) = channel();
         self.send(Job::Io(requests, tx))
             .map_err(|e| IoError::Ring { op: "store I/O thread", source: std::io::Error::other(e.to_string()) })?;
@@ -969,7 +1002,9 @@ impl Store {
 
     /// Reads chunks of a READY (or later) publication into buffers and checks
     /// each against its recorded checksum. A mismatch is an error, never data.
-    pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<u32>, StoreError> {
+    /// Returns each chunk's crc32c as read, or `None` where the buffer is
+    /// memory this process cannot map (the reader must verify those itself).
+    pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<Option<u32>>, StoreError> {
         let manifest = {
             let live = self.lock_live();
             let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
@@ -989,7 +1024,7 @@ impl Store {
             requests.push(IoRequest {
                 transfer: TransferId(id << 16 | d.index as u64),
                 op: Op::Read,
-                path: PayloadPath::HostFixed,
+                path: self.buffer_path(d.buffer).unwrap_or(PayloadPath::HostFixed),
                 buffer: d.buffer,
                 buffer_offset: d.buffer_offset,
                 target_offset: c.offset,
@@ -1002,6 +1037,10 @@ impl Store {
         for (d, r) in dests.iter().zip(results) {
             let c = manifest.chunks[d.index as usize];
             let crc = r.map_err(|e| StoreError::Load { publication: id, chunk: d.index, what: e.to_string() })?;
+            let Some(crc) = crc else {
+                crcs.push(None);
+                continue;
+            };
             if crc != c.crc32c {
                 return Err(StoreError::Load {
                     publication: id,
@@ -1009,7 +1048,7 @@ impl Store {
                     what: format!("checksum mismatch: stored {:#010x}, read {crc:#010x}", c.crc32c),
                 });
             }
-            crcs.push(crc);
+            crcs.push(Some(crc));
         }
         Ok(crcs)
     }
@@ -1065,6 +1104,35 @@ impl Store {
             return Err(format!("publications own {owned} slots but {reserved} are reserved"));
         }
         Ok(())
+    }
+}
+
+/// The checksum recorded for a stored chunk: the one read from the bytes,
+/// which a client-declared one must match; the declared one alone where the
+/// daemon cannot read the memory; an error when there is neither.
+fn chunk_checksum(publication: u64, c: &ChunkSource, read: Option<u32>) -> Result<u32, IoError> {
+    let transfer = TransferId(publication << 16 | c.index as u64);
+    match (read, c.crc32c) {
+        (Some(r), Some(d)) if r != d => Err(IoError::Transfer {
+            transfer,
+            op: Op::Write,
+            offset: 0,
+            len: c.len,
+            source: std::io::Error::other(format!(
+                "the client declared crc32c {d:#010x} but the buffer holds {r:#010x}: the bytes changed under the store or the client checksummed other bytes"
+            )),
+        }),
+        (Some(r), _) => Ok(r),
+        (None, Some(d)) => Ok(d),
+        (None, None) => Err(IoError::Transfer {
+            transfer,
+            op: Op::Write,
+            offset: 0,
+            len: c.len,
+            source: std::io::Error::other(
+                "the buffer is memory the daemon cannot map and the client gave no crc32c: send each chunk's crc32c with the store batch",
+            ),
+        }),
     }
 }
 

@@ -52,16 +52,22 @@ fn dead_device() -> std::io::Error {
     std::io::Error::other("device failed (fault injection)")
 }
 
+/// Per request, the crc32c of its bytes (`None` for memory the daemon cannot
+/// map) or its failure; the outer error is a batch that could not run.
+pub(crate) type PayloadReply = Result<Vec<Result<Option<u32>, IoError>>, IoError>;
+
 pub(crate) enum Job {
     /// First job after open: appends continue at this offset of the active half.
     Resume {
         journal_end: u64,
     },
-    Register(Buffer, Sender<Result<BufferId, IoError>>),
+    /// Hold a buffer for a path: `host` (held), `host_fixed` (its mapping
+    /// registered) or `dmabuf_fixed` (the DMA-BUF installed).
+    Register(Buffer, PayloadPath, Sender<Result<BufferId, IoError>>),
     Unregister(BufferId, Sender<Result<(), IoError>>),
     /// Payload I/O; the reply has, per request, the crc32c of the bytes
     /// written or read, or its error.
-    Io(Vec<IoRequest>, Sender<Result<Vec<Result<u32, IoError>>, IoError>>),
+    Io(Vec<IoRequest>, Sender<PayloadReply>),
     /// Encoded records to append to the journal image (durable at the next commit).
     Append(Vec<u8>),
     Commit(Sender<Result<CommitInfo, String>>),
@@ -229,8 +235,12 @@ impl Worker {
 
     fn handle(&mut self, job: Job) {
         match job {
-            Job::Register(buffer, reply) => {
-                let _ = reply.send(self.engine.register(buffer));
+            Job::Register(buffer, path, reply) => {
+                let _ = reply.send(match path {
+                    PayloadPath::Host => self.engine.add(buffer),
+                    PayloadPath::HostFixed => self.engine.register(buffer),
+                    PayloadPath::DmabufFixed => self.engine.register_dmabuf(buffer),
+                });
             }
             Job::Unregister(id, reply) => {
                 let _ = reply.send(self.engine.remove(id).map(drop));
@@ -392,7 +402,7 @@ impl Worker {
         self.engine.execute_all(&[req]).map(|_| ())
     }
 
-    fn payload(&mut self, requests: &[IoRequest]) -> Result<Vec<Result<u32, IoError>>, IoError> {
+    fn payload(&mut self, requests: &[IoRequest]) -> PayloadReply {
         let mut allowed = Vec::with_capacity(requests.len());
         let mut refused = vec![false; requests.len()];
         for (i, r) in requests.iter().enumerate() {
@@ -438,12 +448,21 @@ impl Worker {
     }
 
     /// crc32c of the request's buffer range, read with volatile copies (the
-    /// memory may be shared with another process).
-    fn crc(&mut self, r: &IoRequest) -> Result<u32, IoError> {
+    /// memory may be shared with another process; a DMA-BUF's access is
+    /// bracketed with DMA_BUF_IOCTL_SYNC). `None` for memory this process
+    /// cannot map (device memory): the client's checksum has to do.
+    fn crc(&mut self, r: &IoRequest) -> Result<Option<u32>, IoError> {
         let b = self.engine.buffer(r.buffer)?;
+        if !b.is_mapped() {
+            return Ok(None);
+        }
         self.scratch.resize(r.len as usize, 0);
         b.read_at(r.buffer_offset, &mut self.scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
-        Ok(crc32c::crc32c(&self.scratch))
+        Ok(Some(crc32c::crc32c(&self.scratch)))
+    }
+
+    pub(super) fn dmabuf_rw(&self) -> crate::io::DmabufRw {
+        self.engine.dmabuf_rw().clone()
     }
 }
 

@@ -160,10 +160,41 @@ int on_complete(struct trace_event_raw_io_uring_complete *ctx)
 	struct transfer_key key = { .transfer = transfer };
 	struct transfer_signals *s = bpf_map_lookup_elem(&signals, &key);
 
+	/* The thread is no longer submitting this transfer: what it does next
+	 * (checksumming the bytes, say) is not part of the transfer. */
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct transfer_key *cur = bpf_map_lookup_elem(&current_transfer, &tid);
+
+	if (cur && cur->transfer == transfer)
+		bpf_map_delete_elem(&current_transfer, &tid);
 	if (!s)
 		return 0;
 	__sync_fetch_and_add(&s->completions, 1);
 	s->last_res = ctx->res;
+	return 0;
+}
+
+/* A request io_uring could not issue without blocking (a full tag set, a
+ * filesystem lock, an unwritten extent) is punted to an io-wq worker, a
+ * thread of this process that issues it later. That worker's block requests,
+ * direct-I/O and page-cache events belong to the punted transfer, not to
+ * whatever this process submitted last: name it for the worker's thread. */
+SEC("kprobe/io_wq_submit_work")
+int BPF_KPROBE(on_iowq_work, struct io_wq_work *work)
+{
+	if (!ours())
+		return 0;
+	struct io_kiocb *req = (void *)work - bpf_core_field_offset(struct io_kiocb, work);
+	__u64 transfer = BPF_CORE_READ(req, cqe.user_data) >> PDSTOR_SEGMENT_BITS;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	if (transfer == 0) {
+		bpf_map_delete_elem(&current_transfer, &tid);
+		return 0;
+	}
+	struct transfer_key key = { .transfer = transfer };
+
+	bpf_map_update_elem(&current_transfer, &tid, &key, BPF_ANY);
 	return 0;
 }
 
@@ -263,10 +294,21 @@ int on_swiotlb_map(struct pt_regs *ctx)
 	COUNT_FOR_CURRENT(swiotlb_bounces);
 }
 
+/* A CPU access to a DMA-BUF is always a syscall (DMA_BUF_IOCTL_SYNC) by the
+ * accessing thread itself, never io-wq work: only the thread's own current
+ * transfer is charged, not the process-wide fallback. */
 SEC("kprobe/dma_buf_begin_cpu_access")
 int on_dmabuf_cpu_access(struct pt_regs *ctx)
 {
-	COUNT_FOR_CURRENT(dmabuf_cpu_access);
+	if (!ours())
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct transfer_key *k = bpf_map_lookup_elem(&current_transfer, &tid);
+	struct transfer_signals *s = k ? bpf_map_lookup_elem(&signals, k) : NULL;
+
+	if (s)
+		__sync_fetch_and_add(&s->dmabuf_cpu_access, 1);
+	return 0;
 }
 
 SEC("tracepoint/block/block_rq_issue")

@@ -1,6 +1,7 @@
 //! The contract suites the guest runs. Adding a suite is one entry in
 //! [`SUITES`]; adding a test is one entry in its suite's table.
 
+mod dmabuf;
 mod faults;
 mod io;
 mod probes;
@@ -24,7 +25,7 @@ pub struct Suite {
 }
 
 /// Every suite, in the order `--suite all` runs them.
-pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, swiotlb::SUITE];
+pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, dmabuf::SUITE, swiotlb::SUITE];
 
 pub fn find(name: &str) -> Option<&'static Suite> {
     SUITES.iter().find(|s| s.name == name)

@@ -20,10 +20,11 @@ pub const SUITE: Suite = Suite {
     ],
 };
 
-const SERVER: &str = "http://127.0.0.1:7077";
-const SOCKET: &str = "/tmp/vmtest/pdstor-data.sock";
+pub(crate) const SERVER: &str = "http://127.0.0.1:7077";
+pub(crate) const SOCKET: &str = "/tmp/vmtest/pdstor-data.sock";
 
-struct Daemon(Child);
+/// A `pdstor serve` child, stopped with SIGTERM (then SIGKILL) on drop.
+pub(crate) struct Daemon(Child);
 
 impl Drop for Daemon {
     fn drop(&mut self) {
@@ -42,10 +43,18 @@ impl Drop for Daemon {
 }
 
 fn serve(target: &Path) -> Result<Daemon, String> {
+    serve_with(target, &[])
+}
+
+/// Starts `pdstor serve` on `target` with `extra` arguments and waits for its
+/// data socket.
+pub(crate) fn serve_with(target: &Path, extra: &[&str]) -> Result<Daemon, String> {
     let _ = std::fs::remove_file(SOCKET);
     let log = std::fs::File::create("/tmp/vmtest/serve.log").map_err(|e| e.to_string())?;
     let child = Command::new("/bin/pdstor")
-        .args(["serve", "--listen", "127.0.0.1:7077", "--data-socket", SOCKET, "--target"])
+        .args(["serve", "--listen", "127.0.0.1:7077", "--data-socket", SOCKET])
+        .args(extra)
+        .arg("--target")
         .arg(target)
         .stdout(Stdio::null())
         .stderr(log)

@@ -1,0 +1,402 @@
+//! `dmabuf`: DMA-BUF buffers from the guest kernel's own exporters (udmabuf
+//! and the system DMA heap), handed to `pdstor serve` over the data plane,
+//! stored to and loaded from the raw NVMe block device and a file on XFS, and
+//! read back independently with `dd iflag=direct`. `dmabuf_fixed` on this
+//! stock kernel must fail with the capability error and write nothing. The
+//! `dma_buf_begin_cpu_access` kprobe must see no CPU access to a DMA-BUF during
+//! a fixed-path transfer, and must see one that a control makes on purpose.
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+use pdstor::api::wire::DataChunk;
+use pdstor::buffer::dmabuf::{Access, DmaBuf};
+use pdstor::client::{Client, ClientError, DataConn};
+use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor::store::Layout;
+use pdstor::{Buffer, PayloadPath};
+use pdstor_probes::{Declared, TargetClass, Verdict};
+
+use super::io::dd_direct;
+use super::protocol::{SERVER, SOCKET, serve_with};
+use super::{Suite, Test, outcome};
+use crate::guest::{Ctx, sh};
+use crate::{DiskRole, Outcome};
+
+pub const SUITE: Suite = Suite {
+    name: "dmabuf",
+    about: "udmabuf buffers through pdstor serve on raw NVMe and XFS; dma-heap and dmabuf_fixed refused with their reasons",
+    tests: &[
+        Test { name: "exporters_and_capability_probe", disk: Some(DiskRole::Raw), run: exporters_and_probe },
+        Test { name: "cpu_access_seen_only_inside_a_transfer", disk: Some(DiskRole::Raw), run: cpu_access },
+        Test { name: "udmabuf_and_heap_on_raw_block", disk: Some(DiskRole::Raw), run: raw_block },
+        Test { name: "udmabuf_and_heap_on_xfs", disk: Some(DiskRole::Xfs), run: xfs },
+        Test { name: "dmabuf_fixed_refused_writes_nothing", disk: Some(DiskRole::Raw), run: dmabuf_fixed_refused },
+        Test { name: "bad_dmabuf_input_is_refused", disk: Some(DiskRole::Raw), run: bad_input },
+    ],
+};
+
+const CHUNK: u64 = 1 << 20;
+const CHUNKS: u32 = 6;
+
+fn e<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> String + '_ {
+    move |err| format!("{what}: {err}")
+}
+
+fn exporters_and_probe(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let info = sh("/bin/pdstor", &["info", "--target", &disk.block.to_string_lossy()])?;
+        let v: serde_json::Value = serde_json::from_str(&info).map_err(e("parsing pdstor info"))?;
+        if v["dmabuf_exporters"]["udmabuf"] != true {
+            return Err(format!("the guest kernel has udmabuf built in, but pdstor info says: {info}"));
+        }
+        if !v["dmabuf_exporters"]["dma_heaps"].as_array().is_some_and(|h| h.iter().any(|x| x == "system")) {
+            return Err(format!("no system DMA heap reported: {info}"));
+        }
+        // Debian's 6.12 has no rw-dmabuf series: the probe must say so, and why.
+        let rw = &v["dmabuf_rw"];
+        if rw["state"] != "missing" || !rw["detail"].as_str().is_some_and(|d| d.contains("EINVAL")) {
+            return Err(format!("the rw-dmabuf probe should report the UAPI missing (EINVAL): {rw}"));
+        }
+        Ok(())
+    })())
+}
+
+/// In-process, with the probes attached to this test process: a `host_fixed`
+/// write and read through a udmabuf's memfd mapping are `native` with no CPU
+/// access charged, although the test touches the buffer (SYNC-bracketed)
+/// before and after each transfer. Control: a CPU access made while a
+/// hand-submitted write is in flight is charged to it and judged
+/// `fallback(dmabuf-cpu-access)`.
+fn cpu_access(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let probes = pdstor_probes::Probes::attach(std::process::id()).map_err(e("attaching the probes"))?;
+        let reader = probes.reader().map_err(e("reading the probes"))?;
+        let attached = reader.attached();
+        if !attached.dmabuf_cpu {
+            return Err("kprobe:dma_buf_begin_cpu_access did not attach in the guest".into());
+        }
+        let buf = Buffer::udmabuf("vmtest-cpu", 2 * CHUNK as usize).map_err(e("creating a udmabuf"))?;
+        let pattern = pdstor::payload::chunk(0xd0a, 1, CHUNK as usize);
+        buf.write_at(0, &pattern).map_err(e("filling the udmabuf"))?;
+        let before = pdstor::buffer::dmabuf::cpu_accesses();
+        {
+            let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw block device"))?;
+            let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
+            let id = engine.register(buf).map_err(e("registering the udmabuf's mapping"))?;
+            let req = |transfer: u64, op, buffer_offset| IoRequest {
+                transfer: TransferId(transfer),
+                op,
+                path: PayloadPath::HostFixed,
+                buffer: id,
+                buffer_offset,
+                target_offset: 64 * CHUNK,
+                len: CHUNK,
+            };
+            engine.execute_all(&[req(0x7701, Op::Write, 0)]).map_err(e("fixed write"))?;
+            engine.execute_all(&[req(0x7702, Op::Read, CHUNK)]).map_err(e("fixed read"))?;
+            let mut back = vec![0u8; CHUNK as usize];
+            engine.buffer(id).map_err(e("buffer"))?.read_at(CHUNK, &mut back).map_err(e("reading back"))?;
+            if let Some(at) = pdstor::payload::first_difference(&pattern, &back) {
+                return Err(format!("the udmabuf read back differs at byte {at}"));
+            }
+            for t in [0x7701u64, 0x7702] {
+                let s = reader.signals(t).map_err(e("signals"))?.ok_or(format!("no signals for {t:#x}"))?;
+                if s.dmabuf_cpu_access != 0 {
+                    return Err(format!("transfer {t:#x} was charged {} CPU accesses: {s:?}", s.dmabuf_cpu_access));
+                }
+                let v = pdstor_probes::judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &attached);
+                if v != Verdict::Native {
+                    return Err(format!("transfer {t:#x}: {v} ({s:?})"));
+                }
+            }
+        }
+        let touched = pdstor::buffer::dmabuf::cpu_accesses() - before;
+        if touched < 1 {
+            return Err("reading the udmabuf back was not counted as a CPU access".into());
+        }
+
+        // Control: touch the DMA-BUF while a write from it is in flight.
+        let file = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&disk.block)
+            .map_err(e("opening the raw block device"))?;
+        let region = Buffer::udmabuf("vmtest-ctl", CHUNK as usize).map_err(e("control udmabuf"))?;
+        let ctl = DmaBuf::import(
+            region.dmabuf().ok_or("no DMA-BUF")?.try_clone_fd().map_err(e("dup of the control DMA-BUF"))?,
+        )
+        .map_err(e("importing the control dup"))?;
+        let transfer = 0x7703u64;
+        let res = inflight_touch(&file, &region, &ctl, transfer << 16)?;
+        if res != CHUNK as i32 {
+            return Err(format!("the control write returned {res}"));
+        }
+        let s = reader.signals(transfer).map_err(e("signals"))?.ok_or("no signals for the control")?;
+        let v = pdstor_probes::judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &attached);
+        if s.dmabuf_cpu_access == 0 || v != Verdict::Fallback("dmabuf-cpu-access".into()) {
+            return Err(format!("a CPU access during the control transfer was not seen: {v} ({s:?})"));
+        }
+        Ok(())
+    })())
+}
+
+/// Submits one WRITE_FIXED of `region`'s first MiB on a ring whose completions
+/// run only when this thread waits (DEFER_TASKRUN), touches the DMA-BUF with a
+/// SYNC-bracketed access while the write is in flight, then waits.
+fn inflight_touch(file: &std::fs::File, region: &Buffer, ctl: &DmaBuf, user_data: u64) -> Result<i32, String> {
+    use io_uring::{IoUring, opcode, types};
+    let mut ring = IoUring::<io_uring::squeue::Entry, io_uring::cqueue::Entry>::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(4)
+        .map_err(e("io_uring setup"))?;
+    let addr = region.slice(0, CHUNK as usize).map_err(e("slice"))?.ptr_guard_mut().as_ptr();
+    let iov = libc::iovec { iov_base: addr.cast(), iov_len: CHUNK as usize };
+    // SAFETY: the iovec is `region`'s mapping, which outlives the ring (both
+    // are dropped at the end of this function, the ring first).
+    unsafe { ring.submitter().register_buffers(&[iov]) }.map_err(e("register_buffers"))?;
+    let sqe = opcode::WriteFixed::new(types::Fd(file.as_raw_fd()), addr, CHUNK as u32, 0)
+        .offset(96 * CHUNK)
+        .build()
+        .user_data(user_data);
+    // SAFETY: the SQE points at the registered buffer, valid until completion.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| "the submission queue is full".to_string())?;
+    ring.submit().map_err(e("submit"))?;
+    drop(ctl.begin_cpu_access(Access::Read).map_err(e("DMA_BUF_IOCTL_SYNC"))?);
+    ring.submit_and_wait(1).map_err(e("wait"))?;
+    let cqe = ring.completion().next().ok_or("no completion")?;
+    Ok(cqe.result())
+}
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "vmtest-dmabuf".into(),
+        dtype: "bf16".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        chunk_tokens: 256,
+        kv_format: "pdstor-test".into(),
+    }
+}
+
+/// One writer buffer (exporter, path) and one reader buffer (exporter, path):
+/// prepare, store, publish, claim, adopt, load, then check the daemon's
+/// verdicts, the reader's bytes, and every chunk on the target with `dd`.
+fn handoff(target: &Path, writer: (&str, PayloadPath), reader: (&str, PayloadPath), req: &str) -> Result<(), String> {
+    let client = Client::new(SERVER);
+    let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
+    let alloc = |exporter: &str, len: usize| match exporter {
+        "udmabuf" => Buffer::udmabuf(req, len),
+        _ => Buffer::dma_heap("system", len),
+    };
+    let total = CHUNK * CHUNKS as u64;
+    let wbuf = alloc(writer.0, total as usize).map_err(e("writer buffer"))?;
+    let payload: Vec<u8> = (0..CHUNKS as u64).flat_map(|i| pdstor::payload::chunk(0xd3a, i, CHUNK as usize)).collect();
+    wbuf.write_at(0, &payload).map_err(e("filling the writer buffer"))?;
+    let wid = data.register_for(&wbuf, writer.1).map_err(e("registering the writer buffer"))?;
+    let p = client.prepare(req, &layout(), CHUNKS, "vmtest").map_err(e("prepare"))?;
+    let chunks: Vec<DataChunk> = (0..CHUNKS)
+        .map(|i| DataChunk { index: i, buffer: wid, offset: i as u64 * CHUNK, len: CHUNK, crc32c: None })
+        .collect();
+    let stored = data.store(p.publication, chunks, true, CHUNKS).map_err(e("store"))?;
+    check_chunks("store", &stored.paths, &stored.verdicts, writer.1)?;
+    let published = client.publish(p.publication, Some(7)).map_err(e("publish"))?;
+    let claim = client.claim(&published.receipt, "decode-0", req, 60_000).map_err(e("claim"))?;
+    let manifest = client
+        .adopt(&pdstor::api::wire::AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout(),
+        })
+        .map_err(e("adopt"))?;
+    // Independent: every chunk as it lies on the target, read by busybox dd.
+    for c in &manifest.chunks {
+        let on_disk = dd_direct(target, c.offset, c.len)?;
+        let want = &payload[(c.index as u64 * CHUNK) as usize..][..c.len as usize];
+        if let Some(at) = pdstor::payload::first_difference(want, &on_disk) {
+            return Err(format!("chunk {} on the target differs from the writer's bytes at byte {at}", c.index));
+        }
+    }
+    let rbuf = alloc(reader.0, total as usize).map_err(e("reader buffer"))?;
+    let rid = data.register_for(&rbuf, reader.1).map_err(e("registering the reader buffer"))?;
+    let chunks: Vec<DataChunk> = manifest
+        .chunks
+        .iter()
+        .map(|c| DataChunk { index: c.index, buffer: rid, offset: c.index as u64 * CHUNK, len: 0, crc32c: None })
+        .collect();
+    let loaded = data.load(&claim, chunks).map_err(e("load"))?;
+    check_chunks("load", &loaded.paths, &loaded.verdicts, reader.1)?;
+    let mut back = vec![0u8; total as usize];
+    rbuf.read_at(0, &mut back).map_err(e("reading the reader buffer"))?;
+    if let Some(at) = pdstor::payload::first_difference(&payload, &back) {
+        return Err(format!("the reader's {} buffer differs from the writer's at byte {at}", reader.0));
+    }
+    let digest = pdstor::protocol::service::restore_digest(&loaded.crc32c);
+    client.ack(&claim, &digest).map_err(e("ack"))?;
+    Ok(())
+}
+
+fn check_chunks(step: &str, paths: &[String], verdicts: &[String], path: PayloadPath) -> Result<(), String> {
+    if paths.len() != CHUNKS as usize || paths.iter().any(|p| p != path.as_str()) {
+        return Err(format!("{step}: the daemon reports paths {paths:?}, expected {path} for every chunk"));
+    }
+    if verdicts.len() != CHUNKS as usize || verdicts.iter().any(|v| v != "native") {
+        return Err(format!("{step} on {path}: verdicts {verdicts:?}, expected native for every chunk"));
+    }
+    Ok(())
+}
+
+/// A client buffer: its exporter and the path it is registered for.
+type Side = (&'static str, PayloadPath);
+
+/// The udmabuf paths a stock kernel supports, writer → reader.
+const COMBOS: &[(Side, Side)] = &[
+    (("udmabuf", PayloadPath::HostFixed), ("udmabuf", PayloadPath::HostFixed)),
+    (("udmabuf", PayloadPath::Host), ("udmabuf", PayloadPath::HostFixed)),
+    (("udmabuf", PayloadPath::HostFixed), ("udmabuf", PayloadPath::Host)),
+];
+
+fn run_combos(target: &Path, format_args: &[&str]) -> Result<(), String> {
+    let t = target.to_string_lossy().into_owned();
+    let mut args = vec!["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t];
+    args.extend_from_slice(format_args);
+    sh("/bin/pdstor", &args)?;
+    let daemon = serve_with(target, &["--provenance", "--require-native"])?;
+    for (n, (w, r)) in COMBOS.iter().enumerate() {
+        handoff(target, *w, *r, &format!("dmabuf-{n}")).map_err(|err| format!("writer {w:?} → reader {r:?}: {err}"))?;
+    }
+    // The system heap maps its pages as raw page frames: no host path can pin
+    // them, and on this kernel dmabuf_fixed is missing. Every path refuses,
+    // up front, with its reason; none copies.
+    let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
+    let heap = Buffer::dma_heap("system", CHUNK as usize).map_err(e("dma-heap buffer"))?;
+    for (path, says) in [
+        (PayloadPath::Host, "cannot be pinned for direct I/O"),
+        (PayloadPath::HostFixed, "cannot be pinned for direct I/O"),
+        (PayloadPath::DmabufFixed, "rw-dmabuf"),
+    ] {
+        match data.register_for(&heap, path) {
+            Err(ClientError::Api(b)) if b.status == 422 && b.message.contains(says) => {}
+            other => return Err(format!("a system-heap DMA-BUF on {path} answered {:?}", other.map(|_| ()))),
+        }
+    }
+    let metrics = Client::new(SERVER).metrics().map_err(e("metrics"))?;
+    let touched = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("pdstor_dmabuf_cpu_accesses_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .ok_or("no pdstor_dmabuf_cpu_accesses_total in /metrics")?;
+    if touched == 0 {
+        return Err("the daemon checksummed DMA-BUF chunks without counting the CPU accesses".into());
+    }
+    drop(daemon);
+    Ok(())
+}
+
+fn raw_block(ctx: &Ctx) -> Outcome {
+    outcome((|| run_combos(&ctx.disk(DiskRole::Raw)?.block, &[]))())
+}
+
+fn xfs(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("XFS not mounted")?;
+        run_combos(&mount.join("pdstor-dmabuf.img"), &["--size", "128M"])
+    })())
+}
+
+/// crc32c of the whole device, read with O_DIRECT outside the daemon.
+fn device_crc(path: &Path) -> Result<u32, String> {
+    let len = 64 << 20;
+    Ok(crc32c::crc32c(&dd_direct(path, 0, len)?))
+}
+
+fn dmabuf_fixed_refused(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let t = disk.block.to_string_lossy().into_owned();
+        sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
+        let daemon = serve_with(&disk.block, &[])?;
+        let before = device_crc(&disk.block)?;
+        let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
+        for exporter in ["udmabuf", "dma-heap"] {
+            let b = match exporter {
+                "udmabuf" => Buffer::udmabuf("vmtest-fixed", CHUNK as usize),
+                _ => Buffer::dma_heap("system", CHUNK as usize),
+            }
+            .map_err(e("buffer"))?;
+            match data.register_for(&b, PayloadPath::DmabufFixed) {
+                Err(ClientError::Api(body))
+                    if body.status == 422
+                        && body.code == "path_unavailable"
+                        && body.message.contains("rw-dmabuf")
+                        && body.message.contains("kernel-config/dmabuf-rw.config") => {}
+                other => {
+                    return Err(format!("{exporter}: dmabuf_fixed on a stock kernel answered {:?}", other.map(|_| ())));
+                }
+            }
+        }
+        let after = device_crc(&disk.block)?;
+        let pubs = Client::new(SERVER).publications(None).map_err(e("publications"))?;
+        if before != after || !pubs.is_empty() {
+            return Err(format!(
+                "the refusal changed the target (crc {before:#x} → {after:#x}) or left publications {pubs:?}"
+            ));
+        }
+        drop(daemon);
+        Ok(())
+    })())
+}
+
+fn bad_input(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let t = disk.block.to_string_lossy().into_owned();
+        sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
+        let daemon = serve_with(&disk.block, &[])?;
+        let client = Client::new(SERVER);
+        let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
+
+        // A buffer smaller than the batch references: refused, nothing stored.
+        let small = Buffer::udmabuf("vmtest-small", CHUNK as usize).map_err(e("udmabuf"))?;
+        let id = data.register_for(&small, PayloadPath::HostFixed).map_err(e("register"))?;
+        let p = client.prepare("bad-1", &layout(), 2, "vmtest").map_err(e("prepare"))?;
+        let chunks: Vec<DataChunk> = (0..2)
+            .map(|i| DataChunk { index: i, buffer: id, offset: i as u64 * CHUNK, len: CHUNK, crc32c: None })
+            .collect();
+        match data.store(p.publication, chunks, true, 2) {
+            Err(ClientError::Api(b)) if b.status == 422 && b.message.contains("outside the") => {}
+            other => return Err(format!("a chunk beyond the buffer answered {:?}", other.map(|_| ()))),
+        }
+        if !client.publications(None).map_err(e("publications"))?.is_empty() {
+            return Err("the refused batch left a publication behind".into());
+        }
+
+        // The client closes every fd it has and unmaps the buffer after
+        // registering: the daemon holds its own references, so a transfer
+        // still completes, and the bytes are right.
+        let b = Buffer::udmabuf("vmtest-closed", CHUNK as usize).map_err(e("udmabuf"))?;
+        let payload = pdstor::payload::chunk(0xc105, 0, CHUNK as usize);
+        b.write_at(0, &payload).map_err(e("fill"))?;
+        let id = data.register_for(&b, PayloadPath::HostFixed).map_err(e("register"))?;
+        drop(b);
+        let p = client.prepare("closed-1", &layout(), 1, "vmtest").map_err(e("prepare"))?;
+        let chunk = DataChunk { index: 0, buffer: id, offset: 0, len: CHUNK, crc32c: None };
+        data.store(p.publication, vec![chunk], true, 1).map_err(e("store after the client closed its fds"))?;
+        let published = client.publish(p.publication, None).map_err(e("publish"))?;
+        let c = published.manifest.chunks.first().ok_or("no chunk in the manifest")?;
+        if dd_direct(&disk.block, c.offset, c.len)? != payload {
+            return Err("the chunk stored after the client closed its fds is not the client's bytes".into());
+        }
+        client.release(&published.receipt).map_err(e("release"))?;
+        drop(daemon);
+        Ok(())
+    })())
+}
