@@ -8,6 +8,7 @@ pub mod bench;
 pub mod buffer;
 pub mod client;
 pub mod io;
+pub mod ladder;
 pub mod payload;
 pub mod protocol;
 pub mod roundtrip;
@@ -16,3 +17,17 @@ pub mod units;
 
 pub use buffer::{Buffer, BufferKind};
 pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};
+
+/// Test support: says `SKIP: <test>: <reason>` on stderr and, when
+/// `PDSTOR_SKIP_LOG` names a file, appends it there for CI's skip list.
+#[cfg(test)]
+pub(crate) fn test_skip(test: &str, reason: &str) {
+    let line = format!("SKIP: {test}: {reason}");
+    eprintln!("{line}");
+    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}

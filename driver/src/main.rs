@@ -219,6 +219,31 @@ enum Command {
         #[command(subcommand)]
         command: ProbeCmd,
     },
+    /// The payload ladder on a scratch target: host → host_fixed → dmabuf_fixed from a
+    /// DMA-BUF exporter's memory, each byte read back independently, each transfer judged by
+    /// the probes; writes ladder.json and ladder.md. Exits 1 if a requested path is not qualified.
+    Ladder {
+        /// Scratch target (it is overwritten): a block device (/dev/nvmeXnY) or a file.
+        #[arg(long)]
+        target: PathBuf,
+        /// Whose memory: udmabuf (CPU hosts) or cuda (GPU 0; needs --features cuda).
+        #[arg(long, default_value = "udmabuf")]
+        exporter: pdstor::ladder::LadderExporter,
+        /// Paths to qualify, in ladder order.
+        #[arg(long, value_delimiter = ',', default_value = "host,host_fixed,dmabuf_fixed")]
+        paths: Vec<PayloadPath>,
+        /// Bytes per path.
+        #[arg(long, default_value = "32M", value_parser = parse_size)]
+        bytes: u64,
+        #[arg(long, default_value = "4M", value_parser = parse_size)]
+        chunk: u64,
+        /// Where ladder.json and ladder.md go.
+        #[arg(long, default_value = "pdstor-ladder")]
+        out: PathBuf,
+        /// Overwrite a target that holds a filesystem or a pdstor namespace.
+        #[arg(long)]
+        force: bool,
+    },
     /// Print a target's kind and geometry as JSON.
     Info {
         #[arg(long)]
@@ -540,6 +565,17 @@ fn run(command: Command) -> anyhow::Result<()> {
         | Command::Publications { .. }
         | Command::Handoff { .. }
         | Command::BenchHandoff { .. }) => client_verbs(c)?,
+        Command::Ladder { target, exporter, paths, bytes, chunk, out, force } => {
+            let cfg = pdstor::ladder::LadderConfig { target, exporter, paths, bytes, chunk, out, force };
+            let report = pdstor::ladder::run(&cfg)?;
+            print!("{}", report.markdown());
+            println!("\nreport: {}/ladder.json, {}/ladder.md", cfg.out.display(), cfg.out.display());
+            if !report.qualified() {
+                let not: Vec<String> =
+                    report.rungs.iter().filter(|r| !r.qualified).map(|r| r.path.to_string()).collect();
+                anyhow::bail!("not qualified: {}", not.join(", "));
+            }
+        }
         Command::Info { target } => {
             let t = Target::open(&target, &TargetOptions::default())?;
             let engine = Engine::new(t, EngineOptions { queue_depth: 1, buffer_slots: 1, ..Default::default() })?;

@@ -227,6 +227,11 @@ fn refusals_name_the_problem_and_write_nothing() {
         "path dmabuf_fixed is not available",
     );
     refused(
+        "dmabuf_fixed registration of host memory",
+        |e, _, _| e.register_dmabuf(Buffer::memfd("not-a-dmabuf", 4096).unwrap()).unwrap_err(),
+        "not a DMA-BUF",
+    );
+    refused(
         "empty request",
         |e, f, _| e.execute(&[good(f), write_req(f, PayloadPath::HostFixed, 0, 0, 0)]).unwrap_err(),
         "0 bytes",
@@ -315,4 +320,30 @@ fn buffers_are_registered_removed_and_their_slots_reused() {
             write_req(b, PayloadPath::HostFixed, 0, 4096, 4096),
         ])
         .unwrap();
+}
+
+/// The rw-dmabuf capability probe answers on every ring, changes nothing, and
+/// on a kernel without the series says why; the engine stays usable after it.
+#[test]
+fn the_rw_dmabuf_probe_reports_and_leaves_the_buffer_table_alone() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = dir.path().join("probe.img");
+    let mut engine = open(&target, Some(CHUNK * CHUNKS), EngineOptions { buffer_slots: 2, ..Default::default() });
+    match engine.dmabuf_rw() {
+        pdstor::io::DmabufRw::Missing(why) => {
+            assert!(why.contains("EINVAL") || why.contains("probe"), "{why}");
+            skip(
+                "the_rw_dmabuf_probe_reports_and_leaves_the_buffer_table_alone (dmabuf_fixed half)",
+                &format!("this kernel lacks the rw-dmabuf series: {why}"),
+            );
+        }
+        pdstor::io::DmabufRw::Available => {}
+    }
+    // Both slots, including the last one the probe used, still take buffers.
+    let a = buffer_for(&mut engine, PayloadPath::HostFixed, 1 << 20);
+    let b = buffer_for(&mut engine, PayloadPath::HostFixed, 1 << 20);
+    assert_eq!((a.0, b.0), (0, 1));
+    engine.remove(a).unwrap();
+    engine.remove(b).unwrap();
+    round_trip(&mut engine, &target, PayloadPath::HostFixed, 21, 0);
 }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod deps;
+mod gpu_qual;
 mod vmtest;
 
 use std::path::{Path, PathBuf};
@@ -31,6 +32,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Boot QEMU guests with emulated NVMe (ext4, XFS, raw) and run the contract suites inside.
     Vmtest(vmtest::VmtestArgs),
+    /// The payload ladder on real NVIDIA GPU hardware (host → host_fixed → dmabuf_fixed from
+    /// GPU memory) against a scratch target; exits at once on a machine without a GPU.
+    GpuQual(gpu_qual::GpuQualArgs),
     /// The guest kernel: fetch, check, defconfig.
     Kernel {
         #[command(subcommand)]
@@ -48,6 +52,7 @@ fn main() -> Result<()> {
         Command::Ci => ci(&sh),
         Command::Bench(args) => bench::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
+        Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Kernel { command } => vmtest::kernel_cmd(&sh, &command),
     }
 }
@@ -128,10 +133,16 @@ fn ci(sh: &Shell) -> Result<()> {
     cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
     step("cargo clippy --all-targets -- -D warnings");
     cmd!(sh, "cargo clippy --workspace --all-targets --quiet -- -D warnings").run().context("clippy found problems")?;
+    step("cargo clippy -p pdstor --features cuda (builds with no CUDA toolkit: the driver is loaded at run time)");
+    cmd!(sh, "cargo clippy -p pdstor --features cuda --all-targets --quiet -- -D warnings")
+        .run()
+        .context("clippy found problems in the cuda feature")?;
     step("cargo test --workspace");
     let skip_log = project_root().join("target/ci-skips.log");
     let _ = std::fs::remove_file(&skip_log);
-    let tested = cmd!(sh, "cargo test --workspace").env("PDSTOR_SKIP_LOG", &skip_log).run();
+    let tested = cmd!(sh, "cargo test --workspace").env("PDSTOR_SKIP_LOG", &skip_log).run().and_then(|()| {
+        cmd!(sh, "cargo test -p pdstor --features cuda --lib buffer::cuda").env("PDSTOR_SKIP_LOG", &skip_log).run()
+    });
     let skips = std::fs::read_to_string(&skip_log).unwrap_or_default();
     step("skipped tests");
     if skips.trim().is_empty() {

@@ -422,7 +422,10 @@ mod tests {
         let (buf, memfd) = match create_udmabuf("pdstor-unit", 1 << 20) {
             Ok(b) => b,
             Err(DmaBufError::NoExporter { .. }) => {
-                eprintln!("SKIP: no /dev/udmabuf on this kernel (the vmtest dmabuf suite covers it)");
+                crate::test_skip(
+                    "buffer::dmabuf::udmabuf_round_trip_when_the_kernel_has_it",
+                    "no /dev/udmabuf on this kernel (the vmtest dmabuf suite covers it)",
+                );
                 return;
             }
             Err(e) => panic!("{e}"),

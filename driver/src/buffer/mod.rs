@@ -11,6 +11,8 @@
 //! with no CPU mapping at all where it does not (device memory), in which case
 //! only the `dmabuf_fixed` path can move them.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dmabuf;
 
 use std::fs::File;

@@ -34,6 +34,7 @@ pub const SUITE: Suite = Suite {
         Test { name: "udmabuf_and_heap_on_xfs", disk: Some(DiskRole::Xfs), run: xfs },
         Test { name: "dmabuf_fixed_refused_writes_nothing", disk: Some(DiskRole::Raw), run: dmabuf_fixed_refused },
         Test { name: "bad_dmabuf_input_is_refused", disk: Some(DiskRole::Raw), run: bad_input },
+        Test { name: "ladder_on_raw_block", disk: Some(DiskRole::Raw), run: ladder },
     ],
 };
 
@@ -397,6 +398,58 @@ fn bad_input(ctx: &Ctx) -> Outcome {
         }
         client.release(&published.receipt).map_err(e("release"))?;
         drop(daemon);
+        Ok(())
+    })())
+}
+
+/// `pdstor ladder` with the udmabuf exporter: `host` and `host_fixed` are
+/// qualified (every byte read back independently, every verdict native);
+/// `dmabuf_fixed` is not, with the kernel's reason, and the command says so
+/// with a non-zero exit.
+fn ladder(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let out = Path::new("/tmp/vmtest/ladder");
+        let run = std::process::Command::new("/bin/pdstor")
+            .args(["ladder", "--force", "--bytes", "8M", "--chunk", "1M", "--exporter", "udmabuf", "--target"])
+            .arg(&disk.block)
+            .arg("--out")
+            .arg(out)
+            .output()
+            .map_err(e("running pdstor ladder"))?;
+        let stderr = String::from_utf8_lossy(&run.stderr);
+        if run.status.code() != Some(1) || !stderr.contains("not qualified: dmabuf_fixed") {
+            return Err(format!("pdstor ladder exited {:?}: {stderr}", run.status.code()));
+        }
+        let report: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("ladder.json")).map_err(e("ladder.json"))?)
+                .map_err(e("parsing ladder.json"))?;
+        let rungs = report["rungs"].as_array().ok_or("no rungs in ladder.json")?;
+        for (rung, path) in rungs.iter().zip(["host", "host_fixed", "dmabuf_fixed"]) {
+            if rung["path"] != path {
+                return Err(format!("rungs out of ladder order: {rungs:?}"));
+            }
+            let verdicts = rung["verdicts"].as_object().map(|v| v.keys().cloned().collect::<Vec<_>>());
+            match path {
+                "dmabuf_fixed" => {
+                    if rung["qualified"] != false || !rung["reason"].as_str().is_some_and(|r| r.contains("rw-dmabuf")) {
+                        return Err(format!("dmabuf_fixed on a stock kernel: {rung}"));
+                    }
+                }
+                _ => {
+                    if rung["qualified"] != true || verdicts != Some(vec!["native".to_string()]) {
+                        return Err(format!("{path} was not qualified with native verdicts: {rung}"));
+                    }
+                    if !rung["independent_readback"].as_str().is_some_and(|r| r.contains("8388608 bytes match")) {
+                        return Err(format!("{path}: no independent readback: {rung}"));
+                    }
+                }
+            }
+        }
+        let md = std::fs::read_to_string(out.join("ladder.md")).map_err(e("ladder.md"))?;
+        if !md.contains("| host_fixed | yes |") || !md.contains("| dmabuf_fixed | **no** |") {
+            return Err(format!("ladder.md does not match ladder.json:\n{md}"));
+        }
         Ok(())
     })())
 }

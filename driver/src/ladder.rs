@@ -1,0 +1,426 @@
+//! `pdstor ladder`: the qualification ladder's payload rungs (DESIGN §9, step
+//! 3) on a scratch target it is given: `host` → `host_fixed` →
+//! `dmabuf_fixed`, from memory a DMA-BUF exporter provides (udmabuf on a CPU
+//! host, CUDA device memory with `--features cuda`), with the provenance
+//! probes attached.
+//!
+//! Each rung writes a seeded pattern from the exporter's memory to its own
+//! region of the target, reads every byte back **independently** (a plain
+//! `pread` with `O_DIRECT` that shares no code with the engine), reads it back
+//! through pdstor into the exporter's memory and compares again, and judges
+//! every transfer from the probes' signals. A rung is qualified only if every
+//! byte matches and every verdict is `native`; otherwise the report says why.
+//! `host` and `host_fixed` stage through host memory (that is what those paths
+//! are); `dmabuf_fixed` moves the exporter's memory itself, or is not
+//! qualified with the kernel's reason. `cargo xtask gpu-qual` runs this with
+//! the CUDA exporter.
+
+use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, bail};
+
+use crate::buffer::Buffer;
+use crate::buffer::dmabuf::DmaBuf;
+use crate::io::{Engine, EngineOptions, IoRequest, Op, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
+
+/// Memory an exporter provides: filled and read by the CPU (through the
+/// exporter's own copy routines), exportable as a DMA-BUF.
+trait Memory {
+    fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()>;
+    fn fetch(&self, offset: u64, dst: &mut [u8]) -> anyhow::Result<()>;
+    fn export(&self) -> anyhow::Result<DmaBuf>;
+}
+
+impl Memory for Buffer {
+    fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()> {
+        Ok(self.write_at(offset, src)?)
+    }
+    fn fetch(&self, offset: u64, dst: &mut [u8]) -> anyhow::Result<()> {
+        Ok(self.read_at(offset, dst)?)
+    }
+    fn export(&self) -> anyhow::Result<DmaBuf> {
+        let d = self.dmabuf().context("the buffer is not a DMA-BUF")?;
+        Ok(DmaBuf::import(d.try_clone_fd()?)?)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Memory for crate::buffer::cuda::CudaBuffer {
+    fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()> {
+        Ok(self.copy_from_host(offset, src)?)
+    }
+    fn fetch(&self, offset: u64, dst: &mut [u8]) -> anyhow::Result<()> {
+        Ok(self.copy_to_host(offset, dst)?)
+    }
+    fn export(&self) -> anyhow::Result<DmaBuf> {
+        Ok(self.export_dmabuf()?)
+    }
+}
+
+/// Whose memory the ladder moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LadderExporter {
+    Udmabuf,
+    Cuda,
+}
+
+impl std::str::FromStr for LadderExporter {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "udmabuf" => Ok(LadderExporter::Udmabuf),
+            "cuda" => Ok(LadderExporter::Cuda),
+            _ => Err(format!("unknown exporter {s:?}: expected udmabuf or cuda")),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct LadderConfig {
+    pub target: PathBuf,
+    pub exporter: LadderExporter,
+    pub paths: Vec<PayloadPath>,
+    /// Bytes per rung.
+    pub bytes: u64,
+    pub chunk: u64,
+    pub out: PathBuf,
+    /// Overwrite a target that holds a filesystem or a pdstor namespace.
+    pub force: bool,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Rung {
+    pub path: PayloadPath,
+    pub qualified: bool,
+    /// Why not, when not.
+    pub reason: Option<String>,
+    pub bytes: u64,
+    pub write_mib_s: Option<f64>,
+    pub read_mib_s: Option<f64>,
+    /// Verdict → transfers judged so.
+    pub verdicts: BTreeMap<String, u64>,
+    /// What the independent readback found.
+    pub independent_readback: Option<String>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct LadderReport {
+    pub unix_time: u64,
+    pub kernel: String,
+    pub target: PathBuf,
+    pub target_kind: TargetKind,
+    pub exporter: LadderExporter,
+    pub exporter_detail: serde_json::Value,
+    pub dmabuf_rw: crate::io::DmabufRw,
+    pub probes: Vec<String>,
+    pub rungs: Vec<Rung>,
+}
+
+impl LadderReport {
+    pub fn qualified(&self) -> bool {
+        self.rungs.iter().all(|r| r.qualified)
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut s = format!(
+            "# pdstor ladder\n\n- kernel: {}\n- target: {} ({:?})\n- exporter: {:?} {}\n- rw-dmabuf UAPI: {}\n- probes: {}\n\n| path | qualified | write MiB/s | read MiB/s | verdicts | independent readback | reason |\n|---|---|---|---|---|---|---|\n",
+            self.kernel,
+            self.target.display(),
+            self.target_kind,
+            self.exporter,
+            self.exporter_detail,
+            serde_json::to_string(&self.dmabuf_rw).unwrap_or_default(),
+            self.probes.join(", "),
+        );
+        let f = |v: Option<f64>| v.map_or("-".into(), |x| format!("{x:.0}"));
+        for r in &self.rungs {
+            let verdicts: Vec<String> = r.verdicts.iter().map(|(v, n)| format!("{v} ×{n}")).collect();
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {} | {} |\n",
+                r.path,
+                if r.qualified { "yes" } else { "**no**" },
+                f(r.write_mib_s),
+                f(r.read_mib_s),
+                verdicts.join(", "),
+                r.independent_readback.as_deref().unwrap_or("-"),
+                r.reason.as_deref().unwrap_or(""),
+            );
+        }
+        s
+    }
+}
+
+/// Runs the ladder and writes `ladder.json` and `ladder.md` under `cfg.out`.
+/// Errors are problems before any rung (a refused target, no exporter); a rung
+/// that fails is reported, not an error.
+pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
+    if cfg.paths.is_empty() {
+        bail!("no paths requested: give --paths host,host_fixed,dmabuf_fixed or a subset");
+    }
+    if cfg.chunk == 0 || !cfg.chunk.is_multiple_of(4096) || !cfg.bytes.is_multiple_of(cfg.chunk) || cfg.bytes == 0 {
+        bail!("--bytes must be a positive multiple of --chunk, and --chunk a multiple of 4096");
+    }
+    if !cfg.force
+        && let Some(sig) = crate::store::signature_of(&cfg.target)?
+    {
+        bail!(
+            "{} holds {sig}: the ladder overwrites its target; give a scratch target, or --force to overwrite it",
+            cfg.target.display()
+        );
+    }
+    let target = Target::open(&cfg.target, &TargetOptions::default())?;
+    let kind = target.kind();
+    if kind == TargetKind::NvmeGeneric {
+        bail!(
+            "{} is an NVMe generic device; the ladder reads back with pread(O_DIRECT): give the namespace's block device (/dev/nvmeXnY)",
+            cfg.target.display()
+        );
+    }
+    let need = cfg.bytes * PayloadPath::ALL.len() as u64;
+    if target.geometry().capacity < need {
+        bail!("{} holds {} bytes; the ladder needs {need}", cfg.target.display(), target.geometry().capacity);
+    }
+    let class = match kind {
+        TargetKind::File => pdstor_probes::TargetClass::File,
+        _ => pdstor_probes::TargetClass::BlockDevice,
+    };
+    let (memory, exporter_detail): (Box<dyn Memory>, serde_json::Value) = match cfg.exporter {
+        LadderExporter::Udmabuf => {
+            let b = Buffer::udmabuf("pdstor-ladder", cfg.bytes as usize)?;
+            let exp = crate::buffer::dmabuf::exporters();
+            (Box::new(b), serde_json::json!({ "udmabuf_limit_mb": exp.udmabuf_limit_mb }))
+        }
+        #[cfg(feature = "cuda")]
+        LadderExporter::Cuda => {
+            let b = crate::buffer::cuda::CudaBuffer::alloc(0, cfg.bytes as usize)?;
+            let info = serde_json::to_value(b.info())?;
+            (Box::new(b), info)
+        }
+        #[cfg(not(feature = "cuda"))]
+        LadderExporter::Cuda => {
+            bail!("this pdstor was built without CUDA: rebuild with `--features cuda` (cargo xtask gpu-qual does)")
+        }
+    };
+    let probes = pdstor_probes::Probes::attach(std::process::id());
+    let probe_status: Vec<String> = match &probes {
+        Ok(p) => p.status().iter().filter(|s| s.attached).map(|s| s.name.to_string()).collect(),
+        Err(e) => vec![format!("not attached: {e}")],
+    };
+    let reader = probes.as_ref().ok().and_then(|p| p.reader().ok());
+    let mut engine = Engine::new(target, EngineOptions::default())?;
+    let independent = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&cfg.target)
+        .with_context(|| format!("opening {} for the independent readback", cfg.target.display()))?;
+    let mut report = LadderReport {
+        unix_time: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned(),
+        target: cfg.target.clone(),
+        target_kind: kind,
+        exporter: cfg.exporter,
+        exporter_detail,
+        dmabuf_rw: engine.dmabuf_rw().clone(),
+        probes: probe_status,
+        rungs: Vec::new(),
+    };
+    for (n, path) in PayloadPath::ALL.into_iter().enumerate() {
+        if !cfg.paths.contains(&path) {
+            continue;
+        }
+        let rung = Rung {
+            path,
+            qualified: false,
+            reason: None,
+            bytes: cfg.bytes,
+            write_mib_s: None,
+            read_mib_s: None,
+            verdicts: BTreeMap::new(),
+            independent_readback: None,
+        };
+        let mut ctx = RungCtx {
+            cfg,
+            engine: &mut engine,
+            memory: memory.as_ref(),
+            reader: reader.as_ref(),
+            class,
+            independent: &independent,
+            base: n as u64 * cfg.bytes,
+            seed: 0x1add_e400 + n as u64,
+            transfer_base: (n as u64 + 1) << 24,
+            rung,
+        };
+        let outcome = ctx.run();
+        let mut rung = ctx.rung;
+        match outcome {
+            Ok(()) => {
+                let not_native: Vec<&String> = rung.verdicts.keys().filter(|v| *v != "native").collect();
+                if not_native.is_empty() {
+                    rung.qualified = true;
+                } else {
+                    rung.reason = Some(format!("verdicts other than native: {not_native:?}"));
+                }
+            }
+            Err(e) => rung.reason = Some(format!("{e:#}")),
+        }
+        report.rungs.push(rung);
+    }
+    std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
+    std::fs::write(cfg.out.join("ladder.json"), serde_json::to_vec_pretty(&report)?)?;
+    std::fs::write(cfg.out.join("ladder.md"), report.markdown())?;
+    Ok(report)
+}
+
+struct RungCtx<'a> {
+    cfg: &'a LadderConfig,
+    engine: &'a mut Engine,
+    memory: &'a dyn Memory,
+    reader: Option<&'a pdstor_probes::SignalReader>,
+    class: pdstor_probes::TargetClass,
+    independent: &'a std::fs::File,
+    base: u64,
+    seed: u64,
+    transfer_base: u64,
+    rung: Rung,
+}
+
+impl RungCtx<'_> {
+    fn chunks(&self) -> u64 {
+        self.cfg.bytes / self.cfg.chunk
+    }
+
+    fn pattern(&self) -> Vec<u8> {
+        (0..self.chunks()).flat_map(|i| crate::payload::chunk(self.seed, i, self.cfg.chunk as usize)).collect()
+    }
+
+    fn run(&mut self) -> anyhow::Result<()> {
+        let path = self.rung.path;
+        let pattern = self.pattern();
+        self.memory.fill(0, &pattern).context("filling the exporter's memory")?;
+        // Host paths stage through host memory; dmabuf_fixed installs the
+        // exporter's memory itself.
+        let id = match path {
+            PayloadPath::DmabufFixed => {
+                let buf = Buffer::from_dmabuf(self.memory.export()?, None)?;
+                self.engine.register_dmabuf(buf)?
+            }
+            _ => {
+                let staging = Buffer::host(self.cfg.bytes as usize)?;
+                staging.write_at(0, &pattern)?;
+                if path == PayloadPath::HostFixed {
+                    self.engine.register(staging)?
+                } else {
+                    self.engine.add(staging)?
+                }
+            }
+        };
+        let result = self.transfers(id, &pattern);
+        self.engine.remove(id)?;
+        result
+    }
+
+    fn requests(&self, id: crate::io::BufferId, op: Op) -> Vec<IoRequest> {
+        let dir = if op == Op::Write { 0 } else { 1 << 20 };
+        (0..self.chunks())
+            .map(|i| IoRequest {
+                transfer: TransferId(self.transfer_base | dir | i),
+                op,
+                path: self.rung.path,
+                buffer: id,
+                buffer_offset: i * self.cfg.chunk,
+                target_offset: self.base + i * self.cfg.chunk,
+                len: self.cfg.chunk,
+            })
+            .collect()
+    }
+
+    fn judge(&mut self, requests: &[IoRequest]) {
+        let declared = match self.rung.path {
+            PayloadPath::Host => pdstor_probes::Declared::Host,
+            PayloadPath::HostFixed => pdstor_probes::Declared::HostFixed,
+            PayloadPath::DmabufFixed => pdstor_probes::Declared::DmabufFixed,
+        };
+        for r in requests {
+            let v = match self.reader {
+                None => pdstor_probes::Verdict::Unverifiable("probes not attached".into()),
+                Some(reader) => match reader.take(r.transfer.0) {
+                    Ok(Some(s)) => pdstor_probes::judge(declared, self.class, &s, &reader.attached()),
+                    Ok(None) => pdstor_probes::Verdict::Unverifiable("no signal recorded".into()),
+                    Err(e) => pdstor_probes::Verdict::Unverifiable(e.to_string()),
+                },
+            };
+            *self.rung.verdicts.entry(v.to_string()).or_default() += 1;
+        }
+    }
+
+    fn transfers(&mut self, id: crate::io::BufferId, pattern: &[u8]) -> anyhow::Result<()> {
+        let mib = self.cfg.bytes as f64 / 1048576.0;
+        let writes = self.requests(id, Op::Write);
+        let t = Instant::now();
+        self.engine.execute_all(&writes)?;
+        self.engine.flush()?;
+        self.rung.write_mib_s = Some(mib / t.elapsed().as_secs_f64());
+        self.judge(&writes);
+
+        self.independent_readback(pattern)?;
+
+        // Read back through pdstor into cleared memory.
+        let zeros = vec![0u8; self.cfg.bytes as usize];
+        match self.rung.path {
+            PayloadPath::DmabufFixed => self.memory.fill(0, &zeros)?,
+            _ => self.engine.buffer(id)?.write_at(0, &zeros)?,
+        }
+        let reads = self.requests(id, Op::Read);
+        let t = Instant::now();
+        self.engine.execute_all(&reads)?;
+        self.rung.read_mib_s = Some(mib / t.elapsed().as_secs_f64());
+        self.judge(&reads);
+        if self.rung.path != PayloadPath::DmabufFixed {
+            let mut staged = vec![0u8; self.cfg.bytes as usize];
+            self.engine.buffer(id)?.read_at(0, &mut staged)?;
+            self.memory.fill(0, &staged)?;
+        }
+        let mut back = vec![0u8; self.cfg.bytes as usize];
+        self.memory.fetch(0, &mut back)?;
+        if let Some(at) = crate::payload::first_difference(pattern, &back) {
+            bail!("the bytes read back through pdstor into the exporter's memory differ at byte {at}");
+        }
+        Ok(())
+    }
+
+    /// Every byte of the rung's region, read with `pread(O_DIRECT)` on a
+    /// separate descriptor: no pdstor code between the media and the compare.
+    fn independent_readback(&mut self, pattern: &[u8]) -> anyhow::Result<()> {
+        let aligned = Buffer::host(self.cfg.chunk as usize)?;
+        let addr = aligned.addr()?;
+        let mut got = vec![0u8; self.cfg.chunk as usize];
+        for i in 0..self.chunks() {
+            let off = self.base + i * self.cfg.chunk;
+            // SAFETY: `aligned` owns `chunk` bytes at `addr`, page-aligned as
+            // O_DIRECT needs, and outlives the call.
+            let n = unsafe {
+                libc::pread(self.independent.as_raw_fd(), addr as *mut libc::c_void, got.len(), off as libc::off_t)
+            };
+            if n != got.len() as isize {
+                bail!(
+                    "independent pread of {} bytes at {off} returned {n}: {}",
+                    got.len(),
+                    std::io::Error::last_os_error()
+                );
+            }
+            aligned.read_at(0, &mut got)?;
+            let want = &pattern[(i * self.cfg.chunk) as usize..][..got.len()];
+            if let Some(at) = crate::payload::first_difference(want, &got) {
+                bail!("independent readback: the target differs from the written bytes at byte {}", off + at as u64);
+            }
+        }
+        self.rung.independent_readback =
+            Some(format!("{} bytes match (pread O_DIRECT, outside the engine)", self.cfg.bytes));
+        Ok(())
+    }
+}
