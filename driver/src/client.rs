@@ -381,6 +381,12 @@ impl Reader {
     /// crc32c here, from the bytes this process sees. Strict: any mismatch,
     /// missing chunk or short manifest is an error, never a partial result.
     pub fn get(&mut self, claim: &Receipt, layout: &Layout) -> Result<Restored, ClientError> {
+        let manifest = self.adopt(claim, layout)?;
+        self.load(claim, manifest)
+    }
+
+    /// Adopts a claimed publication; checks the manifest is the one claimed.
+    pub fn adopt(&mut self, claim: &Receipt, layout: &Layout) -> Result<Manifest, ClientError> {
         let adopt = AdoptRequest {
             receipt: claim.clone(),
             namespace: claim.namespace.clone(),
@@ -392,25 +398,51 @@ impl Reader {
         if manifest_digest(&manifest) != claim.manifest_digest {
             return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
         }
+        Ok(manifest)
+    }
+
+    /// Loads the chunks `which` (indices into the manifest) of an adopted
+    /// publication into this reader's buffer, at their places in the whole.
+    pub fn load_chunks(&mut self, claim: &Receipt, manifest: &Manifest, which: &[u32]) -> Result<(), ClientError> {
         let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
         let (_, buffer_id) = self.buffer_for(total)?;
-        let mut chunks = Vec::with_capacity(manifest.chunks.len());
+        let mut offsets = Vec::with_capacity(manifest.chunks.len());
         let mut off = 0u64;
         for c in &manifest.chunks {
-            chunks.push(DataChunk { index: c.index, buffer: buffer_id, offset: off, len: c.len, crc32c: None });
+            offsets.push(off);
             off += c.len;
         }
-        self.data.load(claim, chunks.clone())?;
+        let chunks = which
+            .iter()
+            .map(|&i| {
+                let at = offsets.get(i as usize).copied().ok_or_else(|| ClientError::Verify {
+                    chunk: i,
+                    what: format!("the manifest has {} chunks", manifest.chunks.len()),
+                })?;
+                Ok(DataChunk { index: i, buffer: buffer_id, offset: at, len: 0, crc32c: None })
+            })
+            .collect::<Result<Vec<_>, ClientError>>()?;
+        self.data.load(claim, chunks)?;
+        Ok(())
+    }
+
+    /// Loads every chunk of an adopted publication (again, for a warm
+    /// repeat) and verifies each one's crc32c from this process's view.
+    pub fn load(&mut self, claim: &Receipt, manifest: Manifest) -> Result<Restored, ClientError> {
+        let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
+        let all: Vec<u32> = manifest.chunks.iter().map(|c| c.index).collect();
+        self.load_chunks(claim, &manifest, &all)?;
         // Verify from this process's own view of the bytes, a piece at a time.
         let (buffer, _) = self.buffer_for(total)?;
         let mut scratch = vec![0u8; (1 << 20).min(total.max(1)) as usize];
-        let mut crcs = Vec::with_capacity(chunks.len());
-        for (c, m) in chunks.iter().zip(&manifest.chunks) {
+        let mut crcs = Vec::with_capacity(manifest.chunks.len());
+        let mut off = 0u64;
+        for m in &manifest.chunks {
             let mut crc = 0u32;
             let mut at = 0u64;
             while at < m.len {
                 let n = (m.len - at).min(scratch.len() as u64) as usize;
-                buffer.read_at(c.offset + at, &mut scratch[..n]).map_err(|e| ClientError::Data(e.to_string()))?;
+                buffer.read_at(off + at, &mut scratch[..n]).map_err(|e| ClientError::Data(e.to_string()))?;
                 crc = crc32c::crc32c_append(crc, &scratch[..n]);
                 at += n as u64;
             }
@@ -421,6 +453,7 @@ impl Reader {
                 });
             }
             crcs.push(crc);
+            off += m.len;
         }
         Ok(Restored { restore_digest: restore_digest(&crcs), manifest, len: total })
     }

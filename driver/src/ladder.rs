@@ -207,6 +207,9 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
         }
     };
     let probes = pdstor_probes::Probes::attach(std::process::id());
+    if let Ok(p) = &probes {
+        p.watch_file(&cfg.target)?;
+    }
     let probe_status: Vec<String> = match &probes {
         Ok(p) => p.status().iter().filter(|s| s.attached).map(|s| s.name.to_string()).collect(),
         Err(e) => vec![format!("not attached: {e}")],

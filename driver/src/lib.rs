@@ -9,10 +9,13 @@ pub mod buffer;
 pub mod client;
 pub mod io;
 pub mod ladder;
+pub mod model;
 pub mod payload;
 pub mod protocol;
+pub mod qualify;
 pub mod roundtrip;
 pub mod store;
+pub mod timeline;
 pub mod units;
 
 pub use buffer::{Buffer, BufferKind};

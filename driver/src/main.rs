@@ -55,6 +55,27 @@ impl BufferArgs {
 }
 
 #[derive(Subcommand)]
+enum TimelineCmd {
+    /// Verify causality, one ack, receipts across nodes, provenance on the required path with
+    /// native verdicts, and continuation records. Reports every violation with its line.
+    Check {
+        file: PathBuf,
+        /// The payload path every store and load must have taken.
+        #[arg(long, default_value = "dmabuf_fixed")]
+        require_path: PayloadPath,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Draw the timeline: a lane per node, transfers as bars by path and verdict, steps as markers.
+    Render {
+        file: PathBuf,
+        #[arg(short, long, default_value = "timeline.svg")]
+        output: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
 enum Command {
     /// Run the daemon: the store behind the HTTP control plane and the data plane.
     Serve {
@@ -79,6 +100,9 @@ enum Command {
         /// With --provenance: a fallback verdict on a host_fixed transfer fails it.
         #[arg(long, requires = "provenance")]
         require_native: bool,
+        /// Append every protocol step, chunk transfer and refusal to this JSON-lines timeline.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
     /// prepare + store a file's bytes through a memfd + publish; prints the READY receipt.
     Put {
@@ -243,6 +267,49 @@ enum Command {
         /// Overwrite a target that holds a filesystem or a pdstor namespace.
         #[arg(long)]
         force: bool,
+    },
+    /// The model-oracle profile: a deterministic model's KV cache handed through `pdstor serve` to
+    /// a reader process, continuations compared with a no-cache oracle, fault controls, a checked
+    /// timeline. Writes qualify.json, qualify.md, timeline.jsonl, timeline.svg; exits 1 on any failure.
+    Qualify {
+        /// Scratch target, formatted by qualify (a file is created if missing).
+        #[arg(long)]
+        target: PathBuf,
+        #[arg(long, default_value = "256M", value_parser = parse_size)]
+        size: u64,
+        #[arg(long, default_value = "pdstor-qualify")]
+        out: PathBuf,
+        /// Tokens per stored KV chunk.
+        #[arg(long, default_value_t = 16)]
+        chunk_tokens: usize,
+        /// Requests per batch, one case per batch size and prompt group.
+        #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+        batches: Vec<usize>,
+        /// The short profile (CI): batches of 1 and output budgets halved.
+        #[arg(long)]
+        short: bool,
+        /// The payload path the buffers are registered for (and the timeline must show).
+        #[arg(long, default_value = "host_fixed")]
+        path: PayloadPath,
+        /// Run the daemon without the provenance probes (the timeline check then fails).
+        #[arg(long)]
+        no_provenance: bool,
+        /// Device to corrupt a chunk through, for a /dev/ngXnY target (its /dev/nvmeXnY).
+        #[arg(long)]
+        corrupt_via: Option<PathBuf>,
+        #[arg(long, default_value_t = 1234)]
+        seed: u64,
+    },
+    /// The reader process of `pdstor qualify` (internal).
+    #[command(hide = true)]
+    QualifyReader {
+        #[arg(long)]
+        job: PathBuf,
+    },
+    /// Causal timelines: check one (exit 1 on any violation), or render it as SVG.
+    Timeline {
+        #[command(subcommand)]
+        command: TimelineCmd,
     },
     /// Print a target's kind and geometry as JSON.
     Info {
@@ -532,6 +599,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             admission_timeout_ms,
             provenance,
             require_native,
+            timeline,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -550,6 +618,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 admission_timeout: std::time::Duration::from_millis(admission_timeout_ms),
                 provenance,
                 require_native,
+                timeline,
             })?;
         }
         c @ (Command::Put { .. }
@@ -575,6 +644,91 @@ fn run(command: Command) -> anyhow::Result<()> {
                     report.rungs.iter().filter(|r| !r.qualified).map(|r| r.path.to_string()).collect();
                 anyhow::bail!("not qualified: {}", not.join(", "));
             }
+        }
+        Command::Qualify {
+            target,
+            size,
+            out,
+            chunk_tokens,
+            batches,
+            short,
+            path,
+            no_provenance,
+            corrupt_via,
+            seed,
+        } => {
+            let cfg = pdstor::qualify::QualifyConfig {
+                target,
+                size,
+                out: out.clone(),
+                chunk_tokens,
+                batches: if short { vec![1] } else { batches },
+                budget_scale: if short { 0.5 } else { 1.0 },
+                path,
+                provenance: !no_provenance,
+                corrupt_via,
+                model: pdstor::model::Config { seed, ..Default::default() },
+            };
+            let report = pdstor::qualify::run(&cfg)?;
+            print!("{}", report.markdown());
+            for v in &report.timeline.violations {
+                println!("timeline: {v}");
+            }
+            println!("\nreport: {}/qualify.json, qualify.md, timeline.jsonl, timeline.svg", out.display());
+            if !report.ok {
+                anyhow::bail!("qualification failed (see {}/qualify.md)", out.display());
+            }
+        }
+        Command::QualifyReader { job } => {
+            let job: pdstor::qualify::ReaderJob = read_json(&job, "reader job")?;
+            let outcomes = pdstor::qualify::reader_main(&job)?;
+            println!("{}", serde_json::to_string(&outcomes)?);
+        }
+        Command::Timeline { command: TimelineCmd::Check { file, require_path, json } } => {
+            let lines = pdstor::timeline::read(&file)?;
+            let report = pdstor::timeline::check::check(&lines, require_path);
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                for v in &report.violations {
+                    println!("{}: {v}", file.display());
+                }
+                println!(
+                    "{}: {} lines, {} publications ({} acknowledged), {} payload events, {} continuations: {}",
+                    file.display(),
+                    report.lines,
+                    report.publications,
+                    report.acked,
+                    report.payload_events,
+                    report.continuations,
+                    if report.ok() {
+                        format!("ok (every payload on {require_path}, native)")
+                    } else {
+                        format!("{} violations", report.violations.len())
+                    }
+                );
+            }
+            if !report.ok() {
+                anyhow::bail!(
+                    "{} violates the handoff contract ({} violations)",
+                    file.display(),
+                    report.violations.len()
+                );
+            }
+        }
+        Command::Timeline { command: TimelineCmd::Render { file, output } } => {
+            let lines = pdstor::timeline::read(&file)?;
+            let bad: Vec<usize> = lines.iter().filter(|(_, e)| e.is_err()).map(|(n, _)| *n).collect();
+            if !bad.is_empty() {
+                anyhow::bail!(
+                    "{}: lines {bad:?} are not timeline events (run `pdstor timeline check`)",
+                    file.display()
+                );
+            }
+            let events: Vec<_> = lines.into_iter().filter_map(|(_, e)| e.ok()).collect();
+            let svg = pdstor::timeline::render::render(&events, &file.display().to_string());
+            std::fs::write(&output, svg).map_err(|e| anyhow::anyhow!("writing {}: {e}", output.display()))?;
+            println!("{}: {} events drawn", output.display(), events.len());
         }
         Command::Info { target } => {
             let t = Target::open(&target, &TargetOptions::default())?;

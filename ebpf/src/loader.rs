@@ -171,6 +171,27 @@ impl Probes {
         }
     }
 
+    /// Counts page-cache insertions only for `path` (and any other file named
+    /// this way) from now on: pages of the process's own binary, its logs or
+    /// its timeline are then not mistaken for the payload's. A block device
+    /// or character device target is not a regular file and changes nothing.
+    pub fn watch_file(&self, path: &std::path::Path) -> Result<bool, ProbeError> {
+        use std::os::unix::fs::MetadataExt;
+        let md = std::fs::metadata(path).map_err(|e| ProbeError::Read(format!("{}: {e}", path.display())))?;
+        if !md.file_type().is_file() {
+            return Ok(false);
+        }
+        // The tracepoint's s_dev is the kernel's dev_t: major << 20 | minor.
+        let kdev = (libc::major(md.dev()) as u64) << 20 | libc::minor(md.dev()) as u64;
+        let mut key = [0u8; 16];
+        key[..8].copy_from_slice(&kdev.to_ne_bytes());
+        key[8..].copy_from_slice(&md.ino().to_ne_bytes());
+        let err = |e: libbpf_rs::Error| ProbeError::Read(format!("watching {}: {e}", path.display()));
+        self.skel.maps.watched.update(&key, &[1u8], MapFlags::ANY).map_err(err)?;
+        self.skel.maps.watch_on.update(&0u32.to_ne_bytes(), &1u32.to_ne_bytes(), MapFlags::ANY).map_err(err)?;
+        Ok(true)
+    }
+
     /// A `Send + Sync` reader of the signals map, for other threads.
     pub fn reader(&self) -> Result<SignalReader, ProbeError> {
         let signals = MapHandle::try_from(&self.skel.maps.signals).map_err(|e| ProbeError::Read(e.to_string()))?;

@@ -406,3 +406,72 @@ fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
     assert!(matches!(&r, Err(ClientError::Api(e)) if e.message.contains("declared crc32c 0xdeadbeef")), "{r:?}");
     assert!(c.publications(None).unwrap().is_empty());
 }
+
+/// The daemon's own timeline of a real handoff: every step in causal order,
+/// one line per chunk moved with its path, a refusal recorded as such; and
+/// the checker, run on it, reports exactly what a storage-only handoff lacks
+/// (no decode, no probes' verdicts) at the right lines.
+#[test]
+fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = dir.path().join("t.img");
+    let fmt = Command::new(pdstor_bin())
+        .args(["format", "--journal", "256k", "--chunk-slot", "1M", "--size", "16M", "--target"])
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(fmt.status.success());
+    let timeline = dir.path().join("timeline.jsonl");
+    let d = Daemon::start_with(&target, dir.path(), &["--timeline", timeline.to_str().unwrap()]);
+    let p = put(&d, "tl-1", 4, 2);
+    let c = Client::new(&d.server);
+    let claim = c.claim(&p.receipt, "decode-0", "s", 60_000).unwrap();
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    let restored = r.get(&claim, &layout()).unwrap();
+    c.ack(&claim, &restored.restore_digest).unwrap();
+    assert_eq!(code(c.ack(&claim, &restored.restore_digest)).0, 404, "a second ack is refused");
+    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let events: Vec<_> = lines.iter().map(|(_, e)| e.clone().unwrap()).collect();
+    let steps: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(
+        steps,
+        ["prepare", "store", "store", "publish", "claim", "adopt", "load", "load", "ack", "refused"],
+        "{events:#?}"
+    );
+    assert!(events.iter().all(|e| e.node == "daemon"));
+    assert!(events.windows(2).all(|w| w[0].seq < w[1].seq && w[0].ts_ns <= w[1].ts_ns));
+    assert_eq!(events[3].receipt.as_deref(), Some(p.receipt.signature.as_str()));
+    assert_eq!(events[3].chunks, Some(2));
+    for e in events.iter().filter(|e| e.event == "store" || e.event == "load") {
+        assert_eq!((e.path.as_deref(), e.bytes), (Some("host_fixed"), Some(SLOT)));
+        assert_eq!(e.verdict.as_deref(), Some("unverifiable(no probes)"));
+    }
+    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let kinds: Vec<(&str, usize)> = report.violations.iter().map(|v| (v.kind, v.line)).collect();
+    assert_eq!(
+        kinds,
+        [
+            ("not_native", 2),
+            ("not_native", 3),
+            ("not_native", 7),
+            ("not_native", 8),
+            ("causality", 9),
+            ("missing_continuation", 9)
+        ],
+        "{:#?}",
+        report.violations
+    );
+    // The CLI says the same and exits non-zero; render draws it.
+    let out = Command::new(pdstor_bin())
+        .args(["timeline", "check", "--require-path", "host_fixed"])
+        .arg(&timeline)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("line 9: causality"));
+    let svg = dir.path().join("t.svg");
+    let out =
+        Command::new(pdstor_bin()).args(["timeline", "render"]).arg(&timeline).arg("-o").arg(&svg).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+}

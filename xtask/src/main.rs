@@ -162,6 +162,15 @@ fn ci(sh: &Shell) -> Result<()> {
     let target = dir.join("kv.img");
     let _ = std::fs::remove_file(&target);
     cmd!(sh, "{pdstor} roundtrip --target {target} --chunks 8 --chunk-size 8M").run()?;
+    step("model oracle, short profile (pdstor qualify --short on a file; its timeline checked)");
+    let out = dir.join("qualify");
+    let qtarget = dir.join("qualify.img");
+    let _ = std::fs::remove_file(&qtarget);
+    cmd!(sh, "{pdstor} qualify --short --target {qtarget} --size 64M --out {out}").run()?;
+    let timeline = out.join("timeline.jsonl");
+    cmd!(sh, "{pdstor} timeline check {timeline} --require-path host_fixed").run()?;
+    let svg = out.join("timeline.svg");
+    cmd!(sh, "{pdstor} timeline render {timeline} -o {svg}").run()?;
     println!("\nci: all checks passed in {:.0} s", started.elapsed().as_secs_f64());
     if skips.lines().count() > 0 && std::env::var_os("PDSTOR_CI_FORBID_SKIPS").is_some() {
         bail!("PDSTOR_CI_FORBID_SKIPS is set and {} tests were skipped", skips.lines().count());

@@ -285,9 +285,15 @@ impl Conn {
                     });
                 }
                 self.stored_into.insert(publication);
+                let started = std::time::Instant::now();
                 let out = store
                     .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
-                    .map_err(|e| from_store(&e))?;
+                    .map_err(|e| {
+                        let body = from_store(&e);
+                        self.note_failure("store_failed", publication, &body);
+                        body
+                    })?;
+                let took = started.elapsed();
                 for c in &chunks {
                     self.count_bytes(self.path_of(c), c.len);
                 }
@@ -295,9 +301,11 @@ impl Conn {
                     Ok(v) => v,
                     Err(e) => {
                         let _ = store.abort(publication);
+                        self.note_failure("store_failed", publication, &e);
                         return Err(e);
                     }
                 };
+                self.note_transfers("store", publication, &chunks, &verdicts, took, |c| c.len);
                 Ok(DataResponse {
                     ok: true,
                     verdicts,
@@ -314,13 +322,24 @@ impl Conn {
                 for c in &chunks {
                     dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: c.offset });
                 }
-                let crcs = store.load(manifest.publication, &dests).map_err(|e| from_store(&e))?;
+                let started = std::time::Instant::now();
+                let crcs = store.load(manifest.publication, &dests).map_err(|e| {
+                    let body = from_store(&e);
+                    self.note_failure("load_failed", manifest.publication, &body);
+                    body
+                })?;
+                let took = started.elapsed();
                 for c in &chunks {
                     if let Some(m) = manifest.chunks.get(c.index as usize) {
                         self.count_bytes(self.path_of(c), m.len);
                     }
                 }
-                let verdicts = self.verdicts(manifest.publication, &chunks)?;
+                let verdicts = self.verdicts(manifest.publication, &chunks).inspect_err(|e| {
+                    self.note_failure("load_failed", manifest.publication, e);
+                })?;
+                self.note_transfers("load", manifest.publication, &chunks, &verdicts, took, |c| {
+                    manifest.chunks.get(c.index as usize).map_or(0, |m| m.len)
+                });
                 let unverified = chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
                 Ok(DataResponse {
                     ok: true,
@@ -332,6 +351,37 @@ impl Conn {
                 })
             }
         }
+    }
+
+    /// One timeline line per chunk moved, with its path, bytes and verdict
+    /// (`unverifiable(no probes)` when the daemon runs without them).
+    fn note_transfers(
+        &self,
+        event: &str,
+        publication: u64,
+        chunks: &[DataChunk],
+        verdicts: &[String],
+        took: std::time::Duration,
+        bytes: impl Fn(&DataChunk) -> u64,
+    ) {
+        let Some(t) = self.service.timeline() else { return };
+        for (i, c) in chunks.iter().enumerate() {
+            let mut e = crate::timeline::Event::new(event).publication(publication).chunk(c.index);
+            e.path = Some(self.path_of(c).to_string());
+            e.bytes = Some(bytes(c));
+            e.verdict = Some(verdicts.get(i).cloned().unwrap_or_else(|| "unverifiable(no probes)".into()));
+            e.dur_ns = Some(took.as_nanos() as u64);
+            t.emit(e);
+        }
+    }
+
+    fn note_failure(&self, event: &str, publication: u64, body: &ErrorBody) {
+        crate::timeline::emit(
+            self.service.timeline(),
+            crate::timeline::Event::new(event)
+                .publication(publication)
+                .detail(format!("{} ({}): {}", body.code, body.field, body.message)),
+        );
     }
 
     /// The observed verdict of each chunk's transfer (the store names chunk

@@ -94,7 +94,15 @@ where
     let service = state.service.clone();
     match tokio::task::spawn_blocking(move || f(&service, req)).await {
         Ok(Ok(resp)) => json_response(StatusCode::OK, &resp),
-        Ok(Err(e)) => error_response(&state, from_protocol(&e)),
+        Ok(Err(e)) => {
+            let body = from_protocol(&e);
+            crate::timeline::emit(
+                state.service.timeline(),
+                crate::timeline::Event::new("refused")
+                    .detail(format!("{} ({}): {}", body.code, body.field, body.message)),
+            );
+            error_response(&state, body)
+        }
         Err(join) => error_response(
             &state,
             ErrorBody {

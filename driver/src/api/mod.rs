@@ -33,6 +33,8 @@ pub struct ServeConfig {
     pub provenance: bool,
     /// With `provenance`: a `fallback` verdict fails the transfer.
     pub require_native: bool,
+    /// Append every step to this timeline (as node `daemon`).
+    pub timeline: Option<PathBuf>,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops accepting, lets
@@ -51,12 +53,17 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         "store opened"
     );
     let store = Arc::new(store);
-    let service = Arc::new(Service::new(store.clone()));
+    let timeline = match &cfg.timeline {
+        Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, "daemon")?)),
+        None => None,
+    };
+    let service = Arc::new(Service::new(store.clone()).with_timeline(timeline));
     let metrics = Arc::new(http::Metrics::default());
     // The probes stay attached for as long as `probes` lives: this function.
     let probes = if cfg.provenance { Some(pdstor_probes::Probes::attach(std::process::id())?) } else { None };
     let provenance = match &probes {
         Some(p) => {
+            p.watch_file(&cfg.target)?;
             for s in p.status() {
                 tracing::info!(program = s.name, attached = s.attached, detail = %s.detail, "provenance probe");
             }

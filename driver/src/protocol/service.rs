@@ -10,6 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{Receipt, ReceiptKind, Refusal, Signer, manifest_digest, now_unix_ms};
 use crate::store::{AbortOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
+use crate::timeline::Event;
 
 /// A refused or failed protocol step, as the API reports it.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +37,7 @@ pub struct Published {
 pub struct Service {
     store: Arc<Store>,
     signer: Signer,
+    timeline: Option<Arc<crate::timeline::Timeline>>,
     closed_sessions: Mutex<HashSet<String>>,
 }
 
@@ -54,7 +56,23 @@ pub fn restore_digest(chunk_crcs: &[u32]) -> String {
 impl Service {
     pub fn new(store: Arc<Store>) -> Service {
         let signer = store.signer();
-        Service { store, signer, closed_sessions: Mutex::new(HashSet::new()) }
+        Service { store, signer, timeline: None, closed_sessions: Mutex::new(HashSet::new()) }
+    }
+
+    /// Records every step (and, through the daemon, every refusal) on `t`.
+    pub fn with_timeline(mut self, t: Option<Arc<crate::timeline::Timeline>>) -> Service {
+        self.timeline = t;
+        self
+    }
+
+    pub fn timeline(&self) -> &Option<Arc<crate::timeline::Timeline>> {
+        &self.timeline
+    }
+
+    /// Appends a step to the timeline, if there is one. Called after the step
+    /// took effect and before its answer leaves, so line order is causal order.
+    fn note(&self, e: crate::timeline::Event) {
+        crate::timeline::emit(&self.timeline, e);
     }
 
     pub fn store(&self) -> &Arc<Store> {
@@ -148,13 +166,19 @@ impl Service {
         writer: &str,
     ) -> Result<Prepared, ProtocolError> {
         let publication = self.store.prepare(req_id, writer, layout, total_chunks)?;
+        self.note(Event::new("prepare").req(req_id).publication(publication).detail(format!("writer {writer}")));
         Ok(Prepared { publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
     }
 
     pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ProtocolError> {
         let manifest = self.store.publish(publication, first_token)?;
         let p = self.live(publication)?;
-        Ok(Published { receipt: self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?, manifest })
+        let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
+        let mut e = Event::new("publish").req(&receipt.req_id).publication(publication).receipt(&receipt.signature);
+        e.chunks = Some(manifest.chunks.len() as u32);
+        e.token = manifest.first_token;
+        self.note(e);
+        Ok(Published { receipt, manifest })
     }
 
     pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ProtocolError> {
@@ -172,7 +196,15 @@ impl Service {
         }
         let p = self.store.claim(p.id, reader, session, lease_ms)?;
         let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
-        Ok(self.receipt(ReceiptKind::Claim, &p, epoch)?)
+        let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
+        self.note(
+            Event::new("claim")
+                .req(&receipt.req_id)
+                .publication(p.id)
+                .receipt(&receipt.signature)
+                .detail(format!("reader {reader} session {session}")),
+        );
+        Ok(receipt)
     }
 
     /// Every field must match exactly; the manifest comes back.
@@ -228,6 +260,7 @@ impl Service {
             .into());
         }
         let p = self.store.adopt(p.id)?;
+        self.note(Event::new("adopt").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
         p.manifest.ok_or_else(|| Refusal::new("not_ready", "publication", "no manifest").into())
     }
 
@@ -271,7 +304,9 @@ impl Service {
             )
             .into());
         }
-        Ok(self.store.ack(p.id, restore)?)
+        self.store.ack(p.id, restore)?;
+        self.note(Event::new("ack").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        Ok(())
     }
 
     pub fn release(&self, ready: &Receipt) -> Result<(), ProtocolError> {
@@ -284,16 +319,22 @@ impl Service {
             )
             .into());
         }
-        Ok(self.store.release(p.id)?)
+        self.store.release(p.id)?;
+        self.note(Event::new("release").req(&ready.req_id).publication(p.id).receipt(&ready.signature));
+        Ok(())
     }
 
     pub fn abort(&self, publication: u64) -> Result<AbortOutcome, ProtocolError> {
-        Ok(self.store.abort(publication)?)
+        let outcome = self.store.abort(publication)?;
+        self.note(Event::new("abort").publication(publication).detail(format!("{outcome:?}")));
+        Ok(outcome)
     }
 
     pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
-        Ok(self.store.fail(p.id, reason)?)
+        self.store.fail(p.id, reason)?;
+        self.note(Event::new("fail").req(&claim.req_id).publication(p.id).receipt(&claim.signature).detail(reason));
+        Ok(())
     }
 
     /// Frees a claimed/retained publication only once its reader is fenced:
@@ -310,7 +351,9 @@ impl Service {
             )
             .into());
         }
-        Ok(self.store.reclaim(p.id)?)
+        self.store.reclaim(p.id)?;
+        self.note(Event::new("reclaim").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        Ok(())
     }
 
     /// Fences a reader session: its claims become reclaimable.

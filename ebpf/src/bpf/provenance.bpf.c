@@ -42,6 +42,24 @@ struct {
 	__type(value, struct transfer_key);
 } inflight_rq SEC(".maps");
 
+/* The target files whose page-cache insertions count, when the loader names
+ * them (watch_on[0] = 1): then a page of anything else — the binary's own
+ * code faulted in, a log, a timeline — is not the payload. Without names,
+ * every disk-backed file counts. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 16);
+	__type(key, struct file_key);
+	__type(value, __u8);
+} watched SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} watch_on SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, COUNT_MAX);
@@ -66,13 +84,23 @@ static __always_inline struct transfer_signals *signals_for(__u64 transfer)
 	return bpf_map_lookup_elem(&signals, &key);
 }
 
-/* The transfer the current thread is submitting, if any. */
+#define PF_IO_WORKER 0x00000010
+
+/* The transfer the current thread is submitting, if any. An io-wq worker
+ * that no kprobe has told about its request (kernels where kprobes cannot
+ * attach) is charged to the process's last submission: a copy it makes must
+ * not go unseen. Any other thread with no transfer of its own (the daemon
+ * writing its log or timeline, say) is charged nothing. */
 static __always_inline struct transfer_signals *current_signals(void)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct transfer_key *k = bpf_map_lookup_elem(&current_transfer, &tid);
 
 	if (!k) {
+		struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+
+		if (!(BPF_CORE_READ(task, flags) & PF_IO_WORKER))
+			return NULL;
 		__u32 process = 0;
 		k = bpf_map_lookup_elem(&current_transfer, &process);
 	}
@@ -225,6 +253,15 @@ int on_page_cache_add(struct trace_event_raw_mm_filemap_op_page_cache *ctx)
 	 * of files on a disk-backed filesystem (major = dev_t >> 20). */
 	if ((ctx->s_dev >> 20) == 0)
 		return 0;
+	__u32 zero = 0;
+	__u32 *on = bpf_map_lookup_elem(&watch_on, &zero);
+
+	if (on && *on) {
+		struct file_key f = { .dev = ctx->s_dev, .ino = ctx->i_ino };
+
+		if (!bpf_map_lookup_elem(&watched, &f))
+			return 0;
+	}
 	COUNT_FOR_CURRENT(page_cache_adds);
 }
 

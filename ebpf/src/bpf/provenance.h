@@ -7,6 +7,13 @@
 /* user_data = transfer_id << SEGMENT_BITS | segment slot (driver/src/io/ring.rs). */
 #define PDSTOR_SEGMENT_BITS 16
 
+/* A file pages may be cached for: the kernel dev_t (major << 20 | minor)
+ * of its filesystem and its inode number. */
+struct file_key {
+	__u64 dev;
+	__u64 ino;
+};
+
 struct transfer_key {
 	__u64 transfer;
 };

@@ -309,7 +309,10 @@ fn raw_block(ctx: &Ctx) -> Outcome {
 fn xfs(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("XFS not mounted")?;
-        run_combos(&mount.join("pdstor-dmabuf.img"), &["--size", "128M"])
+        let img = mount.join("pdstor-dmabuf.img");
+        let r = run_combos(&img, &["--size", "64M"]);
+        let _ = std::fs::remove_file(&img);
+        r
     })())
 }
 

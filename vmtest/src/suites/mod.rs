@@ -4,6 +4,7 @@
 mod dmabuf;
 mod faults;
 mod io;
+mod oracle;
 mod probes;
 mod protocol;
 mod swiotlb;
@@ -25,7 +26,8 @@ pub struct Suite {
 }
 
 /// Every suite, in the order `--suite all` runs them.
-pub const SUITES: &[Suite] = &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, dmabuf::SUITE, swiotlb::SUITE];
+pub const SUITES: &[Suite] =
+    &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, dmabuf::SUITE, oracle::SUITE, swiotlb::SUITE];
 
 pub fn find(name: &str) -> Option<&'static Suite> {
     SUITES.iter().find(|s| s.name == name)

@@ -108,6 +108,9 @@ fn passthrough(ctx: &Ctx) -> Outcome {
 fn xfs(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("XFS not mounted")?;
-        handoff(&mount.join("pdstor-ns.img"), &["--size", "128M"])
+        let img = mount.join("pdstor-ns.img");
+        let r = handoff(&img, &["--size", "128M"]);
+        let _ = std::fs::remove_file(&img);
+        r
     })())
 }

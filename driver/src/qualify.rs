@@ -1,0 +1,801 @@
+//! `pdstor qualify`: the model-oracle profile (DESIGN §9, steps 4–5). A
+//! successful decode does not prove the KV cache was restored — a miss may
+//! silently recompute — so this compares continuations, token for token and
+//! by chosen-token log-probability, and keeps a causal timeline of all of it.
+//!
+//! For each case (three prompt groups: shorter than one chunk, an exact chunk
+//! multiple, a partial last chunk; batches of 1/4/8 requests; output budgets
+//! 48/32/24 by group) it runs the no-cache oracle (f32, from scratch), the
+//! monolithic and split prefill controls (the KV through bf16 in memory), a
+//! **cold restore** (a reader *process* that never saw the prompt adopts,
+//! loads through `pdstor serve`, appends the producer token and decodes in a
+//! fresh model) and a **warm repeat** (the same restore again). Then the fault
+//! controls: stop handling, cancellation mid-restore, a failed load of a
+//! corrupted chunk, mismatched receipts, a duplicate ACK, an unread release and
+//! pressure beyond capacity. Output: `qualify.json`, `qualify.md`,
+//! `timeline.jsonl` (checked with the path used), `timeline.svg`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::client::{BufferSpec, Client, Exporter, Reader, Writer};
+use crate::io::PayloadPath;
+use crate::model::{self, Config, Continuation, Model, kv};
+use crate::protocol::Receipt;
+use crate::protocol::service::Published;
+use crate::store::Layout;
+use crate::timeline::{Event, Timeline, tokens_digest};
+
+/// The chosen-token log-probability tolerance (bf16 KV must stay within it).
+pub const LOGPROB_TOLERANCE: f32 = 0.02;
+const BUDGETS: [usize; 3] = [48, 32, 24];
+
+#[derive(Debug, Clone)]
+pub struct QualifyConfig {
+    pub target: PathBuf,
+    /// Size to create a missing file target with.
+    pub size: u64,
+    pub out: PathBuf,
+    pub chunk_tokens: usize,
+    /// Batch sizes (the full profile: 1, 4, 8).
+    pub batches: Vec<usize>,
+    /// Output budgets scale (1.0: 48/32/24).
+    pub budget_scale: f32,
+    pub path: PayloadPath,
+    pub provenance: bool,
+    /// Where to corrupt a chunk for the failed-load control (default: the
+    /// target; give the block device of a `/dev/ngXnY` target).
+    pub corrupt_via: Option<PathBuf>,
+    pub model: Config,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseResult {
+    pub name: String,
+    pub prompt_tokens: usize,
+    pub chunks: usize,
+    pub batch: usize,
+    pub budget: usize,
+    /// Continuations compared against the oracle (mono, split, cold, warm per request).
+    pub compared: usize,
+    pub identical_tokens: bool,
+    pub max_logprob_delta: f32,
+    pub ok: bool,
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ControlResult {
+    pub name: &'static str,
+    pub ok: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct QualifyReport {
+    pub model: Config,
+    pub chunk_tokens: usize,
+    pub path: PayloadPath,
+    pub target: PathBuf,
+    pub cases: Vec<CaseResult>,
+    pub controls: Vec<ControlResult>,
+    pub max_logprob_delta: f32,
+    pub tolerance: f32,
+    pub timeline: crate::timeline::check::CheckReport,
+    pub seconds: f64,
+    pub ok: bool,
+}
+
+impl QualifyReport {
+    pub fn markdown(&self) -> String {
+        let mut s = format!(
+            "# pdstor qualify\n\nmodel {:?}, chunk {} tokens, path {}, target {}\n\n| case | prompt tokens | chunks | batch | budget | continuations | identical | max Δlogprob | result |\n|---|---|---|---|---|---|---|---|---|\n",
+            self.model,
+            self.chunk_tokens,
+            self.path,
+            self.target.display()
+        );
+        for c in &self.cases {
+            s += &format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {:.6} | {} |\n",
+                c.name,
+                c.prompt_tokens,
+                c.chunks,
+                c.batch,
+                c.budget,
+                c.compared,
+                if c.identical_tokens { "yes" } else { "**no**" },
+                c.max_logprob_delta,
+                if c.ok { "pass".to_string() } else { format!("**FAIL** {}", c.error.as_deref().unwrap_or("")) }
+            );
+        }
+        s += "\n| control | result | detail |\n|---|---|---|\n";
+        for c in &self.controls {
+            s += &format!("| {} | {} | {} |\n", c.name, if c.ok { "pass" } else { "**FAIL**" }, c.detail);
+        }
+        s += &format!(
+            "\nmax chosen-token log-probability delta {:.6} (tolerance {}); timeline: {} lines, {} publications, {} acknowledged, {} violations; {:.1} s\n",
+            self.max_logprob_delta,
+            self.tolerance,
+            self.timeline.lines,
+            self.timeline.publications,
+            self.timeline.acked,
+            self.timeline.violations.len(),
+            self.seconds
+        );
+        s
+    }
+}
+
+/// What the reader process is asked to do with one claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReaderMode {
+    /// Cold restore, then a warm repeat, then ack.
+    Restore,
+    /// Adopt, load one chunk, stop: no ack.
+    Cancel,
+    /// Adopt and load expecting a failure; report it, produce nothing.
+    Strict,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReaderRequest {
+    pub req_id: String,
+    pub claim: Receipt,
+    pub layout: Layout,
+    pub budget: usize,
+    pub stop: Option<u32>,
+    /// The producer token's log-probability, as the writer computed it.
+    pub first_logprob: f32,
+    pub mode: ReaderMode,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReaderJob {
+    pub server: String,
+    pub data_socket: PathBuf,
+    pub timeline: PathBuf,
+    pub node: String,
+    pub model: Config,
+    pub chunk_tokens: usize,
+    pub path: PayloadPath,
+    pub requests: Vec<ReaderRequest>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReaderOutcome {
+    pub req_id: String,
+    pub cold: Option<Continuation>,
+    pub warm: Option<Continuation>,
+    pub error: Option<String>,
+}
+
+/// The reader process (`pdstor qualify-reader`): restores each claim into a
+/// fresh model and decodes; it never sees a prompt.
+pub fn reader_main(job: &ReaderJob) -> anyhow::Result<Vec<ReaderOutcome>> {
+    let tl = Timeline::open(&job.timeline, &job.node)?;
+    let spec = BufferSpec { exporter: Exporter::Memfd, path: job.path };
+    let mut reader = Reader::with_buffer(&job.server, &job.data_socket, spec)?;
+    let mut out = Vec::new();
+    for r in &job.requests {
+        let claim = &r.claim;
+        let note = |e: Event| tl.emit(e.req(&r.req_id).publication(claim.publication).receipt(&claim.signature));
+        let manifest = reader.adopt(claim, &r.layout)?;
+        let first = manifest.first_token.context("the manifest carries no producer token")?;
+        match r.mode {
+            ReaderMode::Cancel => {
+                reader.load_chunks(claim, &manifest, &[0])?;
+                note(Event::new("cancelled").detail("reader stopped mid-restore; lease kept, no ack"));
+                out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: None, warm: None, error: None });
+                continue;
+            }
+            ReaderMode::Strict => {
+                let e = match reader.load(claim, manifest) {
+                    Ok(_) => anyhow::bail!("{}: the corrupted chunk loaded without an error", r.req_id),
+                    Err(e) => e.to_string(),
+                };
+                note(Event::new("load_failed").detail(e.clone()));
+                reader.client.fail(claim, &format!("strict load failed: {e}"))?;
+                out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: None, warm: None, error: Some(e) });
+                continue;
+            }
+            ReaderMode::Restore => {}
+        }
+        let mut runs = Vec::new();
+        let mut digest = String::new();
+        for which in ["cold", "warm"] {
+            let restored = reader.load(claim, manifest.clone())?;
+            digest = restored.restore_digest.clone();
+            let bytes = reader.restored_bytes(restored.len)?;
+            let pieces: Vec<&[u8]> = {
+                let mut at = 0usize;
+                manifest
+                    .chunks
+                    .iter()
+                    .map(|c| {
+                        let p = &bytes[at..at + c.len as usize];
+                        at += c.len as usize;
+                        p
+                    })
+                    .collect()
+            };
+            let mut cache = kv::decode(&pieces, &job.model, job.chunk_tokens).map_err(|e| anyhow::anyhow!(e))?;
+            let fresh = Model::new(job.model);
+            let mut e = Event::new("decode_start").detail(which);
+            e.token = Some(first);
+            note(e);
+            let c = fresh.decode(&mut cache, first, r.first_logprob, r.budget, r.stop);
+            let mut e = Event::new("continuation").detail(which);
+            e.digest = Some(tokens_digest(&c.tokens));
+            e.tokens = Some(c.tokens.clone());
+            note(e);
+            runs.push(c);
+        }
+        reader.client.ack(claim, &digest)?;
+        note(Event::new("ack"));
+        let warm = runs.pop();
+        out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: runs.pop(), warm, error: None });
+    }
+    Ok(out)
+}
+
+struct Daemon {
+    child: Child,
+    server: String,
+    socket: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn start_daemon(cfg: &QualifyConfig, timeline: &Path) -> anyhow::Result<Daemon> {
+    let exe = std::env::current_exe().context("locating the pdstor binary")?;
+    let socket = cfg.out.join("data.sock");
+    let _ = std::fs::remove_file(&socket);
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let log = std::fs::File::create(cfg.out.join("serve.log"))?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("serve").arg("--target").arg(&cfg.target).args(["--listen", &listen]).arg("--data-socket").arg(&socket);
+    cmd.arg("--timeline").arg(timeline);
+    if cfg.provenance {
+        cmd.args(["--provenance", "--require-native"]);
+    }
+    let child = cmd.stdout(Stdio::null()).stderr(log).spawn().context("starting pdstor serve")?;
+    let d = Daemon { child, server: format!("http://{listen}"), socket };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::os::unix::net::UnixStream::connect(&d.socket).is_err()
+        || ureq::get(format!("{}/healthz", d.server)).call().is_err()
+    {
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string(cfg.out.join("serve.log")).unwrap_or_default();
+            bail!("pdstor serve did not come up: {log}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(d)
+}
+
+/// A deterministic prompt of `len` byte tokens for request `n`.
+fn prompt(len: usize, n: usize) -> Vec<u32> {
+    const TEXT: &str = "prefill computes the prompt's KV cache; decode restores it from NVMe and continues. \
+                        the receipt binds the reader, the lease never frees bytes by timeout alone. ";
+    TEXT.bytes().cycle().skip(n * 37 % TEXT.len()).take(len).map(u32::from).collect()
+}
+
+/// One request's writer-side work and its in-process references.
+struct Prepared {
+    req_id: String,
+    chunks: Vec<Vec<u8>>,
+    first: u32,
+    first_logprob: f32,
+    oracle: Continuation,
+    controls: Vec<(&'static str, Continuation)>,
+}
+
+fn compare(oracle: &Continuation, got: &Continuation) -> Result<f32, String> {
+    if got.tokens != oracle.tokens {
+        let at = got.tokens.iter().zip(&oracle.tokens).position(|(a, b)| a != b).unwrap_or(got.tokens.len());
+        return Err(format!(
+            "tokens differ at position {at} ({} vs the oracle's {} tokens)",
+            got.tokens.len(),
+            oracle.tokens.len()
+        ));
+    }
+    Ok(got.logprobs.iter().zip(&oracle.logprobs).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max))
+}
+
+struct Run<'a> {
+    cfg: &'a QualifyConfig,
+    model: Arc<Model>,
+    daemon: &'a Daemon,
+    layout: Layout,
+    timeline_path: PathBuf,
+    writer_tl: Arc<Timeline>,
+    oracle_tl: Timeline,
+    next_reader: usize,
+}
+
+impl Run<'_> {
+    fn client(&self) -> Client {
+        Client::new(&self.daemon.server)
+    }
+
+    /// Oracle, controls and the writer's chunks for one prompt.
+    fn prepare(&self, req_id: String, prompt: &[u32], budget: usize, stop: Option<u32>) -> Prepared {
+        let m = &self.model;
+        let oracle = m.generate(prompt, budget, stop);
+        let mut e = Event::new("oracle").req(&req_id);
+        e.digest = Some(tokens_digest(&oracle.tokens));
+        e.tokens = Some(oracle.tokens.clone());
+        self.oracle_tl.emit(e);
+        let mut controls = Vec::new();
+        for (name, chunk) in [("monolithic", 0), ("split", self.cfg.chunk_tokens)] {
+            let (cache, logits) = m.prefill(prompt, chunk);
+            let first = model::argmax(&logits);
+            let mut q = kv::quantize(&cache);
+            controls.push((name, m.decode(&mut q, first, model::logprob(&logits, first), budget, stop)));
+        }
+        // The writer prefills in chunks, as a chunked-prefill engine does.
+        let (cache, logits) = m.prefill(prompt, self.cfg.chunk_tokens);
+        let first = model::argmax(&logits);
+        Prepared {
+            req_id,
+            chunks: kv::encode(&cache, m.config(), self.cfg.chunk_tokens),
+            first,
+            first_logprob: model::logprob(&logits, first),
+            oracle,
+            controls,
+        }
+    }
+
+    /// Stores and publishes each request (concurrently, one writer each).
+    fn publish_all(&self, reqs: &[Prepared]) -> anyhow::Result<Vec<Published>> {
+        let chunk = kv::chunk_bytes(self.model.config(), self.cfg.chunk_tokens) as u64;
+        let spec = BufferSpec { exporter: Exporter::Memfd, path: self.cfg.path };
+        std::thread::scope(|s| {
+            let handles: Vec<_> = reqs
+                .iter()
+                .map(|r| {
+                    let tl = self.writer_tl.clone();
+                    s.spawn(move || -> anyhow::Result<Published> {
+                        let mut w = Writer::with_buffer(
+                            &self.daemon.server,
+                            &self.daemon.socket,
+                            chunk,
+                            r.chunks.len() as u32,
+                            spec,
+                        )?;
+                        let payload: Vec<u8> = r.chunks.concat();
+                        let p = w.put(&r.req_id, &self.layout, &payload, 4, Some(r.first))?;
+                        tl.emit(
+                            Event::new("publish")
+                                .req(&r.req_id)
+                                .publication(p.receipt.publication)
+                                .receipt(&p.receipt.signature),
+                        );
+                        Ok(p)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().map_err(|_| anyhow::anyhow!("a writer thread panicked"))?).collect()
+        })
+    }
+
+    fn claim(&self, ready: &Receipt, session: &str) -> anyhow::Result<Receipt> {
+        let c = self.client().claim(ready, &format!("decode-{session}"), session, 600_000)?;
+        self.writer_tl.emit(Event::new("claim").req(&c.req_id).publication(c.publication).receipt(&c.signature));
+        Ok(c)
+    }
+
+    /// Runs one reader process over `requests`.
+    fn reader(&mut self, requests: Vec<ReaderRequest>) -> anyhow::Result<Vec<ReaderOutcome>> {
+        self.next_reader += 1;
+        let job = ReaderJob {
+            server: self.daemon.server.clone(),
+            data_socket: self.daemon.socket.clone(),
+            timeline: self.timeline_path.clone(),
+            node: format!("reader-{}", self.next_reader),
+            model: *self.model.config(),
+            chunk_tokens: self.cfg.chunk_tokens,
+            path: self.cfg.path,
+            requests,
+        };
+        let file = self.cfg.out.join(format!("reader-{}.json", self.next_reader));
+        std::fs::write(&file, serde_json::to_vec(&job)?)?;
+        let exe = std::env::current_exe()?;
+        let out = Command::new(exe).arg("qualify-reader").arg("--job").arg(&file).output()?;
+        if !out.status.success() {
+            bail!("the reader process failed ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+        }
+        serde_json::from_slice(&out.stdout).context("parsing the reader's results")
+    }
+
+    fn case(&mut self, group: usize, batch: usize) -> CaseResult {
+        let t = self.cfg.chunk_tokens;
+        let len = [t / 2 + 1, 2 * t, 2 * t + t / 2][group];
+        let budget = ((BUDGETS[group] as f32 * self.cfg.budget_scale) as usize).max(2);
+        let name = format!("{}-b{batch}", ["short", "exact", "partial"][group]);
+        let mut r = CaseResult {
+            name: name.clone(),
+            prompt_tokens: len,
+            chunks: len.div_ceil(t),
+            batch,
+            budget,
+            compared: 0,
+            identical_tokens: true,
+            max_logprob_delta: 0.0,
+            ok: false,
+            error: None,
+        };
+        let outcome = (|| -> anyhow::Result<()> {
+            let reqs: Vec<Prepared> = (0..batch)
+                .map(|n| self.prepare(format!("{name}-{n}"), &prompt(len, group * 100 + batch * 10 + n), budget, None))
+                .collect();
+            let ready = self.publish_all(&reqs)?;
+            let mut jobs = Vec::new();
+            for (p, rd) in reqs.iter().zip(&ready) {
+                jobs.push(ReaderRequest {
+                    req_id: p.req_id.clone(),
+                    claim: self.claim(&rd.receipt, &name)?,
+                    layout: self.layout.clone(),
+                    budget,
+                    stop: None,
+                    first_logprob: p.first_logprob,
+                    mode: ReaderMode::Restore,
+                });
+            }
+            let outcomes = self.reader(jobs)?;
+            for (p, o) in reqs.iter().zip(&outcomes) {
+                let mut runs: Vec<(&str, &Continuation)> = p.controls.iter().map(|(n, c)| (*n, c)).collect();
+                let (cold, warm) = (o.cold.as_ref().context("no cold restore")?, o.warm.as_ref().context("no warm")?);
+                runs.push(("cold restore", cold));
+                runs.push(("warm repeat", warm));
+                for (what, c) in runs {
+                    r.compared += 1;
+                    match compare(&p.oracle, c) {
+                        Ok(d) => r.max_logprob_delta = r.max_logprob_delta.max(d),
+                        Err(e) => {
+                            r.identical_tokens = false;
+                            bail!("{}: {what}: {e}", p.req_id);
+                        }
+                    }
+                }
+            }
+            if r.max_logprob_delta > LOGPROB_TOLERANCE {
+                bail!("chosen-token log-probability delta {} exceeds {LOGPROB_TOLERANCE}", r.max_logprob_delta);
+            }
+            Ok(())
+        })();
+        match outcome {
+            Ok(()) => r.ok = true,
+            Err(e) => r.error = Some(format!("{e:#}")),
+        }
+        r
+    }
+
+    fn one(&mut self, name: &str, budget: usize, stop: Option<u32>) -> anyhow::Result<(Prepared, Published)> {
+        let len = 2 * self.cfg.chunk_tokens + self.cfg.chunk_tokens / 2;
+        let p = self.prepare(name.into(), &prompt(len, 900), budget, stop);
+        let published = self.publish_all(std::slice::from_ref(&p))?.remove(0);
+        Ok((p, published))
+    }
+
+    fn restore(
+        &mut self,
+        p: &Prepared,
+        claim: Receipt,
+        budget: usize,
+        stop: Option<u32>,
+        mode: ReaderMode,
+    ) -> anyhow::Result<ReaderOutcome> {
+        let mut o = self.reader(vec![ReaderRequest {
+            req_id: p.req_id.clone(),
+            claim,
+            layout: self.layout.clone(),
+            budget,
+            stop,
+            first_logprob: p.first_logprob,
+            mode,
+        }])?;
+        o.pop().context("the reader returned nothing")
+    }
+
+    fn controls(&mut self) -> Vec<ControlResult> {
+        let names = [
+            "stop_handling",
+            "cancellation",
+            "failed_load",
+            "mismatched_receipts",
+            "duplicate_ack",
+            "unread_release",
+            "pressure",
+        ];
+        names
+            .into_iter()
+            .map(|name| {
+                let r = match name {
+                    "stop_handling" => self.stop_handling(),
+                    "cancellation" => self.cancellation(),
+                    "failed_load" => self.failed_load(),
+                    "mismatched_receipts" => self.mismatched_receipts(),
+                    "duplicate_ack" => self.duplicate_ack(),
+                    "unread_release" => self.unread_release(),
+                    _ => self.pressure(),
+                };
+                match r {
+                    Ok(detail) => ControlResult { name, ok: true, detail },
+                    Err(e) => ControlResult { name, ok: false, detail: format!("{e:#}") },
+                }
+            })
+            .collect()
+    }
+
+    fn stop_handling(&mut self) -> anyhow::Result<String> {
+        let budget = 24;
+        let len = 2 * self.cfg.chunk_tokens + self.cfg.chunk_tokens / 2;
+        let free = self.model.generate(&prompt(len, 900), budget, None);
+        let stop = free.tokens[budget / 2];
+        let (p, published) = self.one("control-stop", budget, Some(stop))?;
+        if p.oracle.tokens.len() >= budget {
+            bail!("the stop token {stop} did not end the oracle early");
+        }
+        let claim = self.claim(&published.receipt, "control-stop")?;
+        let o = self.restore(&p, claim, budget, Some(stop), ReaderMode::Restore)?;
+        let cold = o.cold.as_ref().context("no continuation")?;
+        compare(&p.oracle, cold).map_err(|e| anyhow::anyhow!(e))?;
+        Ok(format!(
+            "stop token {stop} ended the restored decode after {} of {budget} tokens, as it ended the oracle",
+            cold.tokens.len()
+        ))
+    }
+
+    fn cancellation(&mut self) -> anyhow::Result<String> {
+        let (p, published) = self.one("control-cancel", 8, None)?;
+        let claim = self.claim(&published.receipt, "control-cancel")?;
+        self.restore(&p, claim.clone(), 8, None, ReaderMode::Cancel)?;
+        let c = self.client();
+        let state = c.publications(None)?.into_iter().find(|x| x.publication == claim.publication).map(|x| x.state);
+        if state.as_deref() != Some("ADOPTED") {
+            bail!("after a cancelled restore the publication is {state:?}, not ADOPTED with its lease kept");
+        }
+        if c.reclaim(&claim).is_ok() {
+            bail!("reclaim succeeded while the cancelled reader's session was open");
+        }
+        c.close_session("control-cancel")?;
+        c.reclaim(&claim)?;
+        Ok("lease kept (ADOPTED, no ack) after the reader stopped mid-restore; reclaim refused until its session was closed".into())
+    }
+
+    fn failed_load(&mut self) -> anyhow::Result<String> {
+        let (p, published) = self.one("control-corrupt", 8, None)?;
+        let claim = self.claim(&published.receipt, "control-corrupt")?;
+        let c1 = published.manifest.chunks.get(1).context("the publication has fewer than 2 chunks")?;
+        let via = self.cfg.corrupt_via.clone().unwrap_or_else(|| self.cfg.target.clone());
+        corrupt(&via, c1.offset)?;
+        let o = self.restore(&p, claim.clone(), 8, None, ReaderMode::Strict)?;
+        let err = o.error.clone().context("the strict reader reported no failure")?;
+        if o.cold.is_some() || !err.contains("checksum mismatch") {
+            bail!("the corrupted chunk gave {err:?} and continuation {:?}", o.cold);
+        }
+        let c = self.client();
+        c.close_session("control-corrupt")?;
+        c.reclaim(&claim)?;
+        Ok(format!(
+            "strict reader failed ({err}); no continuation; the claim failed to RETAINED and was reclaimed once fenced"
+        ))
+    }
+
+    fn mismatched_receipts(&mut self) -> anyhow::Result<String> {
+        let (p, published) = self.one("control-receipts", 8, None)?;
+        let c = self.client();
+        let mut forged = published.receipt.clone();
+        forged.manifest_digest = "00".repeat(32);
+        let refused = |r: Result<Receipt, crate::client::ClientError>, what: &str| match r {
+            Err(crate::client::ClientError::Api(e)) => Ok(e.code),
+            other => Err(anyhow::anyhow!("{what} was not refused: {other:?}")),
+        };
+        let a =
+            refused(c.claim(&forged, "decode-x", "control-receipts", 60_000), "a claim with a forged manifest digest")?;
+        let claim = self.claim(&published.receipt, "control-receipts")?;
+        let mut other_reader = claim.clone();
+        other_reader.reader = Some("someone-else".into());
+        let adopt = crate::api::wire::AdoptRequest {
+            receipt: other_reader,
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: self.layout.clone(),
+        };
+        let b = match c.adopt(&adopt) {
+            Err(crate::client::ClientError::Api(e)) => e.code,
+            other => bail!("an adopt with another reader's receipt was not refused: {other:?}"),
+        };
+        let mut wrong_layout = adopt.clone();
+        wrong_layout.receipt = claim.clone();
+        wrong_layout.layout.chunk_tokens += 1;
+        let d = match c.adopt(&wrong_layout) {
+            Err(crate::client::ClientError::Api(e)) => e.code,
+            other => bail!("an adopt with another layout was not refused: {other:?}"),
+        };
+        // The genuine claim still restores afterwards: refusals changed nothing.
+        let o = self.restore(&p, claim, 8, None, ReaderMode::Restore)?;
+        compare(&p.oracle, o.cold.as_ref().context("no continuation")?).map_err(|e| anyhow::anyhow!(e))?;
+        Ok(format!(
+            "refused: forged digest ({a}), another reader's receipt ({b}), another layout ({d}); the genuine claim then restored exactly"
+        ))
+    }
+
+    fn duplicate_ack(&mut self) -> anyhow::Result<String> {
+        let (p, published) = self.one("control-dup-ack", 8, None)?;
+        let claim = self.claim(&published.receipt, "control-dup-ack")?;
+        self.restore(&p, claim.clone(), 8, None, ReaderMode::Restore)?;
+        let digest = crate::protocol::service::restore_digest(
+            &published.manifest.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>(),
+        );
+        match self.client().ack(&claim, &digest) {
+            Err(crate::client::ClientError::Api(e)) => Ok(format!("the second ack was refused ({})", e.code)),
+            other => bail!("a second ack was not refused: {other:?}"),
+        }
+    }
+
+    fn unread_release(&mut self) -> anyhow::Result<String> {
+        let (_, published) = self.one("control-release", 8, None)?;
+        let c = self.client();
+        c.release(&published.receipt)?;
+        match c.claim(&published.receipt, "decode-late", "control-release", 60_000) {
+            Err(crate::client::ClientError::Api(e)) => {
+                Ok(format!("released unread; a later claim was refused ({})", e.code))
+            }
+            other => bail!("a claim after release was not refused: {other:?}"),
+        }
+    }
+
+    /// More concurrent requests than free slots: a filler reservation holds
+    /// all but two slots, eight 3-chunk requests wait at admission, the filler
+    /// is aborted, every request completes, and no slot is left behind.
+    fn pressure(&mut self) -> anyhow::Result<String> {
+        let c = self.client();
+        let free = |c: &Client| -> anyhow::Result<u64> {
+            let m = c.metrics()?;
+            m.lines()
+                .find_map(|l| l.strip_prefix("pdstor_slots{kind=\"free\"} "))
+                .and_then(|v| v.trim().parse().ok())
+                .context("no free-slot gauge in /metrics")
+        };
+        let before = free(&c)?;
+        let filler = c.prepare("control-pressure-filler", &self.layout, (before - 2) as u32, "filler")?;
+        let len = 2 * self.cfg.chunk_tokens + self.cfg.chunk_tokens / 2;
+        let reqs: Vec<Prepared> =
+            (0..8).map(|n| self.prepare(format!("control-pressure-{n}"), &prompt(len, 500 + n), 4, None)).collect();
+        let server = self.daemon.server.clone();
+        let releaser = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            Client::new(&server).abort(filler.publication)
+        });
+        let published = self.publish_all(&reqs)?;
+        releaser.join().map_err(|_| anyhow::anyhow!("the releasing thread panicked"))??;
+        for p in &published {
+            c.release(&p.receipt)?;
+        }
+        let after = free(&c)?;
+        if after != before {
+            bail!("{before} slots were free before and {after} after");
+        }
+        Ok(format!(
+            "8 requests of 3 chunks against 2 free slots waited, completed once the filler was aborted; {after} slots free again"
+        ))
+    }
+}
+
+/// Overwrites the first 4 KiB at `offset` of `path` with garbage, with
+/// O_DIRECT (the daemon reads with O_DIRECT too: no stale cache between).
+fn corrupt(path: &Path, offset: u64) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::File::options()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .with_context(|| format!("opening {} to corrupt a chunk", path.display()))?;
+    let b = crate::Buffer::host(4096)?;
+    b.write_at(0, &[0xa5; 4096])?;
+    let addr = b.slice(0, 4096)?.ptr_guard().as_ptr();
+    // SAFETY: `b` owns 4096 page-aligned bytes at `addr` for the call.
+    let n = unsafe { libc::pwrite(f.as_raw_fd(), addr.cast(), 4096, offset as libc::off_t) };
+    if n != 4096 {
+        bail!("corrupting {} at {offset}: {}", path.display(), std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Runs the whole profile. Returns the report (also written under `out`).
+pub fn run(cfg: &QualifyConfig) -> anyhow::Result<QualifyReport> {
+    let started = Instant::now();
+    std::fs::create_dir_all(&cfg.out).with_context(|| format!("creating {}", cfg.out.display()))?;
+    if cfg.chunk_tokens < 2 {
+        bail!("--chunk-tokens must be at least 2");
+    }
+    let chunk = kv::chunk_bytes(&cfg.model, cfg.chunk_tokens) as u64;
+    let create = (!cfg.target.exists()).then_some(cfg.size);
+    crate::store::format(
+        &cfg.target,
+        &crate::store::FormatOptions { slot_size: chunk, journal_half: 1 << 20, force: true, create_len: create },
+    )?;
+    let timeline_path = cfg.out.join("timeline.jsonl");
+    let _ = std::fs::remove_file(&timeline_path);
+    let daemon = start_daemon(cfg, &timeline_path)?;
+    let mut run = Run {
+        cfg,
+        model: Arc::new(Model::new(cfg.model)),
+        daemon: &daemon,
+        layout: kv::layout(&cfg.model, cfg.chunk_tokens),
+        writer_tl: Arc::new(Timeline::open(&timeline_path, "writer")?),
+        oracle_tl: Timeline::open(&timeline_path, "oracle")?,
+        timeline_path: timeline_path.clone(),
+        next_reader: 0,
+    };
+    let mut cases = Vec::new();
+    for group in 0..3 {
+        for &batch in &cfg.batches {
+            let c = run.case(group, batch);
+            eprintln!(
+                "qualify: {:<12} {} ({} continuations, max Δlogprob {:.6})",
+                c.name,
+                if c.ok { "pass" } else { "FAIL" },
+                c.compared,
+                c.max_logprob_delta
+            );
+            cases.push(c);
+        }
+    }
+    let controls = run.controls();
+    for c in &controls {
+        eprintln!("qualify: {:<20} {} {}", c.name, if c.ok { "pass" } else { "FAIL" }, c.detail);
+    }
+    drop(run);
+    drop(daemon);
+    let lines = crate::timeline::read(&timeline_path)?;
+    let check = crate::timeline::check::check(&lines, cfg.path);
+    let events: Vec<Event> = lines.into_iter().filter_map(|(_, e)| e.ok()).collect();
+    std::fs::write(cfg.out.join("timeline.svg"), crate::timeline::render::render(&events, "pdstor qualify"))?;
+    let max = cases.iter().map(|c| c.max_logprob_delta).fold(0.0, f32::max);
+    let report = QualifyReport {
+        model: cfg.model,
+        chunk_tokens: cfg.chunk_tokens,
+        path: cfg.path,
+        target: cfg.target.clone(),
+        ok: cases.iter().all(|c| c.ok) && controls.iter().all(|c| c.ok) && check.ok(),
+        cases,
+        controls,
+        max_logprob_delta: max,
+        tolerance: LOGPROB_TOLERANCE,
+        timeline: check,
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    std::fs::write(cfg.out.join("qualify.json"), serde_json::to_vec_pretty(&report)?)?;
+    std::fs::write(cfg.out.join("qualify.md"), report.markdown())?;
+    Ok(report)
+}

@@ -1,0 +1,162 @@
+//! The causal timeline (DESIGN §8): every node — the daemon, each writer and
+//! reader, the model oracle — appends one JSON line per step to a file it is
+//! given (`--timeline PATH`, opened `O_APPEND`, so several processes can share
+//! it and the file's line order is the order the steps happened). Each node
+//! writes a step's line before it lets anyone act on the step (the daemon
+//! before it answers), so a later line never describes a cause of an earlier
+//! one. [`check`] verifies a timeline; [`render`] draws it.
+
+pub mod check;
+pub mod render;
+
+use std::fs::File;
+use std::io::Write;
+use std::path::Path;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// One line of a timeline. The DESIGN §8 fields are always present (null
+/// where they do not apply); the rest appear where they mean something.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Per node, from 1.
+    pub seq: u64,
+    /// `CLOCK_MONOTONIC`, comparable between processes on one host.
+    pub ts_ns: u64,
+    pub node: String,
+    pub event: String,
+    pub req_id: Option<String>,
+    pub publication: Option<u64>,
+    pub chunk: Option<u32>,
+    pub path: Option<String>,
+    pub bytes: Option<u64>,
+    pub verdict: Option<String>,
+    /// The receipt this step produced or used: its signature (hex).
+    pub receipt: Option<String>,
+    /// The `seq` (on this node) of the step this one follows from.
+    pub parent: Option<u64>,
+    /// How long the step took (payload transfers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dur_ns: Option<u64>,
+    /// Chunks in the publication (publish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<u32>,
+    /// The producer token (decode_start) or a stop token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<u32>,
+    /// A continuation's tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<Vec<u32>>,
+    /// SHA-256 of a continuation's tokens (hex), to compare across nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// What failed or was refused, or which control a step belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+}
+
+impl Event {
+    pub fn new(event: &str) -> Event {
+        Event { event: event.into(), ..Default::default() }
+    }
+    pub fn req(mut self, req_id: &str) -> Self {
+        self.req_id = Some(req_id.into());
+        self
+    }
+    pub fn publication(mut self, p: u64) -> Self {
+        self.publication = Some(p);
+        self
+    }
+    pub fn chunk(mut self, c: u32) -> Self {
+        self.chunk = Some(c);
+        self
+    }
+    pub fn receipt(mut self, signature: &str) -> Self {
+        self.receipt = Some(signature.into());
+        self
+    }
+    pub fn detail(mut self, d: impl Into<String>) -> Self {
+        self.detail = Some(d.into());
+        self
+    }
+}
+
+/// The SHA-256 (hex) of a token sequence, as continuation records carry it.
+pub fn tokens_digest(tokens: &[u32]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    hex::encode(h.finalize())
+}
+
+fn monotonic_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec through a valid pointer.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) } != 0 {
+        return 0;
+    }
+    t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+}
+
+/// One node's writer of timeline lines.
+pub struct Timeline {
+    node: String,
+    out: Mutex<(File, u64)>,
+}
+
+impl Timeline {
+    /// Appends to `path` (created if missing) as `node`.
+    pub fn open(path: &Path, node: &str) -> std::io::Result<Timeline> {
+        let f = File::options().create(true).append(true).open(path).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("opening timeline {} for appending: {e}", path.display()))
+        })?;
+        Ok(Timeline { node: node.into(), out: Mutex::new((f, 0)) })
+    }
+
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Stamps `e` with this node, the next `seq` and the time, and appends it
+    /// as one line in one write. Returns its `seq` (for children's `parent`).
+    /// A timeline that cannot be written is reported, not fatal: the step it
+    /// describes has already happened.
+    pub fn emit(&self, mut e: Event) -> u64 {
+        let mut g = self.out.lock().unwrap_or_else(|p| p.into_inner());
+        g.1 += 1;
+        e.seq = g.1;
+        e.ts_ns = monotonic_ns();
+        e.node = self.node.clone();
+        match serde_json::to_vec(&e) {
+            Ok(mut line) => {
+                line.push(b'\n');
+                if let Err(err) = g.0.write_all(&line) {
+                    tracing::warn!("timeline: writing {} failed: {err}", e.event);
+                }
+            }
+            Err(err) => tracing::warn!("timeline: encoding {} failed: {err}", e.event),
+        }
+        g.1
+    }
+}
+
+/// Emits on an optional timeline.
+pub fn emit(t: &Option<std::sync::Arc<Timeline>>, e: Event) -> Option<u64> {
+    t.as_ref().map(|t| t.emit(e))
+}
+
+/// Reads a timeline: each line's number (from 1) and event, or the line's
+/// parse error.
+pub fn read(path: &Path) -> std::io::Result<Vec<(usize, Result<Event, String>)>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("reading timeline {}: {e}", path.display())))?;
+    Ok(text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, serde_json::from_str::<Event>(l).map_err(|e| e.to_string())))
+        .collect())
+}

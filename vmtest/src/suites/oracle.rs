@@ -1,0 +1,57 @@
+//! `oracle`: the model-oracle profile (`pdstor qualify --short`) inside the
+//! guest on the raw NVMe namespace through passthrough (`/dev/ngXnY`,
+//! `host_fixed`): a deterministic model's KV cache stored by the writer,
+//! restored by a reader process, continuations identical to the no-cache
+//! oracle within the log-probability tolerance, every fault control passing,
+//! and the run's timeline passing `pdstor timeline check --require-path
+//! host_fixed` with the probes' native verdicts (kprobes attach here).
+
+use std::path::Path;
+
+use super::{Suite, Test, outcome};
+use crate::guest::{Ctx, sh};
+use crate::{DiskRole, Outcome};
+
+pub const SUITE: Suite = Suite {
+    name: "oracle",
+    about: "pdstor qualify --short on NVMe passthrough; the timeline checked with --require-path host_fixed",
+    tests: &[Test { name: "qualify_on_nvme_passthrough", disk: Some(DiskRole::Raw), run: qualify }],
+};
+
+fn qualify(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let out = Path::new("/tmp/vmtest/qualify");
+        let (generic, block) = (disk.generic.to_string_lossy(), disk.block.to_string_lossy());
+        let run = std::process::Command::new("/bin/pdstor")
+            .args(["qualify", "--short", "--chunk-tokens", "8", "--target", &generic, "--corrupt-via", &block, "--out"])
+            .arg(out)
+            .output()
+            .map_err(|e| format!("running pdstor qualify: {e}"))?;
+        let report: serde_json::Value = std::fs::read(out.join("qualify.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| format!("no qualify.json: {}", String::from_utf8_lossy(&run.stderr)))?;
+        if !run.status.success() || report["ok"] != true {
+            let md = std::fs::read_to_string(out.join("qualify.md")).unwrap_or_default();
+            return Err(format!("pdstor qualify failed ({:?}):\n{md}", run.status.code()));
+        }
+        let cases = report["cases"].as_array().map_or(0, Vec::len);
+        let controls = report["controls"].as_array().map_or(0, Vec::len);
+        if cases != 3 || controls != 7 {
+            return Err(format!("expected 3 cases and 7 controls, got {cases} and {controls}"));
+        }
+        // The checker, run on its own, agrees; and the default requirement
+        // (dmabuf_fixed) rejects this host_fixed run.
+        let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
+        sh("/bin/pdstor", &["timeline", "check", &timeline, "--require-path", "host_fixed"])?;
+        if sh("/bin/pdstor", &["timeline", "check", &timeline]).is_ok() {
+            return Err("the timeline passed the default dmabuf_fixed requirement".into());
+        }
+        let svg = std::fs::read_to_string(out.join("timeline.svg")).map_err(|e| format!("timeline.svg: {e}"))?;
+        if !svg.contains("<svg") || !svg.contains(">daemon<") {
+            return Err("timeline.svg is not a rendered timeline".into());
+        }
+        Ok(())
+    })())
+}
