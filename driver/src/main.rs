@@ -124,6 +124,9 @@ enum Command {
         first_token: Option<u32>,
         #[command(flatten)]
         buffer: BufferArgs,
+        /// Append this node's steps to a JSON-lines timeline (see `pdstor timeline`).
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
     /// Claim a READY publication for one reader and session; prints the claim receipt.
     Claim {
@@ -153,6 +156,9 @@ enum Command {
         ack: bool,
         #[command(flatten)]
         buffer: BufferArgs,
+        /// Append this node's steps to a JSON-lines timeline (see `pdstor timeline`).
+        #[arg(long)]
+        timeline: Option<PathBuf>,
     },
     /// Acknowledge a restore: frees the slots.
     Ack {
@@ -497,7 +503,7 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path, what: &str)
 fn client_verbs(command: Command) -> anyhow::Result<()> {
     use pdstor::client::{Client, Reader, Writer};
     match command {
-        Command::Put { daemon, req, layout, from, chunk_size, batch, first_token, buffer } => {
+        Command::Put { daemon, req, layout, from, chunk_size, batch, first_token, buffer, timeline } => {
             let layout: Layout = read_json(&layout, "layout")?;
             let payload = std::fs::read(&from).map_err(|e| anyhow::anyhow!("reading {}: {e}", from.display()))?;
             if payload.is_empty() || !payload.len().is_multiple_of(4096) {
@@ -510,6 +516,13 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
             let chunks = payload.len().div_ceil(chunk_size as usize) as u32;
             let mut w = Writer::with_buffer(&daemon.server, &daemon.data_socket, chunk_size, chunks, buffer.spec())?;
             let published = w.put(&req, &layout, &payload, batch, first_token)?;
+            if let Some(t) = timeline {
+                let r = &published.receipt;
+                let mut e =
+                    pdstor::timeline::Event::new("publish").req(&req).publication(r.publication).receipt(&r.signature);
+                e.chunks = Some(chunks);
+                pdstor::timeline::Timeline::open(&t, &format!("writer-{}", std::process::id()))?.emit(e);
+            }
             println!("{}", serde_json::to_string_pretty(&published.receipt)?);
         }
         Command::Claim { daemon, receipt, reader, session, lease_ms } => {
@@ -517,15 +530,31 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
             let claim = Client::new(&daemon.server).claim(&ready, &reader, &session, lease_ms)?;
             println!("{}", serde_json::to_string_pretty(&claim)?);
         }
-        Command::Get { daemon, claim, layout, out, ack, buffer } => {
+        Command::Get { daemon, claim, layout, out, ack, buffer, timeline } => {
             let claim: Receipt = read_json(&claim, "claim receipt")?;
             let layout: Layout = read_json(&layout, "layout")?;
             let mut r = Reader::with_buffer(&daemon.server, &daemon.data_socket, buffer.spec())?;
             let restored = r.get(&claim, &layout)?;
             let bytes = r.restored_bytes(restored.len)?;
             std::fs::write(&out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+            let tl = match &timeline {
+                Some(t) => Some(pdstor::timeline::Timeline::open(t, &format!("reader-{}", std::process::id()))?),
+                None => None,
+            };
+            let note = |event: &str| {
+                if let Some(tl) = &tl {
+                    tl.emit(
+                        pdstor::timeline::Event::new(event)
+                            .req(&claim.req_id)
+                            .publication(claim.publication)
+                            .receipt(&claim.signature),
+                    );
+                }
+            };
+            note("restored");
             if ack {
                 r.client.ack(&claim, &restored.restore_digest)?;
+                note("ack");
             }
             let summary = serde_json::json!({
                 "publication": restored.manifest.publication,
