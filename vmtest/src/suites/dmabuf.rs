@@ -316,18 +316,24 @@ fn xfs(ctx: &Ctx) -> Outcome {
     })())
 }
 
-/// crc32c of the whole device, read with O_DIRECT outside the daemon.
+/// crc32c of the device's first 64 MiB (superblock, journal and the first
+/// slots, where a store would land), read with O_DIRECT outside the daemon.
 fn device_crc(path: &Path) -> Result<u32, String> {
     let len = 64 << 20;
     Ok(crc32c::crc32c(&dd_direct(path, 0, len)?))
 }
 
+/// A fresh namespace (1 MiB slots) on `device`, served.
+fn fresh_daemon(device: &Path) -> Result<super::protocol::Daemon, String> {
+    let t = device.to_string_lossy().into_owned();
+    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
+    serve_with(device, &[])
+}
+
 fn dmabuf_fixed_refused(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
-        let t = disk.block.to_string_lossy().into_owned();
-        sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
-        let daemon = serve_with(&disk.block, &[])?;
+        let daemon = fresh_daemon(&disk.block)?;
         let before = device_crc(&disk.block)?;
         let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
         for exporter in ["udmabuf", "dma-heap"] {
@@ -362,9 +368,7 @@ fn dmabuf_fixed_refused(ctx: &Ctx) -> Outcome {
 fn bad_input(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
-        let t = disk.block.to_string_lossy().into_owned();
-        sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
-        let daemon = serve_with(&disk.block, &[])?;
+        let daemon = fresh_daemon(&disk.block)?;
         let client = Client::new(SERVER);
         let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
 
