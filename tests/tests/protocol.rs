@@ -441,6 +441,9 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     assert!(events.iter().all(|e| e.node == "daemon"));
     assert!(events.windows(2).all(|w| w[0].seq < w[1].seq && w[0].ts_ns <= w[1].ts_ns));
     assert_eq!(events[3].receipt.as_deref(), Some(p.receipt.signature.as_str()));
+    // Each line's parent is the daemon's previous line about the publication.
+    assert_eq!(events[0].parent, None);
+    assert!(events[1..9].windows(2).all(|w| w[1].parent == Some(w[0].seq)), "{events:#?}");
     assert_eq!(events[3].chunks, Some(2));
     for e in events.iter().filter(|e| e.event == "store" || e.event == "load") {
         assert_eq!((e.path.as_deref(), e.bytes), (Some("host_fixed"), Some(SLOT)));

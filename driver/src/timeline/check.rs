@@ -91,6 +91,13 @@ pub fn check(lines: &[(usize, Result<Event, String>)], path: PayloadPath) -> Che
                 format!("{} seq {} follows seq {prev}: lines of one node out of order", e.node, e.seq),
             );
         }
+        if e.parent.is_some_and(|p| p >= e.seq) {
+            v(
+                line,
+                "out_of_order",
+                format!("{} seq {} names parent {:?}, not an earlier line", e.node, e.seq, e.parent),
+            );
+        }
         if matches!(e.event.as_str(), "continuation" | "oracle") {
             let (Some(req), Some(tokens)) = (&e.req_id, &e.tokens) else {
                 v(line, "continuation", format!("{} record without req_id or tokens", e.event));

@@ -34,7 +34,8 @@ pub struct Event {
     pub verdict: Option<String>,
     /// The receipt this step produced or used: its signature (hex).
     pub receipt: Option<String>,
-    /// The `seq` (on this node) of the step this one follows from.
+    /// The `seq` (on this node) of the step this one follows from: by
+    /// default this node's previous line about the same publication.
     pub parent: Option<u64>,
     /// How long the step took (payload transfers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -104,7 +105,14 @@ fn monotonic_ns() -> u64 {
 /// One node's writer of timeline lines.
 pub struct Timeline {
     node: String,
-    out: Mutex<(File, u64)>,
+    out: Mutex<Out>,
+}
+
+struct Out {
+    file: File,
+    seq: u64,
+    /// Publication → this node's last line about it (the next one's parent).
+    last: std::collections::HashMap<u64, u64>,
 }
 
 impl Timeline {
@@ -113,33 +121,39 @@ impl Timeline {
         let f = File::options().create(true).append(true).open(path).map_err(|e| {
             std::io::Error::new(e.kind(), format!("opening timeline {} for appending: {e}", path.display()))
         })?;
-        Ok(Timeline { node: node.into(), out: Mutex::new((f, 0)) })
+        Ok(Timeline { node: node.into(), out: Mutex::new(Out { file: f, seq: 0, last: Default::default() }) })
     }
 
     pub fn node(&self) -> &str {
         &self.node
     }
 
-    /// Stamps `e` with this node, the next `seq` and the time, and appends it
-    /// as one line in one write. Returns its `seq` (for children's `parent`).
+    /// Stamps `e` with this node, the next `seq`, the time and (unless set)
+    /// its parent, and appends it as one line in one write. Returns its `seq`.
     /// A timeline that cannot be written is reported, not fatal: the step it
     /// describes has already happened.
     pub fn emit(&self, mut e: Event) -> u64 {
         let mut g = self.out.lock().unwrap_or_else(|p| p.into_inner());
-        g.1 += 1;
-        e.seq = g.1;
+        g.seq += 1;
+        e.seq = g.seq;
         e.ts_ns = monotonic_ns();
         e.node = self.node.clone();
+        if let Some(p) = e.publication {
+            let prev = g.last.insert(p, e.seq);
+            if e.parent.is_none() {
+                e.parent = prev;
+            }
+        }
         match serde_json::to_vec(&e) {
             Ok(mut line) => {
                 line.push(b'\n');
-                if let Err(err) = g.0.write_all(&line) {
+                if let Err(err) = g.file.write_all(&line) {
                     tracing::warn!("timeline: writing {} failed: {err}", e.event);
                 }
             }
             Err(err) => tracing::warn!("timeline: encoding {} failed: {err}", e.event),
         }
-        g.1
+        g.seq
     }
 }
 

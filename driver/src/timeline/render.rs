@@ -78,6 +78,9 @@ pub fn render(events: &[Event], title: &str) -> String {
             y + LANE / 2.0
         );
     }
+    // Where each lane's last label ended: a label that would overlap it is
+    // left to the marker's tooltip (failures are always labelled).
+    let mut label_end = vec![f64::MIN; order.len()];
     for e in events {
         let lane = lanes.get(e.node.as_str()).copied().unwrap_or(0);
         let y = TOP + LANE * lane as f64;
@@ -105,12 +108,18 @@ pub fn render(events: &[Event], title: &str) -> String {
             let cx = x(e.ts_ns);
             let cy = y + LANE / 2.0;
             let (fill, r) = if is_failure(e) { ("#d73027", 6.0) } else { ("#2166ac", 4.5) };
-            let _ = writeln!(
-                s,
-                r#"<circle cx="{cx:.1}" cy="{cy}" r="{r}" fill="{fill}"><title>{tip}</title></circle><text x="{cx:.1}" y="{}" text-anchor="middle" fill="{fill}" font-size="9">{}</text>"#,
-                cy - 8.0,
-                esc(&e.event)
-            );
+            let _ =
+                writeln!(s, r#"<circle cx="{cx:.1}" cy="{cy}" r="{r}" fill="{fill}"><title>{tip}</title></circle>"#);
+            let half = 2.8 * e.event.len() as f64;
+            if cx - half > label_end[lane] || is_failure(e) {
+                label_end[lane] = cx + half + 4.0;
+                let _ = writeln!(
+                    s,
+                    r#"<text x="{cx:.1}" y="{}" text-anchor="middle" fill="{fill}" font-size="9">{}</text>"#,
+                    cy - 8.0,
+                    esc(&e.event)
+                );
+            }
         }
     }
     let ly = TOP + LANE * order.len() as f64 + 30.0;
