@@ -515,7 +515,13 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
             }
             let chunks = payload.len().div_ceil(chunk_size as usize) as u32;
             let mut w = Writer::with_buffer(&daemon.server, &daemon.data_socket, chunk_size, chunks, buffer.spec())?;
+            let started = std::time::Instant::now();
             let published = w.put(&req, &layout, &payload, batch, first_token)?;
+            eprintln!(
+                "pdstor put: {} bytes in {chunks} chunks stored and published in {:.3} s",
+                payload.len(),
+                started.elapsed().as_secs_f64()
+            );
             if let Some(t) = timeline {
                 let r = &published.receipt;
                 let mut e =
@@ -534,7 +540,9 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
             let claim: Receipt = read_json(&claim, "claim receipt")?;
             let layout: Layout = read_json(&layout, "layout")?;
             let mut r = Reader::with_buffer(&daemon.server, &daemon.data_socket, buffer.spec())?;
+            let started = std::time::Instant::now();
             let restored = r.get(&claim, &layout)?;
+            let restore_seconds = started.elapsed().as_secs_f64();
             let bytes = r.restored_bytes(restored.len)?;
             std::fs::write(&out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
             let tl = match &timeline {
@@ -563,6 +571,7 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
                 "first_token": restored.manifest.first_token,
                 "restore_digest": restored.restore_digest,
                 "acked": ack,
+                "restore_seconds": restore_seconds,
             });
             println!("{}", serde_json::to_string_pretty(&summary)?);
         }
