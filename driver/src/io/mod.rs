@@ -602,20 +602,36 @@ impl Engine {
     /// I/O failures are per request, in each [`Completion`]'s `result`, in the
     /// order of the batch.
     pub fn execute(&mut self, batch: &[IoRequest]) -> Result<Vec<Completion>, IoError> {
+        self.execute_inspect(batch, |_, _, _| {})
+    }
+
+    /// Like [`execute`](Self::execute), and calls `inspect` with each
+    /// completion (its index in the batch) and the request's buffer as soon as
+    /// it completes, while the rest of the batch is still in flight: work on
+    /// the bytes (a checksum) overlaps the I/O instead of following it.
+    pub fn execute_inspect(
+        &mut self,
+        batch: &[IoRequest],
+        mut inspect: impl FnMut(usize, &Completion, Option<&Buffer>),
+    ) -> Result<Vec<Completion>, IoError> {
         for r in batch {
             plan(&self.target, &self.slots, r)?;
         }
         let mut completions: Vec<Option<Completion>> = (0..batch.len()).map(|_| None).collect();
         let slot_to_index: Vec<Cell<usize>> = vec![Cell::new(0); self.queue_depth as usize];
         let mut cursor = 0usize;
-        self.stream(
-            |slot| {
+        self.stream_inner(
+            &mut |slot| {
                 let r = batch.get(cursor).copied()?;
                 slot_to_index[slot].set(cursor);
                 cursor += 1;
                 Some(r)
             },
-            |slot, c| completions[slot_to_index[slot].get()] = Some(c),
+            &mut |slot, c, buffer| {
+                let index = slot_to_index[slot].get();
+                inspect(index, &c, buffer);
+                completions[index] = Some(c);
+            },
         )?;
         let out: Vec<Completion> = completions.into_iter().flatten().collect();
         debug_assert_eq!(out.len(), batch.len(), "every request completes exactly once");
@@ -643,7 +659,17 @@ impl Engine {
         mut next: impl FnMut(usize) -> Option<IoRequest>,
         mut done: impl FnMut(usize, Completion),
     ) -> Result<(), IoError> {
+        self.stream_inner(&mut next, &mut |slot, c, _| done(slot, c))
+    }
+
+    /// [`stream`](Self::stream), giving `done` the completed request's buffer.
+    fn stream_inner(
+        &mut self,
+        next: &mut dyn FnMut(usize) -> Option<IoRequest>,
+        done: &mut dyn FnMut(usize, Completion, Option<&Buffer>),
+    ) -> Result<(), IoError> {
         let Engine { target, ring, slots, queue_depth, stats, .. } = self;
+        let slots: &[Option<Slot>] = slots;
         let mut refused = None;
         let requests: Vec<Cell<Option<IoRequest>>> = vec![Cell::new(None); *queue_depth as usize];
         let planned_next = |slot: usize| {
@@ -667,6 +693,7 @@ impl Engine {
                 return;
             };
             stats.record(req.op, req.path, outcome.bytes, outcome.result.is_ok());
+            let buffer = slots.get(req.buffer.0 as usize).and_then(Option::as_ref).map(|s| &s.buffer);
             done(
                 slot,
                 Completion {
@@ -677,6 +704,7 @@ impl Engine {
                     latency: outcome.latency,
                     result: outcome.result,
                 },
+                buffer,
             );
         };
         let driver = Driver {

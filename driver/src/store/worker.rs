@@ -417,7 +417,19 @@ impl Worker {
                 refused[i] = true;
             }
         }
-        let mut done = self.engine.execute(&allowed)?.into_iter();
+        // Checksums of host memory are taken as each request completes, while
+        // the rest of the batch is in flight. A DMA-BUF's wait for the end:
+        // its SYNC-bracketed CPU access must not fall inside another transfer.
+        let mut early: Vec<Option<Result<Option<u32>, IoError>>> = (0..allowed.len()).map(|_| None).collect();
+        let Worker { engine, scratch, .. } = self;
+        let done = engine.execute_inspect(&allowed, |i, c, buffer| {
+            if let (Ok(()), Some(b)) = (&c.result, buffer)
+                && b.dmabuf().is_none()
+            {
+                early[i] = Some(crc_of(b, &allowed[i], scratch));
+            }
+        })?;
+        let mut done = done.into_iter().zip(early);
         if requests.iter().any(|r| r.op == Op::Write) {
             self.payload_dirty = true;
         }
@@ -433,7 +445,7 @@ impl Worker {
                 }));
                 continue;
             }
-            let Some(c) = done.next() else {
+            let Some((c, early)) = done.next() else {
                 out.push(Err(IoError::ShortTransfer {
                     transfer: r.transfer,
                     op: r.op,
@@ -442,7 +454,10 @@ impl Worker {
                 }));
                 continue;
             };
-            out.push(c.result.and_then(|_| self.crc(r)));
+            out.push(c.result.and_then(|_| match early {
+                Some(crc) => crc,
+                None => self.crc(r),
+            }));
         }
         Ok(out)
     }
@@ -453,17 +468,22 @@ impl Worker {
     /// cannot map (device memory): the client's checksum has to do.
     fn crc(&mut self, r: &IoRequest) -> Result<Option<u32>, IoError> {
         let b = self.engine.buffer(r.buffer)?;
-        if !b.is_mapped() {
-            return Ok(None);
-        }
-        self.scratch.resize(r.len as usize, 0);
-        b.read_at(r.buffer_offset, &mut self.scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
-        Ok(Some(crc32c::crc32c(&self.scratch)))
+        crc_of(b, r, &mut self.scratch)
     }
 
     pub(super) fn dmabuf_rw(&self) -> crate::io::DmabufRw {
         self.engine.dmabuf_rw().clone()
     }
+}
+
+/// crc32c of `r`'s range of `b`, through `scratch` (see [`Worker::crc`]).
+fn crc_of(b: &Buffer, r: &IoRequest, scratch: &mut Vec<u8>) -> Result<Option<u32>, IoError> {
+    if !b.is_mapped() {
+        return Ok(None);
+    }
+    scratch.resize(r.len as usize, 0);
+    b.read_at(r.buffer_offset, scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
+    Ok(Some(crc32c::crc32c(scratch)))
 }
 
 fn blank_superblock() -> Superblock {
