@@ -438,7 +438,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         ["prepare", "store", "store", "publish", "claim", "adopt", "load", "load", "ack", "refused"],
         "{events:#?}"
     );
-    assert!(events.iter().all(|e| e.node == "daemon"));
+    assert!(events.iter().all(|e| e.node.starts_with("daemon-e")), "one node per daemon incarnation");
     assert!(events.windows(2).all(|w| w[0].seq < w[1].seq && w[0].ts_ns <= w[1].ts_ns));
     assert_eq!(events[3].receipt.as_deref(), Some(p.receipt.signature.as_str()));
     // Each line's parent is the daemon's previous line about the publication.
@@ -477,4 +477,17 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         Command::new(pdstor_bin()).args(["timeline", "render"]).arg(&timeline).arg("-o").arg(&svg).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+
+    // A restarted daemon appends under its new epoch's name: no line of one
+    // incarnation is mistaken for an out-of-order line of the other.
+    let mut d = d;
+    d.kill9_and_restart();
+    let p2 = put(&d, "tl-2", 5, 1);
+    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let nodes: std::collections::BTreeSet<String> = lines.iter().map(|(_, e)| e.clone().unwrap().node).collect();
+    assert_eq!(nodes.len(), 2, "{nodes:?}");
+    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    assert!(report.violations.iter().all(|v| v.kind != "out_of_order"), "{:#?}", report.violations);
+    assert!(report.violations.iter().all(|v| v.line <= 10 || v.kind == "not_native"), "{:#?}", report.violations);
+    assert_eq!(p2.manifest.chunks.len(), 1);
 }

@@ -33,7 +33,7 @@ pub struct ServeConfig {
     pub provenance: bool,
     /// With `provenance`: a `fallback` verdict fails the transfer.
     pub require_native: bool,
-    /// Append every step to this timeline (as node `daemon`).
+    /// Append every step to this timeline (as node `daemon-e<epoch>`).
     pub timeline: Option<PathBuf>,
 }
 
@@ -54,7 +54,9 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     );
     let store = Arc::new(store);
     let timeline = match &cfg.timeline {
-        Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, "daemon")?)),
+        // One node per daemon incarnation: a restarted daemon appending to the
+        // same file starts its line numbers afresh under its own name.
+        Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, &format!("daemon-e{}", store.epoch()))?)),
         None => None,
     };
     let service = Arc::new(Service::new(store.clone()).with_timeline(timeline));

@@ -49,7 +49,7 @@ fn qualify(ctx: &Ctx) -> Outcome {
             return Err("the timeline passed the default dmabuf_fixed requirement".into());
         }
         let svg = std::fs::read_to_string(out.join("timeline.svg")).map_err(|e| format!("timeline.svg: {e}"))?;
-        if !svg.contains("<svg") || !svg.contains(">daemon<") {
+        if !svg.contains("<svg") || !svg.contains(">daemon-e") {
             return Err("timeline.svg is not a rendered timeline".into());
         }
         Ok(())
