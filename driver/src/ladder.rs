@@ -185,10 +185,7 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
     if target.geometry().capacity < need {
         bail!("{} holds {} bytes; the ladder needs {need}", cfg.target.display(), target.geometry().capacity);
     }
-    let class = match kind {
-        TargetKind::File => pdstor_probes::TargetClass::File,
-        _ => pdstor_probes::TargetClass::BlockDevice,
-    };
+    let class = kind.probe_class();
     let (memory, exporter_detail): (Box<dyn Memory>, serde_json::Value) = match cfg.exporter {
         LadderExporter::Udmabuf => {
             let b = Buffer::udmabuf("pdstor-ladder", cfg.bytes as usize)?;
@@ -343,19 +340,10 @@ impl RungCtx<'_> {
     }
 
     fn judge(&mut self, requests: &[IoRequest]) {
-        let declared = match self.rung.path {
-            PayloadPath::Host => pdstor_probes::Declared::Host,
-            PayloadPath::HostFixed => pdstor_probes::Declared::HostFixed,
-            PayloadPath::DmabufFixed => pdstor_probes::Declared::DmabufFixed,
-        };
         for r in requests {
             let v = match self.reader {
                 None => pdstor_probes::Verdict::Unverifiable("probes not attached".into()),
-                Some(reader) => match reader.take(r.transfer.0) {
-                    Ok(Some(s)) => pdstor_probes::judge(declared, self.class, &s, &reader.attached()),
-                    Ok(None) => pdstor_probes::Verdict::Unverifiable("no signal recorded".into()),
-                    Err(e) => pdstor_probes::Verdict::Unverifiable(e.to_string()),
-                },
+                Some(reader) => reader.verdict(r.transfer.0, self.rung.path.declared(), self.class),
             };
             *self.rung.verdicts.entry(v.to_string()).or_default() += 1;
         }

@@ -524,33 +524,19 @@ impl Run<'_> {
     }
 
     fn controls(&mut self) -> Vec<ControlResult> {
-        let names = [
-            "stop_handling",
-            "cancellation",
-            "failed_load",
-            "mismatched_receipts",
-            "duplicate_ack",
-            "unread_release",
-            "pressure",
-        ];
-        names
-            .into_iter()
-            .map(|name| {
-                let r = match name {
-                    "stop_handling" => self.stop_handling(),
-                    "cancellation" => self.cancellation(),
-                    "failed_load" => self.failed_load(),
-                    "mismatched_receipts" => self.mismatched_receipts(),
-                    "duplicate_ack" => self.duplicate_ack(),
-                    "unread_release" => self.unread_release(),
-                    _ => self.pressure(),
-                };
-                match r {
-                    Ok(detail) => ControlResult { name, ok: true, detail },
-                    Err(e) => ControlResult { name, ok: false, detail: format!("{e:#}") },
-                }
-            })
-            .collect()
+        let result = |name, r: anyhow::Result<String>| match r {
+            Ok(detail) => ControlResult { name, ok: true, detail },
+            Err(e) => ControlResult { name, ok: false, detail: format!("{e:#}") },
+        };
+        vec![
+            result("stop_handling", self.stop_handling()),
+            result("cancellation", self.cancellation()),
+            result("failed_load", self.failed_load()),
+            result("mismatched_receipts", self.mismatched_receipts()),
+            result("duplicate_ack", self.duplicate_ack()),
+            result("unread_release", self.unread_release()),
+            result("pressure", self.pressure()),
+        ]
     }
 
     fn stop_handling(&mut self) -> anyhow::Result<String> {

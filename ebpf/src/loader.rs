@@ -293,6 +293,16 @@ impl SignalReader {
         Ok(v.as_deref().and_then(Signals::from_bytes))
     }
 
+    /// Judges a transfer from its signals, consuming them ([`take`](Self::take)):
+    /// no signal, or a map that cannot be read, is `unverifiable`.
+    pub fn verdict(&self, transfer: u64, declared: crate::Declared, class: crate::TargetClass) -> crate::Verdict {
+        match self.take(transfer) {
+            Ok(Some(s)) => crate::judge(declared, class, &s, &self.attached),
+            Ok(None) => crate::Verdict::Unverifiable("no signal recorded for this transfer".into()),
+            Err(e) => crate::Verdict::Unverifiable(format!("reading the probes: {e}")),
+        }
+    }
+
     /// Reads a transfer's signals and removes them, so a later transfer with
     /// the same id (the load of a chunk that was stored) starts from nothing
     /// and a long-running daemon does not fill the map.

@@ -392,16 +392,7 @@ impl Conn {
         for c in chunks {
             let transfer = publication << 16 | c.index as u64;
             let path = self.path_of(c);
-            let declared = match path {
-                PayloadPath::Host => pdstor_probes::Declared::Host,
-                PayloadPath::HostFixed => pdstor_probes::Declared::HostFixed,
-                PayloadPath::DmabufFixed => pdstor_probes::Declared::DmabufFixed,
-            };
-            let v = match p.reader.take(transfer) {
-                Ok(Some(s)) => pdstor_probes::judge(declared, p.class, &s, &p.reader.attached()),
-                Ok(None) => pdstor_probes::Verdict::Unverifiable("no signal recorded for this transfer".into()),
-                Err(e) => pdstor_probes::Verdict::Unverifiable(format!("reading the probes: {e}")),
-            };
+            let v = p.reader.verdict(transfer, path.declared(), p.class);
             self.metrics.verdict(path.as_str(), &v);
             if p.require_native && matches!(v, pdstor_probes::Verdict::Fallback(_)) {
                 return Err(err(

@@ -69,11 +69,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             for s in p.status() {
                 tracing::info!(program = s.name, attached = s.attached, detail = %s.detail, "provenance probe");
             }
-            let class = match store.target_kind() {
-                crate::io::TargetKind::File => pdstor_probes::TargetClass::File,
-                crate::io::TargetKind::BlockDevice => pdstor_probes::TargetClass::BlockDevice,
-                crate::io::TargetKind::NvmeGeneric => pdstor_probes::TargetClass::NvmePassthrough,
-            };
+            let class = store.target_kind().probe_class();
             Some(Arc::new(data::Provenance { reader: p.reader()?, class, require_native: cfg.require_native }))
         }
         None => None,

@@ -301,10 +301,7 @@ pub fn create_udmabuf(name: &str, len: u64) -> Result<(DmaBuf, File), DmaBufErro
     // SAFETY: UDMABUF_CREATE reads one `struct udmabuf_create` (24 bytes,
     // asserted) and returns a new fd that nothing else owns.
     let fd = unsafe { uapi::udmabuf_create(ctl.as_raw_fd(), &create) }.map_err(|e| {
-        let limit = std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb")
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .unwrap_or(UDMABUF_DEFAULT_LIMIT_MB);
+        let limit = udmabuf_limit_mb().unwrap_or(UDMABUF_DEFAULT_LIMIT_MB);
         let hint = if e == nix::errno::Errno::E2BIG || e == nix::errno::Errno::EINVAL {
             format!(
                 " (udmabuf allows {limit} MiB per buffer, {UDMABUF_DEFAULT_LIMIT_MB} MiB by default: use several buffers, or raise /sys/module/udmabuf/parameters/size_limit_mb)"
@@ -354,17 +351,16 @@ pub struct Exporters {
     pub dma_heaps: Vec<String>,
 }
 
+/// The loaded udmabuf module's per-buffer limit in MiB, if it says.
+fn udmabuf_limit_mb() -> Option<u64> {
+    std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb").ok()?.trim().parse().ok()
+}
+
 pub fn exporters() -> Exporters {
     let heaps = std::fs::read_dir("/dev/dma_heap")
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();
-    Exporters {
-        udmabuf: Path::new("/dev/udmabuf").exists(),
-        udmabuf_limit_mb: std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb")
-            .ok()
-            .and_then(|s| s.trim().parse().ok()),
-        dma_heaps: heaps,
-    }
+    Exporters { udmabuf: Path::new("/dev/udmabuf").exists(), udmabuf_limit_mb: udmabuf_limit_mb(), dma_heaps: heaps }
 }
 
 #[cfg(test)]

@@ -58,6 +58,28 @@ impl PayloadPath {
     }
 }
 
+impl PayloadPath {
+    /// The path as the provenance probes judge it.
+    pub fn declared(self) -> pdstor_probes::Declared {
+        match self {
+            PayloadPath::Host => pdstor_probes::Declared::Host,
+            PayloadPath::HostFixed => pdstor_probes::Declared::HostFixed,
+            PayloadPath::DmabufFixed => pdstor_probes::Declared::DmabufFixed,
+        }
+    }
+}
+
+impl TargetKind {
+    /// The target as the provenance probes judge it.
+    pub fn probe_class(self) -> pdstor_probes::TargetClass {
+        match self {
+            TargetKind::File => pdstor_probes::TargetClass::File,
+            TargetKind::BlockDevice => pdstor_probes::TargetClass::BlockDevice,
+            TargetKind::NvmeGeneric => pdstor_probes::TargetClass::NvmePassthrough,
+        }
+    }
+}
+
 impl fmt::Display for PayloadPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())

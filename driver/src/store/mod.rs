@@ -1015,6 +1015,7 @@ impl Store {
             })?
         };
         let mut requests = Vec::with_capacity(dests.len());
+        let paths = self.lock_paths();
         for d in dests {
             let c = manifest.chunks.get(d.index as usize).ok_or_else(|| StoreError::Load {
                 publication: id,
@@ -1024,13 +1025,14 @@ impl Store {
             requests.push(IoRequest {
                 transfer: TransferId(id << 16 | d.index as u64),
                 op: Op::Read,
-                path: self.buffer_path(d.buffer).unwrap_or(PayloadPath::HostFixed),
+                path: paths.get(&d.buffer).copied().unwrap_or(PayloadPath::HostFixed),
                 buffer: d.buffer,
                 buffer_offset: d.buffer_offset,
                 target_offset: c.offset,
                 len: c.len,
             });
         }
+        drop(paths);
         // The I/O thread computes each read chunk's crc32c from the bytes it landed.
         let results = self.payload(requests)?;
         let mut crcs = Vec::with_capacity(dests.len());
