@@ -11,7 +11,9 @@
 mod loader;
 mod signals;
 
-pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, detach_pinned, read_pinned};
+pub use loader::{
+    PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, TRACEFS, detach_pinned, ensure_tracefs, read_pinned,
+};
 pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 
 use std::fmt;

@@ -29,7 +29,114 @@ pub enum ProbeError {
     Pin { dir: PathBuf, what: String },
     #[error("reading the signals map: {0}")]
     Read(String),
+    /// A kernel facility the probes need is missing and pdstor could not set it up.
+    #[error("{0}")]
+    Facility(String),
+    /// Programs every verdict depends on did not attach: one line per program, with its errno.
+    #[error("attaching the provenance programs failed:\n  {}", .0.join("\n  "))]
+    Attach(Vec<String>),
 }
+
+/// Where the tracepoint programs find their ids.
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+
+/// Whether the tracepoint event directories are reachable (tracefs, or the
+/// legacy debugfs view of it).
+fn tracefs_ready() -> bool {
+    Path::new(TRACEFS).join("events").is_dir() || Path::new("/sys/kernel/debug/tracing/events").is_dir()
+}
+
+/// Mounts tracefs at [`TRACEFS`] when it is absent, as bpffs is mounted for
+/// pinning: a fresh machine without systemd has neither, and a tracepoint
+/// program cannot attach without its id from tracefs. Says so once on stderr.
+/// Not root, or a kernel without tracefs, is an error naming the facility and
+/// the command that sets it up.
+pub fn ensure_tracefs() -> Result<(), ProbeError> {
+    static MOUNTED: std::sync::Once = std::sync::Once::new();
+    if tracefs_ready() {
+        return Ok(());
+    }
+    let hint = format!(
+        "the tracepoint probes need tracefs, which is not mounted at {TRACEFS}; \
+         mount it as root (`mount -t tracefs tracefs {TRACEFS}`) or run pdstor as root, which mounts it itself"
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(ProbeError::Facility(format!("{hint} (running as uid {})", {
+            // SAFETY: as above.
+            unsafe { libc::geteuid() }
+        })));
+    }
+    let (src, dir) = (c"tracefs", c"/sys/kernel/tracing");
+    // SAFETY: every pointer is a NUL-terminated string alive for the call.
+    let rc = unsafe { libc::mount(src.as_ptr(), dir.as_ptr(), src.as_ptr(), 0, std::ptr::null()) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(ProbeError::Facility(format!(
+            "{hint}: mounting it failed: {}: {e}",
+            errno_name(e.raw_os_error().unwrap_or(0))
+        )));
+    }
+    MOUNTED.call_once(|| eprintln!("pdstor: mounted tracefs at {TRACEFS} (the tracepoint probes need it)"));
+    Ok(())
+}
+
+/// The symbolic name of the errnos an attach or mount can return.
+fn errno_name(errno: i32) -> &'static str {
+    match errno {
+        libc::ENOENT => "ENOENT",
+        libc::EPERM => "EPERM",
+        libc::EACCES => "EACCES",
+        libc::EINVAL => "EINVAL",
+        libc::ENODEV => "ENODEV",
+        libc::EBUSY => "EBUSY",
+        libc::ENOTSUP => "EOPNOTSUPP",
+        libc::ESRCH => "ESRCH",
+        libc::E2BIG => "E2BIG",
+        libc::ENOMEM => "ENOMEM",
+        libc::EEXIST => "EEXIST",
+        _ => "errno",
+    }
+}
+
+/// The OS error under a libbpf error, if there is one.
+fn os_error(e: &libbpf_rs::Error) -> Option<i32> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>()
+            && let Some(code) = io.raw_os_error()
+        {
+            return Some(code);
+        }
+        source = s.source();
+    }
+    None
+}
+
+/// Why one program did not attach, as a user can act on it: the errno, what
+/// was missing and where to look (never libbpf's bare "failed to attach").
+fn attach_failure(name: &str, e: &libbpf_rs::Error) -> String {
+    let errno = os_error(e);
+    let code = errno.map_or("error", errno_name);
+    let os = errno.map_or_else(|| format!("{e:#}"), |c| std::io::Error::from_raw_os_error(c).to_string());
+    let (kind, what) = name.split_once(':').unwrap_or(("", name));
+    match (kind, errno) {
+        ("kprobe", Some(libc::ENOENT)) => {
+            format!("{code}: kprobe {what}: no such kernel function here, or kprobes are not available ({os})")
+        }
+        ("kprobe" | "raw_tp", _) => format!("{code}: {name}: {os}"),
+        (_, Some(libc::ENOENT)) => {
+            format!("{code}: tracepoint {name} not found — is tracefs mounted at {TRACEFS}? ({os})")
+        }
+        (_, Some(libc::EACCES | libc::EPERM)) => {
+            format!("{code}: {name}: not permitted ({os}); the probes need root or CAP_BPF + CAP_PERFMON")
+        }
+        _ => format!("{code}: {name}: {os}"),
+    }
+}
+
+/// The iomap program: a tp_btf that older kernels lack (reported, not required).
+const IOMAP_TP: &str = "iomap:iomap_dio_rw_begin (tp_btf)";
 
 /// Whether one program attached, and if not, why.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -60,7 +167,7 @@ fn try_optional(
         Err(e) => status.push(ProgramStatus {
             name,
             attached: false,
-            detail: format!("cannot attach here ({e}): reported unverifiable"),
+            detail: format!("cannot attach here ({}): reported unverifiable", attach_failure(name, &e)),
         }),
     }
 }
@@ -74,8 +181,12 @@ fn tracepoint_exists(group: &str, name: &str) -> bool {
 
 impl Probes {
     /// Loads the programs with `tgid` as the only traced process and attaches
-    /// every one that can attach here.
+    /// every one that can attach here. Mounts tracefs first if it is absent
+    /// ([`ensure_tracefs`]). The tracepoint programs every verdict depends on
+    /// must attach ([`ProbeError::Attach`] names each failure and its errno);
+    /// the kprobes are optional and reported in [`status`](Self::status).
     pub fn attach(tgid: u32) -> Result<Probes, ProbeError> {
+        ensure_tracefs()?;
         // Attach failures are reported per program below, not on stderr.
         libbpf_rs::set_print(None);
         // The skeleton borrows its object for as long as it lives; a probe set
@@ -98,22 +209,27 @@ impl Probes {
                 status.push(ProgramStatus { name, attached: true, detail: "attached".into() });
                 links.push((name, l));
             }
-            Err(e) => status.push(ProgramStatus { name, attached: false, detail: e.to_string() }),
+            Err(e) => status.push(ProgramStatus { name, attached: false, detail: attach_failure(name, &e) }),
         };
         try_attach("io_uring:io_uring_submit_req", skel.progs.on_submit.attach());
         try_attach("io_uring:io_uring_complete", skel.progs.on_complete.attach());
         if has_iomap {
-            try_attach("iomap:iomap_dio_rw_begin (tp_btf)", skel.progs.on_dio_begin.attach());
+            try_attach(IOMAP_TP, skel.progs.on_dio_begin.attach());
         }
         try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
         try_attach("block:block_rq_issue", skel.progs.on_rq_issue.attach());
         try_attach("block:block_rq_complete", skel.progs.on_rq_complete.attach());
         if !has_iomap {
             status.push(ProgramStatus {
-                name: "iomap:iomap_dio_rw_begin (tp_btf)",
+                name: IOMAP_TP,
                 attached: false,
                 detail: "this kernel has no iomap_dio_rw_begin tracepoint".into(),
             });
+        }
+        let required: Vec<String> =
+            status.iter().filter(|s| !s.attached && s.name != IOMAP_TP).map(|s| s.detail.clone()).collect();
+        if !required.is_empty() {
+            return Err(ProbeError::Attach(required));
         }
         try_optional(
             &mut status,

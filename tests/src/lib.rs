@@ -24,6 +24,24 @@ pub fn pdstor_bin() -> PathBuf {
     bin
 }
 
+/// Reports a skipped test on stderr and in `PDSTOR_SKIP_LOG` (which
+/// `cargo xtask ci` lists at the end).
+pub fn skip(test: &str, reason: &str) {
+    let line = format!("SKIP: {test}: {reason}");
+    eprintln!("{line}");
+    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
 /// Reads `len` bytes at `offset` of `path` with `dd iflag=direct`.
 pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
     let out = Command::new("dd")

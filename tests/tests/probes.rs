@@ -7,24 +7,17 @@ use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, Tr
 use pdstor::{Buffer, PayloadPath, payload};
 use pdstor_probes::{Declared, Probes, TargetClass, Verdict, judge};
 
-fn skip(reason: &str) {
-    let line = format!("SKIP: provenance_controls_on_the_host_kernel: {reason}");
-    eprintln!("{line}");
-    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}
+use pdstor_tests::{is_root, skip};
 
 /// One test, so the controls do not see each other's transfers.
 #[test]
 fn provenance_controls_on_the_host_kernel() {
-    let probes = match Probes::attach(std::process::id()) {
-        Ok(p) => p,
-        Err(e) => return skip(&e.to_string()),
-    };
+    if !is_root() {
+        return skip("provenance_controls_on_the_host_kernel", "BPF needs root");
+    }
+    // As root the probes must attach (pdstor mounts tracefs itself): an
+    // error here is a failure, never a skip.
+    let probes = Probes::attach(std::process::id()).unwrap_or_else(|e| panic!("attaching as root: {e}"));
     let a = probes.attached();
     assert!(a.io_uring, "io_uring tracepoints attach here: {:?}", probes.status());
     // The in-kernel decision helper, run with BPF_PROG_TEST_RUN on a raw_tp harness.
@@ -108,8 +101,8 @@ fn provenance_controls_on_the_host_kernel() {
 /// its observed verdict, and /metrics counts them.
 #[test]
 fn the_daemon_stamps_each_transfer_with_its_verdict() {
-    if pdstor_probes::Probes::attach(std::process::id()).is_err() {
-        return skip("BPF unavailable (needs root)");
+    if !is_root() {
+        return skip("the_daemon_stamps_each_transfer_with_its_verdict", "BPF needs root");
     }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = dir.path().join("ns.img");
@@ -158,4 +151,66 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
     assert_eq!(loaded.verdicts, vec!["native", "native"], "{loaded:?}");
     let m = c.metrics().unwrap();
     assert!(m.contains("pdstor_verdicts_total{path=\"host_fixed\",verdict=\"native\"} 4"), "{m}");
+}
+
+/// Runs `script` with `sh` in a private mount namespace where tracefs,
+/// debugfs (whose `tracing` directory would mount tracefs on access) and bpffs
+/// are unmounted: a fresh machine's view, whatever this one has mounted.
+fn in_bare_namespace(script: &str) -> std::process::Output {
+    let prelude = "umount -l /sys/kernel/debug 2>/dev/null; umount -l /sys/kernel/tracing 2>/dev/null; \
+                   umount -l /sys/fs/bpf 2>/dev/null; \
+                   if [ -d /sys/kernel/tracing/events ]; then echo 'tracefs still mounted' >&2; exit 90; fi; ";
+    std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+        .arg(format!("{prelude}{script}"))
+        .output()
+        .expect("running unshare")
+}
+
+/// `pdstor probe attach --pin` on a machine without tracefs: as root it mounts
+/// tracefs, says so, attaches and pins; as another user it fails naming
+/// tracefs and the command that mounts it.
+#[test]
+fn probe_attach_mounts_tracefs_when_it_is_absent() {
+    const TEST: &str = "probe_attach_mounts_tracefs_when_it_is_absent";
+    if !is_root() {
+        return skip(TEST, "needs root (mount namespaces, BPF)");
+    }
+    // A copy every user can run (a clone under /root is not traversable by others).
+    let dir = tempfile::Builder::new().prefix("pdstor-tracefs").tempdir_in("/tmp").unwrap();
+    let bin = dir.path().join("pdstor");
+    std::fs::copy(pdstor_tests::pdstor_bin(), &bin).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = bin.display();
+
+    // The namespace's own bpffs (and the pins in it) goes when the namespace does.
+    let out = in_bare_namespace(&format!(
+        "{bin} probe attach --pin && test -d /sys/kernel/tracing/events && test -e /sys/fs/bpf/pdstor/signals"
+    ));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "probe attach --pin without tracefs, as root: {:?}\n{stderr}", out.status);
+    assert_eq!(
+        stderr.matches("mounted tracefs at /sys/kernel/tracing").count(),
+        1,
+        "says once that it mounted tracefs: {stderr}"
+    );
+    let attached: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for p in attached["programs"].as_array().unwrap() {
+        let name = p["name"].as_str().unwrap();
+        if !name.starts_with("kprobe:") && !name.starts_with("raw_tp:") {
+            assert_eq!(p["attached"], true, "every tracepoint attaches once tracefs is mounted: {p}");
+        }
+    }
+
+    let out =
+        in_bare_namespace(&format!("setpriv --reuid 65534 --regid 65534 --clear-groups {bin} probe attach --pin"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "as uid 65534 without tracefs: {stderr}");
+    assert!(
+        stderr.contains("tracefs") && stderr.contains("mount -t tracefs tracefs /sys/kernel/tracing"),
+        "the error names tracefs and how to mount it: {stderr}"
+    );
+    assert!(!stderr.contains("failed to attach BPF program"), "{stderr}");
 }

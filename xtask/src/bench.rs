@@ -67,7 +67,6 @@ struct CaseReport {
 }
 
 pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
-    crate::deps::install(sh)?;
     let pdstor = crate::build_pdstor(sh)?;
     let out_dir = crate::project_root().join("target/bench");
     sh.create_dir(&out_dir)?;

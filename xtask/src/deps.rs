@@ -1,6 +1,9 @@
-//! `cargo xtask deps`: the system packages pdstor's build and tests use.
-//! Idempotent: packages already installed are not touched, and when all are
-//! present it runs no package manager at all.
+//! `cargo xtask deps`: the system packages pdstor's build and tests use, and
+//! the kernel facilities they rely on. Idempotent: packages already installed
+//! are not touched, and when all are present it runs no package manager at all.
+//!
+//! Every other verb of `cargo xtask` runs this first, so `xtask` itself must
+//! build without any of these packages (it depends on no `-sys` crate).
 
 use anyhow::{Context, Result, bail};
 use xshell::{Shell, cmd};
@@ -34,7 +37,15 @@ fn installed(sh: &Shell, pkg: &str) -> bool {
         .is_ok_and(|s| s.contains("install ok installed"))
 }
 
+/// Installs the packages ([`install_packages`]), then checks the kernel
+/// facilities the tests use ([`facilities`]) and says what it found and did.
 pub fn install(sh: &Shell) -> Result<()> {
+    install_packages(sh)?;
+    facilities(sh);
+    Ok(())
+}
+
+fn install_packages(sh: &Shell) -> Result<()> {
     if cmd!(sh, "dpkg-query --version").quiet().ignore_stdout().ignore_stderr().run().is_err() {
         bail!(
             "dpkg-query not found: this is not a Debian-like system. Install by hand: {}",
@@ -61,4 +72,64 @@ pub fn install(sh: &Shell) -> Result<()> {
         .run()
         .context("apt-get install")?;
     Ok(())
+}
+
+fn is_root(sh: &Shell) -> bool {
+    cmd!(sh, "id -u").quiet().read().is_ok_and(|u| u.trim() == "0")
+}
+
+/// Whether the running kernel knows a filesystem type (`/proc/filesystems`).
+fn kernel_has_fs(name: &str) -> bool {
+    std::fs::read_to_string("/proc/filesystems")
+        .is_ok_and(|t| t.lines().any(|l| l.split_whitespace().last() == Some(name)))
+}
+
+/// Whether something of type `fstype` is mounted at `dir` (`/proc/self/mounts`).
+fn mounted(dir: &str, fstype: &str) -> bool {
+    std::fs::read_to_string("/proc/self/mounts").is_ok_and(|t| {
+        t.lines().any(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 2 && f[1] == dir && f[2] == fstype
+        })
+    })
+}
+
+/// Checks the kernel facilities the tests use and prints one line each:
+/// what is there, what this step did, and what pdstor does itself. Nothing
+/// here fails the command: a test that needs a missing facility says
+/// `SKIP: <reason>` (or pdstor's own error names the facility).
+pub fn facilities(sh: &Shell) {
+    let root = is_root(sh);
+    for (what, dir, fstype, when) in [
+        ("tracefs", "/sys/kernel/tracing", "tracefs", "attaches probes"),
+        ("bpffs", "/sys/fs/bpf", "bpf", "pins probes"),
+    ] {
+        let line = if mounted(dir, fstype) {
+            format!("mounted at {dir}")
+        } else if !kernel_has_fs(fstype) {
+            format!("this kernel has no {fstype} filesystem: the probe tests will fail or skip")
+        } else if root {
+            format!("not mounted at {dir}; pdstor mounts it when it {when} (running as root)")
+        } else {
+            format!("not mounted at {dir}, and not root: the probe tests will skip (run as root)")
+        };
+        println!("deps: {what}: {line}");
+    }
+    let loop_line = if std::path::Path::new("/dev/loop-control").exists() {
+        "loop devices: /dev/loop-control present".to_owned()
+    } else if root && cmd!(sh, "modprobe loop").quiet().ignore_stderr().run().is_ok() {
+        "loop devices: loaded the loop module (modprobe loop)".to_owned()
+    } else {
+        "loop devices: no /dev/loop-control (and `modprobe loop` failed): loop-device tests will skip".to_owned()
+    };
+    println!("deps: {loop_line}");
+    let kvm = if std::path::Path::new("/dev/kvm").exists() {
+        "/dev/kvm present: vmtest probes whether KVM boots the guest, else uses TCG"
+    } else {
+        "no /dev/kvm: vmtest boots its guests under TCG (software emulation)"
+    };
+    println!("deps: accelerator: {kvm}");
+    if !root {
+        println!("deps: not root: tests that need root (loop devices, BPF, mounts) will say SKIP");
+    }
 }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod deps;
+mod fresh;
 mod gpu_qual;
 mod vmtest;
 
@@ -35,6 +36,9 @@ enum Command {
     /// The payload ladder on real NVIDIA GPU hardware (host → host_fixed → dmabuf_fixed from
     /// GPU memory) against a scratch target; exits at once on a machine without a GPU.
     GpuQual(gpu_qual::GpuQualArgs),
+    /// README's two commands on a bare Debian root with only the host's Rust toolchain (root;
+    /// the root is cached under ~/.cache/pdstor/fresh/). Prints each command's wall time.
+    Fresh(fresh::FreshArgs),
     /// The guest kernel: fetch, check, defconfig.
     Kernel {
         #[command(subcommand)]
@@ -46,6 +50,13 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     let sh = Shell::new()?;
     sh.change_dir(project_root());
+    // Every verb but these runs `deps` first: the rest build or run pdstor.
+    // `gpu-qual` does after its GPU preflight (it stops at once without a GPU);
+    // `fresh` needs only its own host tools.
+    if !matches!(cli.command, Command::Deps | Command::GpuQual(_) | Command::Fresh(_)) {
+        step("dependencies");
+        deps::install(&sh)?;
+    }
     match cli.command {
         Command::Deps => deps::install(&sh),
         Command::Demo => demo(&sh),
@@ -53,6 +64,7 @@ fn main() -> Result<()> {
         Command::Bench(args) => bench::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
+        Command::Fresh(args) => fresh::run(&sh, &args),
         Command::Kernel { command } => vmtest::kernel_cmd(&sh, &command),
     }
 }
@@ -74,8 +86,6 @@ fn step(what: &str) {
 /// The main job: a writer process hands a KV set to a reader process through
 /// `pdstor serve` on a file-backed namespace, verified byte for byte.
 fn demo(sh: &Shell) -> Result<()> {
-    step("dependencies");
-    deps::install(sh)?;
     step("build");
     let pdstor = build_pdstor(sh)?;
     let dir = project_root().join("target/pdstor-demo");
@@ -127,8 +137,6 @@ fn demo(sh: &Shell) -> Result<()> {
 
 fn ci(sh: &Shell) -> Result<()> {
     let started = std::time::Instant::now();
-    step("dependencies");
-    deps::install(sh)?;
     step("cargo fmt --check");
     cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
     step("cargo clippy --all-targets -- -D warnings");

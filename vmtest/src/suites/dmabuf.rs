@@ -26,7 +26,6 @@ use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "dmabuf",
-    about: "udmabuf buffers through pdstor serve on raw NVMe and XFS; dma-heap and dmabuf_fixed refused with their reasons",
     tests: &[
         Test { name: "exporters_and_capability_probe", disk: Some(DiskRole::Raw), run: exporters_and_probe },
         Test { name: "cpu_access_seen_only_inside_a_transfer", disk: Some(DiskRole::Raw), run: cpu_access },

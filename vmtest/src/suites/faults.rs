@@ -22,7 +22,6 @@ const DM_NAME: &str = "pdfault";
 
 pub const SUITE: Suite = Suite {
     name: "faults",
-    about: "device-mapper error and flakey targets: failed reads are errors naming the transfer",
     tests: &[
         Test { name: "half_failing_batch", disk: Some(DiskRole::Raw), run: half_failing_batch },
         Test { name: "flakey_device_fails_reads_and_writes", disk: Some(DiskRole::Raw), run: flakey_everything },

@@ -22,7 +22,6 @@ const FILE_BYTES: u64 = 64 << 20;
 
 pub const SUITE: Suite = Suite {
     name: "io",
-    about: "engine round trips on ext4, XFS, raw block and NVMe passthrough, read back independently",
     tests: &[
         Test {
             name: "ext4_file_host",

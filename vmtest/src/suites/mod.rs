@@ -19,13 +19,14 @@ pub struct Test {
     pub run: fn(&Ctx) -> Outcome,
 }
 
+/// A suite: its name (one of [`crate::SUITES`], which says what it proves) and its tests.
 pub struct Suite {
     pub name: &'static str,
-    pub about: &'static str,
     pub tests: &'static [Test],
 }
 
-/// Every suite, in the order `--suite all` runs them.
+/// Every suite, in the order `--suite all` runs them: the order and names of
+/// [`crate::SUITES`], which the host reads without building the suites.
 pub const SUITES: &[Suite] =
     &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, dmabuf::SUITE, oracle::SUITE, swiotlb::SUITE];
 
@@ -55,5 +56,12 @@ mod tests {
             }
         }
         assert!(find("io").is_some() && find("nope").is_none());
+    }
+
+    #[test]
+    fn suites_are_the_ones_the_host_names() {
+        let here: Vec<&str> = SUITES.iter().map(|s| s.name).collect();
+        let host: Vec<&str> = crate::SUITES.iter().map(|(n, _)| *n).collect();
+        assert_eq!(here, host, "vmtest/spec/src/lib.rs SUITES must list these suites in this order");
     }
 }

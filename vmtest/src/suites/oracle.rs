@@ -14,7 +14,6 @@ use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "oracle",
-    about: "pdstor qualify --short on NVMe passthrough; the timeline checked with --require-path host_fixed",
     tests: &[Test { name: "qualify_on_nvme_passthrough", disk: Some(DiskRole::Raw), run: qualify }],
 };
 

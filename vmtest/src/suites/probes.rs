@@ -20,7 +20,6 @@ use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "probes",
-    about: "BTF, tracefs and bpffs work; a tracepoint BPF program counts block requests",
     tests: &[
         Test { name: "btf_present", disk: None, run: btf_present },
         Test { name: "every_program_attaches", disk: None, run: every_program_attaches },

@@ -13,7 +13,6 @@ use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "protocol",
-    about: "pdstor serve + a writer and a reader process handing KV off on NVMe passthrough and on XFS",
     tests: &[
         Test { name: "handoff_nvme_passthrough", disk: Some(DiskRole::Raw), run: passthrough },
         Test { name: "handoff_xfs_file", disk: Some(DiskRole::Xfs), run: xfs },

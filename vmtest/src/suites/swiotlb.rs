@@ -14,7 +14,6 @@ use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "swiotlb",
-    about: "a guest booted with swiotlb=force: probes report the bounce",
     tests: &[Test { name: "forced_swiotlb_is_a_fallback", disk: Some(DiskRole::Raw), run: forced }],
 };
 

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
-use pdstor_vmtest::{
-    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, TestResult, suites::SUITES,
+use pdstor_vmtest_spec::{
+    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, SUITES, TestResult, suite_exists,
 };
 use xshell::{Shell, cmd};
 
@@ -28,7 +28,7 @@ const MODULES: &[&str] = &["nvme", "ext4", "xfs", "dm-mod", "dm-flakey"];
 
 #[derive(clap::Args)]
 pub struct VmtestArgs {
-    /// Suites to run (default: all): io, faults, probes.
+    /// Suites to run, comma-separated (default: all): io, faults, probes, protocol, dmabuf, oracle, swiotlb.
     #[arg(long = "suite", value_delimiter = ',')]
     suites: Vec<String>,
     /// Disk roles whose tests run: ext4, xfs, raw (default: all).
@@ -111,7 +111,6 @@ fn fragment(name: &str) -> PathBuf {
 pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
     match cmd_ {
         KernelCmd::Fetch => {
-            crate::deps::install(sh)?;
             let k = kernel::fetch(sh)?;
             kernel::check(&k, &fragment("pd-storage.config"))?;
             println!("kernel {} ({}) at {}: pd-storage.config satisfied", k.release, k.package, k.vmlinuz.display());
@@ -159,17 +158,16 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
 
 pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     let started = Instant::now();
-    crate::deps::install(sh)?;
     let suites: Vec<String> = if args.suites.is_empty() || args.suites.iter().any(|s| s == "all") {
-        SUITES.iter().map(|s| s.name.to_owned()).collect()
+        SUITES.iter().map(|(name, _)| (*name).to_owned()).collect()
     } else {
         args.suites.clone()
     };
     for s in &suites {
-        if !SUITES.iter().any(|k| k.name == s) {
+        if !suite_exists(s) {
             bail!(
                 "unknown suite {s:?}: known suites are {}",
-                SUITES.iter().map(|s| s.name).collect::<Vec<_>>().join(", ")
+                SUITES.iter().map(|(name, _)| *name).collect::<Vec<_>>().join(", ")
             );
         }
     }

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use pdstor_vmtest::{BOOT_MARKER, DiskSpec, NVME_MDTS, RESULT_PORT_NAME};
+use pdstor_vmtest_spec::{BOOT_MARKER, DiskSpec, NVME_MDTS, RESULT_PORT_NAME};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Accel {

@@ -1,0 +1,150 @@
+//! What the vmtest host (`cargo xtask vmtest`) and its guest (`pdstor-vmtest`)
+//! agree on: the disks each guest gets, the suite names, the configuration the
+//! host hands the guest and the result records the guest reports.
+//!
+//! This crate is the one place a disk or a suite name is declared. It depends
+//! on nothing that needs a system package, so `xtask` builds on a bare machine.
+
+use serde::{Deserialize, Serialize};
+
+/// Where the host puts the guest configuration inside the initramfs.
+pub const GUEST_CONFIG_PATH: &str = "/etc/pdstor-vmtest.json";
+/// Name of the virtio-serial port the guest writes results to.
+pub const RESULT_PORT_NAME: &str = "vmtest.result";
+/// Printed on the console by the guest `/init` as soon as it runs: the host's
+/// proof that the kernel booted (used to probe whether an accelerator works).
+pub const BOOT_MARKER: &str = "PDSTOR-VMINIT-START";
+/// The last result line of a guest that ran to its end.
+pub const FINISHED_TEST: &str = "guest-finished";
+
+/// What the host tells the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestConfig {
+    /// Suites to run, by name, in order.
+    pub suites: Vec<String>,
+    /// Kernel modules (paths inside the initramfs) in load order.
+    pub modules: Vec<String>,
+    /// Kernel release the modules belong to.
+    pub kernel_release: String,
+    /// Disks whose tests run; tests of the others are skipped (`--fs`).
+    pub disks: Vec<DiskRole>,
+}
+
+/// What a disk holds in the guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiskRole {
+    Ext4,
+    Xfs,
+    Raw,
+}
+
+/// One emulated NVMe disk: its own controller with a serial the guest finds it by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DiskSpec {
+    pub role: DiskRole,
+    /// NVMe serial (at most 20 ASCII characters; sysfs pads it with spaces).
+    pub serial: &'static str,
+    pub size_mib: u64,
+    pub logical_block: u32,
+}
+
+/// The guest's disks. `mkfs.xfs` needs at least 300 MiB.
+pub const DISKS: [DiskSpec; 3] = [
+    DiskSpec { role: DiskRole::Ext4, serial: "PDEXT4", size_mib: 512, logical_block: 512 },
+    DiskSpec { role: DiskRole::Xfs, serial: "PDXFS", size_mib: 512, logical_block: 512 },
+    DiskSpec { role: DiskRole::Raw, serial: "PDRAW", size_mib: 512, logical_block: 4096 },
+];
+
+/// QEMU's NVMe MDTS for every disk, as a power of two of 4 KiB pages: 7 means
+/// 512 KiB, so 1 MiB requests must be split by the engine.
+pub const NVME_MDTS: u32 = 7;
+
+impl std::fmt::Display for DiskRole {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DiskRole::Ext4 => "ext4",
+            DiskRole::Xfs => "xfs",
+            DiskRole::Raw => "raw",
+        })
+    }
+}
+
+/// Every suite, by name, in the order `--suite all` runs them, with what it
+/// proves. `pdstor_vmtest::suites::SUITES` implements exactly these (tested).
+pub const SUITES: &[(&str, &str)] = &[
+    ("io", "engine round trips on ext4, XFS, raw block and NVMe passthrough, read back independently"),
+    ("faults", "device-mapper error and flakey targets: failed reads are errors naming the transfer"),
+    ("probes", "BTF, tracefs and bpffs work; a tracepoint BPF program counts block requests"),
+    ("protocol", "pdstor serve + a writer and a reader process handing KV off on NVMe passthrough and on XFS"),
+    (
+        "dmabuf",
+        "udmabuf buffers through pdstor serve on raw NVMe and XFS; dma-heap and dmabuf_fixed refused with their reasons",
+    ),
+    ("oracle", "pdstor qualify --short on NVMe passthrough; the timeline checked with --require-path host_fixed"),
+    ("swiotlb", "a guest booted with swiotlb=force: probes report the bounce"),
+];
+
+/// Whether `name` is a suite in [`SUITES`].
+pub fn suite_exists(name: &str) -> bool {
+    SUITES.iter().any(|(n, _)| *n == name)
+}
+
+/// Finds a disk by the serial sysfs reports (space-padded to 20 bytes).
+pub fn disk_by_serial(sysfs_serial: &str) -> Option<&'static DiskSpec> {
+    let s = sysfs_serial.trim();
+    DISKS.iter().find(|d| d.serial == s)
+}
+
+/// How one test in the guest ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase", tag = "status", content = "detail")]
+pub enum Outcome {
+    Pass,
+    Fail(String),
+    Skip(String),
+}
+
+/// One line of `vmtest.result`: a JSON object per test.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TestResult {
+    pub suite: String,
+    pub test: String,
+    pub disk: Option<DiskRole>,
+    pub outcome: Outcome,
+    pub millis: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serials_fit_nvme_and_are_unique() {
+        for d in DISKS {
+            assert!(d.serial.len() <= 20 && d.serial.is_ascii());
+            assert_eq!(DISKS.iter().filter(|o| o.serial == d.serial).count(), 1);
+        }
+        assert!(DISKS.iter().any(|d| d.role == DiskRole::Xfs && d.size_mib >= 300));
+    }
+
+    #[test]
+    fn padded_sysfs_serial_finds_its_disk() {
+        assert_eq!(disk_by_serial("PDRAW               \n").map(|d| d.role), Some(DiskRole::Raw));
+        assert_eq!(disk_by_serial("PDRAWX"), None);
+    }
+
+    #[test]
+    fn results_are_one_json_object_per_line() {
+        let r = TestResult {
+            suite: "io".into(),
+            test: "host_fixed_xfs".into(),
+            disk: Some(DiskRole::Xfs),
+            outcome: Outcome::Fail("chunk 3 differs at byte 17".into()),
+            millis: 12,
+        };
+        let line = serde_json::to_string(&r).unwrap();
+        assert!(!line.contains('\n'));
+        assert_eq!(serde_json::from_str::<TestResult>(&line).unwrap(), r);
+    }
+}
