@@ -98,7 +98,7 @@ fn root_tarball(sh: &Shell, rebuild: bool) -> Result<PathBuf> {
     let partial = dir.join(format!("debian-{release}-minbase.tar.partial"));
     let started = Instant::now();
     println!("fresh: building a minbase {release} root with {BASE_PACKAGES} (mmdebstrap)");
-    cmd!(sh, "mmdebstrap --quiet --variant=minbase --include={BASE_PACKAGES} {release} {partial}")
+    cmd!(sh, "mmdebstrap --quiet --format=tar --variant=minbase --include={BASE_PACKAGES} {release} {partial}")
         .run()
         .with_context(|| format!("mmdebstrap {release}: building the fresh root failed"))?;
     std::fs::rename(&partial, &tarball).with_context(|| format!("moving the root to {}", tarball.display()))?;
