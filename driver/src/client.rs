@@ -108,10 +108,17 @@ impl Client {
     pub fn close_session(&self, session: &str) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { session_id: session.into() }).map(drop)
     }
-    pub fn publications(&self, state: Option<&str>) -> Result<Vec<PublicationInfo>, ClientError> {
-        let path = match state {
-            Some(s) => format!("/storage-pd/publications?state={s}"),
-            None => "/storage-pd/publications".into(),
+    /// Live publications, of one state if given; `verbose` adds each
+    /// chunk's extent on the target.
+    pub fn publications(&self, state: Option<&str>, verbose: bool) -> Result<Vec<PublicationInfo>, ClientError> {
+        let mut query: Vec<String> = state.map(|s| format!("state={s}")).into_iter().collect();
+        if verbose {
+            query.push("verbose=1".into());
+        }
+        let path = if query.is_empty() {
+            "/storage-pd/publications".to_owned()
+        } else {
+            format!("/storage-pd/publications?{}", query.join("&"))
         };
         serde_json::from_str(&self.get_text(&path)?).map_err(|e| ClientError::Data(format!("publications: {e}")))
     }
@@ -256,6 +263,8 @@ pub struct Writer {
     buffer: Buffer,
     buffer_id: u32,
     chunk_size: u64,
+    /// Who this writer is, recorded with each publication it prepares.
+    writer_id: String,
 }
 
 impl Writer {
@@ -275,7 +284,14 @@ impl Writer {
         let mut data = DataConn::connect(data_socket)?;
         let buffer = spec.allocate("pdstor-writer", (chunk_size * chunks as u64) as usize)?;
         let buffer_id = data.register_for(&buffer, spec.path)?;
-        Ok(Writer { client, data, buffer, buffer_id, chunk_size })
+        Ok(Writer { client, data, buffer, buffer_id, chunk_size, writer_id: "writer".into() })
+    }
+
+    /// Names this writer (default `writer`): the identity recorded with every
+    /// publication it prepares, shown by `publications`.
+    pub fn with_writer_id(mut self, id: &str) -> Writer {
+        self.writer_id = id.into();
+        self
     }
 
     pub fn buffer(&self) -> &Buffer {
@@ -319,7 +335,7 @@ impl Writer {
         first_token: Option<u32>,
     ) -> Result<Published, ClientError> {
         let total = len.div_ceil(self.chunk_size) as u32;
-        let p = self.client.prepare(req_id, layout, total, "writer")?;
+        let p = self.client.prepare(req_id, layout, total, &self.writer_id)?;
         let chunks: Vec<DataChunk> = (0..total)
             .map(|i| {
                 let off = i as u64 * self.chunk_size;

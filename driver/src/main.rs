@@ -25,13 +25,36 @@ struct Cli {
     command: Command,
 }
 
-/// Where the daemon is, for client verbs.
+/// The payload paths, as `--path` takes them.
+const PATHS: &[&str] = &["host", "host_fixed", "dmabuf_fixed"];
+/// Publication states, as `--state` takes them.
+const STATES: &[&str] = &["PREPARED", "READY", "CLAIMED", "ADOPTED", "RETAINED", "ABORTING"];
+
+/// A parser that accepts exactly `values` (listed in `--help` and in the
+/// error for anything else) and turns the one given into a `T`.
+fn one_of<T>(values: &'static [&'static str]) -> impl clap::builder::TypedValueParser<Value = T>
+where
+    T: std::str::FromStr<Err = String> + Clone + Send + Sync + 'static,
+{
+    use clap::builder::TypedValueParser;
+    clap::builder::PossibleValuesParser::new(values).try_map(|s| s.parse::<T>())
+}
+
+/// The control plane, for verbs that only talk to it.
 #[derive(clap::Args, Clone)]
-struct Daemon {
-    /// Control plane URL.
+struct Server {
+    /// Control plane URL of the daemon (`pdstor serve --listen`).
     #[arg(long, env = "PDSTOR_SERVER", default_value = "http://127.0.0.1:7077")]
     server: String,
-    /// Data plane socket.
+}
+
+/// Both planes, for verbs that move payload.
+#[derive(clap::Args, Clone)]
+struct Daemon {
+    /// Control plane URL of the daemon (`pdstor serve --listen`).
+    #[arg(long, env = "PDSTOR_SERVER", default_value = "http://127.0.0.1:7077")]
+    server: String,
+    /// The daemon's data-plane Unix socket (`pdstor serve --data-socket`): buffers are shared over it.
     #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
     data_socket: PathBuf,
 }
@@ -40,11 +63,11 @@ struct Daemon {
 #[derive(clap::Args, Clone, Copy)]
 struct BufferArgs {
     /// Buffer memory: memfd, udmabuf (a DMA-BUF from /dev/udmabuf) or dma-heap (/dev/dma_heap/system).
-    #[arg(long = "buffer", default_value = "memfd")]
+    #[arg(long = "buffer", default_value = "memfd", value_parser = one_of::<pdstor::client::Exporter>(&["memfd", "udmabuf", "dma-heap"]))]
     exporter: pdstor::client::Exporter,
-    /// Payload path: host, host_fixed, or dmabuf_fixed (a DMA-BUF buffer, a raw block device
-    /// target and a kernel with the rw-dmabuf series).
-    #[arg(long, default_value = "host_fixed")]
+    /// Payload path: dmabuf_fixed needs a DMA-BUF buffer, a raw block device target and a kernel
+    /// with the rw-dmabuf series.
+    #[arg(long, default_value = "host_fixed", value_parser = one_of::<PayloadPath>(PATHS))]
     path: PayloadPath,
 }
 
@@ -59,9 +82,10 @@ enum TimelineCmd {
     /// Verify causality, one ack, receipts across nodes, provenance on the required path with
     /// native verdicts, and continuation records. Reports every violation with its line.
     Check {
+        /// The JSON-lines timeline (`serve --timeline`, `put/get --timeline`, `qualify`).
         file: PathBuf,
         /// The payload path every store and load must have taken.
-        #[arg(long, default_value = "dmabuf_fixed")]
+        #[arg(long, default_value = "dmabuf_fixed", value_parser = one_of::<PayloadPath>(PATHS))]
         require_path: PayloadPath,
         /// Print the report as JSON.
         #[arg(long)]
@@ -69,7 +93,9 @@ enum TimelineCmd {
     },
     /// Draw the timeline: a lane per node, transfers as bars by path and verdict, steps as markers.
     Render {
+        /// The JSON-lines timeline to draw.
         file: PathBuf,
+        /// The SVG file to write.
         #[arg(short, long, default_value = "timeline.svg")]
         output: PathBuf,
     },
@@ -79,22 +105,25 @@ enum TimelineCmd {
 enum Command {
     /// Run the daemon: the store behind the HTTP control plane and the data plane.
     Serve {
+        /// The formatted target to serve (`pdstor format`): a file, block device or /dev/ngXnY.
         #[arg(long)]
         target: PathBuf,
         /// Control plane address (loopback by default).
         #[arg(long, default_value = "127.0.0.1:7077", conflicts_with = "listen_unix")]
         listen: std::net::SocketAddr,
-        /// Serve the control plane on a Unix socket instead.
+        /// Serve the control plane on this Unix socket instead of TCP.
         #[arg(long)]
         listen_unix: Option<PathBuf>,
+        /// The data-plane Unix socket clients share their buffers over (created 0600).
         #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
         data_socket: PathBuf,
+        /// io_uring queue depth of the store's I/O thread.
         #[arg(long, default_value_t = 32)]
         qd: u32,
-        /// Longest a prepare waits for capacity, in ms.
+        /// Longest a prepare waits for capacity, in ms; then it is refused with 503.
         #[arg(long, default_value_t = 30_000)]
         admission_timeout_ms: u64,
-        /// Attach the eBPF provenance probes and stamp every payload transfer with a verdict.
+        /// Attach the eBPF provenance probes and stamp every payload transfer with a verdict (root).
         #[arg(long)]
         provenance: bool,
         /// With --provenance: a fallback verdict on a host_fixed transfer fails it.
@@ -104,22 +133,29 @@ enum Command {
         #[arg(long)]
         timeline: Option<PathBuf>,
     },
-    /// prepare + store a file's bytes through a memfd + publish; prints the READY receipt.
+    /// prepare + store a file's bytes through a shared buffer + publish; prints the READY receipt.
     Put {
         #[command(flatten)]
         daemon: Daemon,
+        /// The request id this KV cache belongs to (the serving engine's request).
         #[arg(long)]
         req: String,
+        /// The writer's identity, recorded with the publication (e.g. the prefill engine's name).
+        #[arg(long, env = "PDSTOR_WRITER", default_value = "writer")]
+        writer: String,
         /// JSON layout (model_id, dtype, layers, kv_heads, head_dim, chunk_tokens, kv_format).
         #[arg(long)]
         layout: PathBuf,
+        /// The KV bytes to store: a file whose size is a non-zero multiple of 4096.
         #[arg(long)]
         from: PathBuf,
+        /// Bytes per chunk (at most the namespace's slot size); k, M, G suffixes.
         #[arg(long, default_value = "8M", value_parser = parse_size)]
         chunk_size: u64,
         /// Chunks per store batch.
         #[arg(long, default_value_t = 4)]
         batch: u32,
+        /// The first token the reader continues from, recorded in the manifest.
         #[arg(long)]
         first_token: Option<u32>,
         #[command(flatten)]
@@ -131,27 +167,34 @@ enum Command {
     /// Claim a READY publication for one reader and session; prints the claim receipt.
     Claim {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The READY receipt `pdstor put` printed (a JSON file).
         #[arg(long)]
         receipt: PathBuf,
+        /// The reader's identity (e.g. the decode engine's name); only it may adopt.
         #[arg(long)]
         reader: String,
+        /// The reader's session; closing it (`close-session`) fences the claim.
         #[arg(long)]
         session: String,
+        /// How long the claim is leased, in ms (expiry never frees claimed bytes).
         #[arg(long, default_value_t = 60_000)]
         lease_ms: u64,
     },
-    /// adopt + load + verify; writes the bytes, prints the restore digest.
+    /// adopt + load + verify; writes the bytes, prints the restore digest (and acks with --ack).
     Get {
         #[command(flatten)]
         daemon: Daemon,
+        /// The claim receipt `pdstor claim` printed (a JSON file).
         #[arg(long)]
         claim: PathBuf,
+        /// The JSON layout the reader expects; adopt refuses a publication with another.
         #[arg(long)]
         layout: PathBuf,
+        /// Where to write the restored bytes.
         #[arg(long)]
         out: PathBuf,
-        /// Acknowledge right after a verified restore.
+        /// Acknowledge right after a verified restore (no digest to copy by hand).
         #[arg(long)]
         ack: bool,
         #[command(flatten)]
@@ -163,73 +206,90 @@ enum Command {
     /// Acknowledge a restore: frees the slots.
     Ack {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The claim receipt (a JSON file).
         #[arg(long)]
         claim: PathBuf,
+        /// The restore digest `pdstor get` printed (hex SHA-256 of the restored chunks' crc32c).
         #[arg(long)]
         restore_digest: String,
     },
     /// Release a READY, never-claimed publication.
     Release {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The READY receipt (a JSON file).
         #[arg(long)]
         receipt: PathBuf,
     },
-    /// Abort a publication that is not READY yet.
+    /// Abort a publication that is not READY yet (an unknown one is refused).
     Abort {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The publication id (`pdstor publications`).
         #[arg(long)]
         publication: u64,
     },
     /// Report a failed or uncertain read: the publication is RETAINED.
     Fail {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The claim receipt (a JSON file).
         #[arg(long)]
         claim: PathBuf,
+        /// Why the read failed, recorded in the journal.
         #[arg(long)]
         reason: String,
     },
     /// Free a claimed or retained publication whose reader is fenced.
     Reclaim {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The claim receipt (a JSON file).
         #[arg(long)]
         claim: PathBuf,
     },
     /// Fence a reader session (its claims become reclaimable).
     CloseSession {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
+        /// The session id given to `pdstor claim --session`.
         #[arg(long)]
         session: String,
     },
-    /// The daemon's metrics.
+    /// The daemon's metrics (Prometheus text).
     Status {
         #[command(flatten)]
-        daemon: Daemon,
+        daemon: Server,
     },
-    /// Live publications, optionally of one state.
+    /// Live publications, optionally of one state; --verbose adds each chunk's extent on the target.
     Publications {
         #[command(flatten)]
-        daemon: Daemon,
-        #[arg(long)]
+        daemon: Server,
+        /// Only publications in this state.
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(STATES), ignore_case = true)]
         state: Option<String>,
+        /// List each chunk's slot, byte offset, length and crc32c on the target.
+        #[arg(long, short)]
+        verbose: bool,
     },
     /// The handoff against a running daemon, buffers registered once: wall time and per-step latency.
     BenchHandoff {
         #[command(flatten)]
         daemon: Daemon,
+        /// Bytes per handoff; k, M, G suffixes.
         #[arg(long, default_value = "512M", value_parser = parse_size)]
         bytes: u64,
+        /// Bytes per chunk.
         #[arg(long, default_value = "8M", value_parser = parse_size)]
         chunk: u64,
+        /// Handoffs to time (the median is reported).
         #[arg(long, default_value_t = 3)]
         rounds: u32,
+        /// Single-chunk handoffs timed per step for the latency percentiles.
         #[arg(long, default_value_t = 300)]
         latency_samples: u32,
+        /// One JSON object instead of text.
         #[arg(long)]
         json: bool,
     },
@@ -237,12 +297,20 @@ enum Command {
     Handoff {
         #[command(flatten)]
         daemon: Daemon,
+        /// Bytes to hand off (a multiple of 4096); k, M, G suffixes.
         #[arg(long, default_value = "64M", value_parser = parse_size)]
         bytes: u64,
+        /// Bytes per chunk.
         #[arg(long, default_value = "8M", value_parser = parse_size)]
         chunk_size: u64,
         #[command(flatten)]
         buffer: BufferArgs,
+        /// The writer's and the reader's steps appended to this JSON-lines timeline.
+        #[arg(long)]
+        timeline: Option<PathBuf>,
+        /// Also write the handoff's figures (bytes, chunks, times, verification) to this JSON file.
+        #[arg(long)]
+        summary: Option<PathBuf>,
     },
     /// eBPF provenance probes: attach, status, dump, detach.
     Probe {
@@ -257,14 +325,15 @@ enum Command {
         #[arg(long)]
         target: PathBuf,
         /// Whose memory: udmabuf (CPU hosts) or cuda (GPU 0; needs --features cuda).
-        #[arg(long, default_value = "udmabuf")]
+        #[arg(long, default_value = "udmabuf", value_parser = one_of::<pdstor::ladder::LadderExporter>(&["udmabuf", "cuda"]))]
         exporter: pdstor::ladder::LadderExporter,
-        /// Paths to qualify, in ladder order.
-        #[arg(long, value_delimiter = ',', default_value = "host,host_fixed,dmabuf_fixed")]
+        /// Paths to qualify, in ladder order, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "host,host_fixed,dmabuf_fixed", value_parser = one_of::<PayloadPath>(PATHS))]
         paths: Vec<PayloadPath>,
         /// Bytes per path.
         #[arg(long, default_value = "32M", value_parser = parse_size)]
         bytes: u64,
+        /// Bytes per chunk.
         #[arg(long, default_value = "4M", value_parser = parse_size)]
         chunk: u64,
         /// Where ladder.json and ladder.md go.
@@ -281,21 +350,23 @@ enum Command {
         /// Scratch target, formatted by qualify (a file is created if missing).
         #[arg(long)]
         target: PathBuf,
+        /// Size of a file target to create.
         #[arg(long, default_value = "256M", value_parser = parse_size)]
         size: u64,
+        /// Where the reports and the timeline go.
         #[arg(long, default_value = "pdstor-qualify")]
         out: PathBuf,
         /// Tokens per stored KV chunk.
         #[arg(long, default_value_t = 16)]
         chunk_tokens: usize,
-        /// Requests per batch, one case per batch size and prompt group.
+        /// Requests per batch, one case per batch size and prompt group (comma-separated).
         #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
         batches: Vec<usize>,
         /// The short profile (CI): batches of 1 and output budgets halved.
         #[arg(long)]
         short: bool,
         /// The payload path the buffers are registered for (and the timeline must show).
-        #[arg(long, default_value = "host_fixed")]
+        #[arg(long, default_value = "host_fixed", value_parser = one_of::<PayloadPath>(PATHS))]
         path: PayloadPath,
         /// Run the daemon without the provenance probes (the timeline check then fails).
         #[arg(long)]
@@ -303,12 +374,14 @@ enum Command {
         /// Device to corrupt a chunk through, for a /dev/ngXnY target (its /dev/nvmeXnY).
         #[arg(long)]
         corrupt_via: Option<PathBuf>,
+        /// Seed of the model's weights.
         #[arg(long, default_value_t = 1234)]
         seed: u64,
     },
     /// The reader process of `pdstor qualify` (internal).
     #[command(hide = true)]
     QualifyReader {
+        /// The job file qualify wrote.
         #[arg(long)]
         job: PathBuf,
     },
@@ -319,11 +392,13 @@ enum Command {
     },
     /// Print a target's kind and geometry as JSON.
     Info {
+        /// A file, block device or /dev/ngXnY.
         #[arg(long)]
         target: PathBuf,
     },
     /// Write a fresh pdstor namespace (superblocks, empty journal) on a target.
     Format {
+        /// A file (created with --size if missing), block device or /dev/ngXnY.
         #[arg(long)]
         target: PathBuf,
         /// Bytes per slot: the largest chunk.
@@ -341,6 +416,7 @@ enum Command {
     },
     /// Open a namespace, replay its journal, and print what recovery found and the publications.
     Inspect {
+        /// A formatted target not served by a running daemon.
         #[arg(long)]
         target: PathBuf,
     },
@@ -349,29 +425,40 @@ enum Command {
         /// A file to create (and remove) for the run.
         #[arg(long)]
         target: PathBuf,
+        /// Concurrent writer threads.
         #[arg(long, default_value_t = 8)]
         writers: u32,
+        /// Publications in all.
         #[arg(long, default_value_t = 2000)]
         publications: u32,
+        /// Bytes of each publication's one chunk.
         #[arg(long, default_value = "256k", value_parser = parse_size)]
         chunk: u64,
+        /// One JSON object instead of text.
         #[arg(long)]
         json: bool,
     },
     /// Measure the engine on a target with fio's pattern names.
     Bench {
+        /// A file, block device or /dev/ngXnY (overwritten).
         #[arg(long)]
         target: PathBuf,
-        #[arg(long, default_value = "host_fixed")]
+        /// host or host_fixed.
+        #[arg(long, default_value = "host_fixed", value_parser = one_of::<PayloadPath>(&["host", "host_fixed"]))]
         path: PayloadPath,
+        /// fio's --rw name.
         #[arg(long, value_enum, default_value = "read")]
         pattern: Pattern,
+        /// Block size; k, M, G suffixes.
         #[arg(long, default_value = "4M", value_parser = parse_size)]
         bs: u64,
+        /// Requests in flight.
         #[arg(long, default_value_t = 16)]
         qd: u32,
+        /// Bytes of the target to cover.
         #[arg(long, default_value = "1G", value_parser = parse_size)]
         size: u64,
+        /// Seed of the payload and of random offsets.
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// One JSON object instead of text.
@@ -386,18 +473,25 @@ enum Command {
     },
     /// Write seeded chunks, flush, read them back and verify byte for byte.
     Roundtrip {
+        /// A file, block device or /dev/ngXnY (overwritten).
         #[arg(long)]
         target: PathBuf,
-        #[arg(long, default_value = "host_fixed")]
+        /// host or host_fixed.
+        #[arg(long, default_value = "host_fixed", value_parser = one_of::<PayloadPath>(&["host", "host_fixed"]))]
         path: PayloadPath,
+        /// Chunks to write and read.
         #[arg(long, default_value_t = 64)]
         chunks: u32,
+        /// Bytes per chunk.
         #[arg(long, default_value = "8M", value_parser = parse_size)]
         chunk_size: u64,
+        /// Requests in flight.
         #[arg(long, default_value_t = 16)]
         qd: u32,
+        /// Seed of the payload.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// One JSON object instead of text.
         #[arg(long)]
         json: bool,
         /// Write even over a target that holds a filesystem or namespace.
@@ -410,9 +504,12 @@ enum Command {
 enum ProbeCmd {
     /// Load and attach the probes for a process (default: this one); with
     /// --pin they stay attached under /sys/fs/bpf/pdstor after this exits.
+    /// Mounts tracefs (and bpffs for --pin) when absent; needs root.
     Attach {
+        /// The process to trace (default: this one).
         #[arg(long)]
         tgid: Option<u32>,
+        /// Pin maps and links under /sys/fs/bpf/pdstor so they outlive this command.
         #[arg(long)]
         pin: bool,
     },
@@ -474,13 +571,27 @@ fn refuse_signature(target: &std::path::Path, force: bool) -> anyhow::Result<()>
     Ok(())
 }
 
+/// Exit status of a command line pdstor cannot parse (`EX_USAGE`): never 2,
+/// which means the daemon refused a step.
+const EXIT_USAGE: u8 = 64;
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version print to stdout and succeed; anything else is a usage error.
+            let code = if e.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = e.print();
+            return ExitCode::from(code);
+        }
+    };
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => match e.downcast_ref::<ClientError>() {
             Some(ClientError::Api(body)) => {
-                eprintln!("pdstor: refused: {} {} ({}): {}", body.status, body.code, body.field, body.message);
+                // A 4xx is the daemon refusing a step (nothing changed); a 5xx is it failing one.
+                let verb = if (400..500).contains(&body.status) { "refused" } else { "failed" };
+                eprintln!("pdstor: {verb}: {} {} ({}): {}", body.status, body.code, body.field, body.message);
                 ExitCode::from(pdstor::api::error::exit_code(body))
             }
             Some(other) => {
@@ -503,7 +614,7 @@ fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path, what: &str)
 fn client_verbs(command: Command) -> anyhow::Result<()> {
     use pdstor::client::{Client, Reader, Writer};
     match command {
-        Command::Put { daemon, req, layout, from, chunk_size, batch, first_token, buffer, timeline } => {
+        Command::Put { daemon, req, writer, layout, from, chunk_size, batch, first_token, buffer, timeline } => {
             let layout: Layout = read_json(&layout, "layout")?;
             let payload = std::fs::read(&from).map_err(|e| anyhow::anyhow!("reading {}: {e}", from.display()))?;
             if payload.is_empty() || !payload.len().is_multiple_of(4096) {
@@ -514,7 +625,8 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
                 );
             }
             let chunks = payload.len().div_ceil(chunk_size as usize) as u32;
-            let mut w = Writer::with_buffer(&daemon.server, &daemon.data_socket, chunk_size, chunks, buffer.spec())?;
+            let mut w = Writer::with_buffer(&daemon.server, &daemon.data_socket, chunk_size, chunks, buffer.spec())?
+                .with_writer_id(&writer);
             let started = std::time::Instant::now();
             let published = w.put(&req, &layout, &payload, batch, first_token)?;
             eprintln!(
@@ -592,8 +704,9 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
         }
         Command::CloseSession { daemon, session } => Client::new(&daemon.server).close_session(&session)?,
         Command::Status { daemon } => print!("{}", Client::new(&daemon.server).metrics()?),
-        Command::Publications { daemon, state } => {
-            println!("{}", serde_json::to_string_pretty(&Client::new(&daemon.server).publications(state.as_deref())?)?);
+        Command::Publications { daemon, state, verbose } => {
+            let list = Client::new(&daemon.server).publications(state.as_deref(), verbose)?;
+            println!("{}", serde_json::to_string_pretty(&list)?);
         }
         Command::BenchHandoff { daemon, bytes, chunk, rounds, latency_samples, json } => {
             let cfg = pdstor::bench::handoff::HandoffBenchConfig {
@@ -617,8 +730,16 @@ fn client_verbs(command: Command) -> anyhow::Result<()> {
                 }
             }
         }
-        Command::Handoff { daemon, bytes, chunk_size, buffer } => {
-            handoff::run(&daemon.server, &daemon.data_socket, bytes, chunk_size, buffer.spec())?
+        Command::Handoff { daemon, bytes, chunk_size, buffer, timeline, summary } => {
+            handoff::run(&handoff::HandoffArgs {
+                server: daemon.server,
+                data_socket: daemon.data_socket,
+                bytes,
+                chunk_size,
+                buffer: buffer.spec(),
+                timeline,
+                summary,
+            })?
         }
         _ => unreachable!("client_verbs is only called with client verbs"),
     }
@@ -875,4 +996,80 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::Cli;
+
+    /// Every subcommand, depth first, with its path (`pdstor probe attach`).
+    fn walk(cmd: &clap::Command, path: String, out: &mut Vec<(String, clap::Command)>) {
+        out.push((path.clone(), cmd.clone()));
+        for sub in cmd.get_subcommands() {
+            walk(sub, format!("{path} {}", sub.get_name()), out);
+        }
+    }
+
+    fn all() -> Vec<(String, clap::Command)> {
+        let mut out = Vec::new();
+        walk(&Cli::command(), "pdstor".into(), &mut out);
+        out
+    }
+
+    #[test]
+    fn the_cli_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_option_and_verb_has_help_text() {
+        let mut missing = Vec::new();
+        for (path, cmd) in all() {
+            if cmd.get_about().is_none() && path != "pdstor help" {
+                missing.push(path.clone());
+            }
+            for arg in cmd.get_arguments() {
+                let builtin = matches!(arg.get_id().as_str(), "help" | "version");
+                if !builtin && arg.get_help().is_none() {
+                    missing.push(format!("{path} --{}", arg.get_id()));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "no help text: {missing:?}");
+    }
+
+    #[test]
+    fn only_verbs_that_move_payload_take_a_data_socket() {
+        let payload_verbs = ["put", "get", "handoff", "bench-handoff", "serve"];
+        for (path, cmd) in all() {
+            let name = cmd.get_name().to_owned();
+            let has = cmd.get_arguments().any(|a| a.get_long() == Some("data-socket"));
+            assert_eq!(has, payload_verbs.contains(&name.as_str()), "{path}: --data-socket advertised: {has}");
+        }
+    }
+
+    #[test]
+    fn options_with_a_fixed_set_of_values_list_them() {
+        let values = |verb: &str, long: &str| -> Vec<String> {
+            let (_, cmd) = all().into_iter().find(|(p, _)| p == verb).unwrap_or_else(|| panic!("{verb}"));
+            let arg = cmd.get_arguments().find(|a| a.get_long() == Some(long)).unwrap_or_else(|| panic!("{long}"));
+            arg.get_possible_values().iter().map(|v| v.get_name().to_owned()).collect()
+        };
+        assert_eq!(values("pdstor put", "path"), ["host", "host_fixed", "dmabuf_fixed"]);
+        assert_eq!(values("pdstor get", "buffer"), ["memfd", "udmabuf", "dma-heap"]);
+        assert_eq!(values("pdstor publications", "state").len(), 6);
+        assert_eq!(values("pdstor ladder", "exporter"), ["udmabuf", "cuda"]);
+        assert_eq!(values("pdstor timeline check", "require-path").len(), 3);
+        assert_eq!(values("pdstor bench", "pattern"), ["write", "read", "randwrite", "randread"]);
+        // And each parses to what it names.
+        let cli = Cli::try_parse_from(["pdstor", "publications", "--state", "ready", "-v"]);
+        assert!(cli.is_ok(), "a state is accepted in any case");
+        let err = Cli::try_parse_from(["pdstor", "put", "--req", "r", "--layout", "l", "--from", "f", "--path", "gpu"])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("host_fixed") && err.contains("dmabuf_fixed"), "the error lists the values: {err}");
+    }
 }

@@ -563,7 +563,8 @@ impl Run<'_> {
         let claim = self.claim(&published.receipt, "control-cancel")?;
         self.restore(&p, claim.clone(), 8, None, ReaderMode::Cancel)?;
         let c = self.client();
-        let state = c.publications(None)?.into_iter().find(|x| x.publication == claim.publication).map(|x| x.state);
+        let state =
+            c.publications(None, false)?.into_iter().find(|x| x.publication == claim.publication).map(|x| x.state);
         if state.as_deref() != Some("ADOPTED") {
             bail!("after a cancelled restore the publication is {state:?}, not ADOPTED with its lease kept");
         }

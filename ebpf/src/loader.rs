@@ -99,18 +99,13 @@ fn errno_name(errno: i32) -> &'static str {
     }
 }
 
-/// The OS error under a libbpf error, if there is one.
+/// The OS error under a libbpf error, if there is one. libbpf-rs keeps the
+/// `io::Error` inside its own context chain, where `source()` does not reach
+/// it, so the errno is read from the chain's text (`... (os error 2)`).
 fn os_error(e: &libbpf_rs::Error) -> Option<i32> {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
-    while let Some(s) = source {
-        if let Some(io) = s.downcast_ref::<std::io::Error>()
-            && let Some(code) = io.raw_os_error()
-        {
-            return Some(code);
-        }
-        source = s.source();
-    }
-    None
+    let text = format!("{e:#}");
+    let at = text.rfind("(os error ")?;
+    text[at + "(os error ".len()..].split(')').next()?.parse().ok()
 }
 
 /// Why one program did not attach, as a user can act on it: the errno, what

@@ -1,84 +1,176 @@
-//! The `pdstor` binary as a user runs it: a round trip in one process checked
-//! from another (dd), the bench's JSON, and errors that say what went wrong.
+//! The `pdstor` command line against a real daemon: exit codes that tell a
+//! usage error, a refusal and a failure apart; the writer's identity; one-call
+//! get + ack; a publication's extents.
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
 
-use pdstor::payload;
-use pdstor_tests::{dd_direct, pdstor_bin};
+use pdstor_tests::{Daemon, pdstor_bin};
 
-#[test]
-fn roundtrip_bytes_are_what_another_process_reads() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("kv.img");
-    let out = Command::new(pdstor_bin())
-        .args(["roundtrip", "--chunks", "6", "--chunk-size", "1M", "--seed", "42", "--json", "--target"])
-        .arg(&target)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["bytes"], 6 << 20);
-    assert_eq!(report["path"], "host_fixed");
-    assert_eq!(report["verified_independently"], true);
-    for chunk in 0..6u64 {
-        let on_disk = dd_direct(&target, chunk << 20, 1 << 20);
-        assert_eq!(on_disk, payload::chunk(42, chunk, 1 << 20), "chunk {chunk} as dd reads it");
-    }
+const SLOT: u64 = 1 << 20;
+
+fn pdstor(args: &[&str]) -> Output {
+    Command::new(pdstor_bin()).args(args).output().expect("running pdstor")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Writes a layout and a payload of `chunks` seeded 1 MiB chunks into `dir`.
+fn inputs(dir: &Path, chunks: u64) -> (String, String) {
+    let layout = dir.join("layout.json");
+    std::fs::write(
+        &layout,
+        r#"{"model_id":"m","dtype":"bf16","layers":2,"kv_heads":2,"head_dim":64,"chunk_tokens":16,"kv_format":"t"}"#,
+    )
+    .unwrap();
+    let from = dir.join(format!("kv-{chunks}.bin"));
+    let bytes: Vec<u8> = (0..chunks).flat_map(|i| pdstor::payload::chunk(7, i, SLOT as usize)).collect();
+    std::fs::write(&from, bytes).unwrap();
+    (layout.display().to_string(), from.display().to_string())
+}
+
+fn put(d: &Daemon, dir: &Path, req: &str, writer: &str, chunks: u64) -> Output {
+    let (layout, from) = inputs(dir, chunks);
+    let socket = d.data_socket.display().to_string();
+    pdstor(&[
+        "put",
+        "--server",
+        &d.server,
+        "--data-socket",
+        &socket,
+        "--req",
+        req,
+        "--writer",
+        writer,
+        "--layout",
+        &layout,
+        "--from",
+        &from,
+        "--chunk-size",
+        "1M",
+    ])
 }
 
 #[test]
-fn bench_reports_one_json_object_with_fio_names() {
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("bench.img");
-    for pattern in ["write", "randread"] {
-        let out = Command::new(pdstor_bin())
-            .args(["bench", "--json", "--bs", "64k", "--qd", "4", "--size", "4M", "--pattern", pattern, "--target"])
-            .arg(&target)
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(r["pattern"], pattern);
-        assert_eq!(r["ios"], 64);
-        assert_eq!(r["bytes"], 4 << 20);
-        assert!(r["lat_us"]["p99"].as_f64().unwrap() > 0.0);
-    }
+fn a_usage_error_is_not_a_refusal() {
+    let out = pdstor(&["publications", "--no-such-flag"]);
+    assert_eq!(out.status.code(), Some(64), "usage error: EX_USAGE, {}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("--no-such-flag"));
+    let out = pdstor(&["put", "--req", "r", "--layout", "l", "--from", "f", "--path", "gpu"]);
+    assert_eq!(out.status.code(), Some(64), "a value outside the listed ones: {}", text(&out.stderr));
+    let out = pdstor(&["put", "--help"]);
+    assert_eq!(out.status.code(), Some(0));
+    let help = text(&out.stdout);
+    assert!(help.contains("--writer") && help.contains("[possible values: host, host_fixed, dmabuf_fixed]"), "{help}");
+    let out = pdstor(&["claim", "--help"]);
+    assert!(!text(&out.stdout).contains("--data-socket"), "claim never uses the data plane");
+    assert_eq!(pdstor(&["--version"]).status.code(), Some(0));
 }
 
 #[test]
-fn errors_name_the_input_and_exit_nonzero() {
+fn abort_of_an_unknown_publication_is_a_refusal() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let out = Command::new(pdstor_bin()).arg("info").arg("--target").arg(dir.path()).output().unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains(&dir.path().display().to_string()) && err.contains("is a directory"), "{err}");
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let out = pdstor(&["abort", "--server", &d.server, "--publication", "4242"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.starts_with("pdstor: refused: 404 unknown_publication (publication): publication 4242"), "{err}");
+    assert!(out.stdout.is_empty(), "no outcome printed: {}", text(&out.stdout));
+}
 
-    let out = Command::new(pdstor_bin()).args(["bench", "--bs", "4q", "--target", "x"]).output().unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown unit"));
+/// A 5xx is the daemon failing, not refusing: "failed", exit 3. An admission
+/// timeout (the store full of a READY publication) is one.
+#[test]
+fn a_daemon_failure_is_printed_as_failed() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = dir.path().join("t.img");
+    let out = pdstor(&[
+        "format",
+        "--journal",
+        "256k",
+        "--chunk-slot",
+        "1M",
+        "--size",
+        &(2 * 4096 + 2 * (256 << 10) + 2 * SLOT).to_string(),
+        "--target",
+        &target.display().to_string(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // The test daemon waits 2 s for capacity, then answers 503.
+    let d = Daemon::start(&target, dir.path());
+    let out = put(&d, dir.path(), "fills", "prefill-0", 2);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = put(&d, dir.path(), "waits", "prefill-1", 1);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.starts_with("pdstor: failed: 503 "), "{err}");
+    assert!(!err.contains("refused"), "{err}");
 }
 
 #[test]
-fn format_inspect_and_refusing_to_overwrite_a_namespace() {
+fn put_names_its_writer_get_acks_and_publications_show_extents() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("ns.img");
-    let run = |args: &[&str]| Command::new(pdstor_bin()).args(args).arg("--target").arg(&target).output().unwrap();
-    let out = run(&["format", "--size", "64M", "--chunk-slot", "1M", "--journal", "1M"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let f: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(f["slot_size"], 1 << 20);
-    assert!(f["slot_count"].as_u64().unwrap() > 50);
-    for expected_epoch in [1, 2] {
-        let out = run(&["inspect"]);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let i: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        assert_eq!(i["namespace"], f["uuid"]);
-        assert_eq!(i["epoch"], expected_epoch, "each open bumps the epoch");
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let out = put(&d, dir.path(), "req-7", "prefill-7", 3);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let ready = dir.path().join("ready.json");
+    std::fs::write(&ready, &out.stdout).unwrap();
+
+    let list: serde_json::Value =
+        serde_json::from_slice(&pdstor(&["publications", "--server", &d.server]).stdout).unwrap();
+    assert_eq!(list[0]["writer"], "prefill-7", "{list}");
+    assert!(list[0].get("extents").is_none(), "extents only with --verbose: {list}");
+
+    let out = pdstor(&["publications", "--server", &d.server, "--verbose", "--state", "ready"]);
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let extents = list[0]["extents"].as_array().unwrap_or_else(|| panic!("{list}"));
+    assert_eq!(extents.len(), 3);
+    let mut offsets = std::collections::BTreeSet::new();
+    for (i, e) in extents.iter().enumerate() {
+        assert_eq!(e["chunk"], i as u64);
+        assert_eq!(e["len"], SLOT);
+        // The extent is where the bytes are: read them there, outside pdstor.
+        let offset = e["offset"].as_u64().unwrap();
+        offsets.insert(offset);
+        let on_disk = pdstor_tests::dd_direct(&d.target, offset, SLOT);
+        assert_eq!(on_disk, pdstor::payload::chunk(7, i as u64, SLOT as usize), "chunk {i} at byte {offset}");
+        assert_eq!(e["crc32c"], crc32c::crc32c(&on_disk));
     }
-    let out = run(&["format"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("a pdstor namespace"));
-    let out = run(&["roundtrip", "--chunks", "1", "--chunk-size", "1M"]);
-    assert!(!out.status.success(), "roundtrip would overwrite the namespace");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--force"));
+    assert_eq!(offsets.len(), 3, "distinct extents");
+
+    let out = pdstor(
+        &["claim", "--server", &d.server, "--reader", "decode-1", "--session", "s1", "--receipt"]
+            .into_iter()
+            .chain([ready.to_str().unwrap()])
+            .collect::<Vec<_>>(),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let claim = dir.path().join("claim.json");
+    std::fs::write(&claim, &out.stdout).unwrap();
+    let restored = dir.path().join("restored.bin");
+    let (layout, from) = inputs(dir.path(), 3);
+    let socket = d.data_socket.display().to_string();
+    let out = pdstor(&[
+        "get",
+        "--server",
+        &d.server,
+        "--data-socket",
+        &socket,
+        "--claim",
+        claim.to_str().unwrap(),
+        "--layout",
+        &layout,
+        "--out",
+        restored.to_str().unwrap(),
+        "--ack",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let got: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(got["acked"], true);
+    assert_eq!(std::fs::read(&restored).unwrap(), std::fs::read(&from).unwrap());
+    let list: serde_json::Value =
+        serde_json::from_slice(&pdstor(&["publications", "--server", &d.server]).stdout).unwrap();
+    assert_eq!(list, serde_json::json!([]), "acknowledged in the same call: nothing left");
 }

@@ -9,9 +9,20 @@ use pdstor_probes::{Declared, Probes, TargetClass, Verdict, judge};
 
 use pdstor_tests::{is_root, skip};
 
+/// The tests here run one at a time: another test's I/O on the same disk
+/// can keep the device queue busy, so the block layer issues our request
+/// from kblockd instead of the submitting thread, where the probe does not
+/// charge it to the transfer.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// One test, so the controls do not see each other's transfers.
 #[test]
 fn provenance_controls_on_the_host_kernel() {
+    let _serial = serial();
     if !is_root() {
         return skip("provenance_controls_on_the_host_kernel", "BPF needs root");
     }
@@ -101,6 +112,7 @@ fn provenance_controls_on_the_host_kernel() {
 /// its observed verdict, and /metrics counts them.
 #[test]
 fn the_daemon_stamps_each_transfer_with_its_verdict() {
+    let _serial = serial();
     if !is_root() {
         return skip("the_daemon_stamps_each_transfer_with_its_verdict", "BPF needs root");
     }
@@ -172,6 +184,7 @@ fn in_bare_namespace(script: &str) -> std::process::Output {
 /// tracefs and the command that mounts it.
 #[test]
 fn probe_attach_mounts_tracefs_when_it_is_absent() {
+    let _serial = serial();
     const TEST: &str = "probe_attach_mounts_tracefs_when_it_is_absent";
     if !is_root() {
         return skip(TEST, "needs root (mount namespaces, BPF)");

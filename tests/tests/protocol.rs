@@ -43,7 +43,7 @@ fn code(r: Result<impl std::fmt::Debug, ClientError>) -> (u16, String, String) {
 }
 
 fn state(c: &Client, publication: u64) -> Option<String> {
-    c.publications(None).unwrap().into_iter().find(|p| p.publication == publication).map(|p| p.state)
+    c.publications(None, false).unwrap().into_iter().find(|p| p.publication == publication).map(|p| p.state)
 }
 
 #[test]
@@ -58,7 +58,7 @@ fn writer_and_reader_processes_hand_off_through_a_file_target() {
     assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("restored byte for byte"));
     let c = Client::new(&d.server);
-    assert!(c.publications(None).unwrap().is_empty(), "acked: nothing left");
+    assert!(c.publications(None, false).unwrap().is_empty(), "acked: nothing left");
     let m = c.metrics().unwrap();
     assert!(m.contains("pdstor_slots{kind=\"free\"} 40"), "{m}");
     assert!(m.contains("pdstor_payload_bytes_total{path=\"host_fixed\"} 201326592"), "{m}");
@@ -233,7 +233,7 @@ fn publications_and_receipts_survive_kill_9() {
     c.ack(&adopted, &before.restore_digest).unwrap();
     // The retained claim was made in an earlier epoch: it is fenced now.
     c.reclaim(&retained).unwrap();
-    assert!(c.publications(None).unwrap().is_empty());
+    assert!(c.publications(None, false).unwrap().is_empty());
 }
 
 #[test]
@@ -289,8 +289,8 @@ fn pressure_and_disconnects_leave_no_slot_behind() {
     let c = Client::new(&d.server);
     // Disconnect aborts run when the daemon sees the socket close.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while !c.publications(None).unwrap().is_empty() {
-        assert!(std::time::Instant::now() < deadline, "leaked: {:?}", c.publications(None).unwrap());
+    while !c.publications(None, false).unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "leaked: {:?}", c.publications(None, false).unwrap());
         std::thread::sleep(Duration::from_millis(50));
     }
     let m = c.metrics().unwrap();
@@ -372,7 +372,7 @@ fn dmabuf_registrations_that_cannot_work_are_refused_and_hold_nothing() {
     let p = put(&d, "after-refusals", 3, 2);
     assert_eq!(p.manifest.chunks.len(), 2);
     let c = Client::new(&d.server);
-    assert_eq!(c.publications(None).unwrap().len(), 1);
+    assert_eq!(c.publications(None, false).unwrap().len(), 1);
     let metrics = c.metrics().unwrap();
     assert!(metrics.contains("pdstor_errors_total{code=\"path_unavailable\"} 1"), "{metrics}");
 }
@@ -397,14 +397,14 @@ fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
         .collect();
     let (status, code, _) = code(data.store(p.publication, chunks, true, 2));
     assert_eq!((status, code.as_str()), (422, "bad_chunk"));
-    assert!(c.publications(None).unwrap().is_empty(), "the refused request was rolled back");
+    assert!(c.publications(None, false).unwrap().is_empty(), "the refused request was rolled back");
     // A declared checksum that disagrees with the bytes is refused too.
     let p = c.prepare("bad-crc", &layout(), 1, "w").unwrap();
     b.write_at(0, &payload::chunk(5, 0, SLOT as usize)).unwrap();
     let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c: Some(0xdead_beef) };
     let r = data.store(p.publication, vec![chunk], true, 1);
     assert!(matches!(&r, Err(ClientError::Api(e)) if e.message.contains("declared crc32c 0xdeadbeef")), "{r:?}");
-    assert!(c.publications(None).unwrap().is_empty());
+    assert!(c.publications(None, false).unwrap().is_empty());
 }
 
 /// The daemon's own timeline of a real handoff: every step in causal order,

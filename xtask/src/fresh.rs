@@ -126,6 +126,9 @@ fn inner_script(root: &Path, rustup: &Path, cargo_bin: &Path, commands: &[String
         r#"set -eu
 R={r}
 mount --make-rprivate /
+# The root is a mount point, as / is on a real machine (unshare and mount
+# --make-private inside need one).
+mount --bind "$R" "$R"
 mount -t proc proc "$R/proc"
 mount -t sysfs sysfs "$R/sys"
 mount -t devtmpfs devtmpfs "$R/dev"

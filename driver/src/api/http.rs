@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 
 use super::error::from_protocol;
 use super::wire::*;
+use crate::protocol::Refusal;
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{AbortOutcome, Phase};
 
@@ -165,12 +166,20 @@ pub fn router(state: Shared) -> Router {
         .route(
             "/storage-pd/abort",
             post(|State(s): State<Shared>, b: Bytes| {
-                step(s, b, |svc, r: AbortRequest| {
-                    svc.abort(r.publication).map(|o| match o {
-                        AbortOutcome::Aborted { slots } => AbortResponse { outcome: "aborted".into(), slots },
-                        AbortOutcome::Pending => AbortResponse { outcome: "pending".into(), slots: 0 },
-                        AbortOutcome::NotFound => AbortResponse { outcome: "not_found".into(), slots: 0 },
-                    })
+                step(s, b, |svc, r: AbortRequest| match svc.abort(r.publication)? {
+                    AbortOutcome::Aborted { slots } => Ok(AbortResponse { outcome: "aborted".into(), slots }),
+                    AbortOutcome::Pending => Ok(AbortResponse { outcome: "pending".into(), slots: 0 }),
+                    // Nothing to abort is a refusal, like any other step on an unknown publication.
+                    AbortOutcome::NotFound => Err(Refusal::new(
+                        "unknown_publication",
+                        "publication",
+                        format!(
+                            "publication {} does not exist: never prepared, or already acknowledged, released or \
+                             aborted (see GET /storage-pd/publications)",
+                            r.publication
+                        ),
+                    )
+                    .into()),
                 })
             }),
         )
@@ -211,6 +220,8 @@ fn phase_name(p: Phase) -> &'static str {
 
 async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, String>>) -> Response {
     let want = q.get("state").map(|v| v.to_ascii_uppercase());
+    let verbose = q.get("verbose").is_some_and(|v| v == "1" || v == "true");
+    let sb = s.service.store().superblock();
     let list: Vec<PublicationInfo> = s
         .service
         .store()
@@ -224,6 +235,22 @@ async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, 
             chunks: p.total_chunks,
             writer: p.writer.clone(),
             reader: p.claim.as_ref().map(|c| c.reader.clone()),
+            extents: verbose.then(|| {
+                p.slots
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &slot)| {
+                        let stored = p.chunks.get(i).and_then(Option::as_ref);
+                        Extent {
+                            chunk: i as u32,
+                            slot,
+                            offset: sb.slot_offset(slot),
+                            len: stored.map(|c| c.len),
+                            crc32c: stored.map(|c| c.crc32c),
+                        }
+                    })
+                    .collect()
+            }),
         })
         .collect();
     json_response(StatusCode::OK, &list)

@@ -107,6 +107,23 @@ pub struct PublicationInfo {
     pub chunks: u32,
     pub writer: String,
     pub reader: Option<String>,
+    /// With `?verbose=1`: where each chunk lives on the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extents: Option<Vec<Extent>>,
+}
+
+/// One chunk's place on the target: its slot and the bytes there. `len` and
+/// `crc32c` are absent until the chunk is stored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub chunk: u32,
+    pub slot: u32,
+    /// Byte offset of the slot on the target.
+    pub offset: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub len: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
 }
 
 /// What a `register` frame's fds are.

@@ -353,7 +353,7 @@ fn dmabuf_fixed_refused(ctx: &Ctx) -> Outcome {
             }
         }
         let after = device_crc(&disk.block)?;
-        let pubs = Client::new(SERVER).publications(None).map_err(e("publications"))?;
+        let pubs = Client::new(SERVER).publications(None, false).map_err(e("publications"))?;
         if before != after || !pubs.is_empty() {
             return Err(format!(
                 "the refusal changed the target (crc {before:#x} → {after:#x}) or left publications {pubs:?}"
@@ -382,7 +382,7 @@ fn bad_input(ctx: &Ctx) -> Outcome {
             Err(ClientError::Api(b)) if b.status == 422 && b.message.contains("outside the") => {}
             other => return Err(format!("a chunk beyond the buffer answered {:?}", other.map(|_| ()))),
         }
-        if !client.publications(None).map_err(e("publications"))?.is_empty() {
+        if !client.publications(None, false).map_err(e("publications"))?.is_empty() {
             return Err("the refused batch left a publication behind".into());
         }
 

@@ -84,7 +84,7 @@ fn handoff(target: &Path, format_args: &[&str]) -> Result<(), String> {
     if !out.contains("restored byte for byte") {
         return Err(format!("handoff did not verify: {out}"));
     }
-    let left = sh("/bin/pdstor", &["publications", "--server", SERVER, "--data-socket", SOCKET])?;
+    let left = sh("/bin/pdstor", &["publications", "--server", SERVER])?;
     if left.trim() != "[]" {
         return Err(format!("publications left after the ack: {left}"));
     }
