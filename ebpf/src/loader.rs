@@ -455,3 +455,28 @@ pub fn detach_pinned(dir: &Path) -> Result<usize, ProbeError> {
     let _ = std::fs::remove_dir(dir);
     Ok(n)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_attach_names_its_errno_and_what_to_do() {
+        let e = libbpf_rs::Error::from_raw_os_error(libc::ENOENT);
+        assert_eq!(os_error(&e), Some(libc::ENOENT));
+        let tp = attach_failure("io_uring:io_uring_submit_req", &e);
+        assert!(
+            tp.starts_with(
+                "ENOENT: tracepoint io_uring:io_uring_submit_req not found — is tracefs mounted at /sys/kernel/tracing?"
+            ),
+            "{tp}"
+        );
+        let kp = attach_failure("kprobe:io_wq_submit_work", &e);
+        assert!(kp.starts_with("ENOENT: kprobe io_wq_submit_work: no such kernel function"), "{kp}");
+        let perm = attach_failure("block:block_rq_issue", &libbpf_rs::Error::from_raw_os_error(libc::EPERM));
+        assert!(perm.starts_with("EPERM: block:block_rq_issue: not permitted") && perm.contains("CAP_BPF"), "{perm}");
+        for msg in [tp, kp, perm] {
+            assert!(!msg.contains("failed to attach BPF program"), "{msg}");
+        }
+    }
+}
