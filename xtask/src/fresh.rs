@@ -183,7 +183,8 @@ pub fn run(sh: &Shell, args: &FreshArgs) -> Result<()> {
     let clone = root.join("root/pdstor");
     let project = crate::project_root();
     cmd!(sh, "git clone --quiet --no-hardlinks {project} {clone}").run().context("cloning HEAD into the root")?;
-    let head = cmd!(sh, "git -C {clone} log -1 --format=%h\\ %s").quiet().read().unwrap_or_default();
+    let format = "--format=%h %s";
+    let head = cmd!(sh, "git -C {clone} log -1 {format}").quiet().read().unwrap_or_default();
     println!("fresh: root laid out in {:.1} s; clone of HEAD: {head}", laid.elapsed().as_secs_f64());
 
     let script = inner_script(&root, &rustup, &cargo_bin, &commands);
