@@ -158,10 +158,20 @@ impl Daemon {
 
     /// `kill -9`, then start again on the same target, port and socket.
     pub fn kill9_and_restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    /// `kill -9` and reap; [`restart`](Self::restart) brings it back.
+    pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Starts the daemon again on the same target, port and socket.
+    pub fn restart(&mut self) {
         self.spawn();
     }
 

@@ -39,6 +39,16 @@ enum Command {
     /// README's two commands on a bare Debian root with only the host's Rust toolchain (root;
     /// the root is cached under ~/.cache/pdstor/fresh/). Prints each command's wall time.
     Fresh(fresh::FreshArgs),
+    /// The crash campaign, longer than CI's: kill -9 the daemon at random points during
+    /// concurrent puts on a 256 KiB journal; every READY receipt must load byte-identical after.
+    Crash {
+        /// kill -9 rounds (CI runs 200).
+        #[arg(long, default_value_t = 1000)]
+        kills: u64,
+        /// Seed of the kill timing and the writers.
+        #[arg(long, default_value_t = 0x9d5c_0417)]
+        seed: u64,
+    },
     /// The guest kernel: fetch, check, defconfig.
     Kernel {
         #[command(subcommand)]
@@ -65,6 +75,15 @@ fn main() -> Result<()> {
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Fresh(args) => fresh::run(&sh, &args),
+        Command::Crash { kills, seed } => {
+            let (kills, seed) = (kills.to_string(), seed.to_string());
+            cmd!(sh, "cargo build --quiet -p pdstor --bin pdstor").run().context("building pdstor")?;
+            cmd!(sh, "cargo test --quiet -p pdstor-tests --test crash every_ready_receipt -- --nocapture")
+                .env("PDSTOR_CRASH_KILLS", kills)
+                .env("PDSTOR_CRASH_SEED", seed)
+                .run()
+                .context("the crash campaign lost an acknowledged publication (see above)")
+        }
         Command::Kernel { command } => vmtest::kernel_cmd(&sh, &command),
     }
 }

@@ -64,6 +64,7 @@ pub fn from_store(e: &StoreError) -> ErrorBody {
         StoreError::BatchFailed { .. } => body(500, "batch_failed", "chunks", m),
         StoreError::Load { .. } => body(500, "load_failed", "chunks", m),
         StoreError::Failed(_) => body(503, "store_failed", "", m),
+        StoreError::RecordTooLarge { .. } => body(413, "record_too_large", "", m),
         StoreError::Io(
             crate::io::IoError::DmabufUnsupported { .. }
             | crate::io::IoError::PathUnavailable { .. }

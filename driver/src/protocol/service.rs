@@ -44,6 +44,26 @@ pub struct Service {
 /// The digest a reader acknowledges with: SHA-256 over the little-endian
 /// crc32c of each chunk it restored, in chunk order. Both sides compute it
 /// from their own view of the bytes.
+/// The longest id or name a client may give (request, writer, reader,
+/// session, layout strings): every one is journaled, so none may be large.
+pub const MAX_NAME_BYTES: usize = 256;
+/// The longest `fail` reason.
+pub const MAX_REASON_BYTES: usize = 1024;
+/// The longest lease a claim may ask for: 7 days.
+pub const MAX_LEASE_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// Refuses a client string longer than `max` bytes, naming the field.
+fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), Refusal> {
+    if value.len() > max {
+        return Err(Refusal::new(
+            "bad_request",
+            field,
+            format!("{field} is {} bytes; at most {max} are accepted", value.len()),
+        ));
+    }
+    Ok(())
+}
+
 pub fn restore_digest(chunk_crcs: &[u32]) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
@@ -165,6 +185,15 @@ impl Service {
         total_chunks: u32,
         writer: &str,
     ) -> Result<Prepared, ProtocolError> {
+        bounded("req_id", req_id, MAX_NAME_BYTES)?;
+        bounded("writer_id", writer, MAX_NAME_BYTES)?;
+        for (field, value) in [
+            ("layout.model_id", &layout.model_id),
+            ("layout.dtype", &layout.dtype),
+            ("layout.kv_format", &layout.kv_format),
+        ] {
+            bounded(field, value, MAX_NAME_BYTES)?;
+        }
         let publication = self.store.prepare(req_id, writer, layout, total_chunks)?;
         self.note(Event::new("prepare").req(req_id).publication(publication).detail(format!("writer {writer}")));
         Ok(Prepared { publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
@@ -193,6 +222,16 @@ impl Service {
         }
         if reader.is_empty() || session.is_empty() {
             return Err(Refusal::new("bad_request", "reader_id", "reader_id and session_id must not be empty").into());
+        }
+        bounded("reader_id", reader, MAX_NAME_BYTES)?;
+        bounded("session_id", session, MAX_NAME_BYTES)?;
+        if !(1..=MAX_LEASE_MS).contains(&lease_ms) {
+            return Err(Refusal::new(
+                "bad_request",
+                "lease_ms",
+                format!("lease_ms {lease_ms} is outside 1..={MAX_LEASE_MS} (7 days)"),
+            )
+            .into());
         }
         let p = self.store.claim(p.id, reader, session, lease_ms)?;
         let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
@@ -250,7 +289,7 @@ impl Service {
             );
         }
         if let Some(c) = &p.claim
-            && now_unix_ms() > c.claimed_unix_ms + c.lease_ms
+            && now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new(
                 "lease_expired",
@@ -276,7 +315,7 @@ impl Service {
             .into());
         }
         if let Some(c) = &p.claim
-            && now_unix_ms() > c.claimed_unix_ms + c.lease_ms
+            && now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new("lease_expired", "lease_ms", "the lease expired").into());
         }
@@ -331,6 +370,7 @@ impl Service {
     }
 
     pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
+        bounded("reason", reason, MAX_REASON_BYTES)?;
         let p = self.check(claim, ReceiptKind::Claim)?;
         self.store.fail(p.id, reason)?;
         self.note(Event::new("fail").req(&claim.req_id).publication(p.id).receipt(&claim.signature).detail(reason));

@@ -163,9 +163,23 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
                 stop(at, seq, format!("checksum mismatch (stored {:#010x}, computed {crc:#010x})", u32_at(4))),
             );
         }
-        if rec_seq < seq {
-            // A record from an earlier pass over this half: the clean end.
+        if rec_seq < start_seq {
+            // A record from an earlier pass over this half (every one of
+            // those precedes the checkpoint this pass starts with): the clean end.
             return (out, at, None);
+        }
+        if rec_seq < seq {
+            // A sequence number this pass already used: two records were given
+            // one number. Not a clean end: say so, loudly.
+            return (
+                out,
+                at,
+                stop(
+                    at,
+                    seq,
+                    format!("sequence {rec_seq} repeats (expected {seq}): two records share a sequence number"),
+                ),
+            );
         }
         if rec_seq != seq {
             return (out, at, stop(at, seq, format!("sequence {rec_seq} where {seq} was expected (records missing)")));
@@ -244,5 +258,22 @@ mod tests {
         let (recs, _, stop) = replay(&journal(&[epoch(1)], 12), 9);
         assert!(recs.is_empty());
         assert!(stop.unwrap().reason.contains("records missing"));
+    }
+
+    /// A checkpoint followed by a record with the checkpoint's own sequence
+    /// number (two records given one number) is not a clean end.
+    #[test]
+    fn a_repeated_sequence_number_is_reported_not_taken_for_the_end() {
+        let mut j = Vec::new();
+        j.extend(encode(9653, &epoch(1)).unwrap());
+        let second = j.len();
+        j.extend(encode(9653, &epoch(2)).unwrap());
+        j.extend(encode(9654, &epoch(3)).unwrap());
+        j.resize(j.len() + 4096, 0);
+        let (recs, end, stop) = replay(&j, 9653);
+        assert_eq!((recs.len(), end), (1, second));
+        let stop = stop.expect("a repeated sequence number stops replay with a reason");
+        assert_eq!(stop.offset, second as u64);
+        assert!(stop.reason.contains("sequence 9653 repeats"), "{}", stop.reason);
     }
 }

@@ -112,6 +112,10 @@ pub enum StoreError {
     NotPublishable { publication: u64, completed: u32, total: u32, last: &'static str, inflight: u32 },
     #[error("publication {publication}, chunk {chunk}: {what}")]
     Load { publication: u64, chunk: u32, what: String },
+    #[error(
+        "a journal record of {bytes} bytes is larger than a quarter of the {journal_half}-byte journal half: shorten the request's strings"
+    )]
+    RecordTooLarge { bytes: u64, journal_half: u64 },
 }
 
 /// How to format a target.
@@ -302,7 +306,13 @@ struct Batches {
 
 struct Live {
     state: state::State,
+    /// The sequence number of the next record. Assigned, and the record
+    /// queued, under this lock: no two records ever share one.
     next_seq: u64,
+    /// Bytes of the active journal half the queued records take (the I/O
+    /// thread's append offset, mirrored here so that every record kind is
+    /// accounted for when it is queued, committed or not).
+    journal_end: u64,
     batches: HashMap<u64, Batches>,
     failed: Option<String>,
 }
@@ -454,7 +464,7 @@ impl Store {
         let admission = ReservationManager::new(sb.slot_count);
         let store = Store {
             path: path.into(),
-            live: Mutex::new(Live { state, next_seq, batches: HashMap::new(), failed: None }),
+            live: Mutex::new(Live { state, next_seq, journal_end: end as u64, batches: HashMap::new(), failed: None }),
             admission,
             jobs: Mutex::new(tx),
             worker: Mutex::new(Some(handle)),
@@ -518,14 +528,29 @@ impl Store {
     }
 
     /// Applies a record to the state and queues it for the journal, in order.
+    ///
+    /// Every record takes journal space when it is queued, whether or not a
+    /// commit follows: when it would take the active half past half full,
+    /// a CHECKPOINT of the state (which already holds this record) is
+    /// written to the other half instead, so the journal never wraps over
+    /// live records. A record too large for a quarter of a half is refused
+    /// before it changes anything.
     fn log(&self, live: &mut Live, r: Record) -> Result<(), StoreError> {
         if let Some(f) = &live.failed {
             return Err(StoreError::Failed(f.clone()));
         }
+        let frame = journal::encode(live.next_seq, &r).map_err(StoreError::Worker)?;
+        let half = self.lock_sb().journal_half;
+        if frame.len() as u64 > half / 4 {
+            return Err(StoreError::RecordTooLarge { bytes: frame.len() as u64, journal_half: half });
+        }
         live.state.apply(&r).map_err(|what| StoreError::Recovery { path: self.path.clone(), what })?;
         debug_assert!(live.state.check().is_ok(), "allocator invariant broken by {r:?}: {:?}", live.state.check());
-        let frame = journal::encode(live.next_seq, &r).map_err(StoreError::Worker)?;
+        if live.journal_end + frame.len() as u64 > half / 2 {
+            return self.checkpoint_locked(live);
+        }
         live.next_seq += 1;
+        live.journal_end += frame.len() as u64;
         self.send(Job::Append(frame))
     }
 
@@ -560,13 +585,25 @@ impl Store {
     /// Compacts the journal into the other half: one CHECKPOINT record of the
     /// live state, then the superblock points at it.
     pub fn checkpoint(&self) -> Result<(), StoreError> {
-        let live = self.lock_live();
+        let mut live = self.lock_live();
+        if let Some(f) = &live.failed {
+            return Err(StoreError::Failed(f.clone()));
+        }
+        self.checkpoint_locked(&mut live)
+    }
+
+    /// [`checkpoint`](Self::checkpoint) with the live lock held: the
+    /// checkpoint's sequence number, the next one and the superblock change
+    /// together, so no record can be queued between them with a sequence
+    /// number the checkpoint already took.
+    fn checkpoint_locked(&self, live: &mut Live) -> Result<(), StoreError> {
         let seq = live.next_seq;
         let rec = Record::Checkpoint {
             next_publication: live.state.next_publication,
             publications: live.state.pubs.values().cloned().collect(),
         };
         let frame = journal::encode(seq, &rec).map_err(StoreError::Worker)?;
+        let frame_len = frame.len() as u64;
         let mut sb = self.lock_sb().clone();
         sb.active_half = 1 - sb.active_half;
         sb.journal_start_seq = seq;
@@ -574,11 +611,18 @@ impl Store {
         let (tx, rx) = channel();
         self.send(Job::Checkpoint { frame, superblock: sb.clone(), reply: tx })?;
         let r = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
-        drop(live);
-        r.map_err(|e| self.mark_failed(e))?;
-        self.lock_live().next_seq = seq + 1;
-        *self.lock_sb() = sb;
-        Ok(())
+        match r {
+            Ok(()) => {
+                live.next_seq = seq + 1;
+                live.journal_end = frame_len;
+                *self.lock_sb() = sb;
+                Ok(())
+            }
+            Err(e) => {
+                live.failed.get_or_insert(e.clone());
+                Err(StoreError::Failed(e))
+            }
+        }
     }
 
     pub fn target_kind(&self) -> crate::io::TargetKind {

@@ -249,14 +249,16 @@ impl Worker {
                 let _ = reply.send(self.payload(&requests));
             }
             Job::Append(frame) => {
-                let fits = self.end + frame.len() as u64 <= self.image_len;
-                if fits && let Ok(b) = self.engine.buffer(self.image) {
-                    let _ = b.write_at(self.end, &frame);
-                    self.end += frame.len() as u64;
-                } else {
+                // Checked: once full (u64::MAX) the journal stays full until a
+                // checkpoint; an append never wraps back over live records.
+                let end = self.end.checked_add(frame.len() as u64).filter(|e| *e <= self.image_len);
+                let written =
+                    end.is_some() && self.engine.buffer(self.image).is_ok_and(|b| b.write_at(self.end, &frame).is_ok());
+                self.end = match end {
+                    Some(e) if written => e,
                     // Reported by the next commit: the journal cannot take it.
-                    self.end = u64::MAX;
-                }
+                    _ => u64::MAX,
+                };
             }
             Job::Checkpoint { frame, superblock, reply } => {
                 let _ = reply.send(self.checkpoint(&frame, superblock));
