@@ -778,6 +778,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 provenance,
                 require_native,
                 timeline,
+                fault: None,
             })?;
         }
         c @ (Command::Put { .. }

@@ -73,7 +73,7 @@ pub fn run(cfg: &RoundtripConfig) -> Result<RoundtripReport, RoundtripError> {
         )));
     }
     let total = cfg.chunks as u64 * cfg.chunk_size;
-    let target = Target::open(&cfg.target, &TargetOptions { create_len: Some(total) })?;
+    let target = Target::open(&cfg.target, &TargetOptions { create_len: Some(total), ..Default::default() })?;
     let kind = target.kind();
     let per_region = (REGION_BYTES / cfg.chunk_size).max(1);
     let regions = (cfg.chunks as u64).div_ceil(per_region);

@@ -17,7 +17,7 @@ const CHUNK: u64 = 256 * 1024;
 const CHUNKS: u64 = 24;
 
 fn open(path: &Path, create: Option<u64>, opts: EngineOptions) -> Engine {
-    let t = Target::open(path, &TargetOptions { create_len: create })
+    let t = Target::open(path, &TargetOptions { create_len: create, ..Default::default() })
         .unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
     Engine::new(t, opts).expect("engine")
 }
@@ -128,7 +128,7 @@ fn ext4_on_loop_device() {
 fn requests_larger_than_the_command_limit_are_split_and_reassembled() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = dir.path().join("split.img");
-    let t = Target::open(&target, &TargetOptions { create_len: Some(8 << 20) }).unwrap();
+    let t = Target::open(&target, &TargetOptions { create_len: Some(8 << 20), ..Default::default() }).unwrap();
     let mut engine =
         Engine::new(t, EngineOptions { queue_depth: 3, max_transfer: Some(64 * 1024), ..Default::default() }).unwrap();
     assert_eq!(engine.geometry().max_transfer, 64 * 1024);
@@ -271,7 +271,7 @@ fn tmpfs_is_refused_for_lack_of_direct_io() {
     let dir = tempfile::tempdir_in(dir).unwrap();
     let path = dir.path().join("kv.img");
     std::fs::write(&path, b"untouched").unwrap();
-    let err = Target::open(&path, &TargetOptions { create_len: Some(1 << 20) }).unwrap_err();
+    let err = Target::open(&path, &TargetOptions { create_len: Some(1 << 20), ..Default::default() }).unwrap_err();
     assert!(matches!(err, IoError::NoDirectIo { .. }), "{err}");
     assert!(err.to_string().contains("tmpfs"), "{err}");
     assert_eq!(std::fs::read(&path).unwrap(), b"untouched", "a refused open changes nothing");

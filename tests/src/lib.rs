@@ -162,6 +162,11 @@ impl Daemon {
         self.spawn();
     }
 
+    /// The daemon's process id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
     /// `kill -9` and reap; [`restart`](Self::restart) brings it back.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -49,7 +49,7 @@ fn provenance_controls_on_the_host_kernel() {
 
     // Positive: host_fixed, O_DIRECT on a file.
     let path = dir.path().join("direct.img");
-    let t = Target::open(&path, &TargetOptions { create_len: Some(4 << 20) }).unwrap();
+    let t = Target::open(&path, &TargetOptions { create_len: Some(4 << 20), ..Default::default() }).unwrap();
     let mut engine = Engine::new(t, EngineOptions::default()).unwrap();
     let fixed = engine.register(Buffer::host(1 << 20).unwrap()).unwrap();
     let plain = engine.add(Buffer::host(1 << 20).unwrap()).unwrap();

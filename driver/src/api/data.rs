@@ -128,7 +128,10 @@ pub fn read_frame(stream: &mut UnixStream) -> std::io::Result<Option<(Vec<u8>, V
     let mut got = 0;
     let mut fds = Vec::new();
     while got < 4 {
-        let mut space = nix::cmsg_space!([RawFd; 4]);
+        // Room for the most descriptors one message can carry (SCM_MAX_FD):
+        // a smaller buffer truncates the control data, and the descriptors
+        // the kernel did install would then never be seen, or closed.
+        let mut space = nix::cmsg_space!([RawFd; 253]);
         let mut iov = [IoSliceMut::new(&mut header[got..])];
         let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
             .map_err(std::io::Error::from)?;
@@ -176,6 +179,16 @@ impl Conn {
         loop {
             let (body, fds) = match read_frame(&mut stream) {
                 Ok(Some(f)) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    // Say why before hanging up: the stream cannot be resynchronised.
+                    let e = err(413, "frame_too_large", "frame", format!("{e}; the connection is closed"));
+                    self.metrics.error(&e.code);
+                    let resp = DataResponse { ok: false, error: Some(e), ..Default::default() };
+                    if let Ok(bytes) = serde_json::to_vec(&resp) {
+                        let _ = write_frame(&mut stream, &bytes, &[]);
+                    }
+                    return;
+                }
                 _ => return,
             };
             let resp = match serde_json::from_slice::<DataRequest>(&body) {

@@ -51,16 +51,12 @@ pub fn from_store(e: &StoreError) -> ErrorBody {
         StoreError::AbortedInFlight { .. } => body(409, "aborted", "publication", m),
         // A batch the engine refused before submitting anything: the request
         // was wrong, and nothing was written.
-        StoreError::BatchFailed {
-            source:
-                crate::io::IoError::Buffer { .. }
-                | crate::io::IoError::Unaligned { .. }
-                | crate::io::IoError::BeyondTarget { .. }
-                | crate::io::IoError::UnknownBuffer(_)
-                | crate::io::IoError::EmptyRequest { .. }
-                | crate::io::IoError::PathUnavailable { .. },
-            ..
-        } => body(422, "bad_chunk", "chunks", m),
+        StoreError::BatchFailed { source, .. }
+            if source.is_bad_request() || matches!(source, crate::io::IoError::PathUnavailable { .. }) =>
+        {
+            body(422, "bad_chunk", "chunks", m)
+        }
+        StoreError::NoSuchChunk { .. } => body(422, "bad_chunk", "chunks", m),
         StoreError::BatchFailed { .. } => body(500, "batch_failed", "chunks", m),
         StoreError::Load { .. } => body(500, "load_failed", "chunks", m),
         StoreError::Failed(_) => body(503, "store_failed", "", m),
@@ -72,6 +68,7 @@ pub fn from_store(e: &StoreError) -> ErrorBody {
             | crate::io::IoError::DmabufNotPinnable { .. },
         ) => body(422, "path_unavailable", "path", m),
         StoreError::Io(crate::io::IoError::BufferTableFull { .. }) => body(503, "buffer_table_full", "buffer", m),
+        StoreError::Io(io) if io.is_bad_request() => body(422, "bad_chunk", "chunks", m),
         _ => body(500, "io_error", "", m),
     }
 }

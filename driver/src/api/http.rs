@@ -56,6 +56,53 @@ impl Metrics {
 pub struct AppState {
     pub service: Arc<Service>,
     pub metrics: Arc<Metrics>,
+    /// Whether the provenance probes are attached (`serve --provenance`).
+    pub provenance: bool,
+}
+
+/// Liveness: 200 while the daemon can do its job; 503 once the store has
+/// failed, since only a restart (replaying the journal) recovers it.
+async fn healthz(State(s): State<Shared>) -> Response {
+    match s.service.store().failed() {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(why) => json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &ErrorBody {
+                status: 503,
+                code: "store_failed".into(),
+                field: String::new(),
+                message: format!("the store failed ({why}) and refuses every change: restart the daemon"),
+            },
+        ),
+    }
+}
+
+/// Readiness: 200 with the facts while the store accepts changes with
+/// journal headroom; 503 in the JSON error shape, saying why, otherwise.
+async fn readyz(State(s): State<Shared>) -> Response {
+    let store = s.service.store();
+    let (used, half) = store.journal_usage();
+    let why = match store.failed() {
+        Some(f) => Some(format!("the store failed ({f}) and refuses every change")),
+        None if used > half / 4 * 3 => Some(format!("the journal half is {used} of {half} bytes full")),
+        None => None,
+    };
+    match why {
+        None => json_response(
+            StatusCode::OK,
+            &serde_json::json!({
+                "ready": true,
+                "journal_used": used,
+                "journal_half": half,
+                "epoch": store.epoch(),
+                "provenance": if s.provenance { "attached" } else { "off" },
+            }),
+        ),
+        Some(message) => json_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &ErrorBody { status: 503, code: "not_ready".into(), field: String::new(), message },
+        ),
+    }
 }
 
 type Shared = Arc<AppState>;
@@ -118,7 +165,8 @@ where
 
 pub fn router(state: Shared) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
         .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }))
         .route("/metrics", get(metrics))
         .route("/storage-pd/publications", get(publications))

@@ -35,6 +35,8 @@ pub struct ServeConfig {
     pub require_native: bool,
     /// Append every step to this timeline (as node `daemon-e<epoch>`).
     pub timeline: Option<PathBuf>,
+    /// Fault injection for tests: the device "dies" as this plan says.
+    pub fault: Option<Arc<crate::store::FaultPlan>>,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops accepting, lets
@@ -42,7 +44,11 @@ pub struct ServeConfig {
 pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let (store, report) = Store::open(
         &cfg.target,
-        StoreOptions { queue_depth: cfg.queue_depth, admission_timeout: cfg.admission_timeout, fault: None },
+        StoreOptions {
+            queue_depth: cfg.queue_depth,
+            admission_timeout: cfg.admission_timeout,
+            fault: cfg.fault.clone(),
+        },
     )?;
     tracing::info!(
         target = %cfg.target.display(),
@@ -77,7 +83,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance)
         .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
-    let app = http::router(Arc::new(http::AppState { service, metrics }));
+    let app = http::router(Arc::new(http::AppState { service, metrics, provenance: probes.is_some() }));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let shutdown = async {
@@ -106,7 +112,12 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     })?;
     drop(data);
     drop(probes);
+    let failed = store.failed();
     drop(store);
     tracing::info!("stopped");
-    Ok(())
+    match failed {
+        // The journal holds everything acknowledged; a restart replays it.
+        Some(why) => anyhow::bail!("the store failed during this run ({why}); restart to recover from the journal"),
+        None => Ok(()),
+    }
 }

@@ -98,7 +98,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
             cfg.block_size, cfg.size, cfg.queue_depth
         )));
     }
-    let target = Target::open(&cfg.target, &TargetOptions { create_len: Some(cfg.size) })?;
+    let target = Target::open(&cfg.target, &TargetOptions { create_len: Some(cfg.size), ..Default::default() })?;
     if cfg.size > target.geometry().capacity {
         return Err(BenchError::Config(format!(
             "--size {} is larger than target {} ({} bytes)",

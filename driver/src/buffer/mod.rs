@@ -50,6 +50,12 @@ pub enum BufferError {
         "the {exporter} DMA-BUF has no CPU mapping in this process (device memory): only the dmabuf_fixed path can move it, and its checksums must come from the client"
     )]
     NoCpuMapping { exporter: String },
+    /// A shared buffer that its owner could shrink under the daemon (a
+    /// fault on every later access through the mapping), or not a memfd.
+    #[error(
+        "the received fd is {what}: only a memfd sealed against shrinking is accepted (memfd_create with MFD_ALLOW_SEALING, then fcntl(F_ADD_SEALS, F_SEAL_SHRINK)), or a DMA-BUF"
+    )]
+    NotSealedMemfd { what: String },
 }
 
 /// Where a buffer's memory comes from.
@@ -101,18 +107,39 @@ impl Buffer {
         if len == 0 {
             return Err(BufferError::ZeroLength);
         }
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
         let memfd_err = |source| BufferError::Memfd { name: name.to_owned(), len, source };
-        let fd = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
-            .map_err(|e| memfd_err(e.into()))?;
+        let flags = nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING;
+        let fd = nix::sys::memfd::memfd_create(name, flags).map_err(|e| memfd_err(e.into()))?;
         let file = File::from(fd);
         file.set_len(len as u64).map_err(memfd_err)?;
+        // Sealed against shrinking, so whoever it is shared with can map it
+        // without a truncation turning their accesses into SIGBUS.
+        fcntl(&file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK)).map_err(|e| memfd_err(e.into()))?;
         Self::map_memfd(file, len)
     }
 
-    /// Maps a memfd received from another process (it must be at least `len` bytes).
+    /// Maps a memfd received from another process (it must be at least `len`
+    /// bytes). Only a memfd sealed with `F_SEAL_SHRINK` is accepted: its
+    /// owner cannot truncate it under the mapping, so no access through it
+    /// can fault. Any other fd (a regular file, a tmpfs file, an unsealed
+    /// memfd) is refused with the reason.
     pub fn from_memfd(fd: OwnedFd, len: usize) -> Result<Self, BufferError> {
+        use nix::fcntl::{FcntlArg, SealFlag, fcntl};
         if len == 0 {
             return Err(BufferError::ZeroLength);
+        }
+        let seals = match fcntl(&fd, FcntlArg::F_GET_SEALS) {
+            Ok(s) => SealFlag::from_bits_truncate(s),
+            Err(nix::errno::Errno::EINVAL) => {
+                return Err(BufferError::NotSealedMemfd { what: "not a memfd (it cannot carry seals)".into() });
+            }
+            Err(e) => return Err(BufferError::NotSealedMemfd { what: format!("unreadable (F_GET_SEALS: {e})") }),
+        };
+        if !seals.contains(SealFlag::F_SEAL_SHRINK) {
+            return Err(BufferError::NotSealedMemfd {
+                what: format!("a memfd (or shmem file) without F_SEAL_SHRINK (seals {seals:?})"),
+            });
         }
         let file = File::from(fd);
         let size =

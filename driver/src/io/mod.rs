@@ -253,6 +253,21 @@ pub enum IoError {
     ShortTransfer { transfer: TransferId, op: Op, offset: u64, expected: u64 },
 }
 
+impl IoError {
+    /// Whether the engine refused a request before submitting anything
+    /// because the request itself was wrong (a client's error, nothing moved).
+    pub fn is_bad_request(&self) -> bool {
+        matches!(
+            self,
+            IoError::Buffer { .. }
+                | IoError::Unaligned { .. }
+                | IoError::BeyondTarget { .. }
+                | IoError::UnknownBuffer(_)
+                | IoError::EmptyRequest { .. }
+        )
+    }
+}
+
 fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().to_owned())
 }

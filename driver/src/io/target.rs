@@ -56,6 +56,10 @@ pub struct Geometry {
 pub struct TargetOptions {
     /// For files: create the file if missing and preallocate it to this many bytes.
     pub create_len: Option<u64>,
+    /// For files: give every byte its blocks (`fallocate` over the holes of a
+    /// sparse file), so that space promised to a request cannot turn into
+    /// `ENOSPC` when its payload is written. The store asks for it.
+    pub allocate: bool,
 }
 
 /// An opened, exclusively held target.
@@ -148,6 +152,14 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
         if current < len {
             nix::fcntl::fallocate(file.as_fd(), nix::fcntl::FallocateFlags::empty(), 0, len as i64)
                 .map_err(|e| IoError::Preallocate { path: path.into(), len, source: e.into() })?;
+        }
+    }
+    if opts.allocate {
+        use std::os::unix::fs::MetadataExt;
+        let md = file.metadata().map_err(|source| IoError::Open { path: path.into(), source })?;
+        if md.blocks() * 512 < md.len() {
+            nix::fcntl::fallocate(file.as_fd(), nix::fcntl::FallocateFlags::empty(), 0, md.len() as i64)
+                .map_err(|e| IoError::Preallocate { path: path.into(), len: md.len(), source: e.into() })?;
         }
     }
     let capacity = file.metadata().map_err(|source| IoError::Open { path: path.into(), source })?.len();

@@ -116,6 +116,8 @@ pub enum StoreError {
         "a journal record of {bytes} bytes is larger than a quarter of the {journal_half}-byte journal half: shorten the request's strings"
     )]
     RecordTooLarge { bytes: u64, journal_half: u64 },
+    #[error("publication {publication} has no chunk {chunk}: its manifest has {chunks} chunks (0..{chunks})")]
+    NoSuchChunk { publication: u64, chunk: u32, chunks: usize },
 }
 
 /// How to format a target.
@@ -205,7 +207,7 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
             opts.journal_half
         )));
     }
-    let target = Target::open(path, &TargetOptions { create_len: opts.create_len })?;
+    let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true })?;
     let capacity = target.geometry().capacity;
     let block_size = target.geometry().logical_block;
     let data_offset = 2 * SUPERBLOCK_BYTES as u64 + 2 * opts.journal_half;
@@ -395,7 +397,7 @@ impl Store {
     /// publications, keeps READY/CLAIMED/ADOPTED/RETAINED ones with their
     /// slots, bumps and persists the epoch.
     pub fn open(path: &Path, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
-        let target = Target::open(path, &TargetOptions::default())?;
+        let target = Target::open(path, &TargetOptions { create_len: None, allocate: true })?;
         let target_kind = target.kind();
         let (tx, rx) = channel::<Job>();
         type Opened = (Superblock, Option<String>, Vec<u8>, crate::io::DmabufRw);
@@ -627,6 +629,18 @@ impl Store {
 
     pub fn target_kind(&self) -> crate::io::TargetKind {
         self.target_kind
+    }
+
+    /// Why the store refuses changes, if a commit failed (restart recovers).
+    pub fn failed(&self) -> Option<String> {
+        self.lock_live().failed.clone()
+    }
+
+    /// Bytes the queued records take in the active journal half, and the
+    /// half's size. A checkpoint keeps the first at most about half the second.
+    pub fn journal_usage(&self) -> (u64, u64) {
+        let used = self.lock_live().journal_end;
+        (used, self.lock_sb().journal_half)
     }
 
     pub fn superblock(&self) -> Superblock {
@@ -1061,10 +1075,10 @@ impl Store {
         let mut requests = Vec::with_capacity(dests.len());
         let paths = self.lock_paths();
         for d in dests {
-            let c = manifest.chunks.get(d.index as usize).ok_or_else(|| StoreError::Load {
+            let c = manifest.chunks.get(d.index as usize).ok_or(StoreError::NoSuchChunk {
                 publication: id,
                 chunk: d.index,
-                what: format!("missing: the manifest has {} chunks", manifest.chunks.len()),
+                chunks: manifest.chunks.len(),
             })?;
             requests.push(IoRequest {
                 transfer: TransferId(id << 16 | d.index as u64),

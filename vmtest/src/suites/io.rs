@@ -121,7 +121,8 @@ fn passthrough_geometry(ctx: &Ctx) -> Outcome {
 }
 
 fn open(path: &Path, create: Option<u64>) -> Result<Engine, String> {
-    let t = Target::open(path, &TargetOptions { create_len: create }).map_err(|e| e.to_string())?;
+    let t =
+        Target::open(path, &TargetOptions { create_len: create, ..Default::default() }).map_err(|e| e.to_string())?;
     Engine::new(t, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() }).map_err(|e| e.to_string())
 }
 

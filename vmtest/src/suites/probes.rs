@@ -70,7 +70,8 @@ pub(crate) fn fixed_write_verdict(
     transfer: u64,
 ) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
     let probes = attach()?;
-    let t = Target::open(target, &TargetOptions { create_len: create }).map_err(|e| e.to_string())?;
+    let t =
+        Target::open(target, &TargetOptions { create_len: create, ..Default::default() }).map_err(|e| e.to_string())?;
     let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
     let len = (1 << 20) + (64 << 10);
     let b = Buffer::host(len as usize).map_err(|e| e.to_string())?;
@@ -222,8 +223,9 @@ fn bpftool_dump(ctx: &Ctx) -> Outcome {
         let mut probes = attach()?;
         probes.pin(dir).map_err(|e| e.to_string())?;
         let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
-        let t = Target::open(&mount.join("pin.img"), &TargetOptions { create_len: Some(8 << 20) })
-            .map_err(|e| e.to_string())?;
+        let t =
+            Target::open(&mount.join("pin.img"), &TargetOptions { create_len: Some(8 << 20), ..Default::default() })
+                .map_err(|e| e.to_string())?;
         let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
         let id = engine.register(Buffer::host(1 << 20).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
         let req = IoRequest {

@@ -1,0 +1,161 @@
+//! A client that tries to crash, leak or confuse the daemon: every attempt is
+//! refused with a JSON error naming the problem, and the daemon stays up
+//! with nothing held on the client's behalf.
+
+use std::io::Write;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use pdstor::api::data::{read_frame, write_frame};
+use pdstor::api::wire::{DataChunk, DataResponse};
+use pdstor::client::{Client, ClientError, DataConn, Writer};
+use pdstor::store::Layout;
+use pdstor_tests::Daemon;
+
+const SLOT: u64 = 1 << 20;
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "hostile".into(),
+        dtype: "bf16".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        chunk_tokens: 16,
+        kv_format: "pdstor-hostile".into(),
+    }
+}
+
+fn raw(d: &Daemon, body: serde_json::Value, fds: &[i32]) -> DataResponse {
+    let mut s = UnixStream::connect(&d.data_socket).unwrap();
+    write_frame(&mut s, &serde_json::to_vec(&body).unwrap(), fds).unwrap();
+    let (resp, _) = read_frame(&mut s).unwrap().expect("an answer, not a hang-up");
+    serde_json::from_slice(&resp).unwrap()
+}
+
+fn memfd(name: &str, len: u64, seal: bool) -> OwnedFd {
+    let flags = if seal { libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING } else { libc::MFD_CLOEXEC };
+    let cname = std::ffi::CString::new(name).unwrap();
+    // SAFETY: a NUL-terminated name and plain flags.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), flags) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: memfd_create returned a new descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ftruncate/fcntl on our own descriptor.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), len as libc::off_t), 0);
+        if seal {
+            assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        }
+    }
+    fd
+}
+
+fn open_fds(d: &Daemon) -> usize {
+    std::fs::read_dir(format!("/proc/{}/fd", d.pid().unwrap())).unwrap().count()
+}
+
+/// Issue 13 item 3: a memfd the client could shrink under the daemon's
+/// mapping (SIGBUS on the next checksum), or a plain file, is refused at
+/// registration; a sealed memfd cannot be shrunk at all.
+#[test]
+fn buffers_a_client_could_shrink_are_refused() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let register = serde_json::json!({"op": "register", "len": SLOT});
+    let unsealed = memfd("unsealed", SLOT, false);
+    let e = raw(&d, register.clone(), &[unsealed.as_raw_fd()]).error.expect("an unsealed memfd was accepted");
+    assert_eq!((e.status, e.code.as_str()), (400, "bad_buffer"), "{e}");
+    assert!(e.message.contains("F_SEAL_SHRINK"), "{e}");
+    let file =
+        std::fs::File::options().read(true).write(true).create(true).truncate(true).open(dir.path().join("f")).unwrap();
+    file.set_len(SLOT).unwrap();
+    let e = raw(&d, register.clone(), &[file.as_raw_fd()]).error.expect("a regular file was accepted as a buffer");
+    assert!(e.message.contains("not a memfd"), "{e}");
+
+    // A sealed memfd is accepted, and its owner cannot shrink it afterwards.
+    let sealed = memfd("sealed", SLOT, true);
+    let r = raw(&d, register, &[sealed.as_raw_fd()]);
+    assert!(r.ok, "{:?}", r.error);
+    // SAFETY: ftruncate on our own descriptor.
+    let rc = unsafe { libc::ftruncate(sealed.as_raw_fd(), 0) };
+    assert_eq!((rc, std::io::Error::last_os_error().raw_os_error()), (-1, Some(libc::EPERM)));
+    // The client's own buffers are sealed: the attack from the issue cannot start.
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let fd = w.buffer().memfd_fd().unwrap().as_raw_fd();
+    // SAFETY: ftruncate on a descriptor the writer owns; it must fail.
+    assert_eq!(unsafe { libc::ftruncate(fd, 0) }, -1);
+    w.put("after", &layout(), &pdstor::payload::chunk(1, 0, SLOT as usize), 1, None).unwrap();
+}
+
+/// Issue 13 item 4: frames with more descriptors than a register takes leak
+/// nothing: every received descriptor is closed, and the memory behind them
+/// is released when the client closes its copies.
+#[test]
+fn surplus_descriptors_are_closed() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let before = open_fds(&d);
+    let fds: Vec<OwnedFd> = (0..10).map(|i| memfd(&format!("many-{i}"), SLOT, true)).collect();
+    let raw_fds: Vec<i32> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    for _ in 0..100 {
+        let e = raw(&d, serde_json::json!({"op": "register", "len": SLOT}), &raw_fds).error.expect("10 fds accepted");
+        assert_eq!(e.code, "no_fd", "{e}");
+        // Descriptors on a request that takes none are closed too.
+        let e = raw(&d, serde_json::json!({"op": "load", "receipt": null, "chunks": []}), &raw_fds[..3]).error;
+        assert!(e.is_some());
+    }
+    // Each refused frame's connection is closed by now; give the daemon a moment to drop them.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while open_fds(&d) > before + 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(open_fds(&d) <= before + 2, "the daemon holds {} fds, {before} before 1,300 sent", open_fds(&d));
+}
+
+/// Issue 13 item 5: numbers a client chooses are checked, not trusted.
+#[test]
+fn client_numbers_are_refused_with_a_reason() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    // A frame claiming 4 GiB: an answer saying why, then the hang-up.
+    let mut s = UnixStream::connect(&d.data_socket).unwrap();
+    s.write_all(&0xFFFF_FFFFu32.to_le_bytes()).unwrap();
+    let (resp, _) = read_frame(&mut s).unwrap().expect("an error frame before the hang-up");
+    let r: DataResponse = serde_json::from_slice(&resp).unwrap();
+    let e = r.error.unwrap();
+    assert_eq!((e.status, e.code.as_str()), (413, "frame_too_large"), "{e}");
+
+    // A lease that would overflow the clock is refused, the publication still READY.
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
+    let kv: Vec<u8> = (0..2).flat_map(|i| pdstor::payload::chunk(4, i, SLOT as usize)).collect();
+    let ready = w.put("lease", &layout(), &kv, 2, None).unwrap().receipt;
+    let c = Client::new(&d.server);
+    match c.claim(&ready, "r", "s", u64::MAX) {
+        Err(ClientError::Api(e)) => assert_eq!((e.status, e.field.as_str()), (400, "lease_ms"), "{e}"),
+        other => panic!("lease_ms u64::MAX: {other:?}"),
+    }
+    let claim = c.claim(&ready, "r", "s", 60_000).unwrap();
+
+    // A chunk index the manifest does not have, and a buffer offset beyond
+    // the buffer: the client's mistakes, 422, not the daemon's 500.
+    let mut reader = pdstor::client::Reader::new(&d.server, &d.data_socket).unwrap();
+    let manifest = reader.adopt(&claim, &layout()).unwrap();
+    let b = pdstor::Buffer::memfd("dest", SLOT as usize).unwrap();
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let id = data.register(&b).unwrap();
+    let chunk = |index, offset| DataChunk { index, buffer: id, offset, len: 0, crc32c: None };
+    for (chunks, what) in [(vec![chunk(7, 0)], "chunk 7"), (vec![chunk(0, 4 * SLOT)], "outside")] {
+        match data.load(&claim, chunks) {
+            Err(ClientError::Api(e)) => {
+                assert_eq!((e.status, e.code.as_str()), (422, "bad_chunk"), "{e}");
+                assert!(e.message.contains(what), "{e}");
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    assert_eq!(manifest.chunks.len(), 2);
+    // Still fine afterwards: the real load works.
+    let restored = reader.load(&claim, manifest).unwrap();
+    assert_eq!(reader.restored_bytes(restored.len).unwrap(), kv);
+}
