@@ -77,6 +77,55 @@ impl BufferArgs {
     }
 }
 
+/// What one client may hold or take (see `pdstor::api::Limits`).
+#[derive(clap::Args, Clone, Copy)]
+struct LimitArgs {
+    /// Largest control-plane request body; a larger one is 413.
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    max_body: u64,
+    /// Longest wait for a request body once its headers arrived, in ms (then 408).
+    #[arg(long, default_value_t = 10_000)]
+    body_timeout_ms: u64,
+    /// Longest wait for a request's headers, and for the next request on an idle connection, in ms.
+    #[arg(long, default_value_t = 10_000)]
+    header_timeout_ms: u64,
+    /// Control-plane connections open at once; the next is answered 503 and closed.
+    #[arg(long, default_value_t = 512)]
+    max_http_connections: usize,
+    /// Prepares handled or waiting for capacity at once; the next is 503 too_many_prepares.
+    #[arg(long, default_value_t = 64)]
+    max_prepares: usize,
+    /// Data-plane connections open at once; the next is answered 503 and closed.
+    #[arg(long, default_value_t = 256)]
+    max_data_connections: usize,
+    /// Buffers one data-plane connection may register.
+    #[arg(long, default_value_t = 16)]
+    max_buffers_per_connection: usize,
+    /// Buffer bytes one data-plane connection may have the daemon map.
+    #[arg(long, default_value = "16G", value_parser = parse_size)]
+    max_pinned_per_connection: u64,
+    /// A PREPARED publication that sees no store batch for this long (ms) is aborted.
+    #[arg(long, default_value_t = 120_000)]
+    prepare_idle_timeout_ms: u64,
+}
+
+impl LimitArgs {
+    fn limits(self) -> pdstor::api::Limits {
+        use std::time::Duration;
+        pdstor::api::Limits {
+            max_body_bytes: self.max_body as usize,
+            body_timeout: Duration::from_millis(self.body_timeout_ms),
+            header_timeout: Duration::from_millis(self.header_timeout_ms),
+            max_http_connections: self.max_http_connections,
+            max_prepares: self.max_prepares,
+            max_data_connections: self.max_data_connections,
+            max_buffers_per_connection: self.max_buffers_per_connection,
+            max_pinned_bytes_per_connection: self.max_pinned_per_connection,
+            prepare_idle_timeout: Duration::from_millis(self.prepare_idle_timeout_ms),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum TimelineCmd {
     /// Verify causality, one ack, receipts across nodes, provenance on the required path with
@@ -132,6 +181,8 @@ enum Command {
         /// Append every protocol step, chunk transfer and refusal to this JSON-lines timeline.
         #[arg(long)]
         timeline: Option<PathBuf>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// prepare + store a file's bytes through a shared buffer + publish; prints the READY receipt.
     Put {
@@ -759,6 +810,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             provenance,
             require_native,
             timeline,
+            limits,
         } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -779,6 +831,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 require_native,
                 timeline,
                 fault: None,
+                limits: limits.limits(),
             })?;
         }
         c @ (Command::Put { .. }

@@ -46,6 +46,7 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         require_native: false,
         timeline: None,
         fault: Some(fault.clone()),
+        limits: Default::default(),
     };
     let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -175,10 +175,17 @@ fn records_that_never_commit_cannot_wrap_the_journal() {
     };
     let before = put(&d, "before", 1);
     let c = Client::new(&d.server);
-    // A request id far beyond the bound is refused before it is journaled.
+    // The 1.9 MB request id is refused before it is read (the body
+    // limit), and one just over the bound before it is journaled.
     match c.prepare(&"x".repeat(1_900_000), &layout(), 1, "w") {
-        Err(pdstor::client::ClientError::Api(e)) => assert_eq!((e.status, e.field.as_str()), (400, "req_id"), "{e}"),
+        Err(pdstor::client::ClientError::Api(e)) => {
+            assert_eq!((e.status, e.code.as_str()), (413, "body_too_large"), "{e}")
+        }
         other => panic!("a 1.9 MB req_id must be refused: {other:?}"),
+    }
+    match c.prepare(&"x".repeat(257), &layout(), 1, "w") {
+        Err(pdstor::client::ClientError::Api(e)) => assert_eq!((e.status, e.field.as_str()), (400, "req_id"), "{e}"),
+        other => panic!("a 257-byte req_id must be refused: {other:?}"),
     }
     // ~2,000 prepare + abort pairs of the largest accepted strings: ~12 MB of
     // records through a 256 KiB journal, none of them committed.

@@ -159,3 +159,154 @@ fn client_numbers_are_refused_with_a_reason() {
     let restored = reader.load(&claim, manifest).unwrap();
     assert_eq!(reader.restored_bytes(restored.len).unwrap(), kv);
 }
+
+/// A daemon on a fresh 8-slot namespace with extra `serve` limits.
+fn daemon_with(dir: &std::path::Path, extra: &[&str]) -> Daemon {
+    let target = dir.join("limits.img");
+    let size = 2 * 4096 + 2 * (256 << 10) + 8 * SLOT;
+    let out = std::process::Command::new(pdstor_tests::pdstor_bin())
+        .args(["format", "--journal", "256k", "--chunk-slot", "1M", "--size", &size.to_string(), "--target"])
+        .arg(&target)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    Daemon::start_with(&target, dir, extra)
+}
+
+fn http_error(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> pdstor::api::wire::ErrorBody {
+    let mut r = r.expect("an HTTP answer");
+    assert!(r.status().as_u16() >= 400, "expected an error status, got {}", r.status());
+    let ct = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+    assert!(ct.starts_with("application/json"), "content-type {ct}");
+    serde_json::from_str(&r.body_mut().read_to_string().unwrap()).expect("the JSON error shape")
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder().http_status_as_error(false).build().into()
+}
+
+/// Issue 13 item 6: the control plane bounds what one client can hold:
+/// connections, idle time, body size, waiting prepares; and every error it
+/// makes itself comes in the JSON shape.
+#[test]
+fn the_control_plane_bounds_connections_bodies_and_waiting_prepares() {
+    use std::io::Read;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = daemon_with(
+        dir.path(),
+        &["--max-http-connections", "4", "--header-timeout-ms", "400", "--max-body", "64k", "--max-prepares", "2"],
+    );
+    // Four idle connections take every place; a fifth is answered 503 in JSON.
+    let idle: Vec<std::net::TcpStream> = (0..4).map(|_| std::net::TcpStream::connect(&d.addr).unwrap()).collect();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let mut fifth = std::net::TcpStream::connect(&d.addr).unwrap();
+    let mut answer = String::new();
+    fifth.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 503") && answer.contains("\"too_many_connections\""), "{answer}");
+    // Idle connections are closed after the header timeout, and places come back.
+    std::thread::sleep(std::time::Duration::from_millis(900));
+    for mut s in idle {
+        let mut buf = [0u8; 1];
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        match s.read(&mut buf) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("an idle connection was left open: {other:?}"),
+        }
+    }
+    let a = agent();
+    assert_eq!(a.get(format!("{}/healthz", d.server)).call().unwrap().status().as_u16(), 200);
+
+    // Bodies over --max-body, and routes or methods that do not exist: JSON errors.
+    let big = vec![b'x'; 200 << 10];
+    let e = http_error(a.post(format!("{}/storage-pd/prepare", d.server)).send(&big[..]));
+    assert_eq!((e.status, e.code.as_str()), (413, "body_too_large"), "{e}");
+    let e = http_error(a.get(format!("{}/no/such/route", d.server)).call());
+    assert_eq!((e.status, e.code.as_str()), (404, "not_found"), "{e}");
+    let e = http_error(a.get(format!("{}/storage-pd/prepare", d.server)).call());
+    assert_eq!((e.status, e.code.as_str()), (405, "method_not_allowed"), "{e}");
+
+    // Two prepares wait for capacity (a READY publication holds every slot);
+    // a third is refused at once instead of taking another blocking thread.
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 8).unwrap();
+    let kv: Vec<u8> = (0..8).flat_map(|i| pdstor::payload::chunk(9, i, SLOT as usize)).collect();
+    w.put("holds-all", &layout(), &kv, 4, None).unwrap();
+    let waiters: Vec<_> = (0..2)
+        .map(|i| {
+            let server = d.server.clone();
+            std::thread::spawn(move || Client::new(&server).prepare(&format!("waits-{i}"), &layout(), 1, "w"))
+        })
+        .collect();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    match Client::new(&d.server).prepare("third", &layout(), 1, "w") {
+        Err(ClientError::Api(e)) => assert_eq!((e.status, e.code.as_str()), (503, "too_many_prepares"), "{e}"),
+        other => panic!("a third waiting prepare: {other:?}"),
+    }
+    assert!(started.elapsed() < std::time::Duration::from_millis(500), "refused at once");
+    for t in waiters {
+        assert!(t.join().unwrap().is_err(), "the waiters time out: the store is full");
+    }
+}
+
+/// Issue 13 item 6: the data plane bounds connections, buffers and mapped
+/// bytes per connection; a writer that goes quiet after prepare gives its
+/// reservation back.
+#[test]
+fn the_data_plane_bounds_connections_buffers_and_idle_prepares() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = daemon_with(
+        dir.path(),
+        &[
+            "--max-data-connections",
+            "2",
+            "--max-buffers-per-connection",
+            "2",
+            "--max-pinned-per-connection",
+            "3M",
+            "--prepare-idle-timeout-ms",
+            "300",
+        ],
+    );
+    let register = serde_json::json!({"op": "register", "len": SLOT});
+    let mut first = UnixStream::connect(&d.data_socket).unwrap();
+    let send = |s: &mut UnixStream, fd: &OwnedFd| {
+        write_frame(s, &serde_json::to_vec(&register).unwrap(), &[fd.as_raw_fd()]).unwrap();
+        let (resp, _) = read_frame(s).unwrap().unwrap();
+        serde_json::from_slice::<DataResponse>(&resp).unwrap()
+    };
+    let fds: Vec<OwnedFd> = (0..3).map(|i| memfd(&format!("b{i}"), 2 * SLOT, true)).collect();
+    assert!(send(&mut first, &fds[0]).ok);
+    assert!(send(&mut first, &fds[1]).ok);
+    let e = send(&mut first, &fds[2]).error.expect("a third buffer on one connection");
+    assert_eq!((e.status, e.code.as_str()), (429, "too_many_buffers"), "{e}");
+    let mut second = UnixStream::connect(&d.data_socket).unwrap();
+    let big = memfd("big", 4 * SLOT, true);
+    write_frame(
+        &mut second,
+        &serde_json::to_vec(&serde_json::json!({"op": "register", "len": 4 * SLOT})).unwrap(),
+        &[big.as_raw_fd()],
+    )
+    .unwrap();
+    let (resp, _) = read_frame(&mut second).unwrap().unwrap();
+    let e = serde_json::from_slice::<DataResponse>(&resp).unwrap().error.expect("4 MiB over a 3 MiB cap");
+    assert_eq!((e.status, e.code.as_str()), (429, "too_many_bytes"), "{e}");
+    // A third connection while two are open: answered, then closed.
+    let mut third = UnixStream::connect(&d.data_socket).unwrap();
+    let (resp, _) = read_frame(&mut third).unwrap().expect("an answer before the hang-up");
+    let e = serde_json::from_slice::<DataResponse>(&resp).unwrap().error.unwrap();
+    assert_eq!((e.status, e.code.as_str()), (503, "too_many_connections"), "{e}");
+    drop((first, second));
+
+    // A prepare that never sees a store batch is aborted after the idle timeout.
+    let c = Client::new(&d.server);
+    let p = c.prepare("quiet", &layout(), 3, "w").unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !c.publications(None, false).unwrap().is_empty() {
+        assert!(std::time::Instant::now() < deadline, "publication {} was never reaped", p.publication);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(c.metrics().unwrap().contains("pdstor_prepared_reaped_total 1"));
+    // Its reservation came back: all 8 slots can be prepared again.
+    c.prepare("all", &layout(), 8, "w").unwrap();
+}

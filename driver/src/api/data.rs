@@ -54,6 +54,7 @@ impl DataPlane {
         service: Arc<Service>,
         metrics: Arc<Metrics>,
         provenance: Option<Arc<Provenance>>,
+        limits: super::Limits,
     ) -> std::io::Result<DataPlane> {
         if path.exists() {
             if UnixStream::connect(path).is_ok() {
@@ -68,25 +69,52 @@ impl DataPlane {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        // One thread per connection, at most `max_data_connections` of them.
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let thread = std::thread::Builder::new().name("pdstor-data".into()).spawn(move || {
             for conn in listener.incoming() {
                 if stop2.load(Ordering::SeqCst) {
                     break;
                 }
-                let Ok(conn) = conn else { continue };
-                let (service, metrics, provenance) = (service.clone(), metrics.clone(), provenance.clone());
-                let _ = std::thread::Builder::new().name("pdstor-data-conn".into()).spawn(move || {
+                let Ok(mut conn) = conn else { continue };
+                if open.fetch_add(1, Ordering::SeqCst) >= limits.max_data_connections {
+                    open.fetch_sub(1, Ordering::SeqCst);
+                    metrics.error("too_many_connections");
+                    let e = err(
+                        503,
+                        "too_many_connections",
+                        "",
+                        format!(
+                            "{} data-plane connections are open (--max-data-connections): retry later",
+                            limits.max_data_connections
+                        ),
+                    );
+                    let resp = DataResponse { ok: false, error: Some(e), ..Default::default() };
+                    if let Ok(bytes) = serde_json::to_vec(&resp) {
+                        let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
+                        let _ = write_frame(&mut conn, &bytes, &[]);
+                    }
+                    continue;
+                }
+                let (service, metrics, provenance, still_open) =
+                    (service.clone(), metrics.clone(), provenance.clone(), open.clone());
+                let spawned = std::thread::Builder::new().name("pdstor-data-conn".into()).spawn(move || {
                     let mut c = Conn {
                         service,
                         metrics,
                         provenance,
+                        limits,
                         buffers: HashMap::new(),
                         next: 1,
                         stored_into: HashSet::new(),
                     };
                     c.serve(conn);
                     c.cleanup();
+                    still_open.fetch_sub(1, Ordering::SeqCst);
                 });
+                if spawned.is_err() {
+                    open.fetch_sub(1, Ordering::SeqCst);
+                }
             }
         })?;
         Ok(DataPlane { path: path.into(), stop, thread: Some(thread) })
@@ -112,6 +140,7 @@ struct Conn {
     service: Arc<Service>,
     metrics: Arc<Metrics>,
     provenance: Option<Arc<Provenance>>,
+    limits: super::Limits,
     /// Client buffer id → (store buffer, length, path).
     buffers: HashMap<u32, (BufferId, u64, PayloadPath)>,
     next: u32,
@@ -272,6 +301,28 @@ impl Conn {
         match req {
             DataRequest::Register { len, kind, path } => {
                 let path = path.unwrap_or(PayloadPath::HostFixed);
+                let (max, pinned_max) =
+                    (self.limits.max_buffers_per_connection, self.limits.max_pinned_bytes_per_connection);
+                if self.buffers.len() >= max {
+                    return Err(err(
+                        429,
+                        "too_many_buffers",
+                        "buffer",
+                        format!("this connection has {max} buffers registered (--max-buffers-per-connection)"),
+                    ));
+                }
+                let pinned: u64 = self.buffers.values().map(|b| b.1).sum();
+                if pinned.saturating_add(len) > pinned_max {
+                    return Err(err(
+                        429,
+                        "too_many_bytes",
+                        "len",
+                        format!(
+                            "this connection has {pinned} bytes of buffers registered; {len} more would pass \
+                             {pinned_max} (--max-pinned-per-connection)"
+                        ),
+                    ));
+                }
                 let buffer = Self::receive_buffer(kind, len, fds)?;
                 let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
                 let id = store.register_buffer_for(buffer, path).map_err(|e| from_store(&e))?;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -34,6 +34,8 @@ pub struct Metrics {
     pub bytes_host_fixed: AtomicU64,
     pub bytes_dmabuf_fixed: AtomicU64,
     pub requests: AtomicU64,
+    /// PREPARED publications aborted for going idle.
+    pub reaped: AtomicU64,
     /// Observed verdicts by (path, kind): kind is native, fallback or unverifiable.
     pub verdicts: Mutex<BTreeMap<(String, String), u64>>,
 }
@@ -58,6 +60,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Whether the provenance probes are attached (`serve --provenance`).
     pub provenance: bool,
+    pub limits: super::Limits,
+    /// `prepare` requests being handled now (admitted or waiting).
+    pub prepares: std::sync::atomic::AtomicUsize,
 }
 
 /// Liveness: 200 while the daemon can do its job; 503 once the store has
@@ -107,6 +112,49 @@ async fn readyz(State(s): State<Shared>) -> Response {
 
 type Shared = Arc<AppState>;
 
+/// One of the `max_prepares` places; given back when dropped.
+struct PrepareSlot(Shared);
+
+impl PrepareSlot {
+    fn take(s: &Shared) -> Option<PrepareSlot> {
+        let was = s.prepares.fetch_add(1, Ordering::SeqCst);
+        let slot = PrepareSlot(s.clone());
+        (was < s.limits.max_prepares).then_some(slot)
+    }
+}
+
+impl Drop for PrepareSlot {
+    fn drop(&mut self) {
+        self.0.prepares.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Every 4xx/5xx leaves in the same JSON shape, including those axum makes
+/// itself (unknown route, wrong method, an unreadable body).
+async fn json_errors(resp: Response) -> Response {
+    let status = resp.status();
+    let is_json =
+        resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if status.as_u16() < 400 || is_json {
+        return resp;
+    }
+    let text = axum::body::to_bytes(resp.into_body(), 64 << 10)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let code = match status.as_u16() {
+        404 => "not_found",
+        405 => "method_not_allowed",
+        408 => "timeout",
+        413 => "body_too_large",
+        415 => "unsupported_media_type",
+        s if s >= 500 => "internal",
+        _ => "bad_request",
+    };
+    let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { text };
+    json_response(status, &ErrorBody { status: status.as_u16(), code: code.into(), field: String::new(), message })
+}
+
 fn json_response<T: Serialize>(status: StatusCode, v: &T) -> Response {
     let body = serde_json::to_vec(v).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
@@ -127,14 +175,38 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ErrorBody> {
     })
 }
 
-/// Parses the body, runs `f` on a blocking thread, and maps the outcome.
-async fn step<Req, Resp, F>(state: Shared, body: Bytes, f: F) -> Response
+/// Reads a request body within the size and time limits.
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ErrorBody> {
+    let limit = state.limits.max_body_bytes;
+    match tokio::time::timeout(state.limits.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => Err(ErrorBody {
+            status: 413,
+            code: "body_too_large".into(),
+            field: "body".into(),
+            message: format!("the request body could not be read within {limit} bytes: {e}"),
+        }),
+        Err(_) => Err(ErrorBody {
+            status: 408,
+            code: "body_timeout".into(),
+            field: "body".into(),
+            message: format!("the request body did not arrive within {} ms", state.limits.body_timeout.as_millis()),
+        }),
+    }
+}
+
+/// Reads and parses the body, runs `f` on a blocking thread, and maps the outcome.
+async fn step<Req, Resp, F>(state: Shared, body: Body, f: F) -> Response
 where
     Req: DeserializeOwned + Send + 'static,
     Resp: Serialize + Send + 'static,
     F: FnOnce(&Service, Req) -> Result<Resp, ProtocolError> + Send + 'static,
 {
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let body = match read_body(&state, body).await {
+        Ok(b) => b,
+        Err(e) => return error_response(&state, e),
+    };
     let req: Req = match parse(&body) {
         Ok(r) => r,
         Err(e) => return error_response(&state, e),
@@ -172,19 +244,33 @@ pub fn router(state: Shared) -> Router {
         .route("/storage-pd/publications", get(publications))
         .route(
             "/storage-pd/prepare",
-            post(|State(s): State<Shared>, b: Bytes| {
-                step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer))
+            post(|State(s): State<Shared>, b: Body| async move {
+                // Bounded: each prepare may wait for capacity on a blocking
+                // thread, and those threads serve every other step too.
+                let Some(_slot) = PrepareSlot::take(&s) else {
+                    let max = s.limits.max_prepares;
+                    return error_response(
+                        &s,
+                        ErrorBody {
+                            status: 503,
+                            code: "too_many_prepares".into(),
+                            field: "req_id".into(),
+                            message: format!("{max} prepares are already being handled or waiting: retry later"),
+                        },
+                    );
+                };
+                step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer)).await
             }),
         )
         .route(
             "/storage-pd/publish",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: PublishRequest| svc.publish(r.publication, r.first_token))
             }),
         )
         .route(
             "/storage-pd/claim",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: ClaimRequest| {
                     svc.claim(&r.receipt, &r.reader_id, &r.session_id, r.lease_ms)
                         .map(|receipt| ReceiptResponse { receipt })
@@ -193,7 +279,7 @@ pub fn router(state: Shared) -> Router {
         )
         .route(
             "/storage-pd/adopt",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: AdoptRequest| {
                     svc.adopt(&r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout)
                 })
@@ -201,19 +287,19 @@ pub fn router(state: Shared) -> Router {
         )
         .route(
             "/storage-pd/ack",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: AckRequest| svc.ack(&r.receipt, &r.restore_digest).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/release",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: ReceiptOnly| svc.release(&r.receipt).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/abort",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: AbortRequest| match svc.abort(r.publication)? {
                     AbortOutcome::Aborted { slots } => Ok(AbortResponse { outcome: "aborted".into(), slots }),
                     AbortOutcome::Pending => Ok(AbortResponse { outcome: "pending".into(), slots: 0 }),
@@ -233,19 +319,19 @@ pub fn router(state: Shared) -> Router {
         )
         .route(
             "/storage-pd/fail",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: FailRequest| svc.fail(&r.receipt, &r.reason).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/reclaim",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: ReceiptOnly| svc.reclaim(&r.receipt).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/session/close",
-            post(|State(s): State<Shared>, b: Bytes| {
+            post(|State(s): State<Shared>, b: Body| {
                 step(s, b, |svc, r: SessionCloseRequest| {
                     svc.close_session(&r.session_id);
                     Ok(Done { ok: true })
@@ -253,6 +339,7 @@ pub fn router(state: Shared) -> Router {
             }),
         )
         .with_state(state)
+        .layer(axum::middleware::map_response(json_errors))
 }
 
 fn phase_name(p: Phase) -> &'static str {
@@ -351,6 +438,11 @@ async fn metrics(State(s): State<Shared>) -> Response {
         "# HELP pdstor_dmabuf_cpu_accesses_total CPU accesses the daemon made to DMA-BUF memory (checksums), each bracketed by DMA_BUF_IOCTL_SYNC.\n# TYPE pdstor_dmabuf_cpu_accesses_total counter"
     );
     let _ = writeln!(out, "pdstor_dmabuf_cpu_accesses_total {}", crate::buffer::dmabuf::cpu_accesses());
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_prepared_reaped_total PREPARED publications aborted after --prepare-idle-timeout-ms with no store batch.\n# TYPE pdstor_prepared_reaped_total counter"
+    );
+    let _ = writeln!(out, "pdstor_prepared_reaped_total {}", s.metrics.reaped.load(Ordering::Relaxed));
     let _ =
         writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
     for (code, n) in s.metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {

@@ -5,6 +5,7 @@
 pub mod data;
 pub mod error;
 pub mod http;
+mod listen;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -37,6 +38,47 @@ pub struct ServeConfig {
     pub timeline: Option<PathBuf>,
     /// Fault injection for tests: the device "dies" as this plan says.
     pub fault: Option<Arc<crate::store::FaultPlan>>,
+    pub limits: Limits,
+}
+
+/// What one client may hold or take, and how long the daemon waits for it.
+/// Every limit is a `pdstor serve` option; refusals name the limit.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Largest control-plane request body.
+    pub max_body_bytes: usize,
+    /// Longest wait for a request body once its headers arrived.
+    pub body_timeout: Duration,
+    /// Longest wait for a request's headers, and for the next request on an idle connection.
+    pub header_timeout: Duration,
+    /// Control-plane connections open at once; the next is answered 503 and closed.
+    pub max_http_connections: usize,
+    /// `prepare` requests handled or waiting for capacity at once; the next is 503.
+    pub max_prepares: usize,
+    /// Data-plane connections open at once; the next is answered 503 and closed.
+    pub max_data_connections: usize,
+    /// Buffers one data-plane connection may register.
+    pub max_buffers_per_connection: usize,
+    /// Bytes of buffer memory one data-plane connection may have the daemon map.
+    pub max_pinned_bytes_per_connection: u64,
+    /// A PREPARED publication that sees no store batch for this long is aborted.
+    pub prepare_idle_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_body_bytes: 1 << 20,
+            body_timeout: Duration::from_secs(10),
+            header_timeout: Duration::from_secs(10),
+            max_http_connections: 512,
+            max_prepares: 64,
+            max_data_connections: 256,
+            max_buffers_per_connection: 16,
+            max_pinned_bytes_per_connection: 16 << 30,
+            prepare_idle_timeout: Duration::from_secs(120),
+        }
+    }
 }
 
 /// Runs the daemon until SIGTERM or SIGINT, then stops accepting, lets
@@ -80,10 +122,38 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance)
+    let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance, cfg.limits)
         .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
-    let app = http::router(Arc::new(http::AppState { service, metrics, provenance: probes.is_some() }));
+    // The reaper: PREPARED publications whose writer went quiet give their
+    // reservation back after --prepare-idle-timeout-ms.
+    let reaper_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reaper = {
+        let (service, metrics, stop) = (service.clone(), metrics.clone(), reaper_stop.clone());
+        let idle = cfg.limits.prepare_idle_timeout;
+        let tick = (idle / 4).clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
+        std::thread::Builder::new().name("pdstor-reaper".into()).spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(tick);
+                let n = service.reap_idle(idle);
+                if n > 0 {
+                    tracing::warn!(
+                        publications = n,
+                        idle_ms = idle.as_millis() as u64,
+                        "aborted idle PREPARED publications"
+                    );
+                    metrics.reaped.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        })?
+    };
+    let app = http::router(Arc::new(http::AppState {
+        service,
+        metrics,
+        provenance: probes.is_some(),
+        limits: cfg.limits,
+        prepares: Default::default(),
+    }));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async move {
         let shutdown = async {
@@ -94,22 +164,25 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             }
             tracing::info!("shutting down");
         };
+        let drain = std::time::Duration::from_secs(30);
         match &cfg.listen {
             Listen::Tcp(addr) => {
                 let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
                 tracing::info!(%addr, "control plane listening");
-                axum::serve(l, app).with_graceful_shutdown(shutdown).await?;
+                listen::serve(l, app, cfg.limits, shutdown, drain).await;
             }
             Listen::Unix(path) => {
                 let _ = std::fs::remove_file(path);
                 let l = tokio::net::UnixListener::bind(path).map_err(|e| anyhow::anyhow!("listening on {}: {e}", path.display()))?;
                 tracing::info!(path = %path.display(), "control plane listening");
-                axum::serve(l, app).with_graceful_shutdown(shutdown).await?;
+                listen::serve(l, app, cfg.limits, shutdown, drain).await;
                 let _ = std::fs::remove_file(path);
             }
         }
         anyhow::Ok(())
     })?;
+    reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = reaper.join();
     drop(data);
     drop(probes);
     let failed = store.failed();

@@ -369,6 +369,21 @@ impl Service {
         Ok(outcome)
     }
 
+    /// Aborts PREPARED publications idle for `idle` ([`Store::reap_idle`]),
+    /// each recorded on the timeline; returns how many.
+    pub fn reap_idle(&self, idle: std::time::Duration) -> usize {
+        let reaped = self.store.reap_idle(idle);
+        for (id, req) in &reaped {
+            self.note(
+                Event::new("abort")
+                    .req(req)
+                    .publication(*id)
+                    .detail(format!("idle: no store batch for {} ms", idle.as_millis())),
+            );
+        }
+        reaped.len()
+    }
+
     pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
         bounded("reason", reason, MAX_REASON_BYTES)?;
         let p = self.check(claim, ReceiptKind::Claim)?;

@@ -304,6 +304,8 @@ struct Batches {
     last_seen: bool,
     inflight: u32,
     published: bool,
+    /// When the request was prepared or last had a store batch begin or end.
+    touched: Option<std::time::Instant>,
 }
 
 struct Live {
@@ -732,7 +734,7 @@ impl Store {
                     slots,
                 },
             )?;
-            live.batches.insert(id, Batches::default());
+            live.batches.insert(id, Batches { touched: Some(std::time::Instant::now()), ..Default::default() });
             Ok(id)
         })();
         if prepared.is_err() {
@@ -811,6 +813,7 @@ impl Store {
             b.seen_first = true;
             b.claimed.extend(batch.chunks.iter().map(|c| c.index));
             b.inflight += 1;
+            b.touched = Some(std::time::Instant::now());
             let paths = self.lock_paths();
             batch
                 .chunks
@@ -830,6 +833,7 @@ impl Store {
         let mut live = self.lock_live();
         if let Some(b) = live.batches.get_mut(&id) {
             b.inflight -= 1;
+            b.touched = Some(std::time::Instant::now());
         }
         let aborting = live.state.pubs.get(&id).is_none_or(|p| p.phase == Phase::Aborting);
         if aborting {
@@ -927,6 +931,29 @@ impl Store {
 
     /// Rolls back a publication that is not yet READY (slots and reservation).
     /// Aborting an unknown or finished publication is a clear no-op.
+    /// Aborts every PREPARED publication with no store batch in flight that
+    /// has seen none begin or end for `idle` (a writer that went quiet without
+    /// closing its connection): its reservation would otherwise be held until
+    /// a restart. Returns the publications aborted.
+    pub fn reap_idle(&self, idle: Duration) -> Vec<(u64, String)> {
+        let now = std::time::Instant::now();
+        let quiet: Vec<(u64, String)> = {
+            let live = self.lock_live();
+            live.state
+                .pubs
+                .values()
+                .filter(|p| p.phase == Phase::Prepared)
+                .filter(|p| {
+                    live.batches.get(&p.id).is_none_or(|b| {
+                        b.inflight == 0 && !b.published && b.touched.is_none_or(|t| now.duration_since(t) >= idle)
+                    })
+                })
+                .map(|p| (p.id, p.req_id.clone()))
+                .collect()
+        };
+        quiet.into_iter().filter(|(id, _)| matches!(self.abort(*id), Ok(AbortOutcome::Aborted { .. }))).collect()
+    }
+
     pub fn abort(&self, id: u64) -> Result<AbortOutcome, StoreError> {
         let mut live = self.lock_live();
         let Some(p) = live.state.pubs.get(&id) else {
