@@ -49,6 +49,19 @@ enum Command {
         #[arg(long, default_value_t = 0x9d5c_0417)]
         seed: u64,
     },
+    /// The deterministic simulation of the store and the protocol with power losses
+    /// (driver/tests/sim.rs): one seed with its trace, or a campaign of many.
+    Sim {
+        /// Run this seed alone (the reproduction line a failure prints).
+        #[arg(long, conflicts_with = "seeds")]
+        seed: Option<u64>,
+        /// Seeds in the campaign (CI runs 10,000).
+        #[arg(long, default_value_t = 100_000)]
+        seeds: u64,
+        /// The first seed of the campaign.
+        #[arg(long, default_value_t = 1)]
+        first: u64,
+    },
     /// The guest kernel: fetch, check, defconfig.
     Kernel {
         #[command(subcommand)]
@@ -75,6 +88,14 @@ fn main() -> Result<()> {
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Fresh(args) => fresh::run(&sh, &args),
+        Command::Sim { seed, seeds, first } => {
+            let mut run = cmd!(sh, "cargo test --release --quiet -p pdstor --test sim -- --nocapture --test-threads 1");
+            run = match seed {
+                Some(s) => run.env("PDSTOR_SIM_SEED", s.to_string()),
+                None => run.env("PDSTOR_SIM_SEEDS", seeds.to_string()).env("PDSTOR_SIM_FIRST", first.to_string()),
+            };
+            run.run().context("the simulation found a failing seed (its reproduction and trace are above)")
+        }
         Command::Crash { kills, seed } => {
             let (kills, seed) = (kills.to_string(), seed.to_string());
             cmd!(sh, "cargo build --quiet -p pdstor --bin pdstor").run().context("building pdstor")?;

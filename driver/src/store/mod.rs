@@ -31,7 +31,7 @@ use crate::io::{
 pub use journal::Record;
 pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication};
 pub use superblock::Superblock;
-pub use worker::{CommitInfo, FaultPlan};
+pub use worker::{CommitInfo, FaultPlan, PowerLoss};
 
 use superblock::{FORMAT_VERSION, SUPERBLOCK_BYTES, SuperblockError};
 use worker::{Job, Worker};
@@ -574,6 +574,26 @@ impl Store {
         Ok(info)
     }
 
+    /// [`commit`](Self::commit) with the live lock held, for a change whose
+    /// effects no other request may see before it is durable.
+    fn commit_locked(&self, live: &mut Live) -> Result<CommitInfo, StoreError> {
+        let (tx, rx) = channel();
+        self.send(Job::Commit(tx))?;
+        let reply = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
+        let info = match reply {
+            Ok(info) => info,
+            Err(e) => {
+                live.failed.get_or_insert(e.clone());
+                return Err(StoreError::Failed(e));
+            }
+        };
+        *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
+        if info.journal_used > info.journal_half / 2 {
+            self.checkpoint_locked(live)?;
+        }
+        Ok(info)
+    }
+
     /// A commit that failed leaves memory ahead of the media: refuse changes.
     fn mark_failed(&self, why: String) -> StoreError {
         self.lock_live().failed.get_or_insert(why.clone());
@@ -986,8 +1006,13 @@ impl Store {
         }
     }
 
-    /// Exact unread release: a READY publication that was never claimed. The
-    /// RELEASE record is journaled now and made durable by the next commit.
+    /// Exact unread release: a READY publication that was never claimed.
+    ///
+    /// The RELEASE record is committed before this returns. Its slots are
+    /// free in memory at once, so another request may write payload into
+    /// them; had the record not been durable by then, a crash would bring
+    /// the publication back READY over someone else's bytes (found by the
+    /// simulation, `driver/tests/sim.rs`).
     pub fn release(&self, id: u64) -> Result<(), StoreError> {
         {
             let mut live = self.lock_live();
@@ -996,10 +1021,11 @@ impl Store {
             let req = p.req_id.clone();
             self.log(&mut live, Record::Release { publication: id })?;
             live.batches.remove(&id);
+            // Committed under the live lock: no prepare can allocate the
+            // slots before the release is durable.
+            self.commit_locked(&mut live)?;
             self.admission.release(&req);
         }
-        // Durable with the next commit. A crash before it brings the
-        // publication back READY with its slots: the safe direction.
         Ok(())
     }
 
