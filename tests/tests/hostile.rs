@@ -194,17 +194,19 @@ fn the_control_plane_bounds_connections_bodies_and_waiting_prepares() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = daemon_with(
         dir.path(),
-        &["--max-http-connections", "4", "--header-timeout-ms", "400", "--max-body", "64k", "--max-prepares", "2"],
+        &["--max-http-connections", "4", "--header-timeout-ms", "1500", "--max-body", "64k", "--max-prepares", "2"],
     );
+    // The harness's readiness check was a connection too: let the daemon see it close.
+    std::thread::sleep(std::time::Duration::from_millis(500));
     // Four idle connections take every place; a fifth is answered 503 in JSON.
     let idle: Vec<std::net::TcpStream> = (0..4).map(|_| std::net::TcpStream::connect(&d.addr).unwrap()).collect();
-    std::thread::sleep(std::time::Duration::from_millis(100));
+    std::thread::sleep(std::time::Duration::from_millis(200));
     let mut fifth = std::net::TcpStream::connect(&d.addr).unwrap();
     let mut answer = String::new();
     fifth.read_to_string(&mut answer).unwrap();
     assert!(answer.starts_with("HTTP/1.1 503") && answer.contains("\"too_many_connections\""), "{answer}");
     // Idle connections are closed after the header timeout, and places come back.
-    std::thread::sleep(std::time::Duration::from_millis(900));
+    std::thread::sleep(std::time::Duration::from_millis(2000));
     for mut s in idle {
         let mut buf = [0u8; 1];
         s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
@@ -231,6 +233,9 @@ fn the_control_plane_bounds_connections_bodies_and_waiting_prepares() {
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 8).unwrap();
     let kv: Vec<u8> = (0..8).flat_map(|i| pdstor::payload::chunk(9, i, SLOT as usize)).collect();
     w.put("holds-all", &layout(), &kv, 4, None).unwrap();
+    // Their pooled keep-alive connections would count against the cap of 4.
+    drop((w, a));
+    std::thread::sleep(std::time::Duration::from_millis(200));
     let waiters: Vec<_> = (0..2)
         .map(|i| {
             let server = d.server.clone();
