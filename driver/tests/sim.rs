@@ -20,14 +20,20 @@
 //! seeds; `PDSTOR_SIM_SEED` runs one. `cargo xtask sim --seeds N` runs
 //! campaigns; a failure prints `cargo xtask sim --seed N` and the trace.
 //!
+//! Time is simulated: the store's clock ([`StoreOptions::clock`]) is the
+//! scheduler's, advanced by a `tick` operation; leases are short, so claims
+//! expire — and an expired lease never frees bytes (adopt and load are
+//! refused; only a fenced reclaim frees them).
+//!
 //! What it does not model: concurrency (one operation at a time, so a race
 //! between two threads is the crash campaign's to find, in
-//! `tests/tests/crash.rs`), and time (leases are long; admission never
-//! waits, its timeout is zero; reaping is an explicit operation).
+//! `tests/tests/crash.rs`), and admission waits (the timeout is zero:
+//! a prepare that does not fit is refused at once).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use pdstor::protocol::Receipt;
@@ -42,6 +48,16 @@ const SLOTS: u64 = 12;
 const JOURNAL: u64 = 256 << 10;
 const MAX_CHUNKS: u32 = 4;
 const STEPS: usize = 60;
+
+/// The simulation's clock: moves only when the scheduler says.
+#[derive(Debug)]
+struct SimClock(AtomicU64);
+
+impl pdstor::protocol::Clock for SimClock {
+    fn now_unix_ms(&self) -> u64 {
+        self.0.load(Ordering::SeqCst)
+    }
+}
 
 /// SplitMix64: small, fast, and the same everywhere.
 struct Rng(u64);
@@ -99,6 +115,7 @@ struct Sim {
     _dir: tempfile::TempDir,
     path: std::path::PathBuf,
     plan: Arc<FaultPlan>,
+    clock: Arc<SimClock>,
     service: Option<Service>,
     writer: (Buffer, pdstor::io::BufferId),
     reader: (Buffer, pdstor::io::BufferId),
@@ -115,8 +132,8 @@ struct Sim {
     trace: Vec<String>,
 }
 
-fn options(plan: &Arc<FaultPlan>) -> StoreOptions {
-    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()) }
+fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
+    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()), clock: clock.clone() }
 }
 
 /// A buffer of `MAX_CHUNKS` slots shared with the store (another mapping of one memfd).
@@ -143,7 +160,8 @@ impl Sim {
         )
         .map_err(|e| e.to_string())?;
         let plan = FaultPlan::simulated(&path).map_err(|e| e.to_string())?;
-        let (store, _) = Store::open(&path, options(&plan)).map_err(|e| format!("open: {e}"))?;
+        let clock = Arc::new(SimClock(AtomicU64::new(1_700_000_000_000)));
+        let (store, _) = Store::open(&path, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
         let store = Arc::new(store);
         let (writer, reader) = (shared(&store), shared(&store));
         Ok(Sim {
@@ -151,6 +169,7 @@ impl Sim {
             _dir: dir,
             path,
             plan,
+            clock,
             service: Some(Service::new(store)),
             writer,
             reader,
@@ -198,10 +217,36 @@ impl Sim {
             81..=82 => self.fail(),
             83..=85 => self.reclaim(),
             86..=87 => self.reap(),
-            88..=93 => self.checkpoint(),
+            88..=90 => self.checkpoint(),
+            91..=95 => self.tick(),
             _ => self.crash(),
         }?;
-        self.store().check_quiescent().map_err(|e| format!("invariant: {e}"))
+        self.store().check_quiescent().map_err(|e| format!("invariant: {e}"))?;
+        // Only an explicit free (ack, release, fenced reclaim) ends a READY
+        // publication: never time, never another request.
+        for (id, r) in &self.reqs {
+            if r.ready.is_some() && self.store().publication(*id).is_none() {
+                return Err(format!("publication {id} ({}) vanished without being freed", r.req));
+            }
+        }
+        Ok(())
+    }
+
+    /// Time passes: up to 4 s, enough for the short leases to run out.
+    fn tick(&mut self) -> Result<(), String> {
+        let ms = self.rng.below(4000);
+        let now = self.clock.0.fetch_add(ms, Ordering::SeqCst) + ms;
+        self.note(format!("tick +{ms} ms (now {now})"));
+        Ok(())
+    }
+
+    /// Whether `claim`'s lease has run out by the store's clock.
+    fn expired(&self, claim: &Receipt) -> bool {
+        let now = self.clock.0.load(Ordering::SeqCst);
+        self.store()
+            .publication(claim.publication)
+            .and_then(|p| p.claim)
+            .is_some_and(|c| now > c.claimed_unix_ms.saturating_add(c.lease_ms))
     }
 
     fn prepare(&mut self) -> Result<(), String> {
@@ -322,11 +367,12 @@ impl Sim {
         let Some(id) = self.rng.pick(&ready) else { return Ok(()) };
         self.session += 1;
         let receipt = self.reqs[&id].ready.clone().ok_or("no receipt")?;
+        let lease = 50 + self.rng.below(2000);
         let claim = self
             .svc()
-            .claim(&receipt, "reader", &format!("s{}", self.session), 3_600_000)
+            .claim(&receipt, "reader", &format!("s{}", self.session), lease)
             .map_err(|e| format!("claim {id}: {e}"))?;
-        self.note(format!("claim {id} session s{}", self.session));
+        self.note(format!("claim {id} session s{} lease {lease} ms", self.session));
         let m = self.reqs.get_mut(&id).ok_or("model lost the request")?;
         m.claim = Some(claim);
         m.loaded = false;
@@ -345,10 +391,13 @@ impl Sim {
             self.store().epoch(),
             r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())
         ));
+        let expired = self.expired(&claim);
         match r {
+            Ok(_) if expired => Err(format!("adopt {id} succeeded on an expired lease")),
             Ok(_) => Ok(()),
-            // A claim from before a crash is fenced: refused, as it must be.
-            Err(_) if claim.epoch != self.store().epoch() => Ok(()),
+            // A claim from before a crash is fenced, an expired one refused:
+            // as they must be, and the bytes stay.
+            Err(_) if claim.epoch != self.store().epoch() || expired => Ok(()),
             Err(e) => Err(format!("adopt {id}: {e}")),
         }
     }
@@ -358,7 +407,14 @@ impl Sim {
         let Some(id) = self.rng.pick(&adopted) else { return Ok(()) };
         let r = self.reqs[&id].clone();
         let Some(claim) = &r.claim else { return Ok(()) };
-        let manifest = self.svc().authorize_load(claim).map_err(|e| format!("authorize load {id}: {e}"))?;
+        let manifest = match self.svc().authorize_load(claim) {
+            Ok(m) => m,
+            Err(e) if self.expired(claim) => {
+                self.note(format!("load {id} -> refused, lease expired: {e}"));
+                return Ok(());
+            }
+            Err(e) => return Err(format!("authorize load {id}: {e}")),
+        };
         self.reader.0.write_at(0, &vec![0u8; (MAX_CHUNKS as u64 * SLOT) as usize]).map_err(|e| e.to_string())?;
         let dests: Vec<ChunkDest> = (0..r.chunks)
             .map(|c| ChunkDest { index: c, buffer: self.reader.1, buffer_offset: c as u64 * SLOT })
@@ -394,7 +450,7 @@ impl Sim {
         let loaded = self.ids(|r, p| p == Phase::Adopted && r.loaded);
         let Some(id) = self.rng.pick(&loaded) else { return Ok(()) };
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
-        let manifest = self.svc().authorize_load(&claim).map_err(|e| format!("ack {id}: {e}"))?;
+        let manifest = self.store().publication(id).and_then(|p| p.manifest).ok_or("no manifest")?;
         let crcs: Vec<u32> = manifest.chunks.iter().map(|c| c.crc32c).collect();
         self.svc().ack(&claim, &restore_digest(&crcs)).map_err(|e| format!("ack {id}: {e}"))?;
         self.note(format!("ack {id}"));
@@ -488,7 +544,8 @@ impl Sim {
         let rng = &mut self.rng;
         let loss = self.plan.power_loss(&mut |n| rng.below(n), misdirect);
         let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
-        let (store, report) = Store::open(&self.path, options(&plan)).map_err(|e| format!("recovery failed: {e}"))?;
+        let (store, report) =
+            Store::open(&self.path, options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;
         self.note(format!("POWER LOSS {loss:?} -> recovery {report:?}"));
         self.plan = plan;
         let store = Arc::new(store);

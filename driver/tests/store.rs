@@ -50,7 +50,7 @@ fn format_file(dir: &Path, slots: u64) -> PathBuf {
 }
 
 fn open(path: &Path) -> (Store, store::RecoveryReport) {
-    Store::open(path, StoreOptions { queue_depth: 8, admission_timeout: Duration::from_secs(10), fault: None })
+    Store::open(path, StoreOptions { queue_depth: 8, admission_timeout: Duration::from_secs(10), ..Default::default() })
         .expect("open")
 }
 
@@ -477,6 +477,7 @@ fn recovery_after_a_crash_at_every_write() {
                         queue_depth: 8,
                         admission_timeout: Duration::from_secs(1),
                         fault: Some(fault.clone()),
+                        ..Default::default()
                     },
                 );
                 // The open itself writes (epoch bump, journal): it may be the crash.

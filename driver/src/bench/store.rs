@@ -42,7 +42,7 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
     )?;
     let (s, _) = Store::open(
         &cfg.target,
-        StoreOptions { queue_depth: 32, admission_timeout: Duration::from_secs(60), fault: None },
+        StoreOptions { queue_depth: 32, admission_timeout: Duration::from_secs(60), ..Default::default() },
     )?;
     let s = Arc::new(s);
     let layout = Layout {

@@ -141,6 +141,22 @@ pub fn now_unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
+/// Where the protocol reads the time (claims, leases, receipts): the system
+/// clock in the daemon, a simulated one in the simulation.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    fn now_unix_ms(&self) -> u64;
+}
+
+/// The system's wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now_unix_ms(&self) -> u64 {
+        now_unix_ms()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Receipt, ReceiptKind, Refusal, Signer, manifest_digest, now_unix_ms};
+use super::{Receipt, ReceiptKind, Refusal, Signer, manifest_digest};
 use crate::store::{AbortOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
 use crate::timeline::Event;
 
@@ -172,7 +172,7 @@ impl Service {
             reader: claim.map(|c| c.reader.clone()),
             session: claim.map(|c| c.session.clone()),
             lease_ms: claim.map(|c| c.lease_ms),
-            issued_unix_ms: now_unix_ms(),
+            issued_unix_ms: self.store.now_unix_ms(),
             key_id: 0,
             signature: String::new(),
         }))
@@ -289,7 +289,7 @@ impl Service {
             );
         }
         if let Some(c) = &p.claim
-            && now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
+            && self.store.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new(
                 "lease_expired",
@@ -315,7 +315,7 @@ impl Service {
             .into());
         }
         if let Some(c) = &p.claim
-            && now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
+            && self.store.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new("lease_expired", "lease_ms", "the lease expired").into());
         }

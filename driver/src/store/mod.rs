@@ -275,11 +275,18 @@ pub struct StoreOptions {
     pub admission_timeout: Duration,
     /// Crash-consistency testing: the device dies after this many writes.
     pub fault: Option<Arc<FaultPlan>>,
+    /// The time claims and leases are measured in.
+    pub clock: Arc<dyn crate::protocol::Clock>,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { queue_depth: 32, admission_timeout: Duration::from_secs(30), fault: None }
+        StoreOptions {
+            queue_depth: 32,
+            admission_timeout: Duration::from_secs(30),
+            fault: None,
+            clock: Arc::new(crate::protocol::SystemClock),
+        }
     }
 }
 
@@ -651,6 +658,11 @@ impl Store {
 
     pub fn target_kind(&self) -> crate::io::TargetKind {
         self.target_kind
+    }
+
+    /// The time, by the store's clock ([`StoreOptions::clock`]).
+    pub fn now_unix_ms(&self) -> u64 {
+        self.opts.clock.now_unix_ms()
     }
 
     /// Why the store refuses changes, if a commit failed (restart recovers).
@@ -1061,7 +1073,7 @@ impl Store {
             session: session.into(),
             lease_ms,
             epoch: self.epoch(),
-            claimed_unix_ms: crate::protocol::now_unix_ms(),
+            claimed_unix_ms: self.now_unix_ms(),
         };
         self.transition(id, &[Phase::Ready], "only a READY, unclaimed publication can be claimed", record)
     }
