@@ -220,7 +220,9 @@ fn the_control_plane_bounds_connections_bodies_and_waiting_prepares() {
     assert_eq!(a.get(format!("{}/healthz", d.server)).call().unwrap().status().as_u16(), 200);
 
     // Bodies over --max-body, and routes or methods that do not exist: JSON errors.
-    let big = vec![b'x'; 200 << 10];
+    // Just over the limit: the whole body fits the socket buffers, so the client
+    // reads the answer rather than a reset from a daemon that stopped reading.
+    let big = vec![b'x'; 70 << 10];
     let e = http_error(a.post(format!("{}/storage-pd/prepare", d.server)).send(&big[..]));
     assert_eq!((e.status, e.code.as_str()), (413, "body_too_large"), "{e}");
     let e = http_error(a.get(format!("{}/no/such/route", d.server)).call());

@@ -324,6 +324,10 @@ struct Live {
     /// thread's append offset, mirrored here so that every record kind is
     /// accounted for when it is queued, committed or not).
     journal_end: u64,
+    /// Slots a RELEASE, ACK or RECLAIM freed whose record is not durable yet:
+    /// no prepare may take them until it is, or a crash could bring the
+    /// freed publication back over another request's bytes.
+    quarantine: BTreeSet<u32>,
     batches: HashMap<u64, Batches>,
     failed: Option<String>,
 }
@@ -475,7 +479,14 @@ impl Store {
         let admission = ReservationManager::new(sb.slot_count);
         let store = Store {
             path: path.into(),
-            live: Mutex::new(Live { state, next_seq, journal_end: end as u64, batches: HashMap::new(), failed: None }),
+            live: Mutex::new(Live {
+                state,
+                next_seq,
+                journal_end: end as u64,
+                quarantine: BTreeSet::new(),
+                batches: HashMap::new(),
+                failed: None,
+            }),
             admission,
             jobs: Mutex::new(tx),
             worker: Mutex::new(Some(handle)),
@@ -577,26 +588,6 @@ impl Store {
         *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
         if info.journal_used > info.journal_half / 2 {
             self.checkpoint()?;
-        }
-        Ok(info)
-    }
-
-    /// [`commit`](Self::commit) with the live lock held, for a change whose
-    /// effects no other request may see before it is durable.
-    fn commit_locked(&self, live: &mut Live) -> Result<CommitInfo, StoreError> {
-        let (tx, rx) = channel();
-        self.send(Job::Commit(tx))?;
-        let reply = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
-        let info = match reply {
-            Ok(info) => info,
-            Err(e) => {
-                live.failed.get_or_insert(e.clone());
-                return Err(StoreError::Failed(e));
-            }
-        };
-        *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
-        if info.journal_used > info.journal_half / 2 {
-            self.checkpoint_locked(live)?;
         }
         Ok(info)
     }
@@ -748,7 +739,7 @@ impl Store {
             if let Some(p) = live.state.by_req(req_id) {
                 return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
             }
-            let slots = live.state.pick_slots(total_chunks).ok_or_else(|| {
+            let slots = live.state.pick_slots_avoiding(total_chunks, &live.quarantine).ok_or_else(|| {
                 StoreError::Worker(format!(
                     "admission granted {total_chunks} slots but the allocator has {}",
                     live.state.free_slots()
@@ -1020,25 +1011,37 @@ impl Store {
 
     /// Exact unread release: a READY publication that was never claimed.
     ///
-    /// The RELEASE record is committed before this returns. Its slots are
-    /// free in memory at once, so another request may write payload into
-    /// them; had the record not been durable by then, a crash would bring
-    /// the publication back READY over someone else's bytes (found by the
-    /// simulation, `driver/tests/sim.rs`).
+    /// The RELEASE record is committed before this returns, and its slots
+    /// stay out of reach of new prepares until then (quarantined): had
+    /// another request written payload into them before the record was
+    /// durable, a crash would bring the publication back READY over its
+    /// bytes (found by the simulation, `driver/tests/sim.rs`). ACK and
+    /// RECLAIM free their slots the same way.
     pub fn release(&self, id: u64) -> Result<(), StoreError> {
-        {
+        let (req, slots) = {
             let mut live = self.lock_live();
             let p =
                 in_phase(&live.state, id, &[Phase::Ready], "only a READY, never-claimed publication can be released")?;
-            let req = p.req_id.clone();
+            let (req, slots) = (p.req_id.clone(), p.slots.clone());
             self.log(&mut live, Record::Release { publication: id })?;
             live.batches.remove(&id);
-            // Committed under the live lock: no prepare can allocate the
-            // slots before the release is durable.
-            self.commit_locked(&mut live)?;
-            self.admission.release(&req);
+            live.quarantine.extend(&slots);
+            (req, slots)
+        };
+        self.free_when_durable(&req, &slots)
+    }
+
+    /// Commits (sharing the flush with whoever else is committing), then
+    /// lets `slots` be prepared again and gives `req`'s reservation back.
+    fn free_when_durable(&self, req: &str, slots: &[u32]) -> Result<(), StoreError> {
+        let committed = self.commit();
+        let mut live = self.lock_live();
+        for s in slots {
+            live.quarantine.remove(s);
         }
-        Ok(())
+        drop(live);
+        self.admission.release(req);
+        committed.map(drop)
     }
 
     /// Runs one protocol transition: checks the phase, journals `record`,
@@ -1057,11 +1060,15 @@ impl Store {
             self.log(&mut live, record)?;
             if frees {
                 live.batches.remove(&id);
-                self.admission.release(&p.req_id);
+                live.quarantine.extend(&p.slots);
             }
             p
         };
-        self.commit()?;
+        if frees {
+            self.free_when_durable(&before.req_id, &before.slots)?;
+        } else {
+            self.commit()?;
+        }
         Ok(self.publication(id).unwrap_or(before))
     }
 

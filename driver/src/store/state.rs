@@ -112,7 +112,12 @@ impl State {
 
     /// Picks `n` free slots (lowest first) without taking them.
     pub fn pick_slots(&self, n: u32) -> Option<Vec<u32>> {
-        let v: Vec<u32> = self.free.iter().take(n as usize).copied().collect();
+        self.pick_slots_avoiding(n, &BTreeSet::new())
+    }
+
+    /// Like [`pick_slots`](Self::pick_slots), passing over the slots in `avoid`.
+    pub fn pick_slots_avoiding(&self, n: u32, avoid: &BTreeSet<u32>) -> Option<Vec<u32>> {
+        let v: Vec<u32> = self.free.iter().filter(|s| !avoid.contains(s)).take(n as usize).copied().collect();
         (v.len() == n as usize).then_some(v)
     }
 
