@@ -61,11 +61,9 @@ pub fn ensure_tracefs() -> Result<(), ProbeError> {
          mount it as root (`mount -t tracefs tracefs {TRACEFS}`) or run pdstor as root, which mounts it itself"
     );
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(ProbeError::Facility(format!("{hint} (running as uid {})", {
-            // SAFETY: as above.
-            unsafe { libc::geteuid() }
-        })));
+    let uid = unsafe { libc::geteuid() };
+    if uid != 0 {
+        return Err(ProbeError::Facility(format!("{hint} (running as uid {uid})")));
     }
     let (src, dir) = (c"tracefs", c"/sys/kernel/tracing");
     // SAFETY: every pointer is a NUL-terminated string alive for the call.

@@ -55,6 +55,29 @@ pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
     out.stdout
 }
 
+/// Formats `dir/target.img`: `slots` slots of `slot` bytes behind a 256 KiB
+/// journal (checkpoints come often). Returns its path.
+pub fn format_file(dir: &Path, slots: u64, slot: u64) -> PathBuf {
+    let target = dir.join("target.img");
+    let size = 2 * 4096 + 2 * (256 << 10) + slots * slot;
+    let out = Command::new(pdstor_bin())
+        .args([
+            "format",
+            "--journal",
+            "256k",
+            "--chunk-slot",
+            &slot.to_string(),
+            "--size",
+            &size.to_string(),
+            "--target",
+        ])
+        .arg(&target)
+        .output()
+        .expect("pdstor format");
+    assert!(out.status.success(), "format: {}", String::from_utf8_lossy(&out.stderr));
+    target
+}
+
 /// A `pdstor serve` process on a target, killed on drop.
 pub struct Daemon {
     pub target: PathBuf,
@@ -73,24 +96,7 @@ fn free_port() -> u16 {
 impl Daemon {
     /// Formats a file target in `dir` (`slots` slots of `slot` bytes) and serves it.
     pub fn format_and_start(dir: &Path, slots: u64, slot: u64) -> Daemon {
-        let target = dir.join("target.img");
-        let size = 2 * 4096 + 2 * (256 << 10) + slots * slot;
-        let out = Command::new(pdstor_bin())
-            .args([
-                "format",
-                "--journal",
-                "256k",
-                "--chunk-slot",
-                &slot.to_string(),
-                "--size",
-                &size.to_string(),
-                "--target",
-            ])
-            .arg(&target)
-            .output()
-            .expect("pdstor format");
-        assert!(out.status.success(), "format: {}", String::from_utf8_lossy(&out.stderr));
-        Daemon::start(&target, dir)
+        Daemon::start(&format_file(dir, slots, slot), dir)
     }
 
     /// Formats an existing block device (or file) with 8 MiB slots and serves it.

@@ -72,15 +72,7 @@ fn every_ready_receipt_survives_kill_9_with_a_small_journal() {
     let kills = env_or("PDSTOR_CRASH_KILLS", 200);
     let seed = env_or("PDSTOR_CRASH_SEED", 0x9d5c_0417);
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("crash.img");
-    let size = 2 * 4096 + 2 * (256 << 10) + SLOTS * CHUNK;
-    let out = std::process::Command::new(pdstor_bin())
-        .args(["format", "--journal", "256k", "--chunk-slot", "16k", "--size", &size.to_string(), "--target"])
-        .arg(&target)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "format: {}", String::from_utf8_lossy(&out.stderr));
-    let mut d = Daemon::start(&target, dir.path());
+    let mut d = Daemon::format_and_start(dir.path(), SLOTS, CHUNK);
     let mut rng = SmallRng::seed_from_u64(seed);
     let started = Instant::now();
     let (mut checked, mut lost) = (0usize, Vec::new());
@@ -160,15 +152,8 @@ fn restore(d: &Daemon, receipt: &Receipt, expected: &[u8]) -> Result<(), String>
 #[test]
 fn records_that_never_commit_cannot_wrap_the_journal() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("wrap.img");
-    let size = 2 * 4096 + 2 * (256 << 10) + 64 * CHUNK;
-    let out = std::process::Command::new(pdstor_bin())
-        .args(["format", "--journal", "256k", "--chunk-slot", "16k", "--size", &size.to_string(), "--target"])
-        .arg(&target)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "format: {}", String::from_utf8_lossy(&out.stderr));
-    let mut d = Daemon::start(&target, dir.path());
+    let mut d = Daemon::format_and_start(dir.path(), 64, CHUNK);
+    let target = d.target.clone();
     let put = |d: &Daemon, req: &str, seed: u64| {
         let mut w = Writer::new(&d.server, &d.data_socket, CHUNK, 2).unwrap();
         w.put(req, &layout(), &kv(seed, 2), 2, None).unwrap().receipt

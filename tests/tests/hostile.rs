@@ -162,15 +162,7 @@ fn client_numbers_are_refused_with_a_reason() {
 
 /// A daemon on a fresh 8-slot namespace with extra `serve` limits.
 fn daemon_with(dir: &std::path::Path, extra: &[&str]) -> Daemon {
-    let target = dir.join("limits.img");
-    let size = 2 * 4096 + 2 * (256 << 10) + 8 * SLOT;
-    let out = std::process::Command::new(pdstor_tests::pdstor_bin())
-        .args(["format", "--journal", "256k", "--chunk-slot", "1M", "--size", &size.to_string(), "--target"])
-        .arg(&target)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    Daemon::start_with(&target, dir, extra)
+    Daemon::start_with(&pdstor_tests::format_file(dir, 8, SLOT), dir, extra)
 }
 
 fn http_error(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> pdstor::api::wire::ErrorBody {
