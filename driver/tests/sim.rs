@@ -606,21 +606,46 @@ impl Sim {
     }
 }
 
-/// Runs one seed; on success its trace, on failure the error and the trace
-/// up to it.
-fn run(seed: u64) -> Result<Vec<String>, (String, Vec<String>)> {
+/// Runs one seed, leaving out the steps in `skip`; on success its trace, on
+/// failure the error and the trace up to it. Each step draws from its own
+/// stream (the seed and the step number), so leaving one out does not change
+/// what the others do — what makes a failing trace shrinkable.
+fn run(seed: u64, skip: &BTreeSet<usize>) -> Result<Vec<String>, (String, Vec<String>)> {
     let mut sim = Sim::new(seed).map_err(|e| (e, Vec::new()))?;
     for step in 0..STEPS {
+        if skip.contains(&step) {
+            continue;
+        }
+        sim.rng = Rng(seed ^ (step as u64 + 1).wrapping_mul(0xd1b5_4a32_d192_ed03));
+        sim.note(format!("[{step}]"));
         if let Err(e) = sim.step() {
             sim.trace.push(format!("FAILED: {e}"));
             return Err((format!("step {step}: {e}"), std::mem::take(&mut sim.trace)));
         }
     }
     // The end is a crash too: everything acknowledged must come back.
+    sim.rng = Rng(seed ^ u64::MAX);
     match sim.crash() {
         Ok(()) => Ok(std::mem::take(&mut sim.trace)),
         Err(e) => Err((format!("final power loss: {e}"), std::mem::take(&mut sim.trace))),
     }
+}
+
+/// Shrinks a failing seed's schedule: leaves out each step in turn and keeps
+/// it out if the run still fails. Returns the smallest failing trace found.
+fn shrink(seed: u64, first: Vec<String>) -> Vec<String> {
+    let mut skip = BTreeSet::new();
+    let mut best = first;
+    for step in 0..STEPS {
+        skip.insert(step);
+        match run(seed, &skip) {
+            Err((_, trace)) => best = trace,
+            Ok(_) => {
+                skip.remove(&step);
+            }
+        }
+    }
+    best
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -647,7 +672,7 @@ fn simulated_power_losses_never_lose_an_acknowledged_publication() {
             .map(|mine| {
                 s.spawn(move || {
                     for &seed in mine {
-                        match run(seed) {
+                        match run(seed, &BTreeSet::new()) {
                             Err((e, trace)) => return Some((seed, e, trace)),
                             // One seed asked for by name: show what it did.
                             Ok(trace) if single => eprintln!("seed {seed}:\n  {}", trace.join("\n  ")),
@@ -662,9 +687,11 @@ fn simulated_power_losses_never_lose_an_acknowledged_publication() {
     });
     eprintln!("sim: {} seeds, {} failed, {:.1} s", seeds.len(), failures.len(), started.elapsed().as_secs_f64());
     if let Some((seed, e, trace)) = failures.into_iter().min_by_key(|f| f.0) {
+        let minimal = shrink(seed, trace);
         panic!(
-            "seed {seed} failed: {e}\nreproduce: cargo xtask sim --seed {seed}\ntrace to the failure:\n  {}",
-            trace.join("\n  ")
+            "seed {seed} failed: {e}\nreproduce: cargo xtask sim --seed {seed}\n\
+             minimal trace (steps of the seed that still fail together; [n] is the step):\n  {}",
+            minimal.join("\n  ")
         );
     }
 }
@@ -672,16 +699,10 @@ fn simulated_power_losses_never_lose_an_acknowledged_publication() {
 /// The simulator itself: same seed, same trace.
 #[test]
 fn a_seed_replays_the_same_trace() {
-    let trace = |seed| {
-        let mut sim = Sim::new(seed).expect("sim");
-        for _ in 0..STEPS {
-            if sim.step().is_err() {
-                break;
-            }
-        }
-        // Publication ids and outcomes, not timing.
-        sim.trace.clone()
-    };
+    let trace = |seed| run(seed, &BTreeSet::new()).unwrap_or_else(|(_, t)| t);
     assert_eq!(trace(42), trace(42));
     assert_ne!(trace(42), trace(43));
+    // Leaving a step out leaves the others' choices alone: the shrinker relies on it.
+    let without = run(42, &BTreeSet::from([0])).unwrap_or_else(|(_, t)| t);
+    assert_ne!(trace(42), without);
 }
