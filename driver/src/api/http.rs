@@ -205,7 +205,13 @@ where
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let body = match read_body(&state, body).await {
         Ok(b) => b,
-        Err(e) => return error_response(&state, e),
+        Err(e) => {
+            // The rest of the body is never read, so this connection cannot
+            // carry another request: say so, or a pooling client reuses it.
+            let mut resp = error_response(&state, e);
+            resp.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            return resp;
+        }
     };
     let req: Req = match parse(&body) {
         Ok(r) => r,
