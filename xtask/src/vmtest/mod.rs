@@ -256,6 +256,19 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
         }
         other => bail!("--accel {other:?}: use tcg, kvm or auto"),
     };
+    // A panic before /init printed its boot marker happened in the kernel's
+    // own early boot under emulation (seen once under TCG with swiotlb=force,
+    // in an initcall): nothing of pdstor had run. Boot once more, and say so;
+    // a second panic fails the run.
+    let early_panic = |r: &qemu::VmRun| {
+        !r.booted && std::fs::read_to_string(&r.console_file).is_ok_and(|c| c.contains("Kernel panic"))
+    };
+    let run = if early_panic(&run) {
+        pb.println("vmtest: the guest kernel panicked during early boot, before /init ran; booting it once more");
+        vm.run(run.accel, timeout, None, &progress)?
+    } else {
+        run
+    };
     pb.finish_and_clear();
     let verdict = report(&run, started.elapsed());
     if !args.keep {
