@@ -60,8 +60,7 @@ fn install_packages(sh: &Shell) -> Result<()> {
         println!("deps: all {} packages present", PACKAGES.len());
         return Ok(());
     }
-    let uid = cmd!(sh, "id -u").quiet().read().unwrap_or_default();
-    if uid.trim() != "0" {
+    if !is_root(sh) {
         bail!(
             "deps: missing {}; run as root: apt-get update && apt-get install -y {}",
             missing.join(" "),
@@ -77,7 +76,8 @@ fn install_packages(sh: &Shell) -> Result<()> {
     Ok(())
 }
 
-fn is_root(sh: &Shell) -> bool {
+/// Whether this process runs as root (`id -u`).
+pub fn is_root(sh: &Shell) -> bool {
     cmd!(sh, "id -u").quiet().read().is_ok_and(|u| u.trim() == "0")
 }
 

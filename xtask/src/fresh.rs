@@ -163,7 +163,7 @@ echo "fresh: RESULT cargo xtask {c}: rc=$rc wall=$(( $(date +%s) - start ))s"
 }
 
 pub fn run(sh: &Shell, args: &FreshArgs) -> Result<()> {
-    if !cmd!(sh, "id -u").quiet().read().is_ok_and(|u| u.trim() == "0") {
+    if !crate::deps::is_root(sh) {
         bail!("`cargo xtask fresh` needs root: it builds a Debian root, mounts and chroots into it");
     }
     let commands: Vec<String> =

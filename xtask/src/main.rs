@@ -143,7 +143,7 @@ fn demo(sh: &Shell) -> Result<()> {
     cmd!(sh, "{pdstor} format --target {target} --size 1G --chunk-slot 8M --journal 16M").run()?;
     // As root the daemon attaches the provenance probes, so every chunk's
     // timeline line carries the kernel's verdict on the path it took.
-    let root = cmd!(sh, "id -u").quiet().read().is_ok_and(|u| u.trim() == "0");
+    let root = deps::is_root(sh);
     step(&format!(
         "start pdstor serve (control plane 127.0.0.1:7078, data plane on a Unix socket{})",
         if root { ", provenance probes attached" } else { "; not root: no provenance probes" }

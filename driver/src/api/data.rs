@@ -89,11 +89,8 @@ impl DataPlane {
                             limits.max_data_connections
                         ),
                     );
-                    let resp = DataResponse { ok: false, error: Some(e), ..Default::default() };
-                    if let Ok(bytes) = serde_json::to_vec(&resp) {
-                        let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
-                        let _ = write_frame(&mut conn, &bytes, &[]);
-                    }
+                    let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
+                    last_word(&mut conn, e);
                     continue;
                 }
                 let (service, metrics, provenance, still_open) =
@@ -149,6 +146,15 @@ struct Conn {
 
 fn err(status: u16, code: &str, field: &str, message: String) -> ErrorBody {
     ErrorBody { status, code: code.into(), field: field.into(), message }
+}
+
+/// Answers `e` on a connection about to be closed, best effort: the client
+/// learns why it is being hung up on.
+fn last_word(stream: &mut UnixStream, e: ErrorBody) {
+    let resp = DataResponse { ok: false, error: Some(e), ..Default::default() };
+    if let Ok(bytes) = serde_json::to_vec(&resp) {
+        let _ = write_frame(stream, &bytes, &[]);
+    }
 }
 
 /// Reads one frame, collecting any fds sent with it.
@@ -212,10 +218,7 @@ impl Conn {
                     // Say why before hanging up: the stream cannot be resynchronised.
                     let e = err(413, "frame_too_large", "frame", format!("{e}; the connection is closed"));
                     self.metrics.error(&e.code);
-                    let resp = DataResponse { ok: false, error: Some(e), ..Default::default() };
-                    if let Ok(bytes) = serde_json::to_vec(&resp) {
-                        let _ = write_frame(&mut stream, &bytes, &[]);
-                    }
+                    last_word(&mut stream, e);
                     return;
                 }
                 _ => return,

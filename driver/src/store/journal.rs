@@ -265,10 +265,10 @@ mod tests {
     #[test]
     fn a_repeated_sequence_number_is_reported_not_taken_for_the_end() {
         let mut j = Vec::new();
-        j.extend(encode(9653, &epoch(1)).unwrap());
+        j.extend(encode(9653, &epoch(1)).expect("encoding a record"));
         let second = j.len();
-        j.extend(encode(9653, &epoch(2)).unwrap());
-        j.extend(encode(9654, &epoch(3)).unwrap());
+        j.extend(encode(9653, &epoch(2)).expect("encoding a record"));
+        j.extend(encode(9654, &epoch(3)).expect("encoding a record"));
         j.resize(j.len() + 4096, 0);
         let (recs, end, stop) = replay(&j, 9653);
         assert_eq!((recs.len(), end), (1, second));

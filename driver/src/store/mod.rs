@@ -324,6 +324,8 @@ struct Live {
     /// thread's append offset, mirrored here so that every record kind is
     /// accounted for when it is queued, committed or not).
     journal_end: u64,
+    /// The size of a journal half (fixed at format).
+    journal_half: u64,
     /// Slots a RELEASE, ACK or RECLAIM freed whose record is not durable yet:
     /// no prepare may take them until it is, or a crash could bring the
     /// freed publication back over another request's bytes.
@@ -483,6 +485,7 @@ impl Store {
                 state,
                 next_seq,
                 journal_end: end as u64,
+                journal_half: sb.journal_half,
                 quarantine: BTreeSet::new(),
                 batches: HashMap::new(),
                 failed: None,
@@ -562,7 +565,7 @@ impl Store {
             return Err(StoreError::Failed(f.clone()));
         }
         let frame = journal::encode(live.next_seq, &r).map_err(StoreError::Worker)?;
-        let half = self.lock_sb().journal_half;
+        let half = live.journal_half;
         if frame.len() as u64 > half / 4 {
             return Err(StoreError::RecordTooLarge { bytes: frame.len() as u64, journal_half: half });
         }
@@ -664,8 +667,8 @@ impl Store {
     /// Bytes the queued records take in the active journal half, and the
     /// half's size. A checkpoint keeps the first at most about half the second.
     pub fn journal_usage(&self) -> (u64, u64) {
-        let used = self.lock_live().journal_end;
-        (used, self.lock_sb().journal_half)
+        let live = self.lock_live();
+        (live.journal_end, live.journal_half)
     }
 
     pub fn superblock(&self) -> Superblock {

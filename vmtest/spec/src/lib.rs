@@ -143,8 +143,8 @@ mod tests {
             outcome: Outcome::Fail("chunk 3 differs at byte 17".into()),
             millis: 12,
         };
-        let line = serde_json::to_string(&r).unwrap();
+        let line = serde_json::to_string(&r).expect("a result record encodes");
         assert!(!line.contains('\n'));
-        assert_eq!(serde_json::from_str::<TestResult>(&line).unwrap(), r);
+        assert_eq!(serde_json::from_str::<TestResult>(&line).expect("a result line decodes"), r);
     }
 }
