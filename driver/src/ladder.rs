@@ -185,7 +185,7 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
     if target.geometry().capacity < need {
         bail!("{} holds {} bytes; the ladder needs {need}", cfg.target.display(), target.geometry().capacity);
     }
-    let class = kind.probe_class();
+    let class = crate::provenance::target_class(kind);
     let (memory, exporter_detail): (Box<dyn Memory>, serde_json::Value) = match cfg.exporter {
         LadderExporter::Udmabuf => {
             let b = Buffer::udmabuf("pdstor-ladder", cfg.bytes as usize)?;
@@ -343,7 +343,7 @@ impl RungCtx<'_> {
         for r in requests {
             let v = match self.reader {
                 None => pdstor_probes::Verdict::Unverifiable("probes not attached".into()),
-                Some(reader) => reader.verdict(r.transfer.0, self.rung.path.declared(), self.class),
+                Some(reader) => reader.verdict(r.transfer.0, crate::provenance::declared(self.rung.path), self.class),
             };
             *self.rung.verdicts.entry(v.to_string()).or_default() += 1;
         }

@@ -12,6 +12,7 @@ pub mod ladder;
 pub mod model;
 pub mod payload;
 pub mod protocol;
+pub mod provenance;
 pub mod qualify;
 pub mod roundtrip;
 pub mod store;

@@ -19,6 +19,13 @@ pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 use std::fmt;
 use std::str::FromStr;
 
+/// How many low bits of an io_uring `user_data` name the segment within a
+/// transfer: `user_data = transfer_id << SEGMENT_BITS | segment`. The BPF
+/// programs shift by the same count (`PDSTOR_SEGMENT_BITS` in
+/// `src/bpf/provenance.h`; a test keeps the two equal), and the engine that
+/// builds `user_data` must agree (the daemon asserts it where it composes both).
+pub const SEGMENT_BITS: u32 = 16;
+
 /// What the probes concluded about one transfer.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Verdict {
@@ -105,6 +112,16 @@ impl<'de> serde::Deserialize<'de> for Verdict {
 #[cfg(test)]
 mod tests {
     use super::Verdict::{self, *};
+
+    #[test]
+    fn the_segment_bits_agree_with_the_bpf_header() {
+        let header = include_str!("bpf/provenance.h");
+        let defined = header
+            .lines()
+            .find_map(|l| l.strip_prefix("#define PDSTOR_SEGMENT_BITS "))
+            .and_then(|v| v.trim().parse::<u32>().ok());
+        assert_eq!(defined, Some(super::SEGMENT_BITS), "provenance.h and SEGMENT_BITS disagree");
+    }
 
     #[test]
     fn verdicts_round_trip_through_text() {

@@ -459,7 +459,7 @@ impl Conn {
         for c in chunks {
             let transfer = publication << 16 | c.index as u64;
             let path = self.path_of(c);
-            let v = p.reader.verdict(transfer, path.declared(), p.class);
+            let v = p.reader.verdict(transfer, crate::provenance::declared(path), p.class);
             self.metrics.verdict(path.as_str(), &v);
             if p.require_native && matches!(v, pdstor_probes::Verdict::Fallback(_)) {
                 return Err(err(

@@ -118,7 +118,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             for s in p.status() {
                 tracing::info!(program = s.name, attached = s.attached, detail = %s.detail, "provenance probe");
             }
-            let class = store.target_kind().probe_class();
+            let class = crate::provenance::target_class(store.target_kind());
             Some(Arc::new(data::Provenance { reader: p.reader()?, class, require_native: cfg.require_native }))
         }
         None => None,

@@ -32,7 +32,7 @@ use std::time::Duration;
 use io_uring::{IoUring, opcode, squeue, types};
 
 pub use nvme::NvmeStatus;
-pub use ring::MAX_TRANSFER_ID;
+pub use ring::{MAX_TRANSFER_ID, SEGMENT_BITS};
 pub use target::{Geometry, Target, TargetKind, TargetOptions};
 
 use crate::buffer::{Buffer, BufferError, dmabuf};
@@ -54,28 +54,6 @@ impl PayloadPath {
             PayloadPath::Host => "host",
             PayloadPath::HostFixed => "host_fixed",
             PayloadPath::DmabufFixed => "dmabuf_fixed",
-        }
-    }
-}
-
-impl PayloadPath {
-    /// The path as the provenance probes judge it.
-    pub fn declared(self) -> pdstor_probes::Declared {
-        match self {
-            PayloadPath::Host => pdstor_probes::Declared::Host,
-            PayloadPath::HostFixed => pdstor_probes::Declared::HostFixed,
-            PayloadPath::DmabufFixed => pdstor_probes::Declared::DmabufFixed,
-        }
-    }
-}
-
-impl TargetKind {
-    /// The target as the provenance probes judge it.
-    pub fn probe_class(self) -> pdstor_probes::TargetClass {
-        match self {
-            TargetKind::File => pdstor_probes::TargetClass::File,
-            TargetKind::BlockDevice => pdstor_probes::TargetClass::BlockDevice,
-            TargetKind::NvmeGeneric => pdstor_probes::TargetClass::NvmePassthrough,
         }
     }
 }

@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: GPL-2.0
-/* pdstor provenance probes: tracepoints only (they attach on every kernel
- * pdstor runs on; kprobe/fentry signals come later and are reported as
- * unverifiable until then). Each event of our process is attributed to the
+/* pdstor provenance probes. The tracepoints (io_uring submit/complete,
+ * filemap, block) are required and attach on every kernel pdstor runs on;
+ * the kprobes, tp_btf and raw tracepoints (io-wq punt, iomap direct I/O,
+ * fixed-buffer import, user-page mapping, swiotlb bounce, dma-buf CPU access,
+ * nvme_setup_cmd) are optional: where one cannot attach, the signals it
+ * gives are reported unverifiable, never native. Each event of our process is attributed to the
  * transfer the submitting thread is working on: io_uring_submit_req records
  * it per thread, and the direct-I/O, page-cache and block events that follow
  * on that thread inside the same submission count for it. */
