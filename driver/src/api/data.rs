@@ -28,6 +28,7 @@ use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{BufferId, PayloadPath};
+use crate::protocol::RefusalCode;
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 
@@ -81,8 +82,7 @@ impl DataPlane {
                     open.fetch_sub(1, Ordering::SeqCst);
                     metrics.error("too_many_connections");
                     let e = err(
-                        503,
-                        "too_many_connections",
+                        RefusalCode::TooManyConnections,
                         "",
                         format!(
                             "{} data-plane connections are open (--max-data-connections): retry later",
@@ -144,8 +144,8 @@ struct Conn {
     stored_into: HashSet<u64>,
 }
 
-fn err(status: u16, code: &str, field: &str, message: String) -> ErrorBody {
-    ErrorBody { status, code: code.into(), field: field.into(), message }
+fn err(code: RefusalCode, field: &str, message: String) -> ErrorBody {
+    ErrorBody::new(code, field, message)
 }
 
 /// Answers `e` on a connection about to be closed, best effort: the client
@@ -216,7 +216,7 @@ impl Conn {
                 Ok(Some(f)) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                     // Say why before hanging up: the stream cannot be resynchronised.
-                    let e = err(413, "frame_too_large", "frame", format!("{e}; the connection is closed"));
+                    let e = err(RefusalCode::FrameTooLarge, "frame", format!("{e}; the connection is closed"));
                     self.metrics.error(&e.code);
                     last_word(&mut stream, e);
                     return;
@@ -225,7 +225,7 @@ impl Conn {
             };
             let resp = match serde_json::from_slice::<DataRequest>(&body) {
                 Ok(req) => self.handle(req, fds),
-                Err(e) => Err(err(400, "bad_request", "frame", format!("not a data-plane request: {e}"))),
+                Err(e) => Err(err(RefusalCode::BadRequest, "frame", format!("not a data-plane request: {e}"))),
             };
             let resp = resp.unwrap_or_else(|e| {
                 self.metrics.error(&e.code);
@@ -240,7 +240,11 @@ impl Conn {
 
     fn buffer(&self, c: &DataChunk) -> Result<BufferId, ErrorBody> {
         self.buffers.get(&c.buffer).map(|b| b.0).ok_or_else(|| {
-            err(400, "unknown_buffer", "buffer", format!("buffer {} is not registered on this connection", c.buffer))
+            err(
+                RefusalCode::UnknownBuffer,
+                "buffer",
+                format!("buffer {} is not registered on this connection", c.buffer),
+            )
         })
     }
 
@@ -260,14 +264,22 @@ impl Conn {
     /// Maps or imports the fds of a `register` frame into a buffer.
     fn receive_buffer(kind: SharedKind, len: u64, mut fds: Vec<OwnedFd>) -> Result<Buffer, ErrorBody> {
         if len == 0 {
-            return Err(err(400, "bad_buffer", "len", "a buffer of 0 bytes holds nothing: give its length".into()));
+            return Err(err(
+                RefusalCode::BadBuffer,
+                "len",
+                "a buffer of 0 bytes holds nothing: give its length".into(),
+            ));
         }
         let expected = match kind {
             SharedKind::Memfd => "1 fd (the memfd)",
             SharedKind::Dmabuf => "1 or 2 fds (the DMA-BUF, then optionally its backing memfd)",
         };
         let bad_fds = |n: usize| {
-            err(400, "no_fd", "fd", format!("register of a {kind:?} buffer needs {expected} in SCM_RIGHTS, got {n}"))
+            err(
+                RefusalCode::NoFd,
+                "fd",
+                format!("register of a {kind:?} buffer needs {expected} in SCM_RIGHTS, got {n}"),
+            )
         };
         match kind {
             SharedKind::Memfd => {
@@ -276,7 +288,7 @@ impl Conn {
                 }
                 let fd = fds.remove(0);
                 Buffer::from_memfd(fd, len as usize)
-                    .map_err(|e| err(400, "bad_buffer", "len", format!("mapping the received buffer: {e}")))
+                    .map_err(|e| err(RefusalCode::BadBuffer, "len", format!("mapping the received buffer: {e}")))
             }
             SharedKind::Dmabuf => {
                 if fds.is_empty() || fds.len() > 2 {
@@ -284,17 +296,16 @@ impl Conn {
                 }
                 let backing = if fds.len() == 2 { fds.pop() } else { None };
                 let dmabuf = DmaBuf::import(fds.remove(0))
-                    .map_err(|e| err(400, "bad_buffer", "fd", format!("importing the DMA-BUF: {e}")))?;
+                    .map_err(|e| err(RefusalCode::BadBuffer, "fd", format!("importing the DMA-BUF: {e}")))?;
                 if dmabuf.size() != len {
                     return Err(err(
-                        400,
-                        "bad_buffer",
+                        RefusalCode::BadBuffer,
                         "len",
                         format!("the DMA-BUF is {} bytes, the request says {len}: send its real size", dmabuf.size()),
                     ));
                 }
                 Buffer::from_dmabuf(dmabuf, backing)
-                    .map_err(|e| err(400, "bad_buffer", "fd", format!("mapping the DMA-BUF's backing memfd: {e}")))
+                    .map_err(|e| err(RefusalCode::BadBuffer, "fd", format!("mapping the DMA-BUF's backing memfd: {e}")))
             }
         }
     }
@@ -308,8 +319,7 @@ impl Conn {
                     (self.limits.max_buffers_per_connection, self.limits.max_pinned_bytes_per_connection);
                 if self.buffers.len() >= max {
                     return Err(err(
-                        429,
-                        "too_many_buffers",
+                        RefusalCode::TooManyBuffers,
                         "buffer",
                         format!("this connection has {max} buffers registered (--max-buffers-per-connection)"),
                     ));
@@ -317,8 +327,7 @@ impl Conn {
                 let pinned: u64 = self.buffers.values().map(|b| b.1).sum();
                 if pinned.saturating_add(len) > pinned_max {
                     return Err(err(
-                        429,
-                        "too_many_bytes",
+                        RefusalCode::TooManyBytes,
                         "len",
                         format!(
                             "this connection has {pinned} bytes of buffers registered; {len} more would pass \
@@ -463,8 +472,7 @@ impl Conn {
             self.metrics.verdict(path.as_str(), &v);
             if p.require_native && matches!(v, pdstor_probes::Verdict::Fallback(_)) {
                 return Err(err(
-                    500,
-                    "not_native",
+                    RefusalCode::NotNative,
                     "chunks",
                     format!(
                         "chunk {} of publication {publication} took {v} on a {path} transfer (--require-native)",

@@ -18,8 +18,8 @@ use serde::de::DeserializeOwned;
 
 use super::error::from_protocol;
 use super::wire::*;
-use crate::protocol::Refusal;
 use crate::protocol::service::{ProtocolError, Service};
+use crate::protocol::{Refusal, RefusalCode};
 use crate::store::{AbortOutcome, Phase};
 
 /// The OpenAPI document, kept in the repository beside the crate.
@@ -72,12 +72,11 @@ async fn healthz(State(s): State<Shared>) -> Response {
         None => (StatusCode::OK, "ok\n").into_response(),
         Some(why) => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
-            &ErrorBody {
-                status: 503,
-                code: "store_failed".into(),
-                field: String::new(),
-                message: format!("the store failed ({why}) and refuses every change: restart the daemon"),
-            },
+            &ErrorBody::new(
+                RefusalCode::StoreFailed,
+                "",
+                format!("the store failed ({why}) and refuses every change: restart the daemon"),
+            ),
         ),
     }
 }
@@ -103,10 +102,9 @@ async fn readyz(State(s): State<Shared>) -> Response {
                 "provenance": if s.provenance { "attached" } else { "off" },
             }),
         ),
-        Some(message) => json_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &ErrorBody { status: 503, code: "not_ready".into(), field: String::new(), message },
-        ),
+        Some(message) => {
+            json_response(StatusCode::SERVICE_UNAVAILABLE, &ErrorBody::new(RefusalCode::DaemonNotReady, "", message))
+        }
     }
 }
 
@@ -143,16 +141,17 @@ async fn json_errors(resp: Response) -> Response {
         .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
         .unwrap_or_default();
     let code = match status.as_u16() {
-        404 => "not_found",
-        405 => "method_not_allowed",
-        408 => "timeout",
-        413 => "body_too_large",
-        415 => "unsupported_media_type",
-        s if s >= 500 => "internal",
-        _ => "bad_request",
+        404 => RefusalCode::NotFound,
+        405 => RefusalCode::MethodNotAllowed,
+        408 => RefusalCode::Timeout,
+        413 => RefusalCode::BodyTooLarge,
+        415 => RefusalCode::UnsupportedMediaType,
+        s if s >= 500 => RefusalCode::Internal,
+        _ => RefusalCode::BadRequest,
     };
     let message = if text.is_empty() { status.canonical_reason().unwrap_or("error").to_owned() } else { text };
-    json_response(status, &ErrorBody { status: status.as_u16(), code: code.into(), field: String::new(), message })
+    // The status is the one axum chose; the code names its class.
+    json_response(status, &ErrorBody { status: status.as_u16(), ..ErrorBody::new(code, "", message) })
 }
 
 fn json_response<T: Serialize>(status: StatusCode, v: &T) -> Response {
@@ -167,11 +166,8 @@ fn error_response(state: &AppState, e: ErrorBody) -> Response {
 }
 
 fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ErrorBody> {
-    serde_json::from_slice(body).map_err(|e| ErrorBody {
-        status: 400,
-        code: "bad_request".into(),
-        field: "body".into(),
-        message: format!("request body is not the expected JSON: {e}"),
+    serde_json::from_slice(body).map_err(|e| {
+        ErrorBody::new(RefusalCode::BadRequest, "body", format!("request body is not the expected JSON: {e}"))
     })
 }
 
@@ -180,18 +176,16 @@ async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ErrorBody> {
     let limit = state.limits.max_body_bytes;
     match tokio::time::timeout(state.limits.body_timeout, axum::body::to_bytes(body, limit)).await {
         Ok(Ok(b)) => Ok(b),
-        Ok(Err(e)) => Err(ErrorBody {
-            status: 413,
-            code: "body_too_large".into(),
-            field: "body".into(),
-            message: format!("the request body could not be read within {limit} bytes: {e}"),
-        }),
-        Err(_) => Err(ErrorBody {
-            status: 408,
-            code: "body_timeout".into(),
-            field: "body".into(),
-            message: format!("the request body did not arrive within {} ms", state.limits.body_timeout.as_millis()),
-        }),
+        Ok(Err(e)) => Err(ErrorBody::new(
+            RefusalCode::BodyTooLarge,
+            "body",
+            format!("the request body could not be read within {limit} bytes: {e}"),
+        )),
+        Err(_) => Err(ErrorBody::new(
+            RefusalCode::BodyTimeout,
+            "body",
+            format!("the request body did not arrive within {} ms", state.limits.body_timeout.as_millis()),
+        )),
     }
 }
 
@@ -229,15 +223,9 @@ where
             );
             error_response(&state, body)
         }
-        Err(join) => error_response(
-            &state,
-            ErrorBody {
-                status: 500,
-                code: "internal".into(),
-                field: String::new(),
-                message: format!("handler panicked: {join}"),
-            },
-        ),
+        Err(join) => {
+            error_response(&state, ErrorBody::new(RefusalCode::Internal, "", format!("handler panicked: {join}")))
+        }
     }
 }
 
@@ -257,12 +245,11 @@ pub fn router(state: Shared) -> Router {
                     let max = s.limits.max_prepares;
                     return error_response(
                         &s,
-                        ErrorBody {
-                            status: 503,
-                            code: "too_many_prepares".into(),
-                            field: "req_id".into(),
-                            message: format!("{max} prepares are already being handled or waiting: retry later"),
-                        },
+                        ErrorBody::new(
+                            RefusalCode::TooManyPrepares,
+                            "req_id",
+                            format!("{max} prepares are already being handled or waiting: retry later"),
+                        ),
                     );
                 };
                 step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer)).await
@@ -311,7 +298,7 @@ pub fn router(state: Shared) -> Router {
                     AbortOutcome::Pending => Ok(AbortResponse { outcome: "pending".into(), slots: 0 }),
                     // Nothing to abort is a refusal, like any other step on an unknown publication.
                     AbortOutcome::NotFound => Err(Refusal::new(
-                        "unknown_publication",
+                        RefusalCode::UnknownPublication,
                         "publication",
                         format!(
                             "publication {} does not exist: never prepared, or already acknowledged, released or \

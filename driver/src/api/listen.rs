@@ -15,6 +15,7 @@ use tokio::sync::Semaphore;
 
 use super::Limits;
 use super::wire::ErrorBody;
+use crate::protocol::RefusalCode;
 
 /// Anything the loop can accept connections from (TCP or a Unix socket).
 pub trait Accept {
@@ -41,12 +42,11 @@ impl Accept for tokio::net::UnixListener {
 /// The answer to a connection over the cap, written by hand: no request has
 /// been read, and none will be.
 fn over_capacity(max: usize) -> Vec<u8> {
-    let body = serde_json::to_vec(&ErrorBody {
-        status: 503,
-        code: "too_many_connections".into(),
-        field: String::new(),
-        message: format!("{max} control-plane connections are open (--max-http-connections): retry later"),
-    })
+    let body = serde_json::to_vec(&ErrorBody::new(
+        RefusalCode::TooManyConnections,
+        "",
+        format!("{max} control-plane connections are open (--max-http-connections): retry later"),
+    ))
     .unwrap_or_default();
     let mut r = format!(
         "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",

@@ -90,6 +90,13 @@ pub struct ErrorBody {
     pub message: String,
 }
 
+impl ErrorBody {
+    /// The body for `code`: its status follows from the code.
+    pub fn new(code: crate::protocol::RefusalCode, field: &str, message: impl Into<String>) -> ErrorBody {
+        ErrorBody { status: code.status(), code: code.as_str().into(), field: field.into(), message: message.into() }
+    }
+}
+
 impl std::fmt::Display for ErrorBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {} ({}): {}", self.status, self.code, self.field, self.message)

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
-use crate::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreError, StoreOptions};
+use crate::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
 
 #[derive(Debug, Clone)]
 pub struct StoreBenchConfig {
@@ -31,7 +31,7 @@ pub struct StoreBenchReport {
     pub commit_groups_per_publication: f64,
 }
 
-pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
+pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
     let slots = 4 * cfg.writers as u64;
     let journal_half = 16 << 20;
     let len = 2 * 4096 + 2 * journal_half + slots * cfg.chunk;
@@ -60,10 +60,9 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
     let handles: Vec<_> = (0..cfg.writers)
         .map(|w| {
             let (s, layout, chunk) = (s.clone(), layout.clone(), cfg.chunk);
-            std::thread::spawn(move || -> Result<(), StoreError> {
-                let buf = Buffer::host(chunk as usize).map_err(|e| StoreError::Worker(e.to_string()))?;
-                buf.write_at(0, &crate::payload::chunk(w as u64, 0, chunk as usize))
-                    .map_err(|e| StoreError::Worker(e.to_string()))?;
+            std::thread::spawn(move || -> anyhow::Result<()> {
+                let buf = Buffer::host(chunk as usize)?;
+                buf.write_at(0, &crate::payload::chunk(w as u64, 0, chunk as usize))?;
                 let id = s.register_buffer(buf)?;
                 for i in 0..per_writer {
                     let p = s.prepare(&format!("w{w}-{i}"), "bench", &layout, 1)?;
@@ -82,7 +81,7 @@ pub fn run(cfg: &StoreBenchConfig) -> Result<StoreBenchReport, StoreError> {
         })
         .collect();
     for h in handles {
-        h.join().map_err(|_| StoreError::Worker("a bench writer panicked".into()))??;
+        h.join().map_err(|_| anyhow::anyhow!("a bench writer panicked"))??;
     }
     let seconds = started.elapsed().as_secs_f64();
     let after = s.commit()?;

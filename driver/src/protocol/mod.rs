@@ -7,7 +7,10 @@
 //! state, manifest digest, and (for claims) reader and session. A mismatch is
 //! a [`Refusal`] naming the field; it changes nothing.
 
+pub mod code;
 pub mod service;
+
+pub use code::RefusalCode;
 
 use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};
@@ -51,13 +54,13 @@ pub struct Receipt {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{code} ({field}): {message}")]
 pub struct Refusal {
-    pub code: &'static str,
+    pub code: RefusalCode,
     pub field: &'static str,
     pub message: String,
 }
 
 impl Refusal {
-    pub fn new(code: &'static str, field: &'static str, message: impl Into<String>) -> Refusal {
+    pub fn new(code: RefusalCode, field: &'static str, message: impl Into<String>) -> Refusal {
         Refusal { code, field, message: message.into() }
     }
 }
@@ -115,16 +118,16 @@ impl Signer {
     pub fn verify(&self, r: &Receipt) -> Result<(), Refusal> {
         if r.namespace != self.namespace {
             return Err(Refusal::new(
-                "namespace_mismatch",
+                RefusalCode::NamespaceMismatch,
                 "namespace",
                 format!("receipt is for namespace {}, this daemon serves {}", r.namespace, self.namespace),
             ));
         }
         let sig = hex::decode(&r.signature)
-            .map_err(|_| Refusal::new("bad_signature", "signature", "signature is not hex"))?;
+            .map_err(|_| Refusal::new(RefusalCode::BadSignature, "signature", "signature is not hex"))?;
         self.mac(&canonical(r)).verify_slice(&sig).map_err(|_| {
             Refusal::new(
-                "bad_signature",
+                RefusalCode::BadSignature,
                 "signature",
                 "receipt signature does not verify: forged, altered or truncated",
             )

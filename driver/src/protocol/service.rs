@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Receipt, ReceiptKind, Refusal, Signer, manifest_digest};
+use super::{Receipt, ReceiptKind, Refusal, RefusalCode, Signer, manifest_digest};
 use crate::store::{AbortOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
 use crate::timeline::Event;
 
@@ -56,7 +56,7 @@ pub const MAX_LEASE_MS: u64 = 7 * 24 * 3600 * 1000;
 fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), Refusal> {
     if value.len() > max {
         return Err(Refusal::new(
-            "bad_request",
+            RefusalCode::BadRequest,
             field,
             format!("{field} is {} bytes; at most {max} are accepted", value.len()),
         ));
@@ -104,14 +104,18 @@ impl Service {
     }
 
     fn live(&self, id: u64) -> Result<Publication, Refusal> {
-        self.store
-            .publication(id)
-            .ok_or_else(|| Refusal::new("unknown_publication", "publication", format!("publication {id} is not live")))
+        self.store.publication(id).ok_or_else(|| {
+            Refusal::new(RefusalCode::UnknownPublication, "publication", format!("publication {id} is not live"))
+        })
     }
 
     fn digest_of(p: &Publication) -> Result<String, Refusal> {
         p.manifest.as_ref().map(manifest_digest).ok_or_else(|| {
-            Refusal::new("not_ready", "publication", format!("publication {} has no manifest ({:?})", p.id, p.phase))
+            Refusal::new(
+                RefusalCode::NotReady,
+                "publication",
+                format!("publication {} has no manifest ({:?})", p.id, p.phase),
+            )
         })
     }
 
@@ -120,7 +124,7 @@ impl Service {
         self.signer.verify(r)?;
         if r.kind != kind {
             return Err(Refusal::new(
-                "wrong_receipt",
+                RefusalCode::WrongReceipt,
                 "kind",
                 format!("a {kind:?} receipt is needed, got {:?}", r.kind),
             ));
@@ -128,30 +132,40 @@ impl Service {
         let p = self.live(r.publication)?;
         if p.req_id != r.req_id {
             return Err(Refusal::new(
-                "req_mismatch",
+                RefusalCode::ReqMismatch,
                 "req_id",
                 format!("publication {} is request {}", p.id, p.req_id),
             ));
         }
         if Self::digest_of(&p)? != r.manifest_digest {
             return Err(Refusal::new(
-                "digest_mismatch",
+                RefusalCode::DigestMismatch,
                 "manifest_digest",
                 "the receipt's manifest digest is not this publication's",
             ));
         }
         if kind == ReceiptKind::Claim {
-            let claim =
-                p.claim.as_ref().ok_or_else(|| Refusal::new("not_claimed", "publication", "no claim is recorded"))?;
+            let claim = p
+                .claim
+                .as_ref()
+                .ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim is recorded"))?;
             if r.reader.as_deref() != Some(claim.reader.as_str()) {
-                return Err(Refusal::new("reader_mismatch", "reader", format!("claimed by {}", claim.reader)));
+                return Err(Refusal::new(
+                    RefusalCode::ReaderMismatch,
+                    "reader",
+                    format!("claimed by {}", claim.reader),
+                ));
             }
             if r.session.as_deref() != Some(claim.session.as_str()) {
-                return Err(Refusal::new("session_mismatch", "session", "the claim belongs to another session"));
+                return Err(Refusal::new(
+                    RefusalCode::SessionMismatch,
+                    "session",
+                    "the claim belongs to another session",
+                ));
             }
             if r.epoch != claim.epoch {
                 return Err(Refusal::new(
-                    "epoch_mismatch",
+                    RefusalCode::EpochMismatch,
                     "epoch",
                     format!("the claim was made in epoch {}", claim.epoch),
                 ));
@@ -214,20 +228,25 @@ impl Service {
         let p = self.check(ready, ReceiptKind::Ready)?;
         if p.phase != Phase::Ready {
             return Err(Refusal::new(
-                "already_claimed",
+                RefusalCode::AlreadyClaimed,
                 "publication",
                 format!("publication {} is {:?}", p.id, p.phase),
             )
             .into());
         }
         if reader.is_empty() || session.is_empty() {
-            return Err(Refusal::new("bad_request", "reader_id", "reader_id and session_id must not be empty").into());
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "reader_id",
+                "reader_id and session_id must not be empty",
+            )
+            .into());
         }
         bounded("reader_id", reader, MAX_NAME_BYTES)?;
         bounded("session_id", session, MAX_NAME_BYTES)?;
         if !(1..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(Refusal::new(
-                "bad_request",
+                RefusalCode::BadRequest,
                 "lease_ms",
                 format!("lease_ms {lease_ms} is outside 1..={MAX_LEASE_MS} (7 days)"),
             )
@@ -258,7 +277,7 @@ impl Service {
         let p = self.check(claim, ReceiptKind::Claim)?;
         if namespace != self.namespace() {
             return Err(Refusal::new(
-                "namespace_mismatch",
+                RefusalCode::NamespaceMismatch,
                 "namespace",
                 format!("this namespace is {}", self.namespace()),
             )
@@ -266,33 +285,36 @@ impl Service {
         }
         if epoch != claim.epoch {
             return Err(Refusal::new(
-                "epoch_mismatch",
+                RefusalCode::EpochMismatch,
                 "epoch",
                 format!("the claim was made in epoch {}", claim.epoch),
             )
             .into());
         }
         if digest != claim.manifest_digest {
-            return Err(Refusal::new("digest_mismatch", "manifest_digest", "not the claimed manifest").into());
+            return Err(Refusal::new(RefusalCode::DigestMismatch, "manifest_digest", "not the claimed manifest").into());
         }
         if *layout != p.layout {
             return Err(Refusal::new(
-                "layout_mismatch",
+                RefusalCode::LayoutMismatch,
                 "layout",
                 format!("the publication's layout is {:?}", p.layout),
             )
             .into());
         }
         if p.phase != Phase::Claimed {
-            return Err(
-                Refusal::new("wrong_state", "publication", format!("publication {} is {:?}", p.id, p.phase)).into()
-            );
+            return Err(Refusal::new(
+                RefusalCode::WrongState,
+                "publication",
+                format!("publication {} is {:?}", p.id, p.phase),
+            )
+            .into());
         }
         if let Some(c) = &p.claim
             && self.store.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new(
-                "lease_expired",
+                RefusalCode::LeaseExpired,
                 "lease_ms",
                 "the lease expired; the bytes stay retained until reclaimed",
             )
@@ -300,7 +322,7 @@ impl Service {
         }
         let p = self.store.adopt(p.id)?;
         self.note(Event::new("adopt").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
-        p.manifest.ok_or_else(|| Refusal::new("not_ready", "publication", "no manifest").into())
+        p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
     }
 
     /// Checks that `claim` may load now: adopted, lease running.
@@ -308,7 +330,7 @@ impl Service {
         let p = self.check(claim, ReceiptKind::Claim)?;
         if p.phase != Phase::Adopted {
             return Err(Refusal::new(
-                "wrong_state",
+                RefusalCode::WrongState,
                 "publication",
                 format!("load needs an ADOPTED publication; it is {:?}", p.phase),
             )
@@ -317,16 +339,16 @@ impl Service {
         if let Some(c) = &p.claim
             && self.store.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
-            return Err(Refusal::new("lease_expired", "lease_ms", "the lease expired").into());
+            return Err(Refusal::new(RefusalCode::LeaseExpired, "lease_ms", "the lease expired").into());
         }
-        p.manifest.ok_or_else(|| Refusal::new("not_ready", "publication", "no manifest").into())
+        p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
     }
 
     pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
         if p.phase != Phase::Adopted {
             return Err(Refusal::new(
-                "wrong_state",
+                RefusalCode::WrongState,
                 "publication",
                 format!("ack needs an ADOPTED publication; it is {:?}", p.phase),
             )
@@ -337,7 +359,7 @@ impl Service {
         );
         if restore != expected {
             return Err(Refusal::new(
-                "restore_mismatch",
+                RefusalCode::RestoreMismatch,
                 "restore_digest",
                 "the restored bytes are not the published ones",
             )
@@ -352,7 +374,7 @@ impl Service {
         let p = self.check(ready, ReceiptKind::Ready)?;
         if p.phase != Phase::Ready {
             return Err(Refusal::new(
-                "already_claimed",
+                RefusalCode::AlreadyClaimed,
                 "publication",
                 format!("publication {} is {:?}: only unread READY can be released", p.id, p.phase),
             )
@@ -396,11 +418,11 @@ impl Service {
     /// its session closed, or its claim made in an earlier daemon epoch.
     pub fn reclaim(&self, claim: &Receipt) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
-        let c = p.claim.as_ref().ok_or_else(|| Refusal::new("not_claimed", "publication", "no claim"))?;
+        let c = p.claim.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim"))?;
         let closed = self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&c.session);
         if !closed && c.epoch >= self.store.epoch() {
             return Err(Refusal::new(
-                "not_fenced",
+                RefusalCode::NotFenced,
                 "session",
                 "the reader is not fenced: close its session (POST /storage-pd/session/close) or restart the daemon first",
             )

@@ -98,10 +98,32 @@ impl Record {
     }
 }
 
+/// A record that cannot be framed.
+#[derive(Debug, thiserror::Error)]
+pub enum EncodeError {
+    /// serde could not encode it.
+    #[error("encoding journal record {seq}: {source}")]
+    Json {
+        /// The record's sequence number.
+        seq: u64,
+        /// serde's error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// Its encoding is over the frame's 4 GiB length field.
+    #[error("journal record {seq} is {bytes} bytes: over the 4 GiB a frame can hold")]
+    TooLong {
+        /// The record's sequence number.
+        seq: u64,
+        /// Its encoded size.
+        bytes: usize,
+    },
+}
+
 /// Encodes one record as a frame.
-pub fn encode(seq: u64, record: &Record) -> Result<Vec<u8>, String> {
-    let payload = serde_json::to_vec(record).map_err(|e| format!("encoding {record:?}: {e}"))?;
-    let len = u32::try_from(payload.len()).map_err(|_| "record over 4 GiB".to_owned())?;
+pub fn encode(seq: u64, record: &Record) -> Result<Vec<u8>, EncodeError> {
+    let payload = serde_json::to_vec(record).map_err(|source| EncodeError::Json { seq, source })?;
+    let len = u32::try_from(payload.len()).map_err(|_| EncodeError::TooLong { seq, bytes: payload.len() })?;
     let mut f = Vec::with_capacity(HEADER_BYTES + payload.len() + 8);
     f.extend_from_slice(&RECORD_MAGIC.to_le_bytes());
     f.extend_from_slice(&[0; 4]);

@@ -10,6 +10,7 @@
 //! This module does not sign receipts or enforce who may claim: that is the
 //! protocol's job (`protocol/`), built on the records defined here.
 
+mod error;
 pub mod journal;
 pub mod state;
 pub mod superblock;
@@ -22,18 +23,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::admission::{AdmitError, ReservationManager};
+use crate::admission::ReservationManager;
 use crate::buffer::Buffer;
 use crate::io::{
     BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
 };
 
+pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use journal::Record;
 pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication};
 pub use superblock::Superblock;
 pub use worker::{CommitInfo, FaultPlan, PowerLoss};
 
-use superblock::{FORMAT_VERSION, SUPERBLOCK_BYTES, SuperblockError};
+use superblock::{FORMAT_VERSION, SUPERBLOCK_BYTES};
 use worker::{Job, Worker};
 
 /// Journal half sizes `format` accepts (powers of two, so a reader that lost
@@ -53,72 +55,6 @@ pub const JOURNAL_HALF_CHOICES: [u64; 13] = [
     1 << 29,
     1 << 30,
 ];
-
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error(transparent)]
-    Io(#[from] IoError),
-    #[error("target {path} holds {signature}: refusing to format it; pass --force to overwrite")]
-    ForeignSignature { path: PathBuf, signature: String },
-    #[error("target {path} is {capacity} bytes; a pdstor namespace with these options needs at least {minimum}")]
-    TooSmall { path: PathBuf, capacity: u64, minimum: u64 },
-    #[error("bad format option: {0}")]
-    BadOption(String),
-    #[error("target {path}: {source}")]
-    Superblock {
-        path: PathBuf,
-        #[source]
-        source: SuperblockError,
-    },
-    #[error("recovering target {path}: {what}")]
-    Recovery { path: PathBuf, what: String },
-    #[error("store I/O thread: {0}")]
-    Worker(String),
-    #[error("the store failed earlier ({0}) and refuses further changes: restart it to recover from the journal")]
-    Failed(String),
-    #[error(transparent)]
-    Admission(#[from] AdmitError),
-    #[error("request {req}: already has live publication {publication}")]
-    DuplicateRequest { req: String, publication: u64 },
-    #[error("publication {0} is not live (unknown, or already finished)")]
-    UnknownPublication(u64),
-    #[error("publication {publication} is {phase:?}; {what}")]
-    WrongPhase { publication: u64, phase: Phase, what: &'static str },
-    #[error(
-        "publication {publication}: the first store batch declares total_chunks 0; legacy senders are not supported"
-    )]
-    LegacySender { publication: u64 },
-    #[error(
-        "publication {publication}: batch declares total_chunks {declared} but the request was prepared with {prepared}"
-    )]
-    TotalMismatch { publication: u64, declared: u32, prepared: u32 },
-    #[error(
-        "publication {publication}: protocol violation, {what}; every chunk of the request was rolled back and its reservation released"
-    )]
-    ProtocolViolation { publication: u64, what: String },
-    #[error(
-        "publication {publication}: a store batch failed ({source}); every chunk of the request was rolled back and its reservation released"
-    )]
-    BatchFailed {
-        publication: u64,
-        #[source]
-        source: IoError,
-    },
-    #[error("publication {publication} was aborted while this batch was in flight")]
-    AbortedInFlight { publication: u64 },
-    #[error(
-        "publication {publication} is not ready to publish: {completed} of {total} chunks stored, last batch {last}, {inflight} batches in flight"
-    )]
-    NotPublishable { publication: u64, completed: u32, total: u32, last: &'static str, inflight: u32 },
-    #[error("publication {publication}, chunk {chunk}: {what}")]
-    Load { publication: u64, chunk: u32, what: String },
-    #[error(
-        "a journal record of {bytes} bytes is larger than a quarter of the {journal_half}-byte journal half: shorten the request's strings"
-    )]
-    RecordTooLarge { bytes: u64, journal_half: u64 },
-    #[error("publication {publication} has no chunk {chunk}: its manifest has {chunks} chunks (0..{chunks})")]
-    NoSuchChunk { publication: u64, chunk: u32, chunks: usize },
-}
 
 /// How to format a target.
 #[derive(Debug, Clone)]
@@ -224,7 +160,7 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
         return Err(StoreError::ForeignSignature { path: path.into(), signature: sig.clone() });
     }
     let mut key = [0u8; 32];
-    getrandom::fill(&mut key).map_err(|e| StoreError::Worker(format!("getrandom: {e}")))?;
+    getrandom::fill(&mut key).map_err(WorkerError::Random)?;
     let sb = Superblock {
         version: FORMAT_VERSION,
         generation: 1,
@@ -331,7 +267,7 @@ struct Live {
     /// freed publication back over another request's bytes.
     quarantine: BTreeSet<u32>,
     batches: HashMap<u64, Batches>,
-    failed: Option<String>,
+    failed: Option<Arc<WorkerError>>,
 }
 
 /// One chunk of a store batch: where its bytes are.
@@ -423,7 +359,7 @@ impl Store {
         let handle = std::thread::Builder::new()
             .name("pdstor-store-io".into())
             .spawn(move || {
-                let opened = Worker::open(target, qd, fault).map_err(StoreError::Worker);
+                let opened = Worker::open(target, qd, fault).map_err(StoreError::from);
                 let (mut worker, a, b) = match opened {
                     Ok(x) => x,
                     Err(e) => {
@@ -445,7 +381,7 @@ impl Store {
                         let _ = otx.send(Ok((sb, note, j, worker.dmabuf_rw())));
                     }
                     Err(e) => {
-                        let _ = otx.send(Err(StoreError::Worker(e)));
+                        let _ = otx.send(Err(StoreError::from(e)));
                         return;
                     }
                 }
@@ -455,9 +391,8 @@ impl Store {
                     _ => {}
                 }
             })
-            .map_err(|e| StoreError::Worker(format!("spawning the I/O thread: {e}")))?;
-        let (sb, note, journal, dmabuf_rw) =
-            orx.recv().map_err(|_| StoreError::Worker("the I/O thread exited during open".into()))??;
+            .map_err(|e| StoreError::from(WorkerError::Spawn(e)))?;
+        let (sb, note, journal, dmabuf_rw) = orx.recv().map_err(|_| WorkerError::ExitedDuringOpen)??;
 
         let mut state = state::State::new(sb.slot_count, sb.slot_size, sb.data_offset);
         state.epoch = sb.epoch;
@@ -471,9 +406,7 @@ impl Store {
             ..Default::default()
         };
         for (seq, r) in &records {
-            state
-                .apply(r)
-                .map_err(|what| StoreError::Recovery { path: path.into(), what: format!("record {seq}: {what}") })?;
+            state.apply(r).map_err(|source| StoreError::Replay { path: path.into(), seq: *seq, source })?;
         }
         let next_seq = records.last().map_or(sb.journal_start_seq, |(s, _)| s + 1);
         let _ = tx.send(Job::Resume { journal_end: end as u64 });
@@ -531,7 +464,7 @@ impl Store {
             }
             report.live = live.state.pubs.len();
             report.epoch = next_sb.epoch;
-            live.state.check().map_err(|what| StoreError::Recovery { path: path.into(), what })?;
+            live.state.check().map_err(|source| StoreError::Recovered { path: path.into(), source })?;
         }
         store.commit()?;
         Ok((store, report))
@@ -545,11 +478,7 @@ impl Store {
     }
 
     fn send(&self, job: Job) -> Result<(), StoreError> {
-        self.jobs
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job)
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner()).send(job).map_err(|_| StoreError::from(WorkerError::Gone))
     }
 
     /// Applies a record to the state and queues it for the journal, in order.
@@ -564,12 +493,12 @@ impl Store {
         if let Some(f) = &live.failed {
             return Err(StoreError::Failed(f.clone()));
         }
-        let frame = journal::encode(live.next_seq, &r).map_err(StoreError::Worker)?;
+        let frame = journal::encode(live.next_seq, &r)?;
         let half = live.journal_half;
         if frame.len() as u64 > half / 4 {
             return Err(StoreError::RecordTooLarge { bytes: frame.len() as u64, journal_half: half });
         }
-        live.state.apply(&r).map_err(|what| StoreError::Recovery { path: self.path.clone(), what })?;
+        live.state.apply(&r).map_err(|source| StoreError::Apply { path: self.path.clone(), source })?;
         debug_assert!(live.state.check().is_ok(), "allocator invariant broken by {r:?}: {:?}", live.state.check());
         if live.journal_end + frame.len() as u64 > half / 2 {
             return self.checkpoint_locked(live);
@@ -584,10 +513,7 @@ impl Store {
     pub fn commit(&self) -> Result<CommitInfo, StoreError> {
         let (tx, rx) = channel();
         self.send(Job::Commit(tx))?;
-        let info = rx
-            .recv()
-            .map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?
-            .map_err(|e| self.mark_failed(e))?;
+        let info = rx.recv().map_err(|_| WorkerError::Gone)?.map_err(|e| self.mark_failed(e))?;
         *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
         if info.journal_used > info.journal_half / 2 {
             self.checkpoint()?;
@@ -596,15 +522,15 @@ impl Store {
     }
 
     /// A commit that failed leaves memory ahead of the media: refuse changes.
-    fn mark_failed(&self, why: String) -> StoreError {
-        self.lock_live().failed.get_or_insert(why.clone());
-        StoreError::Failed(why)
+    fn mark_failed(&self, why: Arc<WorkerError>) -> StoreError {
+        let mut live = self.lock_live();
+        StoreError::Failed(live.failed.get_or_insert(why).clone())
     }
 
     fn write_superblock(&self, sb: Superblock) -> Result<(), StoreError> {
         let (tx, rx) = channel();
         self.send(Job::WriteSuperblock(sb, tx))?;
-        rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?.map_err(|e| self.mark_failed(e))
+        rx.recv().map_err(|_| WorkerError::Gone)?.map_err(|e| self.mark_failed(Arc::new(e)))
     }
 
     /// Compacts the journal into the other half: one CHECKPOINT record of the
@@ -627,7 +553,7 @@ impl Store {
             next_publication: live.state.next_publication,
             publications: live.state.pubs.values().cloned().collect(),
         };
-        let frame = journal::encode(seq, &rec).map_err(StoreError::Worker)?;
+        let frame = journal::encode(seq, &rec)?;
         let frame_len = frame.len() as u64;
         let mut sb = self.lock_sb().clone();
         sb.active_half = 1 - sb.active_half;
@@ -635,7 +561,7 @@ impl Store {
         sb.generation += 1;
         let (tx, rx) = channel();
         self.send(Job::Checkpoint { frame, superblock: sb.clone(), reply: tx })?;
-        let r = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?;
+        let r = rx.recv().map_err(|_| WorkerError::Gone)?;
         match r {
             Ok(()) => {
                 live.next_seq = seq + 1;
@@ -643,10 +569,7 @@ impl Store {
                 *self.lock_sb() = sb;
                 Ok(())
             }
-            Err(e) => {
-                live.failed.get_or_insert(e.clone());
-                Err(StoreError::Failed(e))
-            }
+            Err(e) => Err(StoreError::Failed(live.failed.get_or_insert(Arc::new(e)).clone())),
         }
     }
 
@@ -661,7 +584,7 @@ impl Store {
 
     /// Why the store refuses changes, if a commit failed (restart recovers).
     pub fn failed(&self) -> Option<String> {
-        self.lock_live().failed.clone()
+        self.lock_live().failed.as_ref().map(|e| e.to_string())
     }
 
     /// Bytes the queued records take in the active journal half, and the
@@ -691,7 +614,7 @@ impl Store {
     pub fn register_buffer_for(&self, buffer: Buffer, path: PayloadPath) -> Result<BufferId, StoreError> {
         let (tx, rx) = channel();
         self.send(Job::Register(buffer, path, tx))?;
-        let id = rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))??;
+        let id = rx.recv().map_err(|_| WorkerError::Gone)??;
         self.lock_paths().insert(id, path);
         Ok(id)
     }
@@ -714,7 +637,7 @@ impl Store {
     pub fn unregister_buffer(&self, id: BufferId) -> Result<(), StoreError> {
         let (tx, rx) = channel();
         self.send(Job::Unregister(id, tx))?;
-        rx.recv().map_err(|_| StoreError::Worker("the I/O thread is gone".into()))?.map_err(StoreError::from)?;
+        rx.recv().map_err(|_| WorkerError::Gone)?.map_err(StoreError::from)?;
         self.lock_paths().remove(&id);
         Ok(())
     }
@@ -742,12 +665,10 @@ impl Store {
             if let Some(p) = live.state.by_req(req_id) {
                 return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
             }
-            let slots = live.state.pick_slots_avoiding(total_chunks, &live.quarantine).ok_or_else(|| {
-                StoreError::Worker(format!(
-                    "admission granted {total_chunks} slots but the allocator has {}",
-                    live.state.free_slots()
-                ))
-            })?;
+            let slots = live
+                .state
+                .pick_slots_avoiding(total_chunks, &live.quarantine)
+                .ok_or(Invariant::AllocatorShort { granted: total_chunks, free: live.state.free_slots() })?;
             let id = live.state.next_publication;
             self.log(
                 &mut live,
@@ -940,8 +861,7 @@ impl Store {
                 });
             }
             let chunks: Option<Vec<ChunkEntry>> = p.chunks.iter().copied().collect();
-            let chunks = chunks
-                .ok_or_else(|| StoreError::Worker(format!("publication {id} counts all chunks but lacks an entry")))?;
+            let chunks = chunks.ok_or(Invariant::MissingEntry(id))?;
             let m =
                 Manifest { publication: id, req_id: p.req_id.clone(), layout: p.layout.clone(), chunks, first_token };
             if let Some(b) = live.batches.get_mut(&id) {
@@ -1211,32 +1131,32 @@ impl Store {
     /// agreement — each live publication's request holds exactly its slots.
     /// A holder with no live publication is a `prepare` between admission and
     /// its PREPARE record; [`Store::check_quiescent`] allows none.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Invariant> {
         let live = self.lock_live();
         live.state.check()?;
-        self.admission.check()?;
+        self.admission.check().map_err(Invariant::Admission)?;
         let holders: HashMap<String, u64> = self.admission.holders().into_iter().collect();
         for p in live.state.pubs.values() {
             let held = holders.get(&p.req_id).copied().unwrap_or(0);
             if held != p.slots.len() as u64 {
-                return Err(format!("request {} holds {held} reservations for {} slots", p.req_id, p.slots.len()));
+                return Err(Invariant::Reservations { req: p.req_id.clone(), held, slots: p.slots.len() });
             }
         }
         let in_transit: u64 = holders.iter().filter(|(r, _)| live.state.by_req(r).is_none()).map(|(_, n)| n).sum();
         if in_transit > live.state.free_slots() {
-            return Err(format!("{in_transit} slots reserved in transit but only {} free", live.state.free_slots()));
+            return Err(Invariant::InTransit { in_transit, free: live.state.free_slots() });
         }
         Ok(())
     }
 
     /// [`Store::check`], with no `prepare` in flight: reservations equal owned slots.
-    pub fn check_quiescent(&self) -> Result<(), String> {
+    pub fn check_quiescent(&self) -> Result<(), Invariant> {
         self.check()?;
         let live = self.lock_live();
         let owned: u64 = live.state.pubs.values().map(|p| p.slots.len() as u64).sum();
         let reserved = self.admission.stats().reserved;
         if owned != reserved {
-            return Err(format!("publications own {owned} slots but {reserved} are reserved"));
+            return Err(Invariant::Unbalanced { owned, reserved });
         }
         Ok(())
     }

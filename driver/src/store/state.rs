@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::error::{Invariant, StateError};
 use super::journal::Record;
 
 /// The KV layout a reader must match exactly (DESIGN §1).
@@ -125,14 +126,14 @@ impl State {
         self.pubs.values().find(|p| p.req_id == req)
     }
 
-    fn take_slots(&mut self, pub_id: u64, slots: &[u32]) -> Result<(), String> {
+    fn take_slots(&mut self, pub_id: u64, slots: &[u32]) -> Result<(), StateError> {
         for s in slots {
             match self.owner.get(*s as usize) {
                 Some(None) => {}
                 Some(Some(o)) => {
-                    return Err(format!("slot {s} is already owned by publication {o}"));
+                    return Err(StateError::SlotOwned { slot: *s, owner: *o });
                 }
-                None => return Err(format!("slot {s} does not exist")),
+                None => return Err(StateError::NoSuchSlot(*s)),
             }
         }
         for s in slots {
@@ -153,20 +154,20 @@ impl State {
         Some(p)
     }
 
-    fn get_mut(&mut self, id: u64) -> Result<&mut Publication, String> {
-        self.pubs.get_mut(&id).ok_or_else(|| format!("publication {id} is not live"))
+    fn get_mut(&mut self, id: u64) -> Result<&mut Publication, StateError> {
+        self.pubs.get_mut(&id).ok_or(StateError::NotLive(id))
     }
 
     /// Applies one record. Refuses (changing nothing) a record that does not
     /// fit the current state.
-    pub fn apply(&mut self, r: &Record) -> Result<(), String> {
+    pub fn apply(&mut self, r: &Record) -> Result<(), StateError> {
         match r {
             Record::Prepare { publication, req_id, writer, layout, total_chunks, slots } => {
                 if self.pubs.contains_key(publication) {
-                    return Err(format!("publication {publication} prepared twice"));
+                    return Err(StateError::PreparedTwice(*publication));
                 }
                 if slots.len() != *total_chunks as usize {
-                    return Err(format!("{} slots for {total_chunks} chunks", slots.len()));
+                    return Err(StateError::SlotCount { slots: slots.len(), chunks: *total_chunks });
                 }
                 self.take_slots(*publication, slots)?;
                 self.pubs.insert(
@@ -190,10 +191,10 @@ impl State {
                 let (data_offset, slot_size) = (self.data_offset, self.slot_size);
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Prepared {
-                    return Err(format!("chunk stored into publication {publication} in phase {:?}", p.phase));
+                    return Err(StateError::StoredOutOfPhase { publication: *publication, phase: p.phase });
                 }
                 if p.slots.get(*chunk as usize) != Some(slot) || *len > slot_size {
-                    return Err(format!("chunk {chunk} of publication {publication} does not belong in slot {slot}"));
+                    return Err(StateError::WrongSlot { publication: *publication, chunk: *chunk, slot: *slot });
                 }
                 p.chunks[*chunk as usize] = Some(ChunkEntry {
                     index: *chunk,
@@ -206,7 +207,11 @@ impl State {
             Record::Publish { publication, manifest } => {
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Prepared {
-                    return Err(format!("publication {publication} published in phase {:?}", p.phase));
+                    return Err(StateError::Transition {
+                        publication: *publication,
+                        what: "published",
+                        phase: p.phase,
+                    });
                 }
                 p.phase = Phase::Ready;
                 p.manifest = Some(manifest.clone());
@@ -214,7 +219,7 @@ impl State {
             Record::Claim { publication, reader, session, lease_ms, epoch, claimed_unix_ms } => {
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Ready {
-                    return Err(format!("publication {publication} claimed in phase {:?}", p.phase));
+                    return Err(StateError::Transition { publication: *publication, what: "claimed", phase: p.phase });
                 }
                 p.phase = Phase::Claimed;
                 p.claim = Some(ClaimInfo {
@@ -228,42 +233,42 @@ impl State {
             Record::Adopt { publication } => {
                 let p = self.get_mut(*publication)?;
                 if p.phase != Phase::Claimed {
-                    return Err(format!("publication {publication} adopted in phase {:?}", p.phase));
+                    return Err(StateError::Transition { publication: *publication, what: "adopted", phase: p.phase });
                 }
                 p.phase = Phase::Adopted;
             }
             Record::Retain { publication, .. } => {
                 let p = self.get_mut(*publication)?;
                 if !matches!(p.phase, Phase::Claimed | Phase::Adopted) {
-                    return Err(format!("publication {publication} retained in phase {:?}", p.phase));
+                    return Err(StateError::Transition { publication: *publication, what: "retained", phase: p.phase });
                 }
                 p.phase = Phase::Retained;
             }
             Record::Ack { publication, .. } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if phase != Phase::Adopted {
-                    return Err(format!("publication {publication} acked in phase {phase:?}"));
+                    return Err(StateError::Transition { publication: *publication, what: "acked", phase });
                 }
                 self.free_pub(*publication);
             }
             Record::Release { publication } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if phase != Phase::Ready {
-                    return Err(format!("publication {publication} released in phase {phase:?}"));
+                    return Err(StateError::Transition { publication: *publication, what: "released", phase });
                 }
                 self.free_pub(*publication);
             }
             Record::Reclaim { publication } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if !matches!(phase, Phase::Retained | Phase::Claimed | Phase::Adopted) {
-                    return Err(format!("publication {publication} reclaimed in phase {phase:?}"));
+                    return Err(StateError::Transition { publication: *publication, what: "reclaimed", phase });
                 }
                 self.free_pub(*publication);
             }
             Record::Abort { publication, .. } => {
                 let phase = self.get_mut(*publication)?.phase;
                 if !matches!(phase, Phase::Prepared | Phase::Aborting) {
-                    return Err(format!("publication {publication} aborted in phase {phase:?}"));
+                    return Err(StateError::Transition { publication: *publication, what: "aborted", phase });
                 }
                 self.free_pub(*publication);
             }
@@ -292,23 +297,28 @@ impl State {
     /// The allocator invariants: no slot owned twice, every owned slot belongs
     /// to a live publication that lists it, the free set is exactly the
     /// unowned slots, and every stored chunk sits in its reserved slot.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), Invariant> {
         let mut seen = BTreeMap::new();
         for p in self.pubs.values() {
             if p.slots.len() != p.total_chunks as usize || p.chunks.len() != p.total_chunks as usize {
-                return Err(format!("publication {} has {} slots for {} chunks", p.id, p.slots.len(), p.total_chunks));
+                return Err(Invariant::SlotCount { publication: p.id, slots: p.slots.len(), chunks: p.total_chunks });
             }
             for (i, s) in p.slots.iter().enumerate() {
                 if let Some(other) = seen.insert(*s, p.id) {
-                    return Err(format!("slot {s} owned by publications {other} and {}", p.id));
+                    return Err(Invariant::OwnedTwice { slot: *s, first: other, second: p.id });
                 }
                 if self.owner.get(*s as usize) != Some(&Some(p.id)) {
-                    return Err(format!("slot {s} of publication {} is not marked as its own", p.id));
+                    return Err(Invariant::NotMarked { slot: *s, publication: p.id });
                 }
                 if let Some(c) = &p.chunks[i]
                     && c.slot != *s
                 {
-                    return Err(format!("chunk {i} of publication {} is in slot {} not {s}", p.id, c.slot));
+                    return Err(Invariant::ChunkMisplaced {
+                        chunk: i,
+                        publication: p.id,
+                        actual: c.slot,
+                        reserved: *s,
+                    });
                 }
             }
         }
@@ -316,13 +326,13 @@ impl State {
             let s = s as u32;
             match o {
                 Some(id) if seen.get(&s) != Some(id) => {
-                    return Err(format!("slot {s} marked for publication {id}, which does not list it"));
+                    return Err(Invariant::Unlisted { slot: s, publication: *id });
                 }
                 None if !self.free.contains(&s) => {
-                    return Err(format!("slot {s} is neither owned nor free"));
+                    return Err(Invariant::Lost(s));
                 }
                 Some(_) if self.free.contains(&s) => {
-                    return Err(format!("slot {s} is both owned and free"));
+                    return Err(Invariant::OwnedAndFree(s));
                 }
                 _ => {}
             }
@@ -363,7 +373,7 @@ mod tests {
     fn a_slot_is_never_owned_twice() {
         let mut s = State::new(4, 4096, 0);
         s.apply(&prepare(1, vec![0, 1])).unwrap();
-        let e = s.apply(&prepare(2, vec![1, 2])).unwrap_err();
+        let e = s.apply(&prepare(2, vec![1, 2])).unwrap_err().to_string();
         assert!(e.contains("slot 1 is already owned by publication 1"));
         assert!(!s.pubs.contains_key(&2), "a refused record changes nothing");
         s.check().unwrap();

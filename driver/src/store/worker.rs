@@ -18,6 +18,7 @@ use std::sync::mpsc::{Receiver, Sender};
 use crate::buffer::Buffer;
 use crate::io::{BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TransferId};
 
+use super::error::WorkerError;
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
 
 /// Journal writes are whole 4 KiB blocks (every target here accepts that).
@@ -182,6 +183,10 @@ fn dead_device() -> std::io::Error {
     std::io::Error::other("device failed (fault injection)")
 }
 
+/// What every committer of one group commit is told: shared, since one
+/// outcome answers them all.
+pub(crate) type CommitReply = Result<CommitInfo, Arc<WorkerError>>;
+
 /// Per request, the crc32c of its bytes (`None` for memory the daemon cannot
 /// map) or its failure; the outer error is a batch that could not run.
 pub(crate) type PayloadReply = Result<Vec<Result<Option<u32>, IoError>>, IoError>;
@@ -200,14 +205,14 @@ pub(crate) enum Job {
     Io(Vec<IoRequest>, Sender<PayloadReply>),
     /// Encoded records to append to the journal image (durable at the next commit).
     Append(Vec<u8>),
-    Commit(Sender<Result<CommitInfo, String>>),
+    Commit(Sender<CommitReply>),
     /// Starts the other half with this frame, then points the superblock at it.
     Checkpoint {
         frame: Vec<u8>,
         superblock: Superblock,
-        reply: Sender<Result<(), String>>,
+        reply: Sender<Result<(), WorkerError>>,
     },
-    WriteSuperblock(Superblock, Sender<Result<(), String>>),
+    WriteSuperblock(Superblock, Sender<Result<(), WorkerError>>),
     Stop,
 }
 
@@ -240,10 +245,9 @@ impl Worker {
         target: Target,
         queue_depth: u32,
         fault: Option<Arc<FaultPlan>>,
-    ) -> Result<(Worker, Vec<u8>, Vec<u8>), String> {
-        let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })
-            .map_err(|e| e.to_string())?;
-        let a = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64).map_err(|e| e.to_string())?;
+    ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
+        let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })?;
+        let a = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64)?;
         let capacity = engine.geometry().capacity;
         // Copy B sits after the journal, whose size copy A gives. If A is
         // unreadable, try every size `format` can choose (powers of two).
@@ -253,7 +257,7 @@ impl Worker {
         };
         let mut b = Vec::new();
         for off in b_offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
-            let bytes = engine.read_to_vec(off, SUPERBLOCK_BYTES as u64).map_err(|e| e.to_string())?;
+            let bytes = engine.read_to_vec(off, SUPERBLOCK_BYTES as u64)?;
             if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty() {
                 let found = Superblock::decode(&bytes).is_ok();
                 b = bytes;
@@ -263,9 +267,7 @@ impl Worker {
             }
         }
         let sb = Superblock::decode(&a).or_else(|_| Superblock::decode(&b)).unwrap_or_else(|_| blank_superblock());
-        let image = engine
-            .register(Buffer::host(JOURNAL_BLOCK as usize).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+        let image = engine.register(Buffer::host(JOURNAL_BLOCK as usize)?)?;
         Ok((
             Worker {
                 engine,
@@ -286,24 +288,26 @@ impl Worker {
     }
 
     /// Loads the active journal half of `sb` into the image and returns its bytes.
-    pub fn load_journal(&mut self, sb: &Superblock) -> Result<Vec<u8>, String> {
+    pub fn load_journal(&mut self, sb: &Superblock) -> Result<Vec<u8>, WorkerError> {
         self.sb = sb.clone();
         let old = self.image;
-        let buffer = Buffer::host(sb.journal_half as usize).map_err(|e| e.to_string())?;
-        self.image = self.engine.register(buffer).map_err(|e| e.to_string())?;
+        let buffer = Buffer::host(sb.journal_half as usize)?;
+        self.image = self.engine.register(buffer)?;
         self.image_len = sb.journal_half;
         let _ = self.engine.remove(old);
         let off = sb.journal_offset(sb.active_half);
-        self.io_one(Op::Read, self.image, 0, off, sb.journal_half).map_err(|e| format!("reading the journal: {e}"))?;
+        self.io_one(Op::Read, self.image, 0, off, sb.journal_half)
+            .map_err(|source| WorkerError::ReadJournal { source })?;
         let mut bytes = vec![0u8; sb.journal_half as usize];
-        self.engine.buffer(self.image).map_err(|e| e.to_string())?.read_at(0, &mut bytes).map_err(|e| e.to_string())?;
+        self.engine.buffer(self.image)?.read_at(0, &mut bytes)?;
         Ok(bytes)
     }
 
     /// Appends continue at `end` (the last good record); what follows is zeroed.
-    pub fn set_journal_end(&mut self, end: u64) -> Result<(), String> {
+    pub fn set_journal_end(&mut self, end: u64) -> Result<(), WorkerError> {
+        assert!(end <= self.image_len, "journal end {end} beyond the {}-byte image", self.image_len);
         let zeros = vec![0u8; (self.image_len - end) as usize];
-        self.engine.buffer(self.image).map_err(|e| e.to_string())?.write_at(end, &zeros).map_err(|e| e.to_string())?;
+        self.engine.buffer(self.image)?.write_at(end, &zeros)?;
         self.end = end;
         // The block holding `end` must be rewritten whole at the next commit.
         self.durable_end = end - end % JOURNAL_BLOCK;
@@ -324,7 +328,7 @@ impl Worker {
             // commit after the batch's other jobs. That is safe: a writer sends
             // its Commit only after its payload I/O and records were queued, so
             // serving it later still covers them (and maybe more).
-            let mut commits: Vec<Sender<Result<CommitInfo, String>>> = Vec::new();
+            let mut commits: Vec<Sender<CommitReply>> = Vec::new();
             for job in std::mem::take(&mut pending) {
                 match job {
                     Job::Commit(reply) => commits.push(reply),
@@ -344,11 +348,12 @@ impl Worker {
         }
     }
 
-    fn finish_commits(&mut self, commits: &mut Vec<Sender<Result<CommitInfo, String>>>) {
+    fn finish_commits(&mut self, commits: &mut Vec<Sender<CommitReply>>) {
         if commits.is_empty() {
             return;
         }
-        let result = self.commit().map(|_| self.info());
+        // One outcome for every committer of the group: shared, not copied.
+        let result = self.commit().map(|_| self.info()).map_err(Arc::new);
         for c in commits.drain(..) {
             let _ = c.send(result.clone());
         }
@@ -400,11 +405,11 @@ impl Worker {
         }
     }
 
-    fn flush(&mut self) -> Result<(), String> {
+    fn flush(&mut self) -> Result<(), WorkerError> {
         if self.fault.as_ref().is_some_and(|f| f.is_dead()) {
-            return Err(dead_device().to_string());
+            return Err(WorkerError::DeviceDead);
         }
-        self.engine.flush().map_err(|e| format!("flush: {e}"))?;
+        self.engine.flush().map_err(|source| WorkerError::Flush { source })?;
         if let Some(f) = &self.fault {
             f.flushed();
         }
@@ -413,9 +418,9 @@ impl Worker {
     }
 
     /// Flush payload (if any was written) → write the journal tail → flush.
-    fn commit(&mut self) -> Result<(), String> {
+    fn commit(&mut self) -> Result<(), WorkerError> {
         if self.end == u64::MAX {
-            return Err(format!("the journal half ({} bytes) is full: format with a larger --journal", self.image_len));
+            return Err(WorkerError::JournalFull { half: self.image_len });
         }
         self.groups += 1;
         if self.payload_dirty {
@@ -425,33 +430,34 @@ impl Worker {
         if self.durable_end < self.end {
             let start = self.durable_end - self.durable_end % JOURNAL_BLOCK;
             let stop = self.end.div_ceil(JOURNAL_BLOCK) * JOURNAL_BLOCK;
-            let off = self.sb.journal_offset(self.sb.active_half) + start;
-            self.write_guarded(self.image, start, off, stop - start)
-                .map_err(|e| format!("writing the journal: {e}"))?;
+            // The blocks rewritten lie inside the image and the half: a
+            // commit never writes into the other half or the data area.
+            assert!(start < stop && stop <= self.image_len, "journal blocks {start}..{stop} outside the half");
+            assert!(start.is_multiple_of(JOURNAL_BLOCK) && stop.is_multiple_of(JOURNAL_BLOCK));
+            let offset = self.sb.journal_offset(self.sb.active_half) + start;
+            self.write_guarded(self.image, start, offset, stop - start)
+                .map_err(|source| WorkerError::WriteJournal { offset, source })?;
             self.flush()?;
             self.durable_end = self.end;
         }
         Ok(())
     }
 
-    fn checkpoint(&mut self, frame: &[u8], sb: Superblock) -> Result<(), String> {
+    fn checkpoint(&mut self, frame: &[u8], sb: Superblock) -> Result<(), WorkerError> {
         self.commit()?;
         if frame.len() as u64 + JOURNAL_BLOCK > self.image_len {
-            return Err(format!(
-                "a checkpoint of {} bytes does not fit the {}-byte journal half: format with a larger --journal",
-                frame.len(),
-                self.image_len
-            ));
+            return Err(WorkerError::CheckpointTooLarge { bytes: frame.len() as u64, half: self.image_len });
         }
         // Build the new half in the image: the frame, then zeros.
-        let b = self.engine.buffer(self.image).map_err(|e| e.to_string())?;
-        b.write_at(0, frame).map_err(|e| e.to_string())?;
+        let b = self.engine.buffer(self.image)?;
+        b.write_at(0, frame)?;
         let zeros = vec![0u8; (self.image_len - frame.len() as u64) as usize];
-        b.write_at(frame.len() as u64, &zeros).map_err(|e| e.to_string())?;
+        b.write_at(frame.len() as u64, &zeros)?;
         let len = (frame.len() as u64).div_ceil(JOURNAL_BLOCK) * JOURNAL_BLOCK + JOURNAL_BLOCK;
         let len = len.min(self.image_len);
-        let off = sb.journal_offset(sb.active_half);
-        self.write_guarded(self.image, 0, off, len).map_err(|e| format!("writing the checkpoint: {e}"))?;
+        let offset = sb.journal_offset(sb.active_half);
+        self.write_guarded(self.image, 0, offset, len)
+            .map_err(|source| WorkerError::WriteCheckpoint { offset, source })?;
         self.flush()?;
         self.write_superblock(&sb)?;
         self.end = frame.len() as u64;
@@ -460,17 +466,14 @@ impl Worker {
     }
 
     /// Copy A, flush, copy B, flush: one valid copy survives any crash.
-    fn write_superblock(&mut self, sb: &Superblock) -> Result<(), String> {
+    fn write_superblock(&mut self, sb: &Superblock) -> Result<(), WorkerError> {
         let bytes = sb.encode();
-        let tmp = self
-            .engine
-            .register(Buffer::host(SUPERBLOCK_BYTES).map_err(|e| e.to_string())?)
-            .map_err(|e| e.to_string())?;
+        let tmp = self.engine.register(Buffer::host(SUPERBLOCK_BYTES)?)?;
         let result = (|| {
-            self.engine.buffer(tmp).map_err(|e| e.to_string())?.write_at(0, &bytes).map_err(|e| e.to_string())?;
-            for off in [0, sb.copy_b_offset()] {
-                self.write_guarded(tmp, 0, off, SUPERBLOCK_BYTES as u64)
-                    .map_err(|e| format!("writing the superblock at {off}: {e}"))?;
+            self.engine.buffer(tmp)?.write_at(0, &bytes)?;
+            for offset in [0, sb.copy_b_offset()] {
+                self.write_guarded(tmp, 0, offset, SUPERBLOCK_BYTES as u64)
+                    .map_err(|source| WorkerError::WriteSuperblock { offset, source })?;
                 self.flush()?;
             }
             Ok(())
