@@ -25,7 +25,10 @@ use anyhow::{Context, bail};
 
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
-use crate::io::{Engine, EngineOptions, IoRequest, Op, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
+use crate::io::{
+    BufferOffset, Engine, EngineOptions, IoRequest, Op, PayloadPath, Target, TargetKind, TargetOffset, TargetOptions,
+    TransferId,
+};
 
 /// Memory an exporter provides: filled and read by the CPU (through the
 /// exporter's own copy routines), exportable as a DMA-BUF.
@@ -332,8 +335,8 @@ impl RungCtx<'_> {
                 op,
                 path: self.rung.path,
                 buffer: id,
-                buffer_offset: i * self.cfg.chunk,
-                target_offset: self.base + i * self.cfg.chunk,
+                buffer_offset: BufferOffset(i * self.cfg.chunk),
+                target_offset: TargetOffset(self.base + i * self.cfg.chunk),
                 len: self.cfg.chunk,
             })
             .collect()

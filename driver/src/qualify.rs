@@ -581,7 +581,7 @@ impl Run<'_> {
         let claim = self.claim(&published.receipt, "control-corrupt")?;
         let c1 = published.manifest.chunks.get(1).context("the publication has fewer than 2 chunks")?;
         let via = self.cfg.corrupt_via.clone().unwrap_or_else(|| self.cfg.target.clone());
-        corrupt(&via, c1.offset)?;
+        corrupt(&via, c1.offset.0)?;
         let o = self.restore(&p, claim.clone(), 8, None, ReaderMode::Strict)?;
         let err = o.error.clone().context("the strict reader reported no failure")?;
         if o.cold.is_some() || !err.contains("checksum mismatch") {

@@ -12,7 +12,8 @@ use std::time::Instant;
 
 use crate::buffer::{Buffer, BufferError};
 use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetKind, TargetOptions, TransferId,
+    BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetKind,
+    TargetOffset, TargetOptions, TransferId,
 };
 use crate::payload;
 
@@ -106,8 +107,8 @@ pub fn run(cfg: &RoundtripConfig) -> Result<RoundtripReport, RoundtripError> {
                     op,
                     path: cfg.path,
                     buffer,
-                    buffer_offset,
-                    target_offset: chunk * cfg.chunk_size,
+                    buffer_offset: BufferOffset(buffer_offset),
+                    target_offset: TargetOffset(chunk * cfg.chunk_size),
                     len: cfg.chunk_size,
                 }
             })

@@ -37,8 +37,8 @@ fn batch(op: Op, path: PayloadPath, buffer: BufferId, base: u64, chunks: u64, ch
             op,
             path,
             buffer,
-            buffer_offset: i * chunk,
-            target_offset: base + i * chunk,
+            buffer_offset: pdstor::io::BufferOffset(i * chunk),
+            target_offset: pdstor::io::TargetOffset(base + i * chunk),
             len: chunk,
         })
         .collect()
@@ -185,7 +185,15 @@ fn refused(name: &str, bad: impl FnOnce(&mut Engine, BufferId, BufferId) -> IoEr
 }
 
 fn write_req(buffer: BufferId, path: PayloadPath, buffer_offset: u64, target_offset: u64, len: u64) -> IoRequest {
-    IoRequest { transfer: TransferId(77), op: Op::Write, path, buffer, buffer_offset, target_offset, len }
+    IoRequest {
+        transfer: TransferId(77),
+        op: Op::Write,
+        path,
+        buffer,
+        buffer_offset: pdstor::io::BufferOffset(buffer_offset),
+        target_offset: pdstor::io::TargetOffset(target_offset),
+        len,
+    }
 }
 
 #[test]

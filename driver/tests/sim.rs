@@ -318,7 +318,7 @@ impl Sim {
                 .map(|&c| ChunkSource {
                     index: c,
                     buffer: self.writer.1,
-                    buffer_offset: (c % MAX_CHUNKS) as u64 * SLOT,
+                    buffer_offset: pdstor::io::BufferOffset((c % MAX_CHUNKS) as u64 * SLOT),
                     len: SLOT,
                     crc32c: None,
                 })
@@ -417,7 +417,11 @@ impl Sim {
         };
         self.reader.0.write_at(0, &vec![0u8; (MAX_CHUNKS as u64 * SLOT) as usize]).map_err(|e| e.to_string())?;
         let dests: Vec<ChunkDest> = (0..r.chunks)
-            .map(|c| ChunkDest { index: c, buffer: self.reader.1, buffer_offset: c as u64 * SLOT })
+            .map(|c| ChunkDest {
+                index: c,
+                buffer: self.reader.1,
+                buffer_offset: pdstor::io::BufferOffset(c as u64 * SLOT),
+            })
             .collect();
         match self.store().load(id, &dests) {
             Ok(_) if self.corrupted.contains(&id) => {
@@ -580,7 +584,7 @@ impl Sim {
             for c in &manifest.chunks {
                 let mut got = vec![0u8; c.len as usize];
                 let file = std::fs::File::open(&self.path).map_err(|e| e.to_string())?;
-                file.read_exact_at(&mut got, c.offset).map_err(|e| e.to_string())?;
+                file.read_exact_at(&mut got, c.offset.0).map_err(|e| e.to_string())?;
                 let want = payload::chunk(r.seed, c.index as u64, SLOT as usize);
                 if got != want {
                     if (corrupt_ok || self.corrupted.contains(id)) && crc32c::crc32c(&got) != c.crc32c {

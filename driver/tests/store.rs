@@ -11,7 +11,7 @@ use std::thread;
 use std::time::Duration;
 
 use pdstor::admission::AdmitError;
-use pdstor::io::BufferId;
+use pdstor::io::{BufferId, BufferOffset};
 use pdstor::store::{
     self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Layout, Phase, Store, StoreBatch, StoreError,
     StoreOptions, Superblock, journal,
@@ -80,7 +80,13 @@ fn batch(publication: u64, b: &Shared, idx: &[u32], last: bool, total: u32) -> S
         publication,
         chunks: idx
             .iter()
-            .map(|i| ChunkSource { index: *i, buffer: b.id, buffer_offset: *i as u64 * SLOT, len: SLOT, crc32c: None })
+            .map(|i| ChunkSource {
+                index: *i,
+                buffer: b.id,
+                buffer_offset: BufferOffset(*i as u64 * SLOT),
+                len: SLOT,
+                crc32c: None,
+            })
             .collect(),
         is_last_batch: last,
         total_chunks: total,
@@ -100,8 +106,9 @@ fn put(store: &Store, b: &Shared, req: &str, seed: u64, chunks: u32) -> u64 {
 
 fn verify(store: &Store, id: u64, b: &Shared, seed: u64, chunks: u32) {
     b.mine.write_at(0, &vec![0u8; (chunks as u64 * SLOT) as usize]).unwrap();
-    let dests: Vec<ChunkDest> =
-        (0..chunks).map(|i| ChunkDest { index: i, buffer: b.id, buffer_offset: i as u64 * SLOT }).collect();
+    let dests: Vec<ChunkDest> = (0..chunks)
+        .map(|i| ChunkDest { index: i, buffer: b.id, buffer_offset: BufferOffset(i as u64 * SLOT) })
+        .collect();
     store.load(id, &dests).unwrap();
     let mut got = vec![0u8; SLOT as usize];
     for i in 0..chunks as u64 {
@@ -581,7 +588,11 @@ fn seeded_schedules_keep_every_invariant() {
                         s.publish(id, None).unwrap();
                         if roll < 50 {
                             let dests: Vec<ChunkDest> = (0..total)
-                                .map(|c| ChunkDest { index: c, buffer: b.id, buffer_offset: c as u64 * SLOT })
+                                .map(|c| ChunkDest {
+                                    index: c,
+                                    buffer: b.id,
+                                    buffer_offset: BufferOffset(c as u64 * SLOT),
+                                })
                                 .collect();
                             s.load(id, &dests).unwrap();
                         }
@@ -599,7 +610,7 @@ fn seeded_schedules_keep_every_invariant() {
                             bt.chunks.push(ChunkSource {
                                 index: 0,
                                 buffer: b.id,
-                                buffer_offset: 0,
+                                buffer_offset: BufferOffset(0),
                                 len: SLOT,
                                 crc32c: None,
                             }); // duplicate
@@ -675,7 +686,7 @@ fn a_corrupted_chunk_fails_its_load_instead_of_returning_bytes() {
         let b = shared(&s, 2);
         let id = put(&s, &b, "c", 12, 2);
         let p = s.publications().into_iter().find(|p| p.id == id).unwrap();
-        (id, p.manifest.unwrap().chunks[1].offset)
+        (id, p.manifest.unwrap().chunks[1].offset.0)
     };
     let mut img = std::fs::read(&path).unwrap();
     img[offset as usize + 1000] ^= 0x01;
@@ -683,13 +694,13 @@ fn a_corrupted_chunk_fails_its_load_instead_of_returning_bytes() {
     let s = open(&path).0;
     let b = shared(&s, 2);
     let dests = [
-        ChunkDest { index: 0, buffer: b.id, buffer_offset: 0 },
-        ChunkDest { index: 1, buffer: b.id, buffer_offset: SLOT },
+        ChunkDest { index: 0, buffer: b.id, buffer_offset: BufferOffset(0) },
+        ChunkDest { index: 1, buffer: b.id, buffer_offset: BufferOffset(SLOT) },
     ];
     let e = s.load(id, &dests).unwrap_err();
     assert!(matches!(e, StoreError::Load { chunk: 1, .. }) && e.to_string().contains("checksum mismatch"), "{e}");
     // A chunk the manifest does not have is the caller's mistake, typed as such.
-    let e = s.load(id, &[ChunkDest { index: 5, buffer: b.id, buffer_offset: 0 }]).unwrap_err();
+    let e = s.load(id, &[ChunkDest { index: 5, buffer: b.id, buffer_offset: BufferOffset(0) }]).unwrap_err();
     assert!(matches!(e, StoreError::NoSuchChunk { chunk: 5, chunks: 2, .. }), "{e}");
 }
 

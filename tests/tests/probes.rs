@@ -59,8 +59,8 @@ fn provenance_controls_on_the_host_kernel() {
         op,
         path,
         buffer,
-        buffer_offset: 0,
-        target_offset: 0,
+        buffer_offset: pdstor::io::BufferOffset(0),
+        target_offset: pdstor::io::TargetOffset(0),
         len: 1 << 20,
     };
     engine.execute_all(&[req(1001, Op::Write, PayloadPath::HostFixed, fixed)]).unwrap();

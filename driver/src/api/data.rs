@@ -27,7 +27,7 @@ use super::http::Metrics;
 use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
-use crate::io::{BufferId, PayloadPath};
+use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
 use crate::protocol::RefusalCode;
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
@@ -355,7 +355,7 @@ impl Conn {
                     sources.push(ChunkSource {
                         index: c.index,
                         buffer: self.buffer(c)?,
-                        buffer_offset: c.offset,
+                        buffer_offset: BufferOffset(c.offset),
                         len: c.len,
                         crc32c: c.crc32c,
                     });
@@ -396,7 +396,11 @@ impl Conn {
                 let manifest = self.service.authorize_load(&receipt).map_err(|e: ProtocolError| from_protocol(&e))?;
                 let mut dests = Vec::with_capacity(chunks.len());
                 for c in &chunks {
-                    dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: c.offset });
+                    dests.push(ChunkDest {
+                        index: c.index,
+                        buffer: self.buffer(c)?,
+                        buffer_offset: BufferOffset(c.offset),
+                    });
                 }
                 let started = std::time::Instant::now();
                 let crcs = store.load(manifest.publication, &dests).map_err(|e| {
@@ -460,13 +464,13 @@ impl Conn {
         );
     }
 
-    /// The observed verdict of each chunk's transfer (the store names chunk
-    /// `i` of publication `p` transfer `p << 16 | i`). Empty without probes.
+    /// The observed verdict of each chunk's transfer ([`TransferId::chunk`]).
+    /// Empty without probes.
     fn verdicts(&self, publication: u64, chunks: &[DataChunk]) -> Result<Vec<String>, ErrorBody> {
         let Some(p) = &self.provenance else { return Ok(Vec::new()) };
         let mut out = Vec::with_capacity(chunks.len());
         for c in chunks {
-            let transfer = publication << 16 | c.index as u64;
+            let Some(transfer) = TransferId::try_chunk(publication, c.index).map(|t| t.0) else { continue };
             let path = self.path_of(c);
             let v = p.reader.verdict(transfer, crate::provenance::declared(path), p.class);
             self.metrics.verdict(path.as_str(), &v);

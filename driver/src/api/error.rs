@@ -22,7 +22,9 @@ pub fn from_protocol(e: &ProtocolError) -> ErrorBody {
 /// The code and offending field of a store error.
 pub fn store_code(e: &StoreError) -> (Code, &'static str) {
     match e {
-        StoreError::Admission(AdmitError::TooLarge { .. }) => (Code::TooLarge, "total_chunks"),
+        StoreError::Admission(AdmitError::TooLarge { .. }) | StoreError::TooManyChunks { .. } => {
+            (Code::TooLarge, "total_chunks")
+        }
         StoreError::Admission(AdmitError::Timeout { .. }) => (Code::AdmissionTimeout, "total_chunks"),
         StoreError::Admission(AdmitError::ZeroChunks { .. }) | StoreError::LegacySender { .. } => {
             (Code::LegacySender, "total_chunks")

@@ -371,8 +371,8 @@ async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, 
                         let stored = p.chunks.get(i).and_then(Option::as_ref);
                         Extent {
                             chunk: i as u32,
-                            slot,
-                            offset: sb.slot_offset(slot),
+                            slot: slot.0,
+                            offset: sb.slot_offset(slot).0,
                             len: stored.map(|c| c.len),
                             crc32c: stored.map(|c| c.crc32c),
                         }

@@ -16,7 +16,8 @@ use rand::{Rng, SeedableRng};
 
 use crate::buffer::Buffer;
 use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
+    BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOffset,
+    TargetOptions, TransferId,
 };
 
 /// fio's `--rw` names.
@@ -143,8 +144,8 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
                 op: cfg.pattern.op(),
                 path: cfg.path,
                 buffer: id,
-                buffer_offset: slot as u64 * cfg.block_size,
-                target_offset: block * cfg.block_size,
+                buffer_offset: BufferOffset(slot as u64 * cfg.block_size),
+                target_offset: TargetOffset(block * cfg.block_size),
                 len: cfg.block_size,
             })
         },

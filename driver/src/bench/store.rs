@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
+use crate::io::BufferOffset;
 use crate::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
 
 #[derive(Debug, Clone)]
@@ -66,7 +67,8 @@ pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
                 let id = s.register_buffer(buf)?;
                 for i in 0..per_writer {
                     let p = s.prepare(&format!("w{w}-{i}"), "bench", &layout, 1)?;
-                    let c = ChunkSource { index: 0, buffer: id, buffer_offset: 0, len: chunk, crc32c: None };
+                    let c =
+                        ChunkSource { index: 0, buffer: id, buffer_offset: BufferOffset(0), len: chunk, crc32c: None };
                     s.store_batch(&StoreBatch {
                         publication: p,
                         chunks: vec![c],

@@ -19,254 +19,30 @@
 //! This module does not know what the bytes mean (chunks, journals): see
 //! `store/` for that.
 
+mod error;
 pub mod nvme;
+mod plan;
+mod request;
 mod ring;
 mod sys;
 mod target;
 
 use std::cell::Cell;
-use std::fmt;
-use std::path::PathBuf;
-use std::time::Duration;
 
-use io_uring::{IoUring, opcode, squeue, types};
+use io_uring::{IoUring, squeue, types};
 
+pub use error::IoError;
 pub use nvme::NvmeStatus;
+pub use request::{BufferId, BufferOffset, Completion, IoRequest, Op, PayloadPath, TargetOffset, TransferId};
 pub use ring::{MAX_TRANSFER_ID, SEGMENT_BITS};
 pub use target::{Geometry, Target, TargetKind, TargetOptions};
 
-use crate::buffer::{Buffer, BufferError, dmabuf};
-use ring::{Completions, Driver, Planned, Segment};
-
-/// Payload provenance (DESIGN §6).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PayloadPath {
-    Host,
-    HostFixed,
-    DmabufFixed,
-}
-
-impl PayloadPath {
-    pub const ALL: [PayloadPath; 3] = [PayloadPath::Host, PayloadPath::HostFixed, PayloadPath::DmabufFixed];
-    pub fn as_str(self) -> &'static str {
-        match self {
-            PayloadPath::Host => "host",
-            PayloadPath::HostFixed => "host_fixed",
-            PayloadPath::DmabufFixed => "dmabuf_fixed",
-        }
-    }
-}
-
-impl fmt::Display for PayloadPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for PayloadPath {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|p| p.as_str() == s)
-            .ok_or_else(|| format!("unknown path {s:?}: expected host, host_fixed or dmabuf_fixed"))
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Op {
-    Read,
-    Write,
-    Flush,
-}
-
-impl fmt::Display for Op {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Op::Read => "read",
-            Op::Write => "write",
-            Op::Flush => "flush",
-        })
-    }
-}
-
-/// Names one payload transfer end to end; carried in every SQE's `user_data`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
-pub struct TransferId(pub u64);
-
-impl fmt::Display for TransferId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "transfer {}", self.0)
-    }
-}
-
-/// A buffer held by the engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-pub struct BufferId(pub u32);
-
-impl fmt::Display for BufferId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "buffer {}", self.0)
-    }
-}
-
-/// One payload transfer between a buffer range and a target range.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct IoRequest {
-    pub transfer: TransferId,
-    pub op: Op,
-    pub path: PayloadPath,
-    pub buffer: BufferId,
-    pub buffer_offset: u64,
-    pub target_offset: u64,
-    pub len: u64,
-}
-
-/// How one request ended, and on which path its bytes moved.
-#[derive(Debug)]
-pub struct Completion {
-    pub transfer: TransferId,
-    pub op: Op,
-    pub path: PayloadPath,
-    pub bytes: u64,
-    pub latency: Duration,
-    pub result: Result<(), IoError>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum IoError {
-    #[error("opening target {path}: {source}")]
-    Open {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("target {path} is a directory: give a file, a block device or /dev/ngXnY")]
-    IsDirectory { path: PathBuf },
-    #[error("target {path} is {what}: give a file, a block device or /dev/ngXnY")]
-    UnsupportedKind { path: PathBuf, what: &'static str },
-    #[error(
-        "target {path} is on {fs}, which cannot do direct I/O (it would copy through the page cache): put the target on ext4, XFS or a block device"
-    )]
-    NoDirectIo { path: PathBuf, fs: String },
-    #[error("target {path} is in use{}: unmount it or stop the other user first", mount.as_ref().map(|m| format!(" (mounted on {m})")).unwrap_or_else(|| " by another exclusive opener".into()))]
-    Busy { path: PathBuf, mount: Option<String> },
-    #[error("target {path} is locked by another process (another pdstor?): stop it first")]
-    Locked { path: PathBuf },
-    #[error("reading the {what} of target {path}: {source}")]
-    Geometry {
-        path: PathBuf,
-        what: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("preallocating {len} bytes for target {path}: {source} (is the filesystem full, or without fallocate?)")]
-    Preallocate {
-        path: PathBuf,
-        len: u64,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("io_uring {op} failed: {source}")]
-    Ring {
-        op: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("registering {buffer} ({len} bytes) with io_uring failed: {source}{hint}", hint = register_hint(source))]
-    Register {
-        buffer: BufferId,
-        len: usize,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error(
-        "the dmabuf_fixed path is not available: {why}. It needs the io_uring rw-dmabuf series (IORING_RSRC_UPDATE_EXTENDED with io_uring_regbuf_desc type DMABUF), which no released kernel has: boot a kernel built with it and kernel-config/dmabuf-rw.config, or use host_fixed"
-    )]
-    DmabufUnsupported { why: String },
-    #[error("{buffer} cannot be used here: {what}")]
-    BufferUnusable { buffer: BufferId, what: BufferError },
-    #[error(
-        "the {exporter} DMA-BUF's own CPU mapping cannot be pinned for direct I/O ({source}): the exporter maps raw page frames, which host and host_fixed cannot use without a copy; send its backing memfd (udmabuf), or use dmabuf_fixed"
-    )]
-    DmabufNotPinnable {
-        exporter: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("all {slots} buffer slots are in use: remove a buffer first or raise EngineOptions::buffer_slots")]
-    BufferTableFull { slots: u32 },
-    #[error("{0} is not held by this engine")]
-    UnknownBuffer(BufferId),
-    #[error("{transfer}: {what}")]
-    Buffer { transfer: TransferId, what: BufferError },
-    #[error(
-        "{transfer}: {field} {value} is not a multiple of {align} bytes, which direct I/O on this target needs; no payload path accepts it: align it"
-    )]
-    Unaligned { transfer: TransferId, field: &'static str, value: u64, align: u32 },
-    #[error("{transfer}: a request of 0 bytes moves nothing: give a length")]
-    EmptyRequest { transfer: TransferId },
-    #[error("{transfer}: target range {offset}..{end} is beyond the target's {capacity} bytes", end = offset.saturating_add(*len))]
-    BeyondTarget { transfer: TransferId, offset: u64, len: u64, capacity: u64 },
-    #[error("{transfer}: id is above {max}, the largest that fits in user_data beside the segment bits", max = MAX_TRANSFER_ID)]
-    TransferIdTooLarge { transfer: TransferId },
-    #[error("{transfer}: path {path} is not available: {why}; {hint}")]
-    PathUnavailable { transfer: TransferId, path: PayloadPath, why: &'static str, hint: &'static str },
-    #[error("{transfer}: {op} of {len} bytes at target offset {offset} failed: {source}")]
-    Transfer {
-        transfer: TransferId,
-        op: Op,
-        offset: u64,
-        len: u64,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("{transfer}: NVMe {cmd} of {len} bytes at target offset {offset} failed: {status}", cmd = nvme_cmd_name(*op))]
-    Nvme { transfer: TransferId, op: Op, offset: u64, len: u64, status: NvmeStatus },
-    #[error(
-        "{transfer}: {op} at target offset {offset} moved 0 of {expected} bytes: the target ended or stopped making progress"
-    )]
-    ShortTransfer { transfer: TransferId, op: Op, offset: u64, expected: u64 },
-}
-
-impl IoError {
-    /// Whether the engine refused a request before submitting anything
-    /// because the request itself was wrong (a client's error, nothing moved).
-    pub fn is_bad_request(&self) -> bool {
-        matches!(
-            self,
-            IoError::Buffer { .. }
-                | IoError::Unaligned { .. }
-                | IoError::BeyondTarget { .. }
-                | IoError::UnknownBuffer(_)
-                | IoError::EmptyRequest { .. }
-        )
-    }
-}
+use crate::buffer::{Buffer, dmabuf};
+use plan::{build_nvme, build_std, plan};
+use ring::{Completions, Driver, Planned};
 
 fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().to_owned())
-}
-
-fn register_hint(e: &std::io::Error) -> &'static str {
-    match e.raw_os_error() {
-        Some(libc::ENOMEM) => {
-            " (pinned memory is limited by RLIMIT_MEMLOCK: raise `ulimit -l` or run with CAP_IPC_LOCK)"
-        }
-        Some(libc::EINVAL) => " (one registered buffer is at most 1 GiB; use several)",
-        Some(libc::EOPNOTSUPP) => " (this memory cannot be pinned for fixed I/O)",
-        _ => "",
-    }
-}
-
-fn nvme_cmd_name(op: Op) -> &'static str {
-    match op {
-        Op::Read => nvme::opcode_name(nvme::OPC_READ),
-        Op::Write => nvme::opcode_name(nvme::OPC_WRITE),
-        Op::Flush => nvme::opcode_name(nvme::OPC_FLUSH),
-    }
 }
 
 /// Engine tuning.
@@ -312,7 +88,7 @@ enum Ring {
 
 /// How a held buffer is known to the ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Registration {
+pub(super) enum Registration {
     /// Held only, for the `host` path.
     None,
     /// Its CPU mapping is registered (`host_fixed`).
@@ -321,9 +97,9 @@ enum Registration {
     DmaBuf,
 }
 
-struct Slot {
-    buffer: Buffer,
-    registered: Registration,
+pub(super) struct Slot {
+    pub(super) buffer: Buffer,
+    pub(super) registered: Registration,
 }
 
 /// Whether the kernel has the rw-dmabuf io_uring UAPI, as probed at start-up.
@@ -370,7 +146,7 @@ fn build_ring<S: squeue::EntryMarker, C: io_uring::cqueue::EntryMarker>(
 }
 
 /// The target's fd is the only registered file.
-const TARGET_FILE: types::Fixed = types::Fixed(0);
+pub(super) const TARGET_FILE: types::Fixed = types::Fixed(0);
 
 impl Engine {
     /// Builds a ring sized for `queue_depth` and registers the target's fd and a
@@ -749,8 +525,8 @@ impl Engine {
             op: Op::Read,
             path: PayloadPath::HostFixed,
             buffer: id,
-            buffer_offset: 0,
-            target_offset: offset,
+            buffer_offset: BufferOffset(0),
+            target_offset: TargetOffset(offset),
             len,
         };
         let result = self.execute_all(&[req]);
@@ -772,8 +548,8 @@ impl Engine {
             op: Op::Write,
             path: PayloadPath::HostFixed,
             buffer: id,
-            buffer_offset: 0,
-            target_offset: offset,
+            buffer_offset: BufferOffset(0),
+            target_offset: TargetOffset(offset),
             len: data.len() as u64,
         };
         let result = self.execute_all(&[req]);
@@ -859,99 +635,4 @@ impl EngineStats {
         c.bytes += bytes;
         self.errors += u64::from(!ok);
     }
-}
-
-/// Checks one request against the target and the buffer table and resolves it
-/// to addresses. Pure: refusing changes nothing.
-fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Result<Planned, IoError> {
-    let t = r.transfer;
-    if t.0 > MAX_TRANSFER_ID {
-        return Err(IoError::TransferIdTooLarge { transfer: t });
-    }
-    if r.op == Op::Flush {
-        return Err(IoError::PathUnavailable {
-            transfer: t,
-            path: r.path,
-            why: "a flush moves no payload",
-            hint: "call Engine::flush instead",
-        });
-    }
-    if r.len == 0 {
-        return Err(IoError::EmptyRequest { transfer: t });
-    }
-    let slot = slots.get(r.buffer.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(r.buffer))?;
-    let len = usize::try_from(r.len).map_err(|_| IoError::EmptyRequest { transfer: t })?;
-    slot.buffer.check_range(r.buffer_offset, len).map_err(|what| IoError::Buffer { transfer: t, what })?;
-    let mapped =
-        || slot.buffer.addr().map(|a| a + r.buffer_offset).map_err(|what| IoError::Buffer { transfer: t, what });
-    let index = r.buffer.0 as u16;
-    let (buf_index, addr) = match (r.path, slot.registered) {
-        (PayloadPath::Host, _) => (None, mapped()?),
-        (PayloadPath::HostFixed, Registration::Host) => (Some(index), mapped()?),
-        (PayloadPath::HostFixed, _) => {
-            return Err(IoError::PathUnavailable {
-                transfer: t,
-                path: r.path,
-                why: "the buffer's memory is not registered with io_uring",
-                hint: "register it with Engine::register, or declare path host",
-            });
-        }
-        // The rw-dmabuf UAPI takes an offset into the DMA-BUF as the address.
-        (PayloadPath::DmabufFixed, Registration::DmaBuf) => (Some(index), r.buffer_offset),
-        (PayloadPath::DmabufFixed, _) => {
-            return Err(IoError::PathUnavailable {
-                transfer: t,
-                path: r.path,
-                why: "the buffer is not a DMA-BUF installed in the buffer table",
-                hint: "register it with Engine::register_dmabuf, or declare the path it was registered for",
-            });
-        }
-    };
-    let g = target.geometry();
-    let checks: [(&'static str, u64, u32); 3] = [
-        ("buffer address", addr, g.mem_align),
-        ("target offset", r.target_offset, g.offset_align),
-        ("length", r.len, g.offset_align),
-    ];
-    for (field, value, align) in checks {
-        if value % align as u64 != 0 {
-            return Err(IoError::Unaligned { transfer: t, field, value, align });
-        }
-    }
-    if r.target_offset.checked_add(r.len).is_none_or(|end| end > g.capacity) {
-        return Err(IoError::BeyondTarget { transfer: t, offset: r.target_offset, len: r.len, capacity: g.capacity });
-    }
-    Ok(Planned { transfer: t, op: r.op, addr, buf_index, offset: r.target_offset, len: r.len })
-}
-
-fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
-    let sqe = match (seg.op, seg.buf_index) {
-        (Op::Read, Some(idx)) => {
-            opcode::ReadFixed::new(TARGET_FILE, seg.addr as *mut u8, seg.len, idx).offset(seg.offset).build()
-        }
-        (Op::Read, None) => opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len).offset(seg.offset).build(),
-        (Op::Write, Some(idx)) => {
-            opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx).offset(seg.offset).build()
-        }
-        (Op::Write, None) => opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len).offset(seg.offset).build(),
-        (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE).flags(types::FsyncFlags::DATASYNC).build(),
-    };
-    sqe.user_data(user_data)
-}
-
-fn build_nvme(g: &Geometry, seg: &Segment, user_data: u64) -> squeue::Entry128 {
-    let nsid = g.nsid.unwrap_or(1);
-    let cmd = match seg.op {
-        Op::Flush => nvme::flush_command(nsid),
-        Op::Read | Op::Write => {
-            let opc = if seg.op == Op::Read { nvme::OPC_READ } else { nvme::OPC_WRITE };
-            let lba = g.logical_block as u64;
-            nvme::rw_command(opc, nsid, seg.offset / lba, (seg.len as u64 / lba) as u32, seg.addr, seg.len)
-        }
-    };
-    let mut sqe = opcode::UringCmd80::new(TARGET_FILE, sys::NVME_URING_CMD_IO).cmd(cmd);
-    if let Some(idx) = seg.buf_index {
-        sqe = sqe.buf_index(Some(idx));
-    }
-    sqe.build().user_data(user_data)
 }

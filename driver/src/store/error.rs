@@ -11,7 +11,7 @@ use crate::admission::AdmitError;
 use crate::buffer::BufferError;
 use crate::io::IoError;
 
-use super::state::Phase;
+use super::state::{Phase, SlotIndex};
 use super::superblock::SuperblockError;
 
 /// What a store operation refused or failed on.
@@ -214,6 +214,14 @@ pub enum StoreError {
         /// The most a request can have.
         max: u32,
     },
+    /// The namespace numbered every publication a transfer id can name.
+    #[error(
+        "this namespace has numbered {next} publications, the most whose chunks have transfer ids: format a new one"
+    )]
+    PublicationsExhausted {
+        /// The next publication number.
+        next: u64,
+    },
     /// An invariant the store keeps broke: a bug, reported instead of acted on.
     #[error("store invariant broken: {0}")]
     Invariant(#[from] Invariant),
@@ -307,13 +315,13 @@ pub enum StateError {
     #[error("slot {slot} is already owned by publication {owner}")]
     SlotOwned {
         /// The slot.
-        slot: u32,
+        slot: SlotIndex,
         /// Its owner.
         owner: u64,
     },
     /// A slot the record takes is beyond the namespace.
     #[error("slot {0} does not exist")]
-    NoSuchSlot(u32),
+    NoSuchSlot(SlotIndex),
     /// The record names a publication that is not live.
     #[error("publication {0} is not live")]
     NotLive(u64),
@@ -344,7 +352,7 @@ pub enum StateError {
         /// The chunk.
         chunk: u32,
         /// The slot named.
-        slot: u32,
+        slot: SlotIndex,
     },
     /// A transition record for a publication in the wrong phase.
     #[error("publication {publication} {what} in phase {phase:?}")]
@@ -375,7 +383,7 @@ pub enum Invariant {
     #[error("slot {slot} owned by publications {first} and {second}")]
     OwnedTwice {
         /// The slot.
-        slot: u32,
+        slot: SlotIndex,
         /// One owner.
         first: u64,
         /// The other.
@@ -385,7 +393,7 @@ pub enum Invariant {
     #[error("slot {slot} of publication {publication} is not marked as its own")]
     NotMarked {
         /// The slot.
-        slot: u32,
+        slot: SlotIndex,
         /// The publication.
         publication: u64,
     },
@@ -397,24 +405,24 @@ pub enum Invariant {
         /// The publication.
         publication: u64,
         /// Where it is.
-        actual: u32,
+        actual: SlotIndex,
         /// Where it belongs.
-        reserved: u32,
+        reserved: SlotIndex,
     },
     /// The owner table names a publication that does not list the slot.
     #[error("slot {slot} marked for publication {publication}, which does not list it")]
     Unlisted {
         /// The slot.
-        slot: u32,
+        slot: SlotIndex,
         /// The publication named.
         publication: u64,
     },
     /// A slot is neither owned nor free.
     #[error("slot {0} is neither owned nor free")]
-    Lost(u32),
+    Lost(SlotIndex),
     /// A slot is both owned and free.
     #[error("slot {0} is both owned and free")]
-    OwnedAndFree(u32),
+    OwnedAndFree(SlotIndex),
     /// The reservation manager's own invariants.
     #[error("{0}")]
     Admission(String),

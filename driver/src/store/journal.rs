@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::state::{Layout, Manifest, Publication};
+use super::state::{Layout, Manifest, Publication, SlotIndex};
 
 pub const RECORD_MAGIC: u32 = 0x5244_4a50; // "PJDR"
 pub const HEADER_BYTES: usize = 24;
@@ -25,13 +25,13 @@ pub enum Record {
         writer: String,
         layout: Layout,
         total_chunks: u32,
-        slots: Vec<u32>,
+        slots: Vec<SlotIndex>,
     },
     /// A chunk stored in its slot, with the checksum of the bytes written.
     Alloc {
         publication: u64,
         chunk: u32,
-        slot: u32,
+        slot: SlotIndex,
         len: u64,
         crc32c: u32,
     },

@@ -26,12 +26,13 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use crate::admission::ReservationManager;
 use crate::buffer::Buffer;
 use crate::io::{
-    BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId,
+    BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions,
+    TransferId,
 };
 
 pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use journal::Record;
-pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication};
+pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication, SlotIndex};
 pub use superblock::Superblock;
 pub use worker::{CommitInfo, FaultPlan, PowerLoss};
 
@@ -265,7 +266,7 @@ struct Live {
     /// Slots a RELEASE, ACK or RECLAIM freed whose record is not durable yet:
     /// no prepare may take them until it is, or a crash could bring the
     /// freed publication back over another request's bytes.
-    quarantine: BTreeSet<u32>,
+    quarantine: BTreeSet<SlotIndex>,
     batches: HashMap<u64, Batches>,
     failed: Option<Arc<WorkerError>>,
 }
@@ -275,7 +276,7 @@ struct Live {
 pub struct ChunkSource {
     pub index: u32,
     pub buffer: BufferId,
-    pub buffer_offset: u64,
+    pub buffer_offset: BufferOffset,
     pub len: u64,
     /// The client's crc32c of the chunk. Checked against the bytes where the
     /// daemon can read them; the only checksum for memory it cannot map.
@@ -303,7 +304,7 @@ pub struct BatchOutcome {
 pub struct ChunkDest {
     pub index: u32,
     pub buffer: BufferId,
-    pub buffer_offset: u64,
+    pub buffer_offset: BufferOffset,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -656,6 +657,9 @@ impl Store {
         total_chunks: u32,
         timeout: Duration,
     ) -> Result<u64, StoreError> {
+        if total_chunks > TransferId::MAX_CHUNKS {
+            return Err(StoreError::TooManyChunks { chunks: total_chunks, max: TransferId::MAX_CHUNKS });
+        }
         if let Some(p) = self.lock_live().state.by_req(req_id) {
             return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
         }
@@ -670,6 +674,9 @@ impl Store {
                 .pick_slots_avoiding(total_chunks, &live.quarantine)
                 .ok_or(Invariant::AllocatorShort { granted: total_chunks, free: live.state.free_slots() })?;
             let id = live.state.next_publication;
+            if id > TransferId::MAX_PUBLICATION {
+                return Err(StoreError::PublicationsExhausted { next: id });
+            }
             self.log(
                 &mut live,
                 Record::Prepare {
@@ -715,7 +722,6 @@ impl Store {
             let mut live = self.lock_live();
             let p = in_phase(&live.state, id, &[Phase::Prepared], "store batches go to PREPARED publications only")?;
             let (total, slots, slot_size) = (p.total_chunks, p.slots.clone(), live.state.slot_size);
-            let data_offset = live.state.data_offset;
             let b = live.batches.entry(id).or_default();
             if !b.seen_first && batch.total_chunks == 0 {
                 return Err(StoreError::LegacySender { publication: id });
@@ -766,12 +772,12 @@ impl Store {
                 .chunks
                 .iter()
                 .map(|c| IoRequest {
-                    transfer: TransferId(id << 16 | c.index as u64),
+                    transfer: TransferId::chunk(id, c.index),
                     op: Op::Write,
                     path: paths.get(&c.buffer).copied().unwrap_or(PayloadPath::HostFixed),
                     buffer: c.buffer,
                     buffer_offset: c.buffer_offset,
-                    target_offset: data_offset + slots[c.index as usize] as u64 * slot_size,
+                    target_offset: live.state.slot_offset(slots[c.index as usize]),
                     len: c.len,
                 })
                 .collect::<Vec<_>>()
@@ -956,7 +962,7 @@ impl Store {
 
     /// Commits (sharing the flush with whoever else is committing), then
     /// lets `slots` be prepared again and gives `req`'s reservation back.
-    fn free_when_durable(&self, req: &str, slots: &[u32]) -> Result<(), StoreError> {
+    fn free_when_durable(&self, req: &str, slots: &[SlotIndex]) -> Result<(), StoreError> {
         let committed = self.commit();
         let mut live = self.lock_live();
         for s in slots {
@@ -1076,7 +1082,7 @@ impl Store {
                 chunks: manifest.chunks.len(),
             })?;
             requests.push(IoRequest {
-                transfer: TransferId(id << 16 | d.index as u64),
+                transfer: TransferId::chunk(id, d.index),
                 op: Op::Read,
                 path: paths.get(&d.buffer).copied().unwrap_or(PayloadPath::HostFixed),
                 buffer: d.buffer,
@@ -1166,7 +1172,7 @@ impl Store {
 /// which a client-declared one must match; the declared one alone where the
 /// daemon cannot read the memory; an error when there is neither.
 fn chunk_checksum(publication: u64, c: &ChunkSource, read: Option<u32>) -> Result<u32, IoError> {
-    let transfer = TransferId(publication << 16 | c.index as u64);
+    let transfer = TransferId::chunk(publication, c.index);
     match (read, c.crc32c) {
         (Some(r), Some(d)) if r != d => Err(IoError::Transfer {
             transfer,

@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use super::error::{Invariant, StateError};
 use super::journal::Record;
+use crate::io::TargetOffset;
 
 /// The KV layout a reader must match exactly (DESIGN §1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -22,12 +23,24 @@ pub struct Layout {
     pub kv_format: String,
 }
 
+/// A slot of the data area: the place of one chunk. Kept apart from chunk
+/// indexes and publication numbers; serialized as the bare number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct SlotIndex(pub u32);
+
+impl std::fmt::Display for SlotIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
 /// One stored chunk of a publication.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkEntry {
     pub index: u32,
-    pub slot: u32,
-    pub offset: u64,
+    pub slot: SlotIndex,
+    pub offset: TargetOffset,
     pub len: u64,
     pub crc32c: u32,
 }
@@ -62,7 +75,7 @@ pub struct Publication {
     pub layout: Layout,
     pub total_chunks: u32,
     /// Reserved slots; chunk `i` lives in `slots[i]`.
-    pub slots: Vec<u32>,
+    pub slots: Vec<SlotIndex>,
     pub chunks: Vec<Option<ChunkEntry>>,
     pub phase: Phase,
     pub manifest: Option<Manifest>,
@@ -85,7 +98,7 @@ pub struct State {
     pub slot_size: u64,
     pub data_offset: u64,
     owner: Vec<Option<u64>>,
-    free: BTreeSet<u32>,
+    free: BTreeSet<SlotIndex>,
     pub pubs: BTreeMap<u64, Publication>,
     pub next_publication: u64,
     pub epoch: u64,
@@ -97,7 +110,7 @@ impl State {
             slot_size,
             data_offset,
             owner: vec![None; slot_count as usize],
-            free: (0..slot_count as u32).collect(),
+            free: (0..slot_count as u32).map(SlotIndex).collect(),
             pubs: BTreeMap::new(),
             next_publication: 1,
             epoch: 0,
@@ -111,14 +124,21 @@ impl State {
         self.free.len() as u64
     }
 
+    /// Where on the target slot `slot` begins: the one place a slot number
+    /// becomes a target offset.
+    pub fn slot_offset(&self, slot: SlotIndex) -> TargetOffset {
+        assert!(u64::from(slot.0) < self.slot_count(), "slot {slot} beyond the {} slots", self.slot_count());
+        TargetOffset(self.data_offset + u64::from(slot.0) * self.slot_size)
+    }
+
     /// Picks `n` free slots (lowest first) without taking them.
-    pub fn pick_slots(&self, n: u32) -> Option<Vec<u32>> {
+    pub fn pick_slots(&self, n: u32) -> Option<Vec<SlotIndex>> {
         self.pick_slots_avoiding(n, &BTreeSet::new())
     }
 
     /// Like [`pick_slots`](Self::pick_slots), passing over the slots in `avoid`.
-    pub fn pick_slots_avoiding(&self, n: u32, avoid: &BTreeSet<u32>) -> Option<Vec<u32>> {
-        let v: Vec<u32> = self.free.iter().filter(|s| !avoid.contains(s)).take(n as usize).copied().collect();
+    pub fn pick_slots_avoiding(&self, n: u32, avoid: &BTreeSet<SlotIndex>) -> Option<Vec<SlotIndex>> {
+        let v: Vec<SlotIndex> = self.free.iter().filter(|s| !avoid.contains(s)).take(n as usize).copied().collect();
         (v.len() == n as usize).then_some(v)
     }
 
@@ -126,9 +146,9 @@ impl State {
         self.pubs.values().find(|p| p.req_id == req)
     }
 
-    fn take_slots(&mut self, pub_id: u64, slots: &[u32]) -> Result<(), StateError> {
+    fn take_slots(&mut self, pub_id: u64, slots: &[SlotIndex]) -> Result<(), StateError> {
         for s in slots {
-            match self.owner.get(*s as usize) {
+            match self.owner.get(s.0 as usize) {
                 Some(None) => {}
                 Some(Some(o)) => {
                     return Err(StateError::SlotOwned { slot: *s, owner: *o });
@@ -137,7 +157,7 @@ impl State {
             }
         }
         for s in slots {
-            self.owner[*s as usize] = Some(pub_id);
+            self.owner[s.0 as usize] = Some(pub_id);
             self.free.remove(s);
         }
         Ok(())
@@ -146,8 +166,8 @@ impl State {
     fn free_pub(&mut self, pub_id: u64) -> Option<Publication> {
         let p = self.pubs.remove(&pub_id)?;
         for s in &p.slots {
-            if self.owner[*s as usize] == Some(pub_id) {
-                self.owner[*s as usize] = None;
+            if self.owner[s.0 as usize] == Some(pub_id) {
+                self.owner[s.0 as usize] = None;
                 self.free.insert(*s);
             }
         }
@@ -199,7 +219,7 @@ impl State {
                 p.chunks[*chunk as usize] = Some(ChunkEntry {
                     index: *chunk,
                     slot: *slot,
-                    offset: data_offset + *slot as u64 * slot_size,
+                    offset: TargetOffset(data_offset + u64::from(slot.0) * slot_size),
                     len: *len,
                     crc32c: *crc32c,
                 });
@@ -307,7 +327,7 @@ impl State {
                 if let Some(other) = seen.insert(*s, p.id) {
                     return Err(Invariant::OwnedTwice { slot: *s, first: other, second: p.id });
                 }
-                if self.owner.get(*s as usize) != Some(&Some(p.id)) {
+                if self.owner.get(s.0 as usize) != Some(&Some(p.id)) {
                     return Err(Invariant::NotMarked { slot: *s, publication: p.id });
                 }
                 if let Some(c) = &p.chunks[i]
@@ -323,7 +343,7 @@ impl State {
             }
         }
         for (s, o) in self.owner.iter().enumerate() {
-            let s = s as u32;
+            let s = SlotIndex(s as u32);
             match o {
                 Some(id) if seen.get(&s) != Some(id) => {
                     return Err(Invariant::Unlisted { slot: s, publication: *id });
@@ -365,7 +385,7 @@ mod tests {
             writer: "w".into(),
             layout: test_layout(),
             total_chunks: slots.len() as u32,
-            slots,
+            slots: slots.into_iter().map(SlotIndex).collect(),
         }
     }
 

@@ -12,6 +12,9 @@
 
 use uuid::Uuid;
 
+use super::state::SlotIndex;
+use crate::io::TargetOffset;
+
 pub const MAGIC: &[u8; 8] = b"PDSTORSB";
 /// On-media format version this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
@@ -61,8 +64,9 @@ impl Superblock {
     pub fn copy_b_offset(&self) -> u64 {
         SUPERBLOCK_BYTES as u64 + 2 * self.journal_half
     }
-    pub fn slot_offset(&self, slot: u32) -> u64 {
-        self.data_offset + slot as u64 * self.slot_size
+    /// Where on the target slot `slot` begins.
+    pub fn slot_offset(&self, slot: SlotIndex) -> TargetOffset {
+        TargetOffset(self.data_offset + u64::from(slot.0) * self.slot_size)
     }
 
     pub fn encode(&self) -> [u8; SUPERBLOCK_BYTES] {

@@ -16,7 +16,10 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 
 use crate::buffer::Buffer;
-use crate::io::{BufferId, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TransferId};
+use crate::io::{
+    BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOffset,
+    TransferId,
+};
 
 use super::error::WorkerError;
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
@@ -540,8 +543,8 @@ impl Worker {
             op,
             path: PayloadPath::HostFixed,
             buffer,
-            buffer_offset,
-            target_offset,
+            buffer_offset: BufferOffset(buffer_offset),
+            target_offset: TargetOffset(target_offset),
             len,
         };
         self.engine.execute_all(&[req]).map(|_| ())
@@ -567,7 +570,7 @@ impl Worker {
         // its SYNC-bracketed CPU access must not fall inside another transfer.
         if let Some(f) = &self.fault {
             for r in allowed.iter().filter(|r| r.op == Op::Write) {
-                f.before_write(r.target_offset, r.len);
+                f.before_write(r.target_offset.0, r.len);
             }
         }
         let mut early: Vec<Option<Result<Option<u32>, IoError>>> = (0..allowed.len()).map(|_| None).collect();
@@ -592,7 +595,7 @@ impl Worker {
                 out.push(Err(IoError::Transfer {
                     transfer: r.transfer,
                     op: r.op,
-                    offset: r.target_offset,
+                    offset: r.target_offset.0,
                     len: r.len,
                     source: dead_device(),
                 }));
@@ -602,7 +605,7 @@ impl Worker {
                 out.push(Err(IoError::ShortTransfer {
                     transfer: r.transfer,
                     op: r.op,
-                    offset: r.target_offset,
+                    offset: r.target_offset.0,
                     expected: r.len,
                 }));
                 continue;
@@ -635,7 +638,7 @@ fn crc_of(b: &Buffer, r: &IoRequest, scratch: &mut Vec<u8>) -> Result<Option<u32
         return Ok(None);
     }
     scratch.resize(r.len as usize, 0);
-    b.read_at(r.buffer_offset, scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
+    b.read_at(r.buffer_offset.0, scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
     Ok(Some(crc32c::crc32c(scratch)))
 }
 

@@ -93,11 +93,11 @@ fn cpu_access(ctx: &Ctx) -> Outcome {
                 path: PayloadPath::HostFixed,
                 buffer: id,
                 buffer_offset,
-                target_offset: 64 * CHUNK,
+                target_offset: pdstor::io::TargetOffset(64 * CHUNK),
                 len: CHUNK,
             };
-            engine.execute_all(&[req(0x7701, Op::Write, 0)]).map_err(e("fixed write"))?;
-            engine.execute_all(&[req(0x7702, Op::Read, CHUNK)]).map_err(e("fixed read"))?;
+            engine.execute_all(&[req(0x7701, Op::Write, pdstor::io::BufferOffset(0))]).map_err(e("fixed write"))?;
+            engine.execute_all(&[req(0x7702, Op::Read, pdstor::io::BufferOffset(CHUNK))]).map_err(e("fixed read"))?;
             let mut back = vec![0u8; CHUNK as usize];
             engine.buffer(id).map_err(e("buffer"))?.read_at(CHUNK, &mut back).map_err(e("reading back"))?;
             if let Some(at) = pdstor::payload::first_difference(&pattern, &back) {
@@ -219,7 +219,7 @@ fn handoff(target: &Path, writer: (&str, PayloadPath), reader: (&str, PayloadPat
         .map_err(e("adopt"))?;
     // Independent: every chunk as it lies on the target, read by busybox dd.
     for c in &manifest.chunks {
-        let on_disk = dd_direct(target, c.offset, c.len)?;
+        let on_disk = dd_direct(target, c.offset.0, c.len)?;
         let want = &payload[(c.index as u64 * CHUNK) as usize..][..c.len as usize];
         if let Some(at) = pdstor::payload::first_difference(want, &on_disk) {
             return Err(format!("chunk {} on the target differs from the writer's bytes at byte {at}", c.index));
@@ -399,7 +399,7 @@ fn bad_input(ctx: &Ctx) -> Outcome {
         data.store(p.publication, vec![chunk], true, 1).map_err(e("store after the client closed its fds"))?;
         let published = client.publish(p.publication, None).map_err(e("publish"))?;
         let c = published.manifest.chunks.first().ok_or("no chunk in the manifest")?;
-        if dd_direct(&disk.block, c.offset, c.len)? != payload {
+        if dd_direct(&disk.block, c.offset.0, c.len)? != payload {
             return Err("the chunk stored after the client closed its fds is not the client's bytes".into());
         }
         client.release(&published.receipt).map_err(e("release"))?;

@@ -78,8 +78,8 @@ fn requests(op: Op, id: pdstor::io::BufferId, n: u64) -> Vec<IoRequest> {
             op,
             path: PayloadPath::HostFixed,
             buffer: id,
-            buffer_offset: i * CHUNK,
-            target_offset: i * CHUNK,
+            buffer_offset: pdstor::io::BufferOffset(i * CHUNK),
+            target_offset: pdstor::io::TargetOffset(i * CHUNK),
             len: CHUNK,
         })
         .collect()

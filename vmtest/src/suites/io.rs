@@ -156,8 +156,8 @@ fn round_trip(
                 op,
                 path,
                 buffer: id,
-                buffer_offset: i * CHUNK,
-                target_offset: base + i * CHUNK,
+                buffer_offset: pdstor::io::BufferOffset(i * CHUNK),
+                target_offset: pdstor::io::TargetOffset(base + i * CHUNK),
                 len: CHUNK,
             })
             .collect()

@@ -85,8 +85,8 @@ pub(crate) fn fixed_write_verdict(
         op: Op::Write,
         path,
         buffer: id,
-        buffer_offset: 0,
-        target_offset: 64 << 20,
+        buffer_offset: pdstor::io::BufferOffset(0),
+        target_offset: pdstor::io::TargetOffset(64 << 20),
         len,
     };
     engine.execute_all(&[req]).map_err(|e| e.to_string())?;
@@ -233,8 +233,8 @@ fn bpftool_dump(ctx: &Ctx) -> Outcome {
             op: Op::Write,
             path: PayloadPath::HostFixed,
             buffer: id,
-            buffer_offset: 0,
-            target_offset: 0,
+            buffer_offset: pdstor::io::BufferOffset(0),
+            target_offset: pdstor::io::TargetOffset(0),
             len: 1 << 20,
         };
         engine.execute_all(&[req]).map_err(|e| e.to_string())?;
