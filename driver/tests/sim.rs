@@ -132,8 +132,8 @@ struct Sim {
     trace: Vec<String>,
 }
 
-fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
-    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()), clock: clock.clone() }
+fn options(plan: &Arc<FaultPlan>) -> StoreOptions {
+    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()) }
 }
 
 /// A buffer of `MAX_CHUNKS` slots shared with the store (another mapping of one memfd).
@@ -161,7 +161,8 @@ impl Sim {
         .map_err(|e| e.to_string())?;
         let plan = FaultPlan::simulated(&path).map_err(|e| e.to_string())?;
         let clock = Arc::new(SimClock(AtomicU64::new(1_700_000_000_000)));
-        let (store, _) = Store::open(&path, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
+        let sim_clock: Arc<dyn pdstor::protocol::Clock> = clock.clone();
+        let (store, _) = Store::open(&path, options(&plan)).map_err(|e| format!("open: {e}"))?;
         let store = Arc::new(store);
         let (writer, reader) = (shared(&store), shared(&store));
         Ok(Sim {
@@ -170,7 +171,7 @@ impl Sim {
             path,
             plan,
             clock,
-            service: Some(Service::new(store)),
+            service: Some(Service::new(store).with_clock(sim_clock)),
             writer,
             reader,
             reqs: BTreeMap::new(),
@@ -548,14 +549,13 @@ impl Sim {
         let rng = &mut self.rng;
         let loss = self.plan.power_loss(&mut |n| rng.below(n), misdirect);
         let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
-        let (store, report) =
-            Store::open(&self.path, options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;
+        let (store, report) = Store::open(&self.path, options(&plan)).map_err(|e| format!("recovery failed: {e}"))?;
         self.note(format!("POWER LOSS {loss:?} -> recovery {report:?}"));
         self.plan = plan;
         let store = Arc::new(store);
         self.writer = shared(&store);
         self.reader = shared(&store);
-        self.service = Some(Service::new(store.clone()));
+        self.service = Some(Service::new(store.clone()).with_clock(self.clock.clone()));
         store.check_quiescent().map_err(|e| format!("after recovery: {e}"))?;
 
         let live: BTreeMap<u64, pdstor::store::Publication> =

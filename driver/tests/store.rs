@@ -484,7 +484,6 @@ fn recovery_after_a_crash_at_every_write() {
                         queue_depth: 8,
                         admission_timeout: Duration::from_secs(1),
                         fault: Some(fault.clone()),
-                        ..Default::default()
                     },
                 );
                 // The open itself writes (epoch bump, journal): it may be the crash.

@@ -90,7 +90,6 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             queue_depth: cfg.queue_depth,
             admission_timeout: cfg.admission_timeout,
             fault: cfg.fault.clone(),
-            ..Default::default()
         },
     )?;
     tracing::info!(

@@ -94,6 +94,11 @@ impl Signer {
         Signer { key, key_id, namespace }
     }
 
+    /// The signer of the namespace `sb` describes: its key, key id and uuid.
+    pub fn for_namespace(sb: &crate::store::Superblock) -> Signer {
+        Signer::new(sb.hmac_key, sb.hmac_key_id, sb.uuid.to_string())
+    }
+
     pub fn namespace(&self) -> &str {
         &self.namespace
     }

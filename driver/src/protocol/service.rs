@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Receipt, ReceiptKind, Refusal, RefusalCode, Signer, manifest_digest};
+use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock, manifest_digest};
 use crate::store::{AbortOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
 use crate::timeline::Event;
 
@@ -37,6 +37,7 @@ pub struct Published {
 pub struct Service {
     store: Arc<Store>,
     signer: Signer,
+    clock: Arc<dyn Clock>,
     timeline: Option<Arc<crate::timeline::Timeline>>,
     closed_sessions: Mutex<HashSet<String>>,
 }
@@ -75,8 +76,26 @@ pub fn restore_digest(chunk_crcs: &[u32]) -> String {
 
 impl Service {
     pub fn new(store: Arc<Store>) -> Service {
-        let signer = store.signer();
-        Service { store, signer, timeline: None, closed_sessions: Mutex::new(HashSet::new()) }
+        let signer = Signer::for_namespace(&store.superblock());
+        Service {
+            store,
+            signer,
+            clock: Arc::new(SystemClock),
+            timeline: None,
+            closed_sessions: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// Measures claims, leases and receipts by `clock` instead of the
+    /// system's (the simulation's clock moves only when it says).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Service {
+        self.clock = clock;
+        self
+    }
+
+    /// The time, by this service's clock.
+    pub fn now_unix_ms(&self) -> u64 {
+        self.clock.now_unix_ms()
     }
 
     /// Records every step (and, through the daemon, every refusal) on `t`.
@@ -186,7 +205,7 @@ impl Service {
             reader: claim.map(|c| c.reader.clone()),
             session: claim.map(|c| c.session.clone()),
             lease_ms: claim.map(|c| c.lease_ms),
-            issued_unix_ms: self.store.now_unix_ms(),
+            issued_unix_ms: self.now_unix_ms(),
             key_id: 0,
             signature: String::new(),
         }))
@@ -252,7 +271,7 @@ impl Service {
             )
             .into());
         }
-        let p = self.store.claim(p.id, reader, session, lease_ms)?;
+        let p = self.store.claim(p.id, reader, session, lease_ms, self.now_unix_ms())?;
         let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
         let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
         self.note(
@@ -311,7 +330,7 @@ impl Service {
             .into());
         }
         if let Some(c) = &p.claim
-            && self.store.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
+            && self.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new(
                 RefusalCode::LeaseExpired,
@@ -337,7 +356,7 @@ impl Service {
             .into());
         }
         if let Some(c) = &p.claim
-            && self.store.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
+            && self.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
         {
             return Err(Refusal::new(RefusalCode::LeaseExpired, "lease_ms", "the lease expired").into());
         }

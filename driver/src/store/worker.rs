@@ -4,15 +4,10 @@
 //! gets to one is served by a single "flush payload → write journal tail →
 //! flush" sequence, so concurrent publishers share flushes.
 //!
-//! A [`FaultPlan`] makes the device die after a given number of writes (the
-//! crash-consistency harness): later writes and flushes fail, and the first
-//! failing write may be torn (half of it reaches the media). A simulated plan
-//! ([`FaultPlan::simulated`]) also models the device's volatile write cache:
-//! it remembers every write since the last flush, and a power loss
-//! ([`FaultPlan::power_loss`]) loses, tears or misdirects any of them.
+//! Every device write and flush first asks the [`FaultPlan`], if there is one
+//! (`super::fault`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 
 use crate::buffer::Buffer;
@@ -22,177 +17,22 @@ use crate::io::{
 };
 
 use super::error::WorkerError;
+use super::fault::{FaultPlan, dead_device};
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
 
 /// Journal writes are whole 4 KiB blocks (every target here accepts that).
 pub const JOURNAL_BLOCK: u64 = 4096;
-
-/// Kills the device after `writes` more writes (payload, journal or superblock).
-#[derive(Debug)]
-pub struct FaultPlan {
-    writes_left: AtomicI64,
-    torn: bool,
-    dead: AtomicBool,
-    /// The simulated volatile write cache, for [`FaultPlan::simulated`].
-    cache: Option<std::sync::Mutex<WriteCache>>,
-}
-
-/// Writes the device has acknowledged but not yet flushed, oldest first:
-/// where, and the bytes there before and after.
-#[derive(Debug)]
-struct WriteCache {
-    file: std::fs::File,
-    unflushed: Vec<(u64, Vec<u8>, Vec<u8>)>,
-}
-
-/// What a simulated power loss did to the unflushed writes.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PowerLoss {
-    pub unflushed: usize,
-    pub lost: usize,
-    pub torn: usize,
-    /// Writes that landed one block away from where they were aimed: media
-    /// corruption, which the store must detect (never serve as good bytes).
-    pub misdirected: usize,
-}
-
-impl FaultPlan {
-    pub fn die_after_writes(writes: u64, torn: bool) -> Arc<FaultPlan> {
-        Arc::new(FaultPlan {
-            writes_left: AtomicI64::new(writes as i64),
-            torn,
-            dead: AtomicBool::new(false),
-            cache: None,
-        })
-    }
-
-    /// A device that works until [`kill`](Self::kill), remembering unflushed
-    /// writes to `path` (the target file) so that [`power_loss`](Self::power_loss)
-    /// can undo, tear or misdirect them.
-    pub fn simulated(path: &std::path::Path) -> std::io::Result<Arc<FaultPlan>> {
-        let file = std::fs::File::options().read(true).write(true).open(path)?;
-        Ok(Arc::new(FaultPlan {
-            writes_left: AtomicI64::new(i64::MAX),
-            torn: false,
-            dead: AtomicBool::new(false),
-            cache: Some(std::sync::Mutex::new(WriteCache { file, unflushed: Vec::new() })),
-        }))
-    }
-
-    /// The power goes: every later write and flush fails.
-    pub fn kill(&self) {
-        self.dead.store(true, Ordering::SeqCst);
-    }
-
-    fn cache(&self) -> Option<std::sync::MutexGuard<'_, WriteCache>> {
-        self.cache.as_ref().map(|c| c.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    /// Before a write: remember what it overwrites.
-    fn before_write(&self, offset: u64, len: u64) {
-        if let Some(mut c) = self.cache() {
-            let before = Self::read_now_file(&c.file, offset, len);
-            c.unflushed.push((offset, before, Vec::new()));
-        }
-    }
-
-    /// After the writes since the last [`before_write`](Self::before_write)s
-    /// completed: remember what they wrote.
-    fn after_writes(&self) {
-        if let Some(mut c) = self.cache() {
-            let c = &mut *c;
-            for (offset, before, after) in c.unflushed.iter_mut().filter(|w| w.2.is_empty()) {
-                *after = Self::read_now_file(&c.file, *offset, before.len() as u64);
-            }
-        }
-    }
-
-    /// Bytes at `offset..offset + len` of the target as they are now.
-    fn read_now_file(file: &std::fs::File, offset: u64, len: u64) -> Vec<u8> {
-        use std::os::unix::fs::FileExt;
-        let mut b = vec![0u8; len as usize];
-        let _ = file.read_exact_at(&mut b, offset);
-        b
-    }
-
-    /// A flush completed: the cache is empty.
-    fn flushed(&self) {
-        if let Some(mut c) = self.cache() {
-            c.unflushed.clear();
-        }
-    }
-
-    /// The power was lost with writes in the volatile cache. `choose(n)`
-    /// picks a number below `n` (the simulator's seeded source): each
-    /// unflushed write independently reaches the media whole, is lost, is
-    /// torn (a prefix of whole 512-byte sectors), or lands one 4 KiB block
-    /// away, at the rates `misdirect_ok` allows. Call after [`kill`](Self::kill)
-    /// and after the store is gone.
-    pub fn power_loss(&self, choose: &mut dyn FnMut(u64) -> u64, misdirect_ok: bool) -> PowerLoss {
-        use std::os::unix::fs::FileExt;
-        let Some(mut c) = self.cache() else { return PowerLoss::default() };
-        let writes = std::mem::take(&mut c.unflushed);
-        let mut report = PowerLoss { unflushed: writes.len(), ..Default::default() };
-        // Back to the state before any unflushed write, newest first...
-        for (offset, before, _) in writes.iter().rev() {
-            let _ = c.file.write_all_at(before, *offset);
-        }
-        // ...then replay, oldest first, the writes the cache got out.
-        let len = c.file.metadata().map_or(0, |m| m.len());
-        for (offset, _, after) in &writes {
-            match choose(16) {
-                0..=7 => {
-                    let _ = c.file.write_all_at(after, *offset);
-                }
-                8..=11 => report.lost += 1,
-                12..=14 => {
-                    let sectors = after.len() as u64 / 512;
-                    let keep = if sectors > 1 { choose(sectors - 1) + 1 } else { 0 } as usize * 512;
-                    let _ = c.file.write_all_at(&after[..keep], *offset);
-                    report.torn += 1;
-                }
-                _ if misdirect_ok => {
-                    let to = if choose(2) == 0 { offset.checked_sub(4096) } else { Some(offset + 4096) };
-                    if let Some(to) = to.filter(|t| t + after.len() as u64 <= len) {
-                        let _ = c.file.write_all_at(after, to);
-                        report.misdirected += 1;
-                    } else {
-                        report.lost += 1;
-                    }
-                }
-                _ => report.lost += 1,
-            }
-        }
-        let _ = c.file.sync_all();
-        report
-    }
-    pub fn is_dead(&self) -> bool {
-        self.dead.load(Ordering::SeqCst)
-    }
-    /// Whether the next write may proceed: `Ok(true)` whole, `Ok(false)` torn.
-    fn admit_write(&self) -> Result<bool, ()> {
-        if self.is_dead() {
-            return Err(());
-        }
-        if self.writes_left.fetch_sub(1, Ordering::SeqCst) > 0 {
-            return Ok(true);
-        }
-        self.dead.store(true, Ordering::SeqCst);
-        if self.torn { Ok(false) } else { Err(()) }
-    }
-}
-
-fn dead_device() -> std::io::Error {
-    std::io::Error::other("device failed (fault injection)")
-}
 
 /// What every committer of one group commit is told: shared, since one
 /// outcome answers them all.
 pub(crate) type CommitReply = Result<CommitInfo, Arc<WorkerError>>;
 
 /// Per request, the crc32c of its bytes (`None` for memory the daemon cannot
-/// map) or its failure; the outer error is a batch that could not run.
-pub(crate) type PayloadReply = Result<Vec<Result<Option<u32>, IoError>>, IoError>;
+/// map) or its failure.
+pub(crate) type PayloadResults = Vec<Result<Option<u32>, IoError>>;
+
+/// [`PayloadResults`], or the error of a batch that could not run.
+pub(crate) type PayloadReply = Result<PayloadResults, IoError>;
 
 pub(crate) enum Job {
     /// First job after open: appends continue at this offset of the active half.

@@ -1,0 +1,173 @@
+//! Formatting a target: the journal halves and both superblock copies of a
+//! fresh namespace, after refusing anything recognisable it would overwrite.
+
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::StoreError;
+use super::error::WorkerError;
+use super::superblock::{self, FORMAT_VERSION, SUPERBLOCK_BYTES, Superblock};
+use crate::io::{Engine, EngineOptions, IoError, Target, TargetOptions};
+
+/// Journal half sizes `format` accepts (powers of two, so a reader that lost
+/// superblock copy A can still find copy B).
+pub const JOURNAL_HALF_CHOICES: [u64; 13] = [
+    1 << 18,
+    1 << 19,
+    1 << 20,
+    1 << 21,
+    1 << 22,
+    1 << 23,
+    1 << 24,
+    1 << 25,
+    1 << 26,
+    1 << 27,
+    1 << 28,
+    1 << 29,
+    1 << 30,
+];
+
+/// How to format a target.
+#[derive(Debug, Clone)]
+pub struct FormatOptions {
+    /// Bytes per slot: the largest chunk. Multiple of 4 KiB.
+    pub slot_size: u64,
+    /// Bytes of each journal half (a power of two from 256 KiB to 1 GiB).
+    pub journal_half: u64,
+    /// Overwrite a target that holds a filesystem or another namespace.
+    pub force: bool,
+    /// For a file target that does not exist yet: create it this large.
+    pub create_len: Option<u64>,
+}
+
+impl Default for FormatOptions {
+    fn default() -> Self {
+        FormatOptions { slot_size: 8 << 20, journal_half: 16 << 20, force: false, create_len: None }
+    }
+}
+
+/// What `format` wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FormatReport {
+    pub target: PathBuf,
+    pub uuid: String,
+    pub slot_size: u64,
+    pub slot_count: u64,
+    pub data_offset: u64,
+    pub journal_half: u64,
+    pub overwrote: Option<String>,
+}
+
+/// Recognisable signatures at the start of a target.
+fn signature(head: &[u8]) -> Option<String> {
+    let at = |off: usize, magic: &[u8]| head.get(off..off + magic.len()) == Some(magic);
+    if at(0, superblock::MAGIC) {
+        return Some("a pdstor namespace".into());
+    }
+    if at(0, b"XFSB") {
+        return Some("an XFS filesystem".into());
+    }
+    if at(1080, &[0x53, 0xef]) {
+        return Some("an ext2/3/4 filesystem".into());
+    }
+    if at(0x10040, b"_BHRfS_M") {
+        return Some("a btrfs filesystem".into());
+    }
+    if at(4086, b"SWAPSPACE2") {
+        return Some("a swap area".into());
+    }
+    if at(512, b"LABELONE") || at(536, b"LVM2") {
+        return Some("an LVM physical volume".into());
+    }
+    if at(512, b"EFI PART") {
+        return Some("a GPT partition table".into());
+    }
+    None
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Writes a fresh namespace: empty journal halves, then both superblock copies.
+pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
+    if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
+        return Err(StoreError::BadOption(format!("slot size {} must be a positive multiple of 4096", opts.slot_size)));
+    }
+    if !JOURNAL_HALF_CHOICES.contains(&opts.journal_half) {
+        return Err(StoreError::BadOption(format!(
+            "journal half {} must be a power of two from 256 KiB to 1 GiB",
+            opts.journal_half
+        )));
+    }
+    let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true })?;
+    let capacity = target.geometry().capacity;
+    let block_size = target.geometry().logical_block;
+    let data_offset = 2 * SUPERBLOCK_BYTES as u64 + 2 * opts.journal_half;
+    let minimum = data_offset + opts.slot_size;
+    if capacity < minimum {
+        return Err(StoreError::TooSmall { path: path.into(), capacity, minimum });
+    }
+    let mut engine = Engine::new(target, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() })?;
+    let head = engine.read_to_vec(0, (68 << 10).min(capacity))?;
+    let found = signature(&head);
+    if let Some(sig) = &found
+        && !opts.force
+    {
+        return Err(StoreError::ForeignSignature { path: path.into(), signature: sig.clone() });
+    }
+    let mut key = [0u8; 32];
+    getrandom::fill(&mut key).map_err(WorkerError::Random)?;
+    let sb = Superblock {
+        version: FORMAT_VERSION,
+        generation: 1,
+        uuid: uuid::Uuid::new_v4(),
+        epoch: 0,
+        block_size,
+        slot_size: opts.slot_size,
+        slot_count: (capacity - data_offset) / opts.slot_size,
+        data_offset,
+        journal_half: opts.journal_half,
+        active_half: 0,
+        journal_start_seq: 1,
+        hmac_key_id: 1,
+        hmac_key: key,
+        created_unix: now_unix(),
+    };
+    // Old superblocks go first, so a crash mid-format leaves no stale namespace.
+    engine.write_from_slice(0, &[0u8; SUPERBLOCK_BYTES])?;
+    let zeros = vec![0u8; (1 << 20).min(opts.journal_half) as usize];
+    for half in 0..2u8 {
+        let mut off = 0;
+        while off < opts.journal_half {
+            engine.write_from_slice(sb.journal_offset(half) + off, &zeros)?;
+            off += zeros.len() as u64;
+        }
+    }
+    engine.flush()?;
+    engine.write_from_slice(sb.copy_b_offset(), &sb.encode())?;
+    engine.flush()?;
+    engine.write_from_slice(0, &sb.encode())?;
+    engine.flush()?;
+    Ok(FormatReport {
+        target: path.into(),
+        uuid: sb.uuid.to_string(),
+        slot_size: sb.slot_size,
+        slot_count: sb.slot_count,
+        data_offset,
+        journal_half: sb.journal_half,
+        overwrote: found,
+    })
+}
+
+/// What recognisable signature (filesystem, pdstor namespace, partition
+/// table, …) the start of `path` holds, if any. Used to refuse destructive
+/// commands on a target that holds something.
+pub fn signature_of(path: &Path) -> Result<Option<String>, StoreError> {
+    use std::io::Read;
+    let mut head = Vec::with_capacity(68 << 10);
+    std::fs::File::open(path)
+        .and_then(|f| f.take(68 << 10).read_to_end(&mut head))
+        .map_err(|source| StoreError::Io(IoError::Open { path: path.into(), source }))?;
+    Ok(signature(&head))
+}

@@ -1,0 +1,129 @@
+//! The protocol's transitions as state changes (DESIGN §4): release, claim,
+//! adopt, ack, fail, reclaim. Each checks the publication's phase, journals
+//! one record and commits before it returns; the ones that free slots keep
+//! them quarantined until their record is durable. Who may take a step
+//! (receipts, leases, fencing) is the protocol's to check, before it calls here.
+
+use super::error::StoreError;
+use super::{Phase, Publication, Record, SlotIndex, Store, in_phase};
+
+impl Store {
+    /// Exact unread release: a READY publication that was never claimed.
+    ///
+    /// The RELEASE record is committed before this returns, and its slots
+    /// stay out of reach of new prepares until then (quarantined): had
+    /// another request written payload into them before the record was
+    /// durable, a crash would bring the publication back READY over its
+    /// bytes (found by the simulation, `driver/tests/sim.rs`). ACK and
+    /// RECLAIM free their slots the same way.
+    pub fn release(&self, id: u64) -> Result<(), StoreError> {
+        let (req, slots) = {
+            let mut live = self.lock_live();
+            let p =
+                in_phase(&live.state, id, &[Phase::Ready], "only a READY, never-claimed publication can be released")?;
+            let (req, slots) = (p.req_id.clone(), p.slots.clone());
+            self.log(&mut live, Record::Release { publication: id })?;
+            live.batches.remove(&id);
+            live.quarantine.extend(&slots);
+            (req, slots)
+        };
+        self.free_when_durable(&req, &slots)
+    }
+
+    /// Commits (sharing the flush with whoever else is committing), then
+    /// lets `slots` be prepared again and gives `req`'s reservation back.
+    fn free_when_durable(&self, req: &str, slots: &[SlotIndex]) -> Result<(), StoreError> {
+        let committed = self.commit();
+        let mut live = self.lock_live();
+        for s in slots {
+            live.quarantine.remove(s);
+        }
+        drop(live);
+        self.admission.release(req);
+        committed.map(drop)
+    }
+
+    /// Runs one protocol transition: checks the phase, journals `record`,
+    /// releases the reservation if the record frees the slots, and commits.
+    fn transition(
+        &self,
+        id: u64,
+        allowed: &[Phase],
+        what: &'static str,
+        record: Record,
+    ) -> Result<Publication, StoreError> {
+        let frees = matches!(record, Record::Ack { .. } | Record::Reclaim { .. });
+        let before = {
+            let mut live = self.lock_live();
+            let p = in_phase(&live.state, id, allowed, what)?.clone();
+            self.log(&mut live, record)?;
+            if frees {
+                live.batches.remove(&id);
+                live.quarantine.extend(&p.slots);
+            }
+            p
+        };
+        if frees {
+            self.free_when_durable(&before.req_id, &before.slots)?;
+        } else {
+            self.commit()?;
+        }
+        Ok(self.publication(id).unwrap_or(before))
+    }
+
+    /// Step 4: binds exactly one reader and session to a READY publication,
+    /// claimed at `claimed_unix_ms` (the protocol's clock) for `lease_ms`.
+    pub fn claim(
+        &self,
+        id: u64,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+        claimed_unix_ms: u64,
+    ) -> Result<Publication, StoreError> {
+        let record = Record::Claim {
+            publication: id,
+            reader: reader.into(),
+            session: session.into(),
+            lease_ms,
+            epoch: self.epoch(),
+            claimed_unix_ms,
+        };
+        self.transition(id, &[Phase::Ready], "only a READY, unclaimed publication can be claimed", record)
+    }
+
+    /// Step 5: the claimed reader adopts the publication (checks are the caller's).
+    pub fn adopt(&self, id: u64) -> Result<Publication, StoreError> {
+        self.transition(
+            id,
+            &[Phase::Claimed],
+            "only a CLAIMED publication can be adopted",
+            Record::Adopt { publication: id },
+        )
+    }
+
+    /// Step 7: frees the slots. A second ACK finds no live publication.
+    pub fn ack(&self, id: u64, restore_digest: &str) -> Result<(), StoreError> {
+        let r = Record::Ack { publication: id, restore_digest: restore_digest.into() };
+        self.transition(id, &[Phase::Adopted], "only an ADOPTED publication can be acknowledged", r).map(|_| ())
+    }
+
+    /// A failed or uncertain claimed read: RETAINED, bytes and slots kept.
+    pub fn fail(&self, id: u64, reason: &str) -> Result<(), StoreError> {
+        let r = Record::Retain { publication: id, reason: reason.into() };
+        self.transition(id, &[Phase::Claimed, Phase::Adopted], "only a claimed publication can fail", r).map(|_| ())
+    }
+
+    /// Frees a claimed or retained publication's slots; the caller has checked
+    /// that its reader is fenced.
+    pub fn reclaim(&self, id: u64) -> Result<(), StoreError> {
+        let r = Record::Reclaim { publication: id };
+        self.transition(
+            id,
+            &[Phase::Claimed, Phase::Adopted, Phase::Retained],
+            "only a claimed or retained publication can be reclaimed",
+            r,
+        )
+        .map(|_| ())
+    }
+}
