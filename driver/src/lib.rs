@@ -4,17 +4,14 @@
 
 pub mod admission;
 pub mod api;
-pub mod bench;
 pub mod buffer;
 pub mod client;
+pub mod harness;
 pub mod io;
-pub mod ladder;
 pub mod model;
 pub mod payload;
 pub mod protocol;
 pub mod provenance;
-pub mod qualify;
-pub mod roundtrip;
 pub mod store;
 pub mod timeline;
 pub mod units;

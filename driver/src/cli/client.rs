@@ -1,0 +1,291 @@
+//! The client verbs: each step of the handoff as one command against a
+//! running daemon, receipts read from and printed as JSON.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use pdstor::client::{Client, Reader, Writer};
+use pdstor::protocol::Receipt;
+use pdstor::store::Layout;
+use pdstor::timeline::{Event, Timeline};
+use pdstor::units::parse_size;
+
+use super::common::{BufferArgs, Daemon, STATES, Server, print_json, read_json};
+
+#[derive(clap::Args)]
+pub struct PutArgs {
+    #[command(flatten)]
+    daemon: Daemon,
+    /// The request id this KV cache belongs to (the serving engine's request).
+    #[arg(long)]
+    req: String,
+    /// The writer's identity, recorded with the publication (e.g. the prefill engine's name).
+    #[arg(long, env = "PDSTOR_WRITER", default_value = "writer")]
+    writer: String,
+    /// JSON layout (model_id, dtype, layers, kv_heads, head_dim, chunk_tokens, kv_format).
+    #[arg(long)]
+    layout: PathBuf,
+    /// The KV bytes to store: a file whose size is a non-zero multiple of 4096.
+    #[arg(long)]
+    from: PathBuf,
+    /// Bytes per chunk (at most the namespace's slot size); k, M, G suffixes.
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    chunk_size: u64,
+    /// Chunks per store batch.
+    #[arg(long, default_value_t = 4)]
+    batch: u32,
+    /// The first token the reader continues from, recorded in the manifest.
+    #[arg(long)]
+    first_token: Option<u32>,
+    #[command(flatten)]
+    buffer: BufferArgs,
+    /// Append this node's steps to a JSON-lines timeline (see `pdstor timeline`).
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+}
+
+impl PutArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let layout: Layout = read_json(&self.layout, "layout")?;
+        let from = &self.from;
+        let payload = std::fs::read(from).map_err(|e| anyhow::anyhow!("reading {}: {e}", from.display()))?;
+        if payload.is_empty() || !payload.len().is_multiple_of(4096) {
+            anyhow::bail!(
+                "{} is {} bytes; a KV payload must be a non-empty multiple of 4096 bytes (direct I/O): pad it",
+                from.display(),
+                payload.len()
+            );
+        }
+        let chunks = payload.len().div_ceil(self.chunk_size as usize) as u32;
+        let d = &self.daemon;
+        let mut w = Writer::with_buffer(&d.server, &d.data_socket, self.chunk_size, chunks, self.buffer.spec())?
+            .with_writer_id(&self.writer);
+        let started = Instant::now();
+        let published = w.put(&self.req, &layout, &payload, self.batch, self.first_token)?;
+        eprintln!(
+            "pdstor put: {} bytes in {chunks} chunks stored and published in {:.3} s",
+            payload.len(),
+            started.elapsed().as_secs_f64()
+        );
+        if let Some(t) = self.timeline {
+            let r = &published.receipt;
+            let mut e = Event::new("publish").req(&self.req).publication(r.publication).receipt(&r.signature);
+            e.chunks = Some(chunks);
+            Timeline::open(&t, &format!("writer-{}", std::process::id()))?.emit(e);
+        }
+        print_json(&published.receipt)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct ClaimArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The READY receipt `pdstor put` printed (a JSON file).
+    #[arg(long)]
+    receipt: PathBuf,
+    /// The reader's identity (e.g. the decode engine's name); only it may adopt.
+    #[arg(long)]
+    reader: String,
+    /// The reader's session; closing it (`close-session`) fences the claim.
+    #[arg(long)]
+    session: String,
+    /// How long the claim is leased, in ms (expiry never frees claimed bytes).
+    #[arg(long, default_value_t = 60_000)]
+    lease_ms: u64,
+}
+
+impl ClaimArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let ready: Receipt = read_json(&self.receipt, "receipt")?;
+        print_json(&Client::new(&self.daemon.server).claim(&ready, &self.reader, &self.session, self.lease_ms)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct GetArgs {
+    #[command(flatten)]
+    daemon: Daemon,
+    /// The claim receipt `pdstor claim` printed (a JSON file).
+    #[arg(long)]
+    claim: PathBuf,
+    /// The JSON layout the reader expects; adopt refuses a publication with another.
+    #[arg(long)]
+    layout: PathBuf,
+    /// Where to write the restored bytes.
+    #[arg(long)]
+    out: PathBuf,
+    /// Acknowledge right after a verified restore (no digest to copy by hand).
+    #[arg(long)]
+    ack: bool,
+    #[command(flatten)]
+    buffer: BufferArgs,
+    /// Append this node's steps to a JSON-lines timeline (see `pdstor timeline`).
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+}
+
+impl GetArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let claim: Receipt = read_json(&self.claim, "claim receipt")?;
+        let layout: Layout = read_json(&self.layout, "layout")?;
+        let mut r = Reader::with_buffer(&self.daemon.server, &self.daemon.data_socket, self.buffer.spec())?;
+        let started = Instant::now();
+        let restored = r.get(&claim, &layout)?;
+        let restore_seconds = started.elapsed().as_secs_f64();
+        let bytes = r.restored_bytes(restored.len)?;
+        let out = &self.out;
+        std::fs::write(out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+        let tl = match &self.timeline {
+            Some(t) => Some(Timeline::open(t, &format!("reader-{}", std::process::id()))?),
+            None => None,
+        };
+        let note = |event: &str| {
+            if let Some(tl) = &tl {
+                tl.emit(Event::new(event).req(&claim.req_id).publication(claim.publication).receipt(&claim.signature));
+            }
+        };
+        note("restored");
+        if self.ack {
+            r.client.ack(&claim, &restored.restore_digest)?;
+            note("ack");
+        }
+        print_json(&serde_json::json!({
+            "publication": restored.manifest.publication,
+            "chunks": restored.manifest.chunks.len(),
+            "bytes": restored.len,
+            "first_token": restored.manifest.first_token,
+            "restore_digest": restored.restore_digest,
+            "acked": self.ack,
+            "restore_seconds": restore_seconds,
+        }))
+    }
+}
+
+#[derive(clap::Args)]
+pub struct AckArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The claim receipt (a JSON file).
+    #[arg(long)]
+    claim: PathBuf,
+    /// The restore digest `pdstor get` printed (hex SHA-256 of the restored chunks' crc32c).
+    #[arg(long)]
+    restore_digest: String,
+}
+
+impl AckArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        Ok(Client::new(&self.daemon.server).ack(&read_json(&self.claim, "claim receipt")?, &self.restore_digest)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct ReleaseArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The READY receipt (a JSON file).
+    #[arg(long)]
+    receipt: PathBuf,
+}
+
+impl ReleaseArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        Ok(Client::new(&self.daemon.server).release(&read_json(&self.receipt, "receipt")?)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct AbortArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The publication id (`pdstor publications`).
+    #[arg(long)]
+    publication: u64,
+}
+
+impl AbortArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        println!("{}", serde_json::to_string(&Client::new(&self.daemon.server).abort(self.publication)?)?);
+        Ok(())
+    }
+}
+
+#[derive(clap::Args)]
+pub struct FailArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The claim receipt (a JSON file).
+    #[arg(long)]
+    claim: PathBuf,
+    /// Why the read failed, recorded in the journal.
+    #[arg(long)]
+    reason: String,
+}
+
+impl FailArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        Ok(Client::new(&self.daemon.server).fail(&read_json(&self.claim, "claim receipt")?, &self.reason)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct ReclaimArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The claim receipt (a JSON file).
+    #[arg(long)]
+    claim: PathBuf,
+}
+
+impl ReclaimArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        Ok(Client::new(&self.daemon.server).reclaim(&read_json(&self.claim, "claim receipt")?)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct CloseSessionArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The session id given to `pdstor claim --session`.
+    #[arg(long)]
+    session: String,
+}
+
+impl CloseSessionArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        Ok(Client::new(&self.daemon.server).close_session(&self.session)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    daemon: Server,
+}
+
+impl StatusArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        print!("{}", Client::new(&self.daemon.server).metrics()?);
+        Ok(())
+    }
+}
+
+#[derive(clap::Args)]
+pub struct PublicationsArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// Only publications in this state.
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(STATES), ignore_case = true)]
+    state: Option<String>,
+    /// List each chunk's slot, byte offset, length and crc32c on the target.
+    #[arg(long, short)]
+    verbose: bool,
+}
+
+impl PublicationsArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        print_json(&Client::new(&self.daemon.server).publications(self.state.as_deref(), self.verbose)?)
+    }
+}

@@ -1,0 +1,111 @@
+//! `pdstor serve`: the daemon.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdstor::units::parse_size;
+
+// What one client may hold or take (see `pdstor::api::Limits`).
+#[derive(clap::Args, Clone, Copy)]
+pub struct LimitArgs {
+    /// Largest control-plane request body; a larger one is 413.
+    #[arg(long, default_value = "1M", value_parser = parse_size)]
+    max_body: u64,
+    /// Longest wait for a request body once its headers arrived, in ms (then 408).
+    #[arg(long, default_value_t = 10_000)]
+    body_timeout_ms: u64,
+    /// Longest wait for a request's headers, and for the next request on an idle connection, in ms.
+    #[arg(long, default_value_t = 10_000)]
+    header_timeout_ms: u64,
+    /// Control-plane connections open at once; the next is answered 503 and closed.
+    #[arg(long, default_value_t = 512)]
+    max_http_connections: usize,
+    /// Prepares handled or waiting for capacity at once; the next is 503 too_many_prepares.
+    #[arg(long, default_value_t = 64)]
+    max_prepares: usize,
+    /// Data-plane connections open at once; the next is answered 503 and closed.
+    #[arg(long, default_value_t = 256)]
+    max_data_connections: usize,
+    /// Buffers one data-plane connection may register.
+    #[arg(long, default_value_t = 16)]
+    max_buffers_per_connection: usize,
+    /// Buffer bytes one data-plane connection may have the daemon map.
+    #[arg(long, default_value = "16G", value_parser = parse_size)]
+    max_pinned_per_connection: u64,
+    /// A PREPARED publication that sees no store batch for this long (ms) is aborted.
+    #[arg(long, default_value_t = 120_000)]
+    prepare_idle_timeout_ms: u64,
+}
+
+impl LimitArgs {
+    fn limits(self) -> pdstor::api::Limits {
+        pdstor::api::Limits {
+            max_body_bytes: self.max_body as usize,
+            body_timeout: Duration::from_millis(self.body_timeout_ms),
+            header_timeout: Duration::from_millis(self.header_timeout_ms),
+            max_http_connections: self.max_http_connections,
+            max_prepares: self.max_prepares,
+            max_data_connections: self.max_data_connections,
+            max_buffers_per_connection: self.max_buffers_per_connection,
+            max_pinned_bytes_per_connection: self.max_pinned_per_connection,
+            prepare_idle_timeout: Duration::from_millis(self.prepare_idle_timeout_ms),
+        }
+    }
+}
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// The formatted target to serve (`pdstor format`): a file, block device or /dev/ngXnY.
+    #[arg(long)]
+    target: PathBuf,
+    /// Control plane address (loopback by default).
+    #[arg(long, default_value = "127.0.0.1:7077", conflicts_with = "listen_unix")]
+    listen: std::net::SocketAddr,
+    /// Serve the control plane on this Unix socket instead of TCP.
+    #[arg(long)]
+    listen_unix: Option<PathBuf>,
+    /// The data-plane Unix socket clients share their buffers over (created 0600).
+    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
+    data_socket: PathBuf,
+    /// io_uring queue depth of the store's I/O thread.
+    #[arg(long, default_value_t = 32)]
+    qd: u32,
+    /// Longest a prepare waits for capacity, in ms; then it is refused with 503.
+    #[arg(long, default_value_t = 30_000)]
+    admission_timeout_ms: u64,
+    /// Attach the eBPF provenance probes and stamp every payload transfer with a verdict (root).
+    #[arg(long)]
+    provenance: bool,
+    /// With --provenance: a fallback verdict on a host_fixed transfer fails it.
+    #[arg(long, requires = "provenance")]
+    require_native: bool,
+    /// Append every protocol step, chunk transfer and refusal to this JSON-lines timeline.
+    #[arg(long)]
+    timeline: Option<PathBuf>,
+    #[command(flatten)]
+    limits: LimitArgs,
+}
+
+impl ServeArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+            .with_writer(std::io::stderr)
+            .init();
+        pdstor::api::serve(pdstor::api::ServeConfig {
+            target: self.target,
+            listen: match self.listen_unix {
+                Some(p) => pdstor::api::Listen::Unix(p),
+                None => pdstor::api::Listen::Tcp(self.listen),
+            },
+            data_socket: self.data_socket,
+            queue_depth: self.qd,
+            admission_timeout: Duration::from_millis(self.admission_timeout_ms),
+            provenance: self.provenance,
+            require_native: self.require_native,
+            timeline: self.timeline,
+            fault: None,
+            limits: self.limits.limits(),
+        })
+    }
+}

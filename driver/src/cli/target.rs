@@ -1,0 +1,90 @@
+//! The verbs that work on a target directly, with no daemon: `info`,
+//! `format`, `inspect`.
+
+use std::path::PathBuf;
+
+use pdstor::io::{Engine, EngineOptions, Target, TargetOptions};
+use pdstor::store::{self, FormatOptions};
+use pdstor::units::parse_size;
+
+use super::common::print_json;
+
+#[derive(clap::Args)]
+pub struct InfoArgs {
+    /// A file, block device or /dev/ngXnY.
+    #[arg(long)]
+    target: PathBuf,
+}
+
+impl InfoArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let t = Target::open(&self.target, &TargetOptions::default())?;
+        let engine = Engine::new(t, EngineOptions { queue_depth: 1, buffer_slots: 1, ..Default::default() })?;
+        print_json(&serde_json::json!({
+            "target": self.target,
+            "kind": engine.target().kind(),
+            "geometry": engine.geometry(),
+            "dmabuf_rw": engine.dmabuf_rw(),
+            "dmabuf_exporters": pdstor::buffer::dmabuf::exporters(),
+        }))
+    }
+}
+
+#[derive(clap::Args)]
+pub struct FormatArgs {
+    /// A file (created with --size if missing), block device or /dev/ngXnY.
+    #[arg(long)]
+    target: PathBuf,
+    /// Bytes per slot: the largest chunk.
+    #[arg(long, default_value = "8M", value_parser = parse_size)]
+    chunk_slot: u64,
+    /// Bytes of each of the two journal halves (power of two, 256k to 1G).
+    #[arg(long, default_value = "16M", value_parser = parse_size)]
+    journal: u64,
+    /// For a file target that does not exist yet: create it this large.
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
+    /// Overwrite a target that holds a filesystem or another namespace.
+    #[arg(long)]
+    force: bool,
+}
+
+impl FormatArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let opts = FormatOptions {
+            slot_size: self.chunk_slot,
+            journal_half: self.journal,
+            force: self.force,
+            create_len: self.size,
+        };
+        print_json(&store::format(&self.target, &opts)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    /// A formatted target not served by a running daemon.
+    #[arg(long)]
+    target: PathBuf,
+}
+
+impl InspectArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let (s, report) = store::Store::open(&self.target, store::StoreOptions::default())?;
+        let sb = s.superblock();
+        let pubs: Vec<_> = s
+            .publications()
+            .into_iter()
+            .map(|p| serde_json::json!({"publication": p.id, "req_id": p.req_id, "phase": p.phase, "chunks": p.total_chunks, "slots": p.slots}))
+            .collect();
+        print_json(&serde_json::json!({
+            "namespace": sb.uuid.to_string(),
+            "epoch": sb.epoch,
+            "slot_size": sb.slot_size,
+            "slots": sb.slot_count,
+            "stats": s.stats(),
+            "recovery": report,
+            "publications": pubs,
+        }))
+    }
+}
