@@ -28,8 +28,8 @@ use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
-use crate::protocol::RefusalCode;
 use crate::protocol::service::{ProtocolError, Service};
+use crate::protocol::{Receipt, RefusalCode};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 
 /// Largest frame accepted (a batch of thousands of chunks fits easily).
@@ -311,126 +311,144 @@ impl Conn {
     }
 
     fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, ErrorBody> {
-        let store = self.service.store().clone();
         match req {
-            DataRequest::Register { len, kind, path } => {
-                let path = path.unwrap_or(PayloadPath::HostFixed);
-                let (max, pinned_max) =
-                    (self.limits.max_buffers_per_connection, self.limits.max_pinned_bytes_per_connection);
-                if self.buffers.len() >= max {
-                    return Err(err(
-                        RefusalCode::TooManyBuffers,
-                        "buffer",
-                        format!("this connection has {max} buffers registered (--max-buffers-per-connection)"),
-                    ));
-                }
-                let pinned: u64 = self.buffers.values().map(|b| b.1).sum();
-                if pinned.saturating_add(len) > pinned_max {
-                    return Err(err(
-                        RefusalCode::TooManyBytes,
-                        "len",
-                        format!(
-                            "this connection has {pinned} bytes of buffers registered; {len} more would pass \
-                             {pinned_max} (--max-pinned-per-connection)"
-                        ),
-                    ));
-                }
-                let buffer = Self::receive_buffer(kind, len, fds)?;
-                let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
-                let id = store.register_buffer_for(buffer, path).map_err(|e| from_store(&e))?;
-                let client = self.next;
-                self.next += 1;
-                self.buffers.insert(client, (id, len, path));
-                Ok(DataResponse {
-                    ok: true,
-                    buffer: Some(client),
-                    paths: vec![path.to_string()],
-                    exporter,
-                    ..Default::default()
-                })
-            }
+            DataRequest::Register { len, kind, path } => self.register(len, kind, path, fds),
             DataRequest::Store { publication, chunks, is_last_batch, total_chunks } => {
-                let mut sources = Vec::with_capacity(chunks.len());
-                for c in &chunks {
-                    sources.push(ChunkSource {
-                        index: c.index,
-                        buffer: self.buffer(c)?,
-                        buffer_offset: BufferOffset(c.offset),
-                        len: c.len,
-                        crc32c: c.crc32c,
-                    });
-                }
-                self.stored_into.insert(publication);
-                let started = std::time::Instant::now();
-                let out = store
-                    .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
-                    .map_err(|e| {
-                        let body = from_store(&e);
-                        self.note_failure("store_failed", publication, &body);
-                        body
-                    })?;
-                let took = started.elapsed();
-                for c in &chunks {
-                    self.count_bytes(self.path_of(c), c.len);
-                }
-                let verdicts = match self.verdicts(publication, &chunks) {
-                    Ok(v) => v,
-                    Err(e) => {
-                        let _ = store.abort(publication);
-                        self.note_failure("store_failed", publication, &e);
-                        return Err(e);
-                    }
-                };
-                self.note_transfers("store", publication, &chunks, &verdicts, took, |c| c.len);
-                Ok(DataResponse {
-                    ok: true,
-                    verdicts,
-                    completed: Some(out.completed),
-                    total: Some(out.total),
-                    publishable: Some(out.publishable),
-                    paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
-                    ..Default::default()
-                })
+                self.store(publication, &chunks, is_last_batch, total_chunks)
             }
-            DataRequest::Load { receipt, chunks } => {
-                let manifest = self.service.authorize_load(&receipt).map_err(|e: ProtocolError| from_protocol(&e))?;
-                let mut dests = Vec::with_capacity(chunks.len());
-                for c in &chunks {
-                    dests.push(ChunkDest {
-                        index: c.index,
-                        buffer: self.buffer(c)?,
-                        buffer_offset: BufferOffset(c.offset),
-                    });
-                }
-                let started = std::time::Instant::now();
-                let crcs = store.load(manifest.publication, &dests).map_err(|e| {
-                    let body = from_store(&e);
-                    self.note_failure("load_failed", manifest.publication, &body);
-                    body
-                })?;
-                let took = started.elapsed();
-                for c in &chunks {
-                    if let Some(m) = manifest.chunks.get(c.index as usize) {
-                        self.count_bytes(self.path_of(c), m.len);
-                    }
-                }
-                let verdicts = self.verdicts(manifest.publication, &chunks).inspect_err(|e| {
-                    self.note_failure("load_failed", manifest.publication, e);
-                })?;
-                self.note_transfers("load", manifest.publication, &chunks, &verdicts, took, |c| {
-                    manifest.chunks.get(c.index as usize).map_or(0, |m| m.len)
-                });
-                let unverified = chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
-                Ok(DataResponse {
-                    ok: true,
-                    crc32c: crcs.into_iter().flatten().collect(),
-                    unverified,
-                    verdicts,
-                    paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
-                    ..Default::default()
-                })
+            DataRequest::Load { receipt, chunks } => self.load(&receipt, &chunks),
+        }
+    }
+
+    /// Registers a client buffer, within this connection's caps.
+    fn register(
+        &mut self,
+        len: u64,
+        kind: SharedKind,
+        path: Option<PayloadPath>,
+        fds: Vec<OwnedFd>,
+    ) -> Result<DataResponse, ErrorBody> {
+        let path = path.unwrap_or(PayloadPath::HostFixed);
+        let (max, pinned_max) = (self.limits.max_buffers_per_connection, self.limits.max_pinned_bytes_per_connection);
+        if self.buffers.len() >= max {
+            return Err(err(
+                RefusalCode::TooManyBuffers,
+                "buffer",
+                format!("this connection has {max} buffers registered (--max-buffers-per-connection)"),
+            ));
+        }
+        let pinned: u64 = self.buffers.values().map(|b| b.1).sum();
+        if pinned.saturating_add(len) > pinned_max {
+            return Err(err(
+                RefusalCode::TooManyBytes,
+                "len",
+                format!(
+                    "this connection has {pinned} bytes of buffers registered; {len} more would pass \
+                     {pinned_max} (--max-pinned-per-connection)"
+                ),
+            ));
+        }
+        let buffer = Self::receive_buffer(kind, len, fds)?;
+        let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
+        let id = self.service.store().register_buffer_for(buffer, path).map_err(|e| from_store(&e))?;
+        let client = self.next;
+        self.next += 1;
+        self.buffers.insert(client, (id, len, path));
+        Ok(DataResponse {
+            ok: true,
+            buffer: Some(client),
+            paths: vec![path.to_string()],
+            exporter,
+            ..Default::default()
+        })
+    }
+
+    /// One store batch from registered buffers, judged by the probes.
+    fn store(
+        &mut self,
+        publication: u64,
+        chunks: &[DataChunk],
+        is_last_batch: bool,
+        total_chunks: u32,
+    ) -> Result<DataResponse, ErrorBody> {
+        let store = self.service.store().clone();
+        let mut sources = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            sources.push(ChunkSource {
+                index: c.index,
+                buffer: self.buffer(c)?,
+                buffer_offset: BufferOffset(c.offset),
+                len: c.len,
+                crc32c: c.crc32c,
+            });
+        }
+        self.stored_into.insert(publication);
+        let started = std::time::Instant::now();
+        let out = store
+            .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
+            .map_err(|e| {
+                let body = from_store(&e);
+                self.note_failure("store_failed", publication, &body);
+                body
+            })?;
+        let took = started.elapsed();
+        for c in chunks {
+            self.count_bytes(self.path_of(c), c.len);
+        }
+        let verdicts = match self.verdicts(publication, chunks) {
+            Ok(v) => v,
+            Err(e) => {
+                let _ = store.abort(publication);
+                self.note_failure("store_failed", publication, &e);
+                return Err(e);
+            }
+        };
+        self.note_transfers("store", publication, chunks, &verdicts, took, |c| c.len);
+        Ok(DataResponse {
+            ok: true,
+            verdicts,
+            completed: Some(out.completed),
+            total: Some(out.total),
+            publishable: Some(out.publishable),
+            paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
+            ..Default::default()
+        })
+    }
+
+    /// Loads chunks of a claimed, adopted publication into registered buffers.
+    fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<DataResponse, ErrorBody> {
+        let manifest = self.service.authorize_load(receipt).map_err(|e: ProtocolError| from_protocol(&e))?;
+        let mut dests = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });
+        }
+        let started = std::time::Instant::now();
+        let crcs = self.service.store().load(manifest.publication, &dests).map_err(|e| {
+            let body = from_store(&e);
+            self.note_failure("load_failed", manifest.publication, &body);
+            body
+        })?;
+        let took = started.elapsed();
+        for c in chunks {
+            if let Some(m) = manifest.chunks.get(c.index as usize) {
+                self.count_bytes(self.path_of(c), m.len);
             }
         }
+        let verdicts = self.verdicts(manifest.publication, chunks).inspect_err(|e| {
+            self.note_failure("load_failed", manifest.publication, e);
+        })?;
+        self.note_transfers("load", manifest.publication, chunks, &verdicts, took, |c| {
+            manifest.chunks.get(c.index as usize).map_or(0, |m| m.len)
+        });
+        let unverified = chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
+        Ok(DataResponse {
+            ok: true,
+            crc32c: crcs.into_iter().flatten().collect(),
+            unverified,
+            verdicts,
+            paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
+            ..Default::default()
+        })
     }
 
     /// One timeline line per chunk moved, with its path, bytes and verdict

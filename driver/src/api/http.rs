@@ -229,6 +229,24 @@ where
     }
 }
 
+/// `POST /storage-pd/prepare`. Bounded: each prepare may wait for capacity
+/// on a blocking thread, and those threads serve every other step too.
+async fn prepare(State(s): State<Shared>, b: Body) -> Response {
+    let Some(_slot) = PrepareSlot::take(&s) else {
+        let max = s.limits.max_prepares;
+        return error_response(
+            &s,
+            ErrorBody::new(
+                RefusalCode::TooManyPrepares,
+                "req_id",
+                format!("{max} prepares are already being handled or waiting: retry later"),
+            ),
+        );
+    };
+    step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer)).await
+}
+
+/// The control plane's routes (see `openapi.json`).
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
@@ -236,25 +254,7 @@ pub fn router(state: Shared) -> Router {
         .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }))
         .route("/metrics", get(metrics))
         .route("/storage-pd/publications", get(publications))
-        .route(
-            "/storage-pd/prepare",
-            post(|State(s): State<Shared>, b: Body| async move {
-                // Bounded: each prepare may wait for capacity on a blocking
-                // thread, and those threads serve every other step too.
-                let Some(_slot) = PrepareSlot::take(&s) else {
-                    let max = s.limits.max_prepares;
-                    return error_response(
-                        &s,
-                        ErrorBody::new(
-                            RefusalCode::TooManyPrepares,
-                            "req_id",
-                            format!("{max} prepares are already being handled or waiting: retry later"),
-                        ),
-                    );
-                };
-                step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer)).await
-            }),
-        )
+        .route("/storage-pd/prepare", post(prepare))
         .route(
             "/storage-pd/publish",
             post(|State(s): State<Shared>, b: Body| {

@@ -125,28 +125,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance, cfg.limits)
         .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
-    // The reaper: PREPARED publications whose writer went quiet give their
-    // reservation back after --prepare-idle-timeout-ms.
-    let reaper_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let reaper = {
-        let (service, metrics, stop) = (service.clone(), metrics.clone(), reaper_stop.clone());
-        let idle = cfg.limits.prepare_idle_timeout;
-        let tick = (idle / 4).clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
-        std::thread::Builder::new().name("pdstor-reaper".into()).spawn(move || {
-            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
-                std::thread::sleep(tick);
-                let n = service.reap_idle(idle);
-                if n > 0 {
-                    tracing::warn!(
-                        publications = n,
-                        idle_ms = idle.as_millis() as u64,
-                        "aborted idle PREPARED publications"
-                    );
-                    metrics.reaped.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-        })?
-    };
+    let (reaper_stop, reaper) = spawn_reaper(service.clone(), metrics.clone(), cfg.limits.prepare_idle_timeout)?;
     let app = http::router(Arc::new(http::AppState {
         service,
         metrics,
@@ -155,32 +134,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         prepares: Default::default(),
     }));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async move {
-        let shutdown = async {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {},
-                _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
-            }
-            tracing::info!("shutting down");
-        };
-        let drain = std::time::Duration::from_secs(30);
-        match &cfg.listen {
-            Listen::Tcp(addr) => {
-                let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
-                tracing::info!(%addr, "control plane listening");
-                listen::serve(l, app, cfg.limits, shutdown, drain).await;
-            }
-            Listen::Unix(path) => {
-                let _ = std::fs::remove_file(path);
-                let l = tokio::net::UnixListener::bind(path).map_err(|e| anyhow::anyhow!("listening on {}: {e}", path.display()))?;
-                tracing::info!(path = %path.display(), "control plane listening");
-                listen::serve(l, app, cfg.limits, shutdown, drain).await;
-                let _ = std::fs::remove_file(path);
-            }
-        }
-        anyhow::Ok(())
-    })?;
+    rt.block_on(control_plane(&cfg.listen, app, cfg.limits))?;
     reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = reaper.join();
     drop(data);
@@ -193,4 +147,63 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Some(why) => anyhow::bail!("the store failed during this run ({why}); restart to recover from the journal"),
         None => Ok(()),
     }
+}
+
+/// The reaper: PREPARED publications whose writer went quiet give their
+/// reservation back after `idle` (`--prepare-idle-timeout-ms`). Stops when
+/// the flag returned is set.
+fn spawn_reaper(
+    service: Arc<Service>,
+    metrics: Arc<http::Metrics>,
+    idle: std::time::Duration,
+) -> std::io::Result<(Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<()>)> {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let tick = (idle / 4).clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
+    let handle = std::thread::Builder::new().name("pdstor-reaper".into()).spawn(move || {
+        while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+            std::thread::sleep(tick);
+            let n = service.reap_idle(idle);
+            if n > 0 {
+                tracing::warn!(
+                    publications = n,
+                    idle_ms = idle.as_millis() as u64,
+                    "aborted idle PREPARED publications"
+                );
+                metrics.reaped.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
+    })?;
+    Ok((stop, handle))
+}
+
+/// Serves the control plane on `listen` until SIGTERM or SIGINT, then lets
+/// in-flight requests drain (up to 30 s).
+async fn control_plane(listen: &Listen, app: axum::Router, limits: Limits) -> anyhow::Result<()> {
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
+        }
+        tracing::info!("shutting down");
+    };
+    let drain = std::time::Duration::from_secs(30);
+    match listen {
+        Listen::Tcp(addr) => {
+            let l =
+                tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
+            tracing::info!(%addr, "control plane listening");
+            listen::serve(l, app, limits, shutdown, drain).await;
+        }
+        Listen::Unix(path) => {
+            let _ = std::fs::remove_file(path);
+            let l = tokio::net::UnixListener::bind(path)
+                .map_err(|e| anyhow::anyhow!("listening on {}: {e}", path.display()))?;
+            tracing::info!(path = %path.display(), "control plane listening");
+            listen::serve(l, app, limits, shutdown, drain).await;
+            let _ = std::fs::remove_file(path);
+        }
+    }
+    Ok(())
 }

@@ -162,50 +162,10 @@ impl LadderReport {
 /// Errors are problems before any rung (a refused target, no exporter); a rung
 /// that fails is reported, not an error.
 pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
-    if cfg.paths.is_empty() {
-        bail!("no paths requested: give --paths host,host_fixed,dmabuf_fixed or a subset");
-    }
-    if cfg.chunk == 0 || !cfg.chunk.is_multiple_of(4096) || !cfg.bytes.is_multiple_of(cfg.chunk) || cfg.bytes == 0 {
-        bail!("--bytes must be a positive multiple of --chunk, and --chunk a multiple of 4096");
-    }
-    if !cfg.force
-        && let Some(sig) = crate::store::signature_of(&cfg.target)?
-    {
-        bail!(
-            "{} holds {sig}: the ladder overwrites its target; give a scratch target, or --force to overwrite it",
-            cfg.target.display()
-        );
-    }
-    let target = Target::open(&cfg.target, &TargetOptions::default())?;
+    let target = open_checked(cfg)?;
     let kind = target.kind();
-    if kind == TargetKind::NvmeGeneric {
-        bail!(
-            "{} is an NVMe generic device; the ladder reads back with pread(O_DIRECT): give the namespace's block device (/dev/nvmeXnY)",
-            cfg.target.display()
-        );
-    }
-    let need = cfg.bytes * PayloadPath::ALL.len() as u64;
-    if target.geometry().capacity < need {
-        bail!("{} holds {} bytes; the ladder needs {need}", cfg.target.display(), target.geometry().capacity);
-    }
     let class = crate::provenance::target_class(kind);
-    let (memory, exporter_detail): (Box<dyn Memory>, serde_json::Value) = match cfg.exporter {
-        LadderExporter::Udmabuf => {
-            let b = Buffer::udmabuf("pdstor-ladder", cfg.bytes as usize)?;
-            let exp = crate::buffer::dmabuf::exporters();
-            (Box::new(b), serde_json::json!({ "udmabuf_limit_mb": exp.udmabuf_limit_mb }))
-        }
-        #[cfg(feature = "cuda")]
-        LadderExporter::Cuda => {
-            let b = crate::buffer::cuda::CudaBuffer::alloc(0, cfg.bytes as usize)?;
-            let info = serde_json::to_value(b.info())?;
-            (Box::new(b), info)
-        }
-        #[cfg(not(feature = "cuda"))]
-        LadderExporter::Cuda => {
-            bail!("this pdstor was built without CUDA: rebuild with `--features cuda` (cargo xtask gpu-qual does)")
-        }
-    };
+    let (memory, exporter_detail) = ladder_memory(cfg)?;
     let probes = pdstor_probes::Probes::attach(std::process::id());
     if let Ok(p) = &probes {
         p.watch_file(&cfg.target)?;
@@ -277,6 +237,58 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
     std::fs::write(cfg.out.join("ladder.json"), serde_json::to_vec_pretty(&report)?)?;
     std::fs::write(cfg.out.join("ladder.md"), report.markdown())?;
     Ok(report)
+}
+
+/// Checks the request and opens the target: a scratch target the ladder may
+/// overwrite, read back with `pread(O_DIRECT)`, large enough for every rung.
+fn open_checked(cfg: &LadderConfig) -> anyhow::Result<Target> {
+    if cfg.paths.is_empty() {
+        bail!("no paths requested: give --paths host,host_fixed,dmabuf_fixed or a subset");
+    }
+    if cfg.chunk == 0 || !cfg.chunk.is_multiple_of(4096) || !cfg.bytes.is_multiple_of(cfg.chunk) || cfg.bytes == 0 {
+        bail!("--bytes must be a positive multiple of --chunk, and --chunk a multiple of 4096");
+    }
+    if !cfg.force
+        && let Some(sig) = crate::store::signature_of(&cfg.target)?
+    {
+        bail!(
+            "{} holds {sig}: the ladder overwrites its target; give a scratch target, or --force to overwrite it",
+            cfg.target.display()
+        );
+    }
+    let target = Target::open(&cfg.target, &TargetOptions::default())?;
+    if target.kind() == TargetKind::NvmeGeneric {
+        bail!(
+            "{} is an NVMe generic device; the ladder reads back with pread(O_DIRECT): give the namespace's block device (/dev/nvmeXnY)",
+            cfg.target.display()
+        );
+    }
+    let need = cfg.bytes * PayloadPath::ALL.len() as u64;
+    if target.geometry().capacity < need {
+        bail!("{} holds {} bytes; the ladder needs {need}", cfg.target.display(), target.geometry().capacity);
+    }
+    Ok(target)
+}
+
+/// The memory the rungs move, and what the exporter says of it.
+fn ladder_memory(cfg: &LadderConfig) -> anyhow::Result<(Box<dyn Memory>, serde_json::Value)> {
+    Ok(match cfg.exporter {
+        LadderExporter::Udmabuf => {
+            let b = Buffer::udmabuf("pdstor-ladder", cfg.bytes as usize)?;
+            let exp = crate::buffer::dmabuf::exporters();
+            (Box::new(b), serde_json::json!({ "udmabuf_limit_mb": exp.udmabuf_limit_mb }))
+        }
+        #[cfg(feature = "cuda")]
+        LadderExporter::Cuda => {
+            let b = crate::buffer::cuda::CudaBuffer::alloc(0, cfg.bytes as usize)?;
+            let info = serde_json::to_value(b.info())?;
+            (Box::new(b), info)
+        }
+        #[cfg(not(feature = "cuda"))]
+        LadderExporter::Cuda => {
+            bail!("this pdstor was built without CUDA: rebuild with `--features cuda` (cargo xtask gpu-qual does)")
+        }
+    })
 }
 
 struct RungCtx<'a> {

@@ -19,6 +19,7 @@
 //! This module does not know what the bytes mean (chunks, journals): see
 //! `store/` for that.
 
+mod dmabuf_rw;
 mod error;
 pub mod nvme;
 mod plan;
@@ -31,17 +32,18 @@ use std::cell::Cell;
 
 use io_uring::{IoUring, squeue, types};
 
+pub use dmabuf_rw::DmabufRw;
 pub use error::IoError;
 pub use nvme::NvmeStatus;
 pub use request::{BufferId, BufferOffset, Completion, IoRequest, Op, PayloadPath, TargetOffset, TransferId};
 pub use ring::{MAX_TRANSFER_ID, SEGMENT_BITS};
 pub use target::{Geometry, Target, TargetKind, TargetOptions};
 
-use crate::buffer::{Buffer, dmabuf};
+use crate::buffer::Buffer;
 use plan::{build_nvme, build_std, plan};
 use ring::{Completions, Driver, Planned};
 
-fn kernel_release() -> String {
+pub(super) fn kernel_release() -> String {
     std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().to_owned())
 }
 
@@ -79,7 +81,7 @@ pub struct EngineStats {
     pub errors: u64,
 }
 
-enum Ring {
+pub(super) enum Ring {
     /// 64-byte SQEs for files and block devices.
     Std(IoUring),
     /// SQE128/CQE32, as `NVME_URING_CMD_IO` needs.
@@ -100,14 +102,6 @@ pub(super) enum Registration {
 pub(super) struct Slot {
     pub(super) buffer: Buffer,
     pub(super) registered: Registration,
-}
-
-/// Whether the kernel has the rw-dmabuf io_uring UAPI, as probed at start-up.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[serde(tag = "state", content = "detail", rename_all = "snake_case")]
-pub enum DmabufRw {
-    Available,
-    Missing(String),
 }
 
 /// The io_uring payload engine over one target.
@@ -195,109 +189,6 @@ impl Engine {
     /// Whether this kernel can install a DMA-BUF in the buffer table.
     pub fn dmabuf_rw(&self) -> &DmabufRw {
         &self.dmabuf_rw
-    }
-
-    /// Asks the kernel to install DMA-BUF fd -1 through the extended update.
-    /// A kernel without the series refuses the `flags` word (`EINVAL`) before
-    /// looking further; one with it gets as far as the fd (`EBADF`). Nothing is
-    /// installed either way.
-    fn probe_dmabuf_rw(&self) -> DmabufRw {
-        use std::os::fd::AsRawFd;
-        let Some(last) = self.slots.len().checked_sub(1) else {
-            return DmabufRw::Missing("the engine has no buffer slots".into());
-        };
-        let desc = dmabuf::uapi::IoUringRegbufDesc {
-            kind: dmabuf::uapi::IO_REGBUF_TYPE_DMABUF,
-            dmabuf_fd: -1,
-            target_fd: self.target.file().as_raw_fd(),
-            ..Default::default()
-        };
-        match self.update_extended(last as u32, &desc) {
-            Err(e) if e.raw_os_error() == Some(libc::EBADF) => DmabufRw::Available,
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => DmabufRw::Missing(format!(
-                "this kernel ({}) refuses IORING_RSRC_UPDATE_EXTENDED (EINVAL)",
-                kernel_release()
-            )),
-            Err(e) => DmabufRw::Missing(format!("the capability probe failed unexpectedly: {e}")),
-            Ok(()) => {
-                // SAFETY: an empty iovec clears the slot the probe touched.
-                let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-                let _ = unsafe { self.update_buffer_table(last as u32, &[empty]) };
-                DmabufRw::Missing("the kernel accepted an invalid DMA-BUF fd; not trusting it".into())
-            }
-        }
-    }
-
-    /// `IORING_REGISTER_BUFFERS_UPDATE` with one extended descriptor.
-    fn update_extended(&self, index: u32, desc: &dmabuf::uapi::IoUringRegbufDesc) -> std::io::Result<()> {
-        use std::os::fd::AsRawFd;
-        let up = dmabuf::uapi::IoUringRsrcUpdate2 {
-            offset: index,
-            flags: dmabuf::uapi::IORING_RSRC_UPDATE_EXTENDED,
-            data: desc as *const _ as u64,
-            nr: 1,
-            ..Default::default()
-        };
-        let ring_fd = match &self.ring {
-            Ring::Std(r) => r.as_raw_fd(),
-            Ring::Nvme(r) => r.as_raw_fd(),
-        };
-        // SAFETY: io_uring_register reads one 32-byte update and, through its
-        // `data`, one 80-byte descriptor (sizes asserted in `uapi`); both live
-        // on this stack frame for the whole call. A DMA-BUF descriptor makes
-        // the kernel take its own reference to the DMA-BUF.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_io_uring_register,
-                ring_fd,
-                dmabuf::uapi::IORING_REGISTER_BUFFERS_UPDATE,
-                &up as *const dmabuf::uapi::IoUringRsrcUpdate2,
-                size_of::<dmabuf::uapi::IoUringRsrcUpdate2>(),
-            )
-        };
-        match ret {
-            1 => Ok(()),
-            r if r < 0 => Err(std::io::Error::last_os_error()),
-            r => Err(std::io::Error::other(format!("the kernel updated {r} buffer slots, not 1"))),
-        }
-    }
-
-    /// Holds a DMA-BUF buffer and installs the DMA-BUF itself in the buffer
-    /// table, bound to the target, for the `dmabuf_fixed` path. Refused, with
-    /// nothing installed, unless the kernel has the rw-dmabuf series and the
-    /// target is a raw block device.
-    pub fn register_dmabuf(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
-        use std::os::fd::AsRawFd;
-        let Some(dmabuf) = buffer.dmabuf() else {
-            return Err(IoError::DmabufUnsupported {
-                why: format!("the buffer is {} memory, not a DMA-BUF", buffer.kind()),
-            });
-        };
-        if let DmabufRw::Missing(why) = &self.dmabuf_rw {
-            return Err(IoError::DmabufUnsupported { why: why.clone() });
-        }
-        if self.target.kind() != TargetKind::BlockDevice {
-            return Err(IoError::DmabufUnsupported {
-                why: format!(
-                    "the target is {:?}; DMA-BUF I/O goes to a raw block device opened O_DIRECT (e.g. /dev/nvme0n1)",
-                    self.target.kind()
-                ),
-            });
-        }
-        let id = self.free_slot()?;
-        let desc = dmabuf::uapi::IoUringRegbufDesc {
-            kind: dmabuf::uapi::IO_REGBUF_TYPE_DMABUF,
-            dmabuf_fd: dmabuf.fd().as_raw_fd(),
-            target_fd: self.target.file().as_raw_fd(),
-            ..Default::default()
-        };
-        self.update_extended(id.0, &desc).map_err(|source| IoError::Register {
-            buffer: id,
-            len: buffer.len(),
-            source,
-        })?;
-        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::DmaBuf });
-        Ok(id)
     }
 
     pub fn target(&self) -> &Target {

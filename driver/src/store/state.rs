@@ -178,69 +178,33 @@ impl State {
         self.pubs.get_mut(&id).ok_or(StateError::NotLive(id))
     }
 
+    /// The live publication `id` for a `what` record, if it is in one of
+    /// the `allowed` phases.
+    fn for_record(&mut self, id: u64, what: &'static str, allowed: &[Phase]) -> Result<&mut Publication, StateError> {
+        let p = self.get_mut(id)?;
+        if !allowed.contains(&p.phase) {
+            return Err(StateError::Transition { publication: id, what, phase: p.phase });
+        }
+        Ok(p)
+    }
+
     /// Applies one record. Refuses (changing nothing) a record that does not
     /// fit the current state.
     pub fn apply(&mut self, r: &Record) -> Result<(), StateError> {
         match r {
             Record::Prepare { publication, req_id, writer, layout, total_chunks, slots } => {
-                if self.pubs.contains_key(publication) {
-                    return Err(StateError::PreparedTwice(*publication));
-                }
-                if slots.len() != *total_chunks as usize {
-                    return Err(StateError::SlotCount { slots: slots.len(), chunks: *total_chunks });
-                }
-                self.take_slots(*publication, slots)?;
-                self.pubs.insert(
-                    *publication,
-                    Publication {
-                        id: *publication,
-                        req_id: req_id.clone(),
-                        writer: writer.clone(),
-                        layout: layout.clone(),
-                        total_chunks: *total_chunks,
-                        slots: slots.clone(),
-                        chunks: vec![None; *total_chunks as usize],
-                        phase: Phase::Prepared,
-                        manifest: None,
-                        claim: None,
-                    },
-                );
-                self.next_publication = self.next_publication.max(publication + 1);
+                self.apply_prepare(*publication, req_id, writer, layout, *total_chunks, slots)?;
             }
             Record::Alloc { publication, chunk, slot, len, crc32c } => {
-                let (data_offset, slot_size) = (self.data_offset, self.slot_size);
-                let p = self.get_mut(*publication)?;
-                if p.phase != Phase::Prepared {
-                    return Err(StateError::StoredOutOfPhase { publication: *publication, phase: p.phase });
-                }
-                if p.slots.get(*chunk as usize) != Some(slot) || *len > slot_size {
-                    return Err(StateError::WrongSlot { publication: *publication, chunk: *chunk, slot: *slot });
-                }
-                p.chunks[*chunk as usize] = Some(ChunkEntry {
-                    index: *chunk,
-                    slot: *slot,
-                    offset: TargetOffset(data_offset + u64::from(slot.0) * slot_size),
-                    len: *len,
-                    crc32c: *crc32c,
-                });
+                self.apply_alloc(*publication, *chunk, *slot, *len, *crc32c)?;
             }
             Record::Publish { publication, manifest } => {
-                let p = self.get_mut(*publication)?;
-                if p.phase != Phase::Prepared {
-                    return Err(StateError::Transition {
-                        publication: *publication,
-                        what: "published",
-                        phase: p.phase,
-                    });
-                }
+                let p = self.for_record(*publication, "published", &[Phase::Prepared])?;
                 p.phase = Phase::Ready;
                 p.manifest = Some(manifest.clone());
             }
             Record::Claim { publication, reader, session, lease_ms, epoch, claimed_unix_ms } => {
-                let p = self.get_mut(*publication)?;
-                if p.phase != Phase::Ready {
-                    return Err(StateError::Transition { publication: *publication, what: "claimed", phase: p.phase });
-                }
+                let p = self.for_record(*publication, "claimed", &[Phase::Ready])?;
                 p.phase = Phase::Claimed;
                 p.claim = Some(ClaimInfo {
                     reader: reader.clone(),
@@ -251,46 +215,20 @@ impl State {
                 });
             }
             Record::Adopt { publication } => {
-                let p = self.get_mut(*publication)?;
-                if p.phase != Phase::Claimed {
-                    return Err(StateError::Transition { publication: *publication, what: "adopted", phase: p.phase });
-                }
-                p.phase = Phase::Adopted;
+                self.for_record(*publication, "adopted", &[Phase::Claimed])?.phase = Phase::Adopted;
             }
             Record::Retain { publication, .. } => {
-                let p = self.get_mut(*publication)?;
-                if !matches!(p.phase, Phase::Claimed | Phase::Adopted) {
-                    return Err(StateError::Transition { publication: *publication, what: "retained", phase: p.phase });
-                }
-                p.phase = Phase::Retained;
+                let allowed = [Phase::Claimed, Phase::Adopted];
+                self.for_record(*publication, "retained", &allowed)?.phase = Phase::Retained;
             }
-            Record::Ack { publication, .. } => {
-                let phase = self.get_mut(*publication)?.phase;
-                if phase != Phase::Adopted {
-                    return Err(StateError::Transition { publication: *publication, what: "acked", phase });
-                }
-                self.free_pub(*publication);
-            }
-            Record::Release { publication } => {
-                let phase = self.get_mut(*publication)?.phase;
-                if phase != Phase::Ready {
-                    return Err(StateError::Transition { publication: *publication, what: "released", phase });
-                }
-                self.free_pub(*publication);
-            }
+            Record::Ack { publication, .. } => self.free_record(*publication, "acked", &[Phase::Adopted])?,
+            Record::Release { publication } => self.free_record(*publication, "released", &[Phase::Ready])?,
             Record::Reclaim { publication } => {
-                let phase = self.get_mut(*publication)?.phase;
-                if !matches!(phase, Phase::Retained | Phase::Claimed | Phase::Adopted) {
-                    return Err(StateError::Transition { publication: *publication, what: "reclaimed", phase });
-                }
-                self.free_pub(*publication);
+                let allowed = [Phase::Retained, Phase::Claimed, Phase::Adopted];
+                self.free_record(*publication, "reclaimed", &allowed)?;
             }
             Record::Abort { publication, .. } => {
-                let phase = self.get_mut(*publication)?.phase;
-                if !matches!(phase, Phase::Prepared | Phase::Aborting) {
-                    return Err(StateError::Transition { publication: *publication, what: "aborted", phase });
-                }
-                self.free_pub(*publication);
+                self.free_record(*publication, "aborted", &[Phase::Prepared, Phase::Aborting])?;
             }
             Record::Epoch { epoch } => self.epoch = *epoch,
             Record::Checkpoint { next_publication, publications } => {
@@ -304,6 +242,69 @@ impl State {
                 *self = fresh;
             }
         }
+        Ok(())
+    }
+
+    /// A PREPARE: takes the slots and adds the publication.
+    fn apply_prepare(
+        &mut self,
+        publication: u64,
+        req_id: &str,
+        writer: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        slots: &[SlotIndex],
+    ) -> Result<(), StateError> {
+        if self.pubs.contains_key(&publication) {
+            return Err(StateError::PreparedTwice(publication));
+        }
+        if slots.len() != total_chunks as usize {
+            return Err(StateError::SlotCount { slots: slots.len(), chunks: total_chunks });
+        }
+        self.take_slots(publication, slots)?;
+        let p = Publication {
+            id: publication,
+            req_id: req_id.into(),
+            writer: writer.into(),
+            layout: layout.clone(),
+            total_chunks,
+            slots: slots.to_vec(),
+            chunks: vec![None; total_chunks as usize],
+            phase: Phase::Prepared,
+            manifest: None,
+            claim: None,
+        };
+        self.pubs.insert(publication, p);
+        self.next_publication = self.next_publication.max(publication + 1);
+        Ok(())
+    }
+
+    /// An ALLOC: the chunk stored in its reserved slot.
+    fn apply_alloc(
+        &mut self,
+        publication: u64,
+        chunk: u32,
+        slot: SlotIndex,
+        len: u64,
+        crc32c: u32,
+    ) -> Result<(), StateError> {
+        let (data_offset, slot_size) = (self.data_offset, self.slot_size);
+        let p = self.get_mut(publication)?;
+        if p.phase != Phase::Prepared {
+            return Err(StateError::StoredOutOfPhase { publication, phase: p.phase });
+        }
+        if p.slots.get(chunk as usize) != Some(&slot) || len > slot_size {
+            return Err(StateError::WrongSlot { publication, chunk, slot });
+        }
+        let offset = TargetOffset(data_offset + u64::from(slot.0) * slot_size);
+        p.chunks[chunk as usize] = Some(ChunkEntry { index: chunk, slot, offset, len, crc32c });
+        Ok(())
+    }
+
+    /// A record that ends a publication in one of `allowed` phases and frees its slots.
+    fn free_record(&mut self, publication: u64, what: &'static str, allowed: &[Phase]) -> Result<(), StateError> {
+        self.for_record(publication, what, allowed)?;
+        self.free_pub(publication);
         Ok(())
     }
 

@@ -64,105 +64,62 @@ struct Pub {
     req_id: Option<String>,
 }
 
+/// Where violations go.
+struct Sink<'a>(&'a mut Vec<Violation>);
+
+impl Sink<'_> {
+    fn add(&mut self, line: usize, kind: &'static str, message: String) {
+        self.0.push(Violation { line, kind, message });
+    }
+}
+
+/// The checker's memory as it reads the file.
+struct Checker {
+    path: PayloadPath,
+    report: CheckReport,
+    pubs: BTreeMap<u64, Pub>,
+    last_seq: HashMap<String, u64>,
+    /// req_id → (digest, line) of the first continuation or oracle record.
+    digests: HashMap<String, (String, usize)>,
+}
+
 /// Checks `lines` (line number, parsed event) requiring `path` for payload.
 pub fn check(lines: &[(usize, Result<Event, String>)], path: PayloadPath) -> CheckReport {
-    let mut r = CheckReport { lines: lines.len(), ..Default::default() };
-    let mut pubs: BTreeMap<u64, Pub> = BTreeMap::new();
-    let mut last_seq: HashMap<String, u64> = HashMap::new();
-    // req_id → (digest, line) of the first continuation or oracle record.
-    let mut digests: HashMap<String, (String, usize)> = HashMap::new();
-    let mut v = |line: usize, kind: &'static str, message: String| r.violations.push(Violation { line, kind, message });
-
+    let mut c = Checker {
+        path,
+        report: CheckReport { lines: lines.len(), ..Default::default() },
+        pubs: BTreeMap::new(),
+        last_seq: HashMap::new(),
+        digests: HashMap::new(),
+    };
     for (line, parsed) in lines {
-        let line = *line;
-        let e = match parsed {
-            Ok(e) => e,
-            Err(err) => {
-                v(line, "malformed", format!("not a timeline event: {err}"));
-                continue;
-            }
-        };
-        if let Some(prev) = last_seq.insert(e.node.clone(), e.seq)
-            && e.seq <= prev
+        match parsed {
+            Ok(e) => c.event(*line, e),
+            Err(err) => Sink(&mut c.report.violations).add(*line, "malformed", format!("not a timeline event: {err}")),
+        }
+    }
+    c.finish()
+}
+
+impl Checker {
+    fn event(&mut self, line: usize, e: &Event) {
+        self.order(line, e);
+        if matches!(e.event.as_str(), "continuation" | "oracle") && (!self.continuation(line, e) || e.event == "oracle")
         {
-            v(
-                line,
-                "out_of_order",
-                format!("{} seq {} follows seq {prev}: lines of one node out of order", e.node, e.seq),
-            );
+            return;
         }
-        if e.parent.is_some_and(|p| p >= e.seq) {
-            v(
-                line,
-                "out_of_order",
-                format!("{} seq {} names parent {:?}, not an earlier line", e.node, e.seq, e.parent),
-            );
-        }
-        if matches!(e.event.as_str(), "continuation" | "oracle") {
-            let (Some(req), Some(tokens)) = (&e.req_id, &e.tokens) else {
-                v(line, "continuation", format!("{} record without req_id or tokens", e.event));
-                continue;
-            };
-            let d = tokens_digest(tokens);
-            if e.digest.as_deref().is_some_and(|x| x != d) {
-                v(line, "continuation", format!("{req}: digest {:?} is not the digest of its tokens", e.digest));
-            }
-            match digests.get(req) {
-                Some((first, at)) if *first != d => v(
-                    line,
-                    "continuation_mismatch",
-                    format!("{req}: {} by {} differs from the record at line {at}", e.event, e.node),
-                ),
-                Some(_) => {}
-                None => {
-                    digests.insert(req.clone(), (d, line));
-                }
-            }
-            if e.event == "oracle" {
-                continue;
-            }
-        }
-        let Some(id) = e.publication else { continue };
-        let p = pubs.entry(id).or_default();
+        let Some(id) = e.publication else { return };
+        let p = self.pubs.entry(id).or_default();
         if p.req_id.is_none() {
             p.req_id = e.req_id.clone();
         }
         let who = format!("publication {id}");
+        let mut v = Sink(&mut self.report.violations);
         match e.event.as_str() {
             "prepare" => p.prepared = true,
             "store" | "load" => {
-                r.payload_events += 1;
-                let chunk = e.chunk.unwrap_or(u32::MAX);
-                match e.path.as_deref() {
-                    Some(p) if p == path.as_str() => {}
-                    other => v(
-                        line,
-                        "wrong_path",
-                        format!("{who} chunk {chunk} {} on {}, required {path}", e.event, other.unwrap_or("no path")),
-                    ),
-                }
-                match e.verdict.as_deref() {
-                    Some("native") => {}
-                    other => v(
-                        line,
-                        "not_native",
-                        format!("{who} chunk {chunk} {}: verdict {}", e.event, other.unwrap_or("none recorded")),
-                    ),
-                }
-                if e.event == "store" {
-                    if !p.prepared {
-                        v(line, "causality", format!("{who}: chunk {chunk} stored before prepare"));
-                    }
-                    if p.published {
-                        v(line, "causality", format!("{who}: chunk {chunk} stored after publish"));
-                    }
-                    p.stored.insert(chunk);
-                } else {
-                    if !p.adopted {
-                        v(line, "causality", format!("{who}: chunk {chunk} loaded before adopt"));
-                    }
-                    p.loaded.insert(chunk);
-                }
+                self.report.payload_events += 1;
+                payload(&mut v, self.path, line, &who, p, e);
             }
             "publish" => {
                 if let Some(n) = e.chunks {
@@ -172,88 +129,170 @@ pub fn check(lines: &[(usize, Result<Event, String>)], path: PayloadPath) -> Che
                 if !p.published {
                     let missing: Vec<u32> = (0..n).filter(|c| !p.stored.contains(c)).collect();
                     if !missing.is_empty() {
-                        v(line, "missing_store", format!("{who} published with chunks {missing:?} never stored"));
+                        v.add(line, "missing_store", format!("{who} published with chunks {missing:?} never stored"));
                     }
                 }
                 p.published = true;
                 same_receipt(&mut v, line, &who, "READY", &mut p.ready_receipt, e);
             }
-            "claim" => {
-                if !p.published {
-                    v(line, "causality", format!("{who}: claim before publish"));
-                }
-                p.claimed = true;
-                same_receipt(&mut v, line, &who, "claim", &mut p.claim_receipt, e);
-            }
-            "adopt" => {
-                if !p.claimed {
-                    v(line, "causality", format!("{who}: adopt before claim"));
-                }
-                p.adopted = true;
-                same_receipt(&mut v, line, &who, "claim", &mut p.claim_receipt, e);
-            }
-            "decode_start" => {
-                let n = p.chunks.unwrap_or(0);
-                let missing: Vec<u32> = (0..n).filter(|c| !p.loaded.contains(c)).collect();
-                if !p.adopted {
-                    v(line, "causality", format!("{who}: decode before adopt"));
-                } else if !missing.is_empty() {
-                    v(line, "causality", format!("{who}: decode started with chunks {missing:?} not loaded"));
-                }
-                p.loaded.clear();
-                p.decoded = true;
-                same_receipt(&mut v, line, &who, "claim", &mut p.claim_receipt, e);
-            }
-            "continuation" => {
-                if !p.decoded {
-                    v(line, "causality", format!("{who}: continuation before decode start"));
-                }
-                p.continued = true;
-            }
-            "ack" => {
-                if !p.decoded {
-                    v(line, "causality", format!("{who}: ack before any decode"));
-                }
-                if let Some(first) = p.acks.insert(e.node.clone(), line) {
-                    v(line, "duplicate_ack", format!("{who}: second ack by {} (first at line {first})", e.node));
-                }
-                same_receipt(&mut v, line, &who, "claim", &mut p.claim_receipt, e);
-            }
-            _ => {}
+            _ => reader_step(&mut v, line, &who, p, e),
         }
     }
-    r.publications = pubs.len();
-    r.continuations = digests.len();
-    for (id, p) in &pubs {
-        if let Some((_, line)) = p.acks.iter().min_by_key(|(_, l)| **l) {
-            r.acked += 1;
-            if !p.continued {
-                r.violations.push(Violation {
-                    line: *line,
-                    kind: "missing_continuation",
-                    message: format!(
-                        "publication {id} ({}) was acknowledged with no continuation record",
-                        p.req_id.as_deref().unwrap_or("?")
-                    ),
-                });
-            }
+
+    /// Lines of one node in order, and parents earlier than their children.
+    fn order(&mut self, line: usize, e: &Event) {
+        let mut v = Sink(&mut self.report.violations);
+        if let Some(prev) = self.last_seq.insert(e.node.clone(), e.seq)
+            && e.seq <= prev
+        {
+            let m = format!("{} seq {} follows seq {prev}: lines of one node out of order", e.node, e.seq);
+            v.add(line, "out_of_order", m);
+        }
+        if e.parent.is_some_and(|p| p >= e.seq) {
+            let m = format!("{} seq {} names parent {:?}, not an earlier line", e.node, e.seq, e.parent);
+            v.add(line, "out_of_order", m);
         }
     }
-    r.violations.sort_by_key(|x| x.line);
-    r
+
+    /// A continuation or oracle record: its digest is its tokens', and every
+    /// record of a request carries the same. `false` if it cannot be read.
+    fn continuation(&mut self, line: usize, e: &Event) -> bool {
+        let mut v = Sink(&mut self.report.violations);
+        let (Some(req), Some(tokens)) = (&e.req_id, &e.tokens) else {
+            v.add(line, "continuation", format!("{} record without req_id or tokens", e.event));
+            return false;
+        };
+        let d = tokens_digest(tokens);
+        if e.digest.as_deref().is_some_and(|x| x != d) {
+            v.add(line, "continuation", format!("{req}: digest {:?} is not the digest of its tokens", e.digest));
+        }
+        match self.digests.get(req) {
+            Some((first, at)) if *first != d => v.add(
+                line,
+                "continuation_mismatch",
+                format!("{req}: {} by {} differs from the record at line {at}", e.event, e.node),
+            ),
+            Some(_) => {}
+            None => {
+                self.digests.insert(req.clone(), (d, line));
+            }
+        }
+        true
+    }
+
+    /// The totals, and every acknowledged publication's continuation.
+    fn finish(mut self) -> CheckReport {
+        let r = &mut self.report;
+        r.publications = self.pubs.len();
+        r.continuations = self.digests.len();
+        for (id, p) in &self.pubs {
+            if let Some((_, line)) = p.acks.iter().min_by_key(|(_, l)| **l) {
+                r.acked += 1;
+                if !p.continued {
+                    r.violations.push(Violation {
+                        line: *line,
+                        kind: "missing_continuation",
+                        message: format!(
+                            "publication {id} ({}) was acknowledged with no continuation record",
+                            p.req_id.as_deref().unwrap_or("?")
+                        ),
+                    });
+                }
+            }
+        }
+        r.violations.sort_by_key(|x| x.line);
+        self.report
+    }
 }
 
-fn same_receipt(
-    v: &mut impl FnMut(usize, &'static str, String),
-    line: usize,
-    who: &str,
-    which: &str,
-    first: &mut Option<(String, usize)>,
-    e: &Event,
-) {
+/// A chunk stored or loaded: on the required path, native, in causal order.
+fn payload(v: &mut Sink, path: PayloadPath, line: usize, who: &str, p: &mut Pub, e: &Event) {
+    let chunk = e.chunk.unwrap_or(u32::MAX);
+    match e.path.as_deref() {
+        Some(p) if p == path.as_str() => {}
+        other => v.add(
+            line,
+            "wrong_path",
+            format!("{who} chunk {chunk} {} on {}, required {path}", e.event, other.unwrap_or("no path")),
+        ),
+    }
+    match e.verdict.as_deref() {
+        Some("native") => {}
+        other => v.add(
+            line,
+            "not_native",
+            format!("{who} chunk {chunk} {}: verdict {}", e.event, other.unwrap_or("none recorded")),
+        ),
+    }
+    if e.event == "store" {
+        if !p.prepared {
+            v.add(line, "causality", format!("{who}: chunk {chunk} stored before prepare"));
+        }
+        if p.published {
+            v.add(line, "causality", format!("{who}: chunk {chunk} stored after publish"));
+        }
+        p.stored.insert(chunk);
+    } else {
+        if !p.adopted {
+            v.add(line, "causality", format!("{who}: chunk {chunk} loaded before adopt"));
+        }
+        p.loaded.insert(chunk);
+    }
+}
+
+/// The reader's steps: claim → adopt → decode start → continuation → ack.
+fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
+    match e.event.as_str() {
+        "claim" => {
+            if !p.published {
+                v.add(line, "causality", format!("{who}: claim before publish"));
+            }
+            p.claimed = true;
+            same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+        }
+        "adopt" => {
+            if !p.claimed {
+                v.add(line, "causality", format!("{who}: adopt before claim"));
+            }
+            p.adopted = true;
+            same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+        }
+        "decode_start" => {
+            let n = p.chunks.unwrap_or(0);
+            let missing: Vec<u32> = (0..n).filter(|c| !p.loaded.contains(c)).collect();
+            if !p.adopted {
+                v.add(line, "causality", format!("{who}: decode before adopt"));
+            } else if !missing.is_empty() {
+                v.add(line, "causality", format!("{who}: decode started with chunks {missing:?} not loaded"));
+            }
+            p.loaded.clear();
+            p.decoded = true;
+            same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+        }
+        "continuation" => {
+            if !p.decoded {
+                v.add(line, "causality", format!("{who}: continuation before decode start"));
+            }
+            p.continued = true;
+        }
+        "ack" => {
+            if !p.decoded {
+                v.add(line, "causality", format!("{who}: ack before any decode"));
+            }
+            if let Some(first) = p.acks.insert(e.node.clone(), line) {
+                v.add(line, "duplicate_ack", format!("{who}: second ack by {} (first at line {first})", e.node));
+            }
+            same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+        }
+        _ => {}
+    }
+}
+
+/// Every node names the same `which` receipt for a publication.
+fn same_receipt(v: &mut Sink, line: usize, who: &str, which: &str, first: &mut Option<(String, usize)>, e: &Event) {
     let Some(r) = &e.receipt else { return };
     match first {
-        Some((seen, at)) if seen != r => v(
+        Some((seen, at)) if seen != r => v.add(
             line,
             "receipt_mismatch",
             format!("{who}: {} by {} names a {which} receipt other than the one at line {at}", e.event, e.node),

@@ -122,7 +122,13 @@ pub fn render(events: &[Event], title: &str) -> String {
             }
         }
     }
-    let ly = TOP + LANE * order.len() as f64 + 30.0;
+    legend(&mut s, TOP + LANE * order.len() as f64 + 30.0);
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The colour key and what the marks mean, below the lanes at `ly`.
+fn legend(s: &mut String, ly: f64) {
     let legend = [
         ("host", path_colour(Some("host"))),
         ("host_fixed", path_colour(Some("host_fixed"))),
@@ -142,8 +148,6 @@ pub fn render(events: &[Event], title: &str) -> String {
         r##"<text x="{LEFT}" y="{}">bars: stores (upper) and loads (lower) by path; outline green = native, red = fallback, grey = unverifiable; red dots: refusals and failures</text>"##,
         ly + 30.0
     );
-    s.push_str("</svg>\n");
-    s
 }
 
 #[cfg(test)]

@@ -21,15 +21,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::client::{BufferSpec, Client, Exporter, Reader, Writer};
+use crate::client::{BufferSpec, Client, Exporter, Writer};
 use crate::io::PayloadPath;
 use crate::model::{self, Config, Continuation, Model, kv};
 use crate::protocol::Receipt;
 use crate::protocol::service::Published;
 use crate::store::Layout;
 use crate::timeline::{Event, Timeline, tokens_digest};
+
+mod controls;
+mod reader;
+
+pub use reader::{ReaderJob, ReaderMode, ReaderOutcome, ReaderRequest, reader_main};
 
 /// The chosen-token log-probability tolerance (bf16 KV must stay within it).
 pub const LOGPROB_TOLERANCE: f32 = 0.02;
@@ -130,119 +135,6 @@ impl QualifyReport {
         );
         s
     }
-}
-
-/// What the reader process is asked to do with one claim.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ReaderMode {
-    /// Cold restore, then a warm repeat, then ack.
-    Restore,
-    /// Adopt, load one chunk, stop: no ack.
-    Cancel,
-    /// Adopt and load expecting a failure; report it, produce nothing.
-    Strict,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ReaderRequest {
-    pub req_id: String,
-    pub claim: Receipt,
-    pub layout: Layout,
-    pub budget: usize,
-    pub stop: Option<u32>,
-    /// The producer token's log-probability, as the writer computed it.
-    pub first_logprob: f32,
-    pub mode: ReaderMode,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ReaderJob {
-    pub server: String,
-    pub data_socket: PathBuf,
-    pub timeline: PathBuf,
-    pub node: String,
-    pub model: Config,
-    pub chunk_tokens: usize,
-    pub path: PayloadPath,
-    pub requests: Vec<ReaderRequest>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ReaderOutcome {
-    pub req_id: String,
-    pub cold: Option<Continuation>,
-    pub warm: Option<Continuation>,
-    pub error: Option<String>,
-}
-
-/// The reader process (`pdstor qualify-reader`): restores each claim into a
-/// fresh model and decodes; it never sees a prompt.
-pub fn reader_main(job: &ReaderJob) -> anyhow::Result<Vec<ReaderOutcome>> {
-    let tl = Timeline::open(&job.timeline, &job.node)?;
-    let spec = BufferSpec { exporter: Exporter::Memfd, path: job.path };
-    let mut reader = Reader::with_buffer(&job.server, &job.data_socket, spec)?;
-    let mut out = Vec::new();
-    for r in &job.requests {
-        let claim = &r.claim;
-        let note = |e: Event| tl.emit(e.req(&r.req_id).publication(claim.publication).receipt(&claim.signature));
-        let manifest = reader.adopt(claim, &r.layout)?;
-        let first = manifest.first_token.context("the manifest carries no producer token")?;
-        match r.mode {
-            ReaderMode::Cancel => {
-                reader.load_chunks(claim, &manifest, &[0])?;
-                note(Event::new("cancelled").detail("reader stopped mid-restore; lease kept, no ack"));
-                out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: None, warm: None, error: None });
-                continue;
-            }
-            ReaderMode::Strict => {
-                let e = match reader.load(claim, manifest) {
-                    Ok(_) => anyhow::bail!("{}: the corrupted chunk loaded without an error", r.req_id),
-                    Err(e) => e.to_string(),
-                };
-                note(Event::new("load_failed").detail(e.clone()));
-                reader.client.fail(claim, &format!("strict load failed: {e}"))?;
-                out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: None, warm: None, error: Some(e) });
-                continue;
-            }
-            ReaderMode::Restore => {}
-        }
-        let mut runs = Vec::new();
-        let mut digest = String::new();
-        for which in ["cold", "warm"] {
-            let restored = reader.load(claim, manifest.clone())?;
-            digest = restored.restore_digest.clone();
-            let bytes = reader.restored_bytes(restored.len)?;
-            let pieces: Vec<&[u8]> = {
-                let mut at = 0usize;
-                manifest
-                    .chunks
-                    .iter()
-                    .map(|c| {
-                        let p = &bytes[at..at + c.len as usize];
-                        at += c.len as usize;
-                        p
-                    })
-                    .collect()
-            };
-            let mut cache = kv::decode(&pieces, &job.model, job.chunk_tokens).map_err(|e| anyhow::anyhow!(e))?;
-            let fresh = Model::new(job.model);
-            let mut e = Event::new("decode_start").detail(which);
-            e.token = Some(first);
-            note(e);
-            let c = fresh.decode(&mut cache, first, r.first_logprob, r.budget, r.stop);
-            let mut e = Event::new("continuation").detail(which);
-            e.digest = Some(tokens_digest(&c.tokens));
-            e.tokens = Some(c.tokens.clone());
-            note(e);
-            runs.push(c);
-        }
-        reader.client.ack(claim, &digest)?;
-        note(Event::new("ack"));
-        let warm = runs.pop();
-        out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: runs.pop(), warm, error: None });
-    }
-    Ok(out)
 }
 
 struct Daemon {
@@ -522,200 +414,6 @@ impl Run<'_> {
         }])?;
         o.pop().context("the reader returned nothing")
     }
-
-    fn controls(&mut self) -> Vec<ControlResult> {
-        let result = |name, r: anyhow::Result<String>| match r {
-            Ok(detail) => ControlResult { name, ok: true, detail },
-            Err(e) => ControlResult { name, ok: false, detail: format!("{e:#}") },
-        };
-        vec![
-            result("stop_handling", self.stop_handling()),
-            result("cancellation", self.cancellation()),
-            result("failed_load", self.failed_load()),
-            result("mismatched_receipts", self.mismatched_receipts()),
-            result("duplicate_ack", self.duplicate_ack()),
-            result("unread_release", self.unread_release()),
-            result("pressure", self.pressure()),
-        ]
-    }
-
-    fn stop_handling(&mut self) -> anyhow::Result<String> {
-        let budget = 24;
-        let len = 2 * self.cfg.chunk_tokens + self.cfg.chunk_tokens / 2;
-        let free = self.model.generate(&prompt(len, 900), budget, None);
-        let stop = free.tokens[budget / 2];
-        let (p, published) = self.one("control-stop", budget, Some(stop))?;
-        if p.oracle.tokens.len() >= budget {
-            bail!("the stop token {stop} did not end the oracle early");
-        }
-        let claim = self.claim(&published.receipt, "control-stop")?;
-        let o = self.restore(&p, claim, budget, Some(stop), ReaderMode::Restore)?;
-        let cold = o.cold.as_ref().context("no continuation")?;
-        compare(&p.oracle, cold).map_err(|e| anyhow::anyhow!(e))?;
-        Ok(format!(
-            "stop token {stop} ended the restored decode after {} of {budget} tokens, as it ended the oracle",
-            cold.tokens.len()
-        ))
-    }
-
-    fn cancellation(&mut self) -> anyhow::Result<String> {
-        let (p, published) = self.one("control-cancel", 8, None)?;
-        let claim = self.claim(&published.receipt, "control-cancel")?;
-        self.restore(&p, claim.clone(), 8, None, ReaderMode::Cancel)?;
-        let c = self.client();
-        let state =
-            c.publications(None, false)?.into_iter().find(|x| x.publication == claim.publication).map(|x| x.state);
-        if state.as_deref() != Some("ADOPTED") {
-            bail!("after a cancelled restore the publication is {state:?}, not ADOPTED with its lease kept");
-        }
-        if c.reclaim(&claim).is_ok() {
-            bail!("reclaim succeeded while the cancelled reader's session was open");
-        }
-        c.close_session("control-cancel")?;
-        c.reclaim(&claim)?;
-        Ok("lease kept (ADOPTED, no ack) after the reader stopped mid-restore; reclaim refused until its session was closed".into())
-    }
-
-    fn failed_load(&mut self) -> anyhow::Result<String> {
-        let (p, published) = self.one("control-corrupt", 8, None)?;
-        let claim = self.claim(&published.receipt, "control-corrupt")?;
-        let c1 = published.manifest.chunks.get(1).context("the publication has fewer than 2 chunks")?;
-        let via = self.cfg.corrupt_via.clone().unwrap_or_else(|| self.cfg.target.clone());
-        corrupt(&via, c1.offset.0)?;
-        let o = self.restore(&p, claim.clone(), 8, None, ReaderMode::Strict)?;
-        let err = o.error.clone().context("the strict reader reported no failure")?;
-        if o.cold.is_some() || !err.contains("checksum mismatch") {
-            bail!("the corrupted chunk gave {err:?} and continuation {:?}", o.cold);
-        }
-        let c = self.client();
-        c.close_session("control-corrupt")?;
-        c.reclaim(&claim)?;
-        Ok(format!(
-            "strict reader failed ({err}); no continuation; the claim failed to RETAINED and was reclaimed once fenced"
-        ))
-    }
-
-    fn mismatched_receipts(&mut self) -> anyhow::Result<String> {
-        let (p, published) = self.one("control-receipts", 8, None)?;
-        let c = self.client();
-        let mut forged = published.receipt.clone();
-        forged.manifest_digest = "00".repeat(32);
-        let refused = |r: Result<Receipt, crate::client::ClientError>, what: &str| match r {
-            Err(crate::client::ClientError::Api(e)) => Ok(e.code),
-            other => Err(anyhow::anyhow!("{what} was not refused: {other:?}")),
-        };
-        let a =
-            refused(c.claim(&forged, "decode-x", "control-receipts", 60_000), "a claim with a forged manifest digest")?;
-        let claim = self.claim(&published.receipt, "control-receipts")?;
-        let mut other_reader = claim.clone();
-        other_reader.reader = Some("someone-else".into());
-        let adopt = crate::api::wire::AdoptRequest {
-            receipt: other_reader,
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: self.layout.clone(),
-        };
-        let b = match c.adopt(&adopt) {
-            Err(crate::client::ClientError::Api(e)) => e.code,
-            other => bail!("an adopt with another reader's receipt was not refused: {other:?}"),
-        };
-        let mut wrong_layout = adopt.clone();
-        wrong_layout.receipt = claim.clone();
-        wrong_layout.layout.chunk_tokens += 1;
-        let d = match c.adopt(&wrong_layout) {
-            Err(crate::client::ClientError::Api(e)) => e.code,
-            other => bail!("an adopt with another layout was not refused: {other:?}"),
-        };
-        // The genuine claim still restores afterwards: refusals changed nothing.
-        let o = self.restore(&p, claim, 8, None, ReaderMode::Restore)?;
-        compare(&p.oracle, o.cold.as_ref().context("no continuation")?).map_err(|e| anyhow::anyhow!(e))?;
-        Ok(format!(
-            "refused: forged digest ({a}), another reader's receipt ({b}), another layout ({d}); the genuine claim then restored exactly"
-        ))
-    }
-
-    fn duplicate_ack(&mut self) -> anyhow::Result<String> {
-        let (p, published) = self.one("control-dup-ack", 8, None)?;
-        let claim = self.claim(&published.receipt, "control-dup-ack")?;
-        self.restore(&p, claim.clone(), 8, None, ReaderMode::Restore)?;
-        let digest = crate::protocol::service::restore_digest(
-            &published.manifest.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>(),
-        );
-        match self.client().ack(&claim, &digest) {
-            Err(crate::client::ClientError::Api(e)) => Ok(format!("the second ack was refused ({})", e.code)),
-            other => bail!("a second ack was not refused: {other:?}"),
-        }
-    }
-
-    fn unread_release(&mut self) -> anyhow::Result<String> {
-        let (_, published) = self.one("control-release", 8, None)?;
-        let c = self.client();
-        c.release(&published.receipt)?;
-        match c.claim(&published.receipt, "decode-late", "control-release", 60_000) {
-            Err(crate::client::ClientError::Api(e)) => {
-                Ok(format!("released unread; a later claim was refused ({})", e.code))
-            }
-            other => bail!("a claim after release was not refused: {other:?}"),
-        }
-    }
-
-    /// More concurrent requests than free slots: a filler reservation holds
-    /// all but two slots, eight 3-chunk requests wait at admission, the filler
-    /// is aborted, every request completes, and no slot is left behind.
-    fn pressure(&mut self) -> anyhow::Result<String> {
-        let c = self.client();
-        let free = |c: &Client| -> anyhow::Result<u64> {
-            let m = c.metrics()?;
-            m.lines()
-                .find_map(|l| l.strip_prefix("pdstor_slots{kind=\"free\"} "))
-                .and_then(|v| v.trim().parse().ok())
-                .context("no free-slot gauge in /metrics")
-        };
-        let before = free(&c)?;
-        let filler = c.prepare("control-pressure-filler", &self.layout, (before - 2) as u32, "filler")?;
-        let len = 2 * self.cfg.chunk_tokens + self.cfg.chunk_tokens / 2;
-        let reqs: Vec<Prepared> =
-            (0..8).map(|n| self.prepare(format!("control-pressure-{n}"), &prompt(len, 500 + n), 4, None)).collect();
-        let server = self.daemon.server.clone();
-        let releaser = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            Client::new(&server).abort(filler.publication)
-        });
-        let published = self.publish_all(&reqs)?;
-        releaser.join().map_err(|_| anyhow::anyhow!("the releasing thread panicked"))??;
-        for p in &published {
-            c.release(&p.receipt)?;
-        }
-        let after = free(&c)?;
-        if after != before {
-            bail!("{before} slots were free before and {after} after");
-        }
-        Ok(format!(
-            "8 requests of 3 chunks against 2 free slots waited, completed once the filler was aborted; {after} slots free again"
-        ))
-    }
-}
-
-/// Overwrites the first 4 KiB at `offset` of `path` with garbage, with
-/// O_DIRECT (the daemon reads with O_DIRECT too: no stale cache between).
-fn corrupt(path: &Path, offset: u64) -> anyhow::Result<()> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::File::options()
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .with_context(|| format!("opening {} to corrupt a chunk", path.display()))?;
-    let b = crate::Buffer::host(4096)?;
-    b.write_at(0, &[0xa5; 4096])?;
-    let addr = b.slice(0, 4096)?.ptr_guard().as_ptr();
-    // SAFETY: `b` owns 4096 page-aligned bytes at `addr` for the call.
-    let n = unsafe { libc::pwrite(f.as_raw_fd(), addr.cast(), 4096, offset as libc::off_t) };
-    if n != 4096 {
-        bail!("corrupting {} at {offset}: {}", path.display(), std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Runs the whole profile. Returns the report (also written under `out`).
