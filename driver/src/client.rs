@@ -20,17 +20,31 @@ use crate::protocol::service::{Prepared, Published, restore_digest};
 use crate::protocol::{Receipt, manifest_digest};
 use crate::store::{Layout, Manifest};
 
+/// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// The daemon refused or failed the step.
     #[error("{0}")]
     Api(ErrorBody),
+    /// The daemon could not be reached or answered nonsense.
     #[error("talking to the daemon at {url}: {message} (is `pdstor serve` running?)")]
-    Transport { url: String, message: String },
+    Transport {
+        /// The URL asked.
+        url: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The data plane failed (socket, frame, buffer).
     #[error("data plane: {0}")]
     Data(String),
+    /// A restored chunk's bytes do not match its checksum.
     #[error("restored chunk {chunk} fails verification: {what}")]
-    Verify { chunk: u32, what: String },
+    Verify {
+        /// The chunk.
+        chunk: u32,
+        /// How.
+        what: String,
+    },
 }
 
 /// The HTTP control plane.
@@ -68,6 +82,7 @@ impl Client {
         resp.body_mut().read_to_string().map_err(|e| ClientError::Transport { url, message: e.to_string() })
     }
 
+    /// `prepare`: reserves `total_chunks` for `req_id`.
     pub fn prepare(
         &self,
         req_id: &str,
@@ -78,33 +93,42 @@ impl Client {
         let r = PrepareRequest { req_id: req_id.into(), layout: layout.clone(), total_chunks, writer: writer.into() };
         self.post("/storage-pd/prepare", &r)
     }
+    /// `publish`: the publication becomes READY; returns its receipt and manifest.
     pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ClientError> {
         self.post("/storage-pd/publish", &PublishRequest { publication, first_token })
     }
+    /// `claim`: binds `reader` and `session` to a READY publication; returns the claim receipt.
     pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ClientError> {
         let r = ClaimRequest { receipt: ready.clone(), reader_id: reader.into(), session_id: session.into(), lease_ms };
         self.post::<_, ReceiptResponse>("/storage-pd/claim", &r).map(|r| r.receipt)
     }
+    /// `adopt`: the claimed reader confirms what it reads; returns the manifest.
     pub fn adopt(&self, req: &AdoptRequest) -> Result<Manifest, ClientError> {
         self.post("/storage-pd/adopt", req)
     }
+    /// `ack`: the restore is done; the slots free.
     pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/ack", &AckRequest { receipt: claim.clone(), restore_digest: restore.into() })
             .map(drop)
     }
+    /// `release`: a READY publication never claimed is freed.
     pub fn release(&self, ready: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/release", &ReceiptOnly { receipt: ready.clone() }).map(drop)
     }
+    /// `abort`: rolls back a publication that is not READY.
     pub fn abort(&self, publication: u64) -> Result<AbortResponse, ClientError> {
         self.post("/storage-pd/abort", &AbortRequest { publication })
     }
+    /// `fail`: a failed or uncertain read; the publication is RETAINED.
     pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/fail", &FailRequest { receipt: claim.clone(), reason: reason.into() })
             .map(drop)
     }
+    /// `reclaim`: frees a fenced reader's claim.
     pub fn reclaim(&self, claim: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/reclaim", &ReceiptOnly { receipt: claim.clone() }).map(drop)
     }
+    /// `session/close`: fences a reader session.
     pub fn close_session(&self, session: &str) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { session_id: session.into() }).map(drop)
     }
@@ -122,6 +146,7 @@ impl Client {
         };
         serde_json::from_str(&self.get_text(&path)?).map_err(|e| ClientError::Data(format!("publications: {e}")))
     }
+    /// `/metrics`, as Prometheus text.
     pub fn metrics(&self) -> Result<String, ClientError> {
         self.get_text("/metrics")
     }
@@ -133,6 +158,7 @@ pub struct DataConn {
 }
 
 impl DataConn {
+    /// Connects to the daemon's data socket at `path`.
     pub fn connect(path: &Path) -> Result<DataConn, ClientError> {
         let stream = UnixStream::connect(path).map_err(|e| {
             ClientError::Data(format!("connecting to {}: {e} (is `pdstor serve` running?)", path.display()))
@@ -181,6 +207,7 @@ impl DataConn {
         r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))
     }
 
+    /// One store batch from registered buffers.
     pub fn store(
         &mut self,
         publication: u64,
@@ -191,6 +218,7 @@ impl DataConn {
         self.call(&DataRequest::Store { publication, chunks, is_last_batch, total_chunks }, &[])
     }
 
+    /// Loads chunks of an adopted publication into registered buffers.
     pub fn load(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
         self.call(&DataRequest::Load { receipt: claim.clone(), chunks }, &[])
     }
@@ -234,7 +262,9 @@ impl std::fmt::Display for Exporter {
 /// A client buffer: whose memory, and the path the daemon moves it on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BufferSpec {
+    /// Whose memory.
     pub exporter: Exporter,
+    /// The path the daemon moves it on.
     pub path: PayloadPath,
 }
 
@@ -258,6 +288,7 @@ impl BufferSpec {
 
 /// The prefill side: one shared buffer, registered once.
 pub struct Writer {
+    /// The control-plane client.
     pub client: Client,
     data: DataConn,
     buffer: Buffer,
@@ -268,6 +299,7 @@ pub struct Writer {
 }
 
 impl Writer {
+    /// A writer with a memfd buffer of `chunks` × `chunk_size` bytes on `host_fixed`.
     pub fn new(server: &str, data_socket: &Path, chunk_size: u64, chunks: u32) -> Result<Writer, ClientError> {
         Self::with_buffer(server, data_socket, chunk_size, chunks, BufferSpec::default())
     }
@@ -294,6 +326,7 @@ impl Writer {
         self
     }
 
+    /// The writer's shared buffer.
     pub fn buffer(&self) -> &Buffer {
         &self.buffer
     }
@@ -357,6 +390,7 @@ impl Writer {
 /// The decode side. Its buffer is sized by the first manifest it adopts,
 /// registered once, and reused while large enough.
 pub struct Reader {
+    /// The control-plane client.
     pub client: Client,
     data: DataConn,
     buffer: Option<(Buffer, u32)>,
@@ -366,12 +400,16 @@ pub struct Reader {
 /// What a reader restored: the bytes are in the reader's buffer
 /// ([`Reader::restored_bytes`]), verified.
 pub struct Restored {
+    /// The manifest restored.
     pub manifest: Manifest,
+    /// Bytes restored.
     pub len: u64,
+    /// SHA-256 over the restored chunks' crc32c (what `ack` takes).
     pub restore_digest: String,
 }
 
 impl Reader {
+    /// A reader with a memfd buffer on `host_fixed`.
     pub fn new(server: &str, data_socket: &Path) -> Result<Reader, ClientError> {
         Self::with_buffer(server, data_socket, BufferSpec::default())
     }

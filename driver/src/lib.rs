@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! pdstor: hands an LLM's KV cache from a prefill engine to a decode engine
 //! through NVMe storage, and proves every step. See DESIGN.md in the project's
 //! shared folder and README.md.

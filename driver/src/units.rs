@@ -1,6 +1,7 @@
 //! Byte sizes as people and fio write them: `4096`, `4k`, `4K`, `4KiB`, `8M`, `1G`.
 //! Suffixes are binary (fio's default for `bs`/`size`).
 
+/// Parses a size with an optional k, M, G or T suffix (powers of 1024): `256k`, `8M`, `1G`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());

@@ -27,7 +27,7 @@ enum Command {
     Deps,
     /// The main job: a verified KV payload round trip through the engine on a file target.
     Demo,
-    /// Everything CI checks: deps, fmt, clippy, tests (with the list of skips).
+    /// Everything CI checks: deps, fmt, clippy, docs, tests (with the list of skips).
     Ci,
     /// pdstor bench beside fio on the same targets; prints pdstor/fio ratios.
     Bench(bench::BenchArgs),
@@ -278,6 +278,11 @@ fn ci(sh: &Shell) -> Result<()> {
     cmd!(sh, "cargo clippy -p pdstor --features cuda --all-targets --quiet -- -D warnings")
         .run()
         .context("clippy found problems in the cuda feature")?;
+    step("cargo doc -p pdstor (every public item documented: missing_docs, links resolve)");
+    cmd!(sh, "cargo doc -p pdstor --no-deps --features cuda --quiet")
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .run()
+        .context("the pdstor API docs have warnings: document every public item (see the output above)")?;
     step("cargo test --workspace");
     let skip_log = project_root().join("target/ci-skips.log");
     let _ = std::fs::remove_file(&skip_log);

@@ -14,24 +14,61 @@ use std::time::{Duration, Instant};
 /// The key a request is admitted under (the engine's `req_id`).
 pub type ReqId = String;
 
+/// Why a request was not admitted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdmitError {
+    /// A request of 0 chunks.
     #[error(
         "request {req}: 0 chunks declared; a request must declare total_chunks > 0 (legacy senders are not supported)"
     )]
-    ZeroChunks { req: ReqId },
+    ZeroChunks {
+        /// The request.
+        req: ReqId,
+    },
+    /// More chunks than the store has slots: it can never fit.
     #[error(
         "request {req} needs {needed} slots but the store has only {capacity} in all: it can never fit; use fewer or smaller chunks, or a larger target"
     )]
-    TooLarge { req: ReqId, needed: u64, capacity: u64 },
+    TooLarge {
+        /// The request.
+        req: ReqId,
+        /// Slots it needs.
+        needed: u64,
+        /// Slots in all.
+        capacity: u64,
+    },
+    /// The request already holds a reservation.
     #[error("request {req} is already admitted (holding {held} slots)")]
-    AlreadyAdmitted { req: ReqId, held: u64 },
+    AlreadyAdmitted {
+        /// The request.
+        req: ReqId,
+        /// Slots it holds.
+        held: u64,
+    },
+    /// No capacity freed within the admission timeout.
     #[error(
         "request {req} waited {waited_ms} ms for {needed} slots; {free} of {capacity} were free (held by {holders} requests): retry later or raise the admission timeout"
     )]
-    Timeout { req: ReqId, needed: u64, free: u64, capacity: u64, holders: usize, waited_ms: u64 },
+    Timeout {
+        /// The request.
+        req: ReqId,
+        /// Slots it needs.
+        needed: u64,
+        /// Slots free when it gave up.
+        free: u64,
+        /// Slots in all.
+        capacity: u64,
+        /// Requests holding reservations.
+        holders: usize,
+        /// How long it waited, in ms.
+        waited_ms: u64,
+    },
+    /// The request was aborted while it waited.
     #[error("request {req} was aborted while waiting for admission")]
-    Aborted { req: ReqId },
+    Aborted {
+        /// The request.
+        req: ReqId,
+    },
 }
 
 #[derive(Debug, Default)]
@@ -62,14 +99,18 @@ pub struct ReservationManager {
 /// A snapshot for tests and metrics.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReservationStats {
+    /// Slots in all.
     pub capacity: u64,
+    /// Slots reserved.
     pub reserved: u64,
+    /// Requests holding reservations.
     pub holders: usize,
     /// Admissions that found too little capacity and waited (or timed out).
     pub waits: u64,
 }
 
 impl ReservationManager {
+    /// A manager of `capacity` slots, none reserved.
     pub fn new(capacity: u64) -> Self {
         ReservationManager { state: Mutex::new(Reservations { capacity, ..Default::default() }), freed: Condvar::new() }
     }
@@ -190,10 +231,12 @@ impl ReservationManager {
         self.lock().held.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
+    /// Slots request `req` holds.
     pub fn held(&self, req: &str) -> u64 {
         self.lock().held.get(req).copied().unwrap_or(0)
     }
 
+    /// Capacity, reservations and waits now.
     pub fn stats(&self) -> ReservationStats {
         let s = self.lock();
         ReservationStats { capacity: s.capacity, reserved: s.reserved, holders: s.held.len(), waits: s.waits }
@@ -211,12 +254,23 @@ impl ReservationManager {
     }
 }
 
+/// Why no staging slot was allocated.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StagingError {
+    /// The request was aborted while it waited.
     #[error("request {req} was aborted while waiting for a staging slot")]
-    Aborted { req: ReqId },
+    Aborted {
+        /// The request.
+        req: ReqId,
+    },
+    /// No staging slot freed in time.
     #[error("no staging slot freed within {waited_ms} ms ({slots} slots, all busy)")]
-    Timeout { slots: usize, waited_ms: u64 },
+    Timeout {
+        /// Slots in the pool.
+        slots: usize,
+        /// How long it waited, in ms.
+        waited_ms: u64,
+    },
 }
 
 /// Writer-side staging slots for the host-staged path: `allocate` blocks until
@@ -236,6 +290,7 @@ struct Staging {
 }
 
 impl StagingPool {
+    /// A pool of `slots` staging slots, all free.
     pub fn new(slots: usize) -> Self {
         StagingPool {
             state: Mutex::new(Staging { free: (0..slots).rev().collect(), slots, aborted: HashSet::new() }),
@@ -284,10 +339,12 @@ impl StagingPool {
         self.freed.notify_all();
     }
 
+    /// Lets `req` allocate again after an abort.
     pub fn forget(&self, req: &str) {
         self.lock().aborted.remove(req);
     }
 
+    /// Staging slots free now.
     pub fn free_slots(&self) -> usize {
         self.lock().free.len()
     }

@@ -37,12 +37,15 @@ const MAX_FRAME: usize = 16 << 20;
 
 /// Provenance checking for the data plane (`pdstor serve --provenance`).
 pub struct Provenance {
+    /// Reads the probes' per-transfer signals.
     pub reader: pdstor_probes::SignalReader,
+    /// What kind of target the probes judge.
     pub class: pdstor_probes::TargetClass,
     /// A `fallback` verdict fails the transfer.
     pub require_native: bool,
 }
 
+/// The data plane: a Unix socket where clients share buffers (`SCM_RIGHTS`) and move chunks; one thread per connection.
 pub struct DataPlane {
     path: PathBuf,
     stop: Arc<AtomicBool>,
@@ -50,6 +53,7 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
+    /// Listens on `path` (created 0600) and serves until dropped.
     pub fn start(
         path: &Path,
         service: Arc<Service>,
@@ -117,6 +121,7 @@ impl DataPlane {
         Ok(DataPlane { path: path.into(), stop, thread: Some(thread) })
     }
 
+    /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
     }

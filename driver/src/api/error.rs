@@ -1,5 +1,5 @@
 //! The one place where failures become stable codes; each code's HTTP status
-//! and CLI exit status come from [`RefusalCode`], never from a table here.
+//! and CLI exit status come from [`RefusalCode`](crate::protocol::RefusalCode), never from a table here.
 
 use crate::admission::AdmitError;
 use crate::io::IoError;

@@ -28,11 +28,15 @@ pub const OPENAPI: &str = include_str!("../../openapi.json");
 /// Counters the daemon exports.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// Refusals and failures by code.
     pub errors: Mutex<BTreeMap<String, u64>>,
     /// Payload bytes by path: host, host_fixed, dmabuf_fixed.
     pub bytes_host: AtomicU64,
+    /// Payload bytes on `host_fixed`.
     pub bytes_host_fixed: AtomicU64,
+    /// Payload bytes on `dmabuf_fixed`.
     pub bytes_dmabuf_fixed: AtomicU64,
+    /// Control-plane requests handled.
     pub requests: AtomicU64,
     /// PREPARED publications aborted for going idle.
     pub reaped: AtomicU64,
@@ -41,6 +45,7 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts a probe verdict on `path`.
     pub fn verdict(&self, path: &str, v: &pdstor_probes::Verdict) {
         let kind = match v {
             pdstor_probes::Verdict::Native => "native",
@@ -50,16 +55,21 @@ impl Metrics {
         *self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).entry((path.into(), kind.into())).or_default() += 1;
     }
 
+    /// Counts a refusal or failure of `code`.
     pub fn error(&self, code: &str) {
         *self.errors.lock().unwrap_or_else(|p| p.into_inner()).entry(code.into()).or_default() += 1;
     }
 }
 
+/// What every control-plane handler shares.
 pub struct AppState {
+    /// The protocol over the store.
     pub service: Arc<Service>,
+    /// The daemon's counters.
     pub metrics: Arc<Metrics>,
     /// Whether the provenance probes are attached (`serve --provenance`).
     pub provenance: bool,
+    /// The limits the daemon enforces.
     pub limits: super::Limits,
     /// `prepare` requests being handled now (admitted or waiting).
     pub prepares: std::sync::atomic::AtomicUsize,

@@ -17,18 +17,27 @@ use crate::protocol::service::Service;
 use crate::store::{Store, StoreOptions};
 
 /// Where the control plane listens.
+/// Where the control plane listens.
 #[derive(Debug, Clone)]
 pub enum Listen {
+    /// A TCP address.
     Tcp(SocketAddr),
+    /// A Unix socket path.
     Unix(PathBuf),
 }
 
+/// What `pdstor serve` runs with.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
+    /// The formatted target.
     pub target: PathBuf,
+    /// The control plane's address.
     pub listen: Listen,
+    /// The data plane's Unix socket.
     pub data_socket: PathBuf,
+    /// Payload requests the store's I/O thread keeps in flight.
     pub queue_depth: u32,
+    /// The longest a prepare waits for capacity.
     pub admission_timeout: Duration,
     /// Attach the provenance probes and stamp every payload transfer.
     pub provenance: bool,
@@ -38,6 +47,7 @@ pub struct ServeConfig {
     pub timeline: Option<PathBuf>,
     /// Fault injection for tests: the device "dies" as this plan says.
     pub fault: Option<Arc<crate::store::FaultPlan>>,
+    /// What one client may hold or take.
     pub limits: Limits,
 }
 

@@ -6,87 +6,128 @@ use serde::{Deserialize, Serialize};
 use crate::protocol::Receipt;
 use crate::store::Layout;
 
+/// `POST /storage-pd/prepare`: reserve a request's chunks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrepareRequest {
+    /// The serving engine's request id.
     pub req_id: String,
+    /// The KV layout the reader must match.
     pub layout: Layout,
+    /// Chunks the request will store (all reserved now).
     pub total_chunks: u32,
+    /// The writer's identity, recorded with the publication.
     pub writer: String,
 }
 
+/// `POST /storage-pd/publish`: make a fully stored publication READY.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PublishRequest {
+    /// The PREPARED publication.
     pub publication: u64,
+    /// The token the reader continues from, recorded in the manifest.
     pub first_token: Option<u32>,
 }
 
+/// `POST /storage-pd/claim`: bind one reader and session to a READY publication.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClaimRequest {
+    /// The READY receipt.
     pub receipt: Receipt,
+    /// The reader's identity; only it may adopt.
     pub reader_id: String,
+    /// The reader's session; closing it fences the claim.
     pub session_id: String,
+    /// How long the claim is leased, in ms (expiry never frees claimed bytes).
     pub lease_ms: u64,
 }
 
+/// A signed receipt, as `claim` answers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReceiptResponse {
+    /// The receipt.
     pub receipt: Receipt,
 }
 
+/// `POST /storage-pd/adopt`: the claimed reader confirms what it will read.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AdoptRequest {
+    /// The claim receipt.
     pub receipt: Receipt,
+    /// The namespace the reader expects.
     pub namespace: String,
+    /// The epoch the reader expects.
     pub epoch: u64,
+    /// The manifest digest the reader expects.
     pub manifest_digest: String,
+    /// The KV layout the reader expects.
     pub layout: Layout,
 }
 
+/// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AckRequest {
+    /// The claim receipt.
     pub receipt: Receipt,
+    /// SHA-256 over the restored chunks' crc32c, in chunk order.
     pub restore_digest: String,
 }
 
+/// A request that carries only a receipt (`release`, `reclaim`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReceiptOnly {
+    /// The receipt.
     pub receipt: Receipt,
 }
 
+/// `POST /storage-pd/abort`: roll back a publication that is not READY.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AbortRequest {
+    /// The publication.
     pub publication: u64,
 }
 
+/// What `abort` did.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AbortResponse {
     /// `aborted`, `pending` (batches in flight) or `not_found`.
     pub outcome: String,
+    /// Slots freed now (0 when pending).
     pub slots: u32,
 }
 
+/// `POST /storage-pd/fail`: a failed or uncertain claimed read; the publication is RETAINED.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FailRequest {
+    /// The claim receipt.
     pub receipt: Receipt,
+    /// Why the read failed, journaled.
     pub reason: String,
 }
 
+/// `POST /storage-pd/session/close`: fence a reader session.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SessionCloseRequest {
+    /// The session to fence.
     pub session_id: String,
 }
 
+/// A step that answers nothing but success.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Done {
+    /// Always `true`.
     pub ok: bool,
 }
 
 /// Every refusal and failure: HTTP status, a stable code, the offending field.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
+    /// The HTTP status, from the code.
     pub status: u16,
+    /// The stable code clients match on (`RefusalCode`).
     pub code: String,
+    /// The request field at fault, or empty.
     pub field: String,
+    /// What failed, on what input, and what to do.
     pub message: String,
 }
 
@@ -108,11 +149,17 @@ impl std::error::Error for ErrorBody {}
 /// A publication as listed by `GET /storage-pd/publications`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PublicationInfo {
+    /// The publication's number.
     pub publication: u64,
+    /// Its request id.
     pub req_id: String,
+    /// Its phase (`READY`, `CLAIMED`, …).
     pub state: String,
+    /// Its chunks.
     pub chunks: u32,
+    /// Its writer.
     pub writer: String,
+    /// Its claimed reader, if claimed.
     pub reader: Option<String>,
     /// With `?verbose=1`: where each chunk lives on the target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -123,12 +170,16 @@ pub struct PublicationInfo {
 /// `crc32c` are absent until the chunk is stored.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Extent {
+    /// The chunk's index.
     pub chunk: u32,
+    /// The slot it lives in.
     pub slot: u32,
     /// Byte offset of the slot on the target.
     pub offset: u64,
+    /// Its stored length, once stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub len: Option<u64>,
+    /// Its crc32c, once stored.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32c: Option<u32>,
 }
@@ -153,28 +204,43 @@ pub enum DataRequest {
     /// Share a buffer for one path (default `host_fixed`); every chunk stored
     /// from or loaded into it moves on that path.
     Register {
+        /// The buffer's length in bytes.
         len: u64,
+        /// What the fds are.
         #[serde(default)]
         kind: SharedKind,
+        /// The path its chunks move on (default `host_fixed`).
         #[serde(default)]
         path: Option<crate::io::PayloadPath>,
     },
+    /// One store batch from registered buffers.
     Store {
+        /// The PREPARED publication.
         publication: u64,
+        /// The chunks and where their bytes are.
         chunks: Vec<DataChunk>,
+        /// The writer sends no batch after this one.
         is_last_batch: bool,
+        /// The request's total, as prepared.
         total_chunks: u32,
     },
+    /// Load chunks of an adopted publication into registered buffers.
     Load {
+        /// The claim receipt.
         receipt: Receipt,
+        /// The chunks and where to put them.
         chunks: Vec<DataChunk>,
     },
 }
 
+/// One chunk of a data-plane store or load.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
 pub struct DataChunk {
+    /// The chunk's index in its publication.
     pub index: u32,
+    /// The buffer id `register` answered.
     pub buffer: u32,
+    /// Where in that buffer, in bytes.
     pub offset: u64,
     /// Bytes to store (ignored by loads: the manifest says).
     #[serde(default)]
@@ -185,12 +251,18 @@ pub struct DataChunk {
     pub crc32c: Option<u32>,
 }
 
+/// The data plane's answer to one request.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct DataResponse {
+    /// Whether the request succeeded (`error` says why not).
     pub ok: bool,
+    /// `register`: the buffer's id on this connection.
     pub buffer: Option<u32>,
+    /// `store`: chunks of the request stored so far.
     pub completed: Option<u32>,
+    /// `store`: chunks the request declared.
     pub total: Option<u32>,
+    /// `store`: every chunk stored and the last batch seen.
     pub publishable: Option<bool>,
     /// The path each chunk moved on.
     pub paths: Vec<String>,
@@ -207,5 +279,6 @@ pub struct DataResponse {
     /// `unverifiable(..)`) when the daemon runs with `--provenance`.
     #[serde(default)]
     pub verdicts: Vec<String>,
+    /// Why the request failed.
     pub error: Option<ErrorBody>,
 }

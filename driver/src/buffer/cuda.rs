@@ -18,18 +18,39 @@ use super::dmabuf::{DmaBuf, DmaBufError};
 /// also keeps exported ranges page-aligned.
 pub const CUDA_ALIGN: usize = 2 << 20;
 
+/// What a CUDA allocation or export failed on.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
+    /// No usable CUDA driver or device.
     #[error("no CUDA device: {0}")]
     Unavailable(String),
+    /// A CUDA driver call failed.
     #[error("CUDA {what} failed: {source:?}")]
-    Driver { what: &'static str, source: cu::DriverError },
+    Driver {
+        /// The call.
+        what: &'static str,
+        /// The driver's error.
+        source: cu::DriverError,
+    },
+    /// The GPU cannot export DMA-BUFs.
     #[error(
         "GPU {name} does not support DMA-BUF export (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0): it needs NVIDIA's open kernel modules and a kernel with CONFIG_DMA_SHARED_BUFFER"
     )]
-    NoDmaBuf { name: String },
+    NoDmaBuf {
+        /// The GPU.
+        name: String,
+    },
+    /// A range outside the buffer.
     #[error("range {offset}..{end} is outside the {len}-byte CUDA buffer", end = offset + *count as u64)]
-    OutOfBounds { offset: u64, count: usize, len: usize },
+    OutOfBounds {
+        /// Where it starts.
+        offset: u64,
+        /// Its length.
+        count: usize,
+        /// The buffer's length.
+        len: usize,
+    },
+    /// Exporting the allocation as a DMA-BUF failed.
     #[error(transparent)]
     DmaBuf(#[from] DmaBufError),
 }
@@ -41,11 +62,17 @@ fn drv(what: &'static str) -> impl FnOnce(cu::DriverError) -> CudaError {
 /// What `gpu-qual` reports about the GPU.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct DeviceInfo {
+    /// The device ordinal.
     pub ordinal: i32,
+    /// Its name.
     pub name: String,
+    /// Its memory, in bytes.
     pub total_memory: usize,
+    /// Its compute capability (major, minor).
     pub compute_capability: (i32, i32),
+    /// The driver API version.
     pub driver_api_version: i32,
+    /// Whether it can export DMA-BUFs.
     pub dmabuf_supported: bool,
 }
 
@@ -109,14 +136,17 @@ impl CudaBuffer {
         Ok(CudaBuffer { dev, ptr, len, info })
     }
 
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether it is 0 bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
+    /// The device it lives on.
     pub fn info(&self) -> &DeviceInfo {
         &self.info
     }

@@ -28,36 +28,56 @@ pub mod uapi {
     #[repr(C)]
     #[derive(Debug, Default, Clone, Copy)]
     pub struct UdmabufCreate {
+        /// The memfd (sealed against shrinking) whose pages back the DMA-BUF.
         pub memfd: u32,
+        /// `UDMABUF_FLAGS_*`.
         pub flags: u32,
+        /// Byte offset into the memfd (page-aligned).
         pub offset: u64,
+        /// Bytes (page-aligned).
         pub size: u64,
     }
+    /// `UDMABUF_FLAGS_CLOEXEC`: the new fd is close-on-exec.
     pub const UDMABUF_FLAGS_CLOEXEC: u32 = 0x01;
-    nix::ioctl_write_ptr!(udmabuf_create, b'u', 0x42, UdmabufCreate);
+    nix::ioctl_write_ptr!(
+        /// `UDMABUF_CREATE`: a DMA-BUF over a sealed memfd range.
+        udmabuf_create, b'u', 0x42, UdmabufCreate);
 
     /// `struct dma_heap_allocation_data` (include/uapi/linux/dma-heap.h).
     #[repr(C)]
     #[derive(Debug, Default, Clone, Copy)]
     pub struct DmaHeapAllocationData {
+        /// Bytes to allocate.
         pub len: u64,
+        /// Out: the DMA-BUF fd.
         pub fd: u32,
+        /// `O_*` flags of the new fd.
         pub fd_flags: u32,
+        /// Heap-specific flags (none defined).
         pub heap_flags: u64,
     }
-    nix::ioctl_readwrite!(dma_heap_ioctl_alloc, b'H', 0x0, DmaHeapAllocationData);
+    nix::ioctl_readwrite!(
+        /// `DMA_HEAP_IOCTL_ALLOC`: a DMA-BUF from a DMA heap.
+        dma_heap_ioctl_alloc, b'H', 0x0, DmaHeapAllocationData);
 
     /// `struct dma_buf_sync` (include/uapi/linux/dma-buf.h).
     #[repr(C)]
     #[derive(Debug, Default, Clone, Copy)]
     pub struct DmaBufSync {
+        /// `DMA_BUF_SYNC_*`: START or END, with READ and/or WRITE.
         pub flags: u64,
     }
+    /// `DMA_BUF_SYNC_READ`: the CPU reads.
     pub const DMA_BUF_SYNC_READ: u64 = 1;
+    /// `DMA_BUF_SYNC_WRITE`: the CPU writes.
     pub const DMA_BUF_SYNC_WRITE: u64 = 2;
+    /// `DMA_BUF_SYNC_START`: the access begins.
     pub const DMA_BUF_SYNC_START: u64 = 0;
+    /// `DMA_BUF_SYNC_END`: the access ends.
     pub const DMA_BUF_SYNC_END: u64 = 4;
-    nix::ioctl_write_ptr!(dma_buf_ioctl_sync, b'b', 0, DmaBufSync);
+    nix::ioctl_write_ptr!(
+        /// `DMA_BUF_IOCTL_SYNC`: brackets a CPU access to a DMA-BUF.
+        dma_buf_ioctl_sync, b'b', 0, DmaBufSync);
 
     /// `DMA_BUF_MAGIC` (include/uapi/linux/magic.h): `statfs` of a DMA-BUF fd.
     pub const DMA_BUF_MAGIC: i64 = 0x444d_4142;
@@ -67,11 +87,17 @@ pub mod uapi {
     #[repr(C)]
     #[derive(Debug, Default, Clone, Copy)]
     pub struct IoUringRsrcUpdate2 {
+        /// The first buffer-table index to update.
         pub offset: u32,
+        /// `IORING_RSRC_UPDATE_EXTENDED` when `data` points at descriptors.
         pub flags: u32,
+        /// Address of the descriptors (or iovecs).
         pub data: u64,
+        /// Address of the tags, or 0.
         pub tags: u64,
+        /// Descriptors to apply.
         pub nr: u32,
+        /// Reserved, 0.
         pub resv2: u32,
     }
     /// `io_uring_rsrc_update2::flags`: `data` points at `io_uring_regbuf_desc`s.
@@ -79,7 +105,9 @@ pub mod uapi {
 
     /// `enum io_uring_regbuf_type`.
     pub const IO_REGBUF_TYPE_EMPTY: u32 = 0;
+    /// `IO_REGBUF_TYPE_UADDR`: user memory at `uaddr`.
     pub const IO_REGBUF_TYPE_UADDR: u32 = 1;
+    /// `IO_REGBUF_TYPE_DMABUF`: the DMA-BUF `dmabuf_fd`.
     pub const IO_REGBUF_TYPE_DMABUF: u32 = 2;
 
     /// `struct io_uring_regbuf_desc` with the series' DMA-BUF fields. For
@@ -89,12 +117,19 @@ pub mod uapi {
     #[repr(C)]
     #[derive(Debug, Default, Clone, Copy)]
     pub struct IoUringRegbufDesc {
+        /// `IO_REGBUF_TYPE_*`.
         pub kind: u32,
+        /// Reserved, 0.
         pub flags: u32,
+        /// Bytes (0 for a DMA-BUF: its own size).
         pub size: u64,
+        /// User address (0 for a DMA-BUF).
         pub uaddr: u64,
+        /// The DMA-BUF's fd.
         pub dmabuf_fd: i32,
+        /// The file the buffer will be used on (the target).
         pub target_fd: i32,
+        /// Reserved, 0.
         pub resv: [u64; 6],
     }
 
@@ -116,47 +151,91 @@ pub mod uapi {
 /// (`/sys/module/udmabuf/parameters/size_limit_mb`).
 pub const UDMABUF_DEFAULT_LIMIT_MB: u64 = 64;
 
+/// What importing, creating or touching a DMA-BUF failed on.
 #[derive(Debug, thiserror::Error)]
 pub enum DmaBufError {
+    /// The fd is not a DMA-BUF.
     #[error(
         "fd {fd} is not a DMA-BUF (its filesystem is {magic:#x}, not DMA_BUF_MAGIC): send the exporter's DMA-BUF fd"
     )]
-    NotDmaBuf { fd: i32, magic: i64 },
+    NotDmaBuf {
+        /// The fd.
+        fd: i32,
+        /// Its filesystem's magic.
+        magic: i64,
+    },
+    /// An fd could not be inspected.
     #[error("inspecting fd {fd}: {source}")]
     Inspect {
+        /// The fd.
         fd: i32,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// A DMA-BUF of 0 bytes.
     #[error("the DMA-BUF on fd {fd} is 0 bytes: nothing can be stored in it")]
-    Empty { fd: i32 },
+    Empty {
+        /// The fd.
+        fd: i32,
+    },
+    /// A size or offset that is not page-granular.
     #[error(
         "a {what} of {len} bytes is not a multiple of the {page}-byte page: DMA-BUF sizes and offsets are page-granular"
     )]
-    Unaligned { what: &'static str, len: u64, page: u64 },
+    Unaligned {
+        /// Which number.
+        what: &'static str,
+        /// Its value.
+        len: u64,
+        /// The page size.
+        page: u64,
+    },
+    /// An exporter's device is missing.
     #[error(
         "{} is missing: {why} (load the module: `modprobe {module}`; the kernel needs {config})",
         path.display()
     )]
-    NoExporter { path: std::path::PathBuf, module: &'static str, config: &'static str, why: String },
+    NoExporter {
+        /// The device node.
+        path: std::path::PathBuf,
+        /// The module that provides it.
+        module: &'static str,
+        /// The kernel option it needs.
+        config: &'static str,
+        /// What was seen.
+        why: String,
+    },
+    /// `UDMABUF_CREATE` failed.
     #[error("creating a {len}-byte udmabuf failed: {source}{hint}")]
     Udmabuf {
+        /// Bytes asked for.
         len: u64,
+        /// What to change, if known (the module's size limit, say).
         hint: String,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// A DMA heap allocation failed.
     #[error("allocating {len} bytes from DMA heap {heap}: {source}")]
     Heap {
+        /// The heap.
         heap: String,
+        /// Bytes asked for.
         len: u64,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// `DMA_BUF_IOCTL_SYNC` failed.
     #[error("DMA_BUF_IOCTL_SYNC ({what}) on the {exporter} DMA-BUF failed: {source}")]
     Sync {
+        /// The DMA-BUF's exporter.
         exporter: String,
+        /// START or END, READ or WRITE.
         what: &'static str,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
@@ -181,7 +260,9 @@ pub struct DmaBuf {
 /// The direction of a CPU access, for `DMA_BUF_IOCTL_SYNC`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
+    /// The CPU reads the memory.
     Read,
+    /// The CPU writes the memory.
     Write,
 }
 
@@ -215,6 +296,7 @@ impl DmaBuf {
         Ok(DmaBuf { fd, size, exporter })
     }
 
+    /// The DMA-BUF's size in bytes.
     pub fn size(&self) -> u64 {
         self.size
     }
@@ -224,6 +306,7 @@ impl DmaBuf {
         &self.exporter
     }
 
+    /// The DMA-BUF's fd, borrowed.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }
@@ -346,8 +429,11 @@ pub fn alloc_from_heap(heap: &str, len: u64) -> Result<DmaBuf, DmaBufError> {
 /// `gpu-qual` reports.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Exporters {
+    /// `/dev/udmabuf` exists.
     pub udmabuf: bool,
+    /// The udmabuf module's per-buffer limit, if it says.
     pub udmabuf_limit_mb: Option<u64>,
+    /// The DMA heaps under `/dev/dma_heap`.
     pub dma_heaps: Vec<String>,
 }
 
@@ -356,6 +442,7 @@ fn udmabuf_limit_mb() -> Option<u64> {
     std::fs::read_to_string("/sys/module/udmabuf/parameters/size_limit_mb").ok()?.trim().parse().ok()
 }
 
+/// What this kernel offers for DMA-BUF payloads now.
 pub fn exporters() -> Exporters {
     let heaps = std::fs::read_dir("/dev/dma_heap")
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())

@@ -21,41 +21,68 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
 
+/// What making, receiving or touching a buffer failed on.
 #[derive(Debug, thiserror::Error)]
 pub enum BufferError {
+    /// A buffer of 0 bytes.
     #[error("a buffer of 0 bytes is useless: give a length of at least one page")]
     ZeroLength,
+    /// Mapping anonymous or memfd memory failed.
     #[error("mapping a {kind} buffer of {len} bytes failed: {source}")]
     Map {
+        /// The kind of buffer.
         kind: BufferKind,
+        /// Its length.
         len: usize,
+        /// vm-memory's error.
         #[source]
         source: vm_memory::mmap::MmapRegionError,
     },
+    /// `memfd_create` or sizing the memfd failed.
     #[error("creating memfd {name:?} of {len} bytes failed: {source}")]
     Memfd {
+        /// The memfd's name.
         name: String,
+        /// Its length.
         len: usize,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// A range outside the buffer.
     #[error(
         "range {offset}..{end} is outside the {len}-byte buffer: keep offset + length within the buffer",
         end = offset.saturating_add(*count as u64)
     )]
-    OutOfBounds { offset: u64, count: usize, len: usize },
+    OutOfBounds {
+        /// Where it starts.
+        offset: u64,
+        /// Its length.
+        count: usize,
+        /// The buffer's length.
+        len: usize,
+    },
+    /// Importing or touching a DMA-BUF failed.
     #[error(transparent)]
     DmaBuf(#[from] dmabuf::DmaBufError),
+    /// Device memory this process cannot map.
     #[error(
         "the {exporter} DMA-BUF has no CPU mapping in this process (device memory): only the dmabuf_fixed path can move it, and its checksums must come from the client"
     )]
-    NoCpuMapping { exporter: String },
+    NoCpuMapping {
+        /// The DMA-BUF's exporter.
+        exporter: String,
+    },
     /// A shared buffer that its owner could shrink under the daemon (a
     /// fault on every later access through the mapping), or not a memfd.
+    /// A received fd that is not a memfd sealed against shrinking (nor a DMA-BUF).
     #[error(
         "the received fd is {what}: only a memfd sealed against shrinking is accepted (memfd_create with MFD_ALLOW_SEALING, then fcntl(F_ADD_SEALS, F_SEAL_SHRINK)), or a DMA-BUF"
     )]
-    NotSealedMemfd { what: String },
+    NotSealedMemfd {
+        /// What it is instead.
+        what: String,
+    },
 }
 
 /// Where a buffer's memory comes from.
@@ -195,14 +222,17 @@ impl Buffer {
         Ok(Buffer { region, kind: BufferKind::DmaBuf, memfd: None, dmabuf: Some(buf), len })
     }
 
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether it is 0 bytes (never: a buffer has at least one byte).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Whose memory it is.
     pub fn kind(&self) -> BufferKind {
         self.kind
     }

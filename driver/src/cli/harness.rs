@@ -23,7 +23,7 @@ pub struct BenchArgs {
     #[arg(long, default_value = "host_fixed", value_parser = one_of::<PayloadPath>(&["host", "host_fixed"]))]
     path: PayloadPath,
     /// fio's --rw name.
-    #[arg(long, value_enum, default_value = "read")]
+    #[arg(long, default_value = "read", value_parser = one_of::<Pattern>(&["write", "read", "randwrite", "randread"]))]
     pattern: Pattern,
     /// Block size; k, M, G suffixes.
     #[arg(long, default_value = "4M", value_parser = parse_size)]

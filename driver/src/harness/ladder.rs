@@ -68,7 +68,9 @@ impl Memory for crate::buffer::cuda::CudaBuffer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LadderExporter {
+    /// A udmabuf over a memfd (CPU hosts).
     Udmabuf,
+    /// CUDA device memory exported as a DMA-BUF (GPU 0; needs `--features cuda`).
     Cuda,
 }
 
@@ -83,27 +85,39 @@ impl std::str::FromStr for LadderExporter {
     }
 }
 
+/// What `pdstor ladder` runs.
 #[derive(Debug, Clone)]
 pub struct LadderConfig {
+    /// The scratch target (overwritten).
     pub target: PathBuf,
+    /// Whose memory the rungs move.
     pub exporter: LadderExporter,
+    /// The paths to qualify, in ladder order.
     pub paths: Vec<PayloadPath>,
     /// Bytes per rung.
     pub bytes: u64,
+    /// Bytes per chunk.
     pub chunk: u64,
+    /// Where `ladder.json` and `ladder.md` go.
     pub out: PathBuf,
     /// Overwrite a target that holds a filesystem or a pdstor namespace.
     pub force: bool,
 }
 
+/// One rung: one path, qualified or not, and why.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Rung {
+    /// The path.
     pub path: PayloadPath,
+    /// Every byte read back and every transfer judged native.
     pub qualified: bool,
     /// Why not, when not.
     pub reason: Option<String>,
+    /// Bytes moved each way.
     pub bytes: u64,
+    /// Write throughput, MiB/s.
     pub write_mib_s: Option<f64>,
+    /// Read throughput, MiB/s.
     pub read_mib_s: Option<f64>,
     /// Verdict → transfers judged so.
     pub verdicts: BTreeMap<String, u64>,
@@ -111,24 +125,36 @@ pub struct Rung {
     pub independent_readback: Option<String>,
 }
 
+/// Everything the ladder found (`ladder.json`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LadderReport {
+    /// When it ran (Unix seconds).
     pub unix_time: u64,
+    /// The kernel release.
     pub kernel: String,
+    /// The target.
     pub target: PathBuf,
+    /// Its kind.
     pub target_kind: TargetKind,
+    /// Whose memory.
     pub exporter: LadderExporter,
+    /// What the exporter says of it.
     pub exporter_detail: serde_json::Value,
+    /// Whether the kernel has the rw-dmabuf UAPI.
     pub dmabuf_rw: crate::io::DmabufRw,
+    /// The probes that attached.
     pub probes: Vec<String>,
+    /// Every rung, in ladder order.
     pub rungs: Vec<Rung>,
 }
 
 impl LadderReport {
+    /// Every rung asked for qualified.
     pub fn qualified(&self) -> bool {
         self.rungs.iter().all(|r| r.qualified)
     }
 
+    /// The report as Markdown (`ladder.md`).
     pub fn markdown(&self) -> String {
         let mut s = format!(
             "# pdstor ladder\n\n- kernel: {}\n- target: {} ({:?})\n- exporter: {:?} {}\n- rw-dmabuf UAPI: {}\n- probes: {}\n\n| path | qualified | write MiB/s | read MiB/s | verdicts | independent readback | reason |\n|---|---|---|---|---|---|---|\n",

@@ -1,7 +1,7 @@
 //! Harnesses: programs that drive the library layers end to end and report
 //! what they measured or proved. None of them is a layer the daemon runs on.
 //!
-//! - [`bench`]: the engine against fio's patterns, the store's publication
+//! - [`mod@bench`]: the engine against fio's patterns, the store's publication
 //!   rate, the handoff against a running daemon;
 //! - [`roundtrip`]: seeded chunks written, flushed, read back and verified;
 //! - [`ladder`]: each payload path qualified in turn, byte for byte and by

@@ -20,52 +20,90 @@ use crate::payload;
 /// Largest single buffer the round trip registers (io_uring allows 1 GiB).
 const REGION_BYTES: u64 = 256 << 20;
 
+/// What `pdstor roundtrip` runs.
 #[derive(Debug, Clone)]
 pub struct RoundtripConfig {
+    /// The target (overwritten).
     pub target: PathBuf,
+    /// `host` or `host_fixed`.
     pub path: PayloadPath,
+    /// Chunks to write and read.
     pub chunks: u32,
+    /// Bytes per chunk.
     pub chunk_size: u64,
+    /// Requests in flight.
     pub queue_depth: u32,
+    /// Seed of the payload.
     pub seed: u64,
 }
 
+/// What one round trip measured and verified.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RoundtripReport {
+    /// The target.
     pub target: PathBuf,
+    /// Its kind.
     pub target_kind: TargetKind,
+    /// The path the chunks took.
     pub path: PayloadPath,
+    /// Chunks written and read.
     pub chunks: u32,
+    /// Bytes per chunk.
     pub chunk_size: u64,
+    /// Bytes in all.
     pub bytes: u64,
+    /// Seconds writing.
     pub write_seconds: f64,
+    /// Seconds flushing.
     pub flush_seconds: f64,
+    /// Seconds reading.
     pub read_seconds: f64,
+    /// Write throughput, MiB/s.
     pub write_mib_per_s: f64,
+    /// Read throughput, MiB/s.
     pub read_mib_per_s: f64,
+    /// The engine read back every byte written.
     pub verified_by_engine: bool,
+    /// An independent `pread(O_DIRECT)` read back every byte written (not for passthrough).
     pub verified_independently: bool,
 }
 
+/// Why a round trip failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RoundtripError {
+    /// The engine refused or failed.
     #[error(transparent)]
     Io(#[from] IoError),
+    /// A buffer could not be made.
     #[error(transparent)]
     Buffer(#[from] BufferError),
+    /// A configuration that cannot run.
     #[error("round trip: {0}")]
     Config(String),
+    /// A chunk read back differs from what was written.
     #[error("chunk {chunk} read back {how} differs from what was written, first at byte {offset}")]
-    Mismatch { chunk: u64, how: &'static str, offset: usize },
+    Mismatch {
+        /// The chunk.
+        chunk: u64,
+        /// Through the engine or independently.
+        how: &'static str,
+        /// The first differing byte.
+        offset: usize,
+    },
+    /// The independent read failed.
     #[error("independent O_DIRECT read of {path} at offset {offset}: {source}")]
     IndependentRead {
+        /// The target.
         path: PathBuf,
+        /// Where.
         offset: u64,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
 }
 
+/// Writes seeded chunks, flushes, reads them back and verifies byte for byte.
 pub fn run(cfg: &RoundtripConfig) -> Result<RoundtripReport, RoundtripError> {
     if cfg.chunks == 0 || cfg.chunk_size == 0 || cfg.chunk_size > REGION_BYTES {
         return Err(RoundtripError::Config(format!(

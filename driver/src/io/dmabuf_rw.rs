@@ -10,7 +10,9 @@ use crate::buffer::{Buffer, dmabuf};
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(tag = "state", content = "detail", rename_all = "snake_case")]
 pub enum DmabufRw {
+    /// The kernel installs DMA-BUFs in the buffer table.
     Available,
+    /// It does not; why (the probe's errno, the kernel release).
     Missing(String),
 }
 

@@ -7,100 +7,235 @@ use super::nvme::{self, NvmeStatus};
 use super::{BufferId, MAX_TRANSFER_ID, Op, PayloadPath, TransferId};
 use crate::buffer::BufferError;
 
+/// What the engine refused or failed: every variant names the operation, the target or transfer, and what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum IoError {
+    /// The target could not be opened.
     #[error("opening target {path}: {source}")]
     Open {
+        /// The target.
         path: PathBuf,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// The target is a directory.
     #[error("target {path} is a directory: give a file, a block device or /dev/ngXnY")]
-    IsDirectory { path: PathBuf },
+    IsDirectory {
+        /// The target.
+        path: PathBuf,
+    },
+    /// The target is neither a file, a block device nor an NVMe generic device.
     #[error("target {path} is {what}: give a file, a block device or /dev/ngXnY")]
-    UnsupportedKind { path: PathBuf, what: &'static str },
+    UnsupportedKind {
+        /// The target.
+        path: PathBuf,
+        /// What it is.
+        what: &'static str,
+    },
+    /// The target's filesystem cannot do direct I/O.
     #[error(
         "target {path} is on {fs}, which cannot do direct I/O (it would copy through the page cache): put the target on ext4, XFS or a block device"
     )]
-    NoDirectIo { path: PathBuf, fs: String },
+    NoDirectIo {
+        /// The target.
+        path: PathBuf,
+        /// The filesystem.
+        fs: String,
+    },
+    /// Another user holds the target (a mount, an exclusive opener).
     #[error("target {path} is in use{}: unmount it or stop the other user first", mount.as_ref().map(|m| format!(" (mounted on {m})")).unwrap_or_else(|| " by another exclusive opener".into()))]
-    Busy { path: PathBuf, mount: Option<String> },
+    Busy {
+        /// The target.
+        path: PathBuf,
+        /// Where it is mounted, if it is.
+        mount: Option<String>,
+    },
+    /// Another process holds the target's lock.
     #[error("target {path} is locked by another process (another pdstor?): stop it first")]
-    Locked { path: PathBuf },
+    Locked {
+        /// The target.
+        path: PathBuf,
+    },
+    /// The target's geometry could not be read.
     #[error("reading the {what} of target {path}: {source}")]
     Geometry {
+        /// The target.
         path: PathBuf,
+        /// What was being read (size, block size, …).
         what: &'static str,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// Space for a file target could not be preallocated.
     #[error("preallocating {len} bytes for target {path}: {source} (is the filesystem full, or without fallocate?)")]
     Preallocate {
+        /// The target.
         path: PathBuf,
+        /// The bytes asked for.
         len: u64,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// An io_uring operation on the ring itself failed.
     #[error("io_uring {op} failed: {source}")]
     Ring {
+        /// The operation (setup, register_files, io_uring_enter, …).
         op: &'static str,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// A buffer could not be registered with the ring.
     #[error("registering {buffer} ({len} bytes) with io_uring failed: {source}{hint}", hint = register_hint(source))]
     Register {
+        /// The buffer.
         buffer: BufferId,
+        /// Its length in bytes.
         len: usize,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// This kernel cannot install a DMA-BUF in the buffer table (`dmabuf_fixed`).
     #[error(
         "the dmabuf_fixed path is not available: {why}. It needs the io_uring rw-dmabuf series (IORING_RSRC_UPDATE_EXTENDED with io_uring_regbuf_desc type DMABUF), which no released kernel has: boot a kernel built with it and kernel-config/dmabuf-rw.config, or use host_fixed"
     )]
-    DmabufUnsupported { why: String },
+    DmabufUnsupported {
+        /// What the probe found.
+        why: String,
+    },
+    /// A buffer cannot be used on the path asked for.
     #[error("{buffer} cannot be used here: {what}")]
-    BufferUnusable { buffer: BufferId, what: BufferError },
+    BufferUnusable {
+        /// The buffer.
+        buffer: BufferId,
+        /// Why not.
+        what: BufferError,
+    },
+    /// A DMA-BUF whose CPU mapping cannot be pinned for `host`/`host_fixed`.
     #[error(
         "the {exporter} DMA-BUF's own CPU mapping cannot be pinned for direct I/O ({source}): the exporter maps raw page frames, which host and host_fixed cannot use without a copy; send its backing memfd (udmabuf), or use dmabuf_fixed"
     )]
     DmabufNotPinnable {
+        /// The DMA-BUF's exporter.
         exporter: String,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// Every place in the buffer table is taken.
     #[error("all {slots} buffer slots are in use: remove a buffer first or raise EngineOptions::buffer_slots")]
-    BufferTableFull { slots: u32 },
+    BufferTableFull {
+        /// The table's size.
+        slots: u32,
+    },
+    /// No buffer with this id is held.
     #[error("{0} is not held by this engine")]
     UnknownBuffer(BufferId),
+    /// A request's range does not fit its buffer.
     #[error("{transfer}: {what}")]
-    Buffer { transfer: TransferId, what: BufferError },
+    Buffer {
+        /// The transfer.
+        transfer: TransferId,
+        /// Why not.
+        what: BufferError,
+    },
+    /// A request is not aligned as direct I/O on this target needs.
     #[error(
         "{transfer}: {field} {value} is not a multiple of {align} bytes, which direct I/O on this target needs; no payload path accepts it: align it"
     )]
-    Unaligned { transfer: TransferId, field: &'static str, value: u64, align: u32 },
+    Unaligned {
+        /// The transfer.
+        transfer: TransferId,
+        /// Which number (buffer address, target offset, length).
+        field: &'static str,
+        /// Its value.
+        value: u64,
+        /// The alignment needed, in bytes.
+        align: u32,
+    },
+    /// A request of 0 bytes.
     #[error("{transfer}: a request of 0 bytes moves nothing: give a length")]
-    EmptyRequest { transfer: TransferId },
+    EmptyRequest {
+        /// The transfer.
+        transfer: TransferId,
+    },
+    /// A request reaches past the end of the target.
     #[error("{transfer}: target range {offset}..{end} is beyond the target's {capacity} bytes", end = offset.saturating_add(*len))]
-    BeyondTarget { transfer: TransferId, offset: u64, len: u64, capacity: u64 },
+    BeyondTarget {
+        /// The transfer.
+        transfer: TransferId,
+        /// Where it starts.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The target's size in bytes.
+        capacity: u64,
+    },
+    /// A transfer id too large for `user_data` beside the segment bits.
     #[error("{transfer}: id is above {max}, the largest that fits in user_data beside the segment bits", max = MAX_TRANSFER_ID)]
-    TransferIdTooLarge { transfer: TransferId },
+    TransferIdTooLarge {
+        /// The transfer.
+        transfer: TransferId,
+    },
+    /// The path cannot serve this request; nothing was submitted.
     #[error("{transfer}: path {path} is not available: {why}; {hint}")]
-    PathUnavailable { transfer: TransferId, path: PayloadPath, why: &'static str, hint: &'static str },
+    PathUnavailable {
+        /// The transfer.
+        transfer: TransferId,
+        /// The path asked for.
+        path: PayloadPath,
+        /// Why it cannot.
+        why: &'static str,
+        /// What would work.
+        hint: &'static str,
+    },
+    /// A transfer failed in the kernel or on the device.
     #[error("{transfer}: {op} of {len} bytes at target offset {offset} failed: {source}")]
     Transfer {
+        /// The transfer.
         transfer: TransferId,
+        /// Read, write or flush.
         op: Op,
+        /// Where on the target the failed command started.
         offset: u64,
+        /// Its length in bytes.
         len: u64,
+        /// The kernel's error.
         #[source]
         source: std::io::Error,
     },
+    /// An NVMe passthrough command completed with an error status.
     #[error("{transfer}: NVMe {cmd} of {len} bytes at target offset {offset} failed: {status}", cmd = nvme_cmd_name(*op))]
-    Nvme { transfer: TransferId, op: Op, offset: u64, len: u64, status: NvmeStatus },
+    Nvme {
+        /// The transfer.
+        transfer: TransferId,
+        /// Read, write or flush.
+        op: Op,
+        /// Where on the target the command started.
+        offset: u64,
+        /// Its length in bytes.
+        len: u64,
+        /// The controller's status.
+        status: NvmeStatus,
+    },
+    /// A transfer stopped making progress.
     #[error(
         "{transfer}: {op} at target offset {offset} moved 0 of {expected} bytes: the target ended or stopped making progress"
     )]
-    ShortTransfer { transfer: TransferId, op: Op, offset: u64, expected: u64 },
+    ShortTransfer {
+        /// The transfer.
+        transfer: TransferId,
+        /// Read or write.
+        op: Op,
+        /// Where on the target it stopped.
+        offset: u64,
+        /// The bytes still expected.
+        expected: u64,
+    },
 }
 
 impl IoError {

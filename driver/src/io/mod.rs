@@ -68,16 +68,24 @@ impl Default for EngineOptions {
 /// Counters of what moved, by path.
 #[derive(Debug, Default, Clone, Copy, serde::Serialize)]
 pub struct PathCounters {
+    /// Requests completed.
     pub requests: u64,
+    /// Bytes moved.
     pub bytes: u64,
 }
 
+/// What the engine moved, by path, since it was built.
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct EngineStats {
+    /// On `host`.
     pub host: PathCounters,
+    /// On `host_fixed`.
     pub host_fixed: PathCounters,
+    /// On `dmabuf_fixed`.
     pub dmabuf_fixed: PathCounters,
+    /// Flushes.
     pub flushes: u64,
+    /// Requests that failed.
     pub errors: u64,
 }
 
@@ -191,14 +199,17 @@ impl Engine {
         &self.dmabuf_rw
     }
 
+    /// The target the engine drives.
     pub fn target(&self) -> &Target {
         &self.target
     }
 
+    /// The target's geometry (sizes, alignment, limits).
     pub fn geometry(&self) -> &Geometry {
         self.target.geometry()
     }
 
+    /// What moved so far.
     pub fn stats(&self) -> &EngineStats {
         &self.stats
     }
@@ -261,6 +272,7 @@ impl Engine {
         Ok(slot.buffer)
     }
 
+    /// The held buffer `id`.
     pub fn buffer(&self, id: BufferId) -> Result<&Buffer, IoError> {
         self.slot(id).map(|s| &s.buffer)
     }

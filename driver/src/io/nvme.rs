@@ -3,7 +3,7 @@
 //! and status decoding.
 //!
 //! The kernel does not split passthrough commands: a command larger than the
-//! controller's MDTS fails. The engine splits at [`NvmeGeometry::max_transfer`]
+//! controller's MDTS fails. The engine splits at [`Geometry::max_transfer`](super::Geometry::max_transfer)
 //! before it gets here, so every command built here must already fit.
 
 use std::fmt;
@@ -13,16 +13,19 @@ use super::sys::NvmeCmd;
 /// The `cmd_op` of an I/O passthrough `IORING_OP_URING_CMD`.
 pub const URING_CMD_IO: u32 = super::sys::NVME_URING_CMD_IO;
 
-/// NVMe I/O command set opcodes (NVM Command Set spec, figure "Opcodes for NVM Commands").
+/// NVMe I/O command set opcodes (NVM Command Set spec, figure "Opcodes for NVM Commands"): Flush.
 pub const OPC_FLUSH: u8 = 0x00;
+/// Write.
 pub const OPC_WRITE: u8 = 0x01;
+/// Read.
 pub const OPC_READ: u8 = 0x02;
 /// NLB is a 16-bit 0's based field: one command moves at most 65536 blocks.
 pub const MAX_BLOCKS_PER_COMMAND: u64 = 1 << 16;
 /// Admin opcode Identify.
 pub const ADMIN_IDENTIFY: u8 = 0x06;
-/// Identify CNS values.
+/// Identify CNS value: the namespace data structure.
 pub const CNS_NAMESPACE: u32 = 0x00;
+/// Identify CNS value: the controller data structure.
 pub const CNS_CONTROLLER: u32 = 0x01;
 
 /// Builds a Read or Write of `nlb` logical blocks at `slba` into the 80-byte
@@ -126,9 +129,11 @@ pub fn parse_mdts(identify_controller: &[u8], min_page_size: u32) -> Result<Opti
 pub struct NvmeStatus(pub u16);
 
 impl NvmeStatus {
+    /// Status Code (SC).
     pub fn code(self) -> u8 {
         (self.0 & 0xff) as u8
     }
+    /// Status Code Type (SCT).
     pub fn code_type(self) -> u8 {
         ((self.0 >> 8) & 0x7) as u8
     }

@@ -10,13 +10,18 @@ use super::{IoError, MAX_TRANSFER_ID};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PayloadPath {
+    /// Plain `READ`/`WRITE` from unregistered memory.
     Host,
+    /// `READ_FIXED`/`WRITE_FIXED` from a buffer registered with the ring.
     HostFixed,
+    /// The DMA-BUF itself installed in the buffer table (the rw-dmabuf series).
     DmabufFixed,
 }
 
 impl PayloadPath {
+    /// Every path, in ladder order.
     pub const ALL: [PayloadPath; 3] = [PayloadPath::Host, PayloadPath::HostFixed, PayloadPath::DmabufFixed];
+    /// The path's name (`host`, `host_fixed`, `dmabuf_fixed`).
     pub fn as_str(self) -> &'static str {
         match self {
             PayloadPath::Host => "host",
@@ -42,11 +47,15 @@ impl std::str::FromStr for PayloadPath {
     }
 }
 
+/// What a request does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Op {
+    /// Target to buffer.
     Read,
+    /// Buffer to target.
     Write,
+    /// Make earlier writes durable.
     Flush,
 }
 
@@ -139,23 +148,36 @@ impl fmt::Display for BufferOffset {
 /// One payload transfer between a buffer range and a target range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IoRequest {
+    /// The transfer this request belongs to (its SQEs carry it).
     pub transfer: TransferId,
+    /// Read or write.
     pub op: Op,
+    /// The path it must move on.
     pub path: PayloadPath,
+    /// The held buffer.
     pub buffer: BufferId,
+    /// Where in the buffer.
     pub buffer_offset: BufferOffset,
+    /// Where on the target.
     pub target_offset: TargetOffset,
+    /// Bytes.
     pub len: u64,
 }
 
 /// How one request ended, and on which path its bytes moved.
 #[derive(Debug)]
 pub struct Completion {
+    /// The transfer.
     pub transfer: TransferId,
+    /// Read, write or flush.
     pub op: Op,
+    /// The path it moved on.
     pub path: PayloadPath,
+    /// Bytes moved.
     pub bytes: u64,
+    /// From submission to its last completion.
     pub latency: Duration,
+    /// How it ended.
     pub result: Result<(), IoError>,
 }
 

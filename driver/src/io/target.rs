@@ -23,6 +23,7 @@ const PASSTHROUGH_MEM_ALIGN: u32 = 4096;
 /// `CAP.MPSMIN` is not visible from userspace; every controller we know uses 4 KiB.
 const ASSUMED_MIN_PAGE: u32 = 4096;
 
+/// What kind of target pdstor drives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TargetKind {
@@ -72,6 +73,7 @@ pub struct Target {
 }
 
 impl Target {
+    /// Opens `path` for direct I/O (exclusively, locked), reading its geometry; creates a file target of `opts.create_len` bytes if missing.
     pub fn open(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
         let meta = match std::fs::metadata(path) {
             Ok(m) => m,
@@ -99,12 +101,15 @@ impl Target {
         Err(IoError::UnsupportedKind { path: path.into(), what: "a socket, FIFO or other special file" })
     }
 
+    /// The target's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
+    /// Its kind.
     pub fn kind(&self) -> TargetKind {
         self.kind
     }
+    /// Its geometry.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
     }

@@ -21,14 +21,17 @@ use crate::store::Layout;
 
 const MAGIC: &[u8; 8] = b"PDKVBF16";
 const HEADER: usize = 64;
+/// The `kv_format` name of this encoding.
 pub const KV_FORMAT: &str = "pdstor-kv-bf16-v1";
 
+/// f32 → bf16, rounding to nearest even.
 pub fn to_bf16(x: f32) -> u16 {
     let b = x.to_bits();
     let round = 0x7fff + ((b >> 16) & 1);
     (b.wrapping_add(round) >> 16) as u16
 }
 
+/// bf16 → f32 (exact).
 pub fn from_bf16(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }

@@ -13,15 +13,24 @@ pub mod kv;
 
 use rand::{Rng, SeedableRng};
 
+/// The deterministic model's shape and weights' seed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Config {
+    /// Transformer layers.
     pub layers: usize,
+    /// Model width.
     pub d_model: usize,
+    /// Query heads.
     pub q_heads: usize,
+    /// KV heads (grouped-query attention).
     pub kv_heads: usize,
+    /// Dimension of each head.
     pub head_dim: usize,
+    /// Feed-forward width.
     pub ffn: usize,
+    /// Vocabulary size.
     pub vocab: usize,
+    /// Seed of the weights.
     pub seed: u64,
 }
 
@@ -50,6 +59,7 @@ struct Layer {
     w_down: Vec<f32>,
 }
 
+/// A small deterministic transformer (f32) whose KV cache pdstor hands off.
 pub struct Model {
     cfg: Config,
     embed: Vec<f32>,
@@ -63,12 +73,16 @@ pub struct Model {
 /// Per layer, the keys and values of every token so far: `[token][kv_width]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvCache {
+    /// Keys, per layer, per token.
     pub k: Vec<Vec<f32>>,
+    /// Values, per layer, per token.
     pub v: Vec<Vec<f32>>,
+    /// Tokens cached.
     pub len: usize,
 }
 
 impl KvCache {
+    /// An empty cache of `layers` layers.
     pub fn new(layers: usize) -> KvCache {
         KvCache { k: vec![Vec::new(); layers], v: vec![Vec::new(); layers], len: 0 }
     }
@@ -77,7 +91,9 @@ impl KvCache {
 /// Greedy output: the chosen tokens and each one's log-probability.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Continuation {
+    /// The chosen tokens.
     pub tokens: Vec<u32>,
+    /// Each one's log-probability.
     pub logprobs: Vec<f32>,
 }
 
@@ -132,6 +148,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 }
 
 impl Model {
+    /// The model `cfg` describes, its weights drawn from `cfg.seed`.
     pub fn new(cfg: Config) -> Model {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(cfg.seed);
         let mut w = |n: usize, fan_in: usize, gain: f32| -> Vec<f32> {
@@ -159,6 +176,7 @@ impl Model {
         Model { cfg, embed, layers, final_norm: vec![1.0; d], unembed, rope: Default::default() }
     }
 
+    /// Its shape.
     pub fn config(&self) -> &Config {
         &self.cfg
     }

@@ -34,17 +34,27 @@ pub enum ReceiptKind {
 /// canonical encoding that the signature covers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Receipt {
+    /// READY or claim.
     pub kind: ReceiptKind,
+    /// The namespace (its uuid).
     pub namespace: String,
     /// The daemon epoch that issued it.
     pub epoch: u64,
+    /// The publication.
     pub publication: u64,
+    /// Its request id.
     pub req_id: String,
+    /// SHA-256 of the manifest's canonical JSON.
     pub manifest_digest: String,
+    /// The claimed reader (claim receipts).
     pub reader: Option<String>,
+    /// The claimed session (claim receipts).
     pub session: Option<String>,
+    /// The claim's lease, in ms (claim receipts).
     pub lease_ms: Option<u64>,
+    /// When it was issued, by the protocol's clock.
     pub issued_unix_ms: u64,
+    /// Which key signed it.
     pub key_id: u32,
     /// Hex HMAC-SHA256 over the canonical encoding of every field above.
     pub signature: String,
@@ -54,12 +64,16 @@ pub struct Receipt {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{code} ({field}): {message}")]
 pub struct Refusal {
+    /// The stable code; its HTTP status and exit status follow from it.
     pub code: RefusalCode,
+    /// The request field at fault.
     pub field: &'static str,
+    /// What was refused, on what input, and what to do.
     pub message: String,
 }
 
 impl Refusal {
+    /// A refusal of `code` naming `field`.
     pub fn new(code: RefusalCode, field: &'static str, message: impl Into<String>) -> Refusal {
         Refusal { code, field, message: message.into() }
     }
@@ -90,6 +104,7 @@ impl std::fmt::Debug for Signer {
 }
 
 impl Signer {
+    /// A signer with `key` (id `key_id`) for `namespace`.
     pub fn new(key: [u8; 32], key_id: u32, namespace: String) -> Signer {
         Signer { key, key_id, namespace }
     }
@@ -99,6 +114,7 @@ impl Signer {
         Signer::new(sb.hmac_key, sb.hmac_key_id, sb.uuid.to_string())
     }
 
+    /// The namespace it signs for.
     pub fn namespace(&self) -> &str {
         &self.namespace
     }
@@ -145,6 +161,7 @@ pub fn manifest_digest(m: &Manifest) -> String {
     hex::encode(Sha256::digest(serde_json::to_vec(m).unwrap_or_default()))
 }
 
+/// The system clock, in ms since the Unix epoch.
 pub fn now_unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
@@ -152,6 +169,7 @@ pub fn now_unix_ms() -> u64 {
 /// Where the protocol reads the time (claims, leases, receipts): the system
 /// clock in the daemon, a simulated one in the simulation.
 pub trait Clock: Send + Sync + std::fmt::Debug {
+    /// Now, in ms since the Unix epoch.
     fn now_unix_ms(&self) -> u64;
 }
 

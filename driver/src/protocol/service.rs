@@ -15,25 +15,35 @@ use crate::timeline::Event;
 /// A refused or failed protocol step, as the API reports it.
 #[derive(Debug, thiserror::Error)]
 pub enum ProtocolError {
+    /// The protocol refused the step (nothing changed).
     #[error(transparent)]
     Refused(#[from] Refusal),
+    /// The store refused or failed it.
     #[error(transparent)]
     Store(#[from] StoreError),
 }
 
+/// What `prepare` answers: the publication and the namespace it lives in.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Prepared {
+    /// The PREPARED publication.
     pub publication: u64,
+    /// The namespace.
     pub namespace: String,
+    /// The daemon epoch.
     pub epoch: u64,
 }
 
+/// A READY publication: its signed receipt and its manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Published {
+    /// The READY receipt.
     pub receipt: Receipt,
+    /// The manifest.
     pub manifest: Manifest,
 }
 
+/// The ownership protocol (DESIGN §4) over a store: receipts, leases, fencing and who may take each step.
 pub struct Service {
     store: Arc<Store>,
     signer: Signer,
@@ -42,9 +52,6 @@ pub struct Service {
     closed_sessions: Mutex<HashSet<String>>,
 }
 
-/// The digest a reader acknowledges with: SHA-256 over the little-endian
-/// crc32c of each chunk it restored, in chunk order. Both sides compute it
-/// from their own view of the bytes.
 /// The longest id or name a client may give (request, writer, reader,
 /// session, layout strings): every one is journaled, so none may be large.
 pub const MAX_NAME_BYTES: usize = 256;
@@ -65,6 +72,9 @@ fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), Refusal> 
     Ok(())
 }
 
+/// The digest a reader acknowledges with: SHA-256 over the little-endian
+/// crc32c of each chunk it restored, in chunk order. Both sides compute it
+/// from their own view of the bytes.
 pub fn restore_digest(chunk_crcs: &[u32]) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
@@ -75,6 +85,7 @@ pub fn restore_digest(chunk_crcs: &[u32]) -> String {
 }
 
 impl Service {
+    /// The protocol over `store`, signing with its namespace's key, on the system clock.
     pub fn new(store: Arc<Store>) -> Service {
         let signer = Signer::for_namespace(&store.superblock());
         Service {
@@ -104,6 +115,7 @@ impl Service {
         self
     }
 
+    /// The timeline steps are recorded on, if any.
     pub fn timeline(&self) -> &Option<Arc<crate::timeline::Timeline>> {
         &self.timeline
     }
@@ -114,10 +126,12 @@ impl Service {
         crate::timeline::emit(&self.timeline, e);
     }
 
+    /// The store underneath.
     pub fn store(&self) -> &Arc<Store> {
         &self.store
     }
 
+    /// The namespace's id (its uuid), named in every receipt.
     pub fn namespace(&self) -> &str {
         self.signer.namespace()
     }
@@ -211,6 +225,7 @@ impl Service {
         }))
     }
 
+    /// Step 1: admits a request and records its PREPARE (waits for capacity up to the admission timeout).
     pub fn prepare(
         &self,
         req_id: &str,
@@ -232,6 +247,7 @@ impl Service {
         Ok(Prepared { publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
     }
 
+    /// Step 3: READY; returns the signed receipt and the manifest.
     pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ProtocolError> {
         let manifest = self.store.publish(publication, first_token)?;
         let p = self.live(publication)?;
@@ -243,6 +259,7 @@ impl Service {
         Ok(Published { receipt, manifest })
     }
 
+    /// Step 4: binds one reader and session to a READY publication; returns the claim receipt.
     pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ProtocolError> {
         let p = self.check(ready, ReceiptKind::Ready)?;
         if p.phase != Phase::Ready {
@@ -363,6 +380,7 @@ impl Service {
         p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
     }
 
+    /// Step 7: the reader restored every chunk (its digest must match); the slots free.
     pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
         if p.phase != Phase::Adopted {
@@ -389,6 +407,7 @@ impl Service {
         Ok(())
     }
 
+    /// Frees a READY publication that was never claimed.
     pub fn release(&self, ready: &Receipt) -> Result<(), ProtocolError> {
         let p = self.check(ready, ReceiptKind::Ready)?;
         if p.phase != Phase::Ready {
@@ -404,6 +423,7 @@ impl Service {
         Ok(())
     }
 
+    /// Rolls back a publication that is not READY yet.
     pub fn abort(&self, publication: u64) -> Result<AbortOutcome, ProtocolError> {
         let outcome = self.store.abort(publication)?;
         self.note(Event::new("abort").publication(publication).detail(format!("{outcome:?}")));
@@ -425,6 +445,7 @@ impl Service {
         reaped.len()
     }
 
+    /// A failed or uncertain claimed read: the publication is RETAINED with its bytes.
     pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
         bounded("reason", reason, MAX_REASON_BYTES)?;
         let p = self.check(claim, ReceiptKind::Claim)?;

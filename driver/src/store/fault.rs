@@ -30,8 +30,11 @@ struct WriteCache {
 /// What a simulated power loss did to the unflushed writes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PowerLoss {
+    /// Writes in the cache when the power went.
     pub unflushed: usize,
+    /// Writes that never reached the media.
     pub lost: usize,
+    /// Writes of which only a prefix reached it.
     pub torn: usize,
     /// Writes that landed one block away from where they were aimed: media
     /// corruption, which the store must detect (never serve as good bytes).
@@ -39,6 +42,7 @@ pub struct PowerLoss {
 }
 
 impl FaultPlan {
+    /// A device that dies after `writes` more writes; with `torn`, the last one reaches the media half written.
     pub fn die_after_writes(writes: u64, torn: bool) -> Arc<FaultPlan> {
         Arc::new(FaultPlan {
             writes_left: AtomicI64::new(writes as i64),
@@ -148,6 +152,7 @@ impl FaultPlan {
         let _ = c.file.sync_all();
         report
     }
+    /// Whether the device has died.
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)
     }

@@ -49,12 +49,19 @@ impl Default for FormatOptions {
 /// What `format` wrote.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct FormatReport {
+    /// The target formatted.
     pub target: PathBuf,
+    /// The new namespace's id.
     pub uuid: String,
+    /// Bytes per slot.
     pub slot_size: u64,
+    /// Slots in the data area.
     pub slot_count: u64,
+    /// Where slot 0 starts.
     pub data_offset: u64,
+    /// Bytes of each journal half.
     pub journal_half: u64,
+    /// What the target held before, if `--force` overwrote something.
     pub overwrote: Option<String>,
 }
 

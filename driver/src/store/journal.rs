@@ -11,7 +11,9 @@ use serde::{Deserialize, Serialize};
 
 use super::state::{Layout, Manifest, Publication, SlotIndex};
 
+/// The first word of every record frame ("PJDR").
 pub const RECORD_MAGIC: u32 = 0x5244_4a50; // "PJDR"
+/// Bytes of a frame's header: magic, checksum, sequence number, kind, length.
 pub const HEADER_BYTES: usize = 24;
 
 /// One journal record (DESIGN §3).
@@ -20,66 +22,106 @@ pub const HEADER_BYTES: usize = 24;
 pub enum Record {
     /// A request admitted: its reserved slots, in chunk order.
     Prepare {
+        /// The publication it creates.
         publication: u64,
+        /// The serving engine's request id.
         req_id: String,
+        /// The writer's identity.
         writer: String,
+        /// The KV layout the reader must match.
         layout: Layout,
+        /// Chunks declared.
         total_chunks: u32,
+        /// The slots reserved, chunk `i` in `slots[i]`.
         slots: Vec<SlotIndex>,
     },
     /// A chunk stored in its slot, with the checksum of the bytes written.
     Alloc {
+        /// The publication.
         publication: u64,
+        /// The chunk's index.
         chunk: u32,
+        /// The slot it was written to.
         slot: SlotIndex,
+        /// Its length in bytes.
         len: u64,
+        /// crc32c of the bytes written.
         crc32c: u32,
     },
     /// READY: the manifest. Written only after the payload is flushed.
     Publish {
+        /// The publication.
         publication: u64,
+        /// What the reader will be offered.
         manifest: Manifest,
     },
+    /// CLAIMED: one reader and session bound to a READY publication.
     Claim {
+        /// The publication.
         publication: u64,
+        /// The reader.
         reader: String,
+        /// The reader's session.
         session: String,
+        /// The claim's lease, in ms.
         lease_ms: u64,
+        /// The daemon epoch the claim was made in.
         epoch: u64,
+        /// When it was claimed, by the protocol's clock.
         claimed_unix_ms: u64,
     },
+    /// ADOPTED: the claimed reader confirmed what it reads.
     Adopt {
+        /// The publication.
         publication: u64,
     },
+    /// Acknowledged: the slots free.
     Ack {
+        /// The publication.
         publication: u64,
+        /// The reader's restore digest.
         restore_digest: String,
     },
+    /// Released unread: the slots free.
     Release {
+        /// The publication.
         publication: u64,
     },
+    /// Rolled back before READY: the slots free.
     Abort {
+        /// The publication.
         publication: u64,
+        /// Why (the writer's abort, a violation, recovery).
         reason: String,
     },
+    /// RETAINED: a failed or uncertain claimed read; bytes and slots kept.
     Retain {
+        /// The publication.
         publication: u64,
+        /// The reader's reason.
         reason: String,
     },
+    /// Reclaimed from a fenced reader: the slots free.
     Reclaim {
+        /// The publication.
         publication: u64,
     },
+    /// A new daemon epoch began (every earlier claim is fenced).
     Epoch {
+        /// The epoch.
         epoch: u64,
     },
     /// The whole live state, first record of a freshly compacted journal half.
     Checkpoint {
+        /// The next publication number.
         next_publication: u64,
+        /// Every live publication.
         publications: Vec<Publication>,
     },
 }
 
 impl Record {
+    /// The kind's byte in the frame header.
     pub fn kind_byte(&self) -> u8 {
         match self {
             Record::Prepare { .. } => 1,
@@ -143,8 +185,11 @@ pub fn encode(seq: u64, record: &Record) -> Result<Vec<u8>, EncodeError> {
 /// Where and why replay stopped before the end of the written journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stop {
+    /// Byte offset of the record where replay stopped.
     pub offset: u64,
+    /// The sequence number expected there.
     pub seq: u64,
+    /// Why it stopped (torn, bad checksum, out of sequence).
     pub reason: String,
 }
 

@@ -3,7 +3,7 @@
 //! prepare → store batches → publish path with full rollback on any failure.
 //!
 //! Every state change is a journal record applied to [`state::State`] under
-//! one lock and handed, in that order, to the I/O thread ([`worker`]). Records
+//! one lock and handed, in that order, to the I/O thread (`worker`). Records
 //! become durable at the next commit. A READY publication is acknowledged only
 //! after its payload was flushed, then its PUBLISH record written and flushed.
 //!
@@ -120,25 +120,39 @@ struct Live {
     failed: Option<Arc<WorkerError>>,
 }
 
+/// What `abort` did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AbortOutcome {
     /// Rolled back now; this many slots were freed.
-    Aborted { slots: u32 },
+    /// Rolled back now.
+    Aborted {
+        /// Slots freed.
+        slots: u32,
+    },
     /// Batches are in flight; the slots free when they finish.
     Pending,
     /// Nothing to abort: unknown or already finished.
     NotFound,
 }
 
+/// The store's counters, for `/metrics` and `inspect`.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct StoreStats {
+    /// Slots in the namespace.
     pub slots: u64,
+    /// Slots no publication owns.
     pub free_slots: u64,
+    /// Slots reserved by admission (owned or about to be).
     pub reserved: u64,
+    /// Live publications.
     pub live_publications: usize,
+    /// Device flushes so far.
     pub flushes: u64,
+    /// Group commits so far.
     pub commit_groups: u64,
+    /// Bytes of the active journal half in use at the last commit.
     pub journal_used: u64,
+    /// Admissions that had to wait for capacity.
     pub admission_waits: u64,
 }
 
@@ -339,6 +353,7 @@ impl Store {
         self.prepare_with_timeout(req_id, writer, layout, total_chunks, self.opts.admission_timeout)
     }
 
+    /// [`prepare`](Self::prepare) with its own admission timeout.
     pub fn prepare_with_timeout(
         &self,
         req_id: &str,
@@ -461,14 +476,17 @@ impl Store {
         }
     }
 
+    /// The live publication `id`, if any.
     pub fn publication(&self, id: u64) -> Option<Publication> {
         self.lock_live().state.pubs.get(&id).cloned()
     }
 
+    /// Every live publication.
     pub fn publications(&self) -> Vec<Publication> {
         self.lock_live().state.pubs.values().cloned().collect()
     }
 
+    /// The store's counters now.
     pub fn stats(&self) -> StoreStats {
         let live = self.lock_live();
         let c = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());

@@ -14,12 +14,19 @@ use crate::io::TargetOffset;
 /// The KV layout a reader must match exactly (DESIGN §1).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Layout {
+    /// The model's id (e.g. its name and revision).
     pub model_id: String,
+    /// Element type of the KV tensors (`bf16`, …).
     pub dtype: String,
+    /// Transformer layers.
     pub layers: u32,
+    /// KV heads per layer.
     pub kv_heads: u32,
+    /// Dimension of each head.
     pub head_dim: u32,
+    /// Tokens per stored chunk.
     pub chunk_tokens: u32,
+    /// How the KV bytes of a chunk are arranged (the serving engine's name for it).
     pub kv_format: String,
 }
 
@@ -38,73 +45,110 @@ impl std::fmt::Display for SlotIndex {
 /// One stored chunk of a publication.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkEntry {
+    /// The chunk's index.
     pub index: u32,
+    /// Its slot.
     pub slot: SlotIndex,
+    /// Where on the target its bytes start.
     pub offset: TargetOffset,
+    /// Its length in bytes.
     pub len: u64,
+    /// crc32c of its bytes, as stored.
     pub crc32c: u32,
 }
 
 /// What a READY publication offers its reader.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
+    /// The publication.
     pub publication: u64,
+    /// Its request id.
     pub req_id: String,
+    /// The KV layout.
     pub layout: Layout,
+    /// Every chunk, in order.
     pub chunks: Vec<ChunkEntry>,
+    /// The token the reader continues from, if the writer gave one.
     pub first_token: Option<u32>,
 }
 
+/// Where a publication is in its life (DESIGN §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum Phase {
+    /// Admitted; batches store its chunks.
     Prepared,
+    /// Published: every chunk durable, a reader may claim it.
     Ready,
+    /// One reader and session hold it.
     Claimed,
+    /// The claimed reader confirmed what it reads.
     Adopted,
+    /// A claimed read failed or was uncertain: bytes and slots kept.
     Retained,
     /// Aborted while batches were in flight: slots free when they finish.
     Aborting,
 }
 
+/// A live publication: its request, its slots and where it is in its life.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Publication {
+    /// Its number.
     pub id: u64,
+    /// Its request id.
     pub req_id: String,
+    /// Its writer.
     pub writer: String,
+    /// Its KV layout.
     pub layout: Layout,
+    /// Chunks declared.
     pub total_chunks: u32,
     /// Reserved slots; chunk `i` lives in `slots[i]`.
     pub slots: Vec<SlotIndex>,
+    /// Stored chunks, by index (`None` until stored).
     pub chunks: Vec<Option<ChunkEntry>>,
+    /// Its phase.
     pub phase: Phase,
+    /// Its manifest, once READY.
     pub manifest: Option<Manifest>,
+    /// Who holds it, once claimed.
     pub claim: Option<ClaimInfo>,
 }
 
 /// Who holds a claim, bound by the CLAIM record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ClaimInfo {
+    /// The reader.
     pub reader: String,
+    /// The reader's session.
     pub session: String,
+    /// The claim's lease, in ms.
     pub lease_ms: u64,
     /// The daemon epoch the claim was made in; a later epoch fences it.
     pub epoch: u64,
+    /// When it was claimed, by the protocol's clock.
     pub claimed_unix_ms: u64,
 }
 
+/// Every publication and slot owner the journal describes: rebuilt by replay, changed only by records.
 #[derive(Debug, Clone, Default)]
 pub struct State {
+    /// Bytes per slot.
     pub slot_size: u64,
+    /// Where slot 0 starts on the target.
     pub data_offset: u64,
     owner: Vec<Option<u64>>,
     free: BTreeSet<SlotIndex>,
+    /// Live publications by number.
     pub pubs: BTreeMap<u64, Publication>,
+    /// The number the next prepare takes.
     pub next_publication: u64,
+    /// The daemon epoch.
     pub epoch: u64,
 }
 
 impl State {
+    /// An empty state of `slot_count` slots of `slot_size` bytes from `data_offset`.
     pub fn new(slot_count: u64, slot_size: u64, data_offset: u64) -> State {
         State {
             slot_size,
@@ -117,9 +161,11 @@ impl State {
         }
     }
 
+    /// Slots in the namespace.
     pub fn slot_count(&self) -> u64 {
         self.owner.len() as u64
     }
+    /// Slots no publication owns.
     pub fn free_slots(&self) -> u64 {
         self.free.len() as u64
     }
@@ -142,6 +188,7 @@ impl State {
         (v.len() == n as usize).then_some(v)
     }
 
+    /// The live publication of request `req`, if any.
     pub fn by_req(&self, req: &str) -> Option<&Publication> {
         self.pubs.values().find(|p| p.req_id == req)
     }

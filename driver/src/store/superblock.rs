@@ -15,21 +15,31 @@ use uuid::Uuid;
 use super::state::SlotIndex;
 use crate::io::TargetOffset;
 
+/// The superblock's first eight bytes.
 pub const MAGIC: &[u8; 8] = b"PDSTORSB";
 /// On-media format version this build writes and reads.
 pub const FORMAT_VERSION: u32 = 1;
+/// Bytes of one superblock copy (one 4 KiB block).
 pub const SUPERBLOCK_BYTES: usize = 4096;
 
+/// The namespace's root (DESIGN §3): its geometry, journal, epoch and receipt key. Two copies, A at 0 and B after the journal.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Superblock {
+    /// The on-media format version.
     pub version: u32,
+    /// Bumped by every superblock write; the newer valid copy wins.
     pub generation: u64,
+    /// The namespace's id (named in every receipt).
     pub uuid: Uuid,
+    /// The daemon epoch (bumped at every open).
     pub epoch: u64,
     /// Logical block of the target at format time.
     pub block_size: u32,
+    /// Bytes per slot.
     pub slot_size: u64,
+    /// Slots in the data area.
     pub slot_count: u64,
+    /// Where slot 0 starts.
     pub data_offset: u64,
     /// Bytes of each of the two journal halves.
     pub journal_half: u64,
@@ -37,26 +47,46 @@ pub struct Superblock {
     pub active_half: u8,
     /// Sequence number of the first record in the active half.
     pub journal_start_seq: u64,
+    /// Which key signs receipts.
     pub hmac_key_id: u32,
+    /// The receipt signing key.
     pub hmac_key: [u8; 32],
+    /// When the namespace was formatted (Unix seconds).
     pub created_unix: u64,
 }
 
+/// Why a superblock copy cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SuperblockError {
+    /// The bytes are not a pdstor superblock.
     #[error("no pdstor superblock (magic {found:?}): the target is not formatted; run `pdstor format`")]
-    NotPdstor { found: String },
+    NotPdstor {
+        /// The magic found.
+        found: String,
+    },
+    /// The copy's checksum does not match its bytes.
     #[error("superblock checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
-    Checksum { stored: u32, computed: u32 },
+    Checksum {
+        /// The stored checksum.
+        stored: u32,
+        /// The computed one.
+        computed: u32,
+    },
+    /// A newer format than this pdstor reads.
     #[error(
         "superblock format version {found} is newer than this pdstor understands ({FORMAT_VERSION}): upgrade pdstor"
     )]
-    NewerVersion { found: u32 },
+    NewerVersion {
+        /// Its version.
+        found: u32,
+    },
+    /// The fields disagree with each other (sizes, offsets).
     #[error("superblock geometry is inconsistent: {0}")]
     Geometry(String),
 }
 
 impl Superblock {
+    /// Where journal half `half` (0 or 1) starts.
     pub fn journal_offset(&self, half: u8) -> u64 {
         SUPERBLOCK_BYTES as u64 + half as u64 * self.journal_half
     }
@@ -69,6 +99,7 @@ impl Superblock {
         TargetOffset(self.data_offset + u64::from(slot.0) * self.slot_size)
     }
 
+    /// The copy as written to the media (checksummed).
     pub fn encode(&self) -> [u8; SUPERBLOCK_BYTES] {
         let mut b = [0u8; SUPERBLOCK_BYTES];
         b[0..8].copy_from_slice(MAGIC);
@@ -92,6 +123,7 @@ impl Superblock {
         b
     }
 
+    /// Reads a copy, checking magic, checksum, version and geometry.
     pub fn decode(b: &[u8]) -> Result<Superblock, SuperblockError> {
         if b.len() < SUPERBLOCK_BYTES || &b[0..8] != MAGIC {
             let found = String::from_utf8_lossy(&b[..8.min(b.len())]).escape_debug().to_string();

@@ -59,11 +59,16 @@ pub(crate) enum Job {
     Stop,
 }
 
+/// What the last commit left: journal use and how often the device was flushed.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CommitInfo {
+    /// Bytes of the active journal half in use.
     pub journal_used: u64,
+    /// The half's size.
     pub journal_half: u64,
+    /// Device flushes so far.
     pub flushes: u64,
+    /// Group commits so far.
     pub commit_groups: u64,
 }
 

@@ -17,10 +17,14 @@ use serde::Serialize;
 use super::{Event, tokens_digest};
 use crate::io::PayloadPath;
 
+/// One thing the timeline gets wrong, with its line.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Violation {
+    /// The line (1-based).
     pub line: usize,
+    /// What kind (`causality`, `wrong_path`, `not_native`, `duplicate_ack`, …).
     pub kind: &'static str,
+    /// What exactly.
     pub message: String,
 }
 
@@ -30,17 +34,25 @@ impl std::fmt::Display for Violation {
     }
 }
 
+/// What `pdstor timeline check` found.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct CheckReport {
+    /// Lines read.
     pub lines: usize,
+    /// Publications seen.
     pub publications: usize,
+    /// Publications acknowledged.
     pub acked: usize,
+    /// Chunk stores and loads.
     pub payload_events: usize,
+    /// Requests with continuation records.
     pub continuations: usize,
+    /// Every violation, by line.
     pub violations: Vec<Violation>,
 }
 
 impl CheckReport {
+    /// No violations.
     pub fn ok(&self) -> bool {
         self.violations.is_empty()
     }

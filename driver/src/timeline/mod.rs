@@ -24,13 +24,21 @@ pub struct Event {
     pub seq: u64,
     /// `CLOCK_MONOTONIC`, comparable between processes on one host.
     pub ts_ns: u64,
+    /// The process that wrote the line (`daemon-e3`, `writer-123`, …).
     pub node: String,
+    /// The step (`prepare`, `store`, `publish`, `claim`, …).
     pub event: String,
+    /// The request, where the step has one.
     pub req_id: Option<String>,
+    /// The publication, where the step has one.
     pub publication: Option<u64>,
+    /// The chunk (payload transfers).
     pub chunk: Option<u32>,
+    /// The payload path (payload transfers).
     pub path: Option<String>,
+    /// Bytes moved (payload transfers).
     pub bytes: Option<u64>,
+    /// The probes' verdict (payload transfers).
     pub verdict: Option<String>,
     /// The receipt this step produced or used: its signature (hex).
     pub receipt: Option<String>,
@@ -58,25 +66,31 @@ pub struct Event {
 }
 
 impl Event {
+    /// A line for step `event`; the node, sequence and time are filled in when emitted.
     pub fn new(event: &str) -> Event {
         Event { event: event.into(), ..Default::default() }
     }
+    /// With the request id.
     pub fn req(mut self, req_id: &str) -> Self {
         self.req_id = Some(req_id.into());
         self
     }
+    /// With the publication.
     pub fn publication(mut self, p: u64) -> Self {
         self.publication = Some(p);
         self
     }
+    /// With the chunk.
     pub fn chunk(mut self, c: u32) -> Self {
         self.chunk = Some(c);
         self
     }
+    /// With the receipt's signature.
     pub fn receipt(mut self, signature: &str) -> Self {
         self.receipt = Some(signature.into());
         self
     }
+    /// With what failed, or which control the step belongs to.
     pub fn detail(mut self, d: impl Into<String>) -> Self {
         self.detail = Some(d.into());
         self
@@ -124,6 +138,7 @@ impl Timeline {
         Ok(Timeline { node: node.into(), out: Mutex::new(Out { file: f, seq: 0, last: Default::default() }) })
     }
 
+    /// This node's name.
     pub fn node(&self) -> &str {
         &self.node
     }

@@ -13,30 +13,48 @@ use hdrhistogram::Histogram;
 use crate::client::{ClientError, Reader, Writer};
 use crate::store::Layout;
 
+/// What `pdstor bench-handoff` runs against a daemon.
 #[derive(Debug, Clone)]
 pub struct HandoffBenchConfig {
+    /// The daemon's control plane.
     pub server: String,
+    /// The daemon's data socket.
     pub data_socket: PathBuf,
+    /// Bytes per handoff.
     pub bytes: u64,
+    /// Bytes per chunk.
     pub chunk: u64,
+    /// Handoffs to time.
     pub rounds: u32,
+    /// Single-chunk handoffs timed per step.
     pub latency_samples: u32,
 }
 
+/// One step's latency percentiles.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StepLatency {
+    /// Median, µs.
     pub p50_us: f64,
+    /// 99th percentile, µs.
     pub p99_us: f64,
 }
 
+/// What the handoff bench measured.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct HandoffBenchReport {
+    /// Bytes per handoff.
     pub bytes: u64,
+    /// Bytes per chunk.
     pub chunk: u64,
+    /// Handoffs timed.
     pub rounds: u32,
+    /// Each handoff's wall time.
     pub seconds: Vec<f64>,
+    /// Their median.
     pub median_seconds: f64,
+    /// Throughput at the median, MiB/s.
     pub mib_per_s: f64,
+    /// Per step (prepare, store, publish, claim, …), its latency.
     pub steps: BTreeMap<String, StepLatency>,
     /// Where each full round spent its time, in µs.
     pub round_steps_us: Vec<BTreeMap<String, u64>>,
@@ -72,6 +90,7 @@ fn handoff(w: &mut Writer, r: &mut Reader, req: &str, bytes: u64) -> Result<Vec<
     Ok(steps)
 }
 
+/// Runs the handoff bench against a running daemon.
 pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> {
     let chunks = cfg.bytes.div_ceil(cfg.chunk) as u32;
     let mut w = Writer::new(&cfg.server, &cfg.data_socket, cfg.chunk, chunks)?;

@@ -21,16 +21,33 @@ use crate::io::{
 };
 
 /// fio's `--rw` names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Pattern {
+    /// Sequential writes.
     Write,
+    /// Sequential reads.
     Read,
+    /// Random writes.
     Randwrite,
+    /// Random reads.
     Randread,
 }
 
 impl Pattern {
+    /// Every pattern, as fio names them.
+    pub const ALL: [Pattern; 4] = [Pattern::Write, Pattern::Read, Pattern::Randwrite, Pattern::Randread];
+
+    /// fio's name for the pattern.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pattern::Write => "write",
+            Pattern::Read => "read",
+            Pattern::Randwrite => "randwrite",
+            Pattern::Randread => "randread",
+        }
+    }
+
     fn op(self) -> Op {
         match self {
             Pattern::Write | Pattern::Randwrite => Op::Write,
@@ -42,56 +59,100 @@ impl Pattern {
     }
 }
 
+impl std::str::FromStr for Pattern {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown pattern {s:?}: expected write, read, randwrite or randread"))
+    }
+}
+
+/// What `pdstor bench` measures.
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
+    /// The target (overwritten).
     pub target: PathBuf,
+    /// `host` or `host_fixed`.
     pub path: PayloadPath,
+    /// fio's pattern.
     pub pattern: Pattern,
+    /// Bytes per request.
     pub block_size: u64,
+    /// Requests in flight.
     pub queue_depth: u32,
     /// Bytes of the target the run covers (and, for random patterns, the I/O count is size / bs).
     pub size: u64,
+    /// Seed of the payload and of random offsets.
     pub seed: u64,
 }
 
+/// Latency percentiles in µs.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct LatencyUs {
+    /// Mean.
     pub mean: f64,
+    /// Median.
     pub p50: f64,
+    /// 90th percentile.
     pub p90: f64,
+    /// 99th percentile.
     pub p99: f64,
+    /// 99.9th percentile.
     pub p999: f64,
+    /// Largest.
     pub max: f64,
 }
 
+/// What one `pdstor bench` run measured, named as fio names it.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchReport {
+    /// The target.
     pub target: PathBuf,
+    /// Its kind.
     pub target_kind: crate::io::TargetKind,
+    /// The path the requests took.
     pub path: PayloadPath,
+    /// fio's pattern.
     pub pattern: Pattern,
+    /// Bytes per request.
     pub bs: u64,
+    /// Requests in flight.
     pub qd: u32,
+    /// Bytes of the target covered.
     pub size: u64,
+    /// Requests completed.
     pub ios: u64,
+    /// Bytes moved.
     pub bytes: u64,
+    /// Wall time.
     pub seconds: f64,
+    /// Throughput, MiB/s.
     pub mib_per_s: f64,
+    /// Throughput, MB/s (fio's `bw` in decimal units).
     pub mb_per_s: f64,
+    /// Requests per second.
     pub iops: f64,
+    /// Latency percentiles.
     pub lat_us: LatencyUs,
 }
 
+/// Why a bench could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
+    /// The engine refused or failed.
     #[error(transparent)]
     Io(#[from] IoError),
+    /// A buffer could not be made.
     #[error(transparent)]
     Buffer(#[from] crate::buffer::BufferError),
+    /// A configuration that cannot run (sizes, queue depth).
     #[error("bench: {0}")]
     Config(String),
 }
 
+/// Runs `cfg` and reports what it measured.
 pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     if cfg.block_size == 0 || cfg.size < cfg.block_size || cfg.queue_depth == 0 {
         return Err(BenchError::Config(format!(

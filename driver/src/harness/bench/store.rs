@@ -11,27 +11,43 @@ use crate::buffer::Buffer;
 use crate::io::BufferOffset;
 use crate::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
 
+/// What `pdstor bench-store` runs.
 #[derive(Debug, Clone)]
 pub struct StoreBenchConfig {
+    /// A file to create (and remove) for the run.
     pub target: PathBuf,
+    /// Concurrent writer threads.
     pub writers: u32,
+    /// Publications in all.
     pub publications: u32,
+    /// Bytes of each publication's one chunk.
     pub chunk: u64,
 }
 
+/// What the store bench measured.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct StoreBenchReport {
+    /// Writer threads.
     pub writers: u32,
+    /// Publications done.
     pub publications: u32,
+    /// Bytes per chunk.
     pub chunk: u64,
+    /// Wall time.
     pub seconds: f64,
+    /// Publications per second.
     pub publications_per_s: f64,
+    /// Journal records per second (four per publication).
     pub journal_records_per_s: f64,
+    /// Device flushes during the run.
     pub flushes: u64,
+    /// Flushes per publication (group commit shares them).
     pub flushes_per_publication: f64,
+    /// Commit groups per publication.
     pub commit_groups_per_publication: f64,
 }
 
+/// Formats a scratch target, runs the writers, and reports.
 pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
     let slots = 4 * cfg.writers as u64;
     let journal_half = 16 << 20;

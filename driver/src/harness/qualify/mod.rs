@@ -40,63 +40,97 @@ pub use reader::{ReaderJob, ReaderMode, ReaderOutcome, ReaderRequest, reader_mai
 pub const LOGPROB_TOLERANCE: f32 = 0.02;
 const BUDGETS: [usize; 3] = [48, 32, 24];
 
+/// What `pdstor qualify` runs.
 #[derive(Debug, Clone)]
 pub struct QualifyConfig {
+    /// The scratch target (formatted by qualify).
     pub target: PathBuf,
     /// Size to create a missing file target with.
     pub size: u64,
+    /// Where the reports and the timeline go.
     pub out: PathBuf,
+    /// Tokens per stored KV chunk.
     pub chunk_tokens: usize,
     /// Batch sizes (the full profile: 1, 4, 8).
     pub batches: Vec<usize>,
     /// Output budgets scale (1.0: 48/32/24).
     pub budget_scale: f32,
+    /// The payload path the buffers are registered for.
     pub path: PayloadPath,
+    /// Attach the provenance probes to the daemon.
     pub provenance: bool,
     /// Where to corrupt a chunk for the failed-load control (default: the
     /// target; give the block device of a `/dev/ngXnY` target).
     pub corrupt_via: Option<PathBuf>,
+    /// The deterministic model.
     pub model: Config,
 }
 
+/// One case: a prompt group at one batch size, restored cold and warm.
 #[derive(Debug, Clone, Serialize)]
 pub struct CaseResult {
+    /// The case's name.
     pub name: String,
+    /// Prompt tokens per request.
     pub prompt_tokens: usize,
+    /// KV chunks per request.
     pub chunks: usize,
+    /// Requests in the batch.
     pub batch: usize,
+    /// Output tokens per request.
     pub budget: usize,
     /// Continuations compared against the oracle (mono, split, cold, warm per request).
     pub compared: usize,
+    /// Every restored continuation equals the oracle's, token for token.
     pub identical_tokens: bool,
+    /// The largest chosen-token log-probability difference from the oracle.
     pub max_logprob_delta: f32,
+    /// The case passed.
     pub ok: bool,
+    /// Why it failed, if it did.
     pub error: Option<String>,
 }
 
+/// One fault control and what it saw.
 #[derive(Debug, Clone, Serialize)]
 pub struct ControlResult {
+    /// The control's name.
     pub name: &'static str,
+    /// It held.
     pub ok: bool,
+    /// What it saw, or why it did not hold.
     pub detail: String,
 }
 
+/// Everything `pdstor qualify` found (`qualify.json`).
 #[derive(Debug, Clone, Serialize)]
 pub struct QualifyReport {
+    /// The model.
     pub model: Config,
+    /// Tokens per stored KV chunk.
     pub chunk_tokens: usize,
+    /// The payload path.
     pub path: PayloadPath,
+    /// The target.
     pub target: PathBuf,
+    /// Every case.
     pub cases: Vec<CaseResult>,
+    /// Every fault control.
     pub controls: Vec<ControlResult>,
+    /// The largest log-probability difference over all cases.
     pub max_logprob_delta: f32,
+    /// The tolerance it must stay within.
     pub tolerance: f32,
+    /// The checked timeline.
     pub timeline: crate::timeline::check::CheckReport,
+    /// Wall time.
     pub seconds: f64,
+    /// Every case and control passed and the timeline holds.
     pub ok: bool,
 }
 
 impl QualifyReport {
+    /// The report as Markdown (`qualify.md`).
     pub fn markdown(&self) -> String {
         let mut s = format!(
             "# pdstor qualify\n\nmodel {:?}, chunk {} tokens, path {}, target {}\n\n| case | prompt tokens | chunks | batch | budget | continuations | identical | max Δlogprob | result |\n|---|---|---|---|---|---|---|---|---|\n",

@@ -26,35 +26,56 @@ pub enum ReaderMode {
     Strict,
 }
 
+/// One claim the reader process restores.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReaderRequest {
+    /// The request.
     pub req_id: String,
+    /// The claim receipt.
     pub claim: Receipt,
+    /// The KV layout it expects.
     pub layout: Layout,
+    /// Output tokens to decode.
     pub budget: usize,
+    /// The stop token, if any.
     pub stop: Option<u32>,
     /// The producer token's log-probability, as the writer computed it.
     pub first_logprob: f32,
+    /// What to do with it.
     pub mode: ReaderMode,
 }
 
+/// What `pdstor qualify-reader` is given (a JSON file).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReaderJob {
+    /// The daemon's control plane.
     pub server: String,
+    /// The daemon's data socket.
     pub data_socket: PathBuf,
+    /// The timeline the reader appends to.
     pub timeline: PathBuf,
+    /// The reader's node name on the timeline.
     pub node: String,
+    /// The model to decode with.
     pub model: Config,
+    /// Tokens per KV chunk.
     pub chunk_tokens: usize,
+    /// The path its buffer is registered for.
     pub path: PayloadPath,
+    /// The claims to restore.
     pub requests: Vec<ReaderRequest>,
 }
 
+/// What the reader process did with one claim.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReaderOutcome {
+    /// The request.
     pub req_id: String,
+    /// The continuation from the cold restore.
     pub cold: Option<Continuation>,
+    /// The continuation from the warm repeat.
     pub warm: Option<Continuation>,
+    /// Why it failed, if it did.
     pub error: Option<String>,
 }
 
