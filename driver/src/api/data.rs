@@ -22,14 +22,14 @@ use std::thread::JoinHandle;
 
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
-use super::error::{from_protocol, from_store};
+use super::data_error::DataError;
 use super::http::Metrics;
 use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
-use crate::protocol::service::{ProtocolError, Service};
-use crate::protocol::{Receipt, RefusalCode};
+use crate::protocol::Receipt;
+use crate::protocol::service::Service;
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 
 /// Largest frame accepted (a batch of thousands of chunks fits easily).
@@ -85,14 +85,7 @@ impl DataPlane {
                 if open.fetch_add(1, Ordering::SeqCst) >= limits.max_data_connections {
                     open.fetch_sub(1, Ordering::SeqCst);
                     metrics.error("too_many_connections");
-                    let e = err(
-                        RefusalCode::TooManyConnections,
-                        "",
-                        format!(
-                            "{} data-plane connections are open (--max-data-connections): retry later",
-                            limits.max_data_connections
-                        ),
-                    );
+                    let e = DataError::TooManyConnections { max: limits.max_data_connections }.body();
                     let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
                     last_word(&mut conn, e);
                     continue;
@@ -143,14 +136,11 @@ struct Conn {
     metrics: Arc<Metrics>,
     provenance: Option<Arc<Provenance>>,
     limits: super::Limits,
-    /// Client buffer id → (store buffer, length, path).
-    buffers: HashMap<u32, (BufferId, u64, PayloadPath)>,
+    /// Client buffer id → (store buffer, length). The path each moves on is
+    /// the store's to know ([`crate::store::Store::buffer_path`]).
+    buffers: HashMap<u32, (BufferId, u64)>,
     next: u32,
     stored_into: HashSet<u64>,
-}
-
-fn err(code: RefusalCode, field: &str, message: String) -> ErrorBody {
-    ErrorBody::new(code, field, message)
 }
 
 /// Answers `e` on a connection about to be closed, best effort: the client
@@ -221,7 +211,7 @@ impl Conn {
                 Ok(Some(f)) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                     // Say why before hanging up: the stream cannot be resynchronised.
-                    let e = err(RefusalCode::FrameTooLarge, "frame", format!("{e}; the connection is closed"));
+                    let e = DataError::FrameTooLarge { what: e }.body();
                     self.metrics.error(&e.code);
                     last_word(&mut stream, e);
                     return;
@@ -230,9 +220,10 @@ impl Conn {
             };
             let resp = match serde_json::from_slice::<DataRequest>(&body) {
                 Ok(req) => self.handle(req, fds),
-                Err(e) => Err(err(RefusalCode::BadRequest, "frame", format!("not a data-plane request: {e}"))),
+                Err(e) => Err(DataError::BadFrame(e)),
             };
             let resp = resp.unwrap_or_else(|e| {
+                let e = e.body();
                 self.metrics.error(&e.code);
                 DataResponse { ok: false, error: Some(e), ..Default::default() }
             });
@@ -243,18 +234,15 @@ impl Conn {
         }
     }
 
-    fn buffer(&self, c: &DataChunk) -> Result<BufferId, ErrorBody> {
-        self.buffers.get(&c.buffer).map(|b| b.0).ok_or_else(|| {
-            err(
-                RefusalCode::UnknownBuffer,
-                "buffer",
-                format!("buffer {} is not registered on this connection", c.buffer),
-            )
-        })
+    fn buffer(&self, c: &DataChunk) -> Result<BufferId, DataError> {
+        self.buffers.get(&c.buffer).map(|b| b.0).ok_or(DataError::UnknownBuffer { buffer: c.buffer })
     }
 
     fn path_of(&self, c: &DataChunk) -> PayloadPath {
-        self.buffers.get(&c.buffer).map_or(PayloadPath::HostFixed, |b| b.2)
+        self.buffers
+            .get(&c.buffer)
+            .and_then(|b| self.service.store().buffer_path(b.0))
+            .unwrap_or(PayloadPath::HostFixed)
     }
 
     fn count_bytes(&self, path: PayloadPath, bytes: u64) {
@@ -267,55 +255,38 @@ impl Conn {
     }
 
     /// Maps or imports the fds of a `register` frame into a buffer.
-    fn receive_buffer(kind: SharedKind, len: u64, mut fds: Vec<OwnedFd>) -> Result<Buffer, ErrorBody> {
+    fn receive_buffer(kind: SharedKind, len: u64, mut fds: Vec<OwnedFd>) -> Result<Buffer, DataError> {
         if len == 0 {
-            return Err(err(
-                RefusalCode::BadBuffer,
-                "len",
-                "a buffer of 0 bytes holds nothing: give its length".into(),
-            ));
+            return Err(DataError::ZeroLength);
         }
         let expected = match kind {
             SharedKind::Memfd => "1 fd (the memfd)",
             SharedKind::Dmabuf => "1 or 2 fds (the DMA-BUF, then optionally its backing memfd)",
         };
-        let bad_fds = |n: usize| {
-            err(
-                RefusalCode::NoFd,
-                "fd",
-                format!("register of a {kind:?} buffer needs {expected} in SCM_RIGHTS, got {n}"),
-            )
-        };
+        let bad_fds = |got: usize| DataError::Fds { kind, expected, got };
         match kind {
             SharedKind::Memfd => {
                 if fds.len() != 1 {
                     return Err(bad_fds(fds.len()));
                 }
                 let fd = fds.remove(0);
-                Buffer::from_memfd(fd, len as usize)
-                    .map_err(|e| err(RefusalCode::BadBuffer, "len", format!("mapping the received buffer: {e}")))
+                Buffer::from_memfd(fd, len as usize).map_err(DataError::MapMemfd)
             }
             SharedKind::Dmabuf => {
                 if fds.is_empty() || fds.len() > 2 {
                     return Err(bad_fds(fds.len()));
                 }
                 let backing = if fds.len() == 2 { fds.pop() } else { None };
-                let dmabuf = DmaBuf::import(fds.remove(0))
-                    .map_err(|e| err(RefusalCode::BadBuffer, "fd", format!("importing the DMA-BUF: {e}")))?;
+                let dmabuf = DmaBuf::import(fds.remove(0)).map_err(DataError::ImportDmabuf)?;
                 if dmabuf.size() != len {
-                    return Err(err(
-                        RefusalCode::BadBuffer,
-                        "len",
-                        format!("the DMA-BUF is {} bytes, the request says {len}: send its real size", dmabuf.size()),
-                    ));
+                    return Err(DataError::DmabufSize { actual: dmabuf.size(), declared: len });
                 }
-                Buffer::from_dmabuf(dmabuf, backing)
-                    .map_err(|e| err(RefusalCode::BadBuffer, "fd", format!("mapping the DMA-BUF's backing memfd: {e}")))
+                Buffer::from_dmabuf(dmabuf, backing).map_err(DataError::MapBacking)
             }
         }
     }
 
-    fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, ErrorBody> {
+    fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, DataError> {
         match req {
             DataRequest::Register { len, kind, path } => self.register(len, kind, path, fds),
             DataRequest::Store { publication, chunks, is_last_batch, total_chunks } => {
@@ -332,33 +303,22 @@ impl Conn {
         kind: SharedKind,
         path: Option<PayloadPath>,
         fds: Vec<OwnedFd>,
-    ) -> Result<DataResponse, ErrorBody> {
+    ) -> Result<DataResponse, DataError> {
         let path = path.unwrap_or(PayloadPath::HostFixed);
         let (max, pinned_max) = (self.limits.max_buffers_per_connection, self.limits.max_pinned_bytes_per_connection);
         if self.buffers.len() >= max {
-            return Err(err(
-                RefusalCode::TooManyBuffers,
-                "buffer",
-                format!("this connection has {max} buffers registered (--max-buffers-per-connection)"),
-            ));
+            return Err(DataError::TooManyBuffers { max });
         }
         let pinned: u64 = self.buffers.values().map(|b| b.1).sum();
         if pinned.saturating_add(len) > pinned_max {
-            return Err(err(
-                RefusalCode::TooManyBytes,
-                "len",
-                format!(
-                    "this connection has {pinned} bytes of buffers registered; {len} more would pass \
-                     {pinned_max} (--max-pinned-per-connection)"
-                ),
-            ));
+            return Err(DataError::TooManyBytes { pinned, len, max: pinned_max });
         }
         let buffer = Self::receive_buffer(kind, len, fds)?;
         let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
-        let id = self.service.store().register_buffer_for(buffer, path).map_err(|e| from_store(&e))?;
+        let id = self.service.store().register_buffer_for(buffer, path)?;
         let client = self.next;
         self.next += 1;
-        self.buffers.insert(client, (id, len, path));
+        self.buffers.insert(client, (id, len));
         Ok(DataResponse {
             ok: true,
             buffer: Some(client),
@@ -375,7 +335,7 @@ impl Conn {
         chunks: &[DataChunk],
         is_last_batch: bool,
         total_chunks: u32,
-    ) -> Result<DataResponse, ErrorBody> {
+    ) -> Result<DataResponse, DataError> {
         let store = self.service.store().clone();
         let mut sources = Vec::with_capacity(chunks.len());
         for c in chunks {
@@ -392,9 +352,9 @@ impl Conn {
         let out = store
             .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
             .map_err(|e| {
-                let body = from_store(&e);
-                self.note_failure("store_failed", publication, &body);
-                body
+                let e = DataError::from(e);
+                self.note_failure("store_failed", publication, &e);
+                e
             })?;
         let took = started.elapsed();
         for c in chunks {
@@ -421,17 +381,17 @@ impl Conn {
     }
 
     /// Loads chunks of a claimed, adopted publication into registered buffers.
-    fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<DataResponse, ErrorBody> {
-        let manifest = self.service.authorize_load(receipt).map_err(|e: ProtocolError| from_protocol(&e))?;
+    fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<DataResponse, DataError> {
+        let manifest = self.service.authorize_load(receipt)?;
         let mut dests = Vec::with_capacity(chunks.len());
         for c in chunks {
             dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });
         }
         let started = std::time::Instant::now();
         let crcs = self.service.store().load(manifest.publication, &dests).map_err(|e| {
-            let body = from_store(&e);
-            self.note_failure("load_failed", manifest.publication, &body);
-            body
+            let e = DataError::from(e);
+            self.note_failure("load_failed", manifest.publication, &e);
+            e
         })?;
         let took = started.elapsed();
         for c in chunks {
@@ -478,7 +438,8 @@ impl Conn {
         }
     }
 
-    fn note_failure(&self, event: &str, publication: u64, body: &ErrorBody) {
+    fn note_failure(&self, event: &str, publication: u64, e: &DataError) {
+        let body = e.body();
         crate::timeline::emit(
             self.service.timeline(),
             crate::timeline::Event::new(event)
@@ -489,7 +450,7 @@ impl Conn {
 
     /// The observed verdict of each chunk's transfer ([`TransferId::chunk`]).
     /// Empty without probes.
-    fn verdicts(&self, publication: u64, chunks: &[DataChunk]) -> Result<Vec<String>, ErrorBody> {
+    fn verdicts(&self, publication: u64, chunks: &[DataChunk]) -> Result<Vec<String>, DataError> {
         let Some(p) = &self.provenance else { return Ok(Vec::new()) };
         let mut out = Vec::with_capacity(chunks.len());
         for c in chunks {
@@ -498,14 +459,7 @@ impl Conn {
             let v = p.reader.verdict(transfer, crate::provenance::declared(path), p.class);
             self.metrics.verdict(path.as_str(), &v);
             if p.require_native && matches!(v, pdstor_probes::Verdict::Fallback(_)) {
-                return Err(err(
-                    RefusalCode::NotNative,
-                    "chunks",
-                    format!(
-                        "chunk {} of publication {publication} took {v} on a {path} transfer (--require-native)",
-                        c.index
-                    ),
-                ));
+                return Err(DataError::NotNative { publication, chunk: c.index, verdict: v.to_string(), path });
             }
             out.push(v.to_string());
         }
@@ -520,7 +474,7 @@ impl Conn {
                 let _ = store.abort(id);
             }
         }
-        for (_, (id, _, _)) in self.buffers.drain() {
+        for (_, (id, _)) in self.buffers.drain() {
             let _ = store.unregister_buffer(id);
         }
     }

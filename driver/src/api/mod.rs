@@ -3,6 +3,7 @@
 //! the one place errors become statuses and exit codes ([`error`]).
 
 pub mod data;
+pub mod data_error;
 pub mod error;
 pub mod http;
 mod listen;
