@@ -83,3 +83,13 @@ pub fn print_json<T: serde::Serialize>(v: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(v)?);
     Ok(())
 }
+
+/// Prints `r` as one JSON line with `--json`, else as `human` writes it.
+pub fn print_report<T: serde::Serialize>(json: bool, r: &T, human: impl FnOnce(&T)) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(r)?);
+    } else {
+        human(r);
+    }
+    Ok(())
+}

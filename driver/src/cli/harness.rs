@@ -11,7 +11,7 @@ use pdstor::harness::roundtrip::{self, RoundtripConfig};
 use pdstor::harness::{ladder, qualify};
 use pdstor::units::parse_size;
 
-use super::common::{BufferArgs, Daemon, PATHS, one_of, read_json, refuse_signature};
+use super::common::{BufferArgs, Daemon, PATHS, one_of, print_report, read_json, refuse_signature};
 use super::process_handoff;
 
 #[derive(clap::Args)]
@@ -61,9 +61,7 @@ impl BenchArgs {
             size: self.size,
             seed: self.seed,
         })?;
-        if self.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
+        print_report(self.json, &r, |r| {
             println!(
                 "{:?} {} bs={} qd={} on {}: {:.1} MiB/s, {:.0} IOPS, lat us p50 {:.1} p99 {:.1} p99.9 {:.1} max {:.1}",
                 r.pattern,
@@ -78,8 +76,7 @@ impl BenchArgs {
                 r.lat_us.p999,
                 r.lat_us.max
             );
-        }
-        Ok(())
+        })
     }
 }
 
@@ -111,9 +108,7 @@ impl BenchStoreArgs {
             chunk: self.chunk,
         };
         let r = bench::store::run(&cfg)?;
-        if self.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
+        print_report(self.json, &r, |r| {
             println!(
                 "{} writers, {} publications of {} B: {:.0} publications/s, {:.0} journal records/s, {:.3} flushes and {:.3} commit groups per publication",
                 r.writers,
@@ -124,8 +119,7 @@ impl BenchStoreArgs {
                 r.flushes_per_publication,
                 r.commit_groups_per_publication
             );
-        }
-        Ok(())
+        })
     }
 }
 
@@ -161,9 +155,7 @@ impl BenchHandoffArgs {
             latency_samples: self.latency_samples,
         };
         let r = bench::handoff::run(&cfg)?;
-        if self.json {
-            println!("{}", serde_json::to_string(&r)?);
-        } else {
+        print_report(self.json, &r, |r| {
             println!(
                 "handoff of {} bytes: median {:.3} s ({:.0} MiB/s) over {} rounds",
                 r.bytes, r.median_seconds, r.mib_per_s, r.rounds
@@ -171,8 +163,7 @@ impl BenchHandoffArgs {
             for (k, v) in &r.steps {
                 println!("  {k:<22} p50 {:>8.0} us  p99 {:>8.0} us", v.p50_us, v.p99_us);
             }
-        }
-        Ok(())
+        })
     }
 }
 
@@ -249,30 +240,27 @@ impl RoundtripArgs {
             queue_depth: self.qd,
             seed: self.seed,
         })?;
-        if self.json {
-            println!("{}", serde_json::to_string(&r)?);
-            return Ok(());
-        }
-        println!(
-            "round trip on {} ({:?}) via {}: {} chunks x {} B = {:.1} MiB",
-            r.target.display(),
-            r.target_kind,
-            r.path,
-            r.chunks,
-            r.chunk_size,
-            r.bytes as f64 / 1048576.0
-        );
-        println!(
-            "  write  {:>8.1} MiB/s  ({:.3} s, flush {:.3} s)",
-            r.write_mib_per_s, r.write_seconds, r.flush_seconds
-        );
-        println!("  read   {:>8.1} MiB/s  ({:.3} s)", r.read_mib_per_s, r.read_seconds);
-        println!(
-            "  verified byte for byte: through the engine {}, independently (O_DIRECT pread) {}",
-            if r.verified_by_engine { "yes" } else { "no" },
-            if r.verified_independently { "yes" } else { "n/a for passthrough" }
-        );
-        Ok(())
+        print_report(self.json, &r, |r| {
+            println!(
+                "round trip on {} ({:?}) via {}: {} chunks x {} B = {:.1} MiB",
+                r.target.display(),
+                r.target_kind,
+                r.path,
+                r.chunks,
+                r.chunk_size,
+                r.bytes as f64 / 1048576.0
+            );
+            println!(
+                "  write  {:>8.1} MiB/s  ({:.3} s, flush {:.3} s)",
+                r.write_mib_per_s, r.write_seconds, r.flush_seconds
+            );
+            println!("  read   {:>8.1} MiB/s  ({:.3} s)", r.read_mib_per_s, r.read_seconds);
+            println!(
+                "  verified byte for byte: through the engine {}, independently (O_DIRECT pread) {}",
+                if r.verified_by_engine { "yes" } else { "no" },
+                if r.verified_independently { "yes" } else { "n/a for passthrough" }
+            );
+        })
     }
 }
 
