@@ -18,7 +18,7 @@ use crate::buffer::Buffer;
 use crate::io::PayloadPath;
 use crate::protocol::service::{Prepared, Published, restore_digest};
 use crate::protocol::{Receipt, manifest_digest};
-use crate::store::{Layout, Manifest};
+use crate::store::{CancelOutcome, Layout, Manifest};
 
 /// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
@@ -90,8 +90,23 @@ impl Client {
         total_chunks: u32,
         writer: &str,
     ) -> Result<Prepared, ClientError> {
-        let r = PrepareRequest { req_id: req_id.into(), layout: layout.clone(), total_chunks, writer: writer.into() };
-        self.post("/storage-pd/prepare", &r)
+        self.prepare_request(&PrepareRequest {
+            req_id: req_id.into(),
+            layout: layout.clone(),
+            total_chunks,
+            writer: writer.into(),
+            timeout_ms: None,
+        })
+    }
+
+    /// `prepare` as the wire carries it (with its own `timeout_ms`, say).
+    pub fn prepare_request(&self, r: &PrepareRequest) -> Result<Prepared, ClientError> {
+        self.post("/storage-pd/prepare", r)
+    }
+
+    /// `cancel`: gives up request `req_id`, waiting or PREPARED. Idempotent.
+    pub fn cancel(&self, req_id: &str) -> Result<CancelOutcome, ClientError> {
+        self.post("/storage-pd/cancel", &CancelRequest { req_id: req_id.into() })
     }
     /// `publish`: the publication becomes READY; returns its receipt and manifest.
     pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ClientError> {

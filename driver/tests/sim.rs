@@ -133,7 +133,7 @@ struct Sim {
 }
 
 fn options(plan: &Arc<FaultPlan>) -> StoreOptions {
-    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()) }
+    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()), ..Default::default() }
 }
 
 /// A buffer of `MAX_CHUNKS` slots shared with the store (another mapping of one memfd).
@@ -523,7 +523,7 @@ impl Sim {
     }
 
     fn reap(&mut self) -> Result<(), String> {
-        let n = self.svc().reap_idle(Duration::ZERO);
+        let n = self.svc().reap_idle(Duration::ZERO, Duration::ZERO);
         let before = self.reqs.len();
         let store = self.store().clone();
         self.reqs.retain(|id, _| store.publication(*id).is_some());

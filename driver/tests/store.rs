@@ -329,18 +329,16 @@ fn admission_times_out_when_one_request_holds_the_whole_store() {
 }
 
 #[test]
-fn out_of_order_batches_publish_exactly_once_after_the_last() {
+fn concurrent_batches_publish_exactly_once_after_the_last() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let path = format_file(dir.path(), 12);
     let s = Arc::new(open(&path).0);
     let b = Arc::new(shared(&s, 12));
     fill(&b, 5, 12);
     let id = s.prepare("O", "w", &layout(), 12).unwrap();
-    // The batch flagged last completes first.
-    let first = s.store_batch(&batch(id, &b, &[11], true, 12)).unwrap();
-    assert!(!first.publishable);
-    assert!(matches!(s.publish(id, None), Err(StoreError::NotPublishable { completed: 1, total: 12, .. })));
-    let handles: Vec<_> = (0..11u32)
+    // Batches stored concurrently complete in any order; none is marked
+    // last, since none is known to be sent after all the others.
+    let handles: Vec<_> = (0..12u32)
         .collect::<Vec<_>>()
         .chunks(3)
         .map(|c| {
@@ -349,10 +347,37 @@ fn out_of_order_batches_publish_exactly_once_after_the_last() {
         })
         .collect();
     let outcomes: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-    assert_eq!(outcomes.iter().filter(|o| o.publishable).count(), 1, "exactly one completion makes it publishable");
+    assert!(outcomes.iter().all(|o| !o.publishable), "nothing is publishable before the last batch");
+    assert!(matches!(s.publish(id, None), Err(StoreError::NotPublishable { completed: 12, total: 12, .. })));
+    // Then the end of the stream: an empty batch marked last.
+    assert!(s.store_batch(&batch(id, &b, &[], true, 12)).unwrap().publishable);
     s.publish(id, None).unwrap();
     assert!(matches!(s.publish(id, None), Err(StoreError::WrongPhase { .. })), "published once");
     verify(&s, id, &b, 5, 12);
+}
+
+#[test]
+fn a_stream_that_ends_short_or_changes_its_total_is_rolled_back() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 8);
+    let s = open(&path).0;
+    let b = shared(&s, 4);
+    fill(&b, 6, 4);
+    // Declared 4, the batch marked last carries 0..3: chunk 3 was never sent.
+    let id = s.prepare("short", "w", &layout(), 4).unwrap();
+    let e = s.store_batch(&batch(id, &b, &[0, 1, 2], true, 4)).unwrap_err();
+    assert!(matches!(&e, StoreError::ProtocolViolation { .. }), "{e}");
+    assert!(e.to_string().contains("leaves 1 of 4 chunks unsent"), "{e}");
+    assert!(s.publication(id).is_none(), "the whole request was rolled back");
+    // A batch whose total disagrees with the prepared one.
+    let id = s.prepare("total", "w", &layout(), 4).unwrap();
+    s.store_batch(&batch(id, &b, &[0], false, 4)).unwrap();
+    let e = s.store_batch(&batch(id, &b, &[1], false, 5)).unwrap_err();
+    assert!(e.to_string().contains("declares total_chunks 5 but the request was prepared with 4"), "{e}");
+    assert!(s.publication(id).is_none());
+    s.check_quiescent().unwrap();
+    assert_eq!(s.stats().reserved, 0, "every reservation released");
+    assert_eq!(s.stats().violations, 2);
 }
 
 #[test]
@@ -484,6 +509,7 @@ fn recovery_after_a_crash_at_every_write() {
                         queue_depth: 8,
                         admission_timeout: Duration::from_secs(1),
                         fault: Some(fault.clone()),
+                        ..Default::default()
                     },
                 );
                 // The open itself writes (epoch bump, journal): it may be the crash.

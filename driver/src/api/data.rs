@@ -23,7 +23,7 @@ use std::thread::JoinHandle;
 use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
 use super::data_error::DataError;
-use super::http::Metrics;
+use super::metrics::Metrics;
 use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
@@ -222,6 +222,7 @@ impl Conn {
                 Ok(req) => self.handle(req, fds),
                 Err(e) => Err(DataError::BadFrame(e)),
             };
+            self.metrics.reconcile(self.service.store());
             let resp = resp.unwrap_or_else(|e| {
                 let e = e.body();
                 self.metrics.error(&e.code);

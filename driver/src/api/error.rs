@@ -30,13 +30,12 @@ pub fn store_code(e: &StoreError) -> (Code, &'static str) {
             (Code::LegacySender, "total_chunks")
         }
         StoreError::Admission(AdmitError::Aborted { .. }) => (Code::Aborted, "req_id"),
-        StoreError::Admission(AdmitError::AlreadyAdmitted { .. }) | StoreError::DuplicateRequest { .. } => {
-            (Code::DuplicateRequest, "req_id")
-        }
+        StoreError::Admission(AdmitError::AlreadyAdmitted { .. } | AdmitError::AlreadyWaiting { .. })
+        | StoreError::DuplicateRequest { .. } => (Code::DuplicateRequest, "req_id"),
+        StoreError::Admission(AdmitError::Cancelled { .. }) => (Code::Aborted, "req_id"),
         StoreError::UnknownPublication(_) => (Code::UnknownPublication, "publication"),
         StoreError::WrongPhase { .. } => (Code::WrongState, "publication"),
         StoreError::NotPublishable { .. } => (Code::NotPublishable, "publication"),
-        StoreError::TotalMismatch { .. } => (Code::TotalMismatch, "total_chunks"),
         StoreError::ProtocolViolation { .. } => (Code::ProtocolViolation, "chunks"),
         StoreError::AbortedInFlight { .. } => (Code::Aborted, "publication"),
         // A batch the engine refused before submitting anything: the request

@@ -4,7 +4,7 @@
 //! Prometheus `/metrics`, and the OpenAPI document at `/openapi.json`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use axum::Router;
@@ -17,49 +17,15 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::error::from_protocol;
+use super::metrics::{Metrics, metrics};
 use super::wire::*;
-use crate::protocol::service::{ProtocolError, Service};
+use crate::admission::CancelToken;
+use crate::protocol::service::{Prepared, ProtocolError, Service};
 use crate::protocol::{Refusal, RefusalCode};
 use crate::store::{AbortOutcome, Phase};
 
 /// The OpenAPI document, kept in the repository beside the crate.
 pub const OPENAPI: &str = include_str!("../../openapi.json");
-
-/// Counters the daemon exports.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    /// Refusals and failures by code.
-    pub errors: Mutex<BTreeMap<String, u64>>,
-    /// Payload bytes by path: host, host_fixed, dmabuf_fixed.
-    pub bytes_host: AtomicU64,
-    /// Payload bytes on `host_fixed`.
-    pub bytes_host_fixed: AtomicU64,
-    /// Payload bytes on `dmabuf_fixed`.
-    pub bytes_dmabuf_fixed: AtomicU64,
-    /// Control-plane requests handled.
-    pub requests: AtomicU64,
-    /// PREPARED publications aborted for going idle.
-    pub reaped: AtomicU64,
-    /// Observed verdicts by (path, kind): kind is native, fallback or unverifiable.
-    pub verdicts: Mutex<BTreeMap<(String, String), u64>>,
-}
-
-impl Metrics {
-    /// Counts a probe verdict on `path`.
-    pub fn verdict(&self, path: &str, v: &pdstor_probes::Verdict) {
-        let kind = match v {
-            pdstor_probes::Verdict::Native => "native",
-            pdstor_probes::Verdict::Fallback(_) => "fallback",
-            pdstor_probes::Verdict::Unverifiable(_) => "unverifiable",
-        };
-        *self.verdicts.lock().unwrap_or_else(|p| p.into_inner()).entry((path.into(), kind.into())).or_default() += 1;
-    }
-
-    /// Counts a refusal or failure of `code`.
-    pub fn error(&self, code: &str) {
-        *self.errors.lock().unwrap_or_else(|p| p.into_inner()).entry(code.into()).or_default() += 1;
-    }
-}
 
 /// What every control-plane handler shares.
 pub struct AppState {
@@ -118,7 +84,7 @@ async fn readyz(State(s): State<Shared>) -> Response {
     }
 }
 
-type Shared = Arc<AppState>;
+pub(super) type Shared = Arc<AppState>;
 
 /// One of the `max_prepares` places; given back when dropped.
 struct PrepareSlot(Shared);
@@ -221,8 +187,14 @@ where
         Ok(r) => r,
         Err(e) => return error_response(&state, e),
     };
-    let service = state.service.clone();
-    match tokio::task::spawn_blocking(move || f(&service, req)).await {
+    let (service, metrics) = (state.service.clone(), state.metrics.clone());
+    let stepped = tokio::task::spawn_blocking(move || {
+        let r = f(&service, req);
+        // Every step leaves every slot accounted for exactly once.
+        metrics.reconcile(service.store());
+        r
+    });
+    match stepped.await {
         Ok(Ok(resp)) => json_response(StatusCode::OK, &resp),
         Ok(Err(e)) => {
             let body = from_protocol(&e);
@@ -239,8 +211,75 @@ where
     }
 }
 
+/// Where a prepare handled on a blocking thread stands, shared with the
+/// handler's future. When the client goes away, hyper drops that future; its
+/// [`Abandon`] guard then cancels a prepare still waiting for capacity, or
+/// orphans the publication whose answer will never be delivered (the reaper
+/// rolls it back after `--prepare-orphan-grace-ms` unless a batch comes).
+#[derive(Debug, Default)]
+struct PrepareWatch {
+    state: Mutex<Watch>,
+    token: CancelToken,
+}
+
+#[derive(Debug, Default)]
+enum Watch {
+    #[default]
+    Running,
+    /// The handler's future was dropped while the prepare ran.
+    Abandoned,
+    /// The prepare ended: its publication and request, if it prepared one.
+    Done(Option<(u64, String)>),
+}
+
+impl PrepareWatch {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Watch> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Called on the blocking thread when the prepare returns.
+    fn finish(&self, service: &Service, req_id: &str, result: &Result<Prepared, ProtocolError>) {
+        let mut w = self.lock();
+        match (&*w, result) {
+            // Nobody will read this answer: give the publication the grace.
+            (Watch::Abandoned, Ok(p)) => service.orphan(p.publication, req_id),
+            _ => *w = Watch::Done(result.as_ref().ok().map(|p| (p.publication, req_id.to_owned()))),
+        }
+    }
+}
+
+/// Dropped with the handler's future; `delivered` once its answer is built.
+struct Abandon {
+    watch: Arc<PrepareWatch>,
+    service: Arc<Service>,
+    delivered: bool,
+}
+
+impl Drop for Abandon {
+    fn drop(&mut self) {
+        if self.delivered {
+            return;
+        }
+        let mut w = self.watch.lock();
+        match std::mem::take(&mut *w) {
+            Watch::Running => {
+                *w = Watch::Abandoned;
+                self.watch.token.cancel();
+                drop(w);
+                self.service.store().wake_waiters();
+            }
+            Watch::Done(Some((publication, req))) => {
+                drop(w);
+                self.service.orphan(publication, &req);
+            }
+            Watch::Done(None) | Watch::Abandoned => {}
+        }
+    }
+}
+
 /// `POST /storage-pd/prepare`. Bounded: each prepare may wait for capacity
-/// on a blocking thread, and those threads serve every other step too.
+/// on a blocking thread, and those threads serve every other step too. A
+/// client that goes away while it waits cancels its wait.
 async fn prepare(State(s): State<Shared>, b: Body) -> Response {
     let Some(_slot) = PrepareSlot::take(&s) else {
         let max = s.limits.max_prepares;
@@ -253,7 +292,17 @@ async fn prepare(State(s): State<Shared>, b: Body) -> Response {
             ),
         );
     };
-    step(s, b, |svc, r: PrepareRequest| svc.prepare(&r.req_id, &r.layout, r.total_chunks, &r.writer)).await
+    let watch = Arc::new(PrepareWatch::default());
+    let mut guard = Abandon { watch: watch.clone(), service: s.service.clone(), delivered: false };
+    let resp = step(s, b, move |svc, r: PrepareRequest| {
+        let timeout = r.timeout_ms.map(std::time::Duration::from_millis);
+        let result = svc.prepare_with(&r.req_id, &r.layout, r.total_chunks, &r.writer, timeout, &watch.token);
+        watch.finish(svc, &r.req_id, &result);
+        result
+    })
+    .await;
+    guard.delivered = true;
+    resp
 }
 
 /// The control plane's routes (see `openapi.json`).
@@ -265,6 +314,10 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/storage-pd/publications", get(publications))
         .route("/storage-pd/prepare", post(prepare))
+        .route(
+            "/storage-pd/cancel",
+            post(|State(s): State<Shared>, b: Body| step(s, b, |svc, r: CancelRequest| svc.cancel(&r.req_id))),
+        )
         .route(
             "/storage-pd/publish",
             post(|State(s): State<Shared>, b: Body| {
@@ -345,7 +398,7 @@ pub fn router(state: Shared) -> Router {
         .layer(axum::middleware::map_response(json_errors))
 }
 
-fn phase_name(p: Phase) -> &'static str {
+pub(super) fn phase_name(p: Phase) -> &'static str {
     match p {
         Phase::Prepared => "PREPARED",
         Phase::Ready => "READY",
@@ -392,75 +445,4 @@ async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, 
         })
         .collect();
     json_response(StatusCode::OK, &list)
-}
-
-/// Prometheus text exposition.
-async fn metrics(State(s): State<Shared>) -> Response {
-    use std::fmt::Write;
-    let store = s.service.store();
-    let st = store.stats();
-    let mut by_state: BTreeMap<&'static str, u64> =
-        ["PREPARED", "READY", "CLAIMED", "ADOPTED", "RETAINED", "ABORTING"].into_iter().map(|k| (k, 0)).collect();
-    let mut used = 0u64;
-    for p in store.publications() {
-        *by_state.entry(phase_name(p.phase)).or_default() += 1;
-        used += p.slots.len() as u64;
-    }
-    let mut out = String::new();
-    let _ = writeln!(out, "# HELP pdstor_publications Live publications by state.\n# TYPE pdstor_publications gauge");
-    for (k, v) in &by_state {
-        let _ = writeln!(out, "pdstor_publications{{state=\"{k}\"}} {v}");
-    }
-    let _ = writeln!(out, "# HELP pdstor_slots Data slots by use.\n# TYPE pdstor_slots gauge");
-    let _ = writeln!(out, "pdstor_slots{{kind=\"free\"}} {}", st.free_slots);
-    let _ = writeln!(out, "pdstor_slots{{kind=\"reserved\"}} {}", st.reserved.saturating_sub(used));
-    let _ = writeln!(out, "pdstor_slots{{kind=\"used\"}} {used}");
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_admission_waits_total Admissions that waited for capacity.\n# TYPE pdstor_admission_waits_total counter"
-    );
-    let _ = writeln!(out, "pdstor_admission_waits_total {}", st.admission_waits);
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_payload_bytes_total Payload bytes moved, by path.\n# TYPE pdstor_payload_bytes_total counter"
-    );
-    let _ =
-        writeln!(out, "pdstor_payload_bytes_total{{path=\"host\"}} {}", s.metrics.bytes_host.load(Ordering::Relaxed));
-    let _ = writeln!(
-        out,
-        "pdstor_payload_bytes_total{{path=\"host_fixed\"}} {}",
-        s.metrics.bytes_host_fixed.load(Ordering::Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "pdstor_payload_bytes_total{{path=\"dmabuf_fixed\"}} {}",
-        s.metrics.bytes_dmabuf_fixed.load(Ordering::Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_dmabuf_cpu_accesses_total CPU accesses the daemon made to DMA-BUF memory (checksums), each bracketed by DMA_BUF_IOCTL_SYNC.\n# TYPE pdstor_dmabuf_cpu_accesses_total counter"
-    );
-    let _ = writeln!(out, "pdstor_dmabuf_cpu_accesses_total {}", crate::buffer::dmabuf::cpu_accesses());
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_prepared_reaped_total PREPARED publications aborted after --prepare-idle-timeout-ms with no store batch.\n# TYPE pdstor_prepared_reaped_total counter"
-    );
-    let _ = writeln!(out, "pdstor_prepared_reaped_total {}", s.metrics.reaped.load(Ordering::Relaxed));
-    let _ =
-        writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
-    for (code, n) in s.metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let _ = writeln!(out, "pdstor_errors_total{{code=\"{code}\"}} {n}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_verdicts_total Observed payload provenance (pdstor serve --provenance).\n# TYPE pdstor_verdicts_total counter"
-    );
-    for ((path, kind), n) in s.metrics.verdicts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let _ = writeln!(out, "pdstor_verdicts_total{{path=\"{path}\",verdict=\"{kind}\"}} {n}");
-    }
-    let _ = writeln!(out, "# HELP pdstor_flushes_total Device flushes.\n# TYPE pdstor_flushes_total counter");
-    let _ = writeln!(out, "pdstor_flushes_total {}", st.flushes);
-    let _ =
-        writeln!(out, "# HELP pdstor_epoch Daemon epoch.\n# TYPE pdstor_epoch gauge\npdstor_epoch {}", store.epoch());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

@@ -7,6 +7,7 @@ pub mod data_error;
 pub mod error;
 pub mod http;
 mod listen;
+pub mod metrics;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -74,6 +75,9 @@ pub struct Limits {
     pub max_pinned_bytes_per_connection: u64,
     /// A PREPARED publication that sees no store batch for this long is aborted.
     pub prepare_idle_timeout: Duration,
+    /// A PREPARED publication whose prepare's answer never reached its client
+    /// (it went away while waiting) is aborted after this long with no batch.
+    pub orphan_grace: Duration,
 }
 
 impl Default for Limits {
@@ -88,6 +92,7 @@ impl Default for Limits {
             max_buffers_per_connection: 16,
             max_pinned_bytes_per_connection: 16 << 30,
             prepare_idle_timeout: Duration::from_secs(120),
+            orphan_grace: Duration::from_secs(5),
         }
     }
 }
@@ -101,6 +106,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
             queue_depth: cfg.queue_depth,
             admission_timeout: cfg.admission_timeout,
             fault: cfg.fault.clone(),
+            ..Default::default()
         },
     )?;
     tracing::info!(
@@ -119,7 +125,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         None => None,
     };
     let service = Arc::new(Service::new(store.clone()).with_timeline(timeline));
-    let metrics = Arc::new(http::Metrics::default());
+    let metrics = Arc::new(metrics::Metrics::default());
     // The probes stay attached for as long as `probes` lives: this function.
     let probes = if cfg.provenance { Some(pdstor_probes::Probes::attach(std::process::id())?) } else { None };
     let provenance = match &probes {
@@ -136,7 +142,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance, cfg.limits)
         .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
-    let (reaper_stop, reaper) = spawn_reaper(service.clone(), metrics.clone(), cfg.limits.prepare_idle_timeout)?;
+    let (reaper_stop, reaper) = spawn_reaper(service.clone(), metrics.clone(), cfg.limits)?;
     let app = http::router(Arc::new(http::AppState {
         service,
         metrics,
@@ -161,27 +167,30 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
 }
 
 /// The reaper: PREPARED publications whose writer went quiet give their
-/// reservation back after `idle` (`--prepare-idle-timeout-ms`). Stops when
-/// the flag returned is set.
+/// reservation back after `--prepare-idle-timeout-ms`, and those whose
+/// prepare's answer never reached the client after `--prepare-orphan-grace-ms`.
+/// Stops when the flag returned is set.
 fn spawn_reaper(
     service: Arc<Service>,
-    metrics: Arc<http::Metrics>,
-    idle: std::time::Duration,
+    metrics: Arc<metrics::Metrics>,
+    limits: Limits,
 ) -> std::io::Result<(Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<()>)> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stop.clone();
-    let tick = (idle / 4).clamp(std::time::Duration::from_millis(10), std::time::Duration::from_secs(1));
+    let (idle, grace) = (limits.prepare_idle_timeout, limits.orphan_grace);
+    let tick = (idle.min(grace) / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let handle = std::thread::Builder::new().name("pdstor-reaper".into()).spawn(move || {
         while !flag.load(std::sync::atomic::Ordering::SeqCst) {
             std::thread::sleep(tick);
-            let n = service.reap_idle(idle);
+            let n = service.reap_idle(idle, grace);
             if n > 0 {
                 tracing::warn!(
                     publications = n,
                     idle_ms = idle.as_millis() as u64,
-                    "aborted idle PREPARED publications"
+                    "aborted idle or orphaned PREPARED publications"
                 );
                 metrics.reaped.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+                metrics.reconcile(service.store());
             }
         }
     })?;

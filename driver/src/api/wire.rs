@@ -17,6 +17,17 @@ pub struct PrepareRequest {
     pub total_chunks: u32,
     /// The writer's identity, recorded with the publication.
     pub writer: String,
+    /// The longest this prepare waits for capacity, in ms (at most the
+    /// daemon's `--admission-timeout-ms`, which is also the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `POST /storage-pd/cancel`: give up a request, waiting or PREPARED.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CancelRequest {
+    /// The request to cancel.
+    pub req_id: String,
 }
 
 /// `POST /storage-pd/publish`: make a fully stored publication READY.

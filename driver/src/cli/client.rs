@@ -212,6 +212,23 @@ impl AbortArgs {
 }
 
 #[derive(clap::Args)]
+pub struct CancelArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The request to give up: a prepare of it still waiting is refused, its PREPARED
+    /// publication rolled back. Nothing to cancel is not an error.
+    #[arg(long)]
+    req: String,
+}
+
+impl CancelArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        println!("{}", serde_json::to_string(&Client::new(&self.daemon.server).cancel(&self.req)?)?);
+        Ok(())
+    }
+}
+
+#[derive(clap::Args)]
 pub struct FailArgs {
     #[command(flatten)]
     daemon: Server,

@@ -38,6 +38,8 @@ enum Command {
     Release(client::ReleaseArgs),
     /// Abort a publication that is not READY yet (an unknown one is refused).
     Abort(client::AbortArgs),
+    /// Give up a request: refuse its waiting prepare, or roll back its PREPARED publication.
+    Cancel(client::CancelArgs),
     /// Report a failed or uncertain read: the publication is RETAINED.
     Fail(client::FailArgs),
     /// Free a claimed or retained publication whose reader is fenced.
@@ -99,6 +101,7 @@ impl Command {
             Command::Ack(a) => a.run(),
             Command::Release(a) => a.run(),
             Command::Abort(a) => a.run(),
+            Command::Cancel(a) => a.run(),
             Command::Fail(a) => a.run(),
             Command::Reclaim(a) => a.run(),
             Command::CloseSession(a) => a.run(),

@@ -35,6 +35,10 @@ pub struct LimitArgs {
     /// A PREPARED publication that sees no store batch for this long (ms) is aborted.
     #[arg(long, default_value_t = 120_000)]
     prepare_idle_timeout_ms: u64,
+    /// A PREPARED publication whose prepare's answer never reached its client (it went away
+    /// while waiting) is aborted after this long (ms) unless a store batch comes.
+    #[arg(long, default_value_t = 5_000)]
+    prepare_orphan_grace_ms: u64,
 }
 
 impl LimitArgs {
@@ -49,6 +53,7 @@ impl LimitArgs {
             max_buffers_per_connection: self.max_buffers_per_connection,
             max_pinned_bytes_per_connection: self.max_pinned_per_connection,
             prepare_idle_timeout: Duration::from_millis(self.prepare_idle_timeout_ms),
+            orphan_grace: Duration::from_millis(self.prepare_orphan_grace_ms),
         }
     }
 }
@@ -70,7 +75,8 @@ pub struct ServeArgs {
     /// io_uring queue depth of the store's I/O thread.
     #[arg(long, default_value_t = 32)]
     qd: u32,
-    /// Longest a prepare waits for capacity, in ms; then it is refused with 503.
+    /// Longest a prepare waits for capacity, in ms (a prepare's own timeout_ms is capped at it);
+    /// then it is refused with 503.
     #[arg(long, default_value_t = 30_000)]
     admission_timeout_ms: u64,
     /// Attach the eBPF provenance probes and stamp every payload transfer with a verdict (root).

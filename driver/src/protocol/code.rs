@@ -99,8 +99,6 @@ codes! {
     DuplicateRequest = "duplicate_request" => 409,
     /// Not every chunk is stored, or the last batch was not seen.
     NotPublishable = "not_publishable" => 409,
-    /// A batch declares another total than the prepared one.
-    TotalMismatch = "total_mismatch" => 400,
     /// A store batch broke the protocol; the whole request was rolled back.
     ProtocolViolation = "protocol_violation" => 422,
     /// A chunk the engine refused before moving anything.

@@ -9,7 +9,10 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock, manifest_digest};
-use crate::store::{AbortOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
+use std::time::Duration;
+
+use crate::admission::CancelToken;
+use crate::store::{AbortOutcome, CancelOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
 use crate::timeline::Event;
 
 /// A refused or failed protocol step, as the API reports it.
@@ -233,6 +236,21 @@ impl Service {
         total_chunks: u32,
         writer: &str,
     ) -> Result<Prepared, ProtocolError> {
+        self.prepare_with(req_id, layout, total_chunks, writer, None, &CancelToken::new())
+    }
+
+    /// [`prepare`](Self::prepare) waiting at most `timeout` (bounded by the
+    /// daemon's admission timeout), giving up when `cancel` is set. A repeat
+    /// of a PREPARED request (same chunks, layout, writer) answers the same.
+    pub fn prepare_with(
+        &self,
+        req_id: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        writer: &str,
+        timeout: Option<Duration>,
+        cancel: &CancelToken,
+    ) -> Result<Prepared, ProtocolError> {
         bounded("req_id", req_id, MAX_NAME_BYTES)?;
         bounded("writer_id", writer, MAX_NAME_BYTES)?;
         for (field, value) in [
@@ -242,9 +260,15 @@ impl Service {
         ] {
             bounded(field, value, MAX_NAME_BYTES)?;
         }
-        let publication = self.store.prepare(req_id, writer, layout, total_chunks)?;
-        self.note(Event::new("prepare").req(req_id).publication(publication).detail(format!("writer {writer}")));
-        Ok(Prepared { publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
+        let timeout = timeout.unwrap_or(Duration::MAX);
+        let p = self.store.prepare_with(req_id, writer, layout, total_chunks, timeout, cancel)?;
+        let detail = if p.repeated {
+            format!("writer {writer}; a repeat of the same request: the same publication")
+        } else {
+            format!("writer {writer}")
+        };
+        self.note(Event::new("prepare").req(req_id).publication(p.publication).detail(detail));
+        Ok(Prepared { publication: p.publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
     }
 
     /// Step 3: READY; returns the signed receipt and the manifest.
@@ -430,19 +454,48 @@ impl Service {
         Ok(outcome)
     }
 
-    /// Aborts PREPARED publications idle for `idle` ([`Store::reap_idle`]),
-    /// each recorded on the timeline; returns how many.
-    pub fn reap_idle(&self, idle: std::time::Duration) -> usize {
-        let reaped = self.store.reap_idle(idle);
-        for (id, req) in &reaped {
-            self.note(
-                Event::new("abort")
-                    .req(req)
-                    .publication(*id)
-                    .detail(format!("idle: no store batch for {} ms", idle.as_millis())),
-            );
+    /// Aborts PREPARED publications idle for `idle`, or orphaned for
+    /// `orphan_grace` ([`Store::reap_idle`]), each recorded on the timeline;
+    /// returns how many.
+    pub fn reap_idle(&self, idle: Duration, orphan_grace: Duration) -> usize {
+        let reaped = self.store.reap_idle(idle, orphan_grace);
+        for r in &reaped {
+            let why = if r.orphaned {
+                format!(
+                    "orphaned: its prepare's answer never reached the client, and no store batch came within {} ms",
+                    orphan_grace.as_millis()
+                )
+            } else {
+                format!("idle: no store batch for {} ms", idle.as_millis())
+            };
+            self.note(Event::new("abort").req(&r.req_id).publication(r.publication).detail(why));
         }
         reaped.len()
+    }
+
+    /// Cancels request `req_id` ([`Store::cancel_request`]): a waiting
+    /// prepare is refused, a PREPARED publication rolled back. Idempotent.
+    pub fn cancel(&self, req_id: &str) -> Result<CancelOutcome, ProtocolError> {
+        bounded("req_id", req_id, MAX_NAME_BYTES)?;
+        let outcome = self.store.cancel_request(req_id)?;
+        let mut e = Event::new("cancel").req(req_id).detail(format!("{outcome:?}"));
+        if let CancelOutcome::Aborted { publication, .. } | CancelOutcome::Pending { publication } = outcome {
+            e = e.publication(publication);
+        }
+        self.note(e);
+        Ok(outcome)
+    }
+
+    /// A PREPARED publication whose prepare's answer never reached its client:
+    /// rolled back after the orphan grace unless a store batch comes.
+    pub fn orphan(&self, publication: u64, req_id: &str) {
+        self.store.orphan(publication);
+        self.note(
+            Event::new("orphaned")
+                .req(req_id)
+                .publication(publication)
+                .detail("the client went away before the prepare's answer reached it"),
+        );
     }
 
     /// A failed or uncertain claimed read: the publication is RETAINED with its bytes.

@@ -22,14 +22,19 @@ pub(super) struct Batches {
     pub claimed: BTreeSet<u32>,
     /// Chunks stored and journaled.
     pub completed: u32,
-    /// The batch marked last was seen.
+    /// The batch marked last completed.
     pub last_seen: bool,
+    /// The batch marked last was accepted (it may still be in flight).
+    pub last_claimed: bool,
     /// Batches submitted and not yet settled.
     pub inflight: u32,
     /// The PUBLISH record was queued (or the publication was recovered READY).
     pub published: bool,
     /// When the request was prepared or last had a store batch begin or end.
     pub touched: Option<Instant>,
+    /// When its prepare's answer was found undelivered (the client went
+    /// away); cleared by a repeat of the prepare.
+    pub orphaned: Option<Instant>,
 }
 
 /// One chunk of a store batch: where its bytes are.
@@ -83,8 +88,17 @@ pub struct ChunkDest {
     pub buffer_offset: BufferOffset,
 }
 
-/// What breaks the protocol in `batch`, given what earlier batches claimed.
+/// What breaks the protocol in `batch`, given what earlier batches claimed:
+/// a total other than the prepared one, a chunk out of range, stored twice or
+/// of a size no slot holds, more chunks than declared, or a last batch that
+/// leaves chunks no batch has claimed (the stream ended short).
 fn violation(batch: &StoreBatch, b: &Batches, total: u32, slot_size: u64) -> Option<String> {
+    if batch.total_chunks != total {
+        return Some(format!(
+            "the batch declares total_chunks {} but the request was prepared with {total}",
+            batch.total_chunks
+        ));
+    }
     let mut seen = BTreeSet::new();
     for c in &batch.chunks {
         if c.index >= total {
@@ -96,7 +110,20 @@ fn violation(batch: &StoreBatch, b: &Batches, total: u32, slot_size: u64) -> Opt
         }
     }
     let cumulative = b.claimed.len() + batch.chunks.len();
-    (cumulative > total as usize).then(|| format!("{cumulative} chunks sent against {total} declared"))
+    if cumulative > total as usize {
+        return Some(format!("{cumulative} chunks sent against {total} declared"));
+    }
+    if batch.is_last_batch && (b.last_seen || b.last_claimed) {
+        return Some("a second batch marked last".into());
+    }
+    if batch.is_last_batch && cumulative < total as usize {
+        let missing: Vec<u32> = (0..total).filter(|i| !b.claimed.contains(i) && !seen.contains(i)).take(8).collect();
+        return Some(format!(
+            "the batch marked last leaves {} of {total} chunks unsent (first missing: {missing:?}); send every chunk before (or in) the last batch",
+            total as usize - cumulative
+        ));
+    }
+    None
 }
 
 /// The checksum recorded for a stored chunk: the one read from the bytes,
@@ -145,19 +172,19 @@ impl Store {
         if !b.seen_first && batch.total_chunks == 0 {
             return Err(StoreError::LegacySender { publication: id });
         }
-        if batch.total_chunks != total {
-            return Err(StoreError::TotalMismatch { publication: id, declared: batch.total_chunks, prepared: total });
-        }
         if b.published {
             return Err(StoreError::WrongPhase { publication: id, phase: Phase::Ready, what: "it is being published" });
         }
         if let Some(what) = violation(batch, b, total, slot_size) {
+            live.violations += 1;
             self.rollback_locked(live, id, format!("protocol violation: {what}"))?;
             return Err(StoreError::ProtocolViolation { publication: id, what });
         }
         let b = live.batches.entry(id).or_default();
         b.seen_first = true;
+        b.orphaned = None;
         b.claimed.extend(batch.chunks.iter().map(|c| c.index));
+        b.last_claimed |= batch.is_last_batch;
         b.inflight += 1;
         b.touched = Some(Instant::now());
         Ok(batch

@@ -118,18 +118,6 @@ pub enum StoreError {
         /// The publication.
         publication: u64,
     },
-    /// A batch declares another total than the prepared one.
-    #[error(
-        "publication {publication}: batch declares total_chunks {declared} but the request was prepared with {prepared}"
-    )]
-    TotalMismatch {
-        /// The publication.
-        publication: u64,
-        /// The batch's total.
-        declared: u32,
-        /// The prepared total.
-        prepared: u32,
-    },
     /// A batch broke the protocol; the request was rolled back.
     #[error(
         "publication {publication}: protocol violation, {what}; every chunk of the request was rolled back and its reservation released"
@@ -450,6 +438,20 @@ pub enum Invariant {
         /// Slots owned.
         owned: u64,
         /// Slots reserved.
+        reserved: u64,
+    },
+    /// The allocator's and admission's counts of where the slots are disagree.
+    #[error(
+        "slots do not reconcile: {capacity} in all, the allocator has {allocator_free} free and publications own {used}, admission reserves {reserved}"
+    )]
+    Unreconciled {
+        /// Slots in all.
+        capacity: u64,
+        /// Slots the allocator has free.
+        allocator_free: u64,
+        /// Slots owned by publications.
+        used: u64,
+        /// Slots admission reserves.
         reserved: u64,
     },
     /// Admission granted slots the allocator does not have.

@@ -19,6 +19,7 @@
 //! defined here. It imports `io`, `buffer` and `admission`, never a layer
 //! above it.
 
+mod admit;
 mod batch;
 mod error;
 mod fault;
@@ -36,10 +37,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::admission::ReservationManager;
+use crate::admission::{AdmissionCounters, MonotonicClock, ReservationManager, WaitClock};
 use crate::buffer::Buffer;
 use crate::io::{BufferId, DmabufRw, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
 
+pub use admit::{Accounting, CancelOutcome, Prepared, Reaped};
 pub use batch::{BatchOutcome, ChunkDest, ChunkSource, StoreBatch};
 pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use fault::{FaultPlan, PowerLoss};
@@ -76,11 +78,18 @@ pub struct StoreOptions {
     pub admission_timeout: Duration,
     /// Crash-consistency testing: the device dies after this many writes.
     pub fault: Option<Arc<FaultPlan>>,
+    /// The time admission waits are measured in (the simulation moves its own).
+    pub wait_clock: Arc<dyn WaitClock>,
 }
 
 impl Default for StoreOptions {
     fn default() -> Self {
-        StoreOptions { queue_depth: 32, admission_timeout: Duration::from_secs(30), fault: None }
+        StoreOptions {
+            queue_depth: 32,
+            admission_timeout: Duration::from_secs(30),
+            fault: None,
+            wait_clock: Arc::new(MonotonicClock::default()),
+        }
     }
 }
 
@@ -118,6 +127,10 @@ struct Live {
     quarantine: BTreeSet<SlotIndex>,
     batches: HashMap<u64, Batches>,
     failed: Option<Arc<WorkerError>>,
+    /// Store batches that broke the protocol, since open.
+    violations: u64,
+    /// PREPARED publications rolled back, since open.
+    rollbacks: u64,
 }
 
 /// What `abort` did.
@@ -154,6 +167,12 @@ pub struct StoreStats {
     pub journal_used: u64,
     /// Admissions that had to wait for capacity.
     pub admission_waits: u64,
+    /// Admission's counters (admitted, waits, timeouts, cancels).
+    pub admission: AdmissionCounters,
+    /// Store batches that broke the protocol.
+    pub violations: u64,
+    /// PREPARED publications rolled back.
+    pub rollbacks: u64,
 }
 
 /// A formatted target, open: the journal, the state it rebuilt, admission,
@@ -188,8 +207,10 @@ impl Store {
                 quarantine: BTreeSet::new(),
                 batches: HashMap::new(),
                 failed: None,
+                violations: 0,
+                rollbacks: 0,
             }),
-            admission: ReservationManager::new(sb.slot_count),
+            admission: ReservationManager::with_clock(sb.slot_count, opts.wait_clock.clone()),
             io,
             sb: Mutex::new(sb),
             opts,
@@ -347,135 +368,6 @@ impl Store {
         self.io.unregister(id)
     }
 
-    /// Step 1: admission. Reserves the whole chunk set (waiting up to the
-    /// admission timeout) and records the PREPARE.
-    pub fn prepare(&self, req_id: &str, writer: &str, layout: &Layout, total_chunks: u32) -> Result<u64, StoreError> {
-        self.prepare_with_timeout(req_id, writer, layout, total_chunks, self.opts.admission_timeout)
-    }
-
-    /// [`prepare`](Self::prepare) with its own admission timeout.
-    pub fn prepare_with_timeout(
-        &self,
-        req_id: &str,
-        writer: &str,
-        layout: &Layout,
-        total_chunks: u32,
-        timeout: Duration,
-    ) -> Result<u64, StoreError> {
-        if total_chunks > TransferId::MAX_CHUNKS {
-            return Err(StoreError::TooManyChunks { chunks: total_chunks, max: TransferId::MAX_CHUNKS });
-        }
-        if let Some(p) = self.lock_live().state.by_req(req_id) {
-            return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
-        }
-        self.admission.try_admit(req_id, total_chunks as u64, timeout)?;
-        let mut live = self.lock_live();
-        let prepared = (|| {
-            if let Some(p) = live.state.by_req(req_id) {
-                return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
-            }
-            let slots = live
-                .state
-                .pick_slots_avoiding(total_chunks, &live.quarantine)
-                .ok_or(Invariant::AllocatorShort { granted: total_chunks, free: live.state.free_slots() })?;
-            let id = live.state.next_publication;
-            if id > TransferId::MAX_PUBLICATION {
-                return Err(StoreError::PublicationsExhausted { next: id });
-            }
-            self.log(
-                &mut live,
-                Record::Prepare {
-                    publication: id,
-                    req_id: req_id.into(),
-                    writer: writer.into(),
-                    layout: layout.clone(),
-                    total_chunks,
-                    slots,
-                },
-            )?;
-            live.batches.insert(id, Batches { touched: Some(std::time::Instant::now()), ..Default::default() });
-            Ok(id)
-        })();
-        if prepared.is_err() {
-            self.admission.release(req_id);
-        }
-        prepared
-    }
-
-    /// Rolls a PREPARED publication back under the lock (slots and reservation).
-    fn rollback_locked(&self, live: &mut Live, id: u64, reason: String) -> Result<u32, StoreError> {
-        let Some(p) = live.state.pubs.get(&id) else {
-            return Ok(0);
-        };
-        let (req, n) = (p.req_id.clone(), p.slots.len() as u32);
-        let inflight = live.batches.get(&id).map_or(0, |b| b.inflight);
-        if inflight > 0 {
-            live.state.mark_aborting(id);
-            return Ok(0);
-        }
-        self.log(live, Record::Abort { publication: id, reason })?;
-        live.batches.remove(&id);
-        self.admission.release(&req);
-        Ok(n)
-    }
-
-    /// Aborts every PREPARED publication with no store batch in flight that
-    /// has seen none begin or end for `idle` (a writer that went quiet without
-    /// closing its connection): its reservation would otherwise be held until
-    /// a restart. Returns the publications aborted.
-    pub fn reap_idle(&self, idle: Duration) -> Vec<(u64, String)> {
-        let now = std::time::Instant::now();
-        let quiet: Vec<(u64, String)> = {
-            let live = self.lock_live();
-            live.state
-                .pubs
-                .values()
-                .filter(|p| p.phase == Phase::Prepared)
-                .filter(|p| {
-                    live.batches.get(&p.id).is_none_or(|b| {
-                        b.inflight == 0 && !b.published && b.touched.is_none_or(|t| now.duration_since(t) >= idle)
-                    })
-                })
-                .map(|p| (p.id, p.req_id.clone()))
-                .collect()
-        };
-        quiet.into_iter().filter(|(id, _)| matches!(self.abort(*id), Ok(AbortOutcome::Aborted { .. }))).collect()
-    }
-
-    /// Rolls back a publication that is not yet READY (slots and reservation).
-    /// Aborting an unknown or finished publication is a clear no-op.
-    pub fn abort(&self, id: u64) -> Result<AbortOutcome, StoreError> {
-        let mut live = self.lock_live();
-        let Some(p) = live.state.pubs.get(&id) else {
-            return Ok(AbortOutcome::NotFound);
-        };
-        if !matches!(p.phase, Phase::Prepared | Phase::Aborting) || live.batches.get(&id).is_some_and(|b| b.published) {
-            return Err(StoreError::WrongPhase {
-                publication: id,
-                phase: p.phase,
-                what: "abort applies before READY only; use release",
-            });
-        }
-        if live.batches.get(&id).is_some_and(|b| b.inflight > 0) {
-            live.state.mark_aborting(id);
-            return Ok(AbortOutcome::Pending);
-        }
-        let n = self.rollback_locked(&mut live, id, "aborted by the writer".into())?;
-        Ok(AbortOutcome::Aborted { slots: n })
-    }
-
-    /// Aborts by request id: also wakes a `prepare` of it still waiting.
-    pub fn abort_request(&self, req_id: &str) -> Result<AbortOutcome, StoreError> {
-        let id = self.lock_live().state.by_req(req_id).map(|p| p.id);
-        match id {
-            Some(id) => self.abort(id),
-            None => {
-                self.admission.abort(req_id);
-                Ok(AbortOutcome::NotFound)
-            }
-        }
-    }
-
     /// The live publication `id`, if any.
     pub fn publication(&self, id: u64) -> Option<Publication> {
         self.lock_live().state.pubs.get(&id).cloned()
@@ -499,6 +391,9 @@ impl Store {
             commit_groups: c.commit_groups,
             journal_used: c.journal_used,
             admission_waits: self.admission.stats().waits,
+            admission: self.admission.stats().counters,
+            violations: live.violations,
+            rollbacks: live.rollbacks,
         }
     }
 

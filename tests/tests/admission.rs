@@ -1,0 +1,227 @@
+//! Admission as a serving engine drives it (issue 15): retries of a request
+//! id, cancellation by request, clients that go away while they wait, streams
+//! that end short, per-request timeouts. Each against the real daemon over
+//! HTTP and the data socket; after each, every reservation is back and the
+//! slots reconcile (`free + used + reserved == capacity`).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use pdstor::api::wire::{DataChunk, PrepareRequest};
+use pdstor::client::{Client, ClientError, DataConn};
+use pdstor::store::{CancelOutcome, Layout};
+use pdstor_tests::Daemon;
+
+const SLOT: u64 = 1 << 20;
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "admission".into(),
+        dtype: "bf16".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        chunk_tokens: 16,
+        kv_format: "pdstor-admission".into(),
+    }
+}
+
+fn request(req: &str, chunks: u32, timeout_ms: Option<u64>) -> PrepareRequest {
+    PrepareRequest { req_id: req.into(), layout: layout(), total_chunks: chunks, writer: "w".into(), timeout_ms }
+}
+
+/// The (status, code, message) of a refusal.
+fn refusal<T: std::fmt::Debug>(r: Result<T, ClientError>) -> (u16, String, String) {
+    match r {
+        Err(ClientError::Api(e)) => (e.status, e.code, e.message),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// One gauge or counter from `/metrics`.
+fn metric(c: &Client, name: &str) -> u64 {
+    let m = c.metrics().unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{m}"))
+}
+
+/// Spins until `f` holds.
+fn until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < Duration::from_secs(10), "never: {what}");
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Every slot free again, nothing waiting, and the accounting never broke.
+fn all_returned(c: &Client, capacity: u64) {
+    assert_eq!(metric(c, "pdstor_slots{kind=\"free\"}"), capacity, "every slot is free again");
+    assert_eq!(metric(c, "pdstor_slots{kind=\"reserved\"}"), 0, "nothing reserved");
+    assert_eq!(metric(c, "pdstor_slots{kind=\"used\"}"), 0);
+    assert_eq!(metric(c, "pdstor_slots_total_reserved"), 0);
+    assert_eq!(metric(c, "pdstor_admission_waiting"), 0);
+    assert_eq!(metric(c, "pdstor_invariant_violations_total"), 0, "the slots reconciled after every step");
+}
+
+/// Path 1: a repeated `req_id` while the first prepare waits used to be
+/// admitted beside it and leak its slots for good. Now the repeat is
+/// refused and changes nothing; and a repeat of a PREPARED request is
+/// answered with the same publication.
+#[test]
+fn a_repeated_request_id_never_leaks_slots() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 10, SLOT);
+    let c = Client::new(&d.server);
+    let a = c.prepare("A", &layout(), 8, "w").unwrap();
+    let server = d.server.clone();
+    let waiter = thread::spawn(move || Client::new(&server).prepare_request(&request("D", 8, Some(2_000))));
+    until("D waits", || metric(&c, "pdstor_admission_waiting") == 1);
+    let (status, code, message) = refusal(c.prepare("D", &layout(), 2, "w"));
+    assert_eq!((status, code.as_str()), (409, "duplicate_request"), "{message}");
+    assert!(message.contains("already waiting for admission (8 chunks)"), "{message}");
+    assert_eq!(metric(&c, "pdstor_slots{kind=\"free\"}"), 2, "the refused retry took nothing");
+    c.abort(a.publication).unwrap();
+    let d8 = waiter.join().unwrap().expect("the first D is admitted once A is aborted");
+    // The other order: a retry of a PREPARED request with the same shape is
+    // the same publication; with another shape it is refused.
+    let again = c.prepare("D", &layout(), 8, "w").unwrap();
+    assert_eq!(again.publication, d8.publication, "a retry is answered with the same publication");
+    let (_, code, _) = refusal(c.prepare("D", &layout(), 3, "w"));
+    assert_eq!(code, "duplicate_request");
+    assert_eq!(metric(&c, "pdstor_slots{kind=\"used\"}"), 8, "retries changed nothing");
+    c.abort(d8.publication).unwrap();
+    all_returned(&c, 10);
+    c.prepare("all", &layout(), 10, "w").expect("the whole store is free again");
+}
+
+/// Path 2: a waiting prepare is cancelled by its request id (and so is a
+/// PREPARED one); cancelling again is a clear no-op.
+#[test]
+fn cancel_by_request_refuses_a_waiter_and_rolls_back_a_prepared_request() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 10, SLOT);
+    let c = Client::new(&d.server);
+    c.prepare("hog", &layout(), 10, "w").unwrap();
+    let server = d.server.clone();
+    let waiter = thread::spawn(move || Client::new(&server).prepare_request(&request("W", 4, Some(2_000))));
+    until("W waits", || metric(&c, "pdstor_admission_waiting") == 1);
+    let t = Instant::now();
+    assert_eq!(c.cancel("W").unwrap(), CancelOutcome::Cancelled);
+    let (status, code, message) = refusal(waiter.join().unwrap());
+    assert_eq!((status, code.as_str()), (409, "aborted"), "{message}");
+    assert!(t.elapsed() < Duration::from_millis(1_000), "the waiter is woken, not timed out");
+    assert_eq!(c.cancel("W").unwrap(), CancelOutcome::None, "cancel is idempotent");
+    // A PREPARED request, cancelled with the CLI.
+    let out = std::process::Command::new(pdstor_tests::pdstor_bin())
+        .args(["cancel", "--req", "hog", "--server", &d.server])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed: CancelOutcome = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(matches!(printed, CancelOutcome::Aborted { slots: 10, .. }), "{printed:?}");
+    assert_eq!(metric(&c, "pdstor_admission_cancels_total"), 1);
+    all_returned(&c, 10);
+}
+
+/// Path 3: a client that gives up and disconnects while it waits is not
+/// admitted later: its wait is cancelled when the connection closes.
+#[test]
+fn a_waiter_that_disconnects_is_never_admitted() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 10, SLOT);
+    let c = Client::new(&d.server);
+    let hog = c.prepare("hog", &layout(), 10, "w").unwrap();
+    let body = serde_json::to_vec(&request("gone", 4, Some(2_000))).unwrap();
+    let mut s = TcpStream::connect(&d.addr).unwrap();
+    write!(
+        s,
+        "POST /storage-pd/prepare HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(&body).unwrap();
+    until("the prepare waits", || metric(&c, "pdstor_admission_waiting") == 1);
+    drop(s);
+    until("the wait is cancelled", || metric(&c, "pdstor_admission_waiting") == 0);
+    assert_eq!(metric(&c, "pdstor_admission_cancels_total"), 1);
+    c.abort(hog.publication).unwrap();
+    thread::sleep(Duration::from_millis(100));
+    let pubs = c.publications(None, false).unwrap();
+    assert!(pubs.iter().all(|p| p.req_id != "gone"), "the client that left was not admitted: {pubs:?}");
+    all_returned(&c, 10);
+}
+
+/// Path 4: a stream that ends short (the batch marked last leaves chunks
+/// unsent), or changes its total, rolls the whole request back.
+#[test]
+fn a_short_or_inconsistent_stream_is_rolled_back() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 10, SLOT);
+    let c = Client::new(&d.server);
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("short", 4 * SLOT as usize).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk = |i: u32| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
+    let p = c.prepare("short", &layout(), 4, "w").unwrap();
+    let (status, code, message) = refusal(data.store(p.publication, vec![chunk(0), chunk(1), chunk(2)], true, 4));
+    assert_eq!((status, code.as_str()), (422, "protocol_violation"), "{message}");
+    assert!(message.contains("leaves 1 of 4 chunks unsent"), "{message}");
+    assert!(message.contains("rolled back"), "{message}");
+    let p = c.prepare("total", &layout(), 4, "w").unwrap();
+    data.store(p.publication, vec![chunk(0)], false, 4).unwrap();
+    let (status, code, message) = refusal(data.store(p.publication, vec![chunk(1)], false, 5));
+    assert_eq!((status, code.as_str()), (422, "protocol_violation"), "{message}");
+    assert!(message.contains("declares total_chunks 5 but the request was prepared with 4"), "{message}");
+    assert!(c.publications(None, false).unwrap().is_empty(), "both requests were rolled back");
+    assert_eq!(metric(&c, "pdstor_protocol_violations_total"), 2);
+    assert_eq!(metric(&c, "pdstor_rollbacks_total"), 2);
+    all_returned(&c, 10);
+}
+
+/// A prepare's own timeout bounds its wait (under the daemon's maximum).
+#[test]
+fn a_prepare_waits_no_longer_than_its_own_timeout() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let c = Client::new(&d.server);
+    let hog = c.prepare("hog", &layout(), 4, "w").unwrap();
+    let t = Instant::now();
+    let (status, code, message) = refusal(c.prepare_request(&request("late", 1, Some(150))));
+    let took = t.elapsed();
+    assert_eq!((status, code.as_str()), (503, "admission_timeout"), "{message}");
+    assert!(took >= Duration::from_millis(140) && took < Duration::from_millis(1_500), "{took:?}");
+    // Asking for more than the daemon allows waits the daemon's maximum (2 s here).
+    let t = Instant::now();
+    let (_, code, _) = refusal(c.prepare_request(&request("later", 1, Some(60_000))));
+    assert_eq!(code, "admission_timeout");
+    assert!(t.elapsed() < Duration::from_secs(5), "capped at --admission-timeout-ms");
+    assert_eq!(metric(&c, "pdstor_admission_timeouts_total"), 2);
+    c.abort(hog.publication).unwrap();
+    all_returned(&c, 4);
+}
+
+/// A raw HTTP exchange, for the disconnect test's neighbours: the daemon
+/// still answers on a fresh connection after a client vanished mid-wait.
+#[test]
+fn the_daemon_answers_after_a_client_vanished_mid_wait() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 2, SLOT);
+    let c = Client::new(&d.server);
+    c.prepare("hog", &layout(), 2, "w").unwrap();
+    for i in 0..4 {
+        let body = serde_json::to_vec(&request(&format!("v{i}"), 1, Some(2_000))).unwrap();
+        let mut s = TcpStream::connect(&d.addr).unwrap();
+        write!(s, "POST /storage-pd/prepare HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len()).unwrap();
+        s.write_all(&body).unwrap();
+        s.shutdown(std::net::Shutdown::Both).unwrap();
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+    }
+    until("every vanished waiter is cancelled", || metric(&c, "pdstor_admission_waiting") == 0);
+    assert_eq!(c.cancel("hog").unwrap(), CancelOutcome::Aborted { publication: 1, slots: 2 });
+    all_returned(&c, 2);
+}
