@@ -20,24 +20,35 @@
 //! seeds; `PDSTOR_SIM_SEED` runs one. `cargo xtask sim --seeds N` runs
 //! campaigns; a failure prints `cargo xtask sim --seed N` and the trace.
 //!
-//! Time is simulated: the store's clock ([`StoreOptions::clock`]) is the
-//! scheduler's, advanced by a `tick` operation; leases are short, so claims
-//! expire — and an expired lease never frees bytes (adopt and load are
+//! Time is simulated: the protocol's clock and admission's wait clock are
+//! the scheduler's, advanced by a `tick` operation; leases are short, so
+//! claims expire — and an expired lease never frees bytes (adopt and load are
 //! refused; only a fenced reclaim frees them).
 //!
-//! What it does not model: concurrency (one operation at a time, so a race
+//! Admission (issue 15): a prepare that does not fit may wait, on its own
+//! thread, with its own timeout in simulated time. At most one waits at a
+//! time, so the schedule stays reproducible. Its request id is retried while
+//! it waits (refused, nothing changes), it is cancelled by request id, its
+//! client disconnects (its token is set), or it times out when time passes;
+//! capacity freed by any step is granted to it at once. Streams end short
+//! (the last batch leaves chunks unsent) or change their total: the request
+//! is rolled back. After every step: `free + used + reserved == capacity`,
+//! and the waiter, if any, is still within its bound.
+//!
+//! What it does not model: concurrency beyond the one waiter (a race
 //! between two threads is the crash campaign's to find, in
-//! `tests/tests/crash.rs`), and admission waits (the timeout is zero:
-//! a prepare that does not fit is refused at once).
+//! `tests/tests/crash.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
+use pdstor::admission::{CancelToken, WaitClock};
 use pdstor::protocol::Receipt;
-use pdstor::protocol::service::{Service, restore_digest};
+use pdstor::protocol::service::{Prepared, ProtocolError, Service, restore_digest};
 use pdstor::store::{
     self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Layout, Phase, Store, StoreBatch, StoreOptions,
 };
@@ -57,6 +68,26 @@ impl pdstor::protocol::Clock for SimClock {
     fn now_unix_ms(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
     }
+}
+
+impl WaitClock for SimClock {
+    fn now(&self) -> Duration {
+        Duration::from_millis(self.0.load(Ordering::SeqCst))
+    }
+}
+
+/// A prepare waiting for capacity on its own thread.
+struct Waiter {
+    req: String,
+    chunks: u32,
+    seed: u64,
+    /// When (simulated ms) its timeout runs out.
+    deadline: u64,
+    /// Its client's token: set when the client "disconnects".
+    token: CancelToken,
+    /// What the simulation expects it to end with, once something ended it.
+    ending: Option<&'static str>,
+    handle: JoinHandle<Result<Prepared, ProtocolError>>,
 }
 
 /// SplitMix64: small, fast, and the same everywhere.
@@ -116,7 +147,9 @@ struct Sim {
     path: std::path::PathBuf,
     plan: Arc<FaultPlan>,
     clock: Arc<SimClock>,
-    service: Option<Service>,
+    service: Option<Arc<Service>>,
+    /// The one prepare waiting for capacity, if any.
+    waiter: Option<Waiter>,
     writer: (Buffer, pdstor::io::BufferId),
     reader: (Buffer, pdstor::io::BufferId),
     /// Live requests by publication id.
@@ -132,8 +165,14 @@ struct Sim {
     trace: Vec<String>,
 }
 
-fn options(plan: &Arc<FaultPlan>) -> StoreOptions {
-    StoreOptions { queue_depth: 8, admission_timeout: Duration::ZERO, fault: Some(plan.clone()), ..Default::default() }
+fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
+    StoreOptions {
+        queue_depth: 8,
+        // The daemon's maximum; each prepare asks for its own, in simulated time.
+        admission_timeout: Duration::from_secs(3600),
+        fault: Some(plan.clone()),
+        wait_clock: clock.clone(),
+    }
 }
 
 /// A buffer of `MAX_CHUNKS` slots shared with the store (another mapping of one memfd).
@@ -162,7 +201,7 @@ impl Sim {
         let plan = FaultPlan::simulated(&path).map_err(|e| e.to_string())?;
         let clock = Arc::new(SimClock(AtomicU64::new(1_700_000_000_000)));
         let sim_clock: Arc<dyn pdstor::protocol::Clock> = clock.clone();
-        let (store, _) = Store::open(&path, options(&plan)).map_err(|e| format!("open: {e}"))?;
+        let (store, _) = Store::open(&path, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
         let store = Arc::new(store);
         let (writer, reader) = (shared(&store), shared(&store));
         Ok(Sim {
@@ -171,7 +210,8 @@ impl Sim {
             path,
             plan,
             clock,
-            service: Some(Service::new(store).with_clock(sim_clock)),
+            service: Some(Arc::new(Service::new(store).with_clock(sim_clock))),
+            waiter: None,
             writer,
             reader,
             reqs: BTreeMap::new(),
@@ -206,23 +246,36 @@ impl Sim {
 
     fn step(&mut self) -> Result<(), String> {
         match self.rng.below(100) {
-            0..=17 => self.prepare(),
-            18..=39 => self.store_batch(),
-            40..=49 => self.publish(),
-            50..=56 => self.claim(),
-            57..=62 => self.adopt(),
-            63..=68 => self.load(),
-            69..=74 => self.ack(),
-            75..=77 => self.release(),
-            78..=80 => self.abort(),
-            81..=82 => self.fail(),
-            83..=85 => self.reclaim(),
-            86..=87 => self.reap(),
-            88..=90 => self.checkpoint(),
-            91..=95 => self.tick(),
+            0..=15 => self.prepare(),
+            16..=35 => self.store_batch(),
+            36..=44 => self.publish(),
+            45..=50 => self.claim(),
+            51..=55 => self.adopt(),
+            56..=60 => self.load(),
+            61..=66 => self.ack(),
+            67..=69 => self.release(),
+            70..=72 => self.abort(),
+            73..=74 => self.fail(),
+            75..=77 => self.reclaim(),
+            78..=79 => self.reap(),
+            80..=82 => self.checkpoint(),
+            83..=87 => self.tick(),
+            88..=90 => self.cancel(),
+            91..=93 => self.retry_while_waiting(),
+            94..=95 => self.disconnect(),
             _ => self.crash(),
         }?;
+        self.settle()?;
         self.store().check_quiescent().map_err(|e| format!("invariant: {e}"))?;
+        let a = self.store().accounting().map_err(|e| format!("accounting: {e}"))?;
+        if a.free + a.used + a.reserved != a.capacity {
+            return Err(format!("slots do not add up: {a:?}"));
+        }
+        if let Some(w) = &self.waiter
+            && self.clock.0.load(Ordering::SeqCst) >= w.deadline
+        {
+            return Err(format!("prepare {} still waits past its timeout", w.req));
+        }
         // Only an explicit free (ack, release, fenced reclaim) ends a READY
         // publication: never time, never another request.
         for (id, r) in &self.reqs {
@@ -233,11 +286,146 @@ impl Sim {
         Ok(())
     }
 
-    /// Time passes: up to 4 s, enough for the short leases to run out.
+    /// Time passes: up to 4 s, enough for the short leases to run out
+    /// (and a waiting prepare's timeout).
     fn tick(&mut self) -> Result<(), String> {
         let ms = self.rng.below(4000);
         let now = self.clock.0.fetch_add(ms, Ordering::SeqCst) + ms;
         self.note(format!("tick +{ms} ms (now {now})"));
+        if let Some(w) = &mut self.waiter
+            && now >= w.deadline
+        {
+            w.ending = Some("timed out");
+        }
+        self.store().wake_waiters();
+        Ok(())
+    }
+
+    /// Waits until the waiter, if something ended its wait, has ended, and
+    /// takes what it got into the model. A waiter nothing ended keeps waiting.
+    fn settle(&mut self) -> Result<(), String> {
+        let Some(w) = &self.waiter else { return Ok(()) };
+        let started = Instant::now();
+        while self.store().admission_waiting(&w.req) {
+            if w.ending.is_none() && self.store().admission_queued(&w.req) {
+                return Ok(()); // still waiting, as it should
+            }
+            if started.elapsed() > Duration::from_secs(10) {
+                return Err(format!("prepare {} should have stopped waiting ({:?})", w.req, w.ending));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let Some(w) = self.waiter.take() else { return Ok(()) };
+        let result = w.handle.join().map_err(|_| format!("the waiter {} panicked", w.req))?;
+        self.note(format!(
+            "waiting prepare {} ({} chunks) ended -> {}",
+            w.req,
+            w.chunks,
+            result.as_ref().map_or_else(|e| e.to_string(), |p| format!("publication {}", p.publication))
+        ));
+        match (result, w.ending) {
+            (Ok(p), None) => {
+                let r = Req {
+                    req: w.req,
+                    seed: w.seed,
+                    chunks: w.chunks,
+                    stored: BTreeSet::new(),
+                    last_sent: false,
+                    ready: None,
+                    claim: None,
+                    loaded: false,
+                };
+                self.reqs.insert(p.publication, r);
+                Ok(())
+            }
+            (Ok(p), Some(why)) => {
+                Err(format!("prepare {} was admitted (publication {}) though it {why}", w.req, p.publication))
+            }
+            (Err(_), Some(_)) => Ok(()),
+            (Err(e), None) => Err(format!("prepare {} gave up waiting with nothing to end it: {e}", w.req)),
+        }
+    }
+
+    /// A prepare that does not fit waits for capacity, on its own thread.
+    fn start_waiter(&mut self, req: String, chunks: u32) -> Result<(), String> {
+        let timeout = 100 + self.rng.below(3000);
+        let deadline = self.clock.0.load(Ordering::SeqCst) + timeout;
+        let token = CancelToken::new();
+        let (svc, t) = (self.service.clone().ok_or("no service")?, token.clone());
+        let r = req.clone();
+        let handle = std::thread::spawn(move || {
+            svc.prepare_with(&r, &layout(), chunks, "w", Some(Duration::from_millis(timeout)), &t)
+        });
+        let started = Instant::now();
+        while !self.store().admission_waiting(&req) {
+            if handle.is_finished() || started.elapsed() > Duration::from_secs(10) {
+                let got = handle.join().map_err(|_| "the waiter panicked")?;
+                return Err(format!("prepare {req} ({chunks} chunks) did not wait: {got:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.note(format!("prepare {req} ({chunks} chunks) waits, timeout {timeout} ms"));
+        let seed = self.rng.next();
+        self.waiter = Some(Waiter { req, chunks, seed, deadline, token, ending: None, handle });
+        Ok(())
+    }
+
+    /// Cancel by request id: the waiter, or a PREPARED request (rolled back).
+    fn cancel(&mut self) -> Result<(), String> {
+        let prepared = self.ids(|_, p| p == Phase::Prepared);
+        let target = match (&self.waiter, self.rng.chance(50)) {
+            (Some(w), true) => Some((w.req.clone(), None)),
+            _ => self.rng.pick(&prepared).map(|id| (self.reqs[&id].req.clone(), Some(id))),
+        };
+        let Some((req, publication)) = target else { return Ok(()) };
+        if publication.is_none()
+            && let Some(w) = &mut self.waiter
+        {
+            w.ending = Some("was cancelled");
+        }
+        let o = self.svc().cancel(&req).map_err(|e| format!("cancel {req}: {e}"))?;
+        self.note(format!("cancel {req} -> {o:?}"));
+        if let Some(id) = publication {
+            self.reqs.remove(&id);
+            if self.store().publication(id).is_some() {
+                return Err(format!("publication {id} is live after cancel"));
+            }
+        }
+        // Idempotent: a second cancel finds nothing.
+        match self.svc().cancel(&req) {
+            Ok(pdstor::store::CancelOutcome::None) => Ok(()),
+            other => Err(format!("a second cancel of {req} did something: {other:?}")),
+        }
+    }
+
+    /// The waiting request's id again, with another shape: refused, and the
+    /// first's accounting is untouched.
+    fn retry_while_waiting(&mut self) -> Result<(), String> {
+        let Some(w) = &self.waiter else { return self.prepare() };
+        let (req, before) = (w.req.clone(), self.store().accounting().map_err(|e| e.to_string())?);
+        let r = self.svc().prepare_with(&req, &layout(), 1, "w", Some(Duration::ZERO), &CancelToken::new());
+        self.note(format!(
+            "prepare {req} again while it waits -> {}",
+            r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())
+        ));
+        if r.is_ok() {
+            return Err(format!("a retry of waiting request {req} was admitted"));
+        }
+        let after = self.store().accounting().map_err(|e| e.to_string())?;
+        if after != before {
+            return Err(format!("a refused retry changed the accounting: {before:?} -> {after:?}"));
+        }
+        Ok(())
+    }
+
+    /// The waiting client goes away: its token is set, its wait ends.
+    fn disconnect(&mut self) -> Result<(), String> {
+        let Some(w) = &mut self.waiter else { return Ok(()) };
+        w.token.cancel();
+        w.ending = Some("disconnected");
+        let req = w.req.clone();
+        self.store().wake_waiters();
+        self.note(format!("the client of waiting prepare {req} disconnects"));
         Ok(())
     }
 
@@ -256,21 +444,36 @@ impl Sim {
             && let Some(id) = self.rng.pick(&self.reqs.keys().copied().collect::<Vec<_>>())
         {
             let req = self.reqs[&id].req.clone();
-            let r = self.svc().prepare(&req, &layout(), 1, "w");
+            let chunks = self.reqs[&id].chunks;
+            let same = self.rng.chance(50);
+            let n = if same { chunks } else { chunks % MAX_CHUNKS + 1 };
+            let r = self.svc().prepare_with(&req, &layout(), n, "w", Some(Duration::ZERO), &CancelToken::new());
             self.note(format!(
-                "prepare {req} again (duplicate) -> {}",
+                "prepare {req} again ({n} chunks, duplicate) -> {}",
                 r.as_ref().map_or_else(|e| e.to_string(), |p| p.publication.to_string())
             ));
+            let prepared = self.store().publication(id).is_some_and(|p| p.phase == Phase::Prepared);
             return match r {
-                Err(_) => Ok(()),
+                // A retry of a PREPARED request with the same shape is the same publication.
+                Ok(p) if same && prepared && p.publication == id => Ok(()),
                 Ok(p) => Err(format!("a duplicate req_id {req} was admitted as publication {}", p.publication)),
+                Err(_) if same && prepared => Err(format!("an exact retry of PREPARED {req} was refused")),
+                Err(_) => Ok(()),
             };
         }
-        let chunks = self.rng.below(MAX_CHUNKS as u64) as u32 + 1;
+        let mut chunks = self.rng.below(MAX_CHUNKS as u64) as u32 + 1;
         self.next_req += 1;
         let req = format!("r{}", self.next_req);
-        let free = self.store().stats().free_slots;
-        match self.svc().prepare(&req, &layout(), chunks, "w") {
+        let free = self.store().accounting().map_err(|e| e.to_string())?.free;
+        // Often a request too large for what is free now: it waits.
+        if self.waiter.is_none() && free < MAX_CHUNKS as u64 && self.rng.chance(40) {
+            chunks = (free + 1 + self.rng.below(MAX_CHUNKS as u64 - free)) as u32;
+        }
+        if chunks as u64 > free && self.waiter.is_none() && self.rng.chance(80) {
+            return self.start_waiter(req, chunks);
+        }
+        let now = CancelToken::new();
+        match self.svc().prepare_with(&req, &layout(), chunks, "w", Some(Duration::ZERO), &now) {
             Ok(p) => {
                 self.note(format!("prepare {req} ({chunks} chunks) -> publication {}", p.publication));
                 let r = Req {
@@ -295,17 +498,32 @@ impl Sim {
     }
 
     fn store_batch(&mut self) -> Result<(), String> {
-        let prepared = self.ids(|r, p| p == Phase::Prepared && !(r.last_sent && r.stored.len() == r.chunks as usize));
+        let prepared = self.ids(|r, p| p == Phase::Prepared && !r.last_sent);
         let Some(id) = self.rng.pick(&prepared) else { return Ok(()) };
         let r = self.reqs[&id].clone();
         let remaining: Vec<u32> = (0..r.chunks).filter(|c| !r.stored.contains(c)).collect();
         // Out of order: any subset of what is left, possibly none.
         let mut batch: Vec<u32> = remaining.iter().copied().filter(|_| self.rng.chance(60)).collect();
-        let violation = self.rng.chance(5);
-        if violation {
-            batch.push(r.chunks + self.rng.below(3) as u32);
-        }
-        let last = violation || (batch.len() + r.stored.len() == r.chunks as usize && self.rng.chance(80));
+        // Protocol violations: a chunk beyond the total, a changed total, or
+        // a last batch that leaves chunks unsent; each rolls the request back.
+        let (mut total, mut last) = (r.chunks, false);
+        let complete = batch.len() + r.stored.len() == r.chunks as usize;
+        let violation = match self.rng.below(100) {
+            0..=3 => {
+                batch.push(r.chunks + self.rng.below(3) as u32);
+                true
+            }
+            4..=6 => {
+                total = r.chunks + 1;
+                true
+            }
+            7..=9 if !complete && !r.last_sent => {
+                last = true;
+                true
+            }
+            _ => false,
+        };
+        last |= !violation && complete && !r.last_sent && self.rng.chance(80);
         for &c in &batch {
             if c < r.chunks {
                 let bytes = payload::chunk(r.seed, c as u64, SLOT as usize);
@@ -325,7 +543,7 @@ impl Sim {
                 })
                 .collect(),
             is_last_batch: last,
-            total_chunks: r.chunks,
+            total_chunks: total,
         };
         let out = self.store().store_batch(&b);
         self.note(format!(
@@ -342,7 +560,9 @@ impl Sim {
                 self.reqs.remove(&id);
                 Ok(())
             }
-            (Ok(_), true) => Err(format!("a batch with chunk index beyond {} was accepted", r.chunks)),
+            (Ok(_), true) => {
+                Err(format!("a batch that broke the protocol was accepted ({} chunks declared)", r.chunks))
+            }
             (Ok(_), false) => {
                 let m = self.reqs.get_mut(&id).ok_or("model lost the request")?;
                 m.stored.extend(batch);
@@ -543,19 +763,27 @@ impl Sim {
     /// Power loss at this point: unflushed writes lost, torn or misdirected;
     /// then recovery, checked against the model.
     fn crash(&mut self) -> Result<(), String> {
+        // The power takes the waiting client with it.
+        if let Some(w) = &mut self.waiter {
+            w.token.cancel();
+            w.ending = Some("the power went");
+            self.store().wake_waiters();
+        }
+        self.settle()?;
         let misdirect = self.rng.chance(10);
         self.plan.kill();
         self.service = None; // the store goes with it; nothing more reaches the media
         let rng = &mut self.rng;
         let loss = self.plan.power_loss(&mut |n| rng.below(n), misdirect);
         let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
-        let (store, report) = Store::open(&self.path, options(&plan)).map_err(|e| format!("recovery failed: {e}"))?;
+        let (store, report) =
+            Store::open(&self.path, options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;
         self.note(format!("POWER LOSS {loss:?} -> recovery {report:?}"));
         self.plan = plan;
         let store = Arc::new(store);
         self.writer = shared(&store);
         self.reader = shared(&store);
-        self.service = Some(Service::new(store.clone()).with_clock(self.clock.clone()));
+        self.service = Some(Arc::new(Service::new(store.clone()).with_clock(self.clock.clone())));
         store.check_quiescent().map_err(|e| format!("after recovery: {e}"))?;
 
         let live: BTreeMap<u64, pdstor::store::Publication> =

@@ -753,3 +753,26 @@ fn a_sparse_target_file_is_allocated_before_it_is_used() {
     drop(open(&path));
     assert!(std::fs::metadata(&path).unwrap().blocks() * 512 >= len, "open refilled the hole");
 }
+
+#[test]
+fn an_orphaned_prepare_is_reaped_after_its_grace_unless_a_batch_comes() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 4);
+    let s = open(&path).0;
+    let b = shared(&s, 2);
+    fill(&b, 9, 2);
+    let hour = Duration::from_secs(3600);
+    let lost = s.prepare("lost", "w", &layout(), 2).unwrap();
+    let kept = s.prepare("kept", "w", &layout(), 2).unwrap();
+    s.orphan(lost);
+    s.orphan(kept);
+    // A batch for an orphan shows its client is there after all.
+    s.store_batch(&batch(kept, &b, &[0], false, 2)).unwrap();
+    let reaped = s.reap_idle(hour, Duration::ZERO);
+    assert_eq!(reaped.len(), 1, "{reaped:?}");
+    assert_eq!((reaped[0].publication, reaped[0].orphaned), (lost, true));
+    assert!(s.publication(lost).is_none() && s.publication(kept).is_some());
+    assert!(s.reap_idle(hour, Duration::ZERO).is_empty(), "nothing idle for an hour");
+    s.check_quiescent().unwrap();
+    assert_eq!(s.stats().reserved, 2, "only the live request holds slots");
+}

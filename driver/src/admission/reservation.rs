@@ -371,6 +371,13 @@ impl ReservationManager {
         self.lock().is_waiting(req)
     }
 
+    /// Whether `req` is queued for capacity, nothing granted or cancelled yet
+    /// (unlike [`is_waiting`](Self::is_waiting), false once its waiter only
+    /// has to wake up to an answer).
+    pub fn is_queued(&self, req: &str) -> bool {
+        self.lock().queue.iter().any(|w| w.req == req)
+    }
+
     /// Capacity, reservations, waiters and counters now.
     pub fn stats(&self) -> ReservationStats {
         let s = self.lock();

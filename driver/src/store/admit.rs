@@ -299,6 +299,16 @@ impl Store {
         })
     }
 
+    /// Whether a prepare of `req_id` is waiting for capacity.
+    pub fn admission_waiting(&self, req_id: &str) -> bool {
+        self.admission.is_waiting(req_id)
+    }
+
+    /// Whether a prepare of `req_id` is queued with no answer yet.
+    pub fn admission_queued(&self, req_id: &str) -> bool {
+        self.admission.is_queued(req_id)
+    }
+
     /// Wakes every waiting prepare to look at its cancel token and clock.
     pub fn wake_waiters(&self) {
         self.admission.wake();
