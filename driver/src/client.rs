@@ -414,6 +414,7 @@ pub struct Reader {
 
 /// What a reader restored: the bytes are in the reader's buffer
 /// ([`Reader::restored_bytes`]), verified.
+#[derive(Debug)]
 pub struct Restored {
     /// The manifest restored.
     pub manifest: Manifest,

@@ -634,6 +634,11 @@ impl Sim {
                 self.note(format!("load {id} -> refused, lease expired: {e}"));
                 return Ok(());
             }
+            // A claim from before a crash is fenced: it may not read.
+            Err(e) if claim.epoch != self.store().epoch() && e.to_string().contains("fenced") => {
+                self.note(format!("load {id} -> refused, fenced: {e}"));
+                return Ok(());
+            }
             Err(e) => return Err(format!("authorize load {id}: {e}")),
         };
         self.reader.0.write_at(0, &vec![0u8; (MAX_CHUNKS as u64 * SLOT) as usize]).map_err(|e| e.to_string())?;
@@ -672,7 +677,9 @@ impl Sim {
     }
 
     fn ack(&mut self) -> Result<(), String> {
-        let loaded = self.ids(|r, p| p == Phase::Adopted && r.loaded);
+        let epoch = self.store().epoch();
+        let loaded =
+            self.ids(|r, p| p == Phase::Adopted && r.loaded && r.claim.as_ref().is_some_and(|c| c.epoch == epoch));
         let Some(id) = self.rng.pick(&loaded) else { return Ok(()) };
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
         let manifest = self.store().publication(id).and_then(|p| p.manifest).ok_or("no manifest")?;

@@ -217,11 +217,13 @@ fn the_daemon_answers_after_a_client_vanished_mid_wait() {
         let mut s = TcpStream::connect(&d.addr).unwrap();
         write!(s, "POST /storage-pd/prepare HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len()).unwrap();
         s.write_all(&body).unwrap();
+        until("the prepare waits", || metric(&c, "pdstor_admission_waiting") == 1);
         s.shutdown(std::net::Shutdown::Both).unwrap();
         let mut rest = Vec::new();
         let _ = s.read_to_end(&mut rest);
+        until("the vanished waiter is cancelled", || metric(&c, "pdstor_admission_waiting") == 0);
     }
-    until("every vanished waiter is cancelled", || metric(&c, "pdstor_admission_waiting") == 0);
+    assert_eq!(metric(&c, "pdstor_admission_cancels_total"), 4);
     assert_eq!(c.cancel("hog").unwrap(), CancelOutcome::Aborted { publication: 1, slots: 2 });
     all_returned(&c, 2);
 }

@@ -226,13 +226,15 @@ fn publications_and_receipts_survive_kill_9() {
 
     // Receipts from before the restart still verify.
     c.release(&ready).unwrap();
+    // Claims from before it are fenced (issue 16): they may no longer read
+    // or ack — the restart is what lets their slots be reclaimed.
     let mut r0 = Reader::new(&d.server, &d.data_socket).unwrap();
-    let restored = r0.get(&claimed, &layout()).unwrap();
-    assert_eq!(r0.restored_bytes(restored.len).unwrap(), kv(11, 2));
-    c.ack(&claimed, &restored.restore_digest).unwrap();
-    c.ack(&adopted, &before.restore_digest).unwrap();
-    // The retained claim was made in an earlier epoch: it is fenced now.
-    c.reclaim(&retained).unwrap();
+    let e = r0.get(&claimed, &layout()).unwrap_err();
+    assert!(matches!(&e, ClientError::Api(b) if b.code == "fenced"), "{e}");
+    assert_eq!(code(c.ack(&adopted, &before.restore_digest)).1, "fenced");
+    for claim in [&claimed, &adopted, &retained] {
+        c.reclaim(claim).unwrap();
+    }
     assert!(c.publications(None, false).unwrap().is_empty());
 }
 
@@ -490,4 +492,66 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     assert!(report.violations.iter().all(|v| v.kind != "out_of_order"), "{:#?}", report.violations);
     assert!(report.violations.iter().all(|v| v.line <= 10 || v.kind == "not_native"), "{:#?}", report.violations);
     assert_eq!(p2.manifest.chunks.len(), 1);
+}
+
+/// Issue 16, fencing: a closed session's claim, or one from before a
+/// restart, may no longer adopt, load or ack — only a reclaim frees it, and
+/// `inspect` (read-only) never fences anyone by bumping the epoch.
+#[test]
+fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    // A session closed before adopt.
+    let p = put(&d, "fence-1", 11, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-closed", 60_000).unwrap();
+    c.close_session("s-closed").unwrap();
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    let e = r.get(&claim, &layout()).unwrap_err();
+    assert!(
+        matches!(&e, ClientError::Api(b) if b.code == "fenced" && b.message.contains("session s-closed was closed")),
+        "{e}"
+    );
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "the refusal changed nothing");
+    c.reclaim(&claim).unwrap();
+    // A session closed after adopt: load and ack are refused too.
+    let p = put(&d, "fence-2", 12, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-late", 60_000).unwrap();
+    let m = c
+        .adopt(&AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout(),
+        })
+        .unwrap();
+    c.close_session("s-late").unwrap();
+    let digest = pdstor::protocol::service::restore_digest(&m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>());
+    assert_eq!(code(c.ack(&claim, &digest)).1, "fenced");
+    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("fenced", 2 * SLOT as usize).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk =
+        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
+    assert_eq!(code(data.load(&claim, vec![chunk(0), chunk(1)])).1, "fenced");
+    c.reclaim(&claim).unwrap();
+    // A claim from before a kill -9: the restart fences it.
+    let p = put(&d, "fence-3", 13, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-old", 60_000).unwrap();
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    let e = r.get(&claim, &layout()).unwrap_err();
+    assert!(matches!(&e, ClientError::Api(b) if b.code == "fenced" && b.message.contains("epoch")), "{e}");
+    c.reclaim(&claim).unwrap();
+    // inspect reads, and bumps nothing.
+    d.stop();
+    let epoch = |_: ()| {
+        let out = Command::new(pdstor_bin()).arg("inspect").arg("--target").arg(&d.target).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()["epoch"].as_u64().unwrap()
+    };
+    let first = epoch(());
+    assert_eq!(epoch(()), first, "inspect never bumps the epoch");
 }

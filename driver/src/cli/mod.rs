@@ -79,7 +79,8 @@ enum Command {
     Info(target::InfoArgs),
     /// Write a fresh pdstor namespace (superblocks, empty journal) on a target.
     Format(target::FormatArgs),
-    /// Open a namespace, replay its journal, and print what recovery found and the publications.
+    /// Replay a namespace's journal read-only (no epoch bump, nothing written) and print what
+    /// recovery would find and the publications.
     Inspect(target::InspectArgs),
     /// Publications per second through prepare + store + publish, and flushes per publication.
     BenchStore(harness::BenchStoreArgs),

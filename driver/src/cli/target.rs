@@ -63,18 +63,19 @@ impl FormatArgs {
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
-    /// A formatted target not served by a running daemon.
+    /// A formatted target not served by a running daemon. Read only: the epoch is not
+    /// bumped and nothing is written, so outstanding claims are not fenced by it.
     #[arg(long)]
     target: PathBuf,
 }
 
 impl InspectArgs {
     pub fn run(self) -> anyhow::Result<()> {
-        let (s, report) = store::Store::open(&self.target, store::StoreOptions::default())?;
-        let sb = s.superblock();
-        let pubs: Vec<_> = s
-            .publications()
-            .into_iter()
+        let i = store::inspect(&self.target)?;
+        let sb = &i.superblock;
+        let pubs: Vec<_> = i
+            .publications
+            .iter()
             .map(|p| serde_json::json!({"publication": p.id, "req_id": p.req_id, "phase": p.phase, "chunks": p.total_chunks, "slots": p.slots}))
             .collect();
         print_json(&serde_json::json!({
@@ -82,8 +83,8 @@ impl InspectArgs {
             "epoch": sb.epoch,
             "slot_size": sb.slot_size,
             "slots": sb.slot_count,
-            "stats": s.stats(),
-            "recovery": report,
+            "free_slots": i.free_slots,
+            "recovery": i.report,
             "publications": pubs,
         }))
     }

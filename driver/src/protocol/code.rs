@@ -77,6 +77,9 @@ codes! {
     RestoreMismatch = "restore_mismatch" => 409,
     /// The claimed reader is not fenced: its claim cannot be reclaimed yet.
     NotFenced = "not_fenced" => 409,
+    /// The claim is fenced (its session closed, or made in an earlier
+    /// epoch): it may no longer adopt, load or ack; only a reclaim frees it.
+    Fenced = "fenced" => 409,
     /// The publication is not claimed.
     NotClaimed = "not_claimed" => 409,
     /// The publication is not READY yet.

@@ -335,6 +335,7 @@ impl Service {
         layout: &Layout,
     ) -> Result<Manifest, ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
+        self.unfenced(&p, "adopt")?;
         if namespace != self.namespace() {
             return Err(Refusal::new(
                 RefusalCode::NamespaceMismatch,
@@ -388,6 +389,7 @@ impl Service {
     /// Checks that `claim` may load now: adopted, lease running.
     pub fn authorize_load(&self, claim: &Receipt) -> Result<Manifest, ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
+        self.unfenced(&p, "load")?;
         if p.phase != Phase::Adopted {
             return Err(Refusal::new(
                 RefusalCode::WrongState,
@@ -407,6 +409,7 @@ impl Service {
     /// Step 7: the reader restored every chunk (its digest must match); the slots free.
     pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
+        self.unfenced(&p, "ack")?;
         if p.phase != Phase::Adopted {
             return Err(Refusal::new(
                 RefusalCode::WrongState,
@@ -507,13 +510,38 @@ impl Service {
         Ok(())
     }
 
+    /// Why the claim on `p` is fenced, if it is: its session was closed, or
+    /// it was made in an earlier epoch (the daemon restarted since).
+    fn fenced(&self, p: &Publication) -> Option<String> {
+        let c = p.claim.as_ref()?;
+        if self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&c.session) {
+            return Some(format!("its session {} was closed", c.session));
+        }
+        let epoch = self.store.epoch();
+        (c.epoch < epoch).then(|| format!("it was made in epoch {}, and the daemon is in epoch {epoch} now", c.epoch))
+    }
+
+    /// Refuses a step of a fenced claim.
+    fn unfenced(&self, p: &Publication, step: &str) -> Result<(), Refusal> {
+        match self.fenced(p) {
+            Some(why) => Err(Refusal::new(
+                RefusalCode::Fenced,
+                "session",
+                format!(
+                    "publication {}: the claim is fenced ({why}): it cannot {step}; only a reclaim frees the publication",
+                    p.id
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Frees a claimed/retained publication only once its reader is fenced:
     /// its session closed, or its claim made in an earlier daemon epoch.
     pub fn reclaim(&self, claim: &Receipt) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
-        let c = p.claim.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim"))?;
-        let closed = self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&c.session);
-        if !closed && c.epoch >= self.store.epoch() {
+        p.claim.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim"))?;
+        if self.fenced(&p).is_none() {
             return Err(Refusal::new(
                 RefusalCode::NotFenced,
                 "session",

@@ -88,6 +88,27 @@ pub struct ChunkDest {
     pub buffer_offset: BufferOffset,
 }
 
+/// One load in flight; its end wakes a reclaim or ack waiting for it.
+struct Loading<'a> {
+    store: &'a Store,
+    id: u64,
+}
+
+impl Drop for Loading<'_> {
+    fn drop(&mut self) {
+        let mut live = self.store.lock_live();
+        if let Some(n) = live.loading.get_mut(&self.id) {
+            assert!(*n > 0, "publication {}: a load ended with none in flight", self.id);
+            *n -= 1;
+            if *n == 0 {
+                live.loading.remove(&self.id);
+            }
+        }
+        drop(live);
+        self.store.loads_done.notify_all();
+    }
+}
+
 /// What breaks the protocol in `batch`, given what earlier batches claimed:
 /// a total other than the prepared one, a chunk out of range, stored twice or
 /// of a size no slot holds, more chunks than declared, or a last batch that
@@ -309,14 +330,19 @@ impl Store {
     /// memory this process cannot map (the reader must verify those itself).
     pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<Option<u32>>, StoreError> {
         let manifest = {
-            let live = self.lock_live();
+            let mut live = self.lock_live();
             let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
-            p.manifest.clone().ok_or(StoreError::WrongPhase {
+            let m = p.manifest.clone().ok_or(StoreError::WrongPhase {
                 publication: id,
                 phase: p.phase,
                 what: "it has no manifest yet (not READY)",
-            })?
+            })?;
+            // Counted under the lock that a reclaim takes: a reclaim either
+            // removed the publication first (refused above) or waits for this.
+            *live.loading.entry(id).or_default() += 1;
+            m
         };
+        let _loading = Loading { store: self, id };
         let mut requests = Vec::with_capacity(dests.len());
         for d in dests {
             let c = manifest.chunks.get(d.index as usize).ok_or(StoreError::NoSuchChunk {

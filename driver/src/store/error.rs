@@ -202,6 +202,16 @@ pub enum StoreError {
         /// The most a request can have.
         max: u32,
     },
+    /// A load of the publication is still in flight: its slots cannot be freed yet.
+    #[error(
+        "publication {publication}: a load is still in flight after {waited_ms} ms; its slots are not freed under a reader: retry"
+    )]
+    LoadInFlight {
+        /// The publication.
+        publication: u64,
+        /// How long the free waited.
+        waited_ms: u64,
+    },
     /// The namespace numbered every publication a transfer id can name.
     #[error(
         "this namespace has numbered {next} publications, the most whose chunks have transfer ids: format a new one"

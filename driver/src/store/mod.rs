@@ -47,6 +47,7 @@ pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use fault::{FaultPlan, PowerLoss};
 pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, signature_of};
 pub use journal::Record;
+pub use recovery::{Inspection, inspect};
 pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication, SlotIndex};
 pub use superblock::Superblock;
 pub use worker::CommitInfo;
@@ -127,6 +128,10 @@ struct Live {
     quarantine: BTreeSet<SlotIndex>,
     batches: HashMap<u64, Batches>,
     failed: Option<Arc<WorkerError>>,
+    /// Loads in flight, by publication: a reclaim or ack waits for them
+    /// before it frees the slots (a fenced reader's last read must not
+    /// land in bytes already given to another request).
+    loading: HashMap<u64, u32>,
     /// Store batches that broke the protocol, since open.
     violations: u64,
     /// PREPARED publications rolled back, since open.
@@ -185,6 +190,8 @@ pub struct Store {
     sb: Mutex<Superblock>,
     opts: StoreOptions,
     last_commit: Mutex<CommitInfo>,
+    /// Signalled when a load ends (see `Live::loading`).
+    loads_done: std::sync::Condvar,
 }
 
 impl Store {
@@ -207,6 +214,7 @@ impl Store {
                 quarantine: BTreeSet::new(),
                 batches: HashMap::new(),
                 failed: None,
+                loading: HashMap::new(),
                 violations: 0,
                 rollbacks: 0,
             }),
@@ -215,6 +223,7 @@ impl Store {
             sb: Mutex::new(sb),
             opts,
             last_commit: Mutex::new(CommitInfo::default()),
+            loads_done: std::sync::Condvar::new(),
         };
         let mut report = replayed.report;
         store.begin_epoch(&mut report)?;

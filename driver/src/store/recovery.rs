@@ -87,3 +87,40 @@ impl Store {
         Ok(())
     }
 }
+
+/// What a target holds, read without changing a byte of it.
+#[derive(Debug, Clone)]
+pub struct Inspection {
+    /// The superblock copy recovery would choose.
+    pub superblock: super::Superblock,
+    /// What replay found; `epoch` is the current one (not bumped), and
+    /// `rolled_back` lists what the next open would roll back.
+    pub report: RecoveryReport,
+    /// Every publication the journal describes.
+    pub publications: Vec<super::Publication>,
+    /// Slots no publication owns.
+    pub free_slots: u64,
+}
+
+/// Replays the journal of `path` read-only: no epoch bump, no record, no
+/// rollback written — outstanding claims stay exactly as fenced as they were.
+pub fn inspect(path: &Path) -> Result<Inspection, StoreError> {
+    use crate::io::{Target, TargetOptions};
+    let target = Target::open(path, &TargetOptions { create_len: None, allocate: false })?;
+    let (io, opened) = super::io_thread::IoThread::start(path, target, 8, None)?;
+    // The thread waits for a resume it will never get: stopping it writes nothing.
+    io.stop(false);
+    let replayed = replay(path, &opened)?;
+    let mut report = replayed.report;
+    let state = replayed.state;
+    report.epoch = state.epoch;
+    report.rolled_back =
+        state.pubs.values().filter(|p| matches!(p.phase, Phase::Prepared | Phase::Aborting)).map(|p| p.id).collect();
+    report.live = state.pubs.len() - report.rolled_back.len();
+    Ok(Inspection {
+        superblock: opened.superblock,
+        report,
+        publications: state.pubs.values().cloned().collect(),
+        free_slots: state.free_slots(),
+    })
+}

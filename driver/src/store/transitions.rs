@@ -5,7 +5,10 @@
 //! (receipts, leases, fencing) is the protocol's to check, before it calls here.
 
 use super::error::StoreError;
-use super::{Phase, Publication, Record, SlotIndex, Store, in_phase};
+use super::{Live, Phase, Publication, Record, SlotIndex, Store, in_phase};
+
+/// The longest a reclaim or ack waits for loads of its publication to end.
+const LOAD_DRAIN: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Store {
     /// Exact unread release: a READY publication that was never claimed.
@@ -55,6 +58,9 @@ impl Store {
         let frees = matches!(record, Record::Ack { .. } | Record::Reclaim { .. });
         let before = {
             let mut live = self.lock_live();
+            if frees {
+                live = self.quiesce_loads(live, id)?;
+            }
             let p = in_phase(&live.state, id, allowed, what)?.clone();
             self.log(&mut live, record)?;
             if frees {
@@ -69,6 +75,22 @@ impl Store {
             self.commit()?;
         }
         Ok(self.publication(id).unwrap_or(before))
+    }
+
+    /// Waits (a bounded while) until no load of publication `id` is in
+    /// flight, so that freeing its slots cannot race a reader's last read.
+    fn quiesce_loads<'a>(
+        &'a self,
+        live: std::sync::MutexGuard<'a, Live>,
+        id: u64,
+    ) -> Result<std::sync::MutexGuard<'a, Live>, StoreError> {
+        let busy = |l: &mut Live| l.loading.get(&id).is_some_and(|n| *n > 0);
+        let (live, waited) =
+            self.loads_done.wait_timeout_while(live, LOAD_DRAIN, busy).unwrap_or_else(|p| p.into_inner());
+        if waited.timed_out() {
+            return Err(StoreError::LoadInFlight { publication: id, waited_ms: LOAD_DRAIN.as_millis() as u64 });
+        }
+        Ok(live)
     }
 
     /// Step 4: binds exactly one reader and session to a READY publication,
