@@ -174,10 +174,29 @@ pub struct DataConn {
 
 impl DataConn {
     /// Connects to the daemon's data socket at `path`.
+    ///
+    /// The daemon must run as root, as this user, or as `PDSTOR_DAEMON_UID`
+    /// (`SO_PEERCRED`): a buffer is never handed to whoever squats a socket path.
     pub fn connect(path: &Path) -> Result<DataConn, ClientError> {
         let stream = UnixStream::connect(path).map_err(|e| {
             ClientError::Data(format!("connecting to {}: {e} (is `pdstor serve` running?)", path.display()))
         })?;
+        let peer = crate::api::hygiene::peer_uid(&stream)
+            .map_err(|e| ClientError::Data(format!("asking who serves {}: {e}", path.display())))?;
+        let me = nix::unistd::geteuid().as_raw();
+        let expected: Option<u32> = std::env::var("PDSTOR_DAEMON_UID").ok().and_then(|v| v.parse().ok());
+        let trusted = match expected {
+            Some(uid) => peer == uid,
+            None => peer == 0 || peer == me,
+        };
+        if !trusted {
+            let want =
+                expected.map_or_else(|| format!("root or you (uid {me})"), |u| format!("uid {u} (PDSTOR_DAEMON_UID)"));
+            return Err(ClientError::Data(format!(
+                "{} is served by uid {peer}, not {want}: refusing to share buffers with it (another user may be squatting the path); set PDSTOR_DAEMON_UID={peer} if that is your daemon",
+                path.display()
+            )));
+        }
         Ok(DataConn { stream })
     }
 

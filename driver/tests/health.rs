@@ -47,6 +47,8 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         timeline: None,
         fault: Some(fault.clone()),
         limits: Default::default(),
+        allow_readable_target: false,
+        insecure_tcp: false,
     };
     let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
     let deadline = Instant::now() + Duration::from_secs(20);

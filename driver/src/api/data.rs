@@ -13,7 +13,6 @@
 use std::collections::{HashMap, HashSet};
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -53,25 +52,20 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// Listens on `path` (created 0600) and serves until dropped.
+    /// Listens on `path` (mode 0600, in a directory no other user can write)
+    /// and serves until dropped. A stale socket there is replaced; a live one,
+    /// or anything that is not a socket, is refused and left alone.
     pub fn start(
         path: &Path,
         service: Arc<Service>,
         metrics: Arc<Metrics>,
         provenance: Option<Arc<Provenance>>,
         limits: super::Limits,
-    ) -> std::io::Result<DataPlane> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::AddrInUse,
-                    format!("{} is served by another process", path.display()),
-                ));
-            }
-            std::fs::remove_file(path)?;
-        }
+    ) -> anyhow::Result<DataPlane> {
+        super::hygiene::socket_dir(path)?;
+        super::hygiene::claim_socket_path(path)?;
         let listener = UnixListener::bind(path)?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        super::hygiene::owner_only(path)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         // One thread per connection, at most `max_data_connections` of them.

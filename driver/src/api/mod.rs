@@ -6,6 +6,7 @@ pub mod data;
 pub mod data_error;
 pub mod error;
 pub mod http;
+pub mod hygiene;
 mod listen;
 pub mod metrics;
 pub mod wire;
@@ -51,6 +52,10 @@ pub struct ServeConfig {
     pub fault: Option<Arc<crate::store::FaultPlan>>,
     /// What one client may hold or take.
     pub limits: Limits,
+    /// Serve a target other users can read (warned at start).
+    pub allow_readable_target: bool,
+    /// Serve plaintext TCP beyond loopback (warned at start).
+    pub insecure_tcp: bool,
 }
 
 /// What one client may hold or take, and how long the daemon waits for it.
@@ -100,6 +105,10 @@ impl Default for Limits {
 /// Runs the daemon until SIGTERM or SIGINT, then stops accepting, lets
 /// in-flight requests finish, and closes the store (which commits).
 pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
+    hygiene::check_target(&cfg.target, cfg.allow_readable_target)?;
+    if let Listen::Tcp(addr) = &cfg.listen {
+        hygiene::check_tcp(addr, cfg.insecure_tcp)?;
+    }
     let (store, report) = Store::open(
         &cfg.target,
         StoreOptions {
@@ -140,7 +149,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         None => None,
     };
     let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance, cfg.limits)
-        .map_err(|e| anyhow::anyhow!("data socket {}: {e}", cfg.data_socket.display()))?;
+        .map_err(|e| anyhow::anyhow!("data socket {}: {e:#}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
     let (reaper_stop, reaper) = spawn_reaper(service.clone(), metrics.clone(), cfg.limits)?;
     let app = http::router(Arc::new(http::AppState {
@@ -217,9 +226,11 @@ async fn control_plane(listen: &Listen, app: axum::Router, limits: Limits) -> an
             listen::serve(l, app, limits, shutdown, drain).await;
         }
         Listen::Unix(path) => {
-            let _ = std::fs::remove_file(path);
+            hygiene::socket_dir(path)?;
+            hygiene::claim_socket_path(path)?;
             let l = tokio::net::UnixListener::bind(path)
                 .map_err(|e| anyhow::anyhow!("listening on {}: {e}", path.display()))?;
+            hygiene::owner_only(path)?;
             tracing::info!(path = %path.display(), "control plane listening");
             listen::serve(l, app, limits, shutdown, drain).await;
             let _ = std::fs::remove_file(path);

@@ -34,8 +34,9 @@ pub struct Daemon {
     /// Control plane URL of the daemon (`pdstor serve --listen`).
     #[arg(long, env = "PDSTOR_SERVER", default_value = "http://127.0.0.1:7077")]
     pub server: String,
-    /// The daemon's data-plane Unix socket (`pdstor serve --data-socket`): buffers are shared over it.
-    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
+    /// The daemon's data-plane Unix socket (`pdstor serve --data-socket`): buffers are shared over
+    /// it, only with a daemon running as root or as this user (or as PDSTOR_DAEMON_UID).
+    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor::api::hygiene::default_data_socket())]
     pub data_socket: PathBuf,
 }
 

@@ -63,15 +63,24 @@ pub struct ServeArgs {
     /// The formatted target to serve (`pdstor format`): a file, block device or /dev/ngXnY.
     #[arg(long)]
     target: PathBuf,
-    /// Control plane address (loopback by default).
+    /// Control plane address (loopback by default; beyond loopback only with --insecure-tcp).
     #[arg(long, default_value = "127.0.0.1:7077", conflicts_with = "listen_unix")]
     listen: std::net::SocketAddr,
-    /// Serve the control plane on this Unix socket instead of TCP.
+    /// Serve plaintext TCP on an address beyond loopback (warned at every start): any host that
+    /// reaches it can take every step.
+    #[arg(long)]
+    insecure_tcp: bool,
+    /// Serve the control plane on this Unix socket instead of TCP (mode 0600; a file there that
+    /// is not a stale socket is refused, never replaced).
     #[arg(long)]
     listen_unix: Option<PathBuf>,
-    /// The data-plane Unix socket clients share their buffers over (created 0600).
-    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value = "/tmp/pdstor-data.sock")]
+    /// The data-plane Unix socket clients share their buffers over (mode 0600, in a directory
+    /// only this user can write; created 0750 if missing).
+    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor::api::hygiene::default_data_socket())]
     data_socket: PathBuf,
+    /// Serve a target other users can read (its KV bytes and receipt key), warned at start.
+    #[arg(long)]
+    allow_readable_target: bool,
     /// io_uring queue depth of the store's I/O thread.
     #[arg(long, default_value_t = 32)]
     qd: u32,
@@ -112,6 +121,8 @@ impl ServeArgs {
             timeline: self.timeline,
             fault: None,
             limits: self.limits.limits(),
+            allow_readable_target: self.allow_readable_target,
+            insecure_tcp: self.insecure_tcp,
         })
     }
 }

@@ -78,7 +78,14 @@ impl Target {
         let meta = match std::fs::metadata(path) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound && opts.create_len.is_some() => {
-                File::create_new(path).map_err(|source| IoError::Open { path: path.into(), source })?;
+                // 0600 whatever the umask: the target holds KV bytes and the
+                // namespace's receipt key, for the daemon's user only.
+                OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(path)
+                    .map_err(|source| IoError::Open { path: path.into(), source })?;
                 std::fs::metadata(path).map_err(|source| IoError::Open { path: path.into(), source })?
             }
             Err(source) => {

@@ -1,0 +1,179 @@
+//! What the daemon checks before it exposes anything: a target other users
+//! cannot read, sockets in a directory of its own with mode 0600, a socket
+//! path that does not replace someone else's file, and no plaintext TCP
+//! beyond loopback unless asked for by name.
+//!
+//! This module does not authenticate callers; it keeps the daemon's own
+//! files and addresses from being open to users who should not reach them.
+
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+
+/// The directory the daemon's sockets live in by default: `/run/pdstor` for
+/// root; the user's runtime directory (`$XDG_RUNTIME_DIR/pdstor`) otherwise,
+/// or a 0700 directory of the user's own under the temporary directory.
+pub fn default_runtime_dir() -> PathBuf {
+    let uid = nix::unistd::geteuid();
+    if uid.is_root() {
+        return PathBuf::from("/run/pdstor");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir).join("pdstor"),
+        _ => std::env::temp_dir().join(format!("pdstor-{uid}")),
+    }
+}
+
+/// The data plane's socket when none is given: `data.sock` in
+/// [`default_runtime_dir`] — never a shared, world-writable place.
+pub fn default_data_socket() -> PathBuf {
+    default_runtime_dir().join("data.sock")
+}
+
+/// Creates the directory a socket goes in when it does not exist (mode
+/// 0750), and refuses one that another user owns or can write to: whoever
+/// can write there can replace the socket.
+pub fn socket_dir(socket: &Path) -> anyhow::Result<()> {
+    let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o750)
+            .create(dir)
+            .with_context(|| format!("creating the socket directory {}", dir.display()))?;
+        return Ok(());
+    }
+    let md = std::fs::metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let sticky_shared = md.mode() & 0o1000 != 0; // /tmp and the like: others cannot replace our file
+    if md.uid() != me && md.uid() != 0 {
+        bail!(
+            "the socket directory {} belongs to uid {}, not to this daemon's uid {me}: another user could replace the socket; choose a directory of your own",
+            dir.display(),
+            md.uid()
+        );
+    }
+    if md.mode() & 0o002 != 0 && !sticky_shared {
+        bail!(
+            "the socket directory {} is writable by every user (mode {:o}) without the sticky bit: anyone could replace the socket; use a directory only this user can write",
+            dir.display(),
+            md.mode() & 0o7777
+        );
+    }
+    Ok(())
+}
+
+/// Makes `path` free for a new socket: a stale socket is removed; a live
+/// one (another daemon answers) or anything that is not a socket is left
+/// alone and refused, naming what is there.
+pub fn claim_socket_path(path: &Path) -> anyhow::Result<()> {
+    let md = match std::fs::symlink_metadata(path) {
+        Ok(md) => md,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    if !md.file_type().is_socket() {
+        let what = if md.is_dir() {
+            "a directory"
+        } else if md.file_type().is_symlink() {
+            "a symbolic link"
+        } else if md.is_file() {
+            "a regular file"
+        } else {
+            "not a socket"
+        };
+        bail!("{} is {what}, not a socket: refusing to replace it; give another socket path", path.display());
+    }
+    if std::os::unix::net::UnixStream::connect(path).is_ok() {
+        bail!("{} is served by another process: stop it first, or give another socket path", path.display());
+    }
+    std::fs::remove_file(path).with_context(|| format!("removing the stale socket {}", path.display()))
+}
+
+/// Restricts a socket just bound to its owner (the bind follows the umask).
+pub fn owner_only(path: &Path) -> anyhow::Result<()> {
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("making {} mode 0600", path.display()))
+}
+
+/// Refuses a target other users can read (its KV bytes and the namespace's
+/// receipt key), unless `allow`, which warns.
+pub fn check_target(path: &Path, allow: bool) -> anyhow::Result<()> {
+    let md = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
+    if md.mode() & 0o004 == 0 {
+        return Ok(());
+    }
+    let why = format!(
+        "target {} is readable by every user (mode {:o}): they could read its KV bytes and the receipt key in its superblock",
+        path.display(),
+        md.mode() & 0o7777
+    );
+    if !allow {
+        bail!("{why}; `chmod o-r {}`, or pass --allow-readable-target to serve it anyway", path.display());
+    }
+    tracing::warn!("{why} (served anyway: --allow-readable-target)");
+    Ok(())
+}
+
+/// Refuses plaintext TCP beyond loopback unless `insecure`, which warns at
+/// every start: nothing on the network could tell a caller from another.
+pub fn check_tcp(addr: &std::net::SocketAddr, insecure: bool) -> anyhow::Result<()> {
+    if addr.ip().is_loopback() {
+        return Ok(());
+    }
+    if !insecure {
+        bail!(
+            "--listen {addr} would serve the control plane in plaintext to the network, where no caller can be told from another: listen on loopback or --listen-unix, or pass --insecure-tcp to do it anyway"
+        );
+    }
+    tracing::warn!(%addr, "serving the control plane in plaintext beyond loopback (--insecure-tcp): any host that reaches this address can take every step");
+    Ok(())
+}
+
+/// The uid serving a connected Unix socket (`SO_PEERCRED`).
+pub fn peer_uid(stream: &impl std::os::fd::AsFd) -> std::io::Result<u32> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).map(|c| c.uid()).map_err(std::io::Error::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_socket_path_holding_something_else_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-socket");
+        std::fs::write(&file, b"precious").unwrap();
+        let e = claim_socket_path(&file).unwrap_err().to_string();
+        assert!(e.contains("a regular file, not a socket"), "{e}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"precious");
+        let sock = dir.path().join("live.sock");
+        let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        assert!(claim_socket_path(&sock).unwrap_err().to_string().contains("served by another process"));
+        drop(_l);
+        claim_socket_path(&sock).expect("a stale socket is replaced");
+        assert!(!sock.exists());
+    }
+
+    #[test]
+    fn plaintext_tcp_stays_on_loopback_unless_asked() {
+        assert!(check_tcp(&"127.0.0.1:7077".parse().unwrap(), false).is_ok());
+        let e = check_tcp(&"0.0.0.0:7077".parse().unwrap(), false).unwrap_err().to_string();
+        assert!(e.contains("--insecure-tcp"), "{e}");
+        assert!(check_tcp(&"0.0.0.0:7077".parse().unwrap(), true).is_ok());
+    }
+
+    #[test]
+    fn a_world_readable_target_is_refused_unless_allowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.img");
+        std::fs::write(&t, b"x").unwrap();
+        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(check_target(&t, false).unwrap_err().to_string().contains("chmod o-r"));
+        assert!(check_target(&t, true).is_ok());
+        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(check_target(&t, false).is_ok());
+    }
+}
