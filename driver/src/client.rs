@@ -108,9 +108,16 @@ impl Client {
     pub fn cancel(&self, req_id: &str) -> Result<CancelOutcome, ClientError> {
         self.post("/storage-pd/cancel", &CancelRequest { req_id: req_id.into() })
     }
-    /// `publish`: the publication becomes READY; returns its receipt and manifest.
-    pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ClientError> {
-        self.post("/storage-pd/publish", &PublishRequest { publication, first_token })
+    /// `publish`: the publication becomes READY; returns its receipt and
+    /// manifest. `writer_token` is the one its `prepare` answered.
+    pub fn publish(
+        &self,
+        publication: u64,
+        writer_token: &str,
+        first_token: Option<u32>,
+    ) -> Result<Published, ClientError> {
+        let r = PublishRequest { publication, writer_token: writer_token.into(), first_token };
+        self.post("/storage-pd/publish", &r)
     }
     /// `claim`: binds `reader` and `session` to a READY publication; returns the claim receipt.
     pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ClientError> {
@@ -130,9 +137,10 @@ impl Client {
     pub fn release(&self, ready: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/release", &ReceiptOnly { receipt: ready.clone() }).map(drop)
     }
-    /// `abort`: rolls back a publication that is not READY.
-    pub fn abort(&self, publication: u64) -> Result<AbortResponse, ClientError> {
-        self.post("/storage-pd/abort", &AbortRequest { publication })
+    /// `abort`: rolls back a publication that is not READY (with the
+    /// writer's token its `prepare` answered).
+    pub fn abort(&self, publication: u64, writer_token: &str) -> Result<AbortResponse, ClientError> {
+        self.post("/storage-pd/abort", &AbortRequest { publication, writer_token: writer_token.into() })
     }
     /// `fail`: a failed or uncertain read; the publication is RETAINED.
     pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ClientError> {
@@ -241,15 +249,18 @@ impl DataConn {
         r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))
     }
 
-    /// One store batch from registered buffers.
+    /// One store batch from registered buffers, with the writer's token
+    /// the publication's `prepare` answered.
     pub fn store(
         &mut self,
         publication: u64,
+        writer_token: &str,
         chunks: Vec<DataChunk>,
         is_last_batch: bool,
         total_chunks: u32,
     ) -> Result<DataResponse, ClientError> {
-        self.call(&DataRequest::Store { publication, chunks, is_last_batch, total_chunks }, &[])
+        let writer_token = writer_token.into();
+        self.call(&DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks }, &[])
     }
 
     /// Loads chunks of an adopted publication into registered buffers.
@@ -412,12 +423,12 @@ impl Writer {
             .collect();
         for (n, group) in chunks.chunks(batch.max(1) as usize).enumerate() {
             let last = (n + 1) * batch.max(1) as usize >= chunks.len();
-            if let Err(e) = self.data.store(p.publication, group.to_vec(), last, total) {
-                let _ = self.client.abort(p.publication);
+            if let Err(e) = self.data.store(p.publication, &p.writer_token, group.to_vec(), last, total) {
+                let _ = self.client.abort(p.publication, &p.writer_token);
                 return Err(e);
             }
         }
-        self.client.publish(p.publication, first_token)
+        self.client.publish(p.publication, &p.writer_token, first_token)
     }
 }
 

@@ -138,6 +138,8 @@ struct Req {
     claim: Option<Receipt>,
     /// Loaded and verified since adopt (ack needs it).
     loaded: bool,
+    /// The writer's token its prepare answered.
+    token: String,
 }
 
 struct Sim {
@@ -334,6 +336,7 @@ impl Sim {
                     ready: None,
                     claim: None,
                     loaded: false,
+                    token: p.writer_token,
                 };
                 self.reqs.insert(p.publication, r);
                 Ok(())
@@ -485,6 +488,7 @@ impl Sim {
                     ready: None,
                     claim: None,
                     loaded: false,
+                    token: p.writer_token,
                 };
                 self.reqs.insert(p.publication, r);
                 Ok(())
@@ -576,7 +580,12 @@ impl Sim {
     fn publish(&mut self) -> Result<(), String> {
         let ready = self.ids(|r, p| p == Phase::Prepared && r.last_sent && r.stored.len() == r.chunks as usize);
         let Some(id) = self.rng.pick(&ready) else { return Ok(()) };
-        let p = self.svc().publish(id, Some(1)).map_err(|e| format!("publish {id}: {e}"))?;
+        let token = self.reqs[&id].token.clone();
+        // Without its writer's token, publish is refused and changes nothing.
+        if self.svc().publish(id, "00", Some(666)).is_ok() {
+            return Err(format!("publish {id} succeeded without its writer's token"));
+        }
+        let p = self.svc().publish(id, &token, Some(1)).map_err(|e| format!("publish {id}: {e}"))?;
         self.note(format!("publish {id} -> READY"));
         let m = self.reqs.get_mut(&id).ok_or("model lost the request")?;
         m.ready = Some(p.receipt);
@@ -711,7 +720,8 @@ impl Sim {
     fn abort(&mut self) -> Result<(), String> {
         let prepared = self.ids(|_, p| p == Phase::Prepared);
         let Some(id) = self.rng.pick(&prepared) else { return Ok(()) };
-        let o = self.svc().abort(id).map_err(|e| format!("abort {id}: {e}"))?;
+        let token = self.reqs[&id].token.clone();
+        let o = self.svc().abort(id, &token).map_err(|e| format!("abort {id}: {e}"))?;
         self.note(format!("abort {id} -> {o:?}"));
         self.reqs.remove(&id);
         if self.store().publication(id).is_some() {

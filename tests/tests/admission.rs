@@ -84,7 +84,7 @@ fn a_repeated_request_id_never_leaks_slots() {
     assert_eq!((status, code.as_str()), (409, "duplicate_request"), "{message}");
     assert!(message.contains("already waiting for admission (8 chunks)"), "{message}");
     assert_eq!(metric(&c, "pdstor_slots{kind=\"free\"}"), 2, "the refused retry took nothing");
-    c.abort(a.publication).unwrap();
+    c.abort(a.publication, &a.writer_token).unwrap();
     let d8 = waiter.join().unwrap().expect("the first D is admitted once A is aborted");
     // The other order: a retry of a PREPARED request with the same shape is
     // the same publication; with another shape it is refused.
@@ -93,7 +93,7 @@ fn a_repeated_request_id_never_leaks_slots() {
     let (_, code, _) = refusal(c.prepare("D", &layout(), 3, "w"));
     assert_eq!(code, "duplicate_request");
     assert_eq!(metric(&c, "pdstor_slots{kind=\"used\"}"), 8, "retries changed nothing");
-    c.abort(d8.publication).unwrap();
+    c.abort(d8.publication, &d8.writer_token).unwrap();
     all_returned(&c, 10);
     c.prepare("all", &layout(), 10, "w").expect("the whole store is free again");
 }
@@ -148,7 +148,7 @@ fn a_waiter_that_disconnects_is_never_admitted() {
     drop(s);
     until("the wait is cancelled", || metric(&c, "pdstor_admission_waiting") == 0);
     assert_eq!(metric(&c, "pdstor_admission_cancels_total"), 1);
-    c.abort(hog.publication).unwrap();
+    c.abort(hog.publication, &hog.writer_token).unwrap();
     thread::sleep(Duration::from_millis(100));
     let pubs = c.publications(None, false).unwrap();
     assert!(pubs.iter().all(|p| p.req_id != "gone"), "the client that left was not admitted: {pubs:?}");
@@ -167,13 +167,14 @@ fn a_short_or_inconsistent_stream_is_rolled_back() {
     let b = data.register(&buf).unwrap();
     let chunk = |i: u32| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
     let p = c.prepare("short", &layout(), 4, "w").unwrap();
-    let (status, code, message) = refusal(data.store(p.publication, vec![chunk(0), chunk(1), chunk(2)], true, 4));
+    let (status, code, message) =
+        refusal(data.store(p.publication, &p.writer_token, vec![chunk(0), chunk(1), chunk(2)], true, 4));
     assert_eq!((status, code.as_str()), (422, "protocol_violation"), "{message}");
     assert!(message.contains("leaves 1 of 4 chunks unsent"), "{message}");
     assert!(message.contains("rolled back"), "{message}");
     let p = c.prepare("total", &layout(), 4, "w").unwrap();
-    data.store(p.publication, vec![chunk(0)], false, 4).unwrap();
-    let (status, code, message) = refusal(data.store(p.publication, vec![chunk(1)], false, 5));
+    data.store(p.publication, &p.writer_token, vec![chunk(0)], false, 4).unwrap();
+    let (status, code, message) = refusal(data.store(p.publication, &p.writer_token, vec![chunk(1)], false, 5));
     assert_eq!((status, code.as_str()), (422, "protocol_violation"), "{message}");
     assert!(message.contains("declares total_chunks 5 but the request was prepared with 4"), "{message}");
     assert!(c.publications(None, false).unwrap().is_empty(), "both requests were rolled back");
@@ -200,7 +201,7 @@ fn a_prepare_waits_no_longer_than_its_own_timeout() {
     assert_eq!(code, "admission_timeout");
     assert!(t.elapsed() < Duration::from_secs(5), "capped at --admission-timeout-ms");
     assert_eq!(metric(&c, "pdstor_admission_timeouts_total"), 2);
-    c.abort(hog.publication).unwrap();
+    c.abort(hog.publication, &hog.writer_token).unwrap();
     all_returned(&c, 4);
 }
 

@@ -73,7 +73,7 @@ fn a_usage_error_is_not_a_refusal() {
 fn abort_of_an_unknown_publication_is_a_refusal() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 4, SLOT);
-    let out = pdstor(&["abort", "--server", &d.server, "--publication", "4242"]);
+    let out = pdstor(&["abort", "--server", &d.server, "--publication", "4242", "--writer-token", "00"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
     let err = text(&out.stderr);
     assert!(err.starts_with("pdstor: refused: 404 unknown_publication (publication): publication 4242"), "{err}");

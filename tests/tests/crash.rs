@@ -180,7 +180,7 @@ fn records_that_never_commit_cannot_wrap_the_journal() {
     let long = |tag: &str, i: usize| format!("{tag}-{i:06}-{}", "y".repeat(240));
     for i in 0..2000 {
         let p = c.prepare(&long("req", i), &layout(), 1, &long("writer", i)).unwrap();
-        c.abort(p.publication).unwrap();
+        c.abort(p.publication, &p.writer_token).unwrap();
     }
     let after = put(&d, "after", 2);
     d.kill9_and_restart();

@@ -147,9 +147,9 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
         crc32c: None,
     };
     let p = c.prepare("prov", &layout, 2, "w").unwrap();
-    let stored = data.store(p.publication, vec![chunk(0), chunk(1)], true, 2).unwrap();
+    let stored = data.store(p.publication, &p.writer_token, vec![chunk(0), chunk(1)], true, 2).unwrap();
     assert_eq!(stored.verdicts, vec!["native", "native"], "{stored:?}");
-    let published = c.publish(p.publication, None).unwrap();
+    let published = c.publish(p.publication, &p.writer_token, None).unwrap();
     let claim = c.claim(&published.receipt, "r", "s", 60_000).unwrap();
     let adopt = pdstor::api::wire::AdoptRequest {
         receipt: claim.clone(),

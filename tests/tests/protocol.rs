@@ -165,11 +165,11 @@ fn the_refusal_matrix_leaves_state_unchanged() {
     let b = data.register(&buf).unwrap();
     let chunk =
         |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
-    data.store(prep.publication, vec![chunk(0)], false, 2).unwrap();
-    assert_eq!(code(c.publish(prep.publication, None)).1, "not_publishable");
-    data.store(prep.publication, vec![chunk(1)], true, 2).unwrap();
-    c.publish(prep.publication, None).unwrap();
-    assert_eq!(code(data.store(prep.publication, vec![chunk(0)], false, 2)).1, "wrong_state");
+    data.store(prep.publication, &prep.writer_token, vec![chunk(0)], false, 2).unwrap();
+    assert_eq!(code(c.publish(prep.publication, &prep.writer_token, None)).1, "not_publishable");
+    data.store(prep.publication, &prep.writer_token, vec![chunk(1)], true, 2).unwrap();
+    c.publish(prep.publication, &prep.writer_token, None).unwrap();
+    assert_eq!(code(data.store(prep.publication, &prep.writer_token, vec![chunk(0)], false, 2)).1, "wrong_state");
     assert_eq!(state(&c, prep.publication).as_deref(), Some("READY"));
     let m = c.metrics().unwrap();
     assert!(m.contains("pdstor_errors_total{code=\"bad_signature\"}"), "{m}");
@@ -264,7 +264,7 @@ fn pressure_and_disconnects_leave_no_slot_behind() {
                                 len: SLOT,
                                 crc32c: None,
                             };
-                            let _ = data.store(p.publication, vec![chunk], false, chunks);
+                            let _ = data.store(p.publication, &p.writer_token, vec![chunk], false, chunks);
                             drop(data);
                         }
                         continue;
@@ -397,14 +397,14 @@ fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
             crc32c: None,
         })
         .collect();
-    let (status, code, _) = code(data.store(p.publication, chunks, true, 2));
+    let (status, code, _) = code(data.store(p.publication, &p.writer_token, chunks, true, 2));
     assert_eq!((status, code.as_str()), (422, "bad_chunk"));
     assert!(c.publications(None, false).unwrap().is_empty(), "the refused request was rolled back");
     // A declared checksum that disagrees with the bytes is refused too.
     let p = c.prepare("bad-crc", &layout(), 1, "w").unwrap();
     b.write_at(0, &payload::chunk(5, 0, SLOT as usize)).unwrap();
     let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c: Some(0xdead_beef) };
-    let r = data.store(p.publication, vec![chunk], true, 1);
+    let r = data.store(p.publication, &p.writer_token, vec![chunk], true, 1);
     assert!(matches!(&r, Err(ClientError::Api(e)) if e.message.contains("declared crc32c 0xdeadbeef")), "{r:?}");
     assert!(c.publications(None, false).unwrap().is_empty());
 }

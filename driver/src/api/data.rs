@@ -28,7 +28,7 @@ use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
 use crate::protocol::Receipt;
-use crate::protocol::service::Service;
+use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 
 /// Largest frame accepted (a batch of thousands of chunks fits easily).
@@ -284,8 +284,8 @@ impl Conn {
     fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, DataError> {
         match req {
             DataRequest::Register { len, kind, path } => self.register(len, kind, path, fds),
-            DataRequest::Store { publication, chunks, is_last_batch, total_chunks } => {
-                self.store(publication, &chunks, is_last_batch, total_chunks)
+            DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks } => {
+                self.store(publication, &writer_token, &chunks, is_last_batch, total_chunks)
             }
             DataRequest::Load { receipt, chunks } => self.load(&receipt, &chunks),
         }
@@ -327,10 +327,14 @@ impl Conn {
     fn store(
         &mut self,
         publication: u64,
+        writer_token: &str,
         chunks: &[DataChunk],
         is_last_batch: bool,
         total_chunks: u32,
     ) -> Result<DataResponse, DataError> {
+        // Only its writer stores into a publication; and only then does this
+        // connection's going away abort it.
+        self.service.check_writer(publication, writer_token).map_err(ProtocolError::from)?;
         let store = self.service.store().clone();
         let mut sources = Vec::with_capacity(chunks.len());
         for c in chunks {

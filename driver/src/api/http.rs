@@ -321,7 +321,7 @@ pub fn router(state: Shared) -> Router {
         .route(
             "/storage-pd/publish",
             post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: PublishRequest| svc.publish(r.publication, r.first_token))
+                step(s, b, |svc, r: PublishRequest| svc.publish(r.publication, &r.writer_token, r.first_token))
             }),
         )
         .route(
@@ -356,7 +356,7 @@ pub fn router(state: Shared) -> Router {
         .route(
             "/storage-pd/abort",
             post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: AbortRequest| match svc.abort(r.publication)? {
+                step(s, b, |svc, r: AbortRequest| match svc.abort(r.publication, &r.writer_token)? {
                     AbortOutcome::Aborted { slots } => Ok(AbortResponse { outcome: "aborted".into(), slots }),
                     AbortOutcome::Pending => Ok(AbortResponse { outcome: "pending".into(), slots: 0 }),
                     // Nothing to abort is a refusal, like any other step on an unknown publication.

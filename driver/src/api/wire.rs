@@ -35,6 +35,8 @@ pub struct CancelRequest {
 pub struct PublishRequest {
     /// The PREPARED publication.
     pub publication: u64,
+    /// Its writer's token (`prepare` answered it).
+    pub writer_token: String,
     /// The token the reader continues from, recorded in the manifest.
     pub first_token: Option<u32>,
 }
@@ -95,6 +97,8 @@ pub struct ReceiptOnly {
 pub struct AbortRequest {
     /// The publication.
     pub publication: u64,
+    /// Its writer's token (`prepare` answered it).
+    pub writer_token: String,
 }
 
 /// What `abort` did.
@@ -228,6 +232,8 @@ pub enum DataRequest {
     Store {
         /// The PREPARED publication.
         publication: u64,
+        /// Its writer's token (`prepare` answered it).
+        writer_token: String,
         /// The chunks and where their bytes are.
         chunks: Vec<DataChunk>,
         /// The writer sends no batch after this one.

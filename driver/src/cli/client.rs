@@ -202,11 +202,18 @@ pub struct AbortArgs {
     /// The publication id (`pdstor publications`).
     #[arg(long)]
     publication: u64,
+    /// Its writer's token, as its prepare answered it (an operator without it cancels the
+    /// request instead: `pdstor cancel --req`).
+    #[arg(long)]
+    writer_token: String,
 }
 
 impl AbortArgs {
     pub fn run(self) -> anyhow::Result<()> {
-        println!("{}", serde_json::to_string(&Client::new(&self.daemon.server).abort(self.publication)?)?);
+        println!(
+            "{}",
+            serde_json::to_string(&Client::new(&self.daemon.server).abort(self.publication, &self.writer_token)?)?
+        );
         Ok(())
     }
 }

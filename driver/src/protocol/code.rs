@@ -51,6 +51,8 @@ codes! {
     // Protocol refusals: the request names the wrong thing or comes at the wrong time.
     /// The request is malformed or out of range.
     BadRequest = "bad_request" => 400,
+    /// The step needs the writer's token of the publication, and this is not it.
+    NotOwner = "not_owner" => 403,
     /// No live publication has this id.
     UnknownPublication = "unknown_publication" => 404,
     /// The receipt's signature does not verify under this namespace's key.

@@ -135,6 +135,27 @@ impl Signer {
         r
     }
 
+    fn writer_mac(&self, publication: u64, req_id: &str) -> HmacSha256 {
+        let mut m = self.mac(b"pdstor writer token\0");
+        m.update(self.namespace.as_bytes());
+        m.update(&[0]);
+        m.update(&publication.to_le_bytes());
+        m.update(req_id.as_bytes());
+        m
+    }
+
+    /// The writer's token for `publication` of `req_id`: the proof, answered
+    /// to `prepare` only, that a store, publish or abort comes from its
+    /// writer (a publication id alone is not enough: ids are sequential).
+    pub fn writer_token(&self, publication: u64, req_id: &str) -> String {
+        hex::encode(self.writer_mac(publication, req_id).finalize().into_bytes())
+    }
+
+    /// Whether `token` is the writer's token of `publication` (constant time).
+    pub fn is_writer_token(&self, publication: u64, req_id: &str, token: &str) -> bool {
+        hex::decode(token).is_ok_and(|t| self.writer_mac(publication, req_id).verify_slice(&t).is_ok())
+    }
+
     /// Checks the signature (constant time) and the namespace.
     pub fn verify(&self, r: &Receipt) -> Result<(), Refusal> {
         if r.namespace != self.namespace {

@@ -31,6 +31,9 @@ pub enum ProtocolError {
 pub struct Prepared {
     /// The PREPARED publication.
     pub publication: u64,
+    /// The writer's token: store batches, publish and abort of this
+    /// publication must carry it (only `prepare` answers it).
+    pub writer_token: String,
     /// The namespace.
     pub namespace: String,
     /// The daemon epoch.
@@ -137,6 +140,21 @@ impl Service {
     /// The namespace's id (its uuid), named in every receipt.
     pub fn namespace(&self) -> &str {
         self.signer.namespace()
+    }
+
+    /// Refuses a writer's step on `publication` without its writer's token.
+    pub fn check_writer(&self, publication: u64, writer_token: &str) -> Result<(), Refusal> {
+        let p = self.live(publication)?;
+        if !self.signer.is_writer_token(publication, &p.req_id, writer_token) {
+            return Err(Refusal::new(
+                RefusalCode::NotOwner,
+                "writer_token",
+                format!(
+                    "publication {publication}: this is not its writer's token (the one its prepare answered): only its writer may store into, publish or abort it"
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn live(&self, id: u64) -> Result<Publication, Refusal> {
@@ -268,11 +286,23 @@ impl Service {
             format!("writer {writer}")
         };
         self.note(Event::new("prepare").req(req_id).publication(p.publication).detail(detail));
-        Ok(Prepared { publication: p.publication, namespace: self.namespace().into(), epoch: self.store.epoch() })
+        let writer_token = self.signer.writer_token(p.publication, req_id);
+        Ok(Prepared {
+            publication: p.publication,
+            writer_token,
+            namespace: self.namespace().into(),
+            epoch: self.store.epoch(),
+        })
     }
 
     /// Step 3: READY; returns the signed receipt and the manifest.
-    pub fn publish(&self, publication: u64, first_token: Option<u32>) -> Result<Published, ProtocolError> {
+    pub fn publish(
+        &self,
+        publication: u64,
+        writer_token: &str,
+        first_token: Option<u32>,
+    ) -> Result<Published, ProtocolError> {
+        self.check_writer(publication, writer_token)?;
         let manifest = self.store.publish(publication, first_token)?;
         let p = self.live(publication)?;
         let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
@@ -451,7 +481,11 @@ impl Service {
     }
 
     /// Rolls back a publication that is not READY yet.
-    pub fn abort(&self, publication: u64) -> Result<AbortOutcome, ProtocolError> {
+    pub fn abort(&self, publication: u64, writer_token: &str) -> Result<AbortOutcome, ProtocolError> {
+        if self.store.publication(publication).is_none() {
+            return Ok(AbortOutcome::NotFound);
+        }
+        self.check_writer(publication, writer_token)?;
         let outcome = self.store.abort(publication)?;
         self.note(Event::new("abort").publication(publication).detail(format!("{outcome:?}")));
         Ok(outcome)

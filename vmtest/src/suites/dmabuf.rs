@@ -204,9 +204,9 @@ fn handoff(target: &Path, writer: (&str, PayloadPath), reader: (&str, PayloadPat
     let chunks: Vec<DataChunk> = (0..CHUNKS)
         .map(|i| DataChunk { index: i, buffer: wid, offset: i as u64 * CHUNK, len: CHUNK, crc32c: None })
         .collect();
-    let stored = data.store(p.publication, chunks, true, CHUNKS).map_err(e("store"))?;
+    let stored = data.store(p.publication, &p.writer_token, chunks, true, CHUNKS).map_err(e("store"))?;
     check_chunks("store", &stored.paths, &stored.verdicts, writer.1)?;
-    let published = client.publish(p.publication, Some(7)).map_err(e("publish"))?;
+    let published = client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
     let claim = client.claim(&published.receipt, "decode-0", req, 60_000).map_err(e("claim"))?;
     let manifest = client
         .adopt(&pdstor::api::wire::AdoptRequest {
@@ -378,7 +378,7 @@ fn bad_input(ctx: &Ctx) -> Outcome {
         let chunks: Vec<DataChunk> = (0..2)
             .map(|i| DataChunk { index: i, buffer: id, offset: i as u64 * CHUNK, len: CHUNK, crc32c: None })
             .collect();
-        match data.store(p.publication, chunks, true, 2) {
+        match data.store(p.publication, &p.writer_token, chunks, true, 2) {
             Err(ClientError::Api(b)) if b.status == 422 && b.message.contains("outside the") => {}
             other => return Err(format!("a chunk beyond the buffer answered {:?}", other.map(|_| ()))),
         }
@@ -396,8 +396,9 @@ fn bad_input(ctx: &Ctx) -> Outcome {
         drop(b);
         let p = client.prepare("closed-1", &layout(), 1, "vmtest").map_err(e("prepare"))?;
         let chunk = DataChunk { index: 0, buffer: id, offset: 0, len: CHUNK, crc32c: None };
-        data.store(p.publication, vec![chunk], true, 1).map_err(e("store after the client closed its fds"))?;
-        let published = client.publish(p.publication, None).map_err(e("publish"))?;
+        data.store(p.publication, &p.writer_token, vec![chunk], true, 1)
+            .map_err(e("store after the client closed its fds"))?;
+        let published = client.publish(p.publication, &p.writer_token, None).map_err(e("publish"))?;
         let c = published.manifest.chunks.first().ok_or("no chunk in the manifest")?;
         if dd_direct(&disk.block, c.offset.0, c.len)? != payload {
             return Err("the chunk stored after the client closed its fds is not the client's bytes".into());

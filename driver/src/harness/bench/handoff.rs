@@ -132,9 +132,9 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
         };
         let p = client.prepare(&req, &layout(), 1, "w")?;
         lap(&mut times);
-        data.store(p.publication, vec![chunk], true, 1)?;
+        data.store(p.publication, &p.writer_token, vec![chunk], true, 1)?;
         lap(&mut times);
-        let published = client.publish(p.publication, None)?;
+        let published = client.publish(p.publication, &p.writer_token, None)?;
         lap(&mut times);
         let claim = client.claim(&published.receipt, "lat", &req, 60_000)?;
         lap(&mut times);

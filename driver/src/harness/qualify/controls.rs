@@ -170,7 +170,7 @@ impl Run<'_> {
         let server = self.daemon.server.clone();
         let releaser = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(300));
-            Client::new(&server).abort(filler.publication)
+            Client::new(&server).abort(filler.publication, &filler.writer_token)
         });
         let published = self.publish_all(&reqs)?;
         releaser.join().map_err(|_| anyhow::anyhow!("the releasing thread panicked"))??;

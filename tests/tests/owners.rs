@@ -1,0 +1,86 @@
+//! A publication belongs to the writer that prepared it (issue 16): the
+//! attacks that a publication id alone used to allow — racing its publish,
+//! aborting it, or storing into it and disconnecting so the daemon aborts it
+//! — are refused with `not_owner`, and the writer finishes undisturbed.
+
+use pdstor::api::wire::DataChunk;
+use pdstor::client::{Client, ClientError, DataConn};
+use pdstor::store::Layout;
+use pdstor_tests::Daemon;
+
+const SLOT: u64 = 1 << 20;
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "owners".into(),
+        dtype: "bf16".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        chunk_tokens: 16,
+        kv_format: "pdstor-owners".into(),
+    }
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, ClientError>) -> (u16, String) {
+    match r {
+        Err(ClientError::Api(e)) => (e.status, e.code),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn state(c: &Client, publication: u64) -> Option<String> {
+    c.publications(None, false).unwrap().into_iter().find(|p| p.publication == publication).map(|p| p.state)
+}
+
+#[test]
+fn only_the_writer_stores_publishes_or_aborts_its_publication() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    // The writer prepares and stores its two chunks.
+    let p = c.prepare("victim", &layout(), 2, "writer-a").unwrap();
+    let mut writer = DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("victim", 2 * SLOT as usize).unwrap();
+    buf.write_at(0, &pdstor::payload::chunk(5, 0, SLOT as usize)).unwrap();
+    buf.write_at(SLOT, &pdstor::payload::chunk(5, 1, SLOT as usize)).unwrap();
+    let b = writer.register(&buf).unwrap();
+    let chunk = |buffer: u32, i: u32| DataChunk { index: i, buffer, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
+    writer.store(p.publication, &p.writer_token, vec![chunk(b, 0)], false, 2).unwrap();
+
+    // The attacker knows the publication id (they are sequential), not the token.
+    let forged = "00".repeat(32);
+    assert_eq!(code(c.publish(p.publication, &forged, Some(666))), (403, "not_owner".into()), "publish race");
+    assert_eq!(code(c.abort(p.publication, &forged)), (403, "not_owner".into()), "cross-writer abort");
+    // Storing into it on its own connection, then vanishing (the daemon aborts
+    // what a vanished connection stored into — its own, never another's).
+    let mut attacker = DataConn::connect(&d.data_socket).unwrap();
+    let evil = pdstor::Buffer::memfd("evil", SLOT as usize).unwrap();
+    let eb = attacker.register(&evil).unwrap();
+    let evil_chunk = DataChunk { index: 1, buffer: eb, offset: 0, len: SLOT, crc32c: None };
+    assert_eq!(code(attacker.store(p.publication, &forged, vec![evil_chunk], true, 2)), (403, "not_owner".into()));
+    drop(attacker);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert_eq!(state(&c, p.publication).as_deref(), Some("PREPARED"), "every attack changed nothing");
+
+    // The writer finishes: its first token, its bytes.
+    writer.store(p.publication, &p.writer_token, vec![chunk(b, 1)], true, 2).unwrap();
+    let published = c.publish(p.publication, &p.writer_token, Some(42)).unwrap();
+    assert_eq!(published.manifest.first_token, Some(42));
+    let m = c.metrics().unwrap();
+    assert!(m.contains("pdstor_errors_total{code=\"not_owner\"} 3"), "{m}");
+}
+
+#[test]
+fn a_retried_prepare_answers_the_same_writer_token() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let c = Client::new(&d.server);
+    let first = c.prepare("retry", &layout(), 2, "w").unwrap();
+    let again = c.prepare("retry", &layout(), 2, "w").unwrap();
+    assert_eq!((again.publication, &again.writer_token), (first.publication, &first.writer_token));
+    let other = c.prepare("other", &layout(), 2, "w").unwrap();
+    assert_ne!(other.writer_token, first.writer_token, "each publication has its own token");
+    assert_eq!(code(c.abort(first.publication, &other.writer_token)), (403, "not_owner".into()));
+    c.abort(first.publication, &first.writer_token).unwrap();
+}
