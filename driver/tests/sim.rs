@@ -142,6 +142,23 @@ struct Req {
     token: String,
 }
 
+impl Req {
+    /// A request just PREPARED: nothing stored yet.
+    fn prepared(req: String, seed: u64, chunks: u32, token: String) -> Req {
+        Req {
+            req,
+            seed,
+            chunks,
+            stored: BTreeSet::new(),
+            last_sent: false,
+            ready: None,
+            claim: None,
+            loaded: false,
+            token,
+        }
+    }
+}
+
 struct Sim {
     rng: Rng,
     /// Holds the namespace file; removed with the simulation.
@@ -327,18 +344,7 @@ impl Sim {
         ));
         match (result, w.ending) {
             (Ok(p), None) => {
-                let r = Req {
-                    req: w.req,
-                    seed: w.seed,
-                    chunks: w.chunks,
-                    stored: BTreeSet::new(),
-                    last_sent: false,
-                    ready: None,
-                    claim: None,
-                    loaded: false,
-                    token: p.writer_token,
-                };
-                self.reqs.insert(p.publication, r);
+                self.reqs.insert(p.publication, Req::prepared(w.req, w.seed, w.chunks, p.writer_token));
                 Ok(())
             }
             (Ok(p), Some(why)) => {
@@ -479,18 +485,8 @@ impl Sim {
         match self.svc().prepare_with(&req, &layout(), chunks, "w", Some(Duration::ZERO), &now) {
             Ok(p) => {
                 self.note(format!("prepare {req} ({chunks} chunks) -> publication {}", p.publication));
-                let r = Req {
-                    req,
-                    seed: self.rng.next(),
-                    chunks,
-                    stored: BTreeSet::new(),
-                    last_sent: false,
-                    ready: None,
-                    claim: None,
-                    loaded: false,
-                    token: p.writer_token,
-                };
-                self.reqs.insert(p.publication, r);
+                let seed = self.rng.next();
+                self.reqs.insert(p.publication, Req::prepared(req, seed, chunks, p.writer_token));
                 Ok(())
             }
             Err(e) if (chunks as u64) > free => {

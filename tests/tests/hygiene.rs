@@ -11,6 +11,12 @@ fn serve(args: &[&str]) -> Output {
     Command::new(pdstor_bin()).arg("serve").args(args).output().expect("running pdstor serve")
 }
 
+/// `pdstor serve --target T --listen L --data-socket S`, run to its exit.
+fn serve_tcp(target: &std::path::Path, listen: &str, data_socket: &std::path::Path) -> Output {
+    let (t, s) = (target.to_str().unwrap(), data_socket.to_str().unwrap());
+    serve(&["--target", t, "--listen", listen, "--data-socket", s])
+}
+
 fn mode(path: &std::path::Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o7777
 }
@@ -22,14 +28,7 @@ fn targets_are_created_for_their_owner_and_a_readable_one_is_refused() {
     assert_eq!(mode(&target), 0o600, "pdstor creates targets 0600");
     std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).unwrap();
     let sock = dir.path().join("d.sock");
-    let out = serve(&[
-        "--target",
-        target.to_str().unwrap(),
-        "--listen",
-        "127.0.0.1:0",
-        "--data-socket",
-        sock.to_str().unwrap(),
-    ]);
+    let out = serve_tcp(&target, "127.0.0.1:0", &sock);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a world-readable target was served");
     assert!(err.contains("readable by every user") && err.contains("--allow-readable-target"), "{err}");
@@ -61,14 +60,7 @@ fn a_unix_socket_path_holding_another_file_is_never_replaced() {
     assert!(err.contains("a regular file, not a socket: refusing to replace it"), "{err}");
     assert_eq!(std::fs::read(&precious).unwrap(), b"not a socket", "the file is untouched");
     // The same for the data socket.
-    let out = serve(&[
-        "--target",
-        target.to_str().unwrap(),
-        "--listen",
-        "127.0.0.1:0",
-        "--data-socket",
-        precious.to_str().unwrap(),
-    ]);
+    let out = serve_tcp(&target, "127.0.0.1:0", &precious);
     assert!(!out.status.success());
     assert_eq!(std::fs::read(&precious).unwrap(), b"not a socket");
 }
@@ -107,14 +99,7 @@ fn plaintext_tcp_beyond_loopback_needs_to_be_asked_for() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = pdstor_tests::format_file(dir.path(), 4, 1 << 20);
     let sock = dir.path().join("d.sock");
-    let out = serve(&[
-        "--target",
-        target.to_str().unwrap(),
-        "--listen",
-        "0.0.0.0:0",
-        "--data-socket",
-        sock.to_str().unwrap(),
-    ]);
+    let out = serve_tcp(&target, "0.0.0.0:0", &sock);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(err.contains("plaintext to the network") && err.contains("--insecure-tcp"), "{err}");
