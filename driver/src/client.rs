@@ -152,8 +152,8 @@ impl Client {
         self.post::<_, Done>("/storage-pd/reclaim", &ReceiptOnly { receipt: claim.clone() }).map(drop)
     }
     /// `session/close`: fences a reader session.
-    pub fn close_session(&self, session: &str) -> Result<(), ClientError> {
-        self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { session_id: session.into() }).map(drop)
+    pub fn close_session(&self, claim: &Receipt) -> Result<(), ClientError> {
+        self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { receipt: claim.clone() }).map(drop)
     }
     /// Live publications, of one state if given; `verbose` adds each
     /// chunk's extent on the target.

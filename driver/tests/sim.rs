@@ -747,9 +747,7 @@ impl Sim {
         if !fenced && self.svc().reclaim(&claim).is_ok() {
             return Err(format!("reclaim of {id} succeeded while its reader's session was open"));
         }
-        if let Some(s) = &claim.session {
-            self.svc().close_session(s);
-        }
+        self.svc().close_session(&claim).map_err(|e| format!("close the session of {id}: {e}"))?;
         self.svc().reclaim(&claim).map_err(|e| format!("reclaim {id} after fencing: {e}"))?;
         self.note(format!("reclaim {id} (fenced by {})", if fenced { "epoch" } else { "session close" }));
         self.free(id, "reclaim")

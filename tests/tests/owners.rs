@@ -84,3 +84,25 @@ fn a_retried_prepare_answers_the_same_writer_token() {
     assert_eq!(code(c.abort(first.publication, &other.writer_token)), (403, "not_owner".into()));
     c.abort(first.publication, &first.writer_token).unwrap();
 }
+
+/// Closing a session fences its reader (its bytes become reclaimable), so
+/// it takes a claim receipt of that session: a forged or READY receipt is
+/// refused and the reader keeps reading.
+#[test]
+fn only_a_holder_of_the_session_closes_it() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let c = Client::new(&d.server);
+    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let published = w.put("s", &layout(), &pdstor::payload::chunk(3, 0, SLOT as usize), 1, None).unwrap();
+    let claim = c.claim(&published.receipt, "victim", "victim-session", 60_000).unwrap();
+    let mut forged = claim.clone();
+    forged.session = Some("victim-session".into());
+    forged.reader = Some("attacker".into());
+    assert_eq!(code(c.close_session(&forged)), (403, "bad_signature".into()));
+    assert_eq!(code(c.close_session(&published.receipt)), (403, "wrong_receipt".into()));
+    assert_eq!(code(c.reclaim(&claim)), (409, "not_fenced".into()), "the victim's claim is not fenced");
+    let mut r = pdstor::client::Reader::new(&d.server, &d.data_socket).unwrap();
+    let restored = r.get(&claim, &layout()).expect("the victim reads undisturbed");
+    c.ack(&claim, &restored.restore_digest).unwrap();
+}

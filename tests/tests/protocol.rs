@@ -190,7 +190,7 @@ fn a_failed_read_retains_the_bytes_until_a_fenced_reclaim() {
     assert!(matches!(&e, ClientError::Api(b) if b.code == "admission_timeout"), "retained slots are not reused: {e}");
     assert_eq!(code(c.reclaim(&claim)).1, "not_fenced");
     assert_eq!(state(&c, claim.publication).as_deref(), Some("RETAINED"));
-    c.close_session("s-1").unwrap();
+    c.close_session(&claim).unwrap();
     c.reclaim(&claim).unwrap();
     assert_eq!(state(&c, claim.publication), None);
     let mut w4 = Writer::new(&d.server, &d.data_socket, SLOT, 4).unwrap();
@@ -505,7 +505,7 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
     // A session closed before adopt.
     let p = put(&d, "fence-1", 11, 2);
     let claim = c.claim(&p.receipt, "decode-0", "s-closed", 60_000).unwrap();
-    c.close_session("s-closed").unwrap();
+    c.close_session(&claim).unwrap();
     let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
     let e = r.get(&claim, &layout()).unwrap_err();
     assert!(
@@ -526,7 +526,7 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
             layout: layout(),
         })
         .unwrap();
-    c.close_session("s-late").unwrap();
+    c.close_session(&claim).unwrap();
     let digest = pdstor::protocol::service::restore_digest(&m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>());
     assert_eq!(code(c.ack(&claim, &digest)).1, "fenced");
     let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();

@@ -388,10 +388,7 @@ pub fn router(state: Shared) -> Router {
         .route(
             "/storage-pd/session/close",
             post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: SessionCloseRequest| {
-                    svc.close_session(&r.session_id);
-                    Ok(Done { ok: true })
-                })
+                step(s, b, |svc, r: SessionCloseRequest| svc.close_session(&r.receipt).map(|_| Done { ok: true }))
             }),
         )
         .with_state(state)

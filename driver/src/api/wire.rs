@@ -119,11 +119,12 @@ pub struct FailRequest {
     pub reason: String,
 }
 
-/// `POST /storage-pd/session/close`: fence a reader session.
+/// `POST /storage-pd/session/close`: fence a reader session, proven by a
+/// claim receipt of that session.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SessionCloseRequest {
-    /// The session to fence.
-    pub session_id: String,
+    /// A claim receipt whose session is the one to fence.
+    pub receipt: Receipt,
 }
 
 /// A step that answers nothing but success.

@@ -272,14 +272,14 @@ impl ReclaimArgs {
 pub struct CloseSessionArgs {
     #[command(flatten)]
     daemon: Server,
-    /// The session id given to `pdstor claim --session`.
+    /// A claim receipt of the session to close (a JSON file): the proof that the caller holds it.
     #[arg(long)]
-    session: String,
+    claim: PathBuf,
 }
 
 impl CloseSessionArgs {
     pub fn run(self) -> anyhow::Result<()> {
-        Ok(Client::new(&self.daemon.server).close_session(&self.session)?)
+        Ok(Client::new(&self.daemon.server).close_session(&read_json(&self.claim, "claim receipt")?)?)
     }
 }
 

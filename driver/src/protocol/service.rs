@@ -588,8 +588,24 @@ impl Service {
         Ok(())
     }
 
-    /// Fences a reader session: its claims become reclaimable.
-    pub fn close_session(&self, session: &str) {
-        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(session.into());
+    /// Fences the reader session of `claim`, a claim receipt proving the
+    /// caller holds a claim of that session: every claim of the session
+    /// becomes reclaimable and may no longer read.
+    pub fn close_session(&self, claim: &Receipt) -> Result<(), ProtocolError> {
+        self.signer.verify(claim)?;
+        if claim.kind != ReceiptKind::Claim {
+            return Err(Refusal::new(
+                RefusalCode::WrongReceipt,
+                "receipt",
+                "closing a session takes a claim receipt of that session, not a READY receipt",
+            )
+            .into());
+        }
+        let Some(session) = claim.session.clone() else {
+            return Err(Refusal::new(RefusalCode::BadRequest, "receipt", "the claim receipt names no session").into());
+        };
+        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(session.clone());
+        self.note(Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(session));
+        Ok(())
     }
 }

@@ -61,7 +61,7 @@ impl Run<'_> {
         if c.reclaim(&claim).is_ok() {
             bail!("reclaim succeeded while the cancelled reader's session was open");
         }
-        c.close_session("control-cancel")?;
+        c.close_session(&claim)?;
         c.reclaim(&claim)?;
         Ok("lease kept (ADOPTED, no ack) after the reader stopped mid-restore; reclaim refused until its session was closed".into())
     }
@@ -78,7 +78,7 @@ impl Run<'_> {
             bail!("the corrupted chunk gave {err:?} and continuation {:?}", o.cold);
         }
         let c = self.client();
-        c.close_session("control-corrupt")?;
+        c.close_session(&claim)?;
         c.reclaim(&claim)?;
         Ok(format!(
             "strict reader failed ({err}); no continuation; the claim failed to RETAINED and was reclaimed once fenced"
