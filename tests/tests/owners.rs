@@ -106,3 +106,44 @@ fn only_a_holder_of_the_session_closes_it() {
     let restored = r.get(&claim, &layout()).expect("the victim reads undisturbed");
     c.ack(&claim, &restored.restore_digest).unwrap();
 }
+
+/// The receipt key can be rotated (offline, with nothing live): every
+/// receipt signed before is then void, with its own code.
+#[test]
+fn a_rotated_key_voids_every_earlier_receipt() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut d = Daemon::format_and_start(dir.path(), 4, SLOT);
+    let c = Client::new(&d.server);
+    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let old = w.put("before", &layout(), &pdstor::payload::chunk(4, 0, SLOT as usize), 1, None).unwrap().receipt;
+    drop(w);
+    d.stop();
+    let target = d.target.clone();
+    let rotate = || {
+        std::process::Command::new(pdstor_tests::pdstor_bin())
+            .args(["rotate-key", "--target"])
+            .arg(&target)
+            .output()
+            .unwrap()
+    };
+    let out = rotate();
+    assert!(!out.status.success(), "rotated with a live publication");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("1 publications are live"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    d.restart();
+    c.release(&old).unwrap();
+    d.stop();
+    let out = rotate();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(printed["key_id"], old.key_id + 1);
+    d.restart();
+    assert_eq!(code(c.claim(&old, "r", "s", 60_000)), (403, "key_rotated".into()));
+    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let new = w.put("after", &layout(), &pdstor::payload::chunk(5, 0, SLOT as usize), 1, None).unwrap().receipt;
+    assert_eq!(new.key_id, old.key_id + 1);
+    c.release(&new).unwrap();
+}

@@ -79,6 +79,8 @@ enum Command {
     Info(target::InfoArgs),
     /// Write a fresh pdstor namespace (superblocks, empty journal) on a target.
     Format(target::FormatArgs),
+    /// Replace the namespace's receipt key (offline, no live publication): earlier receipts are void.
+    RotateKey(target::RotateKeyArgs),
     /// Replay a namespace's journal read-only (no epoch bump, nothing written) and print what
     /// recovery would find and the publications.
     Inspect(target::InspectArgs),
@@ -118,6 +120,7 @@ impl Command {
             Command::Info(a) => a.run(),
             Command::Format(a) => a.run(),
             Command::Inspect(a) => a.run(),
+            Command::RotateKey(a) => a.run(),
             Command::BenchStore(a) => a.run(),
             Command::Bench(a) => a.run(),
             Command::Roundtrip(a) => a.run(),

@@ -62,6 +62,25 @@ impl FormatArgs {
 }
 
 #[derive(clap::Args)]
+pub struct RotateKeyArgs {
+    /// A formatted target not served by a running daemon, with no live publication.
+    #[arg(long)]
+    target: PathBuf,
+}
+
+impl RotateKeyArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let (s, _) = store::Store::open(&self.target, store::StoreOptions::default())?;
+        let key_id = s.rotate_key()?;
+        print_json(&serde_json::json!({
+            "namespace": s.superblock().uuid.to_string(),
+            "key_id": key_id,
+            "note": "every receipt signed with an earlier key is void (403 key_rotated)",
+        }))
+    }
+}
+
+#[derive(clap::Args)]
 pub struct InspectArgs {
     /// A formatted target not served by a running daemon. Read only: the epoch is not
     /// bumped and nothing is written, so outstanding claims are not fenced by it.

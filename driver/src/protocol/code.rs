@@ -57,6 +57,8 @@ codes! {
     UnknownPublication = "unknown_publication" => 404,
     /// The receipt's signature does not verify under this namespace's key.
     BadSignature = "bad_signature" => 403,
+    /// The receipt was signed with a key the namespace has rotated away from.
+    KeyRotated = "key_rotated" => 403,
     /// The receipt or request names another namespace.
     NamespaceMismatch = "namespace_mismatch" => 403,
     /// The receipt is not the one this step needs (READY vs CLAIMED).

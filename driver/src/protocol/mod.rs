@@ -165,6 +165,16 @@ impl Signer {
                 format!("receipt is for namespace {}, this daemon serves {}", r.namespace, self.namespace),
             ));
         }
+        if r.key_id != self.key_id {
+            return Err(Refusal::new(
+                RefusalCode::KeyRotated,
+                "key_id",
+                format!(
+                    "the receipt was signed with key {}; this namespace signs with key {} since `pdstor rotate-key`: the receipt is void",
+                    r.key_id, self.key_id
+                ),
+            ));
+        }
         let sig = hex::decode(&r.signature)
             .map_err(|_| Refusal::new(RefusalCode::BadSignature, "signature", "signature is not hex"))?;
         self.mac(&canonical(r)).verify_slice(&sig).map_err(|_| {

@@ -202,6 +202,14 @@ pub enum StoreError {
         /// The most a request can have.
         max: u32,
     },
+    /// The receipt key cannot be rotated while receipts signed with it hold slots.
+    #[error(
+        "{live} publications are live: rotating the receipt key would void their receipts while they hold slots; ack, release, reclaim or cancel them first"
+    )]
+    KeyInUse {
+        /// Live publications.
+        live: usize,
+    },
     /// A load of the publication is still in flight: its slots cannot be freed yet.
     #[error(
         "publication {publication}: a load is still in flight after {waited_ms} ms; its slots are not freed under a reader: retry"

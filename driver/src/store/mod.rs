@@ -322,6 +322,27 @@ impl Store {
         }
     }
 
+    /// Replaces the namespace's receipt key with a fresh random one (the key
+    /// id goes up by one), so that every receipt signed before is void.
+    /// Refused while publications are live: their receipts would be void
+    /// with them still holding slots. Returns the new key id.
+    pub fn rotate_key(&self) -> Result<u32, StoreError> {
+        let live = self.lock_live().state.pubs.len();
+        if live > 0 {
+            return Err(StoreError::KeyInUse { live });
+        }
+        let mut key = [0u8; 32];
+        getrandom::fill(&mut key).map_err(WorkerError::Random)?;
+        let mut sb = self.superblock();
+        sb.hmac_key = key;
+        sb.hmac_key_id += 1;
+        sb.generation += 1;
+        self.write_superblock(sb.clone())?;
+        let id = sb.hmac_key_id;
+        *self.lock_sb() = sb;
+        Ok(id)
+    }
+
     /// What kind of target the store is on.
     pub fn target_kind(&self) -> TargetKind {
         self.io.target_kind()
