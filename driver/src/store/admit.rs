@@ -319,6 +319,13 @@ impl Store {
     /// allocator's and admission's counts.
     pub fn accounting(&self) -> Result<Accounting, Invariant> {
         self.check()?;
+        self.reconcile()
+    }
+
+    /// The counts of [`accounting`](Self::accounting), cross-checked between
+    /// the allocator and admission only — O(publications), not O(slots), so
+    /// the daemon can afford it after every request.
+    pub fn reconcile(&self) -> Result<Accounting, Invariant> {
         let live = self.lock_live();
         let st = self.admission.stats();
         let used: u64 = live.state.pubs.values().map(|p| p.slots.len() as u64).sum();
