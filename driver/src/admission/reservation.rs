@@ -427,7 +427,7 @@ mod tests {
     #[test]
     fn buffer_of_10_with_two_requests_of_8_does_not_deadlock() {
         let m = Arc::new(ReservationManager::new(10));
-        m.try_admit("A", 8, LONG).unwrap();
+        m.try_admit("A", 8, LONG).expect("A fits the free slots");
         let m2 = m.clone();
         let b = thread::spawn(move || {
             let t = Instant::now();
@@ -437,12 +437,12 @@ mod tests {
         assert_eq!(m.held("B"), 0, "B waits while A holds 8 of 10");
         assert!(m.is_waiting("B"));
         assert_eq!(m.release("A"), 8);
-        let waited = b.join().unwrap().expect("B is admitted once A releases");
+        let waited = b.join().expect("the waiter thread panicked").expect("B is admitted once A releases");
         assert!(waited >= Duration::from_millis(90));
         let st = m.stats();
         assert_eq!((st.capacity, st.reserved, st.holders, st.waits, st.waiting), (10, 8, 1, 1, 0));
         assert_eq!(st.counters.admitted, 2);
-        m.check().unwrap();
+        m.check().expect("the reservation invariants hold");
     }
 
     #[test]
@@ -459,7 +459,7 @@ mod tests {
     #[test]
     fn admission_times_out_when_one_request_holds_everything() {
         let m = ReservationManager::new(4);
-        m.try_admit("hog", 4, LONG).unwrap();
+        m.try_admit("hog", 4, LONG).expect("hog fits the free slots");
         let e = m.try_admit("late", 1, Duration::from_millis(50)).unwrap_err();
         match e {
             AdmitError::Timeout { free: 0, capacity: 4, holders: 1, .. } => {}
@@ -473,12 +473,12 @@ mod tests {
     #[test]
     fn abort_wakes_the_waiter_and_release_is_idempotent() {
         let m = Arc::new(ReservationManager::new(2));
-        m.try_admit("A", 2, LONG).unwrap();
+        m.try_admit("A", 2, LONG).expect("A fits the free slots");
         let m2 = m.clone();
         let w = thread::spawn(move || m2.try_admit("B", 2, LONG));
         until(|| m.is_waiting("B"));
         assert_eq!(m.abort("B"), (true, 0));
-        assert_eq!(w.join().unwrap(), Err(AdmitError::Aborted { req: "B".into() }));
+        assert_eq!(w.join().expect("the waiter thread panicked"), Err(AdmitError::Aborted { req: "B".into() }));
         assert_eq!(m.release("A"), 2);
         assert_eq!(m.release("A"), 0, "second release is a no-op");
         assert_eq!(m.abort("unknown"), (false, 0));
@@ -488,7 +488,7 @@ mod tests {
     #[test]
     fn a_second_admission_of_a_waiting_request_is_refused_and_changes_nothing() {
         let m = Arc::new(ReservationManager::new(10));
-        m.try_admit("A", 8, LONG).unwrap();
+        m.try_admit("A", 8, LONG).expect("A fits the free slots");
         let m2 = m.clone();
         let d = thread::spawn(move || m2.try_admit("D", 8, LONG));
         until(|| m.is_waiting("D"));
@@ -496,24 +496,24 @@ mod tests {
         assert_eq!(m.try_admit("D", 2, LONG), Err(AdmitError::AlreadyWaiting { req: "D".into(), waiting: 8 }));
         assert_eq!(m.stats().reserved, 8);
         assert_eq!(m.release("A"), 8);
-        d.join().unwrap().expect("the first D is admitted once A releases");
+        d.join().expect("the waiter thread panicked").expect("the first D is admitted once A releases");
         assert_eq!(m.held("D"), 8);
         assert_eq!(m.release("D"), 8);
         assert_eq!(m.stats().reserved, 0, "nothing leaked");
-        m.check().unwrap();
+        m.check().expect("the reservation invariants hold");
     }
 
     #[test]
     fn a_cancelled_token_withdraws_the_waiter() {
         let m = Arc::new(ReservationManager::new(1));
-        m.try_admit("A", 1, LONG).unwrap();
+        m.try_admit("A", 1, LONG).expect("A fits the free slots");
         let token = CancelToken::new();
         let (m2, t2) = (m.clone(), token.clone());
         let w = thread::spawn(move || m2.admit("B", 1, LONG, &t2));
         until(|| m.is_waiting("B"));
         token.cancel();
         m.wake();
-        assert_eq!(w.join().unwrap(), Err(AdmitError::Cancelled { req: "B".into() }));
+        assert_eq!(w.join().expect("the waiter thread panicked"), Err(AdmitError::Cancelled { req: "B".into() }));
         assert_eq!(m.release("A"), 1);
         assert_eq!(m.stats().reserved, 0, "the withdrawn waiter was granted nothing");
         assert_eq!(m.stats().counters.cancelled, 1);
@@ -522,7 +522,7 @@ mod tests {
     #[test]
     fn freed_capacity_goes_first_fit_in_arrival_order() {
         let m = Arc::new(ReservationManager::new(4));
-        m.try_admit("A", 4, LONG).unwrap();
+        m.try_admit("A", 4, LONG).expect("A fits the free slots");
         let mut waiters = Vec::new();
         for (req, n) in [("big", 3), ("small", 1), ("other", 1)] {
             let m2 = m.clone();
@@ -537,7 +537,7 @@ mod tests {
         m.release("small");
         assert_eq!(m.held("other"), 1);
         for w in waiters {
-            w.join().unwrap().unwrap();
+            w.join().expect("the waiter thread panicked").expect("each waiter is admitted in turn");
         }
     }
 
@@ -569,7 +569,7 @@ mod tests {
     fn timeouts_follow_the_injected_clock() {
         let clock = Arc::new(Manual::default());
         let m = Arc::new(ReservationManager::with_clock(1, clock.clone()));
-        m.try_admit("A", 1, LONG).unwrap();
+        m.try_admit("A", 1, LONG).expect("A fits the free slots");
         let m2 = m.clone();
         let w = thread::spawn(move || m2.try_admit("B", 1, Duration::from_millis(500)));
         until(|| m.is_waiting("B"));
@@ -577,13 +577,16 @@ mod tests {
         assert!(m.is_waiting("B"), "wall time alone does not time it out");
         clock.0.store(500, Ordering::SeqCst);
         m.wake();
-        assert!(matches!(w.join().unwrap(), Err(AdmitError::Timeout { waited_ms: 500, .. })));
+        assert!(matches!(
+            w.join().expect("the waiter thread panicked"),
+            Err(AdmitError::Timeout { waited_ms: 500, .. })
+        ));
     }
 
     #[test]
     fn shrink_gives_back_the_unused_part() {
         let m = ReservationManager::new(10);
-        m.try_admit("A", 5, LONG).unwrap();
+        m.try_admit("A", 5, LONG).expect("A fits the free slots");
         assert_eq!(m.shrink("A", 3), 2);
         assert_eq!(m.stats().reserved, 3);
         assert_eq!(m.shrink("A", 7), 0, "shrink never grows");

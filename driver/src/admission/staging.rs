@@ -114,17 +114,17 @@ mod tests {
     #[test]
     fn staging_allocate_blocks_until_free_and_wakes_on_abort() {
         let p = Arc::new(StagingPool::new(1));
-        let s = p.allocate("A", LONG).unwrap();
+        let s = p.allocate("A", LONG).expect("a free staging slot");
         let p2 = p.clone();
         let w = thread::spawn(move || p2.allocate("A", LONG));
         thread::sleep(Duration::from_millis(50));
         p.free(s);
-        assert_eq!(w.join().unwrap(), Ok(s));
+        assert_eq!(w.join().expect("the waiter thread panicked"), Ok(s));
         let p3 = p.clone();
         let w = thread::spawn(move || p3.allocate("B", LONG));
         thread::sleep(Duration::from_millis(50));
         p.abort("B");
-        assert_eq!(w.join().unwrap(), Err(StagingError::Aborted { req: "B".into() }));
+        assert_eq!(w.join().expect("the waiter thread panicked"), Err(StagingError::Aborted { req: "B".into() }));
         assert!(matches!(p.allocate("C", Duration::from_millis(10)), Err(StagingError::Timeout { .. })));
     }
 }

@@ -143,14 +143,14 @@ mod tests {
 
     #[test]
     fn a_socket_path_holding_something_else_is_left_alone() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().expect("a temporary directory");
         let file = dir.path().join("not-a-socket");
-        std::fs::write(&file, b"precious").unwrap();
+        std::fs::write(&file, b"precious").expect("writing a test file");
         let e = claim_socket_path(&file).unwrap_err().to_string();
         assert!(e.contains("a regular file, not a socket"), "{e}");
-        assert_eq!(std::fs::read(&file).unwrap(), b"precious");
+        assert_eq!(std::fs::read(&file).expect("reading the test file back"), b"precious");
         let sock = dir.path().join("live.sock");
-        let _l = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let _l = std::os::unix::net::UnixListener::bind(&sock).expect("binding a test socket");
         assert!(claim_socket_path(&sock).unwrap_err().to_string().contains("served by another process"));
         drop(_l);
         claim_socket_path(&sock).expect("a stale socket is replaced");
@@ -159,21 +159,21 @@ mod tests {
 
     #[test]
     fn plaintext_tcp_stays_on_loopback_unless_asked() {
-        assert!(check_tcp(&"127.0.0.1:7077".parse().unwrap(), false).is_ok());
-        let e = check_tcp(&"0.0.0.0:7077".parse().unwrap(), false).unwrap_err().to_string();
+        assert!(check_tcp(&"127.0.0.1:7077".parse().expect("a socket address"), false).is_ok());
+        let e = check_tcp(&"0.0.0.0:7077".parse().expect("a socket address"), false).unwrap_err().to_string();
         assert!(e.contains("--insecure-tcp"), "{e}");
-        assert!(check_tcp(&"0.0.0.0:7077".parse().unwrap(), true).is_ok());
+        assert!(check_tcp(&"0.0.0.0:7077".parse().expect("a socket address"), true).is_ok());
     }
 
     #[test]
     fn a_world_readable_target_is_refused_unless_allowed() {
-        let dir = tempfile::tempdir().unwrap();
+        let dir = tempfile::tempdir().expect("a temporary directory");
         let t = dir.path().join("t.img");
-        std::fs::write(&t, b"x").unwrap();
-        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::write(&t, b"x").expect("writing a test file");
+        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o644)).expect("chmod of a test file");
         assert!(check_target(&t, false).unwrap_err().to_string().contains("chmod o-r"));
         assert!(check_target(&t, true).is_ok());
-        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o600)).expect("chmod of a test file");
         assert!(check_target(&t, false).is_ok());
     }
 }
