@@ -48,7 +48,10 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         fault: Some(fault.clone()),
         limits: Default::default(),
         allow_readable_target: false,
-        insecure_tcp: false,
+        // Plaintext TCP, asked for by name: the caller is taken to be this user.
+        insecure_tcp: true,
+        policy: std::sync::Arc::new(pdstor::protocol::identity::Policy::local()),
+        socket_group: None,
     };
     let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -112,6 +112,11 @@ impl Rng {
     }
 }
 
+/// The simulation drives the service as the daemon itself (admin).
+fn me() -> pdstor::protocol::identity::Caller {
+    pdstor::protocol::identity::Caller::in_process()
+}
+
 fn layout() -> Layout {
     Layout {
         model_id: "sim".into(),
@@ -363,7 +368,7 @@ impl Sim {
         let (svc, t) = (self.service.clone().ok_or("no service")?, token.clone());
         let r = req.clone();
         let handle = std::thread::spawn(move || {
-            svc.prepare_with(&r, &layout(), chunks, "w", Some(Duration::from_millis(timeout)), &t)
+            svc.prepare_with(&me(), &r, &layout(), chunks, "w", Some(Duration::from_millis(timeout)), &t)
         });
         let started = Instant::now();
         while !self.store().admission_waiting(&req) {
@@ -392,7 +397,7 @@ impl Sim {
         {
             w.ending = Some("was cancelled");
         }
-        let o = self.svc().cancel(&req).map_err(|e| format!("cancel {req}: {e}"))?;
+        let o = self.svc().cancel(&me(), &req).map_err(|e| format!("cancel {req}: {e}"))?;
         self.note(format!("cancel {req} -> {o:?}"));
         if let Some(id) = publication {
             self.reqs.remove(&id);
@@ -401,7 +406,7 @@ impl Sim {
             }
         }
         // Idempotent: a second cancel finds nothing.
-        match self.svc().cancel(&req) {
+        match self.svc().cancel(&me(), &req) {
             Ok(pdstor::store::CancelOutcome::None) => Ok(()),
             other => Err(format!("a second cancel of {req} did something: {other:?}")),
         }
@@ -412,7 +417,7 @@ impl Sim {
     fn retry_while_waiting(&mut self) -> Result<(), String> {
         let Some(w) = &self.waiter else { return self.prepare() };
         let (req, before) = (w.req.clone(), self.store().accounting().map_err(|e| e.to_string())?);
-        let r = self.svc().prepare_with(&req, &layout(), 1, "w", Some(Duration::ZERO), &CancelToken::new());
+        let r = self.svc().prepare_with(&me(), &req, &layout(), 1, "w", Some(Duration::ZERO), &CancelToken::new());
         self.note(format!(
             "prepare {req} again while it waits -> {}",
             r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())
@@ -456,7 +461,7 @@ impl Sim {
             let chunks = self.reqs[&id].chunks;
             let same = self.rng.chance(50);
             let n = if same { chunks } else { chunks % MAX_CHUNKS + 1 };
-            let r = self.svc().prepare_with(&req, &layout(), n, "w", Some(Duration::ZERO), &CancelToken::new());
+            let r = self.svc().prepare_with(&me(), &req, &layout(), n, "w", Some(Duration::ZERO), &CancelToken::new());
             self.note(format!(
                 "prepare {req} again ({n} chunks, duplicate) -> {}",
                 r.as_ref().map_or_else(|e| e.to_string(), |p| p.publication.to_string())
@@ -482,7 +487,7 @@ impl Sim {
             return self.start_waiter(req, chunks);
         }
         let now = CancelToken::new();
-        match self.svc().prepare_with(&req, &layout(), chunks, "w", Some(Duration::ZERO), &now) {
+        match self.svc().prepare_with(&me(), &req, &layout(), chunks, "w", Some(Duration::ZERO), &now) {
             Ok(p) => {
                 self.note(format!("prepare {req} ({chunks} chunks) -> publication {}", p.publication));
                 let seed = self.rng.next();
@@ -578,10 +583,10 @@ impl Sim {
         let Some(id) = self.rng.pick(&ready) else { return Ok(()) };
         let token = self.reqs[&id].token.clone();
         // Without its writer's token, publish is refused and changes nothing.
-        if self.svc().publish(id, "00", Some(666)).is_ok() {
+        if self.svc().publish(&me(), id, "00", Some(666)).is_ok() {
             return Err(format!("publish {id} succeeded without its writer's token"));
         }
-        let p = self.svc().publish(id, &token, Some(1)).map_err(|e| format!("publish {id}: {e}"))?;
+        let p = self.svc().publish(&me(), id, &token, Some(1)).map_err(|e| format!("publish {id}: {e}"))?;
         self.note(format!("publish {id} -> READY"));
         let m = self.reqs.get_mut(&id).ok_or("model lost the request")?;
         m.ready = Some(p.receipt);
@@ -596,7 +601,7 @@ impl Sim {
         let lease = 50 + self.rng.below(2000);
         let claim = self
             .svc()
-            .claim(&receipt, "reader", &format!("s{}", self.session), lease)
+            .claim(&me(), &receipt, "reader", &format!("s{}", self.session), lease)
             .map_err(|e| format!("claim {id}: {e}"))?;
         self.note(format!("claim {id} session s{} lease {lease} ms", self.session));
         let m = self.reqs.get_mut(&id).ok_or("model lost the request")?;
@@ -610,7 +615,7 @@ impl Sim {
         let Some(id) = self.rng.pick(&claimed) else { return Ok(()) };
         let Some(claim) = self.reqs[&id].claim.clone() else { return Ok(()) };
         let ns = self.svc().namespace().to_owned();
-        let r = self.svc().adopt(&claim, &ns, claim.epoch, &claim.manifest_digest, &layout());
+        let r = self.svc().adopt(&me(), &claim, &ns, claim.epoch, &claim.manifest_digest, &layout());
         self.note(format!(
             "adopt {id} (claim epoch {}, now {}) -> {}",
             claim.epoch,
@@ -633,7 +638,7 @@ impl Sim {
         let Some(id) = self.rng.pick(&adopted) else { return Ok(()) };
         let r = self.reqs[&id].clone();
         let Some(claim) = &r.claim else { return Ok(()) };
-        let manifest = match self.svc().authorize_load(claim) {
+        let manifest = match self.svc().authorize_load(&me(), claim) {
             Ok(m) => m,
             Err(e) if self.expired(claim) => {
                 self.note(format!("load {id} -> refused, lease expired: {e}"));
@@ -661,7 +666,7 @@ impl Sim {
             Ok(_) => {}
             Err(e) if self.corrupted.contains(&id) && e.to_string().contains("checksum mismatch") => {
                 // Detected, as it must be: the reader reports the bad read.
-                self.svc().fail(claim, "checksum mismatch").map_err(|e| format!("fail {id}: {e}"))?;
+                self.svc().fail(&me(), claim, "checksum mismatch").map_err(|e| format!("fail {id}: {e}"))?;
                 self.note(format!("load {id} -> refused, corrupted media detected: {e}; failed to RETAINED"));
                 return Ok(());
             }
@@ -689,7 +694,7 @@ impl Sim {
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
         let manifest = self.store().publication(id).and_then(|p| p.manifest).ok_or("no manifest")?;
         let crcs: Vec<u32> = manifest.chunks.iter().map(|c| c.crc32c).collect();
-        self.svc().ack(&claim, &restore_digest(&crcs)).map_err(|e| format!("ack {id}: {e}"))?;
+        self.svc().ack(&me(), &claim, &restore_digest(&crcs)).map_err(|e| format!("ack {id}: {e}"))?;
         self.note(format!("ack {id}"));
         self.free(id, "ack")
     }
@@ -708,7 +713,7 @@ impl Sim {
         let ready = self.ids(|r, p| p == Phase::Ready && r.ready.is_some());
         let Some(id) = self.rng.pick(&ready) else { return Ok(()) };
         let receipt = self.reqs[&id].ready.clone().ok_or("no receipt")?;
-        self.svc().release(&receipt).map_err(|e| format!("release {id}: {e}"))?;
+        self.svc().release(&me(), &receipt).map_err(|e| format!("release {id}: {e}"))?;
         self.note(format!("release {id}"));
         self.free(id, "release")
     }
@@ -717,7 +722,7 @@ impl Sim {
         let prepared = self.ids(|_, p| p == Phase::Prepared);
         let Some(id) = self.rng.pick(&prepared) else { return Ok(()) };
         let token = self.reqs[&id].token.clone();
-        let o = self.svc().abort(id, &token).map_err(|e| format!("abort {id}: {e}"))?;
+        let o = self.svc().abort(&me(), id, &token).map_err(|e| format!("abort {id}: {e}"))?;
         self.note(format!("abort {id} -> {o:?}"));
         self.reqs.remove(&id);
         if self.store().publication(id).is_some() {
@@ -733,7 +738,7 @@ impl Sim {
         });
         let Some(id) = self.rng.pick(&reading) else { return Ok(()) };
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
-        self.svc().fail(&claim, "simulated bad read").map_err(|e| format!("fail {id}: {e}"))?;
+        self.svc().fail(&me(), &claim, "simulated bad read").map_err(|e| format!("fail {id}: {e}"))?;
         self.note(format!("fail {id} -> RETAINED"));
         Ok(())
     }
@@ -744,11 +749,11 @@ impl Sim {
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
         // Not fenced yet: refused, the bytes stay.
         let fenced = claim.epoch != self.store().epoch();
-        if !fenced && self.svc().reclaim(&claim).is_ok() {
+        if !fenced && self.svc().reclaim(&me(), &claim).is_ok() {
             return Err(format!("reclaim of {id} succeeded while its reader's session was open"));
         }
-        self.svc().close_session(&claim).map_err(|e| format!("close the session of {id}: {e}"))?;
-        self.svc().reclaim(&claim).map_err(|e| format!("reclaim {id} after fencing: {e}"))?;
+        self.svc().close_session(&me(), &claim).map_err(|e| format!("close the session of {id}: {e}"))?;
+        self.svc().reclaim(&me(), &claim).map_err(|e| format!("reclaim {id} after fencing: {e}"))?;
         self.note(format!("reclaim {id} (fenced by {})", if fenced { "epoch" } else { "session close" }));
         self.free(id, "reclaim")
     }

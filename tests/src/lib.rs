@@ -81,8 +81,10 @@ pub fn format_file(dir: &Path, slots: u64, slot: u64) -> PathBuf {
 /// A `pdstor serve` process on a target, killed on drop.
 pub struct Daemon {
     pub target: PathBuf,
+    /// The client's `--server`: `unix:<control socket>`, or `http://<addr>` with `--insecure-tcp`.
     pub server: String,
     pub data_socket: PathBuf,
+    /// The TCP address (with `--insecure-tcp`), or `unix:<path>`.
     pub addr: String,
     child: Option<Child>,
     pub log: PathBuf,
@@ -116,14 +118,23 @@ impl Daemon {
     }
 
     /// Serves an already formatted target with extra `serve` flags.
+    /// The control plane is a Unix socket in `dir`, or (when `extra` holds
+    /// `--insecure-tcp`) a loopback TCP port.
     pub fn start_with(target: &Path, dir: &Path, extra: &[&str]) -> Daemon {
-        let port = free_port();
-        let addr = format!("127.0.0.1:{port}");
-        let data_socket = dir.join(format!("data-{port}.sock"));
-        let log = dir.join(format!("serve-{port}.log"));
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let tag = format!("{}-{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let (addr, server) = if extra.contains(&"--insecure-tcp") {
+            let addr = format!("127.0.0.1:{}", free_port());
+            (addr.clone(), format!("http://{addr}"))
+        } else {
+            let sock = format!("unix:{}", dir.join(format!("control-{tag}.sock")).display());
+            (sock.clone(), sock)
+        };
+        let data_socket = dir.join(format!("data-{tag}.sock"));
+        let log = dir.join(format!("serve-{tag}.log"));
         let mut d = Daemon {
             target: target.into(),
-            server: format!("http://{addr}"),
+            server,
             data_socket,
             addr,
             child: None,
@@ -132,6 +143,11 @@ impl Daemon {
         };
         d.spawn();
         d
+    }
+
+    /// The control plane's Unix socket (not with `--insecure-tcp`).
+    pub fn control_socket(&self) -> PathBuf {
+        PathBuf::from(self.addr.strip_prefix("unix:").expect("a daemon on a Unix control socket"))
     }
 
     fn spawn(&mut self) {
@@ -149,7 +165,7 @@ impl Daemon {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let up = ureq::get(&format!("{}/healthz", self.server)).call().is_ok() && self.data_socket.exists();
+            let up = pdstor::client::Client::new(&self.server).healthz().is_ok() && self.data_socket.exists();
             if up {
                 return;
             }

@@ -5,7 +5,7 @@
 //! slots reconcile (`free + used + reserved == capacity`).
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -136,7 +136,7 @@ fn a_waiter_that_disconnects_is_never_admitted() {
     let c = Client::new(&d.server);
     let hog = c.prepare("hog", &layout(), 10, "w").unwrap();
     let body = serde_json::to_vec(&request("gone", 4, Some(2_000))).unwrap();
-    let mut s = TcpStream::connect(&d.addr).unwrap();
+    let mut s = UnixStream::connect(d.control_socket()).unwrap();
     write!(
         s,
         "POST /storage-pd/prepare HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
@@ -215,7 +215,7 @@ fn the_daemon_answers_after_a_client_vanished_mid_wait() {
     c.prepare("hog", &layout(), 2, "w").unwrap();
     for i in 0..4 {
         let body = serde_json::to_vec(&request(&format!("v{i}"), 1, Some(2_000))).unwrap();
-        let mut s = TcpStream::connect(&d.addr).unwrap();
+        let mut s = UnixStream::connect(d.control_socket()).unwrap();
         write!(s, "POST /storage-pd/prepare HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", body.len()).unwrap();
         s.write_all(&body).unwrap();
         until("the prepare waits", || metric(&c, "pdstor_admission_waiting") == 1);

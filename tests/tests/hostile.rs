@@ -160,9 +160,11 @@ fn client_numbers_are_refused_with_a_reason() {
     assert_eq!(reader.restored_bytes(restored.len).unwrap(), kv);
 }
 
-/// A daemon on a fresh 8-slot namespace with extra `serve` limits.
+/// A daemon on a fresh 8-slot namespace with extra `serve` limits, on
+/// loopback TCP (plaintext, asked for by name) so raw connections can be made.
 fn daemon_with(dir: &std::path::Path, extra: &[&str]) -> Daemon {
-    Daemon::start_with(&pdstor_tests::format_file(dir, 8, SLOT), dir, extra)
+    let extra: Vec<&str> = extra.iter().copied().chain(["--insecure-tcp"]).collect();
+    Daemon::start_with(&pdstor_tests::format_file(dir, 8, SLOT), dir, &extra)
 }
 
 fn http_error(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> pdstor::api::wire::ErrorBody {

@@ -1,5 +1,5 @@
 //! What the daemon refuses to expose (issue 16): a target others can read,
-//! a socket path holding someone else's file, plaintext TCP beyond loopback;
+//! a socket path holding someone else's file, plaintext TCP unless asked for;
 //! and what a client refuses: handing its buffers to a daemon of another uid.
 
 use std::os::unix::fs::PermissionsExt;
@@ -12,7 +12,7 @@ fn serve(args: &[&str]) -> Output {
 }
 
 /// `pdstor serve --target T --listen L --data-socket S`, run to its exit.
-fn serve_tcp(target: &std::path::Path, listen: &str, data_socket: &std::path::Path) -> Output {
+fn serve_on(target: &std::path::Path, listen: &str, data_socket: &std::path::Path) -> Output {
     let (t, s) = (target.to_str().unwrap(), data_socket.to_str().unwrap());
     serve(&["--target", t, "--listen", listen, "--data-socket", s])
 }
@@ -28,7 +28,7 @@ fn targets_are_created_for_their_owner_and_a_readable_one_is_refused() {
     assert_eq!(mode(&target), 0o600, "pdstor creates targets 0600");
     std::fs::set_permissions(&target, std::fs::Permissions::from_mode(0o644)).unwrap();
     let sock = dir.path().join("d.sock");
-    let out = serve_tcp(&target, "127.0.0.1:0", &sock);
+    let out = serve_on(&target, "127.0.0.1:0", &sock);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "a world-readable target was served");
     assert!(err.contains("readable by every user") && err.contains("--allow-readable-target"), "{err}");
@@ -60,7 +60,8 @@ fn a_unix_socket_path_holding_another_file_is_never_replaced() {
     assert!(err.contains("a regular file, not a socket: refusing to replace it"), "{err}");
     assert_eq!(std::fs::read(&precious).unwrap(), b"not a socket", "the file is untouched");
     // The same for the data socket.
-    let out = serve_tcp(&target, "127.0.0.1:0", &precious);
+    let control = format!("unix:{}", dir.path().join("c.sock").display());
+    let out = serve_on(&target, &control, &precious);
     assert!(!out.status.success());
     assert_eq!(std::fs::read(&precious).unwrap(), b"not a socket");
 }
@@ -95,14 +96,19 @@ fn sockets_are_owner_only_whatever_the_umask() {
 }
 
 #[test]
-fn plaintext_tcp_beyond_loopback_needs_to_be_asked_for() {
+fn plaintext_tcp_needs_to_be_asked_for_even_on_loopback() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let target = pdstor_tests::format_file(dir.path(), 4, 1 << 20);
     let sock = dir.path().join("d.sock");
-    let out = serve_tcp(&target, "0.0.0.0:0", &sock);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(err.contains("plaintext to the network") && err.contains("--insecure-tcp"), "{err}");
+    for (addr, why) in
+        [("0.0.0.0:0", "every host that reaches it"), ("127.0.0.1:0", "every local user reaches loopback")]
+    {
+        let out = serve_on(&target, addr, &sock);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{addr} was served in plaintext");
+        assert!(err.contains("plaintext TCP") && err.contains(why) && err.contains("--insecure-tcp"), "{err}");
+        assert!(!sock.exists(), "nothing was exposed");
+    }
 }
 
 #[test]

@@ -264,25 +264,32 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path) -> Result<()> {
     let _ = std::fs::remove_file(&target);
     let _ = std::fs::remove_file(&sock);
     cmd!(sh, "{pdstor} format --target {target} --size 1200M --chunk-slot 8M").quiet().ignore_stdout().run()?;
+    let control = out_dir.join("handoff-control.sock");
+    let server = format!("unix:{}", control.display());
     let mut daemon = std::process::Command::new(pdstor)
         .arg("serve")
         .arg("--target")
         .arg(&target)
-        .args(["--listen", "127.0.0.1:7079", "--data-socket"])
+        .args(["--listen", &server, "--data-socket"])
         .arg(&sock)
         .stderr(std::fs::File::create(out_dir.join("handoff-serve.log"))?)
         .spawn()
         .context("starting pdstor serve")?;
     let measured = (|| -> Result<Value> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        while std::os::unix::net::UnixStream::connect(&sock).is_err()
+            || std::os::unix::net::UnixStream::connect(&control).is_err()
+        {
             if std::time::Instant::now() > deadline {
                 bail!("pdstor serve did not start; see handoff-serve.log");
             }
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        let json = cmd!(sh, "{pdstor} bench-handoff --json --server http://127.0.0.1:7079 --data-socket {sock} --bytes 512M --chunk 8M --rounds 5")
-            .read()?;
+        let json = cmd!(
+            sh,
+            "{pdstor} bench-handoff --json --server {server} --data-socket {sock} --bytes 512M --chunk 8M --rounds 5"
+        )
+        .read()?;
         Ok(serde_json::from_str(&json)?)
     })();
     let _ = daemon.kill();

@@ -152,7 +152,9 @@ fn demo(sh: &Shell) -> Result<()> {
     let log = std::fs::File::create(&log_path)?;
     let mut daemon = std::process::Command::new(&pdstor);
     daemon.arg("serve").arg("--target").arg(&target);
-    daemon.args(["--listen", "127.0.0.1:7078", "--data-socket"]).arg(&data_socket);
+    let control = dir.join("control.sock");
+    let server = format!("unix:{}", control.display());
+    daemon.args(["--listen", &server, "--data-socket"]).arg(&data_socket);
     daemon.arg("--timeline").arg(&timeline);
     if root {
         daemon.arg("--provenance");
@@ -160,7 +162,9 @@ fn demo(sh: &Shell) -> Result<()> {
     let mut daemon = daemon.stderr(log).spawn().context("starting pdstor serve")?;
     let result = (|| -> Result<()> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&data_socket).is_err() {
+        while std::os::unix::net::UnixStream::connect(&data_socket).is_err()
+            || std::os::unix::net::UnixStream::connect(&control).is_err()
+        {
             if std::time::Instant::now() > deadline || daemon.try_wait().ok().flatten().is_some() {
                 bail!("pdstor serve did not come up; see {}", log_path.display());
             }
@@ -171,11 +175,11 @@ fn demo(sh: &Shell) -> Result<()> {
         );
         cmd!(
             sh,
-            "{pdstor} handoff --server http://127.0.0.1:7078 --data-socket {data_socket} --bytes 512M --chunk-size 8M --timeline {timeline} --summary {summary_file}"
+            "{pdstor} handoff --server {server} --data-socket {data_socket} --bytes 512M --chunk-size 8M --timeline {timeline} --summary {summary_file}"
         )
         .run()?;
         step("daemon state after the handoff");
-        cmd!(sh, "{pdstor} publications --server http://127.0.0.1:7078").run()?;
+        cmd!(sh, "{pdstor} publications --server {server}").run()?;
         Ok(())
     })();
     step("stop the daemon (SIGTERM)");

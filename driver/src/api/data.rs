@@ -28,6 +28,7 @@ use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
 use crate::protocol::Receipt;
+use crate::protocol::identity::{Caller, Resource, Role};
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
 
@@ -57,15 +58,13 @@ impl DataPlane {
     /// or anything that is not a socket, is refused and left alone.
     pub fn start(
         path: &Path,
+        group: Option<u32>,
         service: Arc<Service>,
         metrics: Arc<Metrics>,
         provenance: Option<Arc<Provenance>>,
         limits: super::Limits,
     ) -> anyhow::Result<DataPlane> {
-        super::hygiene::socket_dir(path)?;
-        super::hygiene::claim_socket_path(path)?;
-        let listener = UnixListener::bind(path)?;
-        super::hygiene::owner_only(path)?;
+        let listener = super::hygiene::bind_socket(path, group, |p| UnixListener::bind(p))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         // One thread per connection, at most `max_data_connections` of them.
@@ -84,10 +83,27 @@ impl DataPlane {
                     last_word(&mut conn, e);
                     continue;
                 }
+                // Who is on the other end, proven by the kernel; a tenant over
+                // its connection quota is told so and hung up on.
+                let caller = match super::hygiene::peer_cred(&conn) {
+                    Ok((uid, gid, pid)) => service.policy().unix(uid, gid, pid),
+                    Err(_) => {
+                        open.fetch_sub(1, Ordering::SeqCst);
+                        continue;
+                    }
+                };
+                if let Err(r) = service.policy().take(&caller, Resource::Connection) {
+                    open.fetch_sub(1, Ordering::SeqCst);
+                    metrics.error(r.code.as_str());
+                    let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
+                    last_word(&mut conn, ErrorBody::new(r.code, r.field, r.message));
+                    continue;
+                }
                 let (service, metrics, provenance, still_open) =
                     (service.clone(), metrics.clone(), provenance.clone(), open.clone());
                 let spawned = std::thread::Builder::new().name("pdstor-data-conn".into()).spawn(move || {
                     let mut c = Conn {
+                        caller,
                         service,
                         metrics,
                         provenance,
@@ -98,6 +114,7 @@ impl DataPlane {
                     };
                     c.serve(conn);
                     c.cleanup();
+                    c.service.policy().give(&c.caller, Resource::Connection);
                     still_open.fetch_sub(1, Ordering::SeqCst);
                 });
                 if spawned.is_err() {
@@ -126,6 +143,8 @@ impl Drop for DataPlane {
 }
 
 struct Conn {
+    /// Who is on the other end (`SO_PEERCRED`).
+    caller: Caller,
     service: Arc<Service>,
     metrics: Arc<Metrics>,
     provenance: Option<Arc<Provenance>>,
@@ -299,6 +318,7 @@ impl Conn {
         path: Option<PayloadPath>,
         fds: Vec<OwnedFd>,
     ) -> Result<DataResponse, DataError> {
+        self.caller.require(Role::Any, "register a buffer").map_err(ProtocolError::from)?;
         let path = path.unwrap_or(PayloadPath::HostFixed);
         let (max, pinned_max) = (self.limits.max_buffers_per_connection, self.limits.max_pinned_bytes_per_connection);
         if self.buffers.len() >= max {
@@ -308,9 +328,13 @@ impl Conn {
         if pinned.saturating_add(len) > pinned_max {
             return Err(DataError::TooManyBytes { pinned, len, max: pinned_max });
         }
-        let buffer = Self::receive_buffer(kind, len, fds)?;
-        let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
-        let id = self.service.store().register_buffer_for(buffer, path)?;
+        self.service.policy().take(&self.caller, Resource::Buffer(len)).map_err(ProtocolError::from)?;
+        let registered = Self::receive_buffer(kind, len, fds).and_then(|buffer| {
+            let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
+            Ok((self.service.store().register_buffer_for(buffer, path)?, exporter))
+        });
+        let (id, exporter) =
+            registered.inspect_err(|_| self.service.policy().give(&self.caller, Resource::Buffer(len)))?;
         let client = self.next;
         self.next += 1;
         self.buffers.insert(client, (id, len));
@@ -334,7 +358,7 @@ impl Conn {
     ) -> Result<DataResponse, DataError> {
         // Only its writer stores into a publication; and only then does this
         // connection's going away abort it.
-        self.service.check_writer(publication, writer_token).map_err(ProtocolError::from)?;
+        self.service.check_writer(&self.caller, publication, writer_token).map_err(ProtocolError::from)?;
         let store = self.service.store().clone();
         let mut sources = Vec::with_capacity(chunks.len());
         for c in chunks {
@@ -381,7 +405,7 @@ impl Conn {
 
     /// Loads chunks of a claimed, adopted publication into registered buffers.
     fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<DataResponse, DataError> {
-        let manifest = self.service.authorize_load(receipt)?;
+        let manifest = self.service.authorize_load(&self.caller, receipt)?;
         let mut dests = Vec::with_capacity(chunks.len());
         for c in chunks {
             dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });
@@ -473,8 +497,9 @@ impl Conn {
                 let _ = store.abort(id);
             }
         }
-        for (_, (id, _)) in self.buffers.drain() {
+        for (_, (id, len)) in self.buffers.drain() {
             let _ = store.unregister_buffer(id);
+            self.service.policy().give(&self.caller, Resource::Buffer(len));
         }
     }
 }

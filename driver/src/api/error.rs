@@ -9,7 +9,7 @@ use crate::store::StoreError;
 
 use super::wire::ErrorBody;
 
-pub use crate::protocol::code::{EXIT_FAILED, EXIT_REFUSED};
+pub use crate::protocol::code::{EXIT_DENIED, EXIT_FAILED, EXIT_REFUSED};
 
 /// The wire body of a protocol error.
 pub fn from_protocol(e: &ProtocolError) -> ErrorBody {
@@ -72,5 +72,8 @@ pub fn from_store(e: &StoreError) -> ErrorBody {
 
 /// CLI exit status for an error body a daemon answered.
 pub fn exit_code(e: &ErrorBody) -> u8 {
-    crate::protocol::code::exit_code_for_status(e.status)
+    match Code::parse(&e.code) {
+        Some(c) if c.is_identity() => c.exit_code(),
+        _ => crate::protocol::code::exit_code_for_status(e.status),
+    }
 }

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
+use axum::Extension;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{Query, State};
@@ -20,6 +21,7 @@ use super::error::from_protocol;
 use super::metrics::{Metrics, metrics};
 use super::wire::*;
 use crate::admission::CancelToken;
+use crate::protocol::identity::{Caller, Role};
 use crate::protocol::service::{Prepared, ProtocolError, Service};
 use crate::protocol::{Refusal, RefusalCode};
 use crate::store::{AbortOutcome, Phase};
@@ -165,12 +167,13 @@ async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ErrorBody> {
     }
 }
 
-/// Reads and parses the body, runs `f` on a blocking thread, and maps the outcome.
-async fn step<Req, Resp, F>(state: Shared, body: Body, f: F) -> Response
+/// Reads and parses the body, runs `f` for `who` on a blocking thread, and
+/// maps the outcome. A refusal is recorded on the timeline with its caller.
+async fn step<Req, Resp, F>(state: Shared, who: Caller, body: Body, f: F) -> Response
 where
     Req: DeserializeOwned + Send + 'static,
     Resp: Serialize + Send + 'static,
-    F: FnOnce(&Service, Req) -> Result<Resp, ProtocolError> + Send + 'static,
+    F: FnOnce(&Service, &Caller, Req) -> Result<Resp, ProtocolError> + Send + 'static,
 {
     state.metrics.requests.fetch_add(1, Ordering::Relaxed);
     let body = match read_body(&state, body).await {
@@ -187,9 +190,9 @@ where
         Ok(r) => r,
         Err(e) => return error_response(&state, e),
     };
-    let (service, metrics) = (state.service.clone(), state.metrics.clone());
+    let (service, metrics, caller) = (state.service.clone(), state.metrics.clone(), who.clone());
     let stepped = tokio::task::spawn_blocking(move || {
-        let r = f(&service, req);
+        let r = f(&service, &caller, req);
         // Every step leaves every slot accounted for exactly once.
         metrics.reconcile(service.store());
         r
@@ -198,10 +201,14 @@ where
         Ok(Ok(resp)) => json_response(StatusCode::OK, &resp),
         Ok(Err(e)) => {
             let body = from_protocol(&e);
+            if matches!(&e, ProtocolError::Refused(r) if r.code.is_identity()) {
+                tracing::warn!(by = %who.audit(), code = %body.code, message = %body.message, "refused for who the caller is");
+            }
             crate::timeline::emit(
                 state.service.timeline(),
                 crate::timeline::Event::new("refused")
-                    .detail(format!("{} ({}): {}", body.code, body.field, body.message)),
+                    .detail(format!("{} ({}): {}", body.code, body.field, body.message))
+                    .by(who.audit()),
             );
             error_response(&state, body)
         }
@@ -280,7 +287,7 @@ impl Drop for Abandon {
 /// `POST /storage-pd/prepare`. Bounded: each prepare may wait for capacity
 /// on a blocking thread, and those threads serve every other step too. A
 /// client that goes away while it waits cancels its wait.
-async fn prepare(State(s): State<Shared>, b: Body) -> Response {
+async fn prepare(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Body) -> Response {
     let Some(_slot) = PrepareSlot::take(&s) else {
         let max = s.limits.max_prepares;
         return error_response(
@@ -294,9 +301,9 @@ async fn prepare(State(s): State<Shared>, b: Body) -> Response {
     };
     let watch = Arc::new(PrepareWatch::default());
     let mut guard = Abandon { watch: watch.clone(), service: s.service.clone(), delivered: false };
-    let resp = step(s, b, move |svc, r: PrepareRequest| {
+    let resp = step(s, who, b, move |svc, who, r: PrepareRequest| {
         let timeout = r.timeout_ms.map(std::time::Duration::from_millis);
-        let result = svc.prepare_with(&r.req_id, &r.layout, r.total_chunks, &r.writer, timeout, &watch.token);
+        let result = svc.prepare_with(who, &r.req_id, &r.layout, r.total_chunks, &r.writer, timeout, &watch.token);
         watch.finish(svc, &r.req_id, &result);
         result
     })
@@ -305,58 +312,74 @@ async fn prepare(State(s): State<Shared>, b: Body) -> Response {
     resp
 }
 
+type S = State<Shared>;
+type E = Extension<Caller>;
+
 /// The control plane's routes (see `openapi.json`).
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }))
-        .route("/metrics", get(metrics))
+        .route(
+            "/metrics",
+            get(|State(s): S, Extension(w): E| async move {
+                // Counters span every tenant: only an admin reads them.
+                match w.require(Role::Admin, "read /metrics") {
+                    Ok(()) => metrics(State(s)).await,
+                    Err(r) => error_response(&s, ErrorBody::new(r.code, r.field, r.message)),
+                }
+            }),
+        )
         .route("/storage-pd/publications", get(publications))
         .route("/storage-pd/prepare", post(prepare))
         .route(
             "/storage-pd/cancel",
-            post(|State(s): State<Shared>, b: Body| step(s, b, |svc, r: CancelRequest| svc.cancel(&r.req_id))),
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: CancelRequest| svc.cancel(w, &r.req_id))
+            }),
         )
         .route(
             "/storage-pd/publish",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: PublishRequest| svc.publish(r.publication, &r.writer_token, r.first_token))
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: PublishRequest| svc.publish(w, r.publication, &r.writer_token, r.first_token))
             }),
         )
         .route(
             "/storage-pd/claim",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: ClaimRequest| {
-                    svc.claim(&r.receipt, &r.reader_id, &r.session_id, r.lease_ms)
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: ClaimRequest| {
+                    svc.claim(w, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms)
                         .map(|receipt| ReceiptResponse { receipt })
                 })
             }),
         )
         .route(
             "/storage-pd/adopt",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: AdoptRequest| {
-                    svc.adopt(&r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout)
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: AdoptRequest| {
+                    svc.adopt(w, &r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout)
                 })
             }),
         )
         .route(
             "/storage-pd/ack",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: AckRequest| svc.ack(&r.receipt, &r.restore_digest).map(|_| Done { ok: true }))
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: AckRequest| {
+                    svc.ack(w, &r.receipt, &r.restore_digest).map(|_| Done { ok: true })
+                })
             }),
         )
         .route(
             "/storage-pd/release",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: ReceiptOnly| svc.release(&r.receipt).map(|_| Done { ok: true }))
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: ReceiptOnly| svc.release(w, &r.receipt).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/abort",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: AbortRequest| match svc.abort(r.publication, &r.writer_token)? {
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: AbortRequest| match svc.abort(w, r.publication, &r.writer_token)? {
                     AbortOutcome::Aborted { slots } => Ok(AbortResponse { outcome: "aborted".into(), slots }),
                     AbortOutcome::Pending => Ok(AbortResponse { outcome: "pending".into(), slots: 0 }),
                     // Nothing to abort is a refusal, like any other step on an unknown publication.
@@ -375,20 +398,22 @@ pub fn router(state: Shared) -> Router {
         )
         .route(
             "/storage-pd/fail",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: FailRequest| svc.fail(&r.receipt, &r.reason).map(|_| Done { ok: true }))
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: FailRequest| svc.fail(w, &r.receipt, &r.reason).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/reclaim",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: ReceiptOnly| svc.reclaim(&r.receipt).map(|_| Done { ok: true }))
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: ReceiptOnly| svc.reclaim(w, &r.receipt).map(|_| Done { ok: true }))
             }),
         )
         .route(
             "/storage-pd/session/close",
-            post(|State(s): State<Shared>, b: Body| {
-                step(s, b, |svc, r: SessionCloseRequest| svc.close_session(&r.receipt).map(|_| Done { ok: true }))
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: SessionCloseRequest| {
+                    svc.close_session(w, &r.receipt).map(|_| Done { ok: true })
+                })
             }),
         )
         .with_state(state)
@@ -406,7 +431,18 @@ pub(super) fn phase_name(p: Phase) -> &'static str {
     }
 }
 
-async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, String>>) -> Response {
+/// `GET /storage-pd/publications`: a tenant sees only its own; an admin all.
+async fn publications(
+    State(s): State<Shared>,
+    Extension(who): Extension<Caller>,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Response {
+    if let Err(r) = who.require(Role::Any, "list publications") {
+        return error_response(&s, ErrorBody::new(r.code, r.field, r.message));
+    }
+    let mine = |p: &crate::store::Publication| {
+        who.roles.admin || p.owner.as_ref().is_none_or(|o| who.tenant.as_deref() == Some(o.tenant.as_str()))
+    };
     let want = q.get("state").map(|v| v.to_ascii_uppercase());
     let verbose = q.get("verbose").is_some_and(|v| v == "1" || v == "true");
     let sb = s.service.store().superblock();
@@ -415,7 +451,7 @@ async fn publications(State(s): State<Shared>, Query(q): Query<BTreeMap<String, 
         .store()
         .publications()
         .into_iter()
-        .filter(|p| want.as_deref().is_none_or(|w| w == phase_name(p.phase)))
+        .filter(|p| mine(p) && want.as_deref().is_none_or(|w| w == phase_name(p.phase)))
         .map(|p| PublicationInfo {
             publication: p.id,
             req_id: p.req_id.clone(),

@@ -31,18 +31,49 @@ pub fn default_data_socket() -> PathBuf {
     default_runtime_dir().join("data.sock")
 }
 
+/// The control plane's socket when none is given: `control.sock` in
+/// [`default_runtime_dir`].
+pub fn default_control_socket() -> PathBuf {
+    default_runtime_dir().join("control.sock")
+}
+
+/// The client's default `--server`: `unix:` and [`default_control_socket`].
+pub fn default_server() -> String {
+    format!("unix:{}", default_control_socket().display())
+}
+
+/// Sets up one socket path: its directory (created 0750, or checked), the
+/// path itself (a stale socket removed, anything else refused), and after
+/// `bind` its mode (0600, or 0660 for `group`, which also gets a directory
+/// this daemon created).
+pub fn bind_socket<T>(
+    path: &Path,
+    group: Option<u32>,
+    bind: impl FnOnce(&Path) -> std::io::Result<T>,
+) -> anyhow::Result<T> {
+    let created = socket_dir(path)?;
+    claim_socket_path(path)?;
+    let bound = bind(path).with_context(|| format!("listening on {}", path.display()))?;
+    restrict_socket(path, group)?;
+    if let Some(g) = group {
+        share_socket_dir(path, g, created)?;
+    }
+    Ok(bound)
+}
+
 /// Creates the directory a socket goes in when it does not exist (mode
 /// 0750), and refuses one that another user owns or can write to: whoever
 /// can write there can replace the socket.
-pub fn socket_dir(socket: &Path) -> anyhow::Result<()> {
-    let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
+/// Answers whether it created the directory.
+pub fn socket_dir(socket: &Path) -> anyhow::Result<bool> {
+    let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(false) };
     if !dir.exists() {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o750)
             .create(dir)
             .with_context(|| format!("creating the socket directory {}", dir.display()))?;
-        return Ok(());
+        return Ok(true);
     }
     let md = std::fs::metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
     let me = nix::unistd::geteuid().as_raw();
@@ -61,7 +92,7 @@ pub fn socket_dir(socket: &Path) -> anyhow::Result<()> {
             md.mode() & 0o7777
         );
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Makes `path` free for a new socket: a stale socket is removed; a live
@@ -91,10 +122,30 @@ pub fn claim_socket_path(path: &Path) -> anyhow::Result<()> {
     std::fs::remove_file(path).with_context(|| format!("removing the stale socket {}", path.display()))
 }
 
-/// Restricts a socket just bound to its owner (the bind follows the umask).
-pub fn owner_only(path: &Path) -> anyhow::Result<()> {
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .with_context(|| format!("making {} mode 0600", path.display()))
+/// Restricts a socket just bound to its owner (the bind follows the umask),
+/// or to its owner and `group` (mode 0660) when the config names one.
+pub fn restrict_socket(path: &Path, group: Option<u32>) -> anyhow::Result<()> {
+    let Some(gid) = group else {
+        return std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("making {} mode 0600", path.display()));
+    };
+    std::os::unix::fs::chown(path, None, Some(gid))
+        .with_context(|| format!("giving {} to group {gid} (the config's socket group)", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("making {} mode 0660", path.display()))
+}
+
+/// Gives the socket directory to `group` (mode 0750) so its members can reach
+/// the sockets in it; a directory this daemon did not create is left as it is.
+pub fn share_socket_dir(socket: &Path, group: u32, created: bool) -> anyhow::Result<()> {
+    let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
+    if !created {
+        return Ok(());
+    }
+    std::os::unix::fs::chown(dir, None, Some(group))
+        .with_context(|| format!("giving the socket directory {} to group {group}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750))
+        .with_context(|| format!("making {} mode 0750", dir.display()))
 }
 
 /// Refuses a target other users can read (its KV bytes and the namespace's
@@ -116,19 +167,24 @@ pub fn check_target(path: &Path, allow: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Refuses plaintext TCP beyond loopback unless `insecure`, which warns at
-/// every start: nothing on the network could tell a caller from another.
+/// Refuses plaintext TCP unless `insecure`, which warns at every start: no
+/// TCP caller can be told from another without a certificate, on loopback
+/// (any local user) or beyond it (any host).
 pub fn check_tcp(addr: &std::net::SocketAddr, insecure: bool) -> anyhow::Result<()> {
-    if addr.ip().is_loopback() {
-        return Ok(());
-    }
     if !insecure {
         bail!(
-            "--listen {addr} would serve the control plane in plaintext to the network, where no caller can be told from another: listen on loopback or --listen-unix, or pass --insecure-tcp to do it anyway"
+            "--listen {addr} would serve the control plane in plaintext TCP, where no caller can be told from another ({}): use the Unix socket (the default), or pass --insecure-tcp to do it anyway",
+            if addr.ip().is_loopback() { "every local user reaches loopback" } else { "every host that reaches it" }
         );
     }
-    tracing::warn!(%addr, "serving the control plane in plaintext beyond loopback (--insecure-tcp): any host that reaches this address can take every step");
+    tracing::warn!(%addr, "serving the control plane in plaintext TCP (--insecure-tcp): whoever reaches this address is taken to be the config's `plaintext` principal (without a config: this daemon's own user, with every role)");
     Ok(())
+}
+
+/// The uid, gid and pid on the other end of a connected Unix socket (`SO_PEERCRED`).
+pub fn peer_cred(stream: &impl std::os::fd::AsFd) -> std::io::Result<(u32, u32, i32)> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).map(|c| (c.uid(), c.gid(), c.pid())).map_err(std::io::Error::from)
 }
 
 /// The uid serving a connected Unix socket (`SO_PEERCRED`).
@@ -158,8 +214,9 @@ mod tests {
     }
 
     #[test]
-    fn plaintext_tcp_stays_on_loopback_unless_asked() {
-        assert!(check_tcp(&"127.0.0.1:7077".parse().expect("a socket address"), false).is_ok());
+    fn plaintext_tcp_needs_to_be_asked_for() {
+        let e = check_tcp(&"127.0.0.1:7077".parse().expect("a socket address"), false).unwrap_err().to_string();
+        assert!(e.contains("every local user reaches loopback") && e.contains("--insecure-tcp"), "{e}");
         let e = check_tcp(&"0.0.0.0:7077".parse().expect("a socket address"), false).unwrap_err().to_string();
         assert!(e.contains("--insecure-tcp"), "{e}");
         assert!(check_tcp(&"0.0.0.0:7077".parse().expect("a socket address"), true).is_ok());

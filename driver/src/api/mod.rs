@@ -2,6 +2,7 @@
 //! the buffer-passing data plane ([`data`]), their wire types ([`wire`]) and
 //! the one place errors become statuses and exit codes ([`error`]).
 
+pub mod config;
 pub mod data;
 pub mod data_error;
 pub mod error;
@@ -16,10 +17,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::protocol::identity::Policy;
 use crate::protocol::service::Service;
 use crate::store::{Store, StoreOptions};
 
-/// Where the control plane listens.
 /// Where the control plane listens.
 #[derive(Debug, Clone)]
 pub enum Listen {
@@ -27,6 +28,27 @@ pub enum Listen {
     Tcp(SocketAddr),
     /// A Unix socket path.
     Unix(PathBuf),
+}
+
+impl std::str::FromStr for Listen {
+    type Err = String;
+
+    /// `unix:/path/control.sock` or `host:port`.
+    fn from_str(s: &str) -> Result<Listen, String> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            return Ok(Listen::Unix(path.trim_start_matches("//").into()));
+        }
+        s.parse().map(Listen::Tcp).map_err(|e| format!("{s:?} is neither unix:/path nor host:port: {e}"))
+    }
+}
+
+impl std::fmt::Display for Listen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Listen::Tcp(a) => write!(f, "{a}"),
+            Listen::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
 }
 
 /// What `pdstor serve` runs with.
@@ -54,8 +76,12 @@ pub struct ServeConfig {
     pub limits: Limits,
     /// Serve a target other users can read (warned at start).
     pub allow_readable_target: bool,
-    /// Serve plaintext TCP beyond loopback (warned at start).
+    /// Serve plaintext TCP (warned at start).
     pub insecure_tcp: bool,
+    /// Who is who (`--config`; [`Policy::local`] without one).
+    pub policy: Arc<Policy>,
+    /// The group the sockets (0660) and their directory (0750) are given to.
+    pub socket_group: Option<u32>,
 }
 
 /// What one client may hold or take, and how long the daemon waits for it.
@@ -133,7 +159,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, &format!("daemon-e{}", store.epoch()))?)),
         None => None,
     };
-    let service = Arc::new(Service::new(store.clone()).with_timeline(timeline));
+    let service = Arc::new(Service::new(store.clone()).with_timeline(timeline).with_policy(cfg.policy.clone()));
     let metrics = Arc::new(metrics::Metrics::default());
     // The probes stay attached for as long as `probes` lives: this function.
     let probes = if cfg.provenance { Some(pdstor_probes::Probes::attach(std::process::id())?) } else { None };
@@ -148,8 +174,15 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         }
         None => None,
     };
-    let data = data::DataPlane::start(&cfg.data_socket, service.clone(), metrics.clone(), provenance, cfg.limits)
-        .map_err(|e| anyhow::anyhow!("data socket {}: {e:#}", cfg.data_socket.display()))?;
+    let data = data::DataPlane::start(
+        &cfg.data_socket,
+        cfg.socket_group,
+        service.clone(),
+        metrics.clone(),
+        provenance,
+        cfg.limits,
+    )
+    .map_err(|e| anyhow::anyhow!("data socket {}: {e:#}", cfg.data_socket.display()))?;
     tracing::info!(data_socket = %data.path().display(), "data plane listening");
     let (reaper_stop, reaper) = spawn_reaper(service.clone(), metrics.clone(), cfg.limits)?;
     let app = http::router(Arc::new(http::AppState {
@@ -160,7 +193,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         prepares: Default::default(),
     }));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(control_plane(&cfg.listen, app, cfg.limits))?;
+    rt.block_on(control_plane(&cfg.listen, cfg.socket_group, cfg.policy.clone(), app, cfg.limits))?;
     reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = reaper.join();
     drop(data);
@@ -208,7 +241,13 @@ fn spawn_reaper(
 
 /// Serves the control plane on `listen` until SIGTERM or SIGINT, then lets
 /// in-flight requests drain (up to 30 s).
-async fn control_plane(listen: &Listen, app: axum::Router, limits: Limits) -> anyhow::Result<()> {
+async fn control_plane(
+    listen: &Listen,
+    group: Option<u32>,
+    policy: Arc<Policy>,
+    app: axum::Router,
+    limits: Limits,
+) -> anyhow::Result<()> {
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
@@ -223,16 +262,12 @@ async fn control_plane(listen: &Listen, app: axum::Router, limits: Limits) -> an
             let l =
                 tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
             tracing::info!(%addr, "control plane listening");
-            listen::serve(l, app, limits, shutdown, drain).await;
+            listen::serve(l, policy, app, limits, shutdown, drain).await;
         }
         Listen::Unix(path) => {
-            hygiene::socket_dir(path)?;
-            hygiene::claim_socket_path(path)?;
-            let l = tokio::net::UnixListener::bind(path)
-                .map_err(|e| anyhow::anyhow!("listening on {}: {e}", path.display()))?;
-            hygiene::owner_only(path)?;
+            let l = hygiene::bind_socket(path, group, |p| tokio::net::UnixListener::bind(p))?;
             tracing::info!(path = %path.display(), "control plane listening");
-            listen::serve(l, app, limits, shutdown, drain).await;
+            listen::serve(l, policy, app, limits, shutdown, drain).await;
             let _ = std::fs::remove_file(path);
         }
     }

@@ -23,16 +23,18 @@ where
 // The control plane, for verbs that only talk to it.
 #[derive(clap::Args, Clone)]
 pub struct Server {
-    /// Control plane URL of the daemon (`pdstor serve --listen`).
-    #[arg(long, env = "PDSTOR_SERVER", default_value = "http://127.0.0.1:7077")]
+    /// The daemon's control plane (`pdstor serve --listen`): `unix:/path/control.sock`, or
+    /// `http://host:port` for a daemon serving plaintext TCP.
+    #[arg(long, env = "PDSTOR_SERVER", default_value_t = pdstor::api::hygiene::default_server())]
     pub server: String,
 }
 
 // Both planes, for verbs that move payload.
 #[derive(clap::Args, Clone)]
 pub struct Daemon {
-    /// Control plane URL of the daemon (`pdstor serve --listen`).
-    #[arg(long, env = "PDSTOR_SERVER", default_value = "http://127.0.0.1:7077")]
+    /// The daemon's control plane (`pdstor serve --listen`): `unix:/path/control.sock`, or
+    /// `http://host:port` for a daemon serving plaintext TCP.
+    #[arg(long, env = "PDSTOR_SERVER", default_value_t = pdstor::api::hygiene::default_server())]
     pub server: String,
     /// The daemon's data-plane Unix socket (`pdstor serve --data-socket`): buffers are shared over
     /// it, only with a daemon running as root or as this user (or as PDSTOR_DAEMON_UID).

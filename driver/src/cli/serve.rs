@@ -63,19 +63,25 @@ pub struct ServeArgs {
     /// The formatted target to serve (`pdstor format`): a file, block device or /dev/ngXnY.
     #[arg(long)]
     target: PathBuf,
-    /// Control plane address (loopback by default; beyond loopback only with --insecure-tcp).
-    #[arg(long, default_value = "127.0.0.1:7077", conflicts_with = "listen_unix")]
-    listen: std::net::SocketAddr,
-    /// Serve plaintext TCP on an address beyond loopback (warned at every start): any host that
-    /// reaches it can take every step.
+    /// Control plane: `unix:/path` (mode 0600, or 0660 for the config's socket group; a file
+    /// there that is not a stale socket is refused, never replaced) or `host:port` (plaintext
+    /// TCP: only with --insecure-tcp).
+    #[arg(long, default_value_t = pdstor::api::Listen::Unix(pdstor::api::hygiene::default_control_socket()), conflicts_with = "listen_unix")]
+    listen: pdstor::api::Listen,
+    /// Serve the control plane in plaintext TCP (warned at every start): whoever reaches the
+    /// address is taken to be the config's `plaintext` principal (without a config: this
+    /// daemon's own user).
     #[arg(long)]
     insecure_tcp: bool,
-    /// Serve the control plane on this Unix socket instead of TCP (mode 0600; a file there that
-    /// is not a stale socket is refused, never replaced).
+    /// The same as --listen unix:PATH.
     #[arg(long)]
     listen_unix: Option<PathBuf>,
-    /// The data-plane Unix socket clients share their buffers over (mode 0600, in a directory
-    /// only this user can write; created 0750 if missing).
+    /// Who may do what: tenants, roles, quotas and the socket group (TOML; see the README).
+    /// Without it, only this daemon's user and root are anyone.
+    #[arg(long, env = "PDSTOR_CONFIG")]
+    config: Option<PathBuf>,
+    /// The data-plane Unix socket clients share their buffers over (mode 0600, or 0660 for the
+    /// config's socket group, in a directory no other user can write; created 0750 if missing).
     #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor::api::hygiene::default_data_socket())]
     data_socket: PathBuf,
     /// Serve a target other users can read (its KV bytes and receipt key), warned at start.
@@ -107,11 +113,15 @@ impl ServeArgs {
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
             .with_writer(std::io::stderr)
             .init();
+        let config = match &self.config {
+            Some(path) => pdstor::api::config::Config::load(path)?,
+            None => pdstor::api::config::Config::local(),
+        };
         pdstor::api::serve(pdstor::api::ServeConfig {
             target: self.target,
             listen: match self.listen_unix {
                 Some(p) => pdstor::api::Listen::Unix(p),
-                None => pdstor::api::Listen::Tcp(self.listen),
+                None => self.listen,
             },
             data_socket: self.data_socket,
             queue_depth: self.qd,
@@ -123,6 +133,8 @@ impl ServeArgs {
             limits: self.limits.limits(),
             allow_readable_target: self.allow_readable_target,
             insecure_tcp: self.insecure_tcp,
+            policy: std::sync::Arc::new(config.policy),
+            socket_group: config.socket_group,
         })
     }
 }

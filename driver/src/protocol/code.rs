@@ -12,6 +12,9 @@ use std::fmt;
 pub const EXIT_REFUSED: u8 = 2;
 /// Exit status of an I/O or daemon failure (a 5xx, or no daemon).
 pub const EXIT_FAILED: u8 = 3;
+/// Exit status of a CLI verb refused for who its caller is: `unauthenticated`,
+/// `forbidden` or `not_owner` (a script tells "not allowed" from "not now").
+pub const EXIT_DENIED: u8 = 4;
 
 /// The CLI's exit status for an answer with HTTP `status`.
 pub fn exit_code_for_status(status: u16) -> u8 {
@@ -53,6 +56,12 @@ codes! {
     BadRequest = "bad_request" => 400,
     /// The step needs the writer's token of the publication, and this is not it.
     NotOwner = "not_owner" => 403,
+    /// The caller proved no identity (plaintext TCP, no client certificate).
+    Unauthenticated = "unauthenticated" => 401,
+    /// The caller's identity lacks the role, or its tenant may not do this.
+    Forbidden = "forbidden" => 403,
+    /// The caller's tenant holds all its quota allows.
+    QuotaExceeded = "quota_exceeded" => 429,
     /// No live publication has this id.
     UnknownPublication = "unknown_publication" => 404,
     /// The receipt's signature does not verify under this namespace's key.
@@ -167,7 +176,17 @@ codes! {
 impl RefusalCode {
     /// The CLI's exit status for this code.
     pub fn exit_code(self) -> u8 {
-        exit_code_for_status(self.status())
+        if self.is_identity() { EXIT_DENIED } else { exit_code_for_status(self.status()) }
+    }
+
+    /// A refusal for who the caller is, not for what it asked.
+    pub fn is_identity(self) -> bool {
+        matches!(self, RefusalCode::Unauthenticated | RefusalCode::Forbidden | RefusalCode::NotOwner)
+    }
+
+    /// The code spelled `s` on the wire (the first, where two share it).
+    pub fn parse(s: &str) -> Option<RefusalCode> {
+        RefusalCode::ALL.iter().copied().find(|c| c.as_str() == s)
     }
 }
 
@@ -216,5 +235,9 @@ mod tests {
         assert_eq!(RefusalCode::TooManyBuffers.exit_code(), EXIT_REFUSED);
         assert_eq!(RefusalCode::StoreFailed.exit_code(), EXIT_FAILED);
         assert_eq!(RefusalCode::BatchFailed.exit_code(), EXIT_FAILED);
+        for c in [RefusalCode::Unauthenticated, RefusalCode::Forbidden, RefusalCode::NotOwner] {
+            assert_eq!(c.exit_code(), EXIT_DENIED, "{c:?}");
+            assert_eq!(RefusalCode::parse(c.as_str()), Some(c));
+        }
     }
 }

@@ -8,6 +8,7 @@
 //! a [`Refusal`] naming the field; it changes nothing.
 
 pub mod code;
+pub mod identity;
 pub mod service;
 
 pub use code::RefusalCode;

@@ -3,11 +3,12 @@
 //! manifest digest, reader, session), then runs the store transition. The HTTP
 //! control plane and the data plane are thin shells around it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use super::identity::{Caller, Policy, Resource, Role};
 use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock, manifest_digest};
 use std::time::Duration;
 
@@ -55,7 +56,12 @@ pub struct Service {
     signer: Signer,
     clock: Arc<dyn Clock>,
     timeline: Option<Arc<crate::timeline::Timeline>>,
-    closed_sessions: Mutex<HashSet<String>>,
+    policy: Arc<Policy>,
+    /// Closed sessions, by (claimant principal, session name): a session is
+    /// its claimant's, so one principal cannot fence another's.
+    closed_sessions: Mutex<HashSet<(String, String)>>,
+    /// Prepares being handled now: request → the principal that asked.
+    preparing: Mutex<HashMap<String, String>>,
 }
 
 /// The longest id or name a client may give (request, writer, reader,
@@ -99,8 +105,21 @@ impl Service {
             signer,
             clock: Arc::new(SystemClock),
             timeline: None,
+            policy: Arc::new(Policy::local()),
             closed_sessions: Mutex::new(HashSet::new()),
+            preparing: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Resolves and authorizes callers by `policy` (default: [`Policy::local`]).
+    pub fn with_policy(mut self, policy: Arc<Policy>) -> Service {
+        self.policy = policy;
+        self
+    }
+
+    /// Who is who.
+    pub fn policy(&self) -> &Arc<Policy> {
+        &self.policy
     }
 
     /// Measures claims, leases and receipts by `clock` instead of the
@@ -126,10 +145,13 @@ impl Service {
         &self.timeline
     }
 
-    /// Appends a step to the timeline, if there is one. Called after the step
-    /// took effect and before its answer leaves, so line order is causal order.
-    fn note(&self, e: crate::timeline::Event) {
-        crate::timeline::emit(&self.timeline, e);
+    /// Records a step `who` took: on the timeline, if there is one (after the
+    /// step took effect and before its answer leaves, so line order is causal
+    /// order), and in the log.
+    fn note(&self, who: &Caller, e: crate::timeline::Event) {
+        let by = who.audit();
+        tracing::info!(step = %e.event, req = e.req_id.as_deref().unwrap_or(""), publication = e.publication.unwrap_or(0), by = %by, "audit");
+        crate::timeline::emit(&self.timeline, e.by(by));
     }
 
     /// The store underneath.
@@ -142,9 +164,12 @@ impl Service {
         self.signer.namespace()
     }
 
-    /// Refuses a writer's step on `publication` without its writer's token.
-    pub fn check_writer(&self, publication: u64, writer_token: &str) -> Result<(), Refusal> {
+    /// Refuses a writer's step on `publication` by anyone but its owner (or
+    /// an admin), or without its writer's token.
+    pub fn check_writer(&self, who: &Caller, publication: u64, writer_token: &str) -> Result<(), Refusal> {
+        who.require(Role::Writer, "a writer's step")?;
         let p = self.live(publication)?;
+        who.require_owner(p.owner.as_ref(), &format!("publication {publication}"))?;
         if !self.signer.is_writer_token(publication, &p.req_id, writer_token) {
             return Err(Refusal::new(
                 RefusalCode::NotOwner,
@@ -155,6 +180,13 @@ impl Service {
             ));
         }
         Ok(())
+    }
+
+    /// Refuses a step on the claim of `p` by anyone but its claimant (or an admin).
+    fn check_claimant(who: &Caller, p: &Publication, step: &str) -> Result<(), Refusal> {
+        who.require(Role::Reader, step)?;
+        let claimant = p.claim.as_ref().and_then(|c| c.claimant.as_ref());
+        who.require_owner(claimant, &format!("the claim on publication {}", p.id))
     }
 
     fn live(&self, id: u64) -> Result<Publication, Refusal> {
@@ -249,19 +281,22 @@ impl Service {
     /// Step 1: admits a request and records its PREPARE (waits for capacity up to the admission timeout).
     pub fn prepare(
         &self,
+        who: &Caller,
         req_id: &str,
         layout: &Layout,
         total_chunks: u32,
         writer: &str,
     ) -> Result<Prepared, ProtocolError> {
-        self.prepare_with(req_id, layout, total_chunks, writer, None, &CancelToken::new())
+        self.prepare_with(who, req_id, layout, total_chunks, writer, None, &CancelToken::new())
     }
 
     /// [`prepare`](Self::prepare) waiting at most `timeout` (bounded by the
     /// daemon's admission timeout), giving up when `cancel` is set. A repeat
-    /// of a PREPARED request (same chunks, layout, writer) answers the same.
+    /// of a PREPARED request (same chunks, layout, writer, owner) answers the same.
+    #[allow(clippy::too_many_arguments)]
     pub fn prepare_with(
         &self,
+        who: &Caller,
         req_id: &str,
         layout: &Layout,
         total_chunks: u32,
@@ -278,14 +313,22 @@ impl Service {
         ] {
             bounded(field, value, MAX_NAME_BYTES)?;
         }
+        who.require(Role::Writer, "prepare")?;
+        let owner = who.owner();
+        let quota = self.quota_for_prepare(who, total_chunks);
+        self.policy.take(who, quota)?;
         let timeout = timeout.unwrap_or(Duration::MAX);
-        let p = self.store.prepare_with(req_id, writer, layout, total_chunks, timeout, cancel)?;
+        self.lock_preparing().insert(req_id.to_owned(), who.principal.clone());
+        let prepared = self.store.prepare_with(req_id, writer, owner.as_ref(), layout, total_chunks, timeout, cancel);
+        self.lock_preparing().remove(req_id);
+        self.policy.give(who, quota);
+        let p = prepared?;
         let detail = if p.repeated {
             format!("writer {writer}; a repeat of the same request: the same publication")
         } else {
             format!("writer {writer}")
         };
-        self.note(Event::new("prepare").req(req_id).publication(p.publication).detail(detail));
+        self.note(who, Event::new("prepare").req(req_id).publication(p.publication).detail(detail));
         let writer_token = self.signer.writer_token(p.publication, req_id);
         Ok(Prepared {
             publication: p.publication,
@@ -295,27 +338,70 @@ impl Service {
         })
     }
 
+    fn lock_preparing(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.preparing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What a prepare of `chunks` by `who` takes from its tenant's quota: the
+    /// tenant's live holdings are counted only when it has a quota to compare.
+    fn quota_for_prepare(&self, who: &Caller, chunks: u32) -> Resource {
+        let q = who.tenant.as_deref().map(|t| self.policy.quota(t)).unwrap_or_default();
+        let (mut held, mut outstanding) = (0, 0);
+        if q.slots.is_some() || q.prepares.is_some() {
+            for p in self.store.publications() {
+                if p.owner.as_ref().is_some_and(|o| Some(o.tenant.as_str()) == who.tenant.as_deref()) {
+                    held += p.slots.len() as u64;
+                    outstanding += usize::from(p.phase == Phase::Prepared);
+                }
+            }
+        }
+        Resource::Prepare { slots: chunks as u64, held, outstanding }
+    }
+
     /// Step 3: READY; returns the signed receipt and the manifest.
     pub fn publish(
         &self,
+        who: &Caller,
         publication: u64,
         writer_token: &str,
         first_token: Option<u32>,
     ) -> Result<Published, ProtocolError> {
-        self.check_writer(publication, writer_token)?;
+        self.check_writer(who, publication, writer_token)?;
         let manifest = self.store.publish(publication, first_token)?;
         let p = self.live(publication)?;
         let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
         let mut e = Event::new("publish").req(&receipt.req_id).publication(publication).receipt(&receipt.signature);
         e.chunks = Some(manifest.chunks.len() as u32);
         e.token = manifest.first_token;
-        self.note(e);
+        self.note(who, e);
         Ok(Published { receipt, manifest })
     }
 
     /// Step 4: binds one reader and session to a READY publication; returns the claim receipt.
-    pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ProtocolError> {
+    pub fn claim(
+        &self,
+        who: &Caller,
+        ready: &Receipt,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+    ) -> Result<Receipt, ProtocolError> {
+        who.require(Role::Reader, "claim")?;
         let p = self.check(ready, ReceiptKind::Ready)?;
+        if let (Some(owner), Some(tenant)) = (&p.owner, &who.tenant)
+            && !who.roles.admin
+            && !self.policy.may_read(&owner.tenant, tenant)
+        {
+            return Err(Refusal::new(
+                RefusalCode::Forbidden,
+                "caller",
+                format!(
+                    "claim: publication {} belongs to tenant {}, whose config does not let readers of tenant {tenant} claim it",
+                    p.id, owner.tenant
+                ),
+            )
+            .into());
+        }
         if p.phase != Phase::Ready {
             return Err(Refusal::new(
                 RefusalCode::AlreadyClaimed,
@@ -342,10 +428,12 @@ impl Service {
             )
             .into());
         }
-        let p = self.store.claim(p.id, reader, session, lease_ms, self.now_unix_ms())?;
+        let claimant = who.owner();
+        let p = self.store.claim(p.id, reader, session, lease_ms, self.now_unix_ms(), claimant.as_ref())?;
         let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
         let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
         self.note(
+            who,
             Event::new("claim")
                 .req(&receipt.req_id)
                 .publication(p.id)
@@ -358,6 +446,7 @@ impl Service {
     /// Every field must match exactly; the manifest comes back.
     pub fn adopt(
         &self,
+        who: &Caller,
         claim: &Receipt,
         namespace: &str,
         epoch: u64,
@@ -365,6 +454,7 @@ impl Service {
         layout: &Layout,
     ) -> Result<Manifest, ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "adopt")?;
         self.unfenced(&p, "adopt")?;
         if namespace != self.namespace() {
             return Err(Refusal::new(
@@ -412,13 +502,14 @@ impl Service {
             .into());
         }
         let p = self.store.adopt(p.id)?;
-        self.note(Event::new("adopt").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        self.note(who, Event::new("adopt").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
         p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
     }
 
     /// Checks that `claim` may load now: adopted, lease running.
-    pub fn authorize_load(&self, claim: &Receipt) -> Result<Manifest, ProtocolError> {
+    pub fn authorize_load(&self, who: &Caller, claim: &Receipt) -> Result<Manifest, ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "load")?;
         self.unfenced(&p, "load")?;
         if p.phase != Phase::Adopted {
             return Err(Refusal::new(
@@ -437,8 +528,9 @@ impl Service {
     }
 
     /// Step 7: the reader restored every chunk (its digest must match); the slots free.
-    pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
+    pub fn ack(&self, who: &Caller, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "ack")?;
         self.unfenced(&p, "ack")?;
         if p.phase != Phase::Adopted {
             return Err(Refusal::new(
@@ -460,13 +552,15 @@ impl Service {
             .into());
         }
         self.store.ack(p.id, restore)?;
-        self.note(Event::new("ack").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        self.note(who, Event::new("ack").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
         Ok(())
     }
 
     /// Frees a READY publication that was never claimed.
-    pub fn release(&self, ready: &Receipt) -> Result<(), ProtocolError> {
+    pub fn release(&self, who: &Caller, ready: &Receipt) -> Result<(), ProtocolError> {
+        who.require(Role::Writer, "release")?;
         let p = self.check(ready, ReceiptKind::Ready)?;
+        who.require_owner(p.owner.as_ref(), &format!("publication {}", p.id))?;
         if p.phase != Phase::Ready {
             return Err(Refusal::new(
                 RefusalCode::AlreadyClaimed,
@@ -476,18 +570,19 @@ impl Service {
             .into());
         }
         self.store.release(p.id)?;
-        self.note(Event::new("release").req(&ready.req_id).publication(p.id).receipt(&ready.signature));
+        self.note(who, Event::new("release").req(&ready.req_id).publication(p.id).receipt(&ready.signature));
         Ok(())
     }
 
     /// Rolls back a publication that is not READY yet.
-    pub fn abort(&self, publication: u64, writer_token: &str) -> Result<AbortOutcome, ProtocolError> {
+    pub fn abort(&self, who: &Caller, publication: u64, writer_token: &str) -> Result<AbortOutcome, ProtocolError> {
+        who.require(Role::Writer, "abort")?;
         if self.store.publication(publication).is_none() {
             return Ok(AbortOutcome::NotFound);
         }
-        self.check_writer(publication, writer_token)?;
+        self.check_writer(who, publication, writer_token)?;
         let outcome = self.store.abort(publication)?;
-        self.note(Event::new("abort").publication(publication).detail(format!("{outcome:?}")));
+        self.note(who, Event::new("abort").publication(publication).detail(format!("{outcome:?}")));
         Ok(outcome)
     }
 
@@ -505,21 +600,36 @@ impl Service {
             } else {
                 format!("idle: no store batch for {} ms", idle.as_millis())
             };
-            self.note(Event::new("abort").req(&r.req_id).publication(r.publication).detail(why));
+            self.note(&Caller::in_process(), Event::new("abort").req(&r.req_id).publication(r.publication).detail(why));
         }
         reaped.len()
     }
 
     /// Cancels request `req_id` ([`Store::cancel_request`]): a waiting
     /// prepare is refused, a PREPARED publication rolled back. Idempotent.
-    pub fn cancel(&self, req_id: &str) -> Result<CancelOutcome, ProtocolError> {
+    pub fn cancel(&self, who: &Caller, req_id: &str) -> Result<CancelOutcome, ProtocolError> {
+        who.require(Role::Writer, "cancel")?;
         bounded("req_id", req_id, MAX_NAME_BYTES)?;
+        // Only whoever asked for the request (or an admin) gives it up.
+        if let Some(p) = self.store.publications().into_iter().find(|p| p.req_id == req_id) {
+            who.require_owner(p.owner.as_ref(), &format!("request {req_id}"))?;
+        } else if let Some(principal) = self.lock_preparing().get(req_id)
+            && *principal != who.principal
+            && !who.roles.admin
+        {
+            return Err(Refusal::new(
+                RefusalCode::NotOwner,
+                "caller",
+                format!("request {req_id} is being prepared by {principal}; {who} is not it (nor an admin)"),
+            )
+            .into());
+        }
         let outcome = self.store.cancel_request(req_id)?;
         let mut e = Event::new("cancel").req(req_id).detail(format!("{outcome:?}"));
         if let CancelOutcome::Aborted { publication, .. } | CancelOutcome::Pending { publication } = outcome {
             e = e.publication(publication);
         }
-        self.note(e);
+        self.note(who, e);
         Ok(outcome)
     }
 
@@ -528,6 +638,7 @@ impl Service {
     pub fn orphan(&self, publication: u64, req_id: &str) {
         self.store.orphan(publication);
         self.note(
+            &Caller::in_process(),
             Event::new("orphaned")
                 .req(req_id)
                 .publication(publication)
@@ -536,11 +647,15 @@ impl Service {
     }
 
     /// A failed or uncertain claimed read: the publication is RETAINED with its bytes.
-    pub fn fail(&self, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
+    pub fn fail(&self, who: &Caller, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
         bounded("reason", reason, MAX_REASON_BYTES)?;
         let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "fail")?;
         self.store.fail(p.id, reason)?;
-        self.note(Event::new("fail").req(&claim.req_id).publication(p.id).receipt(&claim.signature).detail(reason));
+        self.note(
+            who,
+            Event::new("fail").req(&claim.req_id).publication(p.id).receipt(&claim.signature).detail(reason),
+        );
         Ok(())
     }
 
@@ -548,7 +663,8 @@ impl Service {
     /// it was made in an earlier epoch (the daemon restarted since).
     fn fenced(&self, p: &Publication) -> Option<String> {
         let c = p.claim.as_ref()?;
-        if self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&c.session) {
+        let key = (c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default(), c.session.clone());
+        if self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
             return Some(format!("its session {} was closed", c.session));
         }
         let epoch = self.store.epoch();
@@ -572,9 +688,24 @@ impl Service {
 
     /// Frees a claimed/retained publication only once its reader is fenced:
     /// its session closed, or its claim made in an earlier daemon epoch.
-    pub fn reclaim(&self, claim: &Receipt) -> Result<(), ProtocolError> {
+    /// Its claimant, its owner or an admin may reclaim.
+    pub fn reclaim(&self, who: &Caller, claim: &Receipt) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;
-        p.claim.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim"))?;
+        let c = p.claim.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim"))?;
+        if Self::check_claimant(who, &p, "reclaim").is_err() {
+            who.require_owner(p.owner.as_ref(), &format!("publication {}", p.id)).map_err(|_| {
+                Refusal::new(
+                    RefusalCode::NotOwner,
+                    "caller",
+                    format!(
+                        "reclaim: the claim on publication {} is {}'s and the publication {}'s; {who} is neither (nor an admin)",
+                        p.id,
+                        c.claimant.as_ref().map_or("nobody's", |o| o.principal.as_str()),
+                        p.owner.as_ref().map_or("nobody", |o| o.principal.as_str()),
+                    ),
+                )
+            })?;
+        }
         if self.fenced(&p).is_none() {
             return Err(Refusal::new(
                 RefusalCode::NotFenced,
@@ -584,14 +715,16 @@ impl Service {
             .into());
         }
         self.store.reclaim(p.id)?;
-        self.note(Event::new("reclaim").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        self.note(who, Event::new("reclaim").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
         Ok(())
     }
 
     /// Fences the reader session of `claim`, a claim receipt proving the
     /// caller holds a claim of that session: every claim of the session
     /// becomes reclaimable and may no longer read.
-    pub fn close_session(&self, claim: &Receipt) -> Result<(), ProtocolError> {
+    /// Only the session's claimant (or an admin) closes it.
+    pub fn close_session(&self, who: &Caller, claim: &Receipt) -> Result<(), ProtocolError> {
+        who.require(Role::Reader, "close-session")?;
         self.signer.verify(claim)?;
         if claim.kind != ReceiptKind::Claim {
             return Err(Refusal::new(
@@ -604,8 +737,16 @@ impl Service {
         let Some(session) = claim.session.clone() else {
             return Err(Refusal::new(RefusalCode::BadRequest, "receipt", "the claim receipt names no session").into());
         };
-        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert(session.clone());
-        self.note(Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(session));
+        // The session is its claimant's: the live claim says whose; a claim
+        // already gone leaves only the caller's own session of that name.
+        let live = self.store.publication(claim.publication).and_then(|p| p.claim);
+        let claimant = live.as_ref().filter(|c| c.session == session).and_then(|c| c.claimant.clone());
+        if let Some(o) = &claimant {
+            who.require_owner(Some(o), &format!("session {session}"))?;
+        }
+        let principal = claimant.map_or_else(|| who.principal.clone(), |o| o.principal);
+        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert((principal, session.clone()));
+        self.note(who, Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(session));
         Ok(())
     }
 }

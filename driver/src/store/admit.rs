@@ -16,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use super::error::{Invariant, StoreError};
-use super::{AbortOutcome, Batches, Layout, Live, Phase, Record, Store, TransferId};
+use super::{AbortOutcome, Batches, Layout, Live, Owner, Phase, Record, Store, TransferId};
 use crate::admission::{AdmitError, CancelToken};
 
 /// What a prepare did.
@@ -100,16 +100,19 @@ impl Store {
         total_chunks: u32,
         timeout: Duration,
     ) -> Result<u64, StoreError> {
-        let p = self.prepare_with(req_id, writer, layout, total_chunks, timeout, &CancelToken::new())?;
+        let p = self.prepare_with(req_id, writer, None, layout, total_chunks, timeout, &CancelToken::new())?;
         Ok(p.publication)
     }
 
     /// [`prepare`](Self::prepare) with its own timeout (at most the store's
-    /// admission timeout) and a token that gives up the wait.
+    /// admission timeout) and a token that gives up the wait, bound to
+    /// `owner` (journaled with the PREPARE).
+    #[allow(clippy::too_many_arguments)]
     pub fn prepare_with(
         &self,
         req_id: &str,
         writer: &str,
+        owner: Option<&Owner>,
         layout: &Layout,
         total_chunks: u32,
         timeout: Duration,
@@ -118,7 +121,7 @@ impl Store {
         if total_chunks > TransferId::MAX_CHUNKS {
             return Err(StoreError::TooManyChunks { chunks: total_chunks, max: TransferId::MAX_CHUNKS });
         }
-        if let Some(id) = self.repeat_of(req_id, writer, layout, total_chunks)? {
+        if let Some(id) = self.repeat_of(req_id, writer, owner, layout, total_chunks)? {
             return Ok(Prepared { publication: id, repeated: true });
         }
         let timeout = timeout.min(self.opts.admission_timeout);
@@ -128,7 +131,7 @@ impl Store {
         if self.admission.held(req_id) != total_chunks as u64 {
             return Err(AdmitError::Aborted { req: req_id.into() }.into());
         }
-        let prepared = self.journal_prepare(&mut live, req_id, writer, layout, total_chunks);
+        let prepared = self.journal_prepare(&mut live, req_id, writer, owner, layout, total_chunks);
         if prepared.is_err() {
             self.admission.release(req_id);
         }
@@ -136,12 +139,19 @@ impl Store {
     }
 
     /// The PREPARED publication of `req_id`, if this prepare repeats it
-    /// exactly; a refusal if `req_id` is live in any other way.
-    fn repeat_of(&self, req_id: &str, writer: &str, layout: &Layout, total: u32) -> Result<Option<u64>, StoreError> {
+    /// exactly (by the same owner); a refusal if `req_id` is live in any other way.
+    fn repeat_of(
+        &self,
+        req_id: &str,
+        writer: &str,
+        owner: Option<&Owner>,
+        layout: &Layout,
+        total: u32,
+    ) -> Result<Option<u64>, StoreError> {
         let mut live = self.lock_live();
         let Some(p) = live.state.by_req(req_id) else { return Ok(None) };
         let id = p.id;
-        let same = p.total_chunks == total && p.layout == *layout && p.writer == writer;
+        let same = p.total_chunks == total && p.layout == *layout && p.writer == writer && p.owner.as_ref() == owner;
         if p.phase == Phase::Prepared && same && live.batches.get(&id).is_none_or(|b| !b.published) {
             if let Some(b) = live.batches.get_mut(&id) {
                 b.touched = Some(Instant::now());
@@ -158,6 +168,7 @@ impl Store {
         live: &mut Live,
         req_id: &str,
         writer: &str,
+        owner: Option<&Owner>,
         layout: &Layout,
         total_chunks: u32,
     ) -> Result<u64, StoreError> {
@@ -179,6 +190,7 @@ impl Store {
             layout: layout.clone(),
             total_chunks,
             slots,
+            owner: owner.cloned(),
         };
         self.log(live, record)?;
         live.batches.insert(id, Batches { touched: Some(Instant::now()), ..Default::default() });

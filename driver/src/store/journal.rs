@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::state::{Layout, Manifest, Publication, SlotIndex};
+use super::state::{Layout, Manifest, Owner, Publication, SlotIndex};
 
 /// The first word of every record frame ("PJDR").
 pub const RECORD_MAGIC: u32 = 0x5244_4a50; // "PJDR"
@@ -34,6 +34,9 @@ pub enum Record {
         total_chunks: u32,
         /// The slots reserved, chunk `i` in `slots[i]`.
         slots: Vec<SlotIndex>,
+        /// The identity that prepared it (absent in journals older than identities).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        owner: Option<Owner>,
     },
     /// A chunk stored in its slot, with the checksum of the bytes written.
     Alloc {
@@ -69,6 +72,9 @@ pub enum Record {
         epoch: u64,
         /// When it was claimed, by the protocol's clock.
         claimed_unix_ms: u64,
+        /// The identity that claimed it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        claimant: Option<Owner>,
     },
     /// ADOPTED: the claimed reader confirmed what it reads.
     Adopt {

@@ -48,7 +48,7 @@ pub use fault::{FaultPlan, PowerLoss};
 pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, signature_of};
 pub use journal::Record;
 pub use recovery::{Inspection, inspect};
-pub use state::{ChunkEntry, Layout, Manifest, Phase, Publication, SlotIndex};
+pub use state::{ChunkEntry, Layout, Manifest, Owner, Phase, Publication, SlotIndex};
 pub use superblock::Superblock;
 pub use worker::CommitInfo;
 

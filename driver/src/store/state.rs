@@ -113,6 +113,25 @@ pub struct Publication {
     pub manifest: Option<Manifest>,
     /// Who holds it, once claimed.
     pub claim: Option<ClaimInfo>,
+    /// The identity that prepared it (`None` in journals older than identities).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
+}
+
+/// The identity a publication or claim is bound to: the tenant and the
+/// principal the daemon proved (`uid:1000`, `cert:prefill-0`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Owner {
+    /// The tenant it belongs to.
+    pub tenant: String,
+    /// The principal: `uid:<n>` for a Unix peer, `cert:<name>` for a TLS client.
+    pub principal: String,
+}
+
+impl std::fmt::Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (tenant {})", self.principal, self.tenant)
+    }
 }
 
 /// Who holds a claim, bound by the CLAIM record.
@@ -128,6 +147,9 @@ pub struct ClaimInfo {
     pub epoch: u64,
     /// When it was claimed, by the protocol's clock.
     pub claimed_unix_ms: u64,
+    /// The identity that claimed it: only it adopts, loads and acks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimant: Option<Owner>,
 }
 
 /// Every publication and slot owner the journal describes: rebuilt by replay, changed only by records.
@@ -239,8 +261,11 @@ impl State {
     /// fit the current state.
     pub fn apply(&mut self, r: &Record) -> Result<(), StateError> {
         match r {
-            Record::Prepare { publication, req_id, writer, layout, total_chunks, slots } => {
+            Record::Prepare { publication, req_id, writer, layout, total_chunks, slots, owner } => {
                 self.apply_prepare(*publication, req_id, writer, layout, *total_chunks, slots)?;
+                if let Some(p) = self.pubs.get_mut(publication) {
+                    p.owner = owner.clone();
+                }
             }
             Record::Alloc { publication, chunk, slot, len, crc32c } => {
                 self.apply_alloc(*publication, *chunk, *slot, *len, *crc32c)?;
@@ -250,7 +275,7 @@ impl State {
                 p.phase = Phase::Ready;
                 p.manifest = Some(manifest.clone());
             }
-            Record::Claim { publication, reader, session, lease_ms, epoch, claimed_unix_ms } => {
+            Record::Claim { publication, reader, session, lease_ms, epoch, claimed_unix_ms, claimant } => {
                 let p = self.for_record(*publication, "claimed", &[Phase::Ready])?;
                 p.phase = Phase::Claimed;
                 p.claim = Some(ClaimInfo {
@@ -259,6 +284,7 @@ impl State {
                     lease_ms: *lease_ms,
                     epoch: *epoch,
                     claimed_unix_ms: *claimed_unix_ms,
+                    claimant: claimant.clone(),
                 });
             }
             Record::Adopt { publication } => {
@@ -320,6 +346,7 @@ impl State {
             phase: Phase::Prepared,
             manifest: None,
             claim: None,
+            owner: None,
         };
         self.pubs.insert(publication, p);
         self.next_publication = self.next_publication.max(publication + 1);
@@ -434,6 +461,7 @@ mod tests {
             layout: test_layout(),
             total_chunks: slots.len() as u32,
             slots: slots.into_iter().map(SlotIndex).collect(),
+            owner: None,
         }
     }
 
@@ -462,6 +490,7 @@ mod tests {
             lease_ms: 10,
             epoch: 1,
             claimed_unix_ms: 0,
+            claimant: None,
         };
         s.apply(&claim).unwrap();
         let ack = Record::Ack { publication: 1, restore_digest: "x".into() };

@@ -94,7 +94,8 @@ impl Store {
     }
 
     /// Step 4: binds exactly one reader and session to a READY publication,
-    /// claimed at `claimed_unix_ms` (the protocol's clock) for `lease_ms`.
+    /// claimed at `claimed_unix_ms` (the protocol's clock) for `lease_ms`
+    /// by `claimant` (journaled with the CLAIM).
     pub fn claim(
         &self,
         id: u64,
@@ -102,6 +103,7 @@ impl Store {
         session: &str,
         lease_ms: u64,
         claimed_unix_ms: u64,
+        claimant: Option<&super::Owner>,
     ) -> Result<Publication, StoreError> {
         let record = Record::Claim {
             publication: id,
@@ -110,6 +112,7 @@ impl Store {
             lease_ms,
             epoch: self.epoch(),
             claimed_unix_ms,
+            claimant: claimant.cloned(),
         };
         self.transition(id, &[Phase::Ready], "only a READY, unclaimed publication can be claimed", record)
     }

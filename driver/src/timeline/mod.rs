@@ -63,6 +63,9 @@ pub struct Event {
     /// What failed or was refused, or which control a step belongs to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// Who asked for the step, as the daemon proved it (`uid:1000 (tenant a, writer)`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
 }
 
 impl Event {
@@ -93,6 +96,11 @@ impl Event {
     /// With what failed, or which control the step belongs to.
     pub fn detail(mut self, d: impl Into<String>) -> Self {
         self.detail = Some(d.into());
+        self
+    }
+    /// With who asked for the step.
+    pub fn by(mut self, who: impl Into<String>) -> Self {
+        self.by = Some(who.into());
         self
     }
 }

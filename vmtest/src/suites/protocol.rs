@@ -19,7 +19,8 @@ pub const SUITE: Suite = Suite {
     ],
 };
 
-pub(crate) const SERVER: &str = "http://127.0.0.1:7077";
+pub(crate) const SERVER: &str = "unix:/tmp/vmtest/pdstor-control.sock";
+const CONTROL: &str = "/tmp/vmtest/pdstor-control.sock";
 pub(crate) const SOCKET: &str = "/tmp/vmtest/pdstor-data.sock";
 
 /// A `pdstor serve` child, stopped with SIGTERM (then SIGKILL) on drop.
@@ -46,12 +47,12 @@ fn serve(target: &Path) -> Result<Daemon, String> {
 }
 
 /// Starts `pdstor serve` on `target` with `extra` arguments and waits for its
-/// data socket.
+/// data and control sockets.
 pub(crate) fn serve_with(target: &Path, extra: &[&str]) -> Result<Daemon, String> {
     let _ = std::fs::remove_file(SOCKET);
     let log = std::fs::File::create("/tmp/vmtest/serve.log").map_err(|e| e.to_string())?;
     let child = Command::new("/bin/pdstor")
-        .args(["serve", "--listen", "127.0.0.1:7077", "--data-socket", SOCKET])
+        .args(["serve", "--listen", SERVER, "--data-socket", SOCKET])
         .args(extra)
         .arg("--target")
         .arg(target)
@@ -61,7 +62,7 @@ pub(crate) fn serve_with(target: &Path, extra: &[&str]) -> Result<Daemon, String
         .map_err(|e| format!("starting pdstor serve: {e}"))?;
     let d = Daemon(child);
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !Path::new(SOCKET).exists() {
+    while !Path::new(SOCKET).exists() || !Path::new(CONTROL).exists() {
         if Instant::now() > deadline {
             let log = std::fs::read_to_string("/tmp/vmtest/serve.log").unwrap_or_default();
             return Err(format!("pdstor serve did not come up: {log}"));

@@ -193,15 +193,12 @@ impl Drop for Daemon {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 fn start_daemon(cfg: &QualifyConfig, timeline: &Path) -> anyhow::Result<Daemon> {
     let exe = std::env::current_exe().context("locating the pdstor binary")?;
     let socket = cfg.out.join("data.sock");
     let _ = std::fs::remove_file(&socket);
-    let listen = format!("127.0.0.1:{}", free_port()?);
+    let control = cfg.out.join("control.sock");
+    let listen = format!("unix:{}", control.display());
     let log = std::fs::File::create(cfg.out.join("serve.log"))?;
     let mut cmd = Command::new(exe);
     cmd.arg("serve").arg("--target").arg(&cfg.target).args(["--listen", &listen]).arg("--data-socket").arg(&socket);
@@ -210,11 +207,9 @@ fn start_daemon(cfg: &QualifyConfig, timeline: &Path) -> anyhow::Result<Daemon> 
         cmd.args(["--provenance", "--require-native"]);
     }
     let child = cmd.stdout(Stdio::null()).stderr(log).spawn().context("starting pdstor serve")?;
-    let d = Daemon { child, server: format!("http://{listen}"), socket };
+    let d = Daemon { child, server: listen, socket };
     let deadline = Instant::now() + Duration::from_secs(30);
-    while std::os::unix::net::UnixStream::connect(&d.socket).is_err()
-        || ureq::get(format!("{}/healthz", d.server)).call().is_err()
-    {
+    while std::os::unix::net::UnixStream::connect(&d.socket).is_err() || Client::new(&d.server).healthz().is_err() {
         if Instant::now() > deadline {
             let log = std::fs::read_to_string(cfg.out.join("serve.log")).unwrap_or_default();
             bail!("pdstor serve did not come up: {log}");

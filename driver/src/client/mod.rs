@@ -20,6 +20,8 @@ use crate::protocol::service::{Prepared, Published, restore_digest};
 use crate::protocol::{Receipt, manifest_digest};
 use crate::store::{CancelOutcome, Layout, Manifest};
 
+mod unix_http;
+
 /// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -47,39 +49,114 @@ pub enum ClientError {
     },
 }
 
+/// Refuses a daemon socket served by anyone but root, this user, or
+/// `PDSTOR_DAEMON_UID` (`SO_PEERCRED`): a request, a receipt or a buffer is
+/// never handed to whoever squats a socket path.
+pub(crate) fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), String> {
+    let peer =
+        crate::api::hygiene::peer_uid(stream).map_err(|e| format!("asking who serves {}: {e}", path.display()))?;
+    let me = nix::unistd::geteuid().as_raw();
+    let expected: Option<u32> = std::env::var("PDSTOR_DAEMON_UID").ok().and_then(|v| v.parse().ok());
+    let trusted = match expected {
+        Some(uid) => peer == uid,
+        None => peer == 0 || peer == me,
+    };
+    if trusted {
+        return Ok(());
+    }
+    let want = expected.map_or_else(|| format!("root or you (uid {me})"), |u| format!("uid {u} (PDSTOR_DAEMON_UID)"));
+    Err(format!(
+        "{} is served by uid {peer}, not {want}: refusing to share buffers or requests with it (another user may be squatting the path); set PDSTOR_DAEMON_UID={peer} if that is your daemon",
+        path.display()
+    ))
+}
+
+/// How the client reaches the control plane.
+enum Transport {
+    /// `unix:/run/pdstor/control.sock`.
+    Unix(std::path::PathBuf),
+    /// `http://host:port` (a daemon run with `--insecure-tcp`).
+    Http(ureq::Agent),
+}
+
 /// The HTTP control plane.
 pub struct Client {
-    agent: ureq::Agent,
+    transport: Transport,
     base: String,
 }
 
 impl Client {
-    /// `base` is like `http://127.0.0.1:7077`.
+    /// `base` is `unix:/path/to/control.sock` (the default) or `http://host:port`.
     pub fn new(base: &str) -> Client {
-        let agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
-        Client { agent, base: base.trim_end_matches('/').to_owned() }
+        let base = base.trim_end_matches('/').to_owned();
+        let transport = match base.strip_prefix("unix:") {
+            Some(path) => Transport::Unix(path.trim_start_matches("//").into()),
+            None => Transport::Http(ureq::Agent::config_builder().http_status_as_error(false).build().into()),
+        };
+        Client { transport, base }
+    }
+
+    /// Sends one request; answers the status and body.
+    fn exchange(&self, method: &str, path: &str, json: Option<Vec<u8>>) -> Result<(u16, Vec<u8>), ClientError> {
+        let url = format!("{}{path}", self.base);
+        let transport = |message: String| ClientError::Transport { url: url.clone(), message };
+        match &self.transport {
+            Transport::Unix(socket) => {
+                let a = unix_http::request(socket, method, path, json.as_deref()).map_err(transport)?;
+                Ok((a.status, a.body))
+            }
+            Transport::Http(agent) => {
+                let resp = match json {
+                    Some(body) => agent.post(&url).content_type("application/json").send(&body[..]),
+                    None => agent.get(&url).call(),
+                };
+                let mut resp = resp.map_err(|e| transport(e.to_string()))?;
+                let status = resp.status().as_u16();
+                let body = resp
+                    .body_mut()
+                    .with_config()
+                    .limit(256 << 20)
+                    .read_to_vec()
+                    .map_err(|e| transport(e.to_string()))?;
+                Ok((status, body))
+            }
+        }
+    }
+
+    /// The error body of a refused request.
+    fn refused(&self, path: &str, status: u16, body: &[u8]) -> ClientError {
+        match serde_json::from_slice::<ErrorBody>(body) {
+            Ok(b) => ClientError::Api(b),
+            Err(e) => ClientError::Transport {
+                url: format!("{}{path}", self.base),
+                message: format!("HTTP {status} with a body that is not the error shape: {e}"),
+            },
+        }
     }
 
     fn post<Req: Serialize, Resp: DeserializeOwned>(&self, path: &str, req: &Req) -> Result<Resp, ClientError> {
-        let url = format!("{}{path}", self.base);
-        let transport = |message: String| ClientError::Transport { url: url.clone(), message };
-        let mut resp = self.agent.post(&url).send_json(req).map_err(|e| transport(e.to_string()))?;
-        let status = resp.status().as_u16();
+        let json = serde_json::to_vec(req).map_err(|e| ClientError::Data(e.to_string()))?;
+        let (status, body) = self.exchange("POST", path, Some(json))?;
         if status != 200 {
-            let body: ErrorBody = resp.body_mut().read_json().map_err(|e| transport(format!("HTTP {status}: {e}")))?;
-            return Err(ClientError::Api(body));
+            return Err(self.refused(path, status, &body));
         }
-        resp.body_mut().read_json().map_err(|e| transport(e.to_string()))
+        serde_json::from_slice(&body).map_err(|e| ClientError::Transport {
+            url: format!("{}{path}", self.base),
+            message: format!("the answer is not the expected JSON: {e}"),
+        })
     }
 
     fn get_text(&self, path: &str) -> Result<String, ClientError> {
-        let url = format!("{}{path}", self.base);
-        let mut resp = self
-            .agent
-            .get(&url)
-            .call()
-            .map_err(|e| ClientError::Transport { url: url.clone(), message: e.to_string() })?;
-        resp.body_mut().read_to_string().map_err(|e| ClientError::Transport { url, message: e.to_string() })
+        let (status, body) = self.exchange("GET", path, None)?;
+        if status != 200 {
+            return Err(self.refused(path, status, &body));
+        }
+        Ok(String::from_utf8_lossy(&body).into_owned())
+    }
+
+    /// `GET /healthz`: `Ok` while the daemon answers and its store has not failed.
+    pub fn healthz(&self) -> Result<(), ClientError> {
+        self.get_text("/healthz").map(|_| ())
     }
 
     /// `prepare`: reserves `total_chunks` for `req_id`.
@@ -189,22 +266,7 @@ impl DataConn {
         let stream = UnixStream::connect(path).map_err(|e| {
             ClientError::Data(format!("connecting to {}: {e} (is `pdstor serve` running?)", path.display()))
         })?;
-        let peer = crate::api::hygiene::peer_uid(&stream)
-            .map_err(|e| ClientError::Data(format!("asking who serves {}: {e}", path.display())))?;
-        let me = nix::unistd::geteuid().as_raw();
-        let expected: Option<u32> = std::env::var("PDSTOR_DAEMON_UID").ok().and_then(|v| v.parse().ok());
-        let trusted = match expected {
-            Some(uid) => peer == uid,
-            None => peer == 0 || peer == me,
-        };
-        if !trusted {
-            let want =
-                expected.map_or_else(|| format!("root or you (uid {me})"), |u| format!("uid {u} (PDSTOR_DAEMON_UID)"));
-            return Err(ClientError::Data(format!(
-                "{} is served by uid {peer}, not {want}: refusing to share buffers with it (another user may be squatting the path); set PDSTOR_DAEMON_UID={peer} if that is your daemon",
-                path.display()
-            )));
-        }
+        trusted_daemon(&stream, path).map_err(ClientError::Data)?;
         Ok(DataConn { stream })
     }
 

@@ -1,0 +1,256 @@
+//! `pdstor serve --config pdstor.toml`: who may do what, and how much.
+//!
+//! ```toml
+//! [sockets]
+//! group = "pdstor"             # sockets 0660 and their directory 0750, this group
+//!
+//! [[principal]]                # matched in order; the first naming a caller wins
+//! tenant = "team-a"
+//! roles = ["writer"]           # writer, reader, admin
+//! users = ["prefill"]          # Unix peers by user name or uid ...
+//! uids = [1001]
+//! groups = ["prefill-pool"]    # ... or by effective group (never root or the daemon's user)
+//! cert_names = ["prefill.team-a.example"]   # TLS clients by certificate CN or DNS name
+//!
+//! [[principal]]
+//! tenant = "team-b"
+//! roles = ["reader"]
+//! uids = [1002]
+//!
+//! [tenant.team-a]
+//! readers_from = ["team-b"]    # other tenants whose readers may claim team-a's publications
+//! [tenant.team-a.quota]
+//! slots = 4096
+//! pinned_bytes = "16G"
+//! buffers = 32
+//! connections = 64
+//! prepares = 32
+//!
+//! [plaintext]                  # who a --insecure-tcp client is taken to be (default: nobody)
+//! tenant = "team-a"
+//! roles = ["reader"]
+//! ```
+//!
+//! Without a config the daemon's own user and root are admins of tenant
+//! `default` and nobody else can reach the 0600 sockets.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+use crate::protocol::identity::{Policy, Principal, Quota, Roles, Tenant};
+
+/// The file as written.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    #[serde(default)]
+    sockets: Sockets,
+    #[serde(default)]
+    principal: Vec<PrincipalFile>,
+    #[serde(default)]
+    tenant: BTreeMap<String, TenantFile>,
+    plaintext: Option<PlaintextFile>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Sockets {
+    group: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrincipalFile {
+    tenant: String,
+    roles: Vec<String>,
+    #[serde(default)]
+    users: Vec<String>,
+    #[serde(default)]
+    uids: Vec<u32>,
+    #[serde(default)]
+    groups: Vec<String>,
+    #[serde(default)]
+    gids: Vec<u32>,
+    #[serde(default)]
+    cert_names: Vec<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TenantFile {
+    #[serde(default)]
+    readers_from: Vec<String>,
+    #[serde(default)]
+    quota: QuotaFile,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct QuotaFile {
+    slots: Option<u64>,
+    pinned_bytes: Option<Size>,
+    buffers: Option<usize>,
+    connections: Option<usize>,
+    prepares: Option<usize>,
+}
+
+/// A byte count as a number or a size string (`"16G"`).
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Size {
+    Bytes(u64),
+    Text(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlaintextFile {
+    tenant: String,
+    roles: Vec<String>,
+}
+
+/// What the daemon runs with from its config.
+#[derive(Debug)]
+pub struct Config {
+    /// Who is who.
+    pub policy: Policy,
+    /// The group the sockets (0660) and their directory (0750) are given to.
+    pub socket_group: Option<u32>,
+}
+
+impl Config {
+    /// No config: [`Policy::local`], owner-only sockets.
+    pub fn local() -> Config {
+        Config { policy: Policy::local(), socket_group: None }
+    }
+
+    /// Reads and checks `path`; every mistake names its place.
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading the config {}", path.display()))?;
+        Config::parse(&text).with_context(|| format!("in the config {}", path.display()))
+    }
+
+    /// Parses a config's text.
+    pub fn parse(text: &str) -> anyhow::Result<Config> {
+        let file: File = toml::from_str(text)?;
+        let mut policy = Policy::local();
+        policy.plaintext = None;
+        for (name, t) in &file.tenant {
+            for r in &t.readers_from {
+                if !file.tenant.contains_key(r) && !file.principal.iter().any(|p| &p.tenant == r) {
+                    bail!("tenant {name}: readers_from names {r:?}, which no principal or tenant table is");
+                }
+            }
+            let q = &t.quota;
+            let pinned_bytes = match &q.pinned_bytes {
+                None => None,
+                Some(Size::Bytes(b)) => Some(*b),
+                Some(Size::Text(s)) => Some(
+                    crate::units::parse_size(s)
+                        .map_err(|e| anyhow::anyhow!("tenant {name}: quota.pinned_bytes {s:?}: {e}"))?,
+                ),
+            };
+            let quota = Quota {
+                slots: q.slots,
+                pinned_bytes,
+                buffers: q.buffers,
+                connections: q.connections,
+                prepares: q.prepares,
+            };
+            policy.tenants.insert(name.clone(), Tenant { readers_from: t.readers_from.clone(), quota });
+        }
+        for (i, p) in file.principal.iter().enumerate() {
+            let at = format!("principal #{} (tenant {})", i + 1, p.tenant);
+            let roles = Roles::parse(p.roles.iter().map(String::as_str)).map_err(|e| anyhow::anyhow!("{at}: {e}"))?;
+            if roles == Roles::default() {
+                bail!("{at}: roles is empty: give writer, reader or admin");
+            }
+            let mut uids = p.uids.clone();
+            for u in &p.users {
+                let user = nix::unistd::User::from_name(u)
+                    .with_context(|| format!("{at}: looking up user {u:?}"))?
+                    .ok_or_else(|| anyhow::anyhow!("{at}: no user is named {u:?} on this host"))?;
+                uids.push(user.uid.as_raw());
+            }
+            let mut gids = p.gids.clone();
+            for g in &p.groups {
+                gids.push(group_id(g).with_context(|| at.clone())?);
+            }
+            if uids.is_empty() && gids.is_empty() && p.cert_names.is_empty() {
+                bail!("{at}: names no caller: give users, uids, groups, gids or cert_names");
+            }
+            policy.principals.push(Principal {
+                tenant: p.tenant.clone(),
+                roles,
+                uids,
+                gids,
+                names: p.cert_names.clone(),
+            });
+        }
+        if let Some(pt) = &file.plaintext {
+            let roles =
+                Roles::parse(pt.roles.iter().map(String::as_str)).map_err(|e| anyhow::anyhow!("[plaintext]: {e}"))?;
+            policy.plaintext = Some(Principal { tenant: pt.tenant.clone(), roles, ..Default::default() });
+        }
+        let socket_group = file.sockets.group.as_deref().map(group_id).transpose()?;
+        Ok(Config { policy, socket_group })
+    }
+}
+
+/// A group by name or number.
+fn group_id(g: &str) -> anyhow::Result<u32> {
+    if let Ok(n) = g.parse() {
+        return Ok(n);
+    }
+    let group = nix::unistd::Group::from_name(g)
+        .with_context(|| format!("looking up group {g:?}"))?
+        .ok_or_else(|| anyhow::anyhow!("no group is named {g:?} on this host"))?;
+    Ok(group.gid.as_raw())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_example_parses() {
+        let doc = include_str!("config.rs");
+        let example: String = doc
+            .lines()
+            .skip_while(|l| !l.starts_with("//! ```toml"))
+            .skip(1)
+            .take_while(|l| !l.starts_with("//! ```"))
+            .map(|l| l.trim_start_matches("//!").trim_start_matches(' '))
+            .collect::<Vec<_>>()
+            .join("\n")
+            // The example names a user and group this host may lack.
+            .replace("users = [\"prefill\"]", "users = [\"root\"]")
+            .replace("groups = [\"prefill-pool\"]", "groups = [\"0\"]")
+            .replace("group = \"pdstor\"", "group = \"0\"");
+        let c = Config::parse(&example).expect("the example in the module's documentation parses");
+        assert_eq!(c.socket_group, Some(0));
+        let p = &c.policy.principals[0];
+        assert_eq!((p.tenant.as_str(), p.roles.writer, p.uids.as_slice()), ("team-a", true, &[1001, 0][..]));
+        let q = c.policy.quota("team-a");
+        assert_eq!((q.slots, q.pinned_bytes, q.prepares), (Some(4096), Some(16 << 30), Some(32)));
+        assert!(c.policy.may_read("team-a", "team-b"));
+        assert_eq!(c.policy.plaintext.as_ref().map(|p| p.roles.reader), Some(true));
+    }
+
+    #[test]
+    fn mistakes_name_their_place() {
+        let e = format!(
+            "{:#}",
+            Config::parse("[[principal]]\ntenant = \"a\"\nroles = [\"owner\"]\nuids = [1]").unwrap_err()
+        );
+        assert!(e.contains("principal #1 (tenant a)") && e.contains("unknown role \"owner\""), "{e}");
+        let e = format!("{:#}", Config::parse("[[principal]]\ntenant = \"a\"\nroles = [\"reader\"]").unwrap_err());
+        assert!(e.contains("names no caller"), "{e}");
+        let e = format!("{:#}", Config::parse("[tenant.a]\nreaders_from = [\"zz\"]").unwrap_err());
+        assert!(e.contains("readers_from names \"zz\""), "{e}");
+        assert!(Config::parse("[sockets]\nmode = 7").is_err(), "unknown keys are refused");
+    }
+}
