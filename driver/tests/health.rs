@@ -52,6 +52,7 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         insecure_tcp: true,
         policy: std::sync::Arc::new(pdstor::protocol::identity::Policy::local()),
         socket_group: None,
+        tls: None,
     };
     let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
     let deadline = Instant::now() + Duration::from_secs(20);

@@ -123,7 +123,10 @@ impl Daemon {
     pub fn start_with(target: &Path, dir: &Path, extra: &[&str]) -> Daemon {
         static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let tag = format!("{}-{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
-        let (addr, server) = if extra.contains(&"--insecure-tcp") {
+        let (addr, server) = if extra.contains(&"--tls-cert") {
+            let port = free_port();
+            (format!("127.0.0.1:{port}"), format!("https://localhost:{port}"))
+        } else if extra.contains(&"--insecure-tcp") {
             let addr = format!("127.0.0.1:{}", free_port());
             (addr.clone(), format!("http://{addr}"))
         } else {
@@ -165,7 +168,13 @@ impl Daemon {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
-            let up = pdstor::client::Client::new(&self.server).healthz().is_ok() && self.data_socket.exists();
+            // Over TLS this harness holds no client certificate: a listening port will do.
+            let answers = if self.server.starts_with("https://") {
+                std::net::TcpStream::connect(&self.addr).is_ok()
+            } else {
+                pdstor::client::Client::new(&self.server).healthz().is_ok()
+            };
+            let up = answers && self.data_socket.exists();
             if up {
                 return;
             }

@@ -23,30 +23,102 @@ use super::wire::ErrorBody;
 use crate::protocol::RefusalCode;
 use crate::protocol::identity::{Caller, Policy, Resource};
 
-/// Anything the loop can accept connections from (TCP or a Unix socket).
+/// Anything the loop can accept connections from (a Unix socket, plaintext
+/// TCP, or TCP with mutual TLS).
 pub trait Accept {
-    /// The connection.
+    /// A connection as accepted, before any handshake.
+    type Raw: AsyncWrite + Unpin + Send + 'static;
+    /// The connection HTTP runs over.
     type Io: AsyncRead + AsyncWrite + Unpin + Send + 'static;
-    /// The next connection and who is on its other end, by `policy`.
-    fn accept(&self, policy: &Policy) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send;
+    /// Whether a refusal can be written on a raw connection as plain HTTP.
+    const PLAINTEXT: bool = true;
+    /// The next connection.
+    fn accept(&self) -> impl Future<Output = std::io::Result<Self::Raw>> + Send;
+    /// Its handshake, if any, and who is on its other end, by `policy`.
+    /// Runs on the connection's own task, so a slow client holds up no other.
+    fn establish(
+        &self,
+        raw: Self::Raw,
+        policy: Arc<Policy>,
+    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static;
 }
 
 impl Accept for tokio::net::TcpListener {
+    type Raw = tokio::net::TcpStream;
     type Io = tokio::net::TcpStream;
-    async fn accept(&self, policy: &Policy) -> std::io::Result<(Self::Io, Caller)> {
-        let (s, addr) = tokio::net::TcpListener::accept(self).await?;
+    async fn accept(&self) -> std::io::Result<Self::Raw> {
+        let (s, _) = tokio::net::TcpListener::accept(self).await?;
         let _ = s.set_nodelay(true);
-        Ok((s, policy.plaintext(addr.to_string())))
+        Ok(s)
+    }
+    fn establish(
+        &self,
+        s: Self::Raw,
+        policy: Arc<Policy>,
+    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static {
+        let caller = s.peer_addr().map(|a| policy.plaintext(a.to_string()));
+        std::future::ready(caller.map(|c| (s, c)))
     }
 }
 
 impl Accept for tokio::net::UnixListener {
+    type Raw = tokio::net::UnixStream;
     type Io = tokio::net::UnixStream;
-    async fn accept(&self, policy: &Policy) -> std::io::Result<(Self::Io, Caller)> {
-        let s = tokio::net::UnixListener::accept(self).await?.0;
-        let cred = s.peer_cred()?;
-        Ok((s, policy.unix(cred.uid(), cred.gid(), cred.pid().unwrap_or(0))))
+    async fn accept(&self) -> std::io::Result<Self::Raw> {
+        Ok(tokio::net::UnixListener::accept(self).await?.0)
     }
+    fn establish(
+        &self,
+        s: Self::Raw,
+        policy: Arc<Policy>,
+    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static {
+        let caller = s.peer_cred().map(|c| policy.unix(c.uid(), c.gid(), c.pid().unwrap_or(0)));
+        std::future::ready(caller.map(|c| (s, c)))
+    }
+}
+
+/// TCP with mutual TLS: the client is who its certificate names.
+pub struct TlsListener {
+    /// The TCP listener.
+    pub tcp: tokio::net::TcpListener,
+    /// The handshake.
+    pub acceptor: tokio_rustls::TlsAcceptor,
+}
+
+impl Accept for TlsListener {
+    type Raw = tokio::net::TcpStream;
+    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+    const PLAINTEXT: bool = false;
+    async fn accept(&self) -> std::io::Result<Self::Raw> {
+        let (s, _) = self.tcp.accept().await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    }
+    fn establish(
+        &self,
+        s: Self::Raw,
+        policy: Arc<Policy>,
+    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static {
+        let acceptor = self.acceptor.clone();
+        async move {
+            let addr = s.peer_addr()?.to_string();
+            let tls = acceptor.accept(s).await?;
+            let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first().cloned());
+            let caller = match cert {
+                // rustls verified it against the client CA.
+                Some(c) => policy.certificate(super::tls::names(&c), addr),
+                None => policy.anonymous_tls(addr),
+            };
+            Ok((tls, caller))
+        }
+    }
+}
+
+/// Writes `answer` and closes, on a task of its own (at most a second).
+fn refuse<W: AsyncWrite + Unpin + Send + 'static>(answer: Vec<u8>, mut io: W) {
+    tokio::spawn(async move {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), io.write_all(&answer)).await;
+    });
 }
 
 /// An answer written by hand to a connection that will carry no request.
@@ -85,10 +157,10 @@ pub async fn serve<L: Accept>(
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let io = tokio::select! {
+        let raw = tokio::select! {
             () = &mut shutdown => break,
-            accepted = listener.accept(&policy) => match accepted {
-                Ok(io) => io,
+            accepted = listener.accept() => match accepted {
+                Ok(raw) => raw,
                 Err(e) => {
                     // Out of descriptors, or a connection reset before accept:
                     // back off briefly instead of spinning.
@@ -98,30 +170,32 @@ pub async fn serve<L: Accept>(
                 }
             },
         };
-        let (io, caller) = io;
-        let refuse = |answer: Vec<u8>, mut io: L::Io| {
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), io.write_all(&answer)).await;
-            });
-        };
         let Ok(permit) = open.clone().try_acquire_owned() else {
-            refuse(over_capacity(limits.max_http_connections), io);
+            if L::PLAINTEXT {
+                refuse(over_capacity(limits.max_http_connections), raw);
+            }
             continue;
         };
-        if let Err(r) = policy.take(&caller, Resource::Connection) {
-            refuse(last_word("429 Too Many Requests", &ErrorBody::new(r.code, r.field, r.message)), io);
-            continue;
-        }
-        let quota = ConnectionQuota { policy: policy.clone(), caller: caller.clone() };
-        let service = TowerToHyperService::new(app.clone().layer(axum::Extension(caller)));
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_timeout)
-            .serve_connection(TokioIo::new(io), service);
-        let conn = graceful.watch(conn);
+        let pending = listener.establish(raw, policy.clone());
+        let (policy, app, watcher) = (policy.clone(), app.clone(), graceful.watcher());
         tokio::spawn(async move {
-            let _ = conn.await;
-            drop((permit, quota));
+            let _permit = permit;
+            let (io, caller) = match tokio::time::timeout(limits.header_timeout, pending).await {
+                Ok(Ok(established)) => established,
+                Ok(Err(e)) => return tracing::debug!(error = %e, "control plane handshake failed"),
+                Err(_) => return tracing::debug!("control plane handshake timed out"),
+            };
+            if let Err(r) = policy.take(&caller, Resource::Connection) {
+                let answer = last_word("429 Too Many Requests", &ErrorBody::new(r.code, r.field, r.message));
+                return refuse(answer, io);
+            }
+            let _quota = ConnectionQuota { policy, caller: caller.clone() };
+            let service = TowerToHyperService::new(app.layer(axum::Extension(caller)));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .serve_connection(TokioIo::new(io), service);
+            let _ = watcher.watch(conn).await;
         });
     }
     let _ = tokio::time::timeout(drain, graceful.shutdown()).await;

@@ -10,6 +10,7 @@ pub mod http;
 pub mod hygiene;
 mod listen;
 pub mod metrics;
+pub mod tls;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -82,6 +83,8 @@ pub struct ServeConfig {
     pub policy: Arc<Policy>,
     /// The group the sockets (0660) and their directory (0750) are given to.
     pub socket_group: Option<u32>,
+    /// Mutual TLS for a TCP control plane.
+    pub tls: Option<tls::TlsFiles>,
 }
 
 /// What one client may hold or take, and how long the daemon waits for it.
@@ -132,9 +135,18 @@ impl Default for Limits {
 /// in-flight requests finish, and closes the store (which commits).
 pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     hygiene::check_target(&cfg.target, cfg.allow_readable_target)?;
-    if let Listen::Tcp(addr) = &cfg.listen {
-        hygiene::check_tcp(addr, cfg.insecure_tcp)?;
-    }
+    let tls = match (&cfg.listen, &cfg.tls) {
+        (Listen::Tcp(_), Some(files)) => Some(tls::server_config(files)?),
+        (Listen::Tcp(addr), None) => {
+            hygiene::check_tcp(addr, cfg.insecure_tcp)?;
+            None
+        }
+        (Listen::Unix(p), Some(_)) => anyhow::bail!(
+            "--tls-cert is for a TCP control plane; {} is a Unix socket, where callers are identified by SO_PEERCRED",
+            p.display()
+        ),
+        (Listen::Unix(_), None) => None,
+    };
     let (store, report) = Store::open(
         &cfg.target,
         StoreOptions {
@@ -193,7 +205,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         prepares: Default::default(),
     }));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(control_plane(&cfg.listen, cfg.socket_group, cfg.policy.clone(), app, cfg.limits))?;
+    rt.block_on(control_plane(&cfg.listen, tls, cfg.socket_group, cfg.policy.clone(), app, cfg.limits))?;
     reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = reaper.join();
     drop(data);
@@ -243,6 +255,7 @@ fn spawn_reaper(
 /// in-flight requests drain (up to 30 s).
 async fn control_plane(
     listen: &Listen,
+    tls: Option<Arc<rustls::ServerConfig>>,
     group: Option<u32>,
     policy: Arc<Policy>,
     app: axum::Router,
@@ -261,8 +274,17 @@ async fn control_plane(
         Listen::Tcp(addr) => {
             let l =
                 tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
-            tracing::info!(%addr, "control plane listening");
-            listen::serve(l, policy, app, limits, shutdown, drain).await;
+            match tls {
+                Some(config) => {
+                    tracing::info!(%addr, "control plane listening (mutual TLS)");
+                    let l = listen::TlsListener { tcp: l, acceptor: tokio_rustls::TlsAcceptor::from(config) };
+                    listen::serve(l, policy, app, limits, shutdown, drain).await;
+                }
+                None => {
+                    tracing::info!(%addr, "control plane listening (plaintext TCP)");
+                    listen::serve(l, policy, app, limits, shutdown, drain).await;
+                }
+            }
         }
         Listen::Unix(path) => {
             let l = hygiene::bind_socket(path, group, |p| tokio::net::UnixListener::bind(p))?;

@@ -73,6 +73,16 @@ pub struct ServeArgs {
     /// daemon's own user).
     #[arg(long)]
     insecure_tcp: bool,
+    /// With a TCP --listen: serve mutual TLS with this certificate chain (PEM); clients must
+    /// present a certificate --tls-client-ca signed, whose names the config maps to a tenant.
+    #[arg(long, requires_all = ["tls_key", "tls_client_ca"])]
+    tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// The CA (PEM) that signs client certificates.
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
     /// The same as --listen unix:PATH.
     #[arg(long)]
     listen_unix: Option<PathBuf>,
@@ -135,6 +145,10 @@ impl ServeArgs {
             insecure_tcp: self.insecure_tcp,
             policy: std::sync::Arc::new(config.policy),
             socket_group: config.socket_group,
+            tls: match (self.tls_cert, self.tls_key, self.tls_client_ca) {
+                (Some(cert), Some(key), Some(client_ca)) => Some(pdstor::api::tls::TlsFiles { cert, key, client_ca }),
+                _ => None,
+            },
         })
     }
 }

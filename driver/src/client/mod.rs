@@ -20,7 +20,7 @@ use crate::protocol::service::{Prepared, Published, restore_digest};
 use crate::protocol::{Receipt, manifest_digest};
 use crate::store::{CancelOutcome, Layout, Manifest};
 
-mod unix_http;
+mod http1;
 
 /// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
@@ -75,8 +75,31 @@ pub(crate) fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), Str
 enum Transport {
     /// `unix:/run/pdstor/control.sock`.
     Unix(std::path::PathBuf),
+    /// `https://host:port`: mutual TLS (or why its files could not be read).
+    Tls { host: String, port: u16, config: Result<std::sync::Arc<rustls::ClientConfig>, String> },
     /// `http://host:port` (a daemon run with `--insecure-tcp`).
     Http(ureq::Agent),
+}
+
+/// The TLS files `https://` uses: `PDSTOR_TLS_CA` (the daemon's CA), and
+/// `PDSTOR_TLS_CERT` with `PDSTOR_TLS_KEY` (this client's certificate).
+fn tls_from_env() -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
+    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
+    let ca = var("PDSTOR_TLS_CA")
+        .ok_or("an https:// server needs PDSTOR_TLS_CA, the CA that signed the daemon's certificate")?;
+    match (var("PDSTOR_TLS_CERT"), var("PDSTOR_TLS_KEY")) {
+        (Some(c), Some(k)) => http1::tls_config(&ca, Some((&c, &k))),
+        (None, None) => http1::tls_config(&ca, None),
+        _ => Err("PDSTOR_TLS_CERT and PDSTOR_TLS_KEY go together: give both, or neither".into()),
+    }
+}
+
+/// `host:port` of an `https://` URL.
+fn host_port(rest: &str) -> Result<(String, u16), String> {
+    let authority = rest.split('/').next().unwrap_or_default();
+    let (host, port) = authority.rsplit_once(':').ok_or_else(|| format!("https://{authority} names no port"))?;
+    let port = port.parse().map_err(|_| format!("https://{authority}: {port:?} is not a port"))?;
+    Ok((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port))
 }
 
 /// The HTTP control plane.
@@ -86,12 +109,34 @@ pub struct Client {
 }
 
 impl Client {
-    /// `base` is `unix:/path/to/control.sock` (the default) or `http://host:port`.
+    /// `base` is `unix:/path/to/control.sock` (the default),
+    /// `https://host:port` (mutual TLS with the files `PDSTOR_TLS_CA`,
+    /// `PDSTOR_TLS_CERT` and `PDSTOR_TLS_KEY` name) or `http://host:port`
+    /// (a daemon serving plaintext TCP).
     pub fn new(base: &str) -> Client {
         let base = base.trim_end_matches('/').to_owned();
-        let transport = match base.strip_prefix("unix:") {
-            Some(path) => Transport::Unix(path.trim_start_matches("//").into()),
-            None => Transport::Http(ureq::Agent::config_builder().http_status_as_error(false).build().into()),
+        let transport = if let Some(path) = base.strip_prefix("unix:") {
+            Transport::Unix(path.trim_start_matches("//").into())
+        } else if let Some(rest) = base.strip_prefix("https://") {
+            match host_port(rest) {
+                Ok((host, port)) => Transport::Tls { host, port, config: tls_from_env() },
+                Err(e) => Transport::Tls { host: String::new(), port: 0, config: Err(e) },
+            }
+        } else {
+            Transport::Http(ureq::Agent::config_builder().http_status_as_error(false).build().into())
+        };
+        Client { transport, base }
+    }
+
+    /// `https://host:port` with these TLS files instead of the environment's:
+    /// `ca` signed the daemon's certificate; `cert` is this client's
+    /// certificate and key (without one the daemon answers 401).
+    pub fn with_tls(base: &str, ca: &Path, cert: Option<(&Path, &Path)>) -> Client {
+        let base = base.trim_end_matches('/').to_owned();
+        let rest = base.strip_prefix("https://").unwrap_or(&base);
+        let transport = match host_port(rest) {
+            Ok((host, port)) => Transport::Tls { host, port, config: http1::tls_config(ca, cert) },
+            Err(e) => Transport::Tls { host: String::new(), port: 0, config: Err(e) },
         };
         Client { transport, base }
     }
@@ -102,7 +147,12 @@ impl Client {
         let transport = |message: String| ClientError::Transport { url: url.clone(), message };
         match &self.transport {
             Transport::Unix(socket) => {
-                let a = unix_http::request(socket, method, path, json.as_deref()).map_err(transport)?;
+                let a = http1::unix(socket, method, path, json.as_deref()).map_err(transport)?;
+                Ok((a.status, a.body))
+            }
+            Transport::Tls { host, port, config } => {
+                let config = config.as_ref().map_err(|e| transport(e.clone()))?;
+                let a = http1::tls(config, host, *port, method, path, json.as_deref()).map_err(transport)?;
                 Ok((a.status, a.body))
             }
             Transport::Http(agent) => {

@@ -363,6 +363,11 @@ impl Policy {
         Caller { principal, via: Via::Plain { addr }, tenant, roles }
     }
 
+    /// A TLS client that presented no certificate: nobody.
+    pub fn anonymous_tls(&self, addr: String) -> Caller {
+        Caller { principal: format!("tls:{addr}"), via: Via::Plain { addr }, tenant: None, roles: Roles::default() }
+    }
+
     /// Whether readers of `reader_tenant` may claim publications of `owner_tenant`.
     pub fn may_read(&self, owner_tenant: &str, reader_tenant: &str) -> bool {
         owner_tenant == reader_tenant

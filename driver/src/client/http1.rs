@@ -1,11 +1,13 @@
-//! HTTP/1.1 over the daemon's Unix control socket: one connection per
-//! request (`connection: close`), the daemon's uid checked by `SO_PEERCRED`
-//! before a byte is sent. The control plane is small JSON; this needs no
-//! pooling, and it keeps the client free of an HTTP stack of its own.
+//! HTTP/1.1 to the daemon over its Unix control socket (the daemon's uid
+//! checked by `SO_PEERCRED` before a byte is sent) or over mutual TLS (the
+//! daemon's certificate checked against the CA the client was given): one
+//! connection per request (`connection: close`). The control plane is small
+//! JSON; this needs no pooling.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::Arc;
 
 /// An answer: the status and the body.
 pub struct Answer {
@@ -19,9 +21,51 @@ pub struct Answer {
 const MAX_ANSWER: u64 = 256 << 20;
 
 /// Sends `method path` with an optional JSON body to the daemon at `socket`.
-pub fn request(socket: &Path, method: &str, path: &str, json: Option<&[u8]>) -> Result<Answer, String> {
-    let mut s = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
+pub fn unix(socket: &Path, method: &str, path: &str, json: Option<&[u8]>) -> Result<Answer, String> {
+    let s = UnixStream::connect(socket).map_err(|e| format!("connecting to {}: {e}", socket.display()))?;
     super::trusted_daemon(&s, socket)?;
+    request(s, method, path, json)
+}
+
+/// The client side of mutual TLS: the daemon's CA, and this client's
+/// certificate and key when it has them.
+pub fn tls_config(ca: &Path, cert: Option<(&Path, &Path)>) -> Result<Arc<rustls::ClientConfig>, String> {
+    use crate::api::tls;
+    let roots = tls::roots(ca).map_err(|e| format!("{e:#}"))?;
+    let builder = rustls::ClientConfig::builder_with_provider(tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots);
+    let config = match cert {
+        Some((cert, key)) => {
+            let (c, k) =
+                (tls::certs(cert).map_err(|e| format!("{e:#}"))?, tls::key(key).map_err(|e| format!("{e:#}"))?);
+            builder.with_client_auth_cert(c, k).map_err(|e| format!("using {}: {e}", cert.display()))?
+        }
+        None => builder.with_no_client_auth(),
+    };
+    Ok(Arc::new(config))
+}
+
+/// Sends the request over TLS to `host:port`, verifying the daemon as `host`.
+pub fn tls(
+    config: &Arc<rustls::ClientConfig>,
+    host: &str,
+    port: u16,
+    method: &str,
+    path: &str,
+    json: Option<&[u8]>,
+) -> Result<Answer, String> {
+    let name = rustls::pki_types::ServerName::try_from(host.to_owned())
+        .map_err(|e| format!("{host:?} is not a server name: {e}"))?;
+    let conn = rustls::ClientConnection::new(config.clone(), name).map_err(|e| e.to_string())?;
+    let tcp = std::net::TcpStream::connect((host, port)).map_err(|e| format!("connecting to {host}:{port}: {e}"))?;
+    let _ = tcp.set_nodelay(true);
+    request(rustls::StreamOwned::new(conn, tcp), method, path, json)
+}
+
+/// Sends one request on `s` and reads the whole answer.
+fn request(mut s: impl Read + Write, method: &str, path: &str, json: Option<&[u8]>) -> Result<Answer, String> {
     let body = json.unwrap_or_default();
     let mut head =
         format!("{method} {path} HTTP/1.1\r\nhost: pdstor\r\nconnection: close\r\naccept: application/json\r\n");
@@ -30,8 +74,14 @@ pub fn request(socket: &Path, method: &str, path: &str, json: Option<&[u8]>) -> 
     }
     head.push_str("\r\n");
     s.write_all(head.as_bytes()).and_then(|()| s.write_all(body)).map_err(|e| format!("sending: {e}"))?;
+    s.flush().map_err(|e| format!("sending: {e}"))?;
     let mut raw = Vec::new();
-    s.take(MAX_ANSWER).read_to_end(&mut raw).map_err(|e| format!("receiving: {e}"))?;
+    match s.take(MAX_ANSWER).read_to_end(&mut raw) {
+        Ok(_) => {}
+        // A TLS peer that closes without close_notify after a whole answer.
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
+        Err(e) => return Err(format!("receiving: {e}")),
+    }
     parse(&raw)
 }
 
