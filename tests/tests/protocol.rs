@@ -441,6 +441,10 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         "{events:#?}"
     );
     assert!(events.iter().all(|e| e.node.starts_with("daemon-e")), "one node per daemon incarnation");
+    // Every step names who asked for it, as the daemon proved it (issue 16's audit).
+    // SAFETY: geteuid(2) cannot fail and touches no memory.
+    let me = format!("uid:{} (tenant default, writer+reader+admin)", unsafe { libc::geteuid() });
+    assert!(events.iter().all(|e| e.by.as_deref() == Some(me.as_str())), "{events:#?}");
     assert!(events.windows(2).all(|w| w[0].seq < w[1].seq && w[0].ts_ns <= w[1].ts_ns));
     assert_eq!(events[3].receipt.as_deref(), Some(p.receipt.signature.as_str()));
     // Each line's parent is the daemon's previous line about the publication.

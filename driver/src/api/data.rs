@@ -239,6 +239,16 @@ impl Conn {
             let resp = resp.unwrap_or_else(|e| {
                 let e = e.body();
                 self.metrics.error(&e.code);
+                if crate::protocol::RefusalCode::parse(&e.code).is_some_and(|c| c.is_identity()) {
+                    let by = self.caller.audit();
+                    tracing::warn!(by = %by, code = %e.code, message = %e.message, "refused for who the caller is");
+                    crate::timeline::emit(
+                        self.service.timeline(),
+                        crate::timeline::Event::new("refused")
+                            .detail(format!("{} ({}): {}", e.code, e.field, e.message))
+                            .by(by),
+                    );
+                }
                 DataResponse { ok: false, error: Some(e), ..Default::default() }
             });
             let Ok(bytes) = serde_json::to_vec(&resp) else { return };
@@ -452,7 +462,8 @@ impl Conn {
     ) {
         let Some(t) = self.service.timeline() else { return };
         for (i, c) in chunks.iter().enumerate() {
-            let mut e = crate::timeline::Event::new(event).publication(publication).chunk(c.index);
+            let mut e =
+                crate::timeline::Event::new(event).publication(publication).chunk(c.index).by(self.caller.audit());
             e.path = Some(self.path_of(c).to_string());
             e.bytes = Some(bytes(c));
             e.verdict = Some(verdicts.get(i).cloned().unwrap_or_else(|| "unverifiable(no probes)".into()));
@@ -467,7 +478,8 @@ impl Conn {
             self.service.timeline(),
             crate::timeline::Event::new(event)
                 .publication(publication)
-                .detail(format!("{} ({}): {}", body.code, body.field, body.message)),
+                .detail(format!("{} ({}): {}", body.code, body.field, body.message))
+                .by(self.caller.audit()),
         );
     }
 

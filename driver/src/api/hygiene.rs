@@ -136,10 +136,14 @@ pub fn restrict_socket(path: &Path, group: Option<u32>) -> anyhow::Result<()> {
 }
 
 /// Gives the socket directory to `group` (mode 0750) so its members can reach
-/// the sockets in it; a directory this daemon did not create is left as it is.
+/// the sockets in it: one this daemon created, or a private one of its own
+/// user (`/run/pdstor` from an earlier start); a shared directory (sticky,
+/// like `/tmp`) or another user's is left as it is.
 pub fn share_socket_dir(socket: &Path, group: u32, created: bool) -> anyhow::Result<()> {
     let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(()) };
-    if !created {
+    let md = std::fs::metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    let ours = md.uid() == nix::unistd::geteuid().as_raw() && md.mode() & 0o1000 == 0 && md.mode() & 0o007 == 0;
+    if !created && !ours {
         return Ok(());
     }
     std::os::unix::fs::chown(dir, None, Some(group))
@@ -148,20 +152,32 @@ pub fn share_socket_dir(socket: &Path, group: u32, created: bool) -> anyhow::Res
         .with_context(|| format!("making {} mode 0750", dir.display()))
 }
 
-/// Refuses a target other users can read (its KV bytes and the namespace's
-/// receipt key), unless `allow`, which warns.
+/// Refuses a target other users can read or write (its KV bytes and the
+/// namespace's receipt key), unless `allow`, which warns. A target its group
+/// can reach (a block device's `disk` group, say) is warned about: whoever is
+/// in that group can read and rewrite the whole device, the receipt key and
+/// the journal included, so the device's own permissions are the boundary.
 pub fn check_target(path: &Path, allow: bool) -> anyhow::Result<()> {
     let md = std::fs::metadata(path).with_context(|| format!("reading {}", path.display()))?;
-    if md.mode() & 0o004 == 0 {
+    if md.mode() & 0o006 == 0 {
+        if md.mode() & 0o060 != 0 && md.gid() != 0 {
+            tracing::warn!(
+                target = %path.display(),
+                gid = md.gid(),
+                mode = format!("{:o}", md.mode() & 0o7777),
+                "every member of the target's group can read and rewrite it (its KV bytes, receipt key and journal): keep that group to the daemon's operators"
+            );
+        }
         return Ok(());
     }
     let why = format!(
-        "target {} is readable by every user (mode {:o}): they could read its KV bytes and the receipt key in its superblock",
+        "target {} is {} by every user (mode {:o}): they could read its KV bytes and the receipt key in its superblock, or rewrite them",
         path.display(),
+        if md.mode() & 0o004 != 0 { "readable" } else { "writable" },
         md.mode() & 0o7777
     );
     if !allow {
-        bail!("{why}; `chmod o-r {}`, or pass --allow-readable-target to serve it anyway", path.display());
+        bail!("{why}; `chmod o-rw {}`, or pass --allow-readable-target to serve it anyway", path.display());
     }
     tracing::warn!("{why} (served anyway: --allow-readable-target)");
     Ok(())
@@ -228,7 +244,9 @@ mod tests {
         let t = dir.path().join("t.img");
         std::fs::write(&t, b"x").expect("writing a test file");
         std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o644)).expect("chmod of a test file");
-        assert!(check_target(&t, false).unwrap_err().to_string().contains("chmod o-r"));
+        assert!(check_target(&t, false).unwrap_err().to_string().contains("chmod o-rw"));
+        std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o602)).expect("chmod of a test file");
+        assert!(check_target(&t, false).unwrap_err().to_string().contains("writable by every user"));
         assert!(check_target(&t, true).is_ok());
         std::fs::set_permissions(&t, std::fs::Permissions::from_mode(0o600)).expect("chmod of a test file");
         assert!(check_target(&t, false).is_ok());
