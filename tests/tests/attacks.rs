@@ -232,12 +232,7 @@ fn unavailable() -> Option<String> {
     }
     // The attacker re-runs this binary: every directory above it must let uid 4002 through.
     let exe = std::env::current_exe().ok()?;
-    let probe = Command::new("setpriv")
-        .args(["--reuid", &MALLORY.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"])
-        .arg(&exe)
-        .args(["--exact", "attacker", "--list"])
-        .output()
-        .ok()?;
+    let probe = as_uid_4002().arg(&exe).args(["--exact", "attacker", "--list"]).output().ok()?;
     if !probe.status.success() {
         return Some(format!(
             "uid {MALLORY} cannot run {} (a directory above it is closed to other users): {}",
@@ -246,6 +241,13 @@ fn unavailable() -> Option<String> {
         ));
     }
     None
+}
+
+/// `setpriv` running what follows as uid 4002, group 4000, no other groups.
+fn as_uid_4002() -> Command {
+    let mut c = Command::new("setpriv");
+    c.args(["--reuid", &MALLORY.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"]);
+    c
 }
 
 /// Runs `attack` as uid 4002 (group 4000, no other groups) and answers its outcome.
@@ -259,9 +261,8 @@ fn as_mallory(attack: &Attack) -> Outcome {
 }
 
 fn mallory_cmd(attack: &Attack) -> Command {
-    let mut c = Command::new("setpriv");
-    c.args(["--reuid", &MALLORY.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"])
-        .arg(std::env::current_exe().expect("this test binary"))
+    let mut c = as_uid_4002();
+    c.arg(std::env::current_exe().expect("this test binary"))
         .args(["--exact", "attacker", "--nocapture", "--test-threads", "1"])
         .env("PDSTOR_ATTACK", serde_json::to_string(attack).expect("an attack"));
     c
@@ -328,8 +329,7 @@ fn a_daemon_with_defaults_exposes_nothing_to_another_uid() {
         o.detail
     );
     // pdstor inspect as uid 4002 cannot open the target either.
-    let out = Command::new("setpriv")
-        .args(["--reuid", &MALLORY.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"])
+    let out = as_uid_4002()
         .arg(pdstor_bin())
         .args(["inspect", "--target"])
         .arg(&lab.target)
@@ -419,8 +419,7 @@ fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
     c.ack(&claim, &restored.restore_digest).expect("ack");
 
     // The CLI says who was refused with its own exit status.
-    let out = Command::new("setpriv")
-        .args(["--reuid", &MALLORY.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"])
+    let out = as_uid_4002()
         .arg(pdstor_bin())
         .args(["abort", "--publication", &own_publication(&c, &server), "--writer-token", &"00".repeat(32)])
         .args(["--server", &server])

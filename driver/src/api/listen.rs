@@ -90,9 +90,7 @@ impl Accept for TlsListener {
     type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
     const PLAINTEXT: bool = false;
     async fn accept(&self) -> std::io::Result<Self::Raw> {
-        let (s, _) = self.tcp.accept().await?;
-        let _ = s.set_nodelay(true);
-        Ok(s)
+        Accept::accept(&self.tcp).await
     }
     fn establish(
         &self,
