@@ -48,6 +48,10 @@ enum Attack {
     Read {
         path: PathBuf,
     },
+    /// Look a path up (needs only search permission on the directories above it).
+    Stat {
+        path: PathBuf,
+    },
     Prepare {
         server: String,
         req: String,
@@ -153,6 +157,7 @@ fn run(attack: Attack) -> Outcome {
     match attack {
         Attack::Connect { path } => io(std::os::unix::net::UnixStream::connect(path).map(drop)),
         Attack::Read { path } => io(std::fs::File::open(path).map(drop)),
+        Attack::Stat { path } => io(std::fs::symlink_metadata(path).map(drop)),
         Attack::Prepare { server, req, chunks } => {
             Outcome::of(Client::new(&server).prepare(&req, &layout(), chunks, "m"))
         }
@@ -284,9 +289,13 @@ struct Lab {
 }
 
 impl Lab {
+    /// In the system's temporary directory: the checkout's `target/` may be
+    /// closed to other users (a umask of 077), and uid 4002 must reach the lab.
     fn new() -> Lab {
-        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+        let dir = tempfile::Builder::new().prefix("pdstor-attacks-").tempdir().expect("a temporary directory");
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let reach = as_mallory(&Attack::Stat { path: dir.path().to_path_buf() });
+        assert!(reach.ok, "uid {MALLORY} cannot reach {}: {}", dir.path().display(), reach.detail);
         let target = pdstor_tests::format_file(dir.path(), 8, SLOT);
         let config = dir.path().join("pdstor.toml");
         std::fs::write(
@@ -319,6 +328,8 @@ fn a_daemon_with_defaults_exposes_nothing_to_another_uid() {
     let lab = Lab::new();
     let d = Daemon::start(&lab.target, lab.dir.path());
     for path in [d.control_socket(), d.data_socket.clone()] {
+        // The path is reachable: a refusal below is the socket's own mode.
+        assert!(as_mallory(&Attack::Stat { path: path.clone() }).ok, "{} is out of reach", path.display());
         let o = as_mallory(&Attack::Connect { path: path.clone() });
         assert!(!o.ok && o.detail.contains("Permission denied"), "{}: {}", path.display(), o.detail);
     }

@@ -13,7 +13,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("fio", "the peer in `cargo xtask bench`"),
     ("xfsprogs", "mkfs.xfs for the XFS engine tests"),
     ("e2fsprogs", "mkfs.ext4 for the ext4 engine tests"),
-    ("util-linux", "losetup and mount for loop-device tests"),
+    ("util-linux", "losetup and mount for loop-device tests; setpriv for the attack suite's second uid"),
     ("coreutils", "dd iflag=direct, the independent reader in tests"),
     ("qemu-system-x86", "the vmtest guests"),
     ("busybox-static", "the vmtest guest's shell tools (dd, blockdev)"),
@@ -29,6 +29,12 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("libelf-dev", "libbpf, built from source by libbpf-sys"),
     ("zlib1g-dev", "libbpf, built from source by libbpf-sys"),
     ("pkg-config", "locating libelf and zlib for libbpf-sys"),
+    ("flex", "building the series guest kernel (cargo xtask kernel build)"),
+    ("bison", "building the series guest kernel"),
+    ("bc", "building the series guest kernel"),
+    ("libssl-dev", "building the series guest kernel (certificate tooling)"),
+    ("dwarves", "pahole: BTF in the series guest kernel, for the probes"),
+    ("patch", "applying the kernel patch series"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {

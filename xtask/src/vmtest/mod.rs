@@ -10,6 +10,7 @@
 mod initramfs;
 mod kernel;
 mod qemu;
+pub mod series;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -35,8 +36,15 @@ pub struct VmtestArgs {
     #[arg(long, value_delimiter = ',')]
     fs: Vec<String>,
     /// Boot this kernel image instead of the fetched Debian one (its drivers must be built in).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "kernel_series")]
     kernel: Option<PathBuf>,
+    /// Boot Debian's linux-source-7.2 with this patch series applied (built once and cached
+    /// under ~/.cache/pdstor/kernels/; see `cargo xtask kernel build`).
+    #[arg(long)]
+    pub kernel_series: Option<PathBuf>,
+    /// make -j for a series kernel that is not cached yet.
+    #[arg(long, default_value_t = std::thread::available_parallelism().map_or(2, |n| n.get()))]
+    jobs: usize,
     /// tcg, kvm or auto (probe KVM, fall back to TCG). Also PDSTOR_VM_ACCEL.
     #[arg(long, env = "PDSTOR_VM_ACCEL", default_value = "auto")]
     accel: String,
@@ -63,6 +71,19 @@ pub enum KernelCmd {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// Build Debian's linux-source-7.2 with a patch series applied, everything the guest needs
+    /// built in, BTF on (cached under ~/.cache/pdstor/kernels/ by source, series and config).
+    Build {
+        /// The series: a directory of git format-patch files, applied in name order.
+        #[arg(long)]
+        series: PathBuf,
+        /// The linux-source-7.2 version (trixie-backports) the series applies to.
+        #[arg(long, default_value = series::DEFAULT_SOURCE)]
+        source_version: String,
+        /// make -j.
+        #[arg(long, default_value_t = std::thread::available_parallelism().map_or(2, |n| n.get()))]
+        jobs: usize,
+    },
     /// Merge the fragments into a source tree's .config with scripts/kconfig/merge_config.sh.
     Defconfig {
         #[arg(long)]
@@ -80,6 +101,8 @@ impl VmtestArgs {
             suites: Vec::new(),
             fs: Vec::new(),
             kernel: None,
+            kernel_series: None,
+            jobs: std::thread::available_parallelism().map_or(2, |n| n.get()),
             accel: std::env::var("PDSTOR_VM_ACCEL").unwrap_or_else(|_| "auto".into()),
             keep: false,
             timeout: 900,
@@ -133,6 +156,10 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
                     missing.join(", ")
                 );
             }
+        }
+        KernelCmd::Build { series, source_version, jobs } => {
+            let k = series::build(sh, series, source_version, *jobs)?;
+            println!("kernel {} at {} ({})", k.release, k.vmlinuz.display(), k.package);
         }
         KernelCmd::Defconfig { src, with_dmabuf_rw } => {
             let merge = src.join("scripts/kconfig/merge_config.sh");
@@ -189,17 +216,31 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     let pb = spinner("building the guest /init (static)");
     let init = build_guest(sh)?;
     pb.set_message("fetching the guest kernel");
-    let kernel = match &args.kernel {
-        Some(path) => kernel::Kernel {
+    let kernel = match (&args.kernel, &args.kernel_series) {
+        (Some(path), _) => kernel::Kernel {
             package: "(given)".into(),
             release: "custom".into(),
             vmlinuz: path.clone(),
             root: None,
             config: None,
         },
-        None => kernel::fetch(sh)?,
+        (None, Some(dir)) => {
+            pb.set_message("building (or reusing) the series kernel");
+            let k = series::build(sh, dir, series::DEFAULT_SOURCE, args.jobs)?;
+            // No modules reach this guest: everything must be built in.
+            if let Some(config) = &k.config {
+                let missing = series::missing_builtin(config)?;
+                if !missing.is_empty() {
+                    bail!("series kernel {} lacks built-in {}", k.release, missing.join(", "));
+                }
+            }
+            k
+        }
+        (None, None) => kernel::fetch(sh)?,
     };
-    kernel::check(&kernel, &fragment("pd-storage.config"))?;
+    if args.kernel_series.is_none() {
+        kernel::check(&kernel, &fragment("pd-storage.config"))?;
+    }
     pb.set_message("assembling the initramfs");
     let dir = crate::project_root().join("target/vmtest/run");
     let _ = std::fs::remove_dir_all(&dir);
