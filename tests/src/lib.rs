@@ -125,7 +125,7 @@ impl Daemon {
         let tag = format!("{}-{}", std::process::id(), NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let (addr, server) = if extra.contains(&"--tls-cert") {
             let port = free_port();
-            (format!("127.0.0.1:{port}"), format!("https://localhost:{port}"))
+            (format!("127.0.0.1:{port}"), format!("https://127.0.0.1:{port}"))
         } else if extra.contains(&"--insecure-tcp") {
             let addr = format!("127.0.0.1:{}", free_port());
             (addr.clone(), format!("http://{addr}"))

@@ -47,6 +47,13 @@ impl Ctx {
     }
 }
 
+/// Whether the host booted this guest on a kernel with the rw-dmabuf series
+/// (`pdstor.rw_dmabuf=1` on the command line): the ground truth the engine's
+/// own capability probe is checked against, and what suites branch on.
+pub fn expects_rw_dmabuf() -> bool {
+    std::fs::read_to_string("/proc/cmdline").is_ok_and(|c| c.split_whitespace().any(|a| a == "pdstor.rw_dmabuf=1"))
+}
+
 pub fn console(line: &str) {
     // PID 1's stdout is /dev/console, the serial port the host logs.
     println!("{line}");

@@ -1,8 +1,10 @@
 //! `dmabuf`: DMA-BUF buffers from the guest kernel's own exporters (udmabuf
 //! and the system DMA heap), handed to `pdstor serve` over the data plane,
 //! stored to and loaded from the raw NVMe block device and a file on XFS, and
-//! read back independently with `dd iflag=direct`. `dmabuf_fixed` on this
-//! stock kernel must fail with the capability error and write nothing. The
+//! read back independently with `dd iflag=direct`. On Debian's kernel
+//! `dmabuf_fixed` must fail with the capability error and write nothing; on
+//! a kernel with the rw-dmabuf series (`vmtest --kernel-series`) it must be
+//! available, and the tests that expect a refusal say SKIP. The
 //! `dma_buf_begin_cpu_access` kprobe must see no CPU access to a DMA-BUF during
 //! a fixed-path transfer, and must see one that a control makes on purpose.
 
@@ -21,7 +23,7 @@ use pdstor_probes::{Declared, TargetClass, Verdict};
 use super::io::dd_direct;
 use super::protocol::{SERVER, SOCKET, serve_with};
 use super::{Suite, Test, outcome};
-use crate::guest::{Ctx, sh};
+use crate::guest::{Ctx, expects_rw_dmabuf, sh};
 use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
@@ -32,6 +34,7 @@ pub const SUITE: Suite = Suite {
         Test { name: "udmabuf_and_heap_on_raw_block", disk: Some(DiskRole::Raw), run: raw_block },
         Test { name: "udmabuf_and_heap_on_xfs", disk: Some(DiskRole::Xfs), run: xfs },
         Test { name: "dmabuf_fixed_refused_writes_nothing", disk: Some(DiskRole::Raw), run: dmabuf_fixed_refused },
+        Test { name: "dmabuf_fixed_moves_bytes", disk: Some(DiskRole::Raw), run: dmabuf_fixed_moves_bytes },
         Test { name: "bad_dmabuf_input_is_refused", disk: Some(DiskRole::Raw), run: bad_input },
         Test { name: "ladder_on_raw_block", disk: Some(DiskRole::Raw), run: ladder },
     ],
@@ -55,9 +58,14 @@ fn exporters_and_probe(ctx: &Ctx) -> Outcome {
         if !v["dmabuf_exporters"]["dma_heaps"].as_array().is_some_and(|h| h.iter().any(|x| x == "system")) {
             return Err(format!("no system DMA heap reported: {info}"));
         }
-        // Debian's 6.12 has no rw-dmabuf series: the probe must say so, and why.
         let rw = &v["dmabuf_rw"];
-        if rw["state"] != "missing" || !rw["detail"].as_str().is_some_and(|d| d.contains("EINVAL")) {
+        if expects_rw_dmabuf() {
+            // The series kernel: the probe must find the UAPI.
+            if rw["state"] != "available" {
+                return Err(format!("the guest runs the rw-dmabuf series, but the probe says: {rw}"));
+            }
+        } else if rw["state"] != "missing" || !rw["detail"].as_str().is_some_and(|d| d.contains("EINVAL")) {
+            // Debian's 6.12 has no rw-dmabuf series: the probe must say so, and why.
             return Err(format!("the rw-dmabuf probe should report the UAPI missing (EINVAL): {rw}"));
         }
         Ok(())
@@ -189,6 +197,18 @@ fn layout() -> Layout {
 /// prepare, store, publish, claim, adopt, load, then check the daemon's
 /// verdicts, the reader's bytes, and every chunk on the target with `dd`.
 fn handoff(target: &Path, writer: (&str, PayloadPath), reader: (&str, PayloadPath), req: &str) -> Result<(), String> {
+    handoff_at(target, writer, reader, req, 0)
+}
+
+/// [`handoff`] with every chunk `base` bytes into both buffers (the reader's
+/// cleared first), so transfers start inside the DMA-BUF, not at its start.
+fn handoff_at(
+    target: &Path,
+    writer: (&str, PayloadPath),
+    reader: (&str, PayloadPath),
+    req: &str,
+    base: u64,
+) -> Result<(), String> {
     let client = Client::new(SERVER);
     let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
     let alloc = |exporter: &str, len: usize| match exporter {
@@ -196,13 +216,14 @@ fn handoff(target: &Path, writer: (&str, PayloadPath), reader: (&str, PayloadPat
         _ => Buffer::dma_heap("system", len),
     };
     let total = CHUNK * CHUNKS as u64;
-    let wbuf = alloc(writer.0, total as usize).map_err(e("writer buffer"))?;
+    let room = (total + base).next_multiple_of(CHUNK) as usize;
+    let wbuf = alloc(writer.0, room).map_err(e("writer buffer"))?;
     let payload: Vec<u8> = (0..CHUNKS as u64).flat_map(|i| pdstor::payload::chunk(0xd3a, i, CHUNK as usize)).collect();
-    wbuf.write_at(0, &payload).map_err(e("filling the writer buffer"))?;
+    wbuf.write_at(base, &payload).map_err(e("filling the writer buffer"))?;
     let wid = data.register_for(&wbuf, writer.1).map_err(e("registering the writer buffer"))?;
     let p = client.prepare(req, &layout(), CHUNKS, "vmtest").map_err(e("prepare"))?;
     let chunks: Vec<DataChunk> = (0..CHUNKS)
-        .map(|i| DataChunk { index: i, buffer: wid, offset: i as u64 * CHUNK, len: CHUNK, crc32c: None })
+        .map(|i| DataChunk { index: i, buffer: wid, offset: base + i as u64 * CHUNK, len: CHUNK, crc32c: None })
         .collect();
     let stored = data.store(p.publication, &p.writer_token, chunks, true, CHUNKS).map_err(e("store"))?;
     check_chunks("store", &stored.paths, &stored.verdicts, writer.1)?;
@@ -225,17 +246,18 @@ fn handoff(target: &Path, writer: (&str, PayloadPath), reader: (&str, PayloadPat
             return Err(format!("chunk {} on the target differs from the writer's bytes at byte {at}", c.index));
         }
     }
-    let rbuf = alloc(reader.0, total as usize).map_err(e("reader buffer"))?;
+    let rbuf = alloc(reader.0, room).map_err(e("reader buffer"))?;
+    rbuf.write_at(0, &vec![0u8; room]).map_err(e("clearing the reader buffer"))?;
     let rid = data.register_for(&rbuf, reader.1).map_err(e("registering the reader buffer"))?;
     let chunks: Vec<DataChunk> = manifest
         .chunks
         .iter()
-        .map(|c| DataChunk { index: c.index, buffer: rid, offset: c.index as u64 * CHUNK, len: 0, crc32c: None })
+        .map(|c| DataChunk { index: c.index, buffer: rid, offset: base + c.index as u64 * CHUNK, len: 0, crc32c: None })
         .collect();
     let loaded = data.load(&claim, chunks).map_err(e("load"))?;
     check_chunks("load", &loaded.paths, &loaded.verdicts, reader.1)?;
     let mut back = vec![0u8; total as usize];
-    rbuf.read_at(0, &mut back).map_err(e("reading the reader buffer"))?;
+    rbuf.read_at(base, &mut back).map_err(e("reading the reader buffer"))?;
     if let Some(at) = pdstor::payload::first_difference(&payload, &back) {
         return Err(format!("the reader's {} buffer differs from the writer's at byte {at}", reader.0));
     }
@@ -274,8 +296,9 @@ fn run_combos(target: &Path, format_args: &[&str]) -> Result<(), String> {
         handoff(target, *w, *r, &format!("dmabuf-{n}")).map_err(|err| format!("writer {w:?} → reader {r:?}: {err}"))?;
     }
     // The system heap maps its pages as raw page frames: no host path can pin
-    // them, and on this kernel dmabuf_fixed is missing. Every path refuses,
-    // up front, with its reason; none copies.
+    // them. Without the rw-dmabuf series dmabuf_fixed is missing too: every
+    // path refuses, up front, with its reason; none copies. With the series,
+    // dmabuf_fixed takes it (the dmabuf_fixed tests move bytes through it).
     let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
     let heap = Buffer::dma_heap("system", CHUNK as usize).map_err(e("dma-heap buffer"))?;
     for (path, says) in [
@@ -284,6 +307,7 @@ fn run_combos(target: &Path, format_args: &[&str]) -> Result<(), String> {
         (PayloadPath::DmabufFixed, "rw-dmabuf"),
     ] {
         match data.register_for(&heap, path) {
+            Ok(_) if path == PayloadPath::DmabufFixed && expects_rw_dmabuf() => {}
             Err(ClientError::Api(b)) if b.status == 422 && b.message.contains(says) => {}
             other => return Err(format!("a system-heap DMA-BUF on {path} answered {:?}", other.map(|_| ()))),
         }
@@ -329,8 +353,44 @@ fn fresh_daemon(device: &Path) -> Result<super::protocol::Daemon, String> {
     serve_with(device, &[])
 }
 
+/// The series kernel: udmabuf and system-heap DMA-BUFs registered for
+/// `dmabuf_fixed` move real bytes between the client's DMA-BUF and the raw
+/// NVMe namespace through `pdstor serve --provenance --require-native`:
+/// every chunk judged native, read back with `dd iflag=direct`, and loaded
+/// into a cleared DMA-BUF of each exporter, at the buffer's start and 12 KiB
+/// into it.
+fn dmabuf_fixed_moves_bytes(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        if !expects_rw_dmabuf() {
+            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+        }
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let t = disk.block.to_string_lossy().into_owned();
+        sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
+        let daemon = serve_with(&disk.block, &["--provenance", "--require-native"])?;
+        let fixed = PayloadPath::DmabufFixed;
+        let sides: [(Side, Side); 4] = [
+            (("udmabuf", fixed), ("udmabuf", fixed)),
+            (("dma-heap", fixed), ("dma-heap", fixed)),
+            (("udmabuf", PayloadPath::HostFixed), ("dma-heap", fixed)),
+            (("dma-heap", fixed), ("udmabuf", PayloadPath::HostFixed)),
+        ];
+        for (n, (w, r)) in sides.iter().enumerate() {
+            for base in [0, 12 << 10] {
+                handoff_at(&disk.block, *w, *r, &format!("fixed-{n}-{base}"), base)
+                    .map_err(|err| format!("writer {w:?} → reader {r:?} at +{base}: {err}"))?;
+            }
+        }
+        drop(daemon);
+        Ok(())
+    })())
+}
+
 fn dmabuf_fixed_refused(ctx: &Ctx) -> Outcome {
     outcome((|| {
+        if expects_rw_dmabuf() {
+            return Err("SKIP: this kernel has the rw-dmabuf series: dmabuf_fixed is not refused here".into());
+        }
         let disk = ctx.disk(DiskRole::Raw)?;
         let daemon = fresh_daemon(&disk.block)?;
         let before = device_crc(&disk.block)?;
@@ -425,7 +485,9 @@ fn ladder(ctx: &Ctx) -> Outcome {
             .output()
             .map_err(e("running pdstor ladder"))?;
         let stderr = String::from_utf8_lossy(&run.stderr);
-        if run.status.code() != Some(1) || !stderr.contains("not qualified: dmabuf_fixed") {
+        let series = expects_rw_dmabuf();
+        let expected = if series { Some(0) } else { Some(1) };
+        if run.status.code() != expected || (!series && !stderr.contains("not qualified: dmabuf_fixed")) {
             return Err(format!("pdstor ladder exited {:?}: {stderr}", run.status.code()));
         }
         let report: serde_json::Value =
@@ -438,6 +500,11 @@ fn ladder(ctx: &Ctx) -> Outcome {
             }
             let verdicts = rung["verdicts"].as_object().map(|v| v.keys().cloned().collect::<Vec<_>>());
             match path {
+                "dmabuf_fixed" if series => {
+                    if rung["qualified"] != true || verdicts != Some(vec!["native".to_string()]) {
+                        return Err(format!("dmabuf_fixed on the series kernel was not qualified native: {rung}"));
+                    }
+                }
                 "dmabuf_fixed" => {
                     if rung["qualified"] != false || !rung["reason"].as_str().is_some_and(|r| r.contains("rw-dmabuf")) {
                         return Err(format!("dmabuf_fixed on a stock kernel: {rung}"));
@@ -454,7 +521,8 @@ fn ladder(ctx: &Ctx) -> Outcome {
             }
         }
         let md = std::fs::read_to_string(out.join("ladder.md")).map_err(e("ladder.md"))?;
-        if !md.contains("| host_fixed | yes |") || !md.contains("| dmabuf_fixed | **no** |") {
+        let dmabuf_row = if series { "| dmabuf_fixed | yes |" } else { "| dmabuf_fixed | **no** |" };
+        if !md.contains("| host_fixed | yes |") || !md.contains(dmabuf_row) {
             return Err(format!("ladder.md does not match ladder.json:\n{md}"));
         }
         Ok(())

@@ -259,13 +259,25 @@ fn bpftool_dump(ctx: &Ctx) -> Outcome {
     })())
 }
 
+/// BTF for the kernel and for NVMe: the module's own BTF on Debian's kernel
+/// (NVMe is a module there), vmlinux's on a kernel with NVMe built in.
 fn btf_present(_: &Ctx) -> Outcome {
     outcome((|| {
-        for f in ["/sys/kernel/btf/vmlinux", "/sys/kernel/btf/nvme", "/sys/kernel/btf/nvme_core"] {
-            let len = std::fs::metadata(f).map_err(|e| format!("{f}: {e}"))?.len();
-            if len == 0 {
-                return Err(format!("{f} is empty"));
+        let vmlinux = std::fs::read("/sys/kernel/btf/vmlinux").map_err(|e| format!("/sys/kernel/btf/vmlinux: {e}"))?;
+        if vmlinux.is_empty() {
+            return Err("/sys/kernel/btf/vmlinux is empty".into());
+        }
+        let modular = std::fs::read_to_string("/proc/modules").is_ok_and(|m| m.lines().any(|l| l.starts_with("nvme ")));
+        if modular {
+            for f in ["/sys/kernel/btf/nvme", "/sys/kernel/btf/nvme_core"] {
+                let len = std::fs::metadata(f).map_err(|e| format!("{f}: {e}"))?.len();
+                if len == 0 {
+                    return Err(format!("{f} is empty"));
+                }
             }
+        } else if !vmlinux.windows(b"nvme_queue\0".len()).any(|w| w == b"nvme_queue\0") {
+            // Built in: the driver's types are in vmlinux's BTF string table.
+            return Err("NVMe is built in, but vmlinux's BTF names no nvme_queue type".into());
         }
         Ok(())
     })())

@@ -261,7 +261,15 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
         initrd: &initrd,
         disks,
         dir: &dir,
-        extra_append: args.append.clone().unwrap_or_default(),
+        // The guest's ground truth for which kernel it runs: a series kernel
+        // must have dmabuf_fixed, Debian's must refuse it.
+        extra_append: [
+            args.append.clone().unwrap_or_default(),
+            if args.kernel_series.is_some() { "pdstor.rw_dmabuf=1".into() } else { String::new() },
+        ]
+        .join(" ")
+        .trim()
+        .to_owned(),
     };
     let timeout = Duration::from_secs(args.timeout);
     let progress = |s: &str| pb.set_message(format!("guest: {s}"));
