@@ -6,7 +6,9 @@
 //! plus what every machine of this project's kind has before anyone touches it
 //! (a C compiler for the linker, git, CA certificates), caches it as a tarball
 //! under `~/.cache/pdstor/fresh/`, and lays it out anew for every run. It
-//! bind-mounts the host's Rust toolchain read-only and nothing else, enters
+//! bind-mounts the host's Rust toolchain read-only (and, where the host has
+//! it, the kernel patch series beside the checkout, an input like a kernel
+//! package) and nothing else, enters
 //! the root in a private mount namespace with fresh `/proc`, `/sys` (so no
 //! tracefs, no bpffs) and a devtmpfs `/dev` (loop control, `/dev/kvm` and zram
 //! control as on the host), clones `HEAD` into it and runs README's commands
@@ -118,6 +120,21 @@ fn mounts_under(dir: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The kernel patch series CI builds its second guest kernel from is an input
+/// beside the checkout, like a downloaded kernel package, not part of the
+/// repository: when the host has it, it appears read-only at the same place
+/// beside the fresh clone (`/root/shared/kernel-series`).
+fn series_mount() -> String {
+    let host = crate::project_root().join("../shared/kernel-series");
+    match host.canonicalize() {
+        Ok(dir) if dir.is_dir() => format!(
+            "mkdir -p \"$R/root/shared/kernel-series\"\nmount --bind {d} \"$R/root/shared/kernel-series\"\nmount -o remount,bind,ro \"$R/root/shared/kernel-series\"\n",
+            d = dir.display()
+        ),
+        _ => String::new(),
+    }
+}
+
 /// What runs inside the private mount namespace: mount the pseudo-filesystems
 /// and the toolchain, then chroot and run README's commands, timing each.
 fn inner_script(root: &Path, rustup: &Path, cargo_bin: &Path, commands: &[String]) -> String {
@@ -141,10 +158,11 @@ mount --bind {rustup} "$R/opt/rust/rustup"
 mount -o remount,bind,ro "$R/opt/rust/rustup"
 mount --bind {bin} "$R/opt/rust/bin"
 mount -o remount,bind,ro "$R/opt/rust/bin"
-status=0
+{series}status=0
 "#,
         rustup = rustup.display(),
         bin = cargo_bin.display(),
+        series = series_mount(),
     );
     for c in commands {
         s += &format!(

@@ -305,6 +305,16 @@ fn ci(sh: &Shell) -> Result<()> {
     vmtest::run(sh, &vmtest::VmtestArgs::all())?;
     step("cargo xtask vmtest --suite swiotlb --append swiotlb=force");
     vmtest::run(sh, &vmtest::VmtestArgs::swiotlb_forced())?;
+    match vmtest::series::ci_series() {
+        Ok(dir) => {
+            step(&format!(
+                "cargo xtask vmtest --kernel-series {} (Debian linux-source-7.2 + the rw-dmabuf series; built once, then cached)",
+                dir.display()
+            ));
+            vmtest::run(sh, &vmtest::VmtestArgs::series(dir))?;
+        }
+        Err(why) => println!("SKIP: vmtest on the rw-dmabuf series kernel: {why}"),
+    }
     step("demo round trip (small)");
     let pdstor = build_pdstor(sh)?;
     let dir = project_root().join("target/ci-demo");

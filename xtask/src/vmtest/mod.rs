@@ -110,6 +110,11 @@ impl VmtestArgs {
         }
     }
 
+    /// Every suite on a kernel built with the patch series in `dir`.
+    pub fn series(dir: PathBuf) -> Self {
+        VmtestArgs { kernel_series: Some(dir), ..VmtestArgs::all() }
+    }
+
     /// The swiotlb suite in a guest booted with swiotlb=force.
     pub fn swiotlb_forced() -> Self {
         VmtestArgs { suites: vec!["swiotlb".into()], append: Some("swiotlb=force".into()), ..VmtestArgs::all() }

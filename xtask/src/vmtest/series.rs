@@ -79,6 +79,24 @@ pub struct Built {
     pub key: String,
 }
 
+/// Where CI finds the series: `PDSTOR_KERNEL_SERIES`, or the rebased v3
+/// series beside the checkout (`../shared/kernel-series/...`); why not, if
+/// neither is there.
+pub fn ci_series() -> Result<PathBuf, String> {
+    let dir = match std::env::var_os("PDSTOR_KERNEL_SERIES").filter(|v| !v.is_empty()) {
+        Some(d) => PathBuf::from(d),
+        None => crate::project_root().join("../shared/kernel-series/rw-dmabuf-v3/rebased-debian-7.2.12"),
+    };
+    if patches(&dir).is_ok() {
+        Ok(dir)
+    } else {
+        Err(format!(
+            "no patch series at {} (set PDSTOR_KERNEL_SERIES to the directory of the rw-dmabuf series rebased on linux-source-7.2)",
+            dir.display()
+        ))
+    }
+}
+
 /// The patches of a series directory, in order (a cover letter is skipped).
 pub fn patches(series: &Path) -> Result<Vec<PathBuf>> {
     let mut p: Vec<PathBuf> = std::fs::read_dir(series)
