@@ -84,13 +84,11 @@ pub enum KernelCmd {
         #[arg(long, default_value_t = std::thread::available_parallelism().map_or(2, |n| n.get()))]
         jobs: usize,
     },
-    /// Merge the fragments into a source tree's .config with scripts/kconfig/merge_config.sh.
+    /// Configure a source tree as `kernel build` does: x86_64_defconfig, every fragment forced
+    /// built in (a --kernel guest gets no modules), BTF, unused subsystems off.
     Defconfig {
         #[arg(long)]
         src: PathBuf,
-        /// Also merge dmabuf-rw.config (for a tree with the rw-dmabuf series).
-        #[arg(long)]
-        with_dmabuf_rw: bool,
     },
 }
 
@@ -166,21 +164,13 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
             let k = series::build(sh, series, source_version, *jobs)?;
             println!("kernel {} at {} ({})", k.release, k.vmlinuz.display(), k.package);
         }
-        KernelCmd::Defconfig { src, with_dmabuf_rw } => {
-            let merge = src.join("scripts/kconfig/merge_config.sh");
-            if !merge.exists() {
-                bail!("{} not found: --src must be a Linux source tree", merge.display());
+        KernelCmd::Defconfig { src } => {
+            if !src.join("scripts/kconfig/merge_config.sh").exists() {
+                bail!("{} is not a Linux source tree (no scripts/kconfig/merge_config.sh)", src.display());
             }
-            let mut frags = vec![fragment("pd-storage.config"), fragment("vm.config")];
-            if *with_dmabuf_rw {
-                frags.push(fragment("dmabuf-rw.config"));
-            }
-            let _cd = sh.push_dir(src);
-            cmd!(sh, "make defconfig").run()?;
-            cmd!(sh, "{merge} -m .config {frags...}").run()?;
-            cmd!(sh, "make olddefconfig").run()?;
+            series::configure(sh, src)?;
             println!(
-                "{}/.config now has the pdstor fragments; build with `make -j$(nproc) bzImage modules`",
+                "{}/.config has every pdstor option built in; build with `make -j$(nproc) bzImage`",
                 src.display()
             );
         }

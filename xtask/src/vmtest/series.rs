@@ -79,6 +79,56 @@ pub struct Built {
     pub key: String,
 }
 
+/// The v3 UAPI as the engine encodes it (`driver/src/buffer/dmabuf.rs`,
+/// `uapi`): the descriptor's fields in order, the DMA-BUF type's place in its
+/// enum, and the update flag.
+const DESC_FIELDS: &[&str] = &[
+    "__u32 type",
+    "__u32 flags",
+    "__u64 size",
+    "__u64 uaddr",
+    "__s32 dmabuf_fd",
+    "__s32 target_fd",
+    "__u64 __resv[6]",
+];
+const REGBUF_TYPES: &[&str] = &["IO_REGBUF_TYPE_EMPTY", "IO_REGBUF_TYPE_UADDR", "IO_REGBUF_TYPE_DMABUF"];
+
+/// Checks the `io_uring.h` a series build produced against the layout the
+/// engine encodes; a mismatch names the field.
+pub fn check_uapi(header: &str) -> Result<()> {
+    let body = |open: &str| -> Result<Vec<String>> {
+        let start = header
+            .find(open)
+            .with_context(|| format!("io_uring.h has no `{open}`: not the v3 UAPI the engine encodes"))?;
+        let rest = &header[start + open.len()..];
+        let end = rest.find("};").context("an unterminated definition")?;
+        Ok(rest[..end]
+            .lines()
+            .map(|l| l.split("/*").next().unwrap_or_default().trim().trim_end_matches([';', ',']).trim().to_owned())
+            .filter(|l| !l.is_empty())
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect())
+    };
+    let fields = body("struct io_uring_regbuf_desc {")?;
+    if fields != DESC_FIELDS {
+        bail!(
+            "struct io_uring_regbuf_desc is {fields:?}; the engine encodes {DESC_FIELDS:?} (driver/src/buffer/dmabuf.rs uapi)"
+        );
+    }
+    let types = body("enum io_uring_regbuf_type {")?;
+    if !types.iter().map(String::as_str).take(REGBUF_TYPES.len()).eq(REGBUF_TYPES.iter().copied()) {
+        bail!("enum io_uring_regbuf_type is {types:?}; the engine takes IO_REGBUF_TYPE_DMABUF = 2");
+    }
+    let flag = header
+        .lines()
+        .find(|l| l.trim_start().starts_with("IORING_RSRC_UPDATE_EXTENDED"))
+        .context("io_uring.h has no IORING_RSRC_UPDATE_EXTENDED")?;
+    if flag.split('=').nth(1).map(|v| v.trim().trim_end_matches(',')) != Some("1U << 1") {
+        bail!("{}: the engine sets IORING_RSRC_UPDATE_EXTENDED = 1 << 1", flag.trim());
+    }
+    Ok(())
+}
+
 /// Where CI finds the series: `PDSTOR_KERNEL_SERIES`, or the rebased v3
 /// series beside the checkout (`../shared/kernel-series/...`); why not, if
 /// neither is there.
@@ -259,6 +309,7 @@ pub fn build(sh: &Shell, series: &Path, source: &str, jobs: usize) -> Result<Ker
         && let Ok(text) = std::fs::read_to_string(&manifest)
         && let Ok(b) = serde_json::from_str::<Built>(&text)
     {
+        check_uapi(&std::fs::read_to_string(out.join("io_uring.h")).context("the cached io_uring.h")?)?;
         println!("series kernel {} (cached, key {key}; built in {} s)", b.release, b.build_seconds);
         return Ok(Kernel {
             package: format!("linux-source-7.2 {} + {}", b.source, series.display()),
@@ -319,7 +370,9 @@ pub fn build(sh: &Shell, series: &Path, source: &str, jobs: usize) -> Result<Ker
     std::fs::copy(src.join("arch/x86/boot/bzImage"), &image)?;
     std::fs::copy(src.join(".config"), out.join("config"))?;
     // The header the build produced: the engine's encoding is checked against it.
-    std::fs::copy(src.join("include/uapi/linux/io_uring.h"), out.join("io_uring.h"))?;
+    let header = src.join("include/uapi/linux/io_uring.h");
+    check_uapi(&std::fs::read_to_string(&header).context("reading the built io_uring.h")?)?;
+    std::fs::copy(&header, out.join("io_uring.h"))?;
     let built = Built {
         source: source.to_owned(),
         series: series.to_path_buf(),
@@ -342,7 +395,7 @@ pub fn build(sh: &Shell, series: &Path, source: &str, jobs: usize) -> Result<Ker
 
 /// `make x86_64_defconfig`, the fragments forced to `=y` and [`EXTRA`], then
 /// `olddefconfig`; refuses a result that lacks a required option.
-fn configure(sh: &Shell, src: &Path) -> Result<()> {
+pub fn configure(sh: &Shell, src: &Path) -> Result<()> {
     let _cd = sh.push_dir(src);
     cmd!(sh, "make -s x86_64_defconfig").run().context("make x86_64_defconfig")?;
     let mut frag = String::new();
@@ -362,4 +415,25 @@ fn configure(sh: &Shell, src: &Path) -> Result<()> {
         bail!("the configured kernel lacks built-in {} (a dependency is off?)", missing.join(", "));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const V3: &str = "enum io_uring_rsrc_update_flags {\n\tIORING_RSRC_UPDATE_EXTENDED\t\t= 1U << 1,\n};\n\
+        enum io_uring_regbuf_type {\n\tIO_REGBUF_TYPE_EMPTY,\n\tIO_REGBUF_TYPE_UADDR,\n\tIO_REGBUF_TYPE_DMABUF,\n\n\t__IO_REGBUF_TYPE_MAX,\n};\n\
+        struct io_uring_regbuf_desc {\n\t__u32 type; /* enum io_uring_regbuf_type */\n\t__u32 flags;\n\t__u64 size;\n\t__u64 uaddr;\n\n\
+        \t__s32 dmabuf_fd;\n\t__s32 target_fd;\n\t__u64 __resv[6];\n};\n";
+
+    #[test]
+    fn the_v3_header_matches_and_a_moved_field_is_named() {
+        check_uapi(V3).expect("the v3 UAPI");
+        let swapped = V3.replace("__s32 dmabuf_fd;\n\t__s32 target_fd;", "__s32 target_fd;\n\t__s32 dmabuf_fd;");
+        let e = check_uapi(&swapped).unwrap_err().to_string();
+        assert!(e.contains("io_uring_regbuf_desc") && e.contains("target_fd"), "{e}");
+        let e = check_uapi(&V3.replace("1U << 1", "1U << 2")).unwrap_err().to_string();
+        assert!(e.contains("IORING_RSRC_UPDATE_EXTENDED"), "{e}");
+        assert!(check_uapi("nothing here").is_err());
+    }
 }
