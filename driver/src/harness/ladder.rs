@@ -119,6 +119,9 @@ pub struct Rung {
     pub write_mib_s: Option<f64>,
     /// Read throughput, MiB/s.
     pub read_mib_s: Option<f64>,
+    /// This process's CPU time (user + system) per GiB moved, writes and
+    /// reads together, in ms: what the path costs the host's CPUs.
+    pub cpu_ms_per_gib: Option<f64>,
     /// Verdict → transfers judged so.
     pub verdicts: BTreeMap<String, u64>,
     /// What the independent readback found.
@@ -157,7 +160,7 @@ impl LadderReport {
     /// The report as Markdown (`ladder.md`).
     pub fn markdown(&self) -> String {
         let mut s = format!(
-            "# pdstor ladder\n\n- kernel: {}\n- target: {} ({:?})\n- exporter: {:?} {}\n- rw-dmabuf UAPI: {}\n- probes: {}\n\n| path | qualified | write MiB/s | read MiB/s | verdicts | independent readback | reason |\n|---|---|---|---|---|---|---|\n",
+            "# pdstor ladder\n\n- kernel: {}\n- target: {} ({:?})\n- exporter: {:?} {}\n- rw-dmabuf UAPI: {}\n- probes: {}\n\n| path | qualified | write MiB/s | read MiB/s | CPU ms/GiB | verdicts | independent readback | reason |\n|---|---|---|---|---|---|---|---|\n",
             self.kernel,
             self.target.display(),
             self.target_kind,
@@ -170,11 +173,12 @@ impl LadderReport {
         for r in &self.rungs {
             let verdicts: Vec<String> = r.verdicts.iter().map(|(v, n)| format!("{v} ×{n}")).collect();
             s += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.path,
                 if r.qualified { "yes" } else { "**no**" },
                 f(r.write_mib_s),
                 f(r.read_mib_s),
+                f(r.cpu_ms_per_gib),
                 verdicts.join(", "),
                 r.independent_readback.as_deref().unwrap_or("-"),
                 r.reason.as_deref().unwrap_or(""),
@@ -229,6 +233,7 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
             bytes: cfg.bytes,
             write_mib_s: None,
             read_mib_s: None,
+            cpu_ms_per_gib: None,
             verdicts: BTreeMap::new(),
             independent_readback: None,
         };
@@ -393,10 +398,12 @@ impl RungCtx<'_> {
     fn transfers(&mut self, id: crate::io::BufferId, pattern: &[u8]) -> anyhow::Result<()> {
         let mib = self.cfg.bytes as f64 / 1048576.0;
         let writes = self.requests(id, Op::Write);
+        let cpu = cpu_time();
         let t = Instant::now();
         self.engine.execute_all(&writes)?;
         self.engine.flush()?;
         self.rung.write_mib_s = Some(mib / t.elapsed().as_secs_f64());
+        let write_cpu = cpu_time().saturating_sub(cpu);
         self.judge(&writes);
 
         self.independent_readback(pattern)?;
@@ -408,9 +415,14 @@ impl RungCtx<'_> {
             _ => self.engine.buffer(id)?.write_at(0, &zeros)?,
         }
         let reads = self.requests(id, Op::Read);
+        let cpu = cpu_time();
         let t = Instant::now();
         self.engine.execute_all(&reads)?;
         self.rung.read_mib_s = Some(mib / t.elapsed().as_secs_f64());
+        // Both ways; the independent readback and the clearing between are not counted.
+        let spent = write_cpu + cpu_time().saturating_sub(cpu);
+        let gib = 2.0 * self.cfg.bytes as f64 / (1u64 << 30) as f64;
+        self.rung.cpu_ms_per_gib = Some(spent.as_secs_f64() * 1000.0 / gib);
         self.judge(&reads);
         if self.rung.path != PayloadPath::DmabufFixed {
             let mut staged = vec![0u8; self.cfg.bytes as usize];
@@ -455,4 +467,14 @@ impl RungCtx<'_> {
             Some(format!("{} bytes match (pread O_DIRECT, outside the engine)", self.cfg.bytes));
         Ok(())
     }
+}
+
+/// This process's CPU time so far, user and system (`getrusage`).
+fn cpu_time() -> std::time::Duration {
+    // SAFETY: getrusage(2) fills the struct it is given and touches nothing else.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF cannot fail with a valid pointer.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let tv = |t: libc::timeval| std::time::Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(u.ru_utime) + tv(u.ru_stime)
 }

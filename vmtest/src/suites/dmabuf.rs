@@ -20,7 +20,7 @@ use pdstor::store::Layout;
 use pdstor::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
-use super::io::dd_direct;
+use super::io::{dd_direct, nvme_read};
 use super::protocol::{SERVER, SOCKET, serve_with};
 use super::{Suite, Test, outcome};
 use crate::guest::{Ctx, expects_rw_dmabuf, sh};
@@ -35,6 +35,7 @@ pub const SUITE: Suite = Suite {
         Test { name: "udmabuf_and_heap_on_xfs", disk: Some(DiskRole::Xfs), run: xfs },
         Test { name: "dmabuf_fixed_refused_writes_nothing", disk: Some(DiskRole::Raw), run: dmabuf_fixed_refused },
         Test { name: "dmabuf_fixed_moves_bytes", disk: Some(DiskRole::Raw), run: dmabuf_fixed_moves_bytes },
+        Test { name: "dmabuf_fixed_engine_offsets_and_ebadf", disk: Some(DiskRole::Raw), run: dmabuf_fixed_engine },
         Test { name: "bad_dmabuf_input_is_refused", disk: Some(DiskRole::Raw), run: bad_input },
         Test { name: "ladder_on_raw_block", disk: Some(DiskRole::Raw), run: ladder },
     ],
@@ -386,6 +387,152 @@ fn dmabuf_fixed_moves_bytes(ctx: &Ctx) -> Outcome {
     })())
 }
 
+/// Pieces of a 4 MiB DMA-BUF (offset, length), apart from each other, most
+/// not at its start: `dmabuf_fixed` addresses bytes inside the DMA-BUF.
+const PIECES: [(u64, u64); 4] =
+    [(0, 256 << 10), (268 << 10, 1 << 20), ((1 << 20) + (516 << 10), 512 << 10), (3 << 20, 1 << 20)];
+
+/// The series kernel, the engine alone: udmabuf and system-heap DMA-BUFs
+/// installed in the ring's buffer table (`IORING_RSRC_UPDATE_EXTENDED`)
+/// against the raw NVMe namespace opened `O_DIRECT`; `WRITE_FIXED` of pieces
+/// inside the DMA-BUF, every byte checked by `dd iflag=direct` and by `nvme
+/// read` on the generic device; then the DMA-BUF cleared and `READ_FIXED`
+/// back, the gaps between pieces still zero. A request on another open file
+/// of the same device is refused `EBADF`.
+fn dmabuf_fixed_engine(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        if !expects_rw_dmabuf() {
+            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+        }
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let len = 4 * CHUNK as usize;
+        for (n, exporter) in ["udmabuf", "dma-heap"].into_iter().enumerate() {
+            let buf = match exporter {
+                "udmabuf" => Buffer::udmabuf("vmtest-engine", len),
+                _ => Buffer::dma_heap("system", len),
+            }
+            .map_err(e("allocating the DMA-BUF"))?;
+            let pattern: Vec<u8> =
+                (0..4).flat_map(|i| pdstor::payload::chunk(0xf1 + n as u64, i, CHUNK as usize)).collect();
+            buf.write_at(0, &pattern).map_err(e("filling the DMA-BUF"))?;
+            let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
+            let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
+            let id = engine.register_dmabuf(buf).map_err(e("installing the DMA-BUF"))?;
+            let base = (160 + 8 * n as u64) * CHUNK;
+            let requests = |op| -> Vec<IoRequest> {
+                PIECES
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(at, n))| IoRequest {
+                        transfer: TransferId(0x7800 + i as u64),
+                        op,
+                        path: PayloadPath::DmabufFixed,
+                        buffer: id,
+                        buffer_offset: pdstor::io::BufferOffset(at),
+                        target_offset: pdstor::io::TargetOffset(base + at),
+                        len: n,
+                    })
+                    .collect()
+            };
+            engine.execute_all(&requests(Op::Write)).map_err(e("WRITE_FIXED from the DMA-BUF"))?;
+            engine.flush().map_err(e("flush"))?;
+            for &(at, n) in &PIECES {
+                let want = &pattern[at as usize..(at + n) as usize];
+                if pdstor::payload::first_difference(want, &dd_direct(&disk.block, base + at, n)?).is_some() {
+                    return Err(format!(
+                        "{exporter}: the piece at +{at} on the device (dd) is not the DMA-BUF's bytes"
+                    ));
+                }
+                let by_nvme = nvme_read(&disk.generic, base + at, n, 4096, 512 << 10)?;
+                if pdstor::payload::first_difference(want, &by_nvme).is_some() {
+                    return Err(format!(
+                        "{exporter}: the piece at +{at} read by `nvme read` is not the DMA-BUF's bytes"
+                    ));
+                }
+            }
+            let b = engine.buffer(id).map_err(e("buffer"))?;
+            b.write_at(0, &vec![0u8; len]).map_err(e("clearing the DMA-BUF"))?;
+            engine.execute_all(&requests(Op::Read)).map_err(e("READ_FIXED into the DMA-BUF"))?;
+            let mut back = vec![0u8; len];
+            engine.buffer(id).map_err(e("buffer"))?.read_at(0, &mut back).map_err(e("reading the DMA-BUF"))?;
+            let mut want = vec![0u8; len];
+            for &(at, n) in &PIECES {
+                want[at as usize..(at + n) as usize].copy_from_slice(&pattern[at as usize..(at + n) as usize]);
+            }
+            if let Some(at) = pdstor::payload::first_difference(&want, &back) {
+                return Err(format!("{exporter}: the DMA-BUF read back differs at byte {at} (pieces, zero gaps)"));
+            }
+        }
+        another_file_is_ebadf(&disk.block)
+    })())
+}
+
+/// A DMA-BUF installed for one open file of the raw namespace, used on
+/// another open file of the same device: `EBADF`; on its own file: done.
+fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
+    use io_uring::{IoUring, opcode, types};
+    use pdstor::buffer::dmabuf::uapi;
+    let open = || {
+        std::fs::File::options()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(device)
+            .map_err(e("opening the raw namespace"))
+    };
+    let (mine, other) = (open()?, open()?);
+    let region = Buffer::udmabuf("vmtest-ebadf", CHUNK as usize).map_err(e("udmabuf"))?;
+    let dmabuf = region.dmabuf().ok_or("no DMA-BUF")?;
+    let mut ring = IoUring::new(4).map_err(e("io_uring setup"))?;
+    ring.submitter().register_buffers_sparse(1).map_err(e("a sparse buffer table"))?;
+    let desc = uapi::IoUringRegbufDesc {
+        kind: uapi::IO_REGBUF_TYPE_DMABUF,
+        dmabuf_fd: dmabuf.fd().as_raw_fd(),
+        target_fd: mine.as_raw_fd(),
+        ..Default::default()
+    };
+    let up = uapi::IoUringRsrcUpdate2 {
+        offset: 0,
+        flags: uapi::IORING_RSRC_UPDATE_EXTENDED,
+        data: &desc as *const _ as u64,
+        nr: 1,
+        ..Default::default()
+    };
+    // SAFETY: io_uring_register reads one update and, through it, one
+    // descriptor, both on this stack frame for the whole call.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_io_uring_register,
+            ring.as_raw_fd(),
+            uapi::IORING_REGISTER_BUFFERS_UPDATE,
+            &up as *const uapi::IoUringRsrcUpdate2,
+            size_of::<uapi::IoUringRsrcUpdate2>(),
+        )
+    };
+    if ret != 1 {
+        return Err(format!("installing the DMA-BUF answered {ret}: {}", std::io::Error::last_os_error()));
+    }
+    let mut read_on = |file: &std::fs::File| -> Result<i32, String> {
+        // The address is an offset into the DMA-BUF, not a pointer.
+        let sqe = opcode::ReadFixed::new(types::Fd(file.as_raw_fd()), std::ptr::null_mut(), 4096, 0)
+            .offset(200 * CHUNK)
+            .build();
+        // SAFETY: the SQE names buffer slot 0, installed above, alive until completion.
+        unsafe { ring.submission().push(&sqe) }.map_err(|_| "the submission queue is full".to_string())?;
+        ring.submit_and_wait(1).map_err(e("submit"))?;
+        Ok(ring.completion().next().ok_or("no completion")?.result())
+    };
+    let on_other = read_on(&other)?;
+    if on_other != -libc::EBADF {
+        return Err(format!("READ_FIXED of a DMA-BUF on another file answered {on_other}, not -EBADF"));
+    }
+    let on_mine = read_on(&mine)?;
+    if on_mine != 4096 {
+        return Err(format!("READ_FIXED of a DMA-BUF on its own file answered {on_mine}, not 4096"));
+    }
+    Ok(())
+}
+
 fn dmabuf_fixed_refused(ctx: &Ctx) -> Outcome {
     outcome((|| {
         if expects_rw_dmabuf() {
@@ -477,8 +624,11 @@ fn ladder(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
         let out = Path::new("/tmp/vmtest/ladder");
+        // On the series kernel the ladder also measures the rungs against
+        // each other (throughput ratio, CPU per GiB): more bytes.
+        let (bytes, len) = if expects_rw_dmabuf() { ("32M", 32u64 << 20) } else { ("8M", 8 << 20) };
         let run = std::process::Command::new("/bin/pdstor")
-            .args(["ladder", "--force", "--bytes", "8M", "--chunk", "1M", "--exporter", "udmabuf", "--target"])
+            .args(["ladder", "--force", "--bytes", bytes, "--chunk", "1M", "--exporter", "udmabuf", "--target"])
             .arg(&disk.block)
             .arg("--out")
             .arg(out)
@@ -514,13 +664,18 @@ fn ladder(ctx: &Ctx) -> Outcome {
                     if rung["qualified"] != true || verdicts != Some(vec!["native".to_string()]) {
                         return Err(format!("{path} was not qualified with native verdicts: {rung}"));
                     }
-                    if !rung["independent_readback"].as_str().is_some_and(|r| r.contains("8388608 bytes match")) {
+                    if !rung["independent_readback"].as_str().is_some_and(|r| r.contains(&format!("{len} bytes match")))
+                    {
                         return Err(format!("{path}: no independent readback: {rung}"));
                     }
                 }
             }
         }
         let md = std::fs::read_to_string(out.join("ladder.md")).map_err(e("ladder.md"))?;
+        // The figures, for the host's console.log.
+        for line in md.lines().filter(|l| l.starts_with('|') || l.starts_with("- kernel")) {
+            crate::guest::console(&format!("ladder: {line}"));
+        }
         let dmabuf_row = if series { "| dmabuf_fixed | yes |" } else { "| dmabuf_fixed | **no** |" };
         if !md.contains("| host_fixed | yes |") || !md.contains(dmabuf_row) {
             return Err(format!("ladder.md does not match ladder.json:\n{md}"));

@@ -206,7 +206,7 @@ pub(crate) fn dd_direct(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, S
 }
 
 /// `nvme read` on the generic device, in pieces no larger than MDTS.
-fn nvme_read(dev: &Path, offset: u64, len: u64, lba: u64, max_bytes: u64) -> Result<Vec<u8>, String> {
+pub(crate) fn nvme_read(dev: &Path, offset: u64, len: u64, lba: u64, max_bytes: u64) -> Result<Vec<u8>, String> {
     let mut all = Vec::with_capacity(len as usize);
     let piece_file = "/tmp/vmtest/nvme.out";
     let mut done = 0;
