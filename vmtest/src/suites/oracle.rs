@@ -14,7 +14,10 @@ use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "oracle",
-    tests: &[Test { name: "qualify_on_nvme_passthrough", disk: Some(DiskRole::Raw), run: qualify }],
+    tests: &[
+        Test { name: "qualify_on_nvme_passthrough", disk: Some(DiskRole::Raw), run: qualify },
+        Test { name: "qualify_dmabuf_fixed_on_raw_block", disk: Some(DiskRole::Raw), run: qualify_dmabuf_fixed },
+    ],
 };
 
 fn qualify(ctx: &Ctx) -> Outcome {
@@ -50,6 +53,41 @@ fn qualify(ctx: &Ctx) -> Outcome {
         let svg = std::fs::read_to_string(out.join("timeline.svg")).map_err(|e| format!("timeline.svg: {e}"))?;
         if !svg.contains("<svg") || !svg.contains(">daemon-e") {
             return Err("timeline.svg is not a rendered timeline".into());
+        }
+        Ok(())
+    })())
+}
+
+/// The series kernel: the same profile with every payload on `dmabuf_fixed`
+/// (udmabuf buffers on the raw namespace), and its timeline passing the
+/// checker's default requirement, `dmabuf_fixed`.
+fn qualify_dmabuf_fixed(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        if !crate::guest::expects_rw_dmabuf() {
+            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+        }
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let out = Path::new("/tmp/vmtest/qualify-dmabuf");
+        let block = disk.block.to_string_lossy();
+        let run = std::process::Command::new("/bin/pdstor")
+            .args(["qualify", "--short", "--chunk-tokens", "8", "--path", "dmabuf_fixed", "--target", &block])
+            .args(["--corrupt-via", &block, "--out"])
+            .arg(out)
+            .output()
+            .map_err(|e| format!("running pdstor qualify: {e}"))?;
+        let report: serde_json::Value = std::fs::read(out.join("qualify.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .ok_or_else(|| format!("no qualify.json: {}", String::from_utf8_lossy(&run.stderr)))?;
+        if !run.status.success() || report["ok"] != true {
+            let md = std::fs::read_to_string(out.join("qualify.md")).unwrap_or_default();
+            return Err(format!("pdstor qualify --path dmabuf_fixed failed ({:?}):\n{md}", run.status.code()));
+        }
+        let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
+        // The default requirement is dmabuf_fixed, native.
+        sh("/bin/pdstor", &["timeline", "check", &timeline])?;
+        if sh("/bin/pdstor", &["timeline", "check", &timeline, "--require-path", "host_fixed"]).is_ok() {
+            return Err("a dmabuf_fixed timeline passed --require-path host_fixed".into());
         }
         Ok(())
     })())

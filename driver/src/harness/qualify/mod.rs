@@ -171,6 +171,16 @@ impl QualifyReport {
     }
 }
 
+/// The buffer memory a path takes: a udmabuf for `dmabuf_fixed` (its DMA-BUF
+/// moves the bytes; its memfd is how the model reads and writes them), a
+/// memfd otherwise.
+pub(crate) fn exporter_for(path: crate::PayloadPath) -> Exporter {
+    match path {
+        crate::PayloadPath::DmabufFixed => Exporter::Udmabuf,
+        _ => Exporter::Memfd,
+    }
+}
+
 struct Daemon {
     child: Child,
     server: String,
@@ -295,7 +305,7 @@ impl Run<'_> {
     /// Stores and publishes each request (concurrently, one writer each).
     fn publish_all(&self, reqs: &[Prepared]) -> anyhow::Result<Vec<Published>> {
         let chunk = kv::chunk_bytes(self.model.config(), self.cfg.chunk_tokens) as u64;
-        let spec = BufferSpec { exporter: Exporter::Memfd, path: self.cfg.path };
+        let spec = BufferSpec { exporter: exporter_for(self.cfg.path), path: self.cfg.path };
         std::thread::scope(|s| {
             let handles: Vec<_> = reqs
                 .iter()

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{BufferSpec, Exporter, Reader};
+use crate::client::{BufferSpec, Reader};
 use crate::io::PayloadPath;
 use crate::model::{Config, Continuation, Model, kv};
 use crate::protocol::Receipt;
@@ -83,7 +83,7 @@ pub struct ReaderOutcome {
 /// fresh model and decodes; it never sees a prompt.
 pub fn reader_main(job: &ReaderJob) -> anyhow::Result<Vec<ReaderOutcome>> {
     let tl = Timeline::open(&job.timeline, &job.node)?;
-    let spec = BufferSpec { exporter: Exporter::Memfd, path: job.path };
+    let spec = BufferSpec { exporter: super::exporter_for(job.path), path: job.path };
     let mut reader = Reader::with_buffer(&job.server, &job.data_socket, spec)?;
     let mut out = Vec::new();
     for r in &job.requests {
