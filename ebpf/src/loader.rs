@@ -238,6 +238,7 @@ impl Probes {
             skel.progs.on_dmabuf_cpu_access.attach(),
         );
         try_optional(&mut status, &mut links, "kprobe:blk_rq_map_user_iov", skel.progs.on_map_user_iov.attach());
+        try_optional(&mut status, &mut links, "kprobe:bio_dmabuf_map_set", skel.progs.on_dmabuf_token_bio.attach());
         try_optional(&mut status, &mut links, "kprobe:io_wq_submit_work", skel.progs.on_iowq_work.attach());
         try_optional(&mut status, &mut links, "raw_tp:nvme_setup_cmd", skel.progs.on_nvme_setup_cmd.attach());
         Ok(Probes { skel, links, status })
@@ -277,6 +278,7 @@ impl Probes {
             swiotlb: self.is_attached("kprobe:swiotlb_tbl_map_single"),
             bounce: self.is_attached("kprobe:blk_rq_map_user_iov"),
             dmabuf_cpu: self.is_attached("kprobe:dma_buf_begin_cpu_access"),
+            dmabuf_token: self.is_attached("kprobe:bio_dmabuf_map_set"),
         }
     }
 

@@ -25,8 +25,9 @@ pub struct Signals {
     pub nvme_blocks: u64,
     pub rq_completed: u64,
     pub rq_errors: u64,
+    pub dmabuf_token_bios: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 152, "struct transfer_signals is 19 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 160, "struct transfer_signals is 20 x 8 bytes");
 
 impl Signals {
     /// Decodes a map value (native endianness, as the kernel wrote it).
@@ -55,6 +56,7 @@ impl Signals {
             nvme_blocks: w(16),
             rq_completed: w(17),
             rq_errors: w(18),
+            dmabuf_token_bios: w(19),
         })
     }
 }
@@ -90,6 +92,8 @@ pub struct Attached {
     pub bounce: bool,
     /// kprobe on dma_buf_begin_cpu_access.
     pub dmabuf_cpu: bool,
+    /// kprobe on bio_dmabuf_map_set (the rw-dmabuf series' DMA-token path).
+    pub dmabuf_token: bool,
 }
 
 /// Judges one transfer. A copy seen anywhere is a fallback; `native` needs
@@ -122,6 +126,14 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
             }
             if !a.dmabuf_cpu {
                 return Verdict::Unverifiable("kprobe:dma_buf_begin_cpu_access".into());
+            }
+            // Positive evidence of the DMA-token path: bios built on the
+            // DMA-BUF's own DMA mapping, not on pinned pages.
+            if !a.dmabuf_token {
+                return Verdict::Unverifiable("kprobe:bio_dmabuf_map_set".into());
+            }
+            if s.dmabuf_token_bios == 0 {
+                return Verdict::Fallback("not-dma-token".into());
             }
             match target {
                 TargetClass::BlockDevice if s.rq_issued > 0 => Verdict::Native,
@@ -182,6 +194,7 @@ mod tests {
         swiotlb: true,
         bounce: true,
         dmabuf_cpu: true,
+        dmabuf_token: true,
     };
 
     fn fixed_file() -> Signals {
@@ -256,8 +269,26 @@ mod tests {
 
     #[test]
     fn dmabuf_fixed_needs_a_fixed_op_block_requests_and_no_cpu_access() {
-        let dma = Signals { submits: 1, fixed_ops: 1, completions: 1, rq_issued: 2, ..Default::default() };
+        let dma = Signals {
+            submits: 1,
+            fixed_ops: 1,
+            completions: 1,
+            rq_issued: 2,
+            dmabuf_token_bios: 2,
+            ..Default::default()
+        };
         assert_eq!(judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &ALL), Verdict::Native);
+        // A fixed op on pinned pages (no DMA-token bio) is not dmabuf_fixed.
+        let pages = Signals { dmabuf_token_bios: 0, ..dma };
+        assert_eq!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &pages, &ALL),
+            Verdict::Fallback("not-dma-token".into())
+        );
+        let no_token_probe = Attached { dmabuf_token: false, ..ALL };
+        assert_eq!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &no_token_probe),
+            Verdict::Unverifiable("kprobe:bio_dmabuf_map_set".into())
+        );
         let touched = Signals { dmabuf_cpu_access: 1, ..dma };
         assert_eq!(
             judge(Declared::DmabufFixed, TargetClass::BlockDevice, &touched, &ALL),
@@ -286,11 +317,13 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 152];
+        let mut b = vec![0u8; 160];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
         assert_eq!((s.fixed_ops, s.last_res), (7, -5));
-        assert!(Signals::from_bytes(&b[..144]).is_none());
+        b[152..160].copy_from_slice(&3u64.to_ne_bytes());
+        assert_eq!(Signals::from_bytes(&b).map(|s| s.dmabuf_token_bios), Some(3));
+        assert!(Signals::from_bytes(&b[..152]).is_none());
     }
 }

@@ -328,6 +328,16 @@ int BPF_PROG(on_nvme_setup_cmd, struct request *req, void *cmd)
 	return 0;
 }
 
+/* The rw-dmabuf series builds a bio on the DMA-BUF's premapped DMA
+ * addresses here (block/bio.c, patch 0004), and only for a DMA-BUF buffer:
+ * the positive evidence that a dmabuf_fixed transfer took the DMA-token path
+ * (no pages, no pinning, no CPU). The symbol exists only on that kernel. */
+SEC("kprobe/bio_dmabuf_map_set")
+int on_dmabuf_token_bio(struct pt_regs *ctx)
+{
+	COUNT_FOR_CURRENT(dmabuf_token_bios);
+}
+
 SEC("kprobe/swiotlb_tbl_map_single")
 int on_swiotlb_map(struct pt_regs *ctx)
 {

@@ -38,6 +38,8 @@ struct transfer_signals {
 	__u64 nvme_blocks;      /* logical blocks those Read/Write commands moved (NLB + 1) */
 	__u64 rq_completed;     /* block requests of this transfer completed (any context) */
 	__u64 rq_errors;        /* ... that completed with an error */
+	__u64 dmabuf_token_bios;/* bio_dmabuf_map_set: a bio built on a DMA-BUF's DMA mapping, the
+	                         * rw-dmabuf series' DMA-token path (kprobe; that kernel only) */
 };
 
 /* A block request in flight, as the block tracepoints name it. */

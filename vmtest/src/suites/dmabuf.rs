@@ -36,6 +36,7 @@ pub const SUITE: Suite = Suite {
         Test { name: "dmabuf_fixed_refused_writes_nothing", disk: Some(DiskRole::Raw), run: dmabuf_fixed_refused },
         Test { name: "dmabuf_fixed_moves_bytes", disk: Some(DiskRole::Raw), run: dmabuf_fixed_moves_bytes },
         Test { name: "dmabuf_fixed_engine_offsets_and_ebadf", disk: Some(DiskRole::Raw), run: dmabuf_fixed_engine },
+        Test { name: "dmabuf_fixed_probes_and_controls", disk: Some(DiskRole::Raw), run: dmabuf_fixed_probes },
         Test { name: "bad_dmabuf_input_is_refused", disk: Some(DiskRole::Raw), run: bad_input },
         Test { name: "ladder_on_raw_block", disk: Some(DiskRole::Raw), run: ladder },
     ],
@@ -467,28 +468,15 @@ fn dmabuf_fixed_engine(ctx: &Ctx) -> Outcome {
     })())
 }
 
-/// A DMA-BUF installed for one open file of the raw namespace, used on
-/// another open file of the same device: `EBADF`; on its own file: done.
-fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
-    use io_uring::{IoUring, opcode, types};
+/// Installs `dmabuf` in slot 0 of `ring`'s (sparse) buffer table for
+/// `target` with `IORING_RSRC_UPDATE_EXTENDED`, as the engine does.
+fn install_dmabuf(ring: &io_uring::IoUring, dmabuf: &DmaBuf, target: &std::fs::File) -> Result<(), String> {
     use pdstor::buffer::dmabuf::uapi;
-    let open = || {
-        std::fs::File::options()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(device)
-            .map_err(e("opening the raw namespace"))
-    };
-    let (mine, other) = (open()?, open()?);
-    let region = Buffer::udmabuf("vmtest-ebadf", CHUNK as usize).map_err(e("udmabuf"))?;
-    let dmabuf = region.dmabuf().ok_or("no DMA-BUF")?;
-    let mut ring = IoUring::new(4).map_err(e("io_uring setup"))?;
     ring.submitter().register_buffers_sparse(1).map_err(e("a sparse buffer table"))?;
     let desc = uapi::IoUringRegbufDesc {
         kind: uapi::IO_REGBUF_TYPE_DMABUF,
         dmabuf_fd: dmabuf.fd().as_raw_fd(),
-        target_fd: mine.as_raw_fd(),
+        target_fd: target.as_raw_fd(),
         ..Default::default()
     };
     let up = uapi::IoUringRsrcUpdate2 {
@@ -512,6 +500,26 @@ fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
     if ret != 1 {
         return Err(format!("installing the DMA-BUF answered {ret}: {}", std::io::Error::last_os_error()));
     }
+    Ok(())
+}
+
+fn open_direct(device: &Path) -> Result<std::fs::File, String> {
+    std::fs::File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(device)
+        .map_err(e("opening the raw namespace"))
+}
+
+/// A DMA-BUF installed for one open file of the raw namespace, used on
+/// another open file of the same device: `EBADF`; on its own file: done.
+fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
+    use io_uring::{IoUring, opcode, types};
+    let (mine, other) = (open_direct(device)?, open_direct(device)?);
+    let region = Buffer::udmabuf("vmtest-ebadf", CHUNK as usize).map_err(e("udmabuf"))?;
+    let mut ring = IoUring::new(4).map_err(e("io_uring setup"))?;
+    install_dmabuf(&ring, region.dmabuf().ok_or("no DMA-BUF")?, &mine)?;
     let mut read_on = |file: &std::fs::File| -> Result<i32, String> {
         // The address is an offset into the DMA-BUF, not a pointer.
         let sqe = opcode::ReadFixed::new(types::Fd(file.as_raw_fd()), std::ptr::null_mut(), 4096, 0)
@@ -529,6 +537,111 @@ fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
     let on_mine = read_on(&mine)?;
     if on_mine != 4096 {
         return Err(format!("READ_FIXED of a DMA-BUF on its own file answered {on_mine}, not 4096"));
+    }
+    Ok(())
+}
+
+/// The series kernel, with the probes attached to this process: a
+/// `dmabuf_fixed` write and read are `native` with DMA-token bios seen
+/// (`kprobe:bio_dmabuf_map_set`) and no CPU access. Controls: the same
+/// exporter's memory on `host_fixed` is native `host_fixed` and, judged as
+/// `dmabuf_fixed`, `not-dma-token`; a CPU access while a `dmabuf_fixed`
+/// write is in flight is `fallback(dmabuf-cpu-access)`.
+fn dmabuf_fixed_probes(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        if !expects_rw_dmabuf() {
+            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+        }
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let probes = pdstor_probes::Probes::attach(std::process::id()).map_err(e("attaching the probes"))?;
+        let reader = probes.reader().map_err(e("reading the probes"))?;
+        let attached = reader.attached();
+        if !attached.dmabuf_token || !attached.dmabuf_cpu {
+            return Err(format!("the DMA-token or CPU-access kprobe did not attach: {attached:?}"));
+        }
+        let judge = |t: u64, declared| -> Result<(Verdict, pdstor_probes::Signals), String> {
+            let s = reader.signals(t).map_err(e("signals"))?.ok_or(format!("no signals for {t:#x}"))?;
+            Ok((pdstor_probes::judge(declared, TargetClass::BlockDevice, &s, &attached), s))
+        };
+        let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
+        let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
+        let fixed = engine
+            .register_dmabuf(Buffer::udmabuf("vmtest-token", CHUNK as usize).map_err(e("udmabuf"))?)
+            .map_err(e("installing the DMA-BUF"))?;
+        let host = engine
+            .register(Buffer::udmabuf("vmtest-host", CHUNK as usize).map_err(e("udmabuf"))?)
+            .map_err(e("registering the udmabuf's mapping"))?;
+        let req = |transfer: u64, op, path, buffer| IoRequest {
+            transfer: TransferId(transfer),
+            op,
+            path,
+            buffer,
+            buffer_offset: pdstor::io::BufferOffset(0),
+            target_offset: pdstor::io::TargetOffset(176 * CHUNK),
+            len: CHUNK,
+        };
+        engine
+            .execute_all(&[req(0x7901, Op::Write, PayloadPath::DmabufFixed, fixed)])
+            .map_err(e("dmabuf_fixed write"))?;
+        engine
+            .execute_all(&[req(0x7902, Op::Read, PayloadPath::DmabufFixed, fixed)])
+            .map_err(e("dmabuf_fixed read"))?;
+        engine.execute_all(&[req(0x7903, Op::Write, PayloadPath::HostFixed, host)]).map_err(e("host_fixed write"))?;
+        for t in [0x7901u64, 0x7902] {
+            let (v, s) = judge(t, Declared::DmabufFixed)?;
+            if v != Verdict::Native || s.dmabuf_token_bios == 0 || s.dmabuf_cpu_access != 0 {
+                return Err(format!("dmabuf_fixed transfer {t:#x}: {v} ({s:?})"));
+            }
+        }
+        let s = reader.signals(0x7903).map_err(e("signals"))?.ok_or("no signals for the host_fixed control")?;
+        let as_host = pdstor_probes::judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &attached);
+        let as_fixed = pdstor_probes::judge(Declared::DmabufFixed, TargetClass::BlockDevice, &s, &attached);
+        if as_host != Verdict::Native || as_fixed != Verdict::Fallback("not-dma-token".into()) {
+            return Err(format!(
+                "the host path of a udmabuf: as host_fixed {as_host}, as dmabuf_fixed {as_fixed} ({s:?})"
+            ));
+        }
+        inflight_touch_fixed(&disk.block, &reader, &attached)
+    })())
+}
+
+/// A `dmabuf_fixed` WRITE_FIXED on a ring whose completions run only when
+/// this thread waits (DEFER_TASKRUN), with a SYNC-bracketed CPU access to the
+/// DMA-BUF while it is in flight: judged `fallback(dmabuf-cpu-access)`.
+fn inflight_touch_fixed(
+    device: &Path,
+    reader: &pdstor_probes::SignalReader,
+    attached: &pdstor_probes::Attached,
+) -> Result<(), String> {
+    use io_uring::{IoUring, opcode, types};
+    let file = open_direct(device)?;
+    let region = Buffer::udmabuf("vmtest-touch", CHUNK as usize).map_err(e("udmabuf"))?;
+    let dmabuf = region.dmabuf().ok_or("no DMA-BUF")?;
+    let ctl = DmaBuf::import(dmabuf.try_clone_fd().map_err(e("dup of the DMA-BUF"))?).map_err(e("import"))?;
+    let mut ring = IoUring::<io_uring::squeue::Entry, io_uring::cqueue::Entry>::builder()
+        .setup_single_issuer()
+        .setup_defer_taskrun()
+        .build(4)
+        .map_err(e("io_uring setup"))?;
+    install_dmabuf(&ring, dmabuf, &file)?;
+    let transfer = 0x7904u64;
+    let sqe = opcode::WriteFixed::new(types::Fd(file.as_raw_fd()), std::ptr::null(), CHUNK as u32, 0)
+        .offset(184 * CHUNK)
+        .build()
+        .user_data(transfer << 16);
+    // SAFETY: the SQE names buffer slot 0, installed above, alive until completion.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| "the submission queue is full".to_string())?;
+    ring.submit().map_err(e("submit"))?;
+    drop(ctl.begin_cpu_access(Access::Read).map_err(e("DMA_BUF_IOCTL_SYNC"))?);
+    ring.submit_and_wait(1).map_err(e("wait"))?;
+    let res = ring.completion().next().ok_or("no completion")?.result();
+    if res != CHUNK as i32 {
+        return Err(format!("the control write returned {res}"));
+    }
+    let s = reader.signals(transfer).map_err(e("signals"))?.ok_or("no signals for the control")?;
+    let v = pdstor_probes::judge(Declared::DmabufFixed, TargetClass::BlockDevice, &s, attached);
+    if v != Verdict::Fallback("dmabuf-cpu-access".into()) {
+        return Err(format!("a CPU access during a dmabuf_fixed write was not seen: {v} ({s:?})"));
     }
     Ok(())
 }
