@@ -20,24 +20,33 @@ pub const SUITE: Suite = Suite {
     ],
 };
 
+/// `pdstor qualify --short --chunk-tokens 8 <args> --out <out>`, run to its
+/// end: its report, or why it failed (with its qualify.md).
+fn run_qualify(args: &[&str], out: &Path) -> Result<serde_json::Value, String> {
+    let run = std::process::Command::new("/bin/pdstor")
+        .args(["qualify", "--short", "--chunk-tokens", "8"])
+        .args(args)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .map_err(|e| format!("running pdstor qualify: {e}"))?;
+    let report: serde_json::Value = std::fs::read(out.join("qualify.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .ok_or_else(|| format!("no qualify.json: {}", String::from_utf8_lossy(&run.stderr)))?;
+    if !run.status.success() || report["ok"] != true {
+        let md = std::fs::read_to_string(out.join("qualify.md")).unwrap_or_default();
+        return Err(format!("pdstor qualify {args:?} failed ({:?}):\n{md}", run.status.code()));
+    }
+    Ok(report)
+}
+
 fn qualify(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
         let out = Path::new("/tmp/vmtest/qualify");
         let (generic, block) = (disk.generic.to_string_lossy(), disk.block.to_string_lossy());
-        let run = std::process::Command::new("/bin/pdstor")
-            .args(["qualify", "--short", "--chunk-tokens", "8", "--target", &generic, "--corrupt-via", &block, "--out"])
-            .arg(out)
-            .output()
-            .map_err(|e| format!("running pdstor qualify: {e}"))?;
-        let report: serde_json::Value = std::fs::read(out.join("qualify.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .ok_or_else(|| format!("no qualify.json: {}", String::from_utf8_lossy(&run.stderr)))?;
-        if !run.status.success() || report["ok"] != true {
-            let md = std::fs::read_to_string(out.join("qualify.md")).unwrap_or_default();
-            return Err(format!("pdstor qualify failed ({:?}):\n{md}", run.status.code()));
-        }
+        let report = run_qualify(&["--target", &generic, "--corrupt-via", &block], out)?;
         let cases = report["cases"].as_array().map_or(0, Vec::len);
         let controls = report["controls"].as_array().map_or(0, Vec::len);
         if cases != 3 || controls != 7 {
@@ -69,20 +78,7 @@ fn qualify_dmabuf_fixed(ctx: &Ctx) -> Outcome {
         let disk = ctx.disk(DiskRole::Raw)?;
         let out = Path::new("/tmp/vmtest/qualify-dmabuf");
         let block = disk.block.to_string_lossy();
-        let run = std::process::Command::new("/bin/pdstor")
-            .args(["qualify", "--short", "--chunk-tokens", "8", "--path", "dmabuf_fixed", "--target", &block])
-            .args(["--corrupt-via", &block, "--out"])
-            .arg(out)
-            .output()
-            .map_err(|e| format!("running pdstor qualify: {e}"))?;
-        let report: serde_json::Value = std::fs::read(out.join("qualify.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .ok_or_else(|| format!("no qualify.json: {}", String::from_utf8_lossy(&run.stderr)))?;
-        if !run.status.success() || report["ok"] != true {
-            let md = std::fs::read_to_string(out.join("qualify.md")).unwrap_or_default();
-            return Err(format!("pdstor qualify --path dmabuf_fixed failed ({:?}):\n{md}", run.status.code()));
-        }
+        run_qualify(&["--path", "dmabuf_fixed", "--target", &block, "--corrupt-via", &block], out)?;
         let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
         // The default requirement is dmabuf_fixed, native.
         sh("/bin/pdstor", &["timeline", "check", &timeline])?;
