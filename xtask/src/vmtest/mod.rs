@@ -74,9 +74,10 @@ pub enum KernelCmd {
     /// Build Debian's linux-source-7.2 with a patch series applied, everything the guest needs
     /// built in, BTF on (cached under ~/.cache/pdstor/kernels/ by source, series and config).
     Build {
-        /// The series: a directory of git format-patch files, applied in name order.
+        /// The series: a directory of git format-patch files, applied in name order (default:
+        /// PDSTOR_KERNEL_SERIES, the rw-dmabuf series beside the checkout, or its kept copy).
         #[arg(long)]
-        series: PathBuf,
+        series: Option<PathBuf>,
         /// The linux-source-7.2 version (trixie-backports) the series applies to.
         #[arg(long, default_value = series::DEFAULT_SOURCE)]
         source_version: String,
@@ -161,7 +162,11 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
             }
         }
         KernelCmd::Build { series, source_version, jobs } => {
-            let k = series::build(sh, series, source_version, *jobs)?;
+            let dir = match series {
+                Some(d) => d.clone(),
+                None => series::ci_series().map_err(anyhow::Error::msg)?,
+            };
+            let k = series::build(sh, &dir, source_version, *jobs)?;
             println!("kernel {} at {} ({})", k.release, k.vmlinuz.display(), k.package);
         }
         KernelCmd::Defconfig { src } => {

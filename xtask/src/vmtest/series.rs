@@ -129,21 +129,40 @@ pub fn check_uapi(header: &str) -> Result<()> {
     Ok(())
 }
 
-/// Where CI finds the series: `PDSTOR_KERNEL_SERIES`, or the rebased v3
-/// series beside the checkout (`../shared/kernel-series/...`); why not, if
-/// neither is there.
+/// Where CI finds the series: `PDSTOR_KERNEL_SERIES`; else the rebased v3
+/// series beside the checkout (`../shared/kernel-series/...`), which is then
+/// also kept under `~/.cache/pdstor/kernel-series/` (outside any clone, like
+/// the kernels) so another clone on this machine finds it; else that kept
+/// copy. Why not, if none is there.
 pub fn ci_series() -> Result<PathBuf, String> {
-    let dir = match std::env::var_os("PDSTOR_KERNEL_SERIES").filter(|v| !v.is_empty()) {
-        Some(d) => PathBuf::from(d),
-        None => crate::project_root().join("../shared/kernel-series/rw-dmabuf-v3/rebased-debian-7.2.12"),
-    };
-    if patches(&dir).is_ok() {
-        Ok(dir)
-    } else {
-        Err(format!(
-            "no patch series at {} (set PDSTOR_KERNEL_SERIES to the directory of the rw-dmabuf series rebased on linux-source-7.2)",
-            dir.display()
-        ))
+    const NAME: &str = "rw-dmabuf-v3/rebased-debian-7.2.12";
+    if let Some(d) = std::env::var_os("PDSTOR_KERNEL_SERIES").filter(|v| !v.is_empty()) {
+        let dir = PathBuf::from(d);
+        return match patches(&dir) {
+            Ok(_) => Ok(dir),
+            Err(e) => Err(format!("PDSTOR_KERNEL_SERIES: {e:#}")),
+        };
+    }
+    let beside = crate::project_root().join("../shared/kernel-series").join(NAME);
+    let kept = cache_root().map(|c| c.join("kernel-series").join(NAME));
+    if let Ok(found) = patches(&beside) {
+        if let Ok(kept) = &kept
+            && std::fs::create_dir_all(kept).is_ok()
+        {
+            for p in &found {
+                if let Some(name) = p.file_name() {
+                    let _ = std::fs::copy(p, kept.join(name));
+                }
+            }
+        }
+        return Ok(beside);
+    }
+    match kept {
+        Ok(kept) if patches(&kept).is_ok() => Ok(kept),
+        _ => Err(format!(
+            "no patch series at {} nor a kept copy under ~/.cache/pdstor/kernel-series/ (set PDSTOR_KERNEL_SERIES to the directory of the rw-dmabuf series rebased on linux-source-7.2)",
+            beside.display()
+        )),
     }
 }
 
