@@ -611,7 +611,7 @@ impl Service {
         who.require(Role::Writer, "cancel")?;
         bounded("req_id", req_id, MAX_NAME_BYTES)?;
         // Only whoever asked for the request (or an admin) gives it up.
-        if let Some(p) = self.store.publications().into_iter().find(|p| p.req_id == req_id) {
+        if let Some(p) = self.store.publication_of(req_id) {
             who.require_owner(p.owner.as_ref(), &format!("request {req_id}"))?;
         } else if let Some(principal) = self.lock_preparing().get(req_id)
             && *principal != who.principal

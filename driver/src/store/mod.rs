@@ -403,6 +403,11 @@ impl Store {
         self.lock_live().state.pubs.get(&id).cloned()
     }
 
+    /// The live publication of request `req`, if any (the state's own index).
+    pub fn publication_of(&self, req: &str) -> Option<Publication> {
+        self.lock_live().state.by_req(req).cloned()
+    }
+
     /// Every live publication.
     pub fn publications(&self) -> Vec<Publication> {
         self.lock_live().state.pubs.values().cloned().collect()
