@@ -355,3 +355,41 @@ fn the_rw_dmabuf_probe_reports_and_leaves_the_buffer_table_alone() {
     engine.remove(b).unwrap();
     round_trip(&mut engine, &target, PayloadPath::HostFixed, 21, 0);
 }
+
+/// `nowait_first`: every command goes with `RWF_NOWAIT` first. Into the holes
+/// of a sparse file on ext4 or XFS a direct write needs a block allocation,
+/// which the filesystem refuses to do without blocking: the kernel answers
+/// `-EAGAIN`, the engine resubmits without the flag (counted), and the bytes
+/// are exact. Without the option nothing is resubmitted.
+#[test]
+fn nowait_first_resubmits_what_would_block() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // SAFETY: statfs fills the zeroed struct from a NUL-terminated path.
+    let fs_type = unsafe {
+        let mut st: libc::statfs = std::mem::zeroed();
+        let p = std::ffi::CString::new(dir.path().as_os_str().as_encoded_bytes()).unwrap();
+        assert_eq!(libc::statfs(p.as_ptr(), &mut st), 0);
+        st.f_type
+    };
+    const EXT4: libc::c_long = 0xef53;
+    const XFS: libc::c_long = 0x5846_5342;
+    if fs_type != EXT4 && fs_type != XFS {
+        return skip(
+            "nowait_first_resubmits_what_would_block",
+            &format!("{} is not ext4 or XFS (f_type {fs_type:#x})", dir.path().display()),
+        );
+    }
+    for nowait_first in [true, false] {
+        let target = dir.path().join(format!("holes-{nowait_first}.img"));
+        std::fs::File::create(&target).unwrap().set_len(CHUNK * CHUNKS).unwrap();
+        let mut engine = open(&target, None, EngineOptions { nowait_first, ..Default::default() });
+        round_trip(&mut engine, &target, PayloadPath::HostFixed, 21, 0);
+        let s = engine.stats();
+        assert_eq!(s.errors, 0);
+        if nowait_first {
+            assert!(s.resubmitted >= CHUNKS, "every write into a hole came back -EAGAIN: {s:?}");
+        } else {
+            assert_eq!(s.resubmitted, 0, "{s:?}");
+        }
+    }
+}

@@ -114,10 +114,10 @@ fn attach_failure(name: &str, e: &libbpf_rs::Error) -> String {
     let os = errno.map_or_else(|| format!("{e:#}"), |c| std::io::Error::from_raw_os_error(c).to_string());
     let (kind, what) = name.split_once(':').unwrap_or(("", name));
     match (kind, errno) {
-        ("kprobe", Some(libc::ENOENT)) => {
-            format!("{code}: kprobe {what}: no such kernel function here, or kprobes are not available ({os})")
+        ("kprobe" | "kretprobe", Some(libc::ENOENT)) => {
+            format!("{code}: {kind} {what}: no such kernel function here, or kprobes are not available ({os})")
         }
-        ("kprobe" | "raw_tp", _) => format!("{code}: {name}: {os}"),
+        ("kprobe" | "kretprobe" | "raw_tp", _) => format!("{code}: {name}: {os}"),
         (_, Some(libc::ENOENT)) => {
             format!("{code}: tracepoint {name} not found — is tracefs mounted at {TRACEFS}? ({os})")
         }
@@ -239,6 +239,13 @@ impl Probes {
         );
         try_optional(&mut status, &mut links, "kprobe:blk_rq_map_user_iov", skel.progs.on_map_user_iov.attach());
         try_optional(&mut status, &mut links, "kprobe:bio_dmabuf_map_set", skel.progs.on_dmabuf_token_bio.attach());
+        try_optional(&mut status, &mut links, "kprobe:nvme_dmabuf_token_map", skel.progs.on_dmabuf_create_map.attach());
+        try_optional(
+            &mut status,
+            &mut links,
+            "kretprobe:nvme_dmabuf_token_map",
+            skel.progs.on_dmabuf_create_map_ret.attach(),
+        );
         try_optional(&mut status, &mut links, "kprobe:io_wq_submit_work", skel.progs.on_iowq_work.attach());
         try_optional(&mut status, &mut links, "raw_tp:nvme_setup_cmd", skel.progs.on_nvme_setup_cmd.attach());
         Ok(Probes { skel, links, status })
@@ -279,6 +286,8 @@ impl Probes {
             bounce: self.is_attached("kprobe:blk_rq_map_user_iov"),
             dmabuf_cpu: self.is_attached("kprobe:dma_buf_begin_cpu_access"),
             dmabuf_token: self.is_attached("kprobe:bio_dmabuf_map_set"),
+            dmabuf_map: self.is_attached("kprobe:nvme_dmabuf_token_map")
+                && self.is_attached("kretprobe:nvme_dmabuf_token_map"),
         }
     }
 

@@ -26,8 +26,9 @@ pub struct Signals {
     pub rq_completed: u64,
     pub rq_errors: u64,
     pub dmabuf_token_bios: u64,
+    pub dmabuf_bounced_bios: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 160, "struct transfer_signals is 20 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 168, "struct transfer_signals is 21 x 8 bytes");
 
 impl Signals {
     /// Decodes a map value (native endianness, as the kernel wrote it).
@@ -57,6 +58,7 @@ impl Signals {
             rq_completed: w(17),
             rq_errors: w(18),
             dmabuf_token_bios: w(19),
+            dmabuf_bounced_bios: w(20),
         })
     }
 }
@@ -94,6 +96,9 @@ pub struct Attached {
     pub dmabuf_cpu: bool,
     /// kprobe on bio_dmabuf_map_set (the rw-dmabuf series' DMA-token path).
     pub dmabuf_token: bool,
+    /// kprobe + kretprobe on nvme_dmabuf_token_map (where the series maps a
+    /// DMA-BUF for the device: a bounce there lasts the registration).
+    pub dmabuf_map: bool,
 }
 
 /// Judges one transfer. A copy seen anywhere is a fallback; `native` needs
@@ -134,6 +139,15 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
             }
             if s.dmabuf_token_bios == 0 {
                 return Verdict::Fallback("not-dma-token".into());
+            }
+            // The mapping those bios use may have been bounced when it was
+            // made, in an earlier transfer: the device then DMAs to bounce
+            // pages, never to the DMA-BUF.
+            if s.dmabuf_bounced_bios > 0 {
+                return Verdict::Fallback("swiotlb-bounce".into());
+            }
+            if !a.dmabuf_map || !a.swiotlb {
+                return Verdict::Unverifiable("kprobe:nvme_dmabuf_token_map/swiotlb_tbl_map_single".into());
             }
             match target {
                 TargetClass::BlockDevice if s.rq_issued > 0 => Verdict::Native,
@@ -195,6 +209,7 @@ mod tests {
         bounce: true,
         dmabuf_cpu: true,
         dmabuf_token: true,
+        dmabuf_map: true,
     };
 
     fn fixed_file() -> Signals {
@@ -289,6 +304,18 @@ mod tests {
             judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &no_token_probe),
             Verdict::Unverifiable("kprobe:bio_dmabuf_map_set".into())
         );
+        // Bios on a mapping swiotlb bounced when it was made (in an earlier
+        // transfer: no bounce inside this one) are not native.
+        let bounced_map = Signals { dmabuf_bounced_bios: 2, ..dma };
+        assert_eq!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &bounced_map, &ALL),
+            Verdict::Fallback("swiotlb-bounce".into())
+        );
+        let no_map_probe = Attached { dmabuf_map: false, ..ALL };
+        assert!(matches!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &no_map_probe),
+            Verdict::Unverifiable(w) if w.contains("nvme_dmabuf_token_map")
+        ));
         let touched = Signals { dmabuf_cpu_access: 1, ..dma };
         assert_eq!(
             judge(Declared::DmabufFixed, TargetClass::BlockDevice, &touched, &ALL),
@@ -317,13 +344,15 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 160];
+        let mut b = vec![0u8; 168];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
         assert_eq!((s.fixed_ops, s.last_res), (7, -5));
         b[152..160].copy_from_slice(&3u64.to_ne_bytes());
         assert_eq!(Signals::from_bytes(&b).map(|s| s.dmabuf_token_bios), Some(3));
-        assert!(Signals::from_bytes(&b[..152]).is_none());
+        b[160..168].copy_from_slice(&2u64.to_ne_bytes());
+        assert_eq!(Signals::from_bytes(&b).map(|s| s.dmabuf_bounced_bios), Some(2));
+        assert!(Signals::from_bytes(&b[..160]).is_none());
     }
 }

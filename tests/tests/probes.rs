@@ -212,7 +212,7 @@ fn probe_attach_mounts_tracefs_when_it_is_absent() {
     let attached: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for p in attached["programs"].as_array().unwrap() {
         let name = p["name"].as_str().unwrap();
-        if !name.starts_with("kprobe:") && !name.starts_with("raw_tp:") {
+        if !["kprobe:", "kretprobe:", "raw_tp:"].iter().any(|kind| name.starts_with(kind)) {
             assert_eq!(p["attached"], true, "every tracepoint attaches once tracefs is mounted: {p}");
         }
     }

@@ -311,7 +311,9 @@ fn ci(sh: &Shell) -> Result<()> {
                 "cargo xtask vmtest --kernel-series {} (Debian linux-source-7.2 + the rw-dmabuf series; built once, then cached)",
                 dir.display()
             ));
-            vmtest::run(sh, &vmtest::VmtestArgs::series(dir))?;
+            vmtest::run(sh, &vmtest::VmtestArgs::series(dir.clone()))?;
+            step("cargo xtask vmtest --kernel-series … --suite swiotlb --append swiotlb=force");
+            vmtest::run(sh, &vmtest::VmtestArgs::series_swiotlb_forced(dir))?;
         }
         Err(why) => println!("SKIP: vmtest on the rw-dmabuf series kernel: {why}"),
     }

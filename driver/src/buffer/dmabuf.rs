@@ -109,6 +109,8 @@ pub mod uapi {
     pub const IO_REGBUF_TYPE_UADDR: u32 = 1;
     /// `IO_REGBUF_TYPE_DMABUF`: the DMA-BUF `dmabuf_fd`.
     pub const IO_REGBUF_TYPE_DMABUF: u32 = 2;
+    /// The largest DMA-BUF the series installs (`SZ_1G`); a larger one is `EINVAL`.
+    pub const IO_REGBUF_DMABUF_MAX: u64 = 1 << 30;
 
     /// `struct io_uring_regbuf_desc` with the series' DMA-BUF fields. For
     /// `IO_REGBUF_TYPE_DMABUF`, `uaddr` and `size` are 0 (the size is the

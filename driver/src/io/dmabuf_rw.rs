@@ -104,6 +104,9 @@ impl Engine {
                 ),
             });
         }
+        if buffer.len() as u64 > dmabuf::uapi::IO_REGBUF_DMABUF_MAX {
+            return Err(IoError::DmabufTooLarge { len: buffer.len(), max: dmabuf::uapi::IO_REGBUF_DMABUF_MAX });
+        }
         let id = self.free_slot()?;
         let desc = dmabuf::uapi::IoUringRegbufDesc {
             kind: dmabuf::uapi::IO_REGBUF_TYPE_DMABUF,

@@ -107,6 +107,16 @@ pub enum IoError {
         /// What the probe found.
         why: String,
     },
+    /// A DMA-BUF larger than the rw-dmabuf series installs.
+    #[error(
+        "a {len}-byte DMA-BUF is larger than the {max} bytes (1 GiB) the io_uring rw-dmabuf series installs in one buffer slot; nothing was installed: export it as several DMA-BUFs of at most 1 GiB and register each"
+    )]
+    DmabufTooLarge {
+        /// The DMA-BUF's size.
+        len: usize,
+        /// The series' limit.
+        max: u64,
+    },
     /// A buffer cannot be used on the path asked for.
     #[error("{buffer} cannot be used here: {what}")]
     BufferUnusable {

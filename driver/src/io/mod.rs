@@ -57,11 +57,18 @@ pub struct EngineOptions {
     /// Caps the bytes per command below the target's own limit (tuning, and
     /// exercising the split path on targets that would not need it).
     pub max_transfer: Option<u32>,
+    /// Submit every read and write with `RWF_NOWAIT` first: a command the
+    /// kernel would have to block for (a hole to allocate, a bio to split, a
+    /// DMA-BUF mapping to create) comes back `-EAGAIN` at once instead of
+    /// waiting on an io-wq worker, and is resubmitted blocking
+    /// ([`EngineStats::resubmitted`] counts them). Files and block devices;
+    /// passthrough has no such flag.
+    pub nowait_first: bool,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { queue_depth: 32, buffer_slots: 64, max_transfer: None }
+        EngineOptions { queue_depth: 32, buffer_slots: 64, max_transfer: None, nowait_first: false }
     }
 }
 
@@ -87,6 +94,9 @@ pub struct EngineStats {
     pub flushes: u64,
     /// Requests that failed.
     pub errors: u64,
+    /// Commands the kernel answered `-EAGAIN` (or `-EINTR`) that were
+    /// resubmitted, as the rw-dmabuf series asks its users to.
+    pub resubmitted: u64,
 }
 
 pub(super) enum Ring {
@@ -123,6 +133,7 @@ pub struct Engine {
     ring: Ring,
     slots: Vec<Option<Slot>>,
     queue_depth: u32,
+    nowait_first: bool,
     stats: EngineStats,
     dmabuf_rw: DmabufRw,
     _one_thread: std::marker::PhantomData<*const ()>,
@@ -186,6 +197,7 @@ impl Engine {
             ring,
             slots: (0..opts.buffer_slots).map(|_| None).collect(),
             queue_depth,
+            nowait_first: opts.nowait_first,
             stats: EngineStats::default(),
             dmabuf_rw: DmabufRw::Missing("not probed".into()),
             _one_thread: std::marker::PhantomData,
@@ -362,7 +374,7 @@ impl Engine {
         next: &mut dyn FnMut(usize) -> Option<IoRequest>,
         done: &mut dyn FnMut(usize, Completion, Option<&Buffer>),
     ) -> Result<(), IoError> {
-        let Engine { target, ring, slots, queue_depth, stats, .. } = self;
+        let Engine { target, ring, slots, queue_depth, nowait_first, stats, .. } = self;
         let slots: &[Option<Slot>] = slots;
         let mut refused = None;
         let requests: Vec<Cell<Option<IoRequest>>> = vec![Cell::new(None); *queue_depth as usize];
@@ -387,6 +399,7 @@ impl Engine {
                 return;
             };
             stats.record(req.op, req.path, outcome.bytes, outcome.result.is_ok());
+            stats.resubmitted += u64::from(outcome.resubmitted);
             let buffer = slots.get(req.buffer.0 as usize).and_then(Option::as_ref).map(|s| &s.buffer);
             done(
                 slot,
@@ -404,6 +417,7 @@ impl Engine {
         let driver = Driver {
             queue_depth: *queue_depth as usize,
             max_transfer: target.geometry().max_transfer,
+            nowait_first: *nowait_first,
             completions: match ring {
                 Ring::Std(_) => Completions::Bytes,
                 Ring::Nvme(_) => Completions::NvmeStatus,
@@ -471,6 +485,7 @@ impl Engine {
         let driver = Driver {
             queue_depth: 1,
             max_transfer: u32::MAX,
+            nowait_first: false,
             completions: match ring {
                 Ring::Std(_) => Completions::Bytes,
                 Ring::Nvme(_) => Completions::NvmeStatus,

@@ -72,15 +72,22 @@ pub(super) fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Re
 }
 
 pub(super) fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
+    let flags = if seg.nowait { libc::RWF_NOWAIT } else { 0 };
     let sqe = match (seg.op, seg.buf_index) {
-        (Op::Read, Some(idx)) => {
-            opcode::ReadFixed::new(TARGET_FILE, seg.addr as *mut u8, seg.len, idx).offset(seg.offset).build()
+        (Op::Read, Some(idx)) => opcode::ReadFixed::new(TARGET_FILE, seg.addr as *mut u8, seg.len, idx)
+            .offset(seg.offset)
+            .rw_flags(flags)
+            .build(),
+        (Op::Read, None) => {
+            opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len).offset(seg.offset).rw_flags(flags).build()
         }
-        (Op::Read, None) => opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len).offset(seg.offset).build(),
-        (Op::Write, Some(idx)) => {
-            opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx).offset(seg.offset).build()
+        (Op::Write, Some(idx)) => opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx)
+            .offset(seg.offset)
+            .rw_flags(flags)
+            .build(),
+        (Op::Write, None) => {
+            opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len).offset(seg.offset).rw_flags(flags).build()
         }
-        (Op::Write, None) => opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len).offset(seg.offset).build(),
         (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE).flags(types::FsyncFlags::DATASYNC).build(),
     };
     sqe.user_data(user_data)

@@ -44,6 +44,9 @@ pub(crate) struct Segment {
     pub buf_index: Option<u16>,
     pub offset: u64,
     pub len: u32,
+    /// Submitted with `RWF_NOWAIT`: a command the kernel would have to block
+    /// (or split) for comes back `-EAGAIN` and is resubmitted without it.
+    pub nowait: bool,
 }
 
 /// How a request ended.
@@ -52,6 +55,9 @@ pub(crate) struct Outcome {
     pub transfer: TransferId,
     pub bytes: u64,
     pub latency: Duration,
+    /// Commands of this request the kernel answered `-EAGAIN`/`-EINTR` and
+    /// the loop resubmitted.
+    pub resubmitted: u32,
     pub result: Result<(), IoError>,
 }
 
@@ -60,6 +66,7 @@ struct ReqState {
     issued: u64,
     outstanding: u32,
     done: u64,
+    resubmitted: u32,
     error: Option<IoError>,
     started: Instant,
 }
@@ -119,6 +126,7 @@ impl Flight {
                         issued: 0,
                         outstanding: 0,
                         done: 0,
+                        resubmitted: 0,
                         error: None,
                         started: Instant::now(),
                     });
@@ -134,6 +142,8 @@ pub(crate) struct Driver {
     pub queue_depth: usize,
     pub max_transfer: u32,
     pub completions: Completions,
+    /// First submit every read and write with `RWF_NOWAIT` ([`Segment::nowait`]).
+    pub nowait_first: bool,
 }
 
 impl Driver {
@@ -282,6 +292,8 @@ impl Driver {
             }
             Verdict::Again if state.retries < MAX_RETRIES => {
                 state.retries += 1;
+                state.seg.nowait = false;
+                req.resubmitted += 1;
                 f.segs[seg_slot] = Some(state);
                 f.resubmit.push_back(seg_slot);
             }
@@ -309,6 +321,7 @@ impl Driver {
                 transfer: req.planned.transfer,
                 bytes: req.done,
                 latency: req.started.elapsed(),
+                resubmitted: req.resubmitted,
                 result: req.error.map_or(Ok(()), Err),
             };
             done(req_slot, outcome);
@@ -321,11 +334,17 @@ impl Driver {
         let p = &req.planned;
         if p.op == Op::Flush {
             req.issued = p.len;
-            return Segment { op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 0 };
+            return Segment { op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 0, nowait: false };
         }
         let len = (p.len - req.issued).min(self.max_transfer as u64) as u32;
-        let seg =
-            Segment { op: p.op, addr: p.addr + req.issued, buf_index: p.buf_index, offset: p.offset + req.issued, len };
+        let seg = Segment {
+            op: p.op,
+            addr: p.addr + req.issued,
+            buf_index: p.buf_index,
+            offset: p.offset + req.issued,
+            len,
+            nowait: self.nowait_first && self.completions == Completions::Bytes,
+        };
         req.issued += len as u64;
         seg
     }

@@ -328,20 +328,104 @@ int BPF_PROG(on_nvme_setup_cmd, struct request *req, void *cmd)
 	return 0;
 }
 
+/* The DMA-BUF mappings (io_dmabuf_token *) whose DMA addresses swiotlb
+ * bounced when the series made them: the mapping lives as long as the
+ * registration, so every later transfer on it moves bytes through bounce
+ * pages even though no bounce happens inside that transfer. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u64);
+	__type(value, __u8);
+} bounced_tokens SEC(".maps");
+
+/* Thread id -> the DMA-BUF token it is mapping (inside nvme_dmabuf_token_map). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u64);
+} mapping_token SEC(".maps");
+
+/* The series' types, as far as the probes read them (CO-RE: the offsets come
+ * from the running kernel's BTF; the ___pd suffix is dropped when matching). */
+struct io_dmabuf_map___pd {
+	void *token;
+} __attribute__((preserve_access_index));
+
+struct iov_iter___pd {
+	struct io_dmabuf_map___pd *dmabuf_map;
+} __attribute__((preserve_access_index));
+
+/* nvme-pci makes a DMA-BUF's device mapping here (drivers/nvme/host/pci.c,
+ * patch 0007: dma_buf_map_attachment, so the exporter's dma_map_sgtable runs
+ * inside), called through the token's ops by io_dmabuf_create_map, lazily, on
+ * the first transfer that needs it (in an io-wq worker). */
+SEC("kprobe/nvme_dmabuf_token_map")
+int on_dmabuf_create_map(struct pt_regs *ctx)
+{
+	if (!ours())
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 token = (__u64)PT_REGS_PARM1(ctx);
+
+	bpf_map_update_elem(&mapping_token, &tid, &token, BPF_ANY);
+	return 0;
+}
+
+SEC("kretprobe/nvme_dmabuf_token_map")
+int on_dmabuf_create_map_ret(struct pt_regs *ctx)
+{
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+
+	bpf_map_delete_elem(&mapping_token, &tid);
+	return 0;
+}
+
 /* The rw-dmabuf series builds a bio on the DMA-BUF's premapped DMA
  * addresses here (block/bio.c, patch 0004), and only for a DMA-BUF buffer:
  * the positive evidence that a dmabuf_fixed transfer took the DMA-token path
- * (no pages, no pinning, no CPU). The symbol exists only on that kernel. */
+ * (no pages, no pinning, no CPU). The symbol exists only on that kernel.
+ * A bio on a mapping swiotlb bounced is counted as such. */
 SEC("kprobe/bio_dmabuf_map_set")
 int on_dmabuf_token_bio(struct pt_regs *ctx)
 {
-	COUNT_FOR_CURRENT(dmabuf_token_bios);
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
+
+	if (!s)
+		return 0;
+	__sync_fetch_and_add(&s->dmabuf_token_bios, 1);
+	if (bpf_core_field_exists(struct iov_iter___pd, dmabuf_map)) {
+		struct iov_iter___pd *iter = (struct iov_iter___pd *)PT_REGS_PARM2(ctx);
+		__u64 token = (__u64)BPF_CORE_READ(iter, dmabuf_map, token);
+
+		if (bpf_map_lookup_elem(&bounced_tokens, &token))
+			__sync_fetch_and_add(&s->dmabuf_bounced_bios, 1);
+	}
+	return 0;
 }
 
+/* A bounce while a DMA-BUF mapping is being made marks that mapping. */
 SEC("kprobe/swiotlb_tbl_map_single")
 int on_swiotlb_map(struct pt_regs *ctx)
 {
-	COUNT_FOR_CURRENT(swiotlb_bounces);
+	if (!ours())
+		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	__u64 *token = bpf_map_lookup_elem(&mapping_token, &tid);
+
+	if (token) {
+		__u8 one = 1;
+
+		bpf_map_update_elem(&bounced_tokens, token, &one, BPF_ANY);
+	}
+	struct transfer_signals *s = current_signals();
+
+	if (s)
+		__sync_fetch_and_add(&s->swiotlb_bounces, 1);
+	return 0;
 }
 
 /* A CPU access to a DMA-BUF is always a syscall (DMA_BUF_IOCTL_SYNC) by the

@@ -40,6 +40,9 @@ struct transfer_signals {
 	__u64 rq_errors;        /* ... that completed with an error */
 	__u64 dmabuf_token_bios;/* bio_dmabuf_map_set: a bio built on a DMA-BUF's DMA mapping, the
 	                         * rw-dmabuf series' DMA-token path (kprobe; that kernel only) */
+	__u64 dmabuf_bounced_bios;/* ... of those, bios on a DMA-BUF mapping that swiotlb bounced when the
+	                         * mapping was made (nvme_dmabuf_token_map; possibly in an earlier
+	                         * transfer): the device moves bytes to and from bounce pages */
 };
 
 /* A block request in flight, as the block tracepoints name it. */

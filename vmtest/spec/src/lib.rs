@@ -37,6 +37,8 @@ pub enum DiskRole {
     Ext4,
     Xfs,
     Raw,
+    /// A raw namespace whose device fails some blocks (QEMU `blkdebug`).
+    Faulty,
 }
 
 /// One emulated NVMe disk: its own controller with a serial the guest finds it by.
@@ -47,13 +49,46 @@ pub struct DiskSpec {
     pub serial: &'static str,
     pub size_mib: u64,
     pub logical_block: u32,
+    /// Blocks the device fails (QEMU `blkdebug`), if any.
+    pub bad: Option<BadBlocks>,
+}
+
+/// Where a disk fails: from a given MiB on (to the last MiB, which stays
+/// good), the first 4 KiB of every MiB fails every read, or every write, with
+/// EIO inside QEMU's block layer, so the guest's NVMe driver sees a real device
+/// error (no device-mapper in between). Any request that touches such a block
+/// fails, so every 1 MiB window past the start holds one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BadBlocks {
+    pub reads_from_mib: u64,
+    pub writes_from_mib: u64,
+}
+
+impl DiskSpec {
+    /// The failing blocks as (byte offset, QEMU blkdebug event) pairs.
+    pub fn bad_blocks(&self) -> Vec<(u64, &'static str)> {
+        let Some(bad) = self.bad else {
+            return Vec::new();
+        };
+        let last = self.size_mib.saturating_sub(1);
+        let reads = (bad.reads_from_mib..last).map(|m| (m << 20, "read_aio"));
+        let writes = (bad.writes_from_mib..last).map(|m| (m << 20, "write_aio"));
+        reads.chain(writes).collect()
+    }
 }
 
 /// The guest's disks. `mkfs.xfs` needs at least 300 MiB.
-pub const DISKS: [DiskSpec; 3] = [
-    DiskSpec { role: DiskRole::Ext4, serial: "PDEXT4", size_mib: 512, logical_block: 512 },
-    DiskSpec { role: DiskRole::Xfs, serial: "PDXFS", size_mib: 512, logical_block: 512 },
-    DiskSpec { role: DiskRole::Raw, serial: "PDRAW", size_mib: 512, logical_block: 4096 },
+pub const DISKS: [DiskSpec; 4] = [
+    DiskSpec { role: DiskRole::Ext4, serial: "PDEXT4", size_mib: 512, logical_block: 512, bad: None },
+    DiskSpec { role: DiskRole::Xfs, serial: "PDXFS", size_mib: 512, logical_block: 512, bad: None },
+    DiskSpec { role: DiskRole::Raw, serial: "PDRAW", size_mib: 512, logical_block: 4096, bad: None },
+    DiskSpec {
+        role: DiskRole::Faulty,
+        serial: "PDFAULT",
+        size_mib: 64,
+        logical_block: 4096,
+        bad: Some(BadBlocks { reads_from_mib: 4, writes_from_mib: 48 }),
+    },
 ];
 
 /// QEMU's NVMe MDTS for every disk, as a power of two of 4 KiB pages: 7 means
@@ -66,6 +101,7 @@ impl std::fmt::Display for DiskRole {
             DiskRole::Ext4 => "ext4",
             DiskRole::Xfs => "xfs",
             DiskRole::Raw => "raw",
+            DiskRole::Faulty => "faulty",
         })
     }
 }

@@ -38,6 +38,9 @@ pub const SUITE: Suite = Suite {
         Test { name: "dmabuf_fixed_engine_offsets_and_ebadf", disk: Some(DiskRole::Raw), run: dmabuf_fixed_engine },
         Test { name: "dmabuf_fixed_probes_and_controls", disk: Some(DiskRole::Raw), run: dmabuf_fixed_probes },
         Test { name: "bad_dmabuf_input_is_refused", disk: Some(DiskRole::Raw), run: bad_input },
+        Test { name: "dmabuf_fixed_eagain_is_resubmitted", disk: Some(DiskRole::Raw), run: eagain },
+        Test { name: "dmabuf_fixed_one_gib_limit", disk: Some(DiskRole::Raw), run: one_gib },
+        Test { name: "device_errors_through_the_daemon", disk: Some(DiskRole::Faulty), run: device_errors },
         Test { name: "ladder_on_raw_block", disk: Some(DiskRole::Raw), run: ladder },
     ],
 };
@@ -810,6 +813,280 @@ fn ladder(ctx: &Ctx) -> Outcome {
         if !md.contains("| host_fixed | yes |") || !md.contains(dmabuf_row) {
             return Err(format!("ladder.md does not match ladder.json:\n{md}"));
         }
+        Ok(())
+    })())
+}
+
+/// The series kernel: `-EAGAIN` on the DMA-BUF path is real and resubmitted.
+/// A `WRITE_FIXED` with `RWF_NOWAIT` larger than the device's MDTS (512 KiB
+/// here) must be split, which the block layer refuses for a NOWAIT bio: the
+/// kernel answers `-EAGAIN`, and the same SQE without NOWAIT moves the bytes.
+/// Then the engine with `nowait_first` over the pieces of a DMA-BUF: every
+/// piece above MDTS comes back `-EAGAIN` and is resubmitted (counted), every
+/// byte checked with `dd` and read back into the cleared DMA-BUF.
+fn eagain(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        use io_uring::{IoUring, opcode, types};
+        if !expects_rw_dmabuf() {
+            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+        }
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let file = open_direct(&disk.block)?;
+        let region = Buffer::udmabuf("vmtest-eagain", CHUNK as usize).map_err(e("udmabuf"))?;
+        let pattern = pdstor::payload::chunk(0xea, 0, CHUNK as usize);
+        region.write_at(0, &pattern).map_err(e("filling the udmabuf"))?;
+        let mut ring = IoUring::new(4).map_err(e("io_uring setup"))?;
+        install_dmabuf(&ring, region.dmabuf().ok_or("no DMA-BUF")?, &file)?;
+        let at = 208 * CHUNK;
+        let mut write = |flags: i32| -> Result<i32, String> {
+            let sqe = opcode::WriteFixed::new(types::Fd(file.as_raw_fd()), std::ptr::null(), CHUNK as u32, 0)
+                .offset(at)
+                .rw_flags(flags)
+                .build();
+            // SAFETY: the SQE names buffer slot 0, installed above, alive until completion.
+            unsafe { ring.submission().push(&sqe) }.map_err(|_| "the submission queue is full".to_string())?;
+            ring.submit_and_wait(1).map_err(e("submit"))?;
+            Ok(ring.completion().next().ok_or("no completion")?.result())
+        };
+        // The first request on a new registration makes the device mapping
+        // in an io-wq worker, where NOWAIT does not apply: make it first.
+        let first = write(0)?;
+        if first != CHUNK as i32 {
+            return Err(format!("the first WRITE_FIXED answered {first}"));
+        }
+        let nowait = write(libc::RWF_NOWAIT)?;
+        if nowait != -libc::EAGAIN {
+            return Err(format!("a NOWAIT 1 MiB WRITE_FIXED above MDTS answered {nowait}, not -EAGAIN"));
+        }
+        let again = write(0)?;
+        if again != CHUNK as i32 || dd_direct(&disk.block, at, CHUNK)? != pattern {
+            return Err(format!("the resubmitted WRITE_FIXED answered {again} or left other bytes on the device"));
+        }
+
+        let len = 4 * CHUNK as usize;
+        let buf = Buffer::udmabuf("vmtest-eagain-engine", len).map_err(e("udmabuf"))?;
+        let pattern: Vec<u8> = (0..4).flat_map(|i| pdstor::payload::chunk(0xeb, i, CHUNK as usize)).collect();
+        buf.write_at(0, &pattern).map_err(e("filling the DMA-BUF"))?;
+        let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
+        let mut engine =
+            Engine::new(t, EngineOptions { nowait_first: true, ..Default::default() }).map_err(e("engine"))?;
+        let id = engine.register_dmabuf(buf).map_err(e("installing the DMA-BUF"))?;
+        let base = 216 * CHUNK;
+        let requests = |op| -> Vec<IoRequest> {
+            PIECES
+                .iter()
+                .enumerate()
+                .map(|(i, &(at, n))| IoRequest {
+                    transfer: TransferId(0x7b00 + i as u64),
+                    op,
+                    path: PayloadPath::DmabufFixed,
+                    buffer: id,
+                    buffer_offset: pdstor::io::BufferOffset(at),
+                    target_offset: pdstor::io::TargetOffset(base + at),
+                    len: n,
+                })
+                .collect()
+        };
+        // The mapping first (its request runs blocking in an io-wq worker).
+        let warm = IoRequest {
+            transfer: TransferId(0x7aff),
+            op: Op::Read,
+            path: PayloadPath::DmabufFixed,
+            buffer: id,
+            buffer_offset: pdstor::io::BufferOffset(0),
+            target_offset: pdstor::io::TargetOffset(base),
+            len: 4096,
+        };
+        engine.execute_all(&[warm]).map_err(e("the first READ_FIXED"))?;
+        engine.buffer(id).map_err(e("buffer"))?.write_at(0, &pattern).map_err(e("refilling"))?;
+        let resubmitted_before = engine.stats().resubmitted;
+        // Pieces above 512 KiB: two of 1 MiB (the 512 KiB one fits).
+        let above_mdts = PIECES.iter().filter(|p| p.1 > 512 << 10).count() as u64;
+        engine.execute_all(&requests(Op::Write)).map_err(e("WRITE_FIXED with NOWAIT first"))?;
+        let after_writes = engine.stats().resubmitted;
+        if after_writes - resubmitted_before < above_mdts {
+            return Err(format!(
+                "{after_writes} write commands resubmitted after -EAGAIN; expected at least {above_mdts} (pieces above MDTS)"
+            ));
+        }
+        for &(at, n) in &PIECES {
+            if dd_direct(&disk.block, base + at, n)? != pattern[at as usize..(at + n) as usize] {
+                return Err(format!("the piece at +{at}, resubmitted after -EAGAIN, is not the DMA-BUF's bytes (dd)"));
+            }
+        }
+        engine.buffer(id).map_err(e("buffer"))?.write_at(0, &vec![0u8; len]).map_err(e("clearing"))?;
+        engine.execute_all(&requests(Op::Read)).map_err(e("READ_FIXED with NOWAIT first"))?;
+        if engine.stats().resubmitted < after_writes + above_mdts {
+            return Err(format!("reads: {} resubmitted in all, expected more", engine.stats().resubmitted));
+        }
+        let mut back = vec![0u8; len];
+        engine.buffer(id).map_err(e("buffer"))?.read_at(0, &mut back).map_err(e("reading the DMA-BUF"))?;
+        for &(at, n) in &PIECES {
+            if back[at as usize..(at + n) as usize] != pattern[at as usize..(at + n) as usize] {
+                return Err(format!("the piece at +{at} read back after -EAGAIN differs"));
+            }
+        }
+        Ok(())
+    })())
+}
+
+/// The series kernel: one DMA-BUF slot holds at most 1 GiB. A system-heap
+/// DMA-BUF of 1 GiB + 4 KiB is refused by the engine before the kernel sees
+/// it (and the kernel itself answers `EINVAL`); one of exactly 1 GiB is
+/// installed and its last MiB written to the device, byte-exact.
+fn one_gib(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        if !expects_rw_dmabuf() {
+            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+        }
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let gib = 1usize << 30;
+        {
+            let big = Buffer::dma_heap("system", gib + 4096).map_err(e("a 1 GiB + 4 KiB system-heap DMA-BUF"))?;
+            // The kernel's own answer, on a bare ring.
+            let file = open_direct(&disk.block)?;
+            let ring = io_uring::IoUring::new(4).map_err(e("io_uring setup"))?;
+            match install_dmabuf(&ring, big.dmabuf().ok_or("no DMA-BUF")?, &file) {
+                Err(msg) if msg.contains("Invalid argument") => {}
+                other => {
+                    return Err(format!("the kernel installed a DMA-BUF over 1 GiB, or said otherwise: {other:?}"));
+                }
+            }
+            let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
+            let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
+            match engine.register_dmabuf(big) {
+                Err(err @ pdstor::io::IoError::DmabufTooLarge { .. }) => {
+                    let msg = err.to_string();
+                    if !msg.contains("1 GiB") || !msg.contains("nothing was installed") {
+                        return Err(format!("the refusal does not say what to do: {msg}"));
+                    }
+                }
+                other => return Err(format!("a DMA-BUF over 1 GiB was not refused: {:?}", other.map(|id| id.0))),
+            }
+        }
+        let exact = Buffer::dma_heap("system", gib).map_err(e("a 1 GiB system-heap DMA-BUF"))?;
+        let tail = pdstor::payload::chunk(0x1a1b, 0, CHUNK as usize);
+        exact.write_at(gib as u64 - CHUNK, &tail).map_err(e("filling the last MiB"))?;
+        let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
+        let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
+        let id = engine.register_dmabuf(exact).map_err(e("installing a DMA-BUF of exactly 1 GiB"))?;
+        let at = 232 * CHUNK;
+        let req = IoRequest {
+            transfer: TransferId(0x7c00),
+            op: Op::Write,
+            path: PayloadPath::DmabufFixed,
+            buffer: id,
+            buffer_offset: pdstor::io::BufferOffset(gib as u64 - CHUNK),
+            target_offset: pdstor::io::TargetOffset(at),
+            len: CHUNK,
+        };
+        engine.execute_all(&[req]).map_err(e("WRITE_FIXED from the last MiB of a 1 GiB DMA-BUF"))?;
+        if dd_direct(&disk.block, at, CHUNK)? != tail {
+            return Err("the last MiB of the 1 GiB DMA-BUF did not reach the device (dd)".into());
+        }
+        Ok(())
+    })())
+}
+
+/// The faulty namespace through `pdstor serve --provenance --require-native`
+/// (reads fail from 4 MiB on, writes from 48 MiB on; `dmabuf_fixed` on the
+/// series kernel, `host_fixed` of the same udmabuf on Debian's). A load over
+/// failing blocks is an error, the reader's `fail` retains the publication
+/// and its slots stay taken; publications are then stored until one reaches
+/// the blocks that fail writes: that store is an error that says the request
+/// was rolled back, and the publication is gone — it cannot be published and
+/// never appears READY.
+fn device_errors(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let path = if expects_rw_dmabuf() { PayloadPath::DmabufFixed } else { PayloadPath::HostFixed };
+        let disk = ctx.disk(DiskRole::Faulty)?;
+        let t = disk.block.to_string_lossy().into_owned();
+        sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
+        let daemon = serve_with(&disk.block, &["--provenance", "--require-native"])?;
+        let client = Client::new(SERVER);
+        let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
+        let room = CHUNK as usize * CHUNKS as usize;
+        let wbuf = Buffer::udmabuf("vmtest-faulty-w", room).map_err(e("writer buffer"))?;
+        let payload: Vec<u8> =
+            (0..CHUNKS as u64).flat_map(|i| pdstor::payload::chunk(0xbad, i, CHUNK as usize)).collect();
+        wbuf.write_at(0, &payload).map_err(e("filling the writer buffer"))?;
+        let wid = data.register_for(&wbuf, path).map_err(e("registering the writer buffer"))?;
+        let chunks = |buffer| -> Vec<DataChunk> {
+            (0..CHUNKS)
+                .map(|i| DataChunk { index: i, buffer, offset: i as u64 * CHUNK, len: CHUNK, crc32c: None })
+                .collect()
+        };
+        let state_of = |publication: u64| -> Result<Option<String>, String> {
+            Ok(client
+                .publications(None, false)
+                .map_err(e("listing publications"))?
+                .into_iter()
+                .find(|p| p.publication == publication)
+                .map(|p| p.state))
+        };
+
+        // A publication stored below 48 MiB whose chunks partly lie where reads fail.
+        let p = client.prepare("faulty-read", &layout(), CHUNKS, "vmtest").map_err(e("prepare"))?;
+        data.store(p.publication, &p.writer_token, chunks(wid), true, CHUNKS).map_err(e("store below 48 MiB"))?;
+        let published = client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
+        let claim = client.claim(&published.receipt, "decode-0", "faulty", 60_000).map_err(e("claim"))?;
+        let manifest = client
+            .adopt(&pdstor::api::wire::AdoptRequest {
+                receipt: claim.clone(),
+                namespace: claim.namespace.clone(),
+                epoch: claim.epoch,
+                manifest_digest: claim.manifest_digest.clone(),
+                layout: layout(),
+            })
+            .map_err(e("adopt"))?;
+        if manifest.chunks.iter().all(|c| c.offset.0 < 4 << 20) {
+            return Err("every chunk landed below 4 MiB: the read fault cannot be reached".into());
+        }
+        let rbuf = Buffer::udmabuf("vmtest-faulty-r", room).map_err(e("reader buffer"))?;
+        let rid = data.register_for(&rbuf, path).map_err(e("registering the reader buffer"))?;
+        let load = manifest
+            .chunks
+            .iter()
+            .map(|c| DataChunk { index: c.index, buffer: rid, offset: c.index as u64 * CHUNK, len: 0, crc32c: None })
+            .collect();
+        match data.load(&claim, load) {
+            Ok(r) => return Err(format!("a load over blocks that fail reads succeeded: {r:?}")),
+            Err(err) => eprintln!("device_errors ({path}): load over failing blocks: {err}"),
+        }
+        client.fail(&claim, "device error on load").map_err(e("fail"))?;
+        if state_of(claim.publication)?.as_deref() != Some("RETAINED") {
+            return Err(format!("after the failed load: {:?}, expected RETAINED", state_of(claim.publication)?));
+        }
+
+        // Store publications until one reaches the blocks that fail writes.
+        let mut failed = None;
+        for n in 0..20 {
+            let p = client.prepare(&format!("faulty-write-{n}"), &layout(), CHUNKS, "vmtest").map_err(e("prepare"))?;
+            match data.store(p.publication, &p.writer_token, chunks(wid), true, CHUNKS) {
+                Ok(_) => {
+                    client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
+                }
+                Err(err) => {
+                    eprintln!("device_errors ({path}): store over failing blocks: {err}");
+                    failed = Some((p, err.to_string()));
+                    break;
+                }
+            }
+        }
+        let (p, err) = failed.ok_or("twenty publications stored without reaching the blocks that fail writes")?;
+        if !err.contains("rolled back") || !err.contains(&format!("publication {}", p.publication)) {
+            return Err(format!("the failed store does not say what became of publication {}: {err}", p.publication));
+        }
+        if client.publish(p.publication, &p.writer_token, Some(7)).is_ok() {
+            return Err("a publication whose store failed was published".into());
+        }
+        if let Some(state) = state_of(p.publication)? {
+            return Err(format!("a publication whose store failed and was rolled back is still listed, {state}"));
+        }
+        if state_of(claim.publication)?.as_deref() != Some("RETAINED") {
+            return Err("the retained publication did not stay retained".into());
+        }
+        drop(daemon);
         Ok(())
     })())
 }

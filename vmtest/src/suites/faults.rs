@@ -25,6 +25,7 @@ pub const SUITE: Suite = Suite {
     tests: &[
         Test { name: "half_failing_batch", disk: Some(DiskRole::Raw), run: half_failing_batch },
         Test { name: "flakey_device_fails_reads_and_writes", disk: Some(DiskRole::Raw), run: flakey_everything },
+        Test { name: "nvme_device_errors_on_every_fixed_path", disk: Some(DiskRole::Faulty), run: nvme_errors },
     ],
 };
 
@@ -180,6 +181,97 @@ fn flakey_everything(ctx: &Ctx) -> Outcome {
         e.buffer(id).map_err(|e| e.to_string())?.read_at(0, &mut got).map_err(|e| e.to_string())?;
         if got.iter().any(|b| *b != SENTINEL) {
             return Err("a failed read changed the buffer".into());
+        }
+        Ok(())
+    })())
+}
+
+/// The faulty namespace (QEMU blkdebug under the emulated NVMe: reads fail
+/// from 4 MiB on, writes from 48 MiB on, one 4 KiB block per MiB). One batch
+/// per path — `host_fixed` from a memfd, and on the series kernel
+/// `dmabuf_fixed` from a udmabuf — with healthy and failing transfers side by
+/// side: each failure is an error naming its transfer, the healthy ones move
+/// the right bytes. (A failed read may still have filled part of its buffer:
+/// MDTS splits 1 MiB into two commands, and only the one over the bad block
+/// fails; the request as a whole is reported failed.)
+fn nvme_errors(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let dev = ctx.disk(DiskRole::Faulty)?.block.clone();
+        let mut paths = vec![PayloadPath::HostFixed];
+        if crate::guest::expects_rw_dmabuf() {
+            paths.push(PayloadPath::DmabufFixed);
+        }
+        for path in paths {
+            let mut e = engine_on(&dev)?;
+            let len = (4 * CHUNK) as usize;
+            let id = match path {
+                PayloadPath::DmabufFixed => {
+                    e.register_dmabuf(Buffer::udmabuf("nvme-errors", len).map_err(|e| e.to_string())?)
+                }
+                _ => e.register(Buffer::memfd("nvme-errors", len).map_err(|e| e.to_string())?),
+            }
+            .map_err(|e| format!("{path}: registering: {e}"))?;
+            let seed = 0xe10;
+            let pattern: Vec<u8> = (0..4).flat_map(|i| payload::chunk(seed, i, CHUNK as usize)).collect();
+            e.buffer(id).map_err(|e| e.to_string())?.write_at(0, &pattern).map_err(|e| e.to_string())?;
+            // (buffer chunk, target MiB, whether the device fails it)
+            let writes = [(0u64, 1u64, false), (1, 50, true), (2, 2, false), (3, 60, true)];
+            let reads = [(0u64, 1u64, false), (1, 5, true), (2, 2, false), (3, 40, true)];
+            let batch = |op, plan: &[(u64, u64, bool)]| -> Vec<IoRequest> {
+                plan.iter()
+                    .enumerate()
+                    .map(|(n, &(chunk, mib, _))| IoRequest {
+                        transfer: TransferId(0x900 + n as u64),
+                        op,
+                        path,
+                        buffer: id,
+                        buffer_offset: pdstor::io::BufferOffset(chunk * CHUNK),
+                        target_offset: pdstor::io::TargetOffset(mib << 20),
+                        len: CHUNK,
+                    })
+                    .collect()
+            };
+            let check = |what: &str, done: &[pdstor::io::Completion], plan: &[(u64, u64, bool)]| {
+                for (c, &(_, mib, fails)) in done.iter().zip(plan) {
+                    match (&c.result, fails) {
+                        (Ok(()), false) => {}
+                        (Ok(()), true) => {
+                            return Err(format!(
+                                "{path} {what} {} at {mib} MiB over failing blocks succeeded",
+                                c.transfer
+                            ));
+                        }
+                        (Err(err), true) if err.to_string().contains(&c.transfer.to_string()) => {}
+                        (Err(err), _) => return Err(format!("{path} {what} {} at {mib} MiB: {err}", c.transfer)),
+                    }
+                }
+                Ok(())
+            };
+            let done = e.execute(&batch(Op::Write, &writes)).map_err(|e| e.to_string())?;
+            check("write", &done, &writes)?;
+            for &(chunk, mib, fails) in &writes {
+                let want = &pattern[(chunk * CHUNK) as usize..][..CHUNK as usize];
+                if !fails && super::io::dd_direct(&dev, mib << 20, CHUNK)? != want {
+                    return Err(format!("{path}: the healthy write at {mib} MiB did not land (dd)"));
+                }
+            }
+            e.buffer(id).map_err(|e| e.to_string())?.write_at(0, &vec![SENTINEL; len]).map_err(|e| e.to_string())?;
+            let done = e.execute(&batch(Op::Read, &reads)).map_err(|e| e.to_string())?;
+            check("read", &done, &reads)?;
+            let mut got = vec![0u8; len];
+            e.buffer(id).map_err(|e| e.to_string())?.read_at(0, &mut got).map_err(|e| e.to_string())?;
+            for &(chunk, mib, fails) in &reads {
+                let got = &got[(chunk * CHUNK) as usize..][..CHUNK as usize];
+                if fails {
+                    continue;
+                }
+                // What the write batch put at this MiB.
+                let written = writes.iter().find(|w| w.1 == mib).map(|w| w.0);
+                let want = written.map(|c| &pattern[(c * CHUNK) as usize..][..CHUNK as usize]);
+                if want != Some(got) {
+                    return Err(format!("{path}: the healthy read at {mib} MiB returned other bytes"));
+                }
+            }
         }
         Ok(())
     })())

@@ -45,6 +45,10 @@ fn attach() -> Result<pdstor_probes::Probes, String> {
     pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())
 }
 
+/// Programs on functions only the rw-dmabuf series adds.
+const SERIES_ONLY: [&str; 3] =
+    ["kprobe:bio_dmabuf_map_set", "kprobe:nvme_dmabuf_token_map", "kretprobe:nvme_dmabuf_token_map"];
+
 fn every_program_attaches(_: &Ctx) -> Outcome {
     outcome((|| {
         let p = attach()?;
@@ -52,12 +56,19 @@ fn every_program_attaches(_: &Ctx) -> Outcome {
             .status()
             .iter()
             .filter(|s| !s.attached && !s.detail.starts_with("not built yet"))
-            // The DMA-token function exists only on a kernel with the rw-dmabuf series.
-            .filter(|s| s.name != "kprobe:bio_dmabuf_map_set" || crate::guest::expects_rw_dmabuf())
+            // The DMA-token functions exist only on a kernel with the rw-dmabuf series.
+            .filter(|s| !SERIES_ONLY.contains(&s.name) || crate::guest::expects_rw_dmabuf())
             .map(|s| format!("{}: {}", s.name, s.detail))
             .collect();
         if !missing.is_empty() {
-            return Err(format!("programs that did not attach in the guest: {missing:?}"));
+            // For a post-mortem: what the kernel calls the series' functions.
+            let syms: Vec<String> = std::fs::read_to_string("/proc/kallsyms")
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains("dmabuf_token_map") || l.contains("dmabuf_create_map"))
+                .map(str::to_owned)
+                .collect();
+            return Err(format!("programs that did not attach in the guest: {missing:?} (kallsyms: {syms:?})"));
         }
         Ok(())
     })())

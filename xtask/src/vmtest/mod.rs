@@ -32,7 +32,7 @@ pub struct VmtestArgs {
     /// Suites to run, comma-separated (default: all): io, faults, probes, protocol, dmabuf, oracle, swiotlb.
     #[arg(long = "suite", value_delimiter = ',')]
     suites: Vec<String>,
-    /// Disk roles whose tests run: ext4, xfs, raw (default: all).
+    /// Disk roles whose tests run: ext4, xfs, raw, faulty (default: all).
     #[arg(long, value_delimiter = ',')]
     fs: Vec<String>,
     /// Boot this kernel image instead of the fetched Debian one (its drivers must be built in).
@@ -117,6 +117,11 @@ impl VmtestArgs {
     /// The swiotlb suite in a guest booted with swiotlb=force.
     pub fn swiotlb_forced() -> Self {
         VmtestArgs { suites: vec!["swiotlb".into()], append: Some("swiotlb=force".into()), ..VmtestArgs::all() }
+    }
+
+    /// The swiotlb suite on the series kernel booted with swiotlb=force.
+    pub fn series_swiotlb_forced(dir: PathBuf) -> Self {
+        VmtestArgs { kernel_series: Some(dir), ..VmtestArgs::swiotlb_forced() }
     }
 }
 
@@ -208,7 +213,7 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
                     .iter()
                     .find(|d| d.role.to_string() == *f)
                     .map(|d| d.role)
-                    .with_context(|| format!("unknown --fs {f:?}: use ext4, xfs, raw"))
+                    .with_context(|| format!("unknown --fs {f:?}: use ext4, xfs, raw, faulty"))
             })
             .collect::<Result<_>>()?
     };

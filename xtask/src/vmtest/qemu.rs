@@ -103,11 +103,31 @@ impl Vm<'_> {
 
     /// One NVMe controller per disk, found in the guest by its serial; MDTS is
     /// set so passthrough must be split by the engine.
-    fn disk_args(&self) -> Vec<String> {
+    fn disk_args(&self) -> Result<Vec<String>> {
         let mut args = Vec::new();
         for (i, (spec, image)) in self.disks.iter().enumerate() {
             args.push("-drive".into());
-            args.push(format!("file={},if=none,id=d{i},format=raw,cache=unsafe", image.display()));
+            let bad = spec.bad_blocks();
+            if bad.is_empty() {
+                args.push(format!("file={},if=none,id=d{i},format=raw,cache=unsafe", image.display()));
+            } else {
+                // blkdebug between the raw format and the image: each rule is
+                // armed by the raw driver's read_aio/write_aio event and fails
+                // any request that covers its sector with EIO.
+                let config = self.dir.join(format!("{}.blkdebug", spec.role));
+                let rules: String = bad
+                    .iter()
+                    .map(|(at, event)| {
+                        format!("[inject-error]\nevent = \"{event}\"\nerrno = \"5\"\nsector = \"{}\"\n\n", at / 512)
+                    })
+                    .collect();
+                std::fs::write(&config, rules).with_context(|| format!("writing {}", config.display()))?;
+                args.push(format!(
+                    "if=none,id=d{i},format=raw,cache=unsafe,file.driver=blkdebug,file.config={},file.image.filename={}",
+                    config.display(),
+                    image.display()
+                ));
+            }
             args.push("-device".into());
             args.push(format!(
                 "nvme,serial={},drive=d{i},logical_block_size={lb},physical_block_size={lb},mdts={NVME_MDTS}",
@@ -115,7 +135,7 @@ impl Vm<'_> {
                 lb = spec.logical_block
             ));
         }
-        args
+        Ok(args)
     }
 
     fn command(&self, accel: Accel) -> Result<Command> {
@@ -131,7 +151,7 @@ impl Vm<'_> {
             .arg(self.append())
             .args(self.console_args())
             .args(self.result_args())
-            .args(self.disk_args())
+            .args(self.disk_args()?)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
