@@ -595,6 +595,21 @@ fn dmabuf_fixed_probes(ctx: &Ctx) -> Outcome {
             if v != Verdict::Native || s.dmabuf_token_bios == 0 || s.dmabuf_cpu_access != 0 {
                 return Err(format!("dmabuf_fixed transfer {t:#x}: {v} ({s:?})"));
             }
+            // The commands the device got are exactly the request: 1 MiB in
+            // 4 KiB blocks, split at MDTS (512 KiB) into two; nothing cached,
+            // nothing bounced, every request completed.
+            let mdts = 4096u64 << pdstor_vmtest_spec::NVME_MDTS;
+            let exact = s.nvme_blocks * 4096 == CHUNK
+                && s.nvme_cmds == CHUNK.div_ceil(mdts)
+                && s.rq_bytes == CHUNK
+                && s.rq_completed == s.rq_issued
+                && s.rq_errors == 0
+                && s.page_cache_adds == 0
+                && s.swiotlb_bounces == 0
+                && s.dmabuf_bounced_bios == 0;
+            if !exact {
+                return Err(format!("dmabuf_fixed transfer {t:#x}: the device did not get exactly the request: {s:?}"));
+            }
         }
         let s = reader.signals(0x7903).map_err(e("signals"))?.ok_or("no signals for the host_fixed control")?;
         let as_host = pdstor_probes::judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &attached);
