@@ -143,6 +143,8 @@ struct Req {
     claim: Option<Receipt>,
     /// Loaded and verified since adopt (ack needs it).
     loaded: bool,
+    /// The restore nonce its adopt answered.
+    nonce: String,
     /// The writer's token its prepare answered.
     token: String,
 }
@@ -159,6 +161,7 @@ impl Req {
             ready: None,
             claim: None,
             loaded: false,
+            nonce: String::new(),
             token,
         }
     }
@@ -625,7 +628,12 @@ impl Sim {
         let expired = self.expired(&claim);
         match r {
             Ok(_) if expired => Err(format!("adopt {id} succeeded on an expired lease")),
-            Ok(_) => Ok(()),
+            Ok(m) => {
+                if let Some(req) = self.reqs.get_mut(&id) {
+                    req.nonce = m.restore_nonce.unwrap_or_default();
+                }
+                Ok(())
+            }
             // A claim from before a crash is fenced, an expired one refused:
             // as they must be, and the bytes stay.
             Err(_) if claim.epoch != self.store().epoch() || expired => Ok(()),
@@ -679,6 +687,9 @@ impl Sim {
                 return Err(format!("load {id}: chunk {c} came back with other bytes"));
             }
         }
+        // What the data plane records for a load it served.
+        let served: Vec<(u32, u32)> = manifest.chunks.iter().map(|c| (c.index, c.crc32c)).collect();
+        self.svc().note_served(claim, &served);
         self.note(format!("load {id} ({} chunks) -> verified", manifest.chunks.len()));
         if let Some(m) = self.reqs.get_mut(&id) {
             m.loaded = true;
@@ -694,7 +705,8 @@ impl Sim {
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
         let manifest = self.store().publication(id).and_then(|p| p.manifest).ok_or("no manifest")?;
         let crcs: Vec<u32> = manifest.chunks.iter().map(|c| c.crc32c).collect();
-        self.svc().ack(&me(), &claim, &restore_digest(&crcs)).map_err(|e| format!("ack {id}: {e}"))?;
+        let nonce = self.reqs[&id].nonce.clone();
+        self.svc().ack(&me(), &claim, &restore_digest(&nonce, &crcs)).map_err(|e| format!("ack {id}: {e}"))?;
         self.note(format!("ack {id}"));
         self.free(id, "ack")
     }

@@ -451,6 +451,19 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     assert_eq!(events[0].parent, None);
     assert!(events[1..9].windows(2).all(|w| w[1].parent == Some(w[0].seq)), "{events:#?}");
     assert_eq!(events[3].chunks, Some(2));
+    // The restore's chain: each chunk's crc32c as stored, in the publish, as
+    // loaded; the adopt's nonce; the ack's digest; the refusal names its
+    // publication and the reader and session are on every claimed step.
+    let stored: Vec<u32> = events[1..3].iter().map(|e| e.crc32c.unwrap()).collect();
+    assert_eq!(events[3].crcs.as_deref(), Some(stored.as_slice()));
+    assert_eq!(events[6..8].iter().map(|e| e.crc32c.unwrap()).collect::<Vec<_>>(), stored);
+    let nonce = events[5].nonce.clone().expect("the adopt records its nonce");
+    assert_eq!(events[8].digest, Some(pdstor::protocol::service::restore_digest(&nonce, &stored)));
+    assert_eq!(events[8].digest.as_deref(), Some(restored.restore_digest.as_str()));
+    assert_eq!(events[9].publication, Some(claim.publication), "the refusal names its publication");
+    for e in &events[4..9] {
+        assert_eq!((e.reader.as_deref(), e.session.as_deref()), (Some("decode-0"), Some("s")), "{e:?}");
+    }
     for e in events.iter().filter(|e| e.event == "store" || e.event == "load") {
         assert_eq!((e.path.as_deref(), e.bytes), (Some("host_fixed"), Some(SLOT)));
         assert_eq!(e.verdict.as_deref(), Some("unverifiable(no probes)"));
@@ -464,8 +477,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
             ("not_native", 3),
             ("not_native", 7),
             ("not_native", 8),
-            ("causality", 9),
-            ("missing_continuation", 9)
+            ("causality", 9)
         ],
         "{:#?}",
         report.violations
@@ -531,7 +543,10 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
         })
         .unwrap();
     c.close_session(&claim).unwrap();
-    let digest = pdstor::protocol::service::restore_digest(&m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>());
+    let digest = pdstor::protocol::service::restore_digest(
+        m.restore_nonce.as_deref().unwrap_or(""),
+        &m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>(),
+    );
     assert_eq!(code(c.ack(&claim, &digest)).1, "fenced");
     let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
     let buf = pdstor::Buffer::memfd("fenced", 2 * SLOT as usize).unwrap();
@@ -558,4 +573,54 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
     };
     let first = epoch(());
     assert_eq!(epoch(()), first, "inspect never bumps the epoch");
+}
+
+/// The ack proves a restore: `adopt` hands out a restore nonce, and the daemon
+/// acknowledges only the chunks its data plane served to that claim. An ack
+/// computed from the manifest alone, with nothing loaded, is refused
+/// `not_loaded` and changes nothing; so is one after a partial load (naming
+/// the missing chunk); a digest without the nonce is `restore_mismatch`; after
+/// every chunk is loaded the nonce-bound digest acks.
+#[test]
+fn an_ack_without_a_load_is_refused() {
+    use pdstor::protocol::service::restore_digest;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let p = put(&d, "no-load", 21, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-1", 60_000).unwrap();
+    let m = c
+        .adopt(&AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout(),
+        })
+        .unwrap();
+    let nonce = m.restore_nonce.clone().expect("adopt hands out a restore nonce");
+    assert_eq!(nonce.len(), 32, "{nonce}");
+    let crcs: Vec<u32> = m.chunks.iter().map(|c| c.crc32c).collect();
+    let digest = restore_digest(&nonce, &crcs);
+    let e = c.ack(&claim, &digest).unwrap_err();
+    assert!(
+        matches!(&e, ClientError::Api(b) if b.code == "not_loaded" && b.status == 409 && b.message.contains("[0, 1]")),
+        "{e}"
+    );
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"), "the refusal changed nothing");
+
+    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("restore", 2 * SLOT as usize).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk =
+        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
+    data.load(&claim, vec![chunk(0)]).unwrap();
+    let e = c.ack(&claim, &digest).unwrap_err();
+    assert!(matches!(&e, ClientError::Api(b) if b.code == "not_loaded" && b.message.contains("[1]")), "{e}");
+    let loaded = data.load(&claim, vec![chunk(1)]).unwrap();
+    assert_eq!(loaded.crc32c, vec![crcs[1]], "the daemon read back the stored bytes");
+    assert_eq!(code(c.ack(&claim, &restore_digest("", &crcs))).1, "restore_mismatch", "a digest without the nonce");
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"));
+    c.ack(&claim, &digest).unwrap();
+    assert_eq!(state(&c, claim.publication), None, "acknowledged and freed");
 }

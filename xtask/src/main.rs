@@ -189,6 +189,10 @@ fn demo(sh: &Shell) -> Result<()> {
     if !status.success() {
         bail!("pdstor serve exited with {status} after the handoff; see {}", log_path.display());
     }
+    if root {
+        step("check the handoff's causal timeline (every rule; every chunk native on host_fixed)");
+        cmd!(sh, "{pdstor} timeline check {timeline} --require-path host_fixed").run()?;
+    }
     step("draw the handoff's causal timeline");
     cmd!(sh, "{pdstor} timeline render {timeline} -o {svg}").run()?;
     print_demo_summary(&summary_file, &timeline, &svg, &target, &log_path)
@@ -331,6 +335,9 @@ fn ci(sh: &Shell) -> Result<()> {
     cmd!(sh, "{pdstor} qualify --short --target {qtarget} --size 64M --out {out}").run()?;
     let timeline = out.join("timeline.jsonl");
     cmd!(sh, "{pdstor} timeline check {timeline} --require-path host_fixed").run()?;
+    step("the checker's mutation test (pdstor timeline mutate: every causal lie about that timeline caught)");
+    let mutants = out.join("mutants");
+    cmd!(sh, "{pdstor} timeline mutate {timeline} --require-path host_fixed --out {mutants}").run()?;
     let svg = out.join("timeline.svg");
     cmd!(sh, "{pdstor} timeline render {timeline} -o {svg}").run()?;
     println!("\nci: all checks passed in {:.0} s", started.elapsed().as_secs_f64());

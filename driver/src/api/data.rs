@@ -231,8 +231,16 @@ impl Conn {
                 }
                 _ => return,
             };
+            let mut about = None;
             let resp = match serde_json::from_slice::<DataRequest>(&body) {
-                Ok(req) => self.handle(req, fds),
+                Ok(req) => {
+                    about = match &req {
+                        DataRequest::Store { publication, .. } => Some(*publication),
+                        DataRequest::Load { receipt, .. } => Some(receipt.publication),
+                        _ => None,
+                    };
+                    self.handle(req, fds)
+                }
                 Err(e) => Err(DataError::BadFrame(e)),
             };
             self.metrics.reconcile(self.service.store());
@@ -242,12 +250,11 @@ impl Conn {
                 if crate::protocol::RefusalCode::parse(&e.code).is_some_and(|c| c.is_identity()) {
                     let by = self.caller.audit();
                     tracing::warn!(by = %by, code = %e.code, message = %e.message, "refused for who the caller is");
-                    crate::timeline::emit(
-                        self.service.timeline(),
-                        crate::timeline::Event::new("refused")
-                            .detail(format!("{} ({}): {}", e.code, e.field, e.message))
-                            .by(by),
-                    );
+                    let mut refused = crate::timeline::Event::new("refused")
+                        .detail(format!("{} ({}): {}", e.code, e.field, e.message))
+                        .by(by);
+                    refused.publication = about;
+                    crate::timeline::emit(self.service.timeline(), refused);
                 }
                 DataResponse { ok: false, error: Some(e), ..Default::default() }
             });
@@ -401,7 +408,8 @@ impl Conn {
                 return Err(e);
             }
         };
-        self.note_transfers("store", publication, chunks, &verdicts, took, |c| c.len);
+        let crcs: Vec<Option<u32>> = out.crcs.iter().copied().map(Some).collect();
+        self.note_transfers("store", None, publication, chunks, &verdicts, took, &crcs, |c| c.len);
         Ok(DataResponse {
             ok: true,
             verdicts,
@@ -435,9 +443,21 @@ impl Conn {
         let verdicts = self.verdicts(manifest.publication, chunks).inspect_err(|e| {
             self.note_failure("load_failed", manifest.publication, e);
         })?;
-        self.note_transfers("load", manifest.publication, chunks, &verdicts, took, |c| {
+        self.note_transfers("load", Some(receipt), manifest.publication, chunks, &verdicts, took, &crcs, |c| {
             manifest.chunks.get(c.index as usize).map_or(0, |m| m.len)
         });
+        // What this claim may acknowledge: each chunk as read (or, where the
+        // daemon cannot read the reader's memory, as stored: the reader
+        // verifies those itself).
+        let served: Vec<(u32, u32)> = chunks
+            .iter()
+            .zip(&crcs)
+            .filter_map(|(c, crc)| {
+                let stored = manifest.chunks.get(c.index as usize)?.crc32c;
+                Some((c.index, crc.unwrap_or(stored)))
+            })
+            .collect();
+        self.service.note_served(receipt, &served);
         let unverified = chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
         Ok(DataResponse {
             ok: true,
@@ -451,19 +471,27 @@ impl Conn {
 
     /// One timeline line per chunk moved, with its path, bytes and verdict
     /// (`unverifiable(no probes)` when the daemon runs without them).
+    #[allow(clippy::too_many_arguments)]
     fn note_transfers(
         &self,
         event: &str,
+        claim: Option<&Receipt>,
         publication: u64,
         chunks: &[DataChunk],
         verdicts: &[String],
         took: std::time::Duration,
+        crcs: &[Option<u32>],
         bytes: impl Fn(&DataChunk) -> u64,
     ) {
         let Some(t) = self.service.timeline() else { return };
         for (i, c) in chunks.iter().enumerate() {
-            let mut e =
-                crate::timeline::Event::new(event).publication(publication).chunk(c.index).by(self.caller.audit());
+            let e = crate::timeline::Event::new(event);
+            let e = match claim {
+                Some(r) => e.claim(r),
+                None => e.publication(publication),
+            };
+            let mut e = e.chunk(c.index).by(self.caller.audit());
+            e.crc32c = crcs.get(i).copied().flatten();
             e.path = Some(self.path_of(c).to_string());
             e.bytes = Some(bytes(c));
             e.verdict = Some(verdicts.get(i).cloned().unwrap_or_else(|| "unverifiable(no probes)".into()));

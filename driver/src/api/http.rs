@@ -149,6 +149,30 @@ fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ErrorBody> {
     })
 }
 
+/// What a refused request was about, read leniently from its body (a
+/// `publication` or `req_id` field, or those of the receipt it carries), so
+/// the timeline's refusal names the publication it refused.
+#[derive(Debug, Default, serde::Deserialize)]
+struct Names {
+    publication: Option<u64>,
+    req_id: Option<String>,
+    receipt: Option<ReceiptNames>,
+}
+
+#[derive(Debug, Default, serde::Deserialize)]
+struct ReceiptNames {
+    publication: Option<u64>,
+    req_id: Option<String>,
+}
+
+impl Names {
+    fn of(body: &[u8]) -> Names {
+        let n: Names = serde_json::from_slice(body).unwrap_or_default();
+        let r = n.receipt.unwrap_or_default();
+        Names { publication: n.publication.or(r.publication), req_id: n.req_id.or(r.req_id), receipt: None }
+    }
+}
+
 /// Reads a request body within the size and time limits.
 async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ErrorBody> {
     let limit = state.limits.max_body_bytes;
@@ -186,6 +210,7 @@ where
             return resp;
         }
     };
+    let names = Names::of(&body);
     let req: Req = match parse(&body) {
         Ok(r) => r,
         Err(e) => return error_response(&state, e),
@@ -204,12 +229,12 @@ where
             if matches!(&e, ProtocolError::Refused(r) if r.code.is_identity()) {
                 tracing::warn!(by = %who.audit(), code = %body.code, message = %body.message, "refused for who the caller is");
             }
-            crate::timeline::emit(
-                state.service.timeline(),
-                crate::timeline::Event::new("refused")
-                    .detail(format!("{} ({}): {}", body.code, body.field, body.message))
-                    .by(who.audit()),
-            );
+            let mut e = crate::timeline::Event::new("refused")
+                .detail(format!("{} ({}): {}", body.code, body.field, body.message))
+                .by(who.audit());
+            e.publication = names.publication;
+            e.req_id = names.req_id;
+            crate::timeline::emit(state.service.timeline(), e);
             error_response(&state, body)
         }
         Err(join) => {

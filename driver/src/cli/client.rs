@@ -142,7 +142,7 @@ impl GetArgs {
         };
         let note = |event: &str| {
             if let Some(tl) = &tl {
-                tl.emit(Event::new(event).req(&claim.req_id).publication(claim.publication).receipt(&claim.signature));
+                tl.emit(Event::new(event).claim(&claim));
             }
         };
         note("restored");
@@ -169,7 +169,8 @@ pub struct AckArgs {
     /// The claim receipt (a JSON file).
     #[arg(long)]
     claim: PathBuf,
-    /// The restore digest `pdstor get` printed (hex SHA-256 of the restored chunks' crc32c).
+    /// The restore digest `pdstor get` printed (without `--ack`): SHA-256 of the claim's restore nonce and the
+    /// chunks' crc32c. The daemon acknowledges only chunks it served to this claim.
     #[arg(long)]
     restore_digest: String,
 }

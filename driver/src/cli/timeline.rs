@@ -21,6 +21,23 @@ pub enum TimelineCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Test the checker on this timeline: tell it every kind of causal lie about one complete
+    /// handoff (a deleted publish, swapped times, an ack from a stranger, …) and require each
+    /// mutant caught at its line by the rule it breaks. Exits 1 if the timeline itself fails,
+    /// if it has no complete handoff to mutate, or if any mutant survives.
+    Mutate {
+        /// The JSON-lines timeline to mutate (a clean one: `pdstor qualify --short` writes one).
+        file: PathBuf,
+        /// The payload path the timeline's stores and loads took.
+        #[arg(long, default_value = "dmabuf_fixed", value_parser = one_of::<PayloadPath>(PATHS))]
+        require_path: PayloadPath,
+        /// Write each mutant here as `<name>.jsonl`, beside `mutants.json`.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Draw the timeline: a lane per node, transfers as bars by path and verdict, steps as markers.
     Render {
         /// The JSON-lines timeline to draw.
@@ -35,6 +52,7 @@ impl TimelineCmd {
     pub fn run(self) -> anyhow::Result<()> {
         match self {
             TimelineCmd::Check { file, require_path, json } => check(&file, require_path, json),
+            TimelineCmd::Mutate { file, require_path, out, json } => mutate(&file, require_path, out.as_deref(), json),
             TimelineCmd::Render { file, output } => render(&file, &output),
         }
     }
@@ -80,5 +98,87 @@ fn render(file: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()
     let svg = pdstor::timeline::render::render(&events, &file.display().to_string());
     std::fs::write(output, svg).map_err(|e| anyhow::anyhow!("writing {}: {e}", output.display()))?;
     println!("{}: {} events drawn", output.display(), events.len());
+    Ok(())
+}
+
+/// One mutant's fate.
+#[derive(serde::Serialize)]
+struct Fate {
+    #[serde(flatten)]
+    mutant: pdstor::timeline::mutate::Mutant,
+    /// The violation that caught it, if any.
+    caught: Option<pdstor::timeline::check::Violation>,
+}
+
+fn mutate(
+    file: &std::path::Path,
+    require_path: PayloadPath,
+    out: Option<&std::path::Path>,
+    json: bool,
+) -> anyhow::Result<()> {
+    use pdstor::timeline::{check, mutate};
+    let lines = pdstor::timeline::read(file)?;
+    let clean = check::check(&lines, require_path);
+    if !clean.ok() {
+        anyhow::bail!(
+            "{} itself violates the contract ({} violations; run `pdstor timeline check`): mutate a clean timeline",
+            file.display(),
+            clean.violations.len()
+        );
+    }
+    let events: Vec<_> = lines.into_iter().filter_map(|(_, e)| e.ok()).collect();
+    let mutants = mutate::mutants(&events);
+    if mutants.is_empty() {
+        anyhow::bail!(
+            "{}: no publication with a complete handoff (prepare, two or more stores, publish, claim, adopt, loads, ack) to mutate",
+            file.display()
+        );
+    }
+    if let Some(dir) = out {
+        std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
+    }
+    let mut fates = Vec::with_capacity(mutants.len());
+    for m in mutants {
+        let numbered: Vec<_> = m.events.iter().cloned().enumerate().map(|(i, e)| (i + 1, Ok(e))).collect();
+        let report = check::check(&numbered, require_path);
+        let caught = m.caught_by(&report).cloned();
+        if let Some(dir) = out {
+            let mut text = String::new();
+            for e in &m.events {
+                text.push_str(&serde_json::to_string(e)?);
+                text.push('\n');
+            }
+            let path = dir.join(format!("{}.jsonl", m.name));
+            std::fs::write(&path, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        }
+        fates.push(Fate { mutant: m, caught });
+    }
+    let survived = fates.iter().filter(|f| f.caught.is_none()).count();
+    if let Some(dir) = out {
+        let path = dir.join("mutants.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&fates)?)
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    }
+    if json {
+        print_json(&fates)?;
+    } else {
+        for f in &fates {
+            let m = &f.mutant;
+            match &f.caught {
+                Some(v) => println!("caught   {:<34} line {:>4}  {}: {}", m.name, v.line, v.kind, v.message),
+                None => println!("SURVIVED {:<34} expected {} at lines {:?}: {}", m.name, m.expect, m.line, m.what),
+            }
+        }
+        println!(
+            "{}: mutation score {}/{} ({} survived)",
+            file.display(),
+            fates.len() - survived,
+            fates.len(),
+            survived
+        );
+    }
+    if survived > 0 {
+        anyhow::bail!("{survived} of {} mutants of {} were not caught", fates.len(), file.display());
+    }
     Ok(())
 }

@@ -667,7 +667,8 @@ impl Reader {
             crcs.push(crc);
             off += m.len;
         }
-        Ok(Restored { restore_digest: restore_digest(&crcs), manifest, len: total })
+        let nonce = manifest.restore_nonce.clone().unwrap_or_default();
+        Ok(Restored { restore_digest: restore_digest(&nonce, &crcs), manifest, len: total })
     }
 
     /// A copy of the first `len` restored bytes.

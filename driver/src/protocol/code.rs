@@ -88,6 +88,9 @@ codes! {
     WrongState = "wrong_state" => 409,
     /// The reader's restore digest is not the manifest's.
     RestoreMismatch = "restore_mismatch" => 409,
+    /// An ack for chunks the daemon never served to this claim through the
+    /// data plane: a reader acknowledges what it loaded, not the manifest.
+    NotLoaded = "not_loaded" => 409,
     /// The claimed reader is not fenced: its claim cannot be reclaimed yet.
     NotFenced = "not_fenced" => 409,
     /// The claim is fenced (its session closed, or made in an earlier

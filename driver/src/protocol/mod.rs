@@ -152,6 +152,15 @@ impl Signer {
         hex::encode(self.writer_mac(publication, req_id).finalize().into_bytes())
     }
 
+    /// The restore nonce of the claim whose receipt carries `claim_signature`:
+    /// derived from the namespace key, so it is the same after a restart and
+    /// new for every claim, and only the daemon can make it.
+    pub fn restore_nonce(&self, claim_signature: &str) -> String {
+        let mut m = self.mac(b"pdstor restore nonce\0");
+        m.update(claim_signature.as_bytes());
+        hex::encode(&m.finalize().into_bytes()[..16])
+    }
+
     /// Whether `token` is the writer's token of `publication` (constant time).
     pub fn is_writer_token(&self, publication: u64, req_id: &str, token: &str) -> bool {
         hex::decode(token).is_ok_and(|t| self.writer_mac(publication, req_id).verify_slice(&t).is_ok())
@@ -190,6 +199,10 @@ impl Signer {
 
 /// The digest that names a manifest: SHA-256 of its canonical JSON.
 pub fn manifest_digest(m: &Manifest) -> String {
+    if m.restore_nonce.is_some() {
+        let stored = Manifest { restore_nonce: None, ..m.clone() };
+        return hex::encode(Sha256::digest(serde_json::to_vec(&stored).unwrap_or_default()));
+    }
     hex::encode(Sha256::digest(serde_json::to_vec(m).unwrap_or_default()))
 }
 

@@ -62,7 +62,15 @@ pub struct Service {
     closed_sessions: Mutex<HashSet<(String, String)>>,
     /// Prepares being handled now: request → the principal that asked.
     preparing: Mutex<HashMap<String, String>>,
+    /// What the data plane served to each adopted claim: publication →
+    /// (the claim's signature, chunk → crc32c as served). In memory: after a
+    /// restart the reader loads again before it acks.
+    served: Mutex<HashMap<u64, Served>>,
 }
+
+/// What the data plane served to one adopted claim: the claim's signature,
+/// and chunk → crc32c as served.
+type Served = (String, std::collections::BTreeMap<u32, u32>);
 
 /// The longest id or name a client may give (request, writer, reader,
 /// session, layout strings): every one is journaled, so none may be large.
@@ -84,12 +92,17 @@ fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), Refusal> 
     Ok(())
 }
 
-/// The digest a reader acknowledges with: SHA-256 over the little-endian
-/// crc32c of each chunk it restored, in chunk order. Both sides compute it
-/// from their own view of the bytes.
-pub fn restore_digest(chunk_crcs: &[u32]) -> String {
+/// The digest a reader acknowledges with: SHA-256 over the claim's restore
+/// nonce (from `adopt`) and the little-endian crc32c of each chunk it
+/// restored, in chunk order. The reader computes it from the bytes it loaded;
+/// the daemon from the chunks it served to that claim, and it refuses an ack
+/// while any chunk was never served (`not_loaded`).
+pub fn restore_digest(nonce: &str, chunk_crcs: &[u32]) -> String {
     use sha2::{Digest, Sha256};
     let mut h = Sha256::new();
+    h.update(b"pdstor restore v2\0");
+    h.update(nonce.as_bytes());
+    h.update([0]);
     for c in chunk_crcs {
         h.update(c.to_le_bytes());
     }
@@ -108,6 +121,7 @@ impl Service {
             policy: Arc::new(Policy::local()),
             closed_sessions: Mutex::new(HashSet::new()),
             preparing: Mutex::new(HashMap::new()),
+            served: Mutex::new(HashMap::new()),
         }
     }
 
@@ -372,6 +386,7 @@ impl Service {
         let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
         let mut e = Event::new("publish").req(&receipt.req_id).publication(publication).receipt(&receipt.signature);
         e.chunks = Some(manifest.chunks.len() as u32);
+        e.crcs = Some(manifest.chunks.iter().map(|c| c.crc32c).collect());
         e.token = manifest.first_token;
         self.note(who, e);
         Ok(Published { receipt, manifest })
@@ -432,14 +447,7 @@ impl Service {
         let p = self.store.claim(p.id, reader, session, lease_ms, self.now_unix_ms(), claimant.as_ref())?;
         let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
         let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
-        self.note(
-            who,
-            Event::new("claim")
-                .req(&receipt.req_id)
-                .publication(p.id)
-                .receipt(&receipt.signature)
-                .detail(format!("reader {reader} session {session}")),
-        );
+        self.note(who, Event::new("claim").claim(&receipt).detail(format!("reader {reader} session {session}")));
         Ok(receipt)
     }
 
@@ -502,8 +510,28 @@ impl Service {
             .into());
         }
         let p = self.store.adopt(p.id)?;
-        self.note(who, Event::new("adopt").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
-        p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
+        let nonce = self.signer.restore_nonce(&claim.signature);
+        self.lock_served().insert(p.id, (claim.signature.clone(), Default::default()));
+        let mut e = Event::new("adopt").claim(claim);
+        e.nonce = Some(nonce.clone());
+        self.note(who, e);
+        let manifest = p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest"))?;
+        Ok(Manifest { restore_nonce: Some(nonce), ..manifest })
+    }
+
+    fn lock_served(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Served>> {
+        self.served.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records chunks the data plane loaded for `claim` (chunk, crc32c as
+    /// served): what its ack may acknowledge.
+    pub fn note_served(&self, claim: &Receipt, chunks: &[(u32, u32)]) {
+        let mut served = self.lock_served();
+        let entry = served.entry(claim.publication).or_insert_with(|| (claim.signature.clone(), Default::default()));
+        if entry.0 != claim.signature {
+            *entry = (claim.signature.clone(), Default::default());
+        }
+        entry.1.extend(chunks.iter().copied());
     }
 
     /// Checks that `claim` may load now: adopted, lease running.
@@ -540,19 +568,37 @@ impl Service {
             )
             .into());
         }
-        let expected = restore_digest(
-            &p.manifest.as_ref().map(|m| m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>()).unwrap_or_default(),
-        );
+        let manifest =
+            p.manifest.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest"))?;
+        let served = self.lock_served().get(&p.id).filter(|(sig, _)| *sig == claim.signature).map(|(_, c)| c.clone());
+        let served = served.unwrap_or_default();
+        let unserved: Vec<u32> = (0..manifest.chunks.len() as u32).filter(|c| !served.contains_key(c)).collect();
+        if !unserved.is_empty() {
+            return Err(Refusal::new(
+                RefusalCode::NotLoaded,
+                "restore_digest",
+                format!(
+                    "publication {}: chunks {unserved:?} were never loaded through the data plane for this claim (since it was adopted, or since the daemon restarted); load every chunk, then ack",
+                    p.id
+                ),
+            )
+            .into());
+        }
+        let crcs: Vec<u32> = served.values().copied().collect();
+        let expected = restore_digest(&self.signer.restore_nonce(&claim.signature), &crcs);
         if restore != expected {
             return Err(Refusal::new(
                 RefusalCode::RestoreMismatch,
                 "restore_digest",
-                "the restored bytes are not the published ones",
+                "not the digest of this claim's nonce and the chunks it loaded: the restored bytes are not the ones served",
             )
             .into());
         }
         self.store.ack(p.id, restore)?;
-        self.note(who, Event::new("ack").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        self.lock_served().remove(&p.id);
+        let mut e = Event::new("ack").claim(claim);
+        e.digest = Some(restore.to_owned());
+        self.note(who, e);
         Ok(())
     }
 
@@ -652,10 +698,8 @@ impl Service {
         let p = self.check(claim, ReceiptKind::Claim)?;
         Self::check_claimant(who, &p, "fail")?;
         self.store.fail(p.id, reason)?;
-        self.note(
-            who,
-            Event::new("fail").req(&claim.req_id).publication(p.id).receipt(&claim.signature).detail(reason),
-        );
+        self.lock_served().remove(&p.id);
+        self.note(who, Event::new("fail").claim(claim).detail(reason));
         Ok(())
     }
 
@@ -715,7 +759,8 @@ impl Service {
             .into());
         }
         self.store.reclaim(p.id)?;
-        self.note(who, Event::new("reclaim").req(&claim.req_id).publication(p.id).receipt(&claim.signature));
+        self.lock_served().remove(&p.id);
+        self.note(who, Event::new("reclaim").claim(claim));
         Ok(())
     }
 

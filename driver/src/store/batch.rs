@@ -67,7 +67,7 @@ pub struct StoreBatch {
 }
 
 /// Where a request stands after one of its batches settled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchOutcome {
     /// Chunks stored so far.
     pub completed: u32,
@@ -75,6 +75,8 @@ pub struct BatchOutcome {
     pub total: u32,
     /// Every chunk stored, the last batch seen, none in flight: publish may follow.
     pub publishable: bool,
+    /// Each chunk of this batch's crc32c as stored, in batch order.
+    pub crcs: Vec<u32>,
 }
 
 /// One chunk to load: where to put it.
@@ -245,18 +247,21 @@ impl Store {
             }
             return Err(StoreError::AbortedInFlight { publication: id });
         }
-        let failure = match io {
+        let recorded = match io {
             Ok(results) => self.record_chunks(&mut live, batch, results)?,
-            Err(StoreError::Io(e)) => Some(e),
+            Err(StoreError::Io(e)) => Err(e),
             Err(other) => {
                 self.rollback_locked(&mut live, id, format!("store batch failed: {other}"))?;
                 return Err(other);
             }
         };
-        if let Some(source) = failure {
-            self.rollback_locked(&mut live, id, format!("store batch failed: {source}"))?;
-            return Err(StoreError::BatchFailed { publication: id, source });
-        }
+        let crcs = match recorded {
+            Ok(crcs) => crcs,
+            Err(source) => {
+                self.rollback_locked(&mut live, id, format!("store batch failed: {source}"))?;
+                return Err(StoreError::BatchFailed { publication: id, source });
+            }
+        };
         let total = live.state.pubs.get(&id).map_or(0, |p| p.total_chunks);
         let b = live.batches.entry(id).or_default();
         b.completed += batch.chunks.len() as u32;
@@ -265,32 +270,34 @@ impl Store {
             completed: b.completed,
             total,
             publishable: b.completed == total && b.last_seen && b.inflight == 0,
+            crcs,
         })
     }
 
     /// Checks each written chunk's checksum and, if all hold, journals their
-    /// ALLOC records. Returns the first failure (nothing journaled then).
+    /// ALLOC records and returns the checksums. Returns the first failure
+    /// (nothing journaled then).
     fn record_chunks(
         &self,
         live: &mut Live,
         batch: &StoreBatch,
         results: PayloadResults,
-    ) -> Result<Option<IoError>, StoreError> {
+    ) -> Result<Result<Vec<u32>, IoError>, StoreError> {
         let id = batch.publication;
         assert_eq!(results.len(), batch.chunks.len(), "publication {id}: one result per chunk written");
         let mut crcs = Vec::with_capacity(batch.chunks.len());
         for (c, r) in batch.chunks.iter().zip(results) {
             match r.and_then(|read| chunk_checksum(id, c, read)) {
                 Ok(crc) => crcs.push((c, crc)),
-                Err(e) => return Ok(Some(e)),
+                Err(e) => return Ok(Err(e)),
             }
         }
         let slots = live.state.pubs.get(&id).map(|p| p.slots.clone()).unwrap_or_default();
-        for (c, crc) in crcs {
+        for &(c, crc) in &crcs {
             let slot = slots[c.index as usize];
             self.log(live, Record::Alloc { publication: id, chunk: c.index, slot, len: c.len, crc32c: crc })?;
         }
-        Ok(None)
+        Ok(Ok(crcs.into_iter().map(|(_, crc)| crc).collect()))
     }
 
     /// Step 3: READY. Only when every chunk is stored and the last batch was
@@ -311,8 +318,14 @@ impl Store {
             }
             let chunks: Option<Vec<ChunkEntry>> = p.chunks.iter().copied().collect();
             let chunks = chunks.ok_or(Invariant::MissingEntry(id))?;
-            let m =
-                Manifest { publication: id, req_id: p.req_id.clone(), layout: p.layout.clone(), chunks, first_token };
+            let m = Manifest {
+                publication: id,
+                req_id: p.req_id.clone(),
+                layout: p.layout.clone(),
+                chunks,
+                first_token,
+                restore_nonce: None,
+            };
             if let Some(b) = live.batches.get_mut(&id) {
                 b.published = true;
             }

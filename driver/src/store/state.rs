@@ -70,6 +70,12 @@ pub struct Manifest {
     pub chunks: Vec<ChunkEntry>,
     /// The token the reader continues from, if the writer gave one.
     pub first_token: Option<u32>,
+    /// The claim's restore nonce, only in the manifest `adopt` answers: the
+    /// ack's digest binds it to the chunks loaded for that claim
+    /// ([`crate::protocol::service::restore_digest`]). Never stored, and not
+    /// part of the manifest digest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_nonce: Option<String>,
 }
 
 /// Where a publication is in its life (DESIGN §4).
@@ -480,8 +486,14 @@ mod tests {
     fn lifecycle_frees_slots_exactly_once() {
         let mut s = State::new(4, 4096, 0);
         s.apply(&prepare(1, vec![2, 3])).unwrap();
-        let m =
-            Manifest { publication: 1, req_id: "r1".into(), layout: test_layout(), chunks: vec![], first_token: None };
+        let m = Manifest {
+            publication: 1,
+            req_id: "r1".into(),
+            layout: test_layout(),
+            chunks: vec![],
+            first_token: None,
+            restore_nonce: None,
+        };
         s.apply(&Record::Publish { publication: 1, manifest: m }).unwrap();
         let claim = Record::Claim {
             publication: 1,

@@ -7,6 +7,7 @@
 //! one. [`check`] verifies a timeline; [`render`] draws it.
 
 pub mod check;
+pub mod mutate;
 pub mod render;
 
 use std::fs::File;
@@ -63,6 +64,23 @@ pub struct Event {
     /// What failed or was refused, or which control a step belongs to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detail: Option<String>,
+    /// A chunk's crc32c: as stored (store), as read into the reader's buffer
+    /// (load, where the daemon can read that memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32c: Option<u32>,
+    /// Every chunk's crc32c in chunk order (the daemon's publish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crcs: Option<Vec<u32>>,
+    /// The claimed reader and its session (claim, adopt, load, ack, and the
+    /// reader's own decode lines).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reader: Option<String>,
+    /// The claim's session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// The claim's restore nonce (adopt).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nonce: Option<String>,
     /// Who asked for the step, as the daemon proved it (`uid:1000 (tenant a, writer)`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
@@ -86,6 +104,15 @@ impl Event {
     /// With the chunk.
     pub fn chunk(mut self, c: u32) -> Self {
         self.chunk = Some(c);
+        self
+    }
+    /// With a claim receipt: its request, publication, signature, reader and session.
+    pub fn claim(mut self, r: &crate::protocol::Receipt) -> Self {
+        self.req_id = Some(r.req_id.clone());
+        self.publication = Some(r.publication);
+        self.receipt = Some(r.signature.clone());
+        self.reader = r.reader.clone();
+        self.session = r.session.clone();
         self
     }
     /// With the receipt's signature.

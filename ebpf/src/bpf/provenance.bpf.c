@@ -230,13 +230,24 @@ int BPF_KPROBE(on_iowq_work, struct io_wq_work *work)
 }
 
 /* iomap_dio_rw_begin(iocb, iter, dio_flags, done_before): a registered
- * buffer reaches the filesystem as a bvec iterator, user memory as ubuf/iovec. */
+ * buffer reaches the filesystem as a bvec iterator, user memory as ubuf/iovec.
+ * Every direct I/O of this process is io_uring's, whose kiocb is the first
+ * member of the request (struct io_rw in io_kiocb's command area, at offset
+ * 0): its user_data names the transfer exactly, on whichever thread issues
+ * it — an io-wq worker included, where no kprobe tells us (kernels where
+ * kprobes cannot attach). A user_data that names no transfer we saw
+ * submitted falls back to the thread's. */
 SEC("tp_btf/iomap_dio_rw_begin")
 int BPF_PROG(on_dio_begin, struct kiocb *iocb, struct iov_iter *iter, unsigned int dio_flags, size_t done_before)
 {
 	if (!ours())
 		return 0;
-	struct transfer_signals *s = current_signals();
+	struct io_kiocb *req = (void *)iocb;
+	struct transfer_key key = { .transfer = BPF_CORE_READ(req, cqe.user_data) >> PDSTOR_SEGMENT_BITS };
+	struct transfer_signals *s = key.transfer ? bpf_map_lookup_elem(&signals, &key) : NULL;
+
+	if (!s)
+		s = current_signals();
 
 	if (!s)
 		return 0;

@@ -266,7 +266,9 @@ fn handoff_at(
     if let Some(at) = pdstor::payload::first_difference(&payload, &back) {
         return Err(format!("the reader's {} buffer differs from the writer's at byte {at}", reader.0));
     }
-    let digest = pdstor::protocol::service::restore_digest(&loaded.crc32c);
+    // The bytes were just compared with the writer's: their crcs are the manifest's.
+    let crcs: Vec<u32> = manifest.chunks.iter().map(|c| c.crc32c).collect();
+    let digest = pdstor::protocol::service::restore_digest(manifest.restore_nonce.as_deref().unwrap_or(""), &crcs);
     client.ack(&claim, &digest).map_err(e("ack"))?;
     Ok(())
 }

@@ -145,11 +145,12 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
         };
-        client.adopt(&adopt)?;
+        let manifest = client.adopt(&adopt)?;
         lap(&mut times);
         let loaded = data.load(&claim, vec![chunk])?;
         lap(&mut times);
-        client.ack(&claim, &crate::protocol::service::restore_digest(&loaded.crc32c))?;
+        let nonce = manifest.restore_nonce.unwrap_or_default();
+        client.ack(&claim, &crate::protocol::service::restore_digest(&nonce, &loaded.crc32c))?;
         lap(&mut times);
         for (k, us) in steps.iter().zip(times) {
             if let Some(h) = hist.get_mut(k) {

@@ -129,7 +129,10 @@ impl Run<'_> {
         let (p, published) = self.one("control-dup-ack", 8, None)?;
         let claim = self.claim(&published.receipt, "control-dup-ack")?;
         self.restore(&p, claim.clone(), 8, None, ReaderMode::Restore)?;
+        // The reader process acked with the claim's nonce; any digest will do
+        // for the second ack, which must be refused for the ack already made.
         let digest = crate::protocol::service::restore_digest(
+            "",
             &published.manifest.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>(),
         );
         match self.client().ack(&claim, &digest) {

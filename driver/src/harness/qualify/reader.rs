@@ -88,7 +88,7 @@ pub fn reader_main(job: &ReaderJob) -> anyhow::Result<Vec<ReaderOutcome>> {
     let mut out = Vec::new();
     for r in &job.requests {
         let claim = &r.claim;
-        let note = |e: Event| tl.emit(e.req(&r.req_id).publication(claim.publication).receipt(&claim.signature));
+        let note = |e: Event| tl.emit(e.claim(claim));
         let manifest = reader.adopt(claim, &r.layout)?;
         let first = manifest.first_token.context("the manifest carries no producer token")?;
         match r.mode {
@@ -141,7 +141,9 @@ pub fn reader_main(job: &ReaderJob) -> anyhow::Result<Vec<ReaderOutcome>> {
             runs.push(c);
         }
         reader.client.ack(claim, &digest)?;
-        note(Event::new("ack"));
+        let mut e = Event::new("ack");
+        e.digest = Some(digest);
+        note(e);
         let warm = runs.pop();
         out.push(ReaderOutcome { req_id: r.req_id.clone(), cold: runs.pop(), warm, error: None });
     }
