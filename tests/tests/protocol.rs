@@ -472,13 +472,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     let kinds: Vec<(&str, usize)> = report.violations.iter().map(|v| (v.kind, v.line)).collect();
     assert_eq!(
         kinds,
-        [
-            ("not_native", 2),
-            ("not_native", 3),
-            ("not_native", 7),
-            ("not_native", 8),
-            ("causality", 9)
-        ],
+        [("not_native", 2), ("not_native", 3), ("not_native", 7), ("not_native", 8), ("causality", 9)],
         "{:#?}",
         report.violations
     );

@@ -35,6 +35,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("libssl-dev", "building the series guest kernel (certificate tooling)"),
     ("dwarves", "pahole: BTF in the series guest kernel, for the probes"),
     ("patch", "applying the kernel patch series"),
+    ("chromium", "rendering the timeline SVG headless in its screenshot test"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {

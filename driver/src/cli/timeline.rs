@@ -38,13 +38,18 @@ pub enum TimelineCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Draw the timeline: a lane per node, transfers as bars by path and verdict, steps as markers.
+    /// Draw the timeline: a row per publication on its own compressed time axis, its steps with
+    /// causal arrows, its chunks' stores and loads stacked by chunk (fill by path, red for a
+    /// fallback verdict), failures labelled; tooltips on every mark.
     Render {
         /// The JSON-lines timeline to draw.
         file: PathBuf,
         /// The SVG file to write.
         #[arg(short, long, default_value = "timeline.svg")]
         output: PathBuf,
+        /// The picture's title (default: the timeline's path).
+        #[arg(long)]
+        title: Option<String>,
     },
 }
 
@@ -53,7 +58,7 @@ impl TimelineCmd {
         match self {
             TimelineCmd::Check { file, require_path, json } => check(&file, require_path, json),
             TimelineCmd::Mutate { file, require_path, out, json } => mutate(&file, require_path, out.as_deref(), json),
-            TimelineCmd::Render { file, output } => render(&file, &output),
+            TimelineCmd::Render { file, output, title } => render(&file, &output, title),
         }
     }
 }
@@ -88,14 +93,15 @@ fn check(file: &std::path::Path, require_path: PayloadPath, json: bool) -> anyho
     Ok(())
 }
 
-fn render(file: &std::path::Path, output: &std::path::Path) -> anyhow::Result<()> {
+fn render(file: &std::path::Path, output: &std::path::Path, title: Option<String>) -> anyhow::Result<()> {
     let lines = pdstor::timeline::read(file)?;
     let bad: Vec<usize> = lines.iter().filter(|(_, e)| e.is_err()).map(|(n, _)| *n).collect();
     if !bad.is_empty() {
         anyhow::bail!("{}: lines {bad:?} are not timeline events (run `pdstor timeline check`)", file.display());
     }
     let events: Vec<_> = lines.into_iter().filter_map(|(_, e)| e.ok()).collect();
-    let svg = pdstor::timeline::render::render(&events, &file.display().to_string());
+    let title = title.unwrap_or_else(|| file.display().to_string());
+    let svg = pdstor::timeline::render::render(&events, &title);
     std::fs::write(output, svg).map_err(|e| anyhow::anyhow!("writing {}: {e}", output.display()))?;
     println!("{}: {} events drawn", output.display(), events.len());
     Ok(())

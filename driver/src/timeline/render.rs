@@ -1,178 +1,628 @@
-//! `pdstor timeline render`: one SVG picture of a timeline. One lane per node;
-//! chunk stores and loads as bars (fill by path, outline by verdict);
-//! protocol steps as labelled markers; refusals and failures in red.
+//! `pdstor timeline render`: one SVG picture of a timeline that a person can
+//! read at its default size.
+//!
+//! - One row per publication (events about none share a last row). In a row:
+//!   the protocol steps as markers on one line (shape by node: daemon circle,
+//!   writer square, reader diamond), the causal arrows between the daemon's
+//!   steps (publish → claim → adopt → ack), then the chunks' stores and loads
+//!   stacked one chunk per line, so the chunks of one batch never cover each
+//!   other.
+//! - The time axis is compressed: a quiet stretch longer than a few typical
+//!   gaps (oracle compute, a lease wait) is drawn a fixed width and marked
+//!   with its real length, so a handoff is not two pixels wide next to it.
+//! - A chunk's fill is its path (`host` orange, `host_fixed` blue,
+//!   `dmabuf_fixed` green); a `fallback` verdict fills it red with a thick
+//!   outline, an unverifiable one is hatched grey. Every fallback or `host`
+//!   chunk is also flagged in the row's margin and by a triangle above its
+//!   bar, so it stands out even when the bar is thin.
+//! - Refusals and failures are labelled in red on lines of their own, placed
+//!   so no two labels overlap; every mark has a plain tooltip.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
 use super::Event;
+use super::check::is_daemon;
 
-const LANE: f64 = 56.0;
-const LEFT: f64 = 150.0;
-const WIDTH: f64 = 1400.0;
-const TOP: f64 = 60.0;
+const WIDTH: f64 = 1600.0;
+const LEFT: f64 = 210.0;
+const RIGHT: f64 = 30.0;
+/// Height of the title, summary and legend above the rows.
+pub const HEADER: f64 = 120.0;
+const LABEL_H: f64 = 12.0;
+const MARKER_LINE: f64 = 26.0;
+/// The width a compressed quiet stretch gets.
+const BREAK_W: f64 = 28.0;
+
+/// Colours; the screenshot test looks for the first two.
+pub const FALLBACK_RED: &str = "#d62728";
+/// `host`: the path with a copy, which must stand out.
+pub const HOST_ORANGE: &str = "#f58518";
+const HOST_FIXED_BLUE: &str = "#4c78a8";
+const DMABUF_GREEN: &str = "#54a24b";
+const FAILURE_RED: &str = "#b2182b";
 
 fn path_colour(path: Option<&str>) -> &'static str {
     match path {
-        Some("host") => "#8da0cb",
-        Some("host_fixed") => "#66c2a5",
-        Some("dmabuf_fixed") => "#fc8d62",
+        Some("host") => HOST_ORANGE,
+        Some("host_fixed") => HOST_FIXED_BLUE,
+        Some("dmabuf_fixed") => DMABUF_GREEN,
         _ => "#bbbbbb",
     }
 }
 
-fn verdict_colour(v: Option<&str>) -> &'static str {
-    match v {
-        Some("native") => "#1b7837",
-        Some(v) if v.starts_with("fallback") => "#d73027",
-        _ => "#777777",
-    }
+fn is_failure(e: &Event) -> bool {
+    matches!(e.event.as_str(), "refused" | "load_failed" | "fail" | "store_failed" | "error" | "cancelled" | "orphaned")
 }
 
-fn is_failure(e: &Event) -> bool {
-    matches!(e.event.as_str(), "refused" | "load_failed" | "fail" | "store_failed" | "error")
+fn is_payload(e: &Event) -> bool {
+    matches!(e.event.as_str(), "store" | "load")
 }
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
 }
 
+/// Plain `key: value` lines for a tooltip: no `Some(…)`, nothing absent.
+fn tooltip(e: &Event, line: usize) -> String {
+    let mut t = format!("{} by {} (line {line}, seq {})", e.event, e.node, e.seq);
+    let mut kv = |k: &str, v: String| {
+        let _ = write!(t, "\n{k}: {v}");
+    };
+    if let Some(p) = e.publication {
+        kv("publication", p.to_string());
+    }
+    if let Some(r) = &e.req_id {
+        kv("request", r.clone());
+    }
+    if let Some(c) = e.chunk {
+        kv("chunk", c.to_string());
+    }
+    if let Some(p) = &e.path {
+        kv("path", p.clone());
+    }
+    if let Some(v) = &e.verdict {
+        kv("verdict", v.clone());
+    }
+    if let Some(b) = e.bytes {
+        kv("bytes", b.to_string());
+    }
+    if let Some(d) = e.dur_ns {
+        kv("took", format!("{:.3} ms", d as f64 / 1e6));
+    }
+    if let Some(c) = e.crc32c {
+        kv("crc32c", format!("{c:#010x}"));
+    }
+    if let Some(n) = e.chunks {
+        kv("chunks", n.to_string());
+    }
+    if let Some(t) = e.token {
+        kv("token", t.to_string());
+    }
+    if let (Some(r), Some(s)) = (&e.reader, &e.session) {
+        kv("reader", format!("{r} (session {s})"));
+    }
+    if let Some(d) = &e.detail {
+        kv("detail", d.clone());
+    }
+    if let Some(b) = &e.by {
+        kv("by", b.clone());
+    }
+    esc(&t)
+}
+
+/// The compressed time axis: real time within busy stretches, a fixed
+/// width for each quiet one.
+struct Axis {
+    /// (real start, compressed start) of each piece, and whether the piece
+    /// before it was a break.
+    pieces: Vec<(u64, f64)>,
+    breaks: Vec<(f64, u64)>,
+    cap: u64,
+    scale: f64,
+    start: u64,
+}
+
+impl Axis {
+    fn new<'a>(events: impl IntoIterator<Item = &'a Event>) -> Axis {
+        let mut times: Vec<u64> =
+            events.into_iter().flat_map(|e| [e.ts_ns.saturating_sub(e.dur_ns.unwrap_or(0)), e.ts_ns]).collect();
+        times.sort_unstable();
+        times.dedup();
+        let start = times.first().copied().unwrap_or(0);
+        let mut gaps: Vec<u64> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        gaps.sort_unstable();
+        // A quiet stretch: longer than 8 typical gaps (and than 100 µs).
+        let typical = gaps.get(gaps.len() * 3 / 4).copied().unwrap_or(1);
+        let cap = (typical * 8).max(100_000);
+        let quiet = gaps.iter().filter(|&&g| g > cap).count();
+        let busy: u64 = gaps.iter().filter(|&&g| g <= cap).sum();
+        let room = WIDTH - LEFT - RIGHT - BREAK_W * quiet as f64;
+        let scale = if busy > 0 { room / busy as f64 } else { 1.0 };
+        let mut pieces = vec![(start, 0.0)];
+        let mut breaks = Vec::new();
+        let mut px = 0.0;
+        for w in times.windows(2) {
+            let gap = w[1] - w[0];
+            if gap > cap {
+                breaks.push((px, gap));
+                px += BREAK_W;
+            } else {
+                px += gap as f64 * scale;
+            }
+            pieces.push((w[1], px));
+        }
+        Axis { pieces, breaks, cap, scale, start }
+    }
+
+    /// x of a real time.
+    fn x(&self, t: u64) -> f64 {
+        let i = self.pieces.partition_point(|&(pt, _)| pt <= t).saturating_sub(1);
+        let (pt, px) = self.pieces.get(i).copied().unwrap_or((self.start, 0.0));
+        let within = (t.saturating_sub(pt)).min(self.cap) as f64 * self.scale;
+        let next = self.pieces.get(i + 1).map_or(f64::MAX, |p| p.1);
+        LEFT + (px + within).min(next)
+    }
+}
+
+/// A publication's row: its events, and what it needs drawn.
+struct Row<'a> {
+    label: String,
+    events: Vec<(usize, &'a Event)>,
+    chunks: u32,
+}
+
+impl Row<'_> {
+    fn chunk_h(&self) -> f64 {
+        (96.0 / self.chunks.max(1) as f64).clamp(3.0, 10.0)
+    }
+    fn stack_h(&self) -> f64 {
+        self.chunk_h() * self.chunks as f64
+    }
+}
+
+/// Greedy label placement: each label goes on the first line where it does
+/// not overlap the last label there.
+struct Lines(Vec<f64>);
+
+impl Lines {
+    fn place(&mut self, x: f64, width: f64) -> usize {
+        for (i, end) in self.0.iter_mut().enumerate() {
+            if x > *end + 4.0 {
+                *end = x + width;
+                return i;
+            }
+        }
+        self.0.push(x + width);
+        self.0.len() - 1
+    }
+}
+
+fn text_width(s: &str) -> f64 {
+    6.0 * s.chars().count() as f64
+}
+
 /// Renders `events` (in file order) as an SVG document.
 pub fn render(events: &[Event], title: &str) -> String {
-    let mut lanes: BTreeMap<&str, usize> = BTreeMap::new();
-    let mut order: Vec<&str> = Vec::new();
-    for e in events {
-        if !lanes.contains_key(e.node.as_str()) {
-            lanes.insert(&e.node, order.len());
-            order.push(&e.node);
+    let mut rows: BTreeMap<u64, Row> = BTreeMap::new();
+    let mut other = Row { label: "no publication".into(), events: Vec::new(), chunks: 0 };
+    let mut order: Vec<u64> = Vec::new();
+    let mut nodes: Vec<&str> = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        if !nodes.contains(&e.node.as_str()) {
+            nodes.push(&e.node);
         }
+        let Some(p) = e.publication else {
+            other.events.push((i + 1, e));
+            continue;
+        };
+        let row = rows.entry(p).or_insert_with(|| {
+            order.push(p);
+            Row { label: format!("publication {p}"), events: Vec::new(), chunks: 0 }
+        });
+        if row.label == format!("publication {p}")
+            && let Some(r) = &e.req_id
+        {
+            row.label = format!("publication {p} ({r})");
+        }
+        if let Some(c) = e.chunk.filter(|_| is_payload(e)) {
+            row.chunks = row.chunks.max(c + 1);
+        }
+        if let Some(n) = e.chunks {
+            row.chunks = row.chunks.max(n);
+        }
+        row.events.push((i + 1, e));
     }
+    let mut all: Vec<Row> = order.into_iter().filter_map(|p| rows.remove(&p)).collect();
+    if !other.events.is_empty() {
+        all.push(other);
+    }
+
+    let mut body = String::new();
+    let mut y = HEADER;
+    let mut flagged = 0usize;
+    let mut quiet = 0usize;
     let start = events.iter().map(|e| e.ts_ns.saturating_sub(e.dur_ns.unwrap_or(0))).min().unwrap_or(0);
-    let end = events.iter().map(|e| e.ts_ns).max().unwrap_or(start + 1).max(start + 1);
-    let span = (end - start) as f64;
-    let x = |ts: u64| LEFT + (ts.saturating_sub(start)) as f64 / span * (WIDTH - LEFT - 40.0);
-    let height = TOP + LANE * order.len() as f64 + 90.0;
+    for (n, row) in all.iter().enumerate() {
+        let axis = Axis::new(row.events.iter().map(|(_, e)| *e));
+        quiet += axis.breaks.len();
+        let h = draw_row(&mut body, &axis, row, y, n, start, &mut flagged);
+        y += h;
+    }
+    let height = y + 30.0;
     let mut s = String::new();
     let _ = writeln!(
         s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" font-family="sans-serif" font-size="11">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height:.0}" viewBox="0 0 {WIDTH} {height:.0}" font-family="sans-serif" font-size="11">"#
     );
-    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
     let _ = writeln!(
         s,
-        r##"<text x="10" y="22" font-size="15" font-weight="bold">{}</text><text x="10" y="40" fill="#555">{} events over {:.3} ms</text>"##,
+        r##"<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#444"/></marker><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="6" height="6" fill="#dddddd"/><line x1="0" y1="0" x2="0" y2="6" stroke="#888" stroke-width="2"/></pattern></defs>"##
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let span = events.iter().map(|e| e.ts_ns).max().unwrap_or(start).saturating_sub(start);
+    let _ = writeln!(
+        s,
+        r##"<text x="10" y="20" font-size="15" font-weight="bold">{}</text><text x="10" y="38" fill="#555">{} events, {} rows, {} in all; each row on its own time axis, {quiet} quiet stretches compressed (each drawn {BREAK_W} px, its length written on it); {flagged} chunks flagged</text>"##,
         esc(title),
         events.len(),
-        span / 1e6
+        all.len(),
+        human(span),
     );
-    for (i, node) in order.iter().enumerate() {
-        let y = TOP + LANE * i as f64;
-        let _ = writeln!(
-            s,
-            r##"<rect x="0" y="{y}" width="{WIDTH}" height="{LANE}" fill="{}"/><text x="10" y="{}" font-weight="bold">{}</text><line x1="{LEFT}" y1="{}" x2="{}" y2="{}" stroke="#ccc"/>"##,
-            if i % 2 == 0 { "#f7f7f7" } else { "#ffffff" },
-            y + LANE / 2.0 + 4.0,
-            esc(node),
-            y + LANE / 2.0,
-            WIDTH - 30.0,
-            y + LANE / 2.0
-        );
-    }
-    // Where each lane's last label ended: a label that would overlap it is
-    // left to the marker's tooltip (failures are always labelled).
-    let mut label_end = vec![f64::MIN; order.len()];
-    for e in events {
-        let lane = lanes.get(e.node.as_str()).copied().unwrap_or(0);
-        let y = TOP + LANE * lane as f64;
-        let tip = esc(&format!(
-            "{} {} pub {:?} chunk {:?} path {:?} verdict {:?} {}",
-            e.node,
-            e.event,
-            e.publication,
-            e.chunk,
-            e.path,
-            e.verdict,
-            e.detail.as_deref().unwrap_or("")
-        ));
-        if matches!(e.event.as_str(), "store" | "load") {
-            let x1 = x(e.ts_ns.saturating_sub(e.dur_ns.unwrap_or(0)));
-            let w = (x(e.ts_ns) - x1).max(2.0);
-            let (y0, h) = if e.event == "store" { (y + 8.0, 16.0) } else { (y + LANE - 24.0, 16.0) };
-            let _ = writeln!(
-                s,
-                r#"<rect x="{x1:.1}" y="{y0}" width="{w:.1}" height="{h}" fill="{}" stroke="{}" stroke-width="1.5"><title>{tip}</title></rect>"#,
-                path_colour(e.path.as_deref()),
-                verdict_colour(e.verdict.as_deref())
-            );
-        } else {
-            let cx = x(e.ts_ns);
-            let cy = y + LANE / 2.0;
-            let (fill, r) = if is_failure(e) { ("#d73027", 6.0) } else { ("#2166ac", 4.5) };
-            let _ =
-                writeln!(s, r#"<circle cx="{cx:.1}" cy="{cy}" r="{r}" fill="{fill}"><title>{tip}</title></circle>"#);
-            let half = 2.8 * e.event.len() as f64;
-            if cx - half > label_end[lane] || is_failure(e) {
-                label_end[lane] = cx + half + 4.0;
-                let _ = writeln!(
-                    s,
-                    r#"<text x="{cx:.1}" y="{}" text-anchor="middle" fill="{fill}" font-size="9">{}</text>"#,
-                    cy - 8.0,
-                    esc(&e.event)
-                );
-            }
-        }
-    }
-    legend(&mut s, TOP + LANE * order.len() as f64 + 30.0);
+    legend(&mut s, &nodes);
+    s.push_str(&body);
     s.push_str("</svg>\n");
     s
 }
 
-/// The colour key and what the marks mean, below the lanes at `ly`.
-fn legend(s: &mut String, ly: f64) {
-    let legend = [
-        ("host", path_colour(Some("host"))),
-        ("host_fixed", path_colour(Some("host_fixed"))),
-        ("dmabuf_fixed", path_colour(Some("dmabuf_fixed"))),
-    ];
-    for (i, (name, colour)) in legend.iter().enumerate() {
-        let lx = LEFT + 150.0 * i as f64;
+fn human(ns: u64) -> String {
+    match ns {
+        n if n >= 1_000_000_000 => format!("{:.2} s", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.1} ms", n as f64 / 1e6),
+        n => format!("{:.0} µs", n as f64 / 1e3),
+    }
+}
+
+/// Draws one row at `y`; returns its height.
+#[allow(clippy::too_many_arguments)]
+fn draw_row(s: &mut String, axis: &Axis, row: &Row, y: f64, n: usize, t0: u64, flagged: &mut usize) -> f64 {
+    let mut marks = String::new();
+    // Labels of steps (above the marker line) and of failures (below the stacks).
+    let mut step_lines = Lines(Vec::new());
+    let mut fail_lines = Lines(Vec::new());
+    let mut step_labels = Vec::new();
+    let mut fail_labels = Vec::new();
+    let mut markers = Vec::new();
+    let mut flags = Vec::new();
+    for &(line, e) in &row.events {
+        if is_payload(e) {
+            continue;
+        }
+        let x = axis.x(e.ts_ns);
+        if is_failure(e) {
+            let label = format!("{}: {}", e.event, e.detail.as_deref().unwrap_or(""));
+            let label: String = label.chars().take(90).collect();
+            // Kept inside the picture: a label that would run off the right
+            // edge ends at it instead.
+            let lx = x.min(WIDTH - RIGHT - text_width(&label)).max(LEFT);
+            let l = fail_lines.place(lx, text_width(&label));
+            fail_labels.push((x, lx, l, label, tooltip(e, line)));
+        } else {
+            let l = step_lines.place(x - text_width(&e.event) / 2.0, text_width(&e.event));
+            step_labels.push((x, l, e.event.clone()));
+        }
+        markers.push((x, e, line));
+    }
+    let label_h = LABEL_H * step_lines.0.len().max(1) as f64;
+    let marker_y = y + 6.0 + label_h + 6.0;
+    let stores_y = marker_y + MARKER_LINE;
+    let ch = row.chunk_h();
+    let loads_y = stores_y + row.stack_h().max(12.0) + 6.0;
+    let fails_y = loads_y + row.stack_h().max(12.0) + 6.0;
+    let stores_label_y = (stores_y + 9.0).max(marker_y + 30.0);
+    let loads_label_y = (loads_y + 9.0).max(stores_label_y + 12.0);
+    // Fallback and host chunks, flagged in the margin (at most 4 lines).
+    let flag_count = row
+        .events
+        .iter()
+        .filter(|(_, e)| {
+            is_payload(e)
+                && (e.verdict.as_deref().is_some_and(|v| v.starts_with("fallback"))
+                    || e.path.as_deref() == Some("host"))
+        })
+        .count()
+        .min(4);
+    let flags_y = loads_label_y + 14.0;
+    let height = ((fails_y - y) + LABEL_H * fail_lines.0.len() as f64 + 10.0)
+        .max(loads_label_y - y + 8.0)
+        .max(flags_y + 11.0 * flag_count as f64 - y + 4.0);
+
+    let _ = writeln!(
+        s,
+        r##"<rect x="0" y="{y:.1}" width="{WIDTH}" height="{height:.1}" fill="{}"/><text x="8" y="{:.1}" font-weight="bold">{}</text><line x1="{LEFT}" y1="{marker_y:.1}" x2="{}" y2="{marker_y:.1}" stroke="#ccc"/>"##,
+        if n.is_multiple_of(2) { "#fafafa" } else { "#ffffff" },
+        marker_y + 4.0,
+        esc(&row.label),
+        WIDTH - RIGHT
+    );
+    let first = row.events.iter().map(|(_, e)| e.ts_ns.saturating_sub(e.dur_ns.unwrap_or(0))).min().unwrap_or(t0);
+    let last = row.events.iter().map(|(_, e)| e.ts_ns).max().unwrap_or(first);
+    let _ = writeln!(
+        s,
+        r##"<text x="8" y="{:.1}" fill="#555" font-size="10">from +{} for {}</text>"##,
+        marker_y + 16.0,
+        human(first.saturating_sub(t0)),
+        human(last - first)
+    );
+    let mut break_labels = Lines(Vec::new());
+    for &(px, gap) in &axis.breaks {
+        let x = LEFT + px;
+        let text = format!("≈{}", human(gap));
+        // One line of break labels; one that would overlap its neighbour is
+        // left to the tooltip.
+        let label = if break_labels.place(x + BREAK_W / 2.0 - text_width(&text) * 0.4, text_width(&text) * 0.8) == 0 {
+            format!(
+                r##"<text x="{:.1}" y="{:.1}" font-size="9" fill="#666" text-anchor="middle">{}</text>"##,
+                x + BREAK_W / 2.0,
+                marker_y + 18.0,
+                esc(&text)
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            r#"<rect x="{lx}" y="{ly}" width="14" height="10" fill="{colour}"/><text x="{}" y="{}">{name}</text>"#,
-            lx + 18.0,
-            ly + 9.0
+            r##"<g><rect x="{x:.1}" y="{:.1}" width="{BREAK_W}" height="{:.1}" fill="#eeeeee"/><path d="M{:.1},{:.1} l5,-5 l5,10 l5,-10 l5,10 l5,-5" stroke="#888" fill="none"/>{label}<title>{} with nothing recorded, drawn {BREAK_W} px wide</title></g>"##,
+            marker_y - 8.0,
+            height - (marker_y - 8.0 - y),
+            x + 1.5,
+            marker_y,
+            human(gap)
         );
+    }
+    if row.chunks > 0 {
+        let _ = writeln!(
+            s,
+            r##"<text x="8" y="{:.1}" fill="#555" font-size="10">stores ({} chunks)</text><text x="8" y="{:.1}" fill="#555" font-size="10">loads</text>"##,
+            stores_label_y, row.chunks, loads_label_y
+        );
+    }
+    // Chunks, stacked by index.
+    for &(line, e) in &row.events {
+        if !is_payload(e) {
+            continue;
+        }
+        let chunk = e.chunk.unwrap_or(0) as f64;
+        let top = if e.event == "store" { stores_y } else { loads_y } + chunk * ch;
+        let x1 = axis.x(e.ts_ns.saturating_sub(e.dur_ns.unwrap_or(0)));
+        let w = (axis.x(e.ts_ns) - x1).max(3.0);
+        let verdict = e.verdict.as_deref().unwrap_or("");
+        let fallback = verdict.starts_with("fallback");
+        let unverified = !fallback && verdict != "native";
+        let host = e.path.as_deref() == Some("host");
+        let (fill, stroke, sw) = if fallback {
+            (FALLBACK_RED, "#000000", 1.5)
+        } else if unverified {
+            ("url(#hatch)", "#666666", 0.5)
+        } else {
+            (path_colour(e.path.as_deref()), "#1b1b1b", 0.3)
+        };
+        let _ = writeln!(
+            marks,
+            r#"<rect x="{x1:.1}" y="{top:.1}" width="{w:.1}" height="{:.1}" fill="{fill}" stroke="{stroke}" stroke-width="{sw}"><title>{}</title></rect>"#,
+            (ch - 0.6).max(2.0),
+            tooltip(e, line)
+        );
+        if fallback || host {
+            // A triangle above the bar and a flag in the margin: visible at
+            // any bar width.
+            let colour = if fallback { FALLBACK_RED } else { HOST_ORANGE };
+            let cx = x1 + w / 2.0;
+            let ty = if e.event == "store" { stores_y } else { loads_y } - 1.0;
+            let _ = writeln!(
+                marks,
+                r#"<path d="M{:.1},{:.1} l5,-9 l-10,0 z" fill="{colour}" stroke="{colour}"><title>{}</title></path>"#,
+                cx + 5.0,
+                ty,
+                tooltip(e, line)
+            );
+            flags.push((
+                colour,
+                format!(
+                    "chunk {} {}: {}",
+                    e.chunk.unwrap_or(0),
+                    e.event,
+                    if fallback { verdict } else { "host (a copy)" }
+                ),
+            ));
+            *flagged += 1;
+        }
+    }
+    // Causal arrows between the daemon's steps, arcing above the marker line.
+    let chain: Vec<f64> = row
+        .events
+        .iter()
+        .filter(|(_, e)| is_daemon(&e.node) && matches!(e.event.as_str(), "publish" | "claim" | "adopt" | "ack"))
+        .map(|(_, e)| axis.x(e.ts_ns))
+        .collect();
+    for w in chain.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if b - a < 6.0 {
+            continue;
+        }
+        let lift = ((b - a) / 4.0).clamp(6.0, label_h + 4.0);
+        let _ = writeln!(
+            marks,
+            r##"<path d="M{:.1},{:.1} Q{:.1},{:.1} {:.1},{:.1}" stroke="#444" fill="none" stroke-width="1" marker-end="url(#arrow)"/>"##,
+            a + 3.0,
+            marker_y - 3.0,
+            (a + b) / 2.0,
+            marker_y - 3.0 - lift,
+            b - 4.0,
+            marker_y - 3.0
+        );
+    }
+    for (x, e, line) in &markers {
+        let fill = if is_failure(e) {
+            FAILURE_RED
+        } else if is_daemon(&e.node) {
+            "#2166ac"
+        } else {
+            "#7b3294"
+        };
+        let shape = if is_daemon(&e.node) {
+            format!(r#"<circle cx="{x:.1}" cy="{marker_y:.1}" r="4.5" fill="{fill}">"#)
+        } else if e.node.starts_with("reader") {
+            format!(r#"<path d="M{x:.1},{:.1} l5,5 l-5,5 l-5,-5 z" fill="{fill}">"#, marker_y - 5.0)
+        } else {
+            format!(r#"<rect x="{:.1}" y="{:.1}" width="8" height="8" fill="{fill}">"#, x - 4.0, marker_y - 4.0)
+        };
+        let close = if shape.starts_with("<circle") {
+            "</circle>"
+        } else if shape.starts_with("<path") {
+            "</path>"
+        } else {
+            "</rect>"
+        };
+        let _ = writeln!(marks, "{shape}<title>{}</title>{close}", tooltip(e, *line));
+    }
+    for (x, l, label) in step_labels {
+        let _ = writeln!(
+            marks,
+            r##"<text x="{x:.1}" y="{:.1}" text-anchor="middle" fill="#333" font-size="10">{}</text>"##,
+            y + 6.0 + LABEL_H * (l as f64 + 1.0) - 2.0,
+            esc(&label)
+        );
+    }
+    for (x, lx, l, label, tip) in fail_labels {
+        let _ = writeln!(
+            marks,
+            r##"<text x="{lx:.1}" y="{:.1}" fill="{FAILURE_RED}" font-size="10">{}<title>{tip}</title></text><line x1="{x:.1}" y1="{marker_y:.1}" x2="{x:.1}" y2="{:.1}" stroke="{FAILURE_RED}" stroke-dasharray="2,2"/>"##,
+            fails_y + LABEL_H * (l as f64 + 1.0) - 2.0,
+            esc(&label),
+            fails_y + LABEL_H * l as f64
+        );
+    }
+    for (i, (colour, text)) in flags.iter().enumerate().take(4) {
+        let _ = writeln!(
+            marks,
+            r#"<text x="8" y="{:.1}" fill="{colour}" font-size="10" font-weight="bold">⚠ {}</text>"#,
+            flags_y + 11.0 * i as f64,
+            esc(text)
+        );
+    }
+    s.push_str(&marks);
+    height
+}
+
+/// Draws a legend swatch at (x, y).
+type Swatch = fn(f64, f64) -> String;
+
+/// The key: paths, verdicts, markers, arrows, breaks, and the nodes.
+fn legend(s: &mut String, nodes: &[&str]) {
+    let y = 52.0;
+    let swatches: [(&str, Swatch); 10] = [
+        ("host (copy)", |x, y| format!(r#"<rect x="{x:.1}" y="{y}" width="14" height="10" fill="{HOST_ORANGE}"/>"#)),
+        ("host_fixed", |x, y| format!(r#"<rect x="{x:.1}" y="{y}" width="14" height="10" fill="{HOST_FIXED_BLUE}"/>"#)),
+        ("dmabuf_fixed", |x, y| format!(r#"<rect x="{x:.1}" y="{y}" width="14" height="10" fill="{DMABUF_GREEN}"/>"#)),
+        ("fallback verdict", |x, y| {
+            format!(
+                r#"<rect x="{x:.1}" y="{y}" width="14" height="10" fill="{FALLBACK_RED}" stroke="black" stroke-width="1.5"/>"#
+            )
+        }),
+        ("unverifiable", |x, y| format!(r#"<rect x="{x:.1}" y="{y}" width="14" height="10" fill="url(#hatch)"/>"#)),
+        ("daemon step", |x, y| format!(r##"<circle cx="{:.1}" cy="{}" r="4.5" fill="#2166ac"/>"##, x + 7.0, y + 5.0)),
+        ("writer", |x, y| {
+            format!(r##"<rect x="{:.1}" y="{}" width="8" height="8" fill="#7b3294"/>"##, x + 3.0, y + 1.0)
+        }),
+        ("reader", |x, y| format!(r##"<path d="M{:.1},{y} l5,5 l-5,5 l-5,-5 z" fill="#7b3294"/>"##, x + 7.0)),
+        ("refusal / failure", |x, y| {
+            format!(r#"<circle cx="{:.1}" cy="{}" r="4.5" fill="{FAILURE_RED}"/>"#, x + 7.0, y + 5.0)
+        }),
+        ("publish → claim → adopt → ack", |x, y| {
+            format!(r##"<path d="M{x:.1},{} l14,0" stroke="#444" marker-end="url(#arrow)"/>"##, y + 5.0)
+        }),
+    ];
+    let mut x = 10.0;
+    for (text, swatch) in swatches {
+        let _ = writeln!(s, r#"{}<text x="{:.1}" y="{:.1}">{}</text>"#, swatch(x, y), x + 18.0, y + 9.0, esc(text));
+        x += 28.0 + text_width(text);
     }
     let _ = writeln!(
         s,
-        r##"<text x="{LEFT}" y="{}">bars: stores (upper) and loads (lower) by path; outline green = native, red = fallback, grey = unverifiable; red dots: refusals and failures</text>"##,
-        ly + 30.0
+        r##"<text x="10" y="{:.0}" fill="#555">Rows: one per publication; in each, steps on the line, then the chunks' stores and loads, one chunk per line. Hover for values. Nodes:</text>"##,
+        y + 32.0
     );
+    let mut nx = 10.0;
+    for node in nodes {
+        let _ =
+            writeln!(s, r##"<text x="{nx:.1}" y="{:.0}" fill="#333" font-size="10">{}</text>"##, y + 48.0, esc(node));
+        nx += text_width(node) + 14.0;
+        if nx > WIDTH - 100.0 {
+            break;
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::timeline::mutate;
 
     #[test]
-    fn lanes_bars_markers_and_failures_are_drawn() {
-        let ev = |node: &str, event: &str, ts: u64| Event {
-            node: node.into(),
-            event: event.into(),
-            ts_ns: ts,
-            ..Default::default()
-        };
-        let mut store = ev("daemon", "store", 2_000);
-        store.path = Some("host_fixed".into());
-        store.verdict = Some("native".into());
-        store.dur_ns = Some(1_000);
-        let mut refused = ev("daemon", "refused", 3_000);
-        refused.detail = Some("duplicate_ack <&>".into());
-        let svg = render(&[ev("daemon", "prepare", 500), store, ev("reader", "adopt", 2_500), refused], "t & t");
+    fn rows_bars_markers_arrows_and_failures_are_drawn() {
+        let mut t = mutate::example();
+        let mut refused = Event::new("refused").detail("duplicate_ack <&>");
+        refused.node = "daemon-e1".into();
+        refused.publication = Some(7);
+        refused.ts_ns = 100_000;
+        t.push(refused);
+        let svg = render(&t, "t & t");
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-        assert!(svg.contains(">daemon<") && svg.contains(">reader<"), "one lane per node");
-        assert!(svg.contains("fill=\"#66c2a5\" stroke=\"#1b7837\""), "a native host_fixed bar");
-        assert!(svg.contains("fill=\"#d73027\""), "the refusal in red");
+        assert!(svg.contains(">publication 7 (r1)<"), "one row per publication");
+        assert!(svg.contains(">daemon-e1<") && svg.contains(">reader-1<"), "the nodes are named");
+        assert_eq!(
+            svg.matches(&format!("fill=\"{HOST_FIXED_BLUE}\" stroke=")).count(),
+            4,
+            "four native host_fixed bars"
+        );
+        assert_eq!(
+            svg.matches("marker-end=\"url(#arrow)\"").count(),
+            3 + 1,
+            "publish → claim → adopt → ack, and the legend's"
+        );
         assert!(svg.contains("duplicate_ack &lt;&amp;&gt;") && svg.contains("t &amp; t"), "text is escaped");
+        assert!(!svg.contains("Some("), "tooltips carry plain values");
+        assert!(svg.contains("verdict: native") && svg.contains("crc32c: 0x11111111"));
+    }
+
+    #[test]
+    fn a_fallback_and_a_host_chunk_are_flagged() {
+        let mut t = mutate::example();
+        t[2].verdict = Some("fallback(page-cache)".into());
+        t[9].path = Some("host".into());
+        let svg = render(&t, "planted");
+        assert!(svg.contains(&format!("fill=\"{FALLBACK_RED}\" stroke=\"#000000\"")), "the fallback bar is red");
+        assert!(svg.contains("⚠ chunk 0 store: fallback(page-cache)"));
+        assert!(svg.contains("⚠ chunk 1 load: host (a copy)"));
+        assert!(svg.contains("2 chunks flagged"));
+    }
+
+    #[test]
+    fn a_long_quiet_stretch_is_compressed_and_marked() {
+        let mut t = mutate::example();
+        for e in t.iter_mut().skip(6) {
+            e.ts_ns += 5_000_000_000; // five seconds between publish and claim
+        }
+        let svg = render(&t, "gap");
+        assert!(svg.contains("1 quiet stretches compressed"), "{svg}");
+        assert!(svg.contains(" for 5.00 s<"), "the row says when it starts and how long it lasts");
+        assert!(svg.contains("≈5.00 s"));
+        let axis = Axis::new(&t);
+        assert_eq!(axis.breaks.len(), 1);
+        // The handoff's own steps keep their width: the claim is not crushed
+        // against the publish, nor the ack against the adopt.
+        assert!(axis.x(t[7].ts_ns) - axis.x(t[6].ts_ns) > 20.0);
+        assert!(axis.x(t[6].ts_ns) - axis.x(t[4].ts_ns) < BREAK_W + 200.0);
     }
 }
