@@ -42,6 +42,18 @@ fn code(r: Result<impl std::fmt::Debug, ClientError>) -> (u16, String, String) {
     }
 }
 
+/// Adopts `claim` with every field as claimed.
+fn adopt(c: &Client, claim: &pdstor::protocol::Receipt) -> pdstor::store::Manifest {
+    c.adopt(&AdoptRequest {
+        receipt: claim.clone(),
+        namespace: claim.namespace.clone(),
+        epoch: claim.epoch,
+        manifest_digest: claim.manifest_digest.clone(),
+        layout: layout(),
+    })
+    .unwrap()
+}
+
 fn state(c: &Client, publication: u64) -> Option<String> {
     c.publications(None, false).unwrap().into_iter().find(|p| p.publication == publication).map(|p| p.state)
 }
@@ -527,15 +539,7 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
     // A session closed after adopt: load and ack are refused too.
     let p = put(&d, "fence-2", 12, 2);
     let claim = c.claim(&p.receipt, "decode-0", "s-late", 60_000).unwrap();
-    let m = c
-        .adopt(&AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: layout(),
-        })
-        .unwrap();
+    let m = adopt(&c, &claim);
     c.close_session(&claim).unwrap();
     let digest = pdstor::protocol::service::restore_digest(
         m.restore_nonce.as_deref().unwrap_or(""),
@@ -583,15 +587,7 @@ fn an_ack_without_a_load_is_refused() {
     let c = Client::new(&d.server);
     let p = put(&d, "no-load", 21, 2);
     let claim = c.claim(&p.receipt, "decode-0", "s-1", 60_000).unwrap();
-    let m = c
-        .adopt(&AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: layout(),
-        })
-        .unwrap();
+    let m = adopt(&c, &claim);
     let nonce = m.restore_nonce.clone().expect("adopt hands out a restore nonce");
     assert_eq!(nonce.len(), 32, "{nonce}");
     let crcs: Vec<u32> = m.chunks.iter().map(|c| c.crc32c).collect();

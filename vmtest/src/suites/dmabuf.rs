@@ -48,6 +48,14 @@ pub const SUITE: Suite = Suite {
 const CHUNK: u64 = 1 << 20;
 const CHUNKS: u32 = 6;
 
+/// SKIP unless this guest runs the rw-dmabuf series kernel.
+fn needs_series() -> Result<(), String> {
+    if !expects_rw_dmabuf() {
+        return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
+    }
+    Ok(())
+}
+
 fn e<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> String + '_ {
     move |err| format!("{what}: {err}")
 }
@@ -368,9 +376,7 @@ fn fresh_daemon(device: &Path) -> Result<super::protocol::Daemon, String> {
 /// into it.
 fn dmabuf_fixed_moves_bytes(ctx: &Ctx) -> Outcome {
     outcome((|| {
-        if !expects_rw_dmabuf() {
-            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
-        }
+        needs_series()?;
         let disk = ctx.disk(DiskRole::Raw)?;
         let t = disk.block.to_string_lossy().into_owned();
         sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t])?;
@@ -407,9 +413,7 @@ const PIECES: [(u64, u64); 4] =
 /// of the same device is refused `EBADF`.
 fn dmabuf_fixed_engine(ctx: &Ctx) -> Outcome {
     outcome((|| {
-        if !expects_rw_dmabuf() {
-            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
-        }
+        needs_series()?;
         let disk = ctx.disk(DiskRole::Raw)?;
         let len = 4 * CHUNK as usize;
         for (n, exporter) in ["udmabuf", "dma-heap"].into_iter().enumerate() {
@@ -554,9 +558,7 @@ fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
 /// write is in flight is `fallback(dmabuf-cpu-access)`.
 fn dmabuf_fixed_probes(ctx: &Ctx) -> Outcome {
     outcome((|| {
-        if !expects_rw_dmabuf() {
-            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
-        }
+        needs_series()?;
         let disk = ctx.disk(DiskRole::Raw)?;
         let probes = pdstor_probes::Probes::attach(std::process::id()).map_err(e("attaching the probes"))?;
         let reader = probes.reader().map_err(e("reading the probes"))?;
@@ -844,9 +846,7 @@ fn ladder(ctx: &Ctx) -> Outcome {
 fn eagain(ctx: &Ctx) -> Outcome {
     outcome((|| {
         use io_uring::{IoUring, opcode, types};
-        if !expects_rw_dmabuf() {
-            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
-        }
+        needs_series()?;
         let disk = ctx.disk(DiskRole::Raw)?;
         let file = open_direct(&disk.block)?;
         let region = Buffer::udmabuf("vmtest-eagain", CHUNK as usize).map_err(e("udmabuf"))?;
@@ -953,9 +953,7 @@ fn eagain(ctx: &Ctx) -> Outcome {
 /// installed and its last MiB written to the device, byte-exact.
 fn one_gib(ctx: &Ctx) -> Outcome {
     outcome((|| {
-        if !expects_rw_dmabuf() {
-            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
-        }
+        needs_series()?;
         let disk = ctx.disk(DiskRole::Raw)?;
         let gib = 1usize << 30;
         {
