@@ -404,6 +404,24 @@ fn dmabuf_fixed_moves_bytes(ctx: &Ctx) -> Outcome {
 const PIECES: [(u64, u64); 4] =
     [(0, 256 << 10), (268 << 10, 1 << 20), ((1 << 20) + (516 << 10), 512 << 10), (3 << 20, 1 << 20)];
 
+/// One `dmabuf_fixed` request per piece of [`PIECES`]: DMA-BUF offset `at`
+/// to target offset `base + at`, transfers numbered from `first`.
+fn pieces(op: Op, id: pdstor::io::BufferId, base: u64, first: u64) -> Vec<IoRequest> {
+    PIECES
+        .iter()
+        .enumerate()
+        .map(|(i, &(at, n))| IoRequest {
+            transfer: TransferId(first + i as u64),
+            op,
+            path: PayloadPath::DmabufFixed,
+            buffer: id,
+            buffer_offset: pdstor::io::BufferOffset(at),
+            target_offset: pdstor::io::TargetOffset(base + at),
+            len: n,
+        })
+        .collect()
+}
+
 /// The series kernel, the engine alone: udmabuf and system-heap DMA-BUFs
 /// installed in the ring's buffer table (`IORING_RSRC_UPDATE_EXTENDED`)
 /// against the raw NVMe namespace opened `O_DIRECT`; `WRITE_FIXED` of pieces
@@ -429,21 +447,7 @@ fn dmabuf_fixed_engine(ctx: &Ctx) -> Outcome {
             let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
             let id = engine.register_dmabuf(buf).map_err(e("installing the DMA-BUF"))?;
             let base = (160 + 8 * n as u64) * CHUNK;
-            let requests = |op| -> Vec<IoRequest> {
-                PIECES
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &(at, n))| IoRequest {
-                        transfer: TransferId(0x7800 + i as u64),
-                        op,
-                        path: PayloadPath::DmabufFixed,
-                        buffer: id,
-                        buffer_offset: pdstor::io::BufferOffset(at),
-                        target_offset: pdstor::io::TargetOffset(base + at),
-                        len: n,
-                    })
-                    .collect()
-            };
+            let requests = |op| pieces(op, id, base, 0x7800);
             engine.execute_all(&requests(Op::Write)).map_err(e("WRITE_FIXED from the DMA-BUF"))?;
             engine.flush().map_err(e("flush"))?;
             for &(at, n) in &PIECES {
@@ -889,21 +893,7 @@ fn eagain(ctx: &Ctx) -> Outcome {
             Engine::new(t, EngineOptions { nowait_first: true, ..Default::default() }).map_err(e("engine"))?;
         let id = engine.register_dmabuf(buf).map_err(e("installing the DMA-BUF"))?;
         let base = 216 * CHUNK;
-        let requests = |op| -> Vec<IoRequest> {
-            PIECES
-                .iter()
-                .enumerate()
-                .map(|(i, &(at, n))| IoRequest {
-                    transfer: TransferId(0x7b00 + i as u64),
-                    op,
-                    path: PayloadPath::DmabufFixed,
-                    buffer: id,
-                    buffer_offset: pdstor::io::BufferOffset(at),
-                    target_offset: pdstor::io::TargetOffset(base + at),
-                    len: n,
-                })
-                .collect()
-        };
+        let requests = |op| pieces(op, id, base, 0x7b00);
         // The mapping first (its request runs blocking in an io-wq worker).
         let warm = IoRequest {
             transfer: TransferId(0x7aff),
