@@ -54,6 +54,25 @@ pub fn expects_rw_dmabuf() -> bool {
     std::fs::read_to_string("/proc/cmdline").is_ok_and(|c| c.split_whitespace().any(|a| a == "pdstor.rw_dmabuf=1"))
 }
 
+/// The value of `pdstor.<key>=…` on the kernel command line, if given: how the
+/// host tells each guest of a topology its role (`pdstor.role`), its address
+/// (`pdstor.ip`) and whether it has disks of its own (`pdstor.nodisks`).
+pub fn cmdline(key: &str) -> Option<String> {
+    let c = std::fs::read_to_string("/proc/cmdline").ok()?;
+    let prefix = format!("pdstor.{key}=");
+    c.split_whitespace().find_map(|a| a.strip_prefix(&prefix).map(str::to_owned))
+}
+
+/// Brings up the topology's private network, when the host gave this guest
+/// an address (`pdstor.ip=ADDR/PREFIX` on `eth0`, the one virtio-net card).
+fn network() -> Result<(), String> {
+    let Some(ip) = cmdline("ip") else { return Ok(()) };
+    sh("ip", &["link", "set", "eth0", "up"])?;
+    sh("ip", &["addr", "add", &ip, "dev", "eth0"])?;
+    console(&format!("pdstor-vminit: eth0 {ip} ({})", cmdline("role").unwrap_or_default()));
+    Ok(())
+}
+
 pub fn console(line: &str) {
     // PID 1's stdout is /dev/console, the serial port the host logs.
     println!("{line}");
@@ -117,9 +136,17 @@ fn run(port: &mut Option<File>) -> Result<(), String> {
     load_modules(&cfg.modules)?;
     // The control plane listens on loopback.
     sh("ip", &["link", "set", "lo", "up"])?;
+    network()?;
     *port = Some(open_result_port()?);
-    let mut disks = find_disks(Duration::from_secs(30))?;
-    prepare_filesystems(&mut disks)?;
+    // A topology's reader guest has no NVMe of its own: what it reads comes
+    // over the fabric.
+    let disks = if cmdline("nodisks").is_some() {
+        BTreeMap::new()
+    } else {
+        let mut disks = find_disks(Duration::from_secs(30))?;
+        prepare_filesystems(&mut disks)?;
+        disks
+    };
     let scratch = PathBuf::from("/tmp/vmtest");
     std::fs::create_dir_all(&scratch).map_err(|e| format!("creating {}: {e}", scratch.display()))?;
     let ctx = Ctx { disks, scratch };

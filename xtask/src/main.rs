@@ -309,6 +309,8 @@ fn ci(sh: &Shell) -> Result<()> {
     vmtest::run(sh, &vmtest::VmtestArgs::all())?;
     step("cargo xtask vmtest --suite swiotlb --append swiotlb=force");
     vmtest::run(sh, &vmtest::VmtestArgs::swiotlb_forced())?;
+    step("cargo xtask vmtest --suite topology (a storage guest and a reader guest over NVMe/TCP)");
+    vmtest::run(sh, &vmtest::VmtestArgs::topology())?;
     match vmtest::series::ci_series() {
         Ok(dir) => {
             step(&format!(

@@ -119,7 +119,29 @@ pub const SUITES: &[(&str, &str)] = &[
     ),
     ("oracle", "pdstor qualify --short on NVMe passthrough; the timeline checked with --require-path host_fixed"),
     ("swiotlb", "a guest booted with swiotlb=force: probes report the bounce"),
+    (
+        "topology",
+        "two guests on a private network: one exports its raw NVMe namespace with nvmet over TCP, the other reads it through nvme-tcp (`--suite topology` boots both)",
+    ),
 ];
+
+/// Suites that need a topology of several guests, which `--suite all` (one
+/// guest) leaves out; `cargo xtask vmtest --suite topology` boots them.
+pub const MULTI_GUEST_SUITES: &[&str] = &["topology"];
+
+/// The private network of a topology: the storage guest (which also hosts
+/// the writer) and the reader guest, by fixed address; nothing else is on it.
+pub const STORAGE_ADDR: &str = "10.77.0.1";
+/// The reader guest's address.
+pub const READER_ADDR: &str = "10.77.0.2";
+/// The NVMe/TCP port the storage guest's nvmet listens on.
+pub const NVME_TCP_PORT: u16 = 4420;
+/// The NVMe qualified name of the exported subsystem.
+pub const SHARED_NQN: &str = "nqn.2026-12.io.pdstor:shared";
+/// The serial the exported subsystem reports, by which the reader finds it.
+pub const SHARED_SERIAL: &str = "PDFABRIC";
+/// Where the storage guest waits for the reader's report.
+pub const REPORT_PORT: u16 = 7071;
 
 /// Whether `name` is a suite in [`SUITES`].
 pub fn suite_exists(name: &str) -> bool {

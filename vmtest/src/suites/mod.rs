@@ -8,6 +8,7 @@ mod oracle;
 mod probes;
 mod protocol;
 mod swiotlb;
+mod topology;
 
 use crate::guest::Ctx;
 use crate::{DiskRole, Outcome};
@@ -27,8 +28,16 @@ pub struct Suite {
 
 /// Every suite, in the order `--suite all` runs them: the order and names of
 /// [`crate::SUITES`], which the host reads without building the suites.
-pub const SUITES: &[Suite] =
-    &[io::SUITE, faults::SUITE, probes::SUITE, protocol::SUITE, dmabuf::SUITE, oracle::SUITE, swiotlb::SUITE];
+pub const SUITES: &[Suite] = &[
+    io::SUITE,
+    faults::SUITE,
+    probes::SUITE,
+    protocol::SUITE,
+    dmabuf::SUITE,
+    oracle::SUITE,
+    swiotlb::SUITE,
+    topology::SUITE,
+];
 
 pub fn find(name: &str) -> Option<&'static Suite> {
     SUITES.iter().find(|s| s.name == name)

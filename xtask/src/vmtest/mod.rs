@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use pdstor_vmtest_spec::{
-    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, SUITES, TestResult, suite_exists,
+    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, MULTI_GUEST_SUITES, Outcome, READER_ADDR,
+    STORAGE_ADDR, SUITES, TestResult, suite_exists,
 };
 use xshell::{Shell, cmd};
 
@@ -26,10 +27,14 @@ use qemu::{Accel, Vm};
 
 /// Modules the guest needs that Debian builds as modules.
 const MODULES: &[&str] = &["nvme", "ext4", "xfs", "dm-mod", "dm-flakey"];
+/// And those a topology's guests need: the private network's card, the
+/// NVMe/TCP target and initiator.
+const TOPOLOGY_MODULES: &[&str] = &["virtio_net", "nvmet", "nvmet-tcp", "nvme-tcp"];
 
 #[derive(clap::Args)]
 pub struct VmtestArgs {
-    /// Suites to run, comma-separated (default: all): io, faults, probes, protocol, dmabuf, oracle, swiotlb.
+    /// Suites to run, comma-separated (default: all but topology, which boots its own two guests):
+    /// io, faults, probes, protocol, dmabuf, oracle, swiotlb, topology.
     #[arg(long = "suite", value_delimiter = ',')]
     suites: Vec<String>,
     /// Disk roles whose tests run: ext4, xfs, raw, faulty (default: all).
@@ -114,6 +119,11 @@ impl VmtestArgs {
         VmtestArgs { kernel_series: Some(dir), ..VmtestArgs::all() }
     }
 
+    /// The topology suite: its two guests on their private network.
+    pub fn topology() -> Self {
+        VmtestArgs { suites: vec!["topology".into()], ..VmtestArgs::all() }
+    }
+
     /// The swiotlb suite in a guest booted with swiotlb=force.
     pub fn swiotlb_forced() -> Self {
         VmtestArgs { suites: vec!["swiotlb".into()], append: Some("swiotlb=force".into()), ..VmtestArgs::all() }
@@ -191,10 +201,21 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
 pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     let started = Instant::now();
     let suites: Vec<String> = if args.suites.is_empty() || args.suites.iter().any(|s| s == "all") {
-        SUITES.iter().map(|(name, _)| (*name).to_owned()).collect()
+        SUITES
+            .iter()
+            .map(|(name, _)| (*name).to_owned())
+            .filter(|n| !MULTI_GUEST_SUITES.contains(&n.as_str()))
+            .collect()
     } else {
         args.suites.clone()
     };
+    let topology = suites.iter().any(|s| MULTI_GUEST_SUITES.contains(&s.as_str()));
+    if topology && suites.len() > 1 {
+        bail!("--suite topology boots its own guests: run it on its own (cargo xtask vmtest --suite topology)");
+    }
+    if topology && args.kernel_series.is_some() {
+        bail!("--suite topology runs on Debian's kernel (its guests load nvmet and nvme-tcp as modules)");
+    }
     for s in &suites {
         if !suite_exists(s) {
             bail!(
@@ -261,7 +282,14 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
             .with_context(|| format!("creating {}", img.display()))?;
         disks.push((spec, img));
     }
+    if topology {
+        pb.finish_and_clear();
+        let accel = if args.accel == "kvm" { Accel::Kvm } else { Accel::Tcg };
+        return run_topology(&kernel.vmlinuz, &initrd, disks, &dir, Duration::from_secs(args.timeout), accel, started);
+    }
     let vm = Vm {
+        netdev: None,
+        abort: None,
         kernel: &kernel.vmlinuz,
         initrd: &initrd,
         disks,
@@ -376,7 +404,11 @@ fn build_initramfs(
         a.host_file("/etc/mke2fs.conf", Path::new("/etc/mke2fs.conf"), 0o644)?;
     }
     let mut modules = Vec::new();
-    for ko in kernel::module_order(sh, kernel, MODULES)? {
+    let mut wanted = MODULES.to_vec();
+    if suites.iter().any(|s| MULTI_GUEST_SUITES.contains(&s.as_str())) {
+        wanted.extend_from_slice(TOPOLOGY_MODULES);
+    }
+    for ko in kernel::module_order(sh, kernel, &wanted)? {
         let name =
             ko.file_name().map(|n| n.to_string_lossy().trim_end_matches(".xz").to_owned()).context("module path")?;
         let data = if ko.extension().is_some_and(|e| e == "xz") {
@@ -399,6 +431,84 @@ fn build_initramfs(
 }
 
 /// Prints the results table and decides the exit status.
+/// A topology: the storage guest (all disks; it exports the raw one over
+/// NVMe/TCP and hosts the writer) and the reader guest (no disks), joined by
+/// a private QEMU socket network on the host's loopback and nothing else.
+/// Both boot together; when one ends, the other gets a minute before it is
+/// stopped. Each guest's results are reported; the run fails if either fails.
+fn run_topology(
+    kernel: &Path,
+    initrd: &Path,
+    disks: Vec<(pdstor_vmtest_spec::DiskSpec, PathBuf)>,
+    dir: &Path,
+    timeout: Duration,
+    accel: Accel,
+    started: Instant,
+) -> Result<()> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // A free loopback port for the two QEMUs' socket network.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let (sdir, rdir) = (dir.join("storage"), dir.join("reader"));
+    std::fs::create_dir_all(&sdir)?;
+    std::fs::create_dir_all(&rdir)?;
+    let (stop_storage, stop_reader) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let storage = Vm {
+        kernel,
+        initrd,
+        disks,
+        dir: &sdir,
+        extra_append: format!("pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24"),
+        netdev: Some(format!("socket,listen=127.0.0.1:{port}")),
+        abort: Some(stop_storage.clone()),
+    };
+    let reader = Vm {
+        kernel,
+        initrd,
+        disks: Vec::new(),
+        dir: &rdir,
+        extra_append: format!("pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1"),
+        netdev: Some(format!("socket,connect=127.0.0.1:{port}")),
+        abort: Some(stop_reader.clone()),
+    };
+    println!(
+        "vmtest topology: storage guest {STORAGE_ADDR} and reader guest {READER_ADDR} on 127.0.0.1:{port} ({})",
+        accel.name()
+    );
+    // When one guest ends, its peer has a minute more (it may be reporting).
+    let grace = |peer: Arc<AtomicBool>| {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(60));
+            peer.store(true, Ordering::Relaxed);
+        });
+    };
+    let (srun, rrun) = std::thread::scope(|s| {
+        let st = s.spawn(|| {
+            let r = storage.run(accel, timeout, None, |p| println!("  storage: {p}"));
+            grace(stop_reader.clone());
+            r
+        });
+        // QEMU opens the listening socket before the guest boots.
+        std::thread::sleep(Duration::from_secs(2));
+        let rt = s.spawn(|| {
+            let r = reader.run(accel, timeout, None, |p| println!("  reader: {p}"));
+            grace(stop_storage.clone());
+            r
+        });
+        (st.join(), rt.join())
+    });
+    let srun = srun.map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))??;
+    let rrun = rrun.map_err(|_| anyhow::anyhow!("the reader guest's thread panicked"))??;
+    println!("\nstorage guest:");
+    let s = report(&srun, started.elapsed());
+    println!("\nreader guest:");
+    let r = report(&rrun, started.elapsed());
+    for (name, d) in [("storage", &sdir), ("reader", &rdir)] {
+        println!("logs ({name}): {}", d.join("console.log").display());
+    }
+    s.and(r)
+}
+
 fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
     let text = std::fs::read_to_string(&run.results_file).unwrap_or_default();
     let mut results: Vec<TestResult> = Vec::new();

@@ -33,6 +33,11 @@ pub struct Vm<'a> {
     pub disks: Vec<(DiskSpec, PathBuf)>,
     pub dir: &'a Path,
     pub extra_append: String,
+    /// A virtio-net card on this QEMU `-netdev` (a topology's private
+    /// network: `socket,listen=…` on one guest, `socket,connect=…` on the other).
+    pub netdev: Option<String>,
+    /// Set by another thread to stop this guest (its peer in a topology failed).
+    pub abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 pub struct VmRun {
@@ -138,6 +143,13 @@ impl Vm<'_> {
         Ok(args)
     }
 
+    /// The topology's private network card, if any; `-nodefaults` gives the
+    /// guest no other.
+    fn net_args(&self) -> Vec<String> {
+        let Some(netdev) = &self.netdev else { return Vec::new() };
+        vec!["-netdev".into(), format!("{netdev},id=net0"), "-device".into(), "virtio-net-pci,netdev=net0".into()]
+    }
+
     fn command(&self, accel: Accel) -> Result<Command> {
         let stderr = std::fs::File::create(self.dir.join("qemu.stderr")).context("creating qemu.stderr")?;
         let mut c = Command::new("qemu-system-x86_64");
@@ -152,6 +164,7 @@ impl Vm<'_> {
             .args(self.console_args())
             .args(self.result_args())
             .args(self.disk_args()?)
+            .args(self.net_args())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr);
@@ -200,6 +213,10 @@ impl Vm<'_> {
             }
             if started.elapsed() > timeout {
                 timed_out = true;
+                kill(&mut child);
+                break None;
+            }
+            if self.abort.as_ref().is_some_and(|a| a.load(std::sync::atomic::Ordering::Relaxed)) {
                 kill(&mut child);
                 break None;
             }

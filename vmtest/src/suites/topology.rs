@@ -1,0 +1,227 @@
+//! `topology`: two guests on a private QEMU network (nothing else on it),
+//! each its own kernel. The *storage* guest exports its raw NVMe namespace
+//! with the kernel's NVMe/TCP target (`nvmet`, configured through configfs);
+//! the *reader* guest, which has no NVMe of its own, connects with the
+//! kernel's initiator (`nvme connect -t tcp`) and reads the namespace with
+//! `O_DIRECT`. `cargo xtask vmtest --suite topology` boots both; a guest
+//! booted alone says SKIP.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use pdstor::io::{BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId};
+use pdstor::{Buffer, PayloadPath, payload};
+
+use super::io::dd_direct;
+use super::{Suite, Test, outcome};
+use crate::guest::{Ctx, cmdline, console, sh};
+use crate::{DiskRole, NVME_TCP_PORT, Outcome, READER_ADDR, REPORT_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR};
+
+pub const SUITE: Suite = Suite {
+    name: "topology",
+    tests: &[Test { name: "shared_namespace_over_nvme_tcp", disk: None, run: shared_namespace }],
+};
+
+/// Where on the namespace the storage guest writes what the reader reads.
+const AT: u64 = 64 << 20;
+const CHUNK: u64 = 1 << 20;
+const CHUNKS: u64 = 4;
+const SEED: u64 = 0x70b0;
+
+/// The reader host's NVMe identity.
+const READER_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
+const READER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
+
+fn pattern() -> Vec<u8> {
+    (0..CHUNKS).flat_map(|i| payload::chunk(SEED, i, CHUNK as usize)).collect()
+}
+
+/// The storage guest writes a seeded pattern with pdstor's engine
+/// (`host_fixed`, flushed), exports the namespace over NVMe/TCP, and waits
+/// for the reader's report; the reader connects, reads the pattern back with
+/// `dd iflag=direct` through the fabric and reports its crc32c. Byte-exact
+/// across two kernels, or it fails on both sides.
+fn shared_namespace(ctx: &Ctx) -> Outcome {
+    outcome(match cmdline("role").as_deref() {
+        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
+        Some("storage") => storage(ctx),
+        Some("reader") => reader(),
+        Some(other) => Err(format!("unknown topology role {other:?}")),
+    })
+}
+
+fn write(path: &Path, value: &str) -> Result<(), String> {
+    std::fs::write(path, value).map_err(|e| format!("writing {value:?} to {}: {e}", path.display()))
+}
+
+/// Exports `device` as namespace 1 of [`SHARED_NQN`] on NVMe/TCP at the
+/// storage address, any host allowed (the network is private to the test).
+fn export(device: &Path) -> Result<(), String> {
+    let cfs = Path::new("/sys/kernel/config");
+    if !cfs.join("nvmet").exists() {
+        sh("mount", &["-t", "configfs", "configfs", "/sys/kernel/config"])?;
+    }
+    let nvmet = cfs.join("nvmet");
+    if !nvmet.exists() {
+        return Err("no /sys/kernel/config/nvmet: the nvmet module is not loaded".into());
+    }
+    let subsys = nvmet.join("subsystems").join(SHARED_NQN);
+    let mk = |p: &PathBuf| std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()));
+    mk(&subsys)?;
+    write(&subsys.join("attr_allow_any_host"), "1")?;
+    write(&subsys.join("attr_serial"), SHARED_SERIAL)?;
+    let ns = subsys.join("namespaces/1");
+    mk(&ns)?;
+    write(&ns.join("device_path"), &device.to_string_lossy())?;
+    write(&ns.join("enable"), "1")?;
+    let port = nvmet.join("ports/1");
+    mk(&port)?;
+    write(&port.join("addr_trtype"), "tcp")?;
+    write(&port.join("addr_adrfam"), "ipv4")?;
+    write(&port.join("addr_traddr"), STORAGE_ADDR)?;
+    write(&port.join("addr_trsvcid"), &NVME_TCP_PORT.to_string())?;
+    let link = port.join("subsystems").join(SHARED_NQN);
+    std::os::unix::fs::symlink(&subsys, &link).map_err(|e| format!("linking {}: {e}", link.display()))?;
+    Ok(())
+}
+
+fn storage(ctx: &Ctx) -> Result<(), String> {
+    let device = ctx.disk(DiskRole::Raw)?.block.clone();
+    let want = pattern();
+    {
+        let t = Target::open(&device, &TargetOptions::default()).map_err(|e| e.to_string())?;
+        let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
+        let id = engine
+            .register(Buffer::memfd("topology", want.len()).map_err(|e| e.to_string())?)
+            .map_err(|e| e.to_string())?;
+        engine.buffer(id).map_err(|e| e.to_string())?.write_at(0, &want).map_err(|e| e.to_string())?;
+        let req = IoRequest {
+            transfer: TransferId(0x70b0),
+            op: Op::Write,
+            path: PayloadPath::HostFixed,
+            buffer: id,
+            buffer_offset: BufferOffset(0),
+            target_offset: TargetOffset(AT),
+            len: want.len() as u64,
+        };
+        engine.execute_all(&[req]).map_err(|e| format!("writing the pattern: {e}"))?;
+        engine.flush().map_err(|e| format!("flushing the pattern: {e}"))?;
+    }
+    export(&device)?;
+    console(&format!("pdstor-vminit: topology storage ready: {SHARED_NQN} on {STORAGE_ADDR}:{NVME_TCP_PORT}"));
+    // The reader's report: `ok <crc32c>` or `fail <why>`.
+    let listener =
+        TcpListener::bind((STORAGE_ADDR, REPORT_PORT)).map_err(|e| format!("listening for the reader: {e}"))?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stream = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(format!("no report from the reader guest within 240 s: {e}")),
+        }
+    };
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the reader's report: {e}"))?;
+    let _ = (&stream).write_all(b"bye\n");
+    let expected = format!("ok {:08x}", crc32c::crc32c(&want));
+    if line.trim() != expected {
+        return Err(format!("the reader guest reported {:?}, expected {expected:?}", line.trim()));
+    }
+    Ok(())
+}
+
+/// Connects to the storage guest's target, retrying while it boots.
+fn connect() -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let port = NVME_TCP_PORT.to_string();
+    loop {
+        // An explicit host identity: a bare guest has no /etc/nvme/hostnqn,
+        // and nvme-cli's made-up NQN and host id disagree.
+        let args = [
+            "connect",
+            "-t",
+            "tcp",
+            "-a",
+            STORAGE_ADDR,
+            "-s",
+            &port,
+            "-n",
+            SHARED_NQN,
+            "--hostnqn",
+            READER_HOSTNQN,
+            "--hostid",
+            READER_HOSTID,
+        ];
+        match sh("nvme", &args) {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() > deadline => return Err(format!("nvme connect for 180 s: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_secs(2)),
+        }
+    }
+}
+
+/// The fabric namespace: the block device of the controller whose serial is
+/// [`SHARED_SERIAL`] (the reader guest has no other NVMe).
+fn fabric_namespace() -> Result<PathBuf, String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ctrls: Vec<PathBuf> =
+            std::fs::read_dir("/sys/class/nvme").map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+        let ours =
+            ctrls.iter().any(|c| std::fs::read_to_string(c.join("serial")).is_ok_and(|s| s.trim() == SHARED_SERIAL));
+        if ours {
+            let blocks: Vec<String> = std::fs::read_dir("/sys/block")
+                .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+                .unwrap_or_default();
+            if let Some(b) = blocks.iter().find(|b| b.starts_with("nvme") && b.contains('n')) {
+                let dev = PathBuf::from("/dev").join(b);
+                if dev.exists() {
+                    return Ok(dev);
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!(
+                "no namespace of a controller with serial {SHARED_SERIAL} within 20 s (controllers: {ctrls:?})"
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn reader() -> Result<(), String> {
+    connect()?;
+    let dev = fabric_namespace()?;
+    console(&format!("pdstor-vminit: topology reader connected: {}", dev.display()));
+    let got = dd_direct(&dev, AT, CHUNK * CHUNKS);
+    let report = match &got {
+        Ok(bytes) if *bytes == pattern() => format!("ok {:08x}", crc32c::crc32c(bytes)),
+        Ok(bytes) => format!(
+            "fail the bytes read over nvme-tcp differ from the storage guest's at byte {:?}",
+            payload::first_difference(&pattern(), bytes)
+        ),
+        Err(e) => format!("fail reading {}: {e}", dev.display()),
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut stream = loop {
+        match TcpStream::connect((STORAGE_ADDR, REPORT_PORT)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("reporting to the storage guest: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(300)),
+        }
+    };
+    stream.write_all(format!("{report}\n").as_bytes()).map_err(|e| format!("sending the report: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let mut bye = String::new();
+    let _ = BufReader::new(&stream).read_line(&mut bye);
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    console(&format!("pdstor-vminit: topology reader at {READER_ADDR} reported {report:?}"));
+    if report.starts_with("ok ") { Ok(()) } else { Err(report) }
+}
