@@ -614,3 +614,58 @@ fn an_ack_without_a_load_is_refused() {
     c.ack(&claim, &digest).unwrap();
     assert_eq!(state(&c, claim.publication), None, "acknowledged and freed");
 }
+
+/// A reader beside the owner — as on another host over NVMe/TCP — opens the
+/// shared namespace itself, read-only: it proves the namespace is the one the
+/// receipt names, reads every chunk with its own engine, reports only their
+/// checksums (`loaded`), and acks; the bytes are the writer's. A view of
+/// another namespace is refused before anything is read, a report with a
+/// wrong checksum is refused and records nothing, and the reader's engine
+/// cannot write.
+#[test]
+fn a_reader_on_the_shared_namespace_loads_it_directly() {
+    use pdstor::api::wire::LoadedChunk;
+    use pdstor::client::RemoteReader;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let p = put(&d, "remote-1", 31, 4);
+    let claim = c.claim(&p.receipt, "decode-remote", "s-remote", 60_000).unwrap();
+
+    // Another namespace: refused before adopt, nothing changes.
+    let other_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let other = pdstor_tests::format_file(other_dir.path(), 4, SLOT);
+    let mut stranger = RemoteReader::open(&d.server, &other).unwrap();
+    let e = stranger.get(&claim, &layout()).unwrap_err();
+    assert!(e.to_string().contains("not the same namespace"), "{e}");
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "nothing was adopted");
+
+    // The owner's namespace, opened read-only while the daemon holds it.
+    let mut r = RemoteReader::open(&d.server, &d.target).unwrap();
+    assert_eq!(r.namespace(), claim.namespace);
+    let m = adopt(&c, &claim);
+    let bad = [LoadedChunk { index: 0, crc32c: m.chunks[0].crc32c ^ 1 }];
+    assert_eq!(code(c.loaded(&claim, &bad)).1, "restore_mismatch", "a wrong checksum is refused");
+    let restored = r.load(&claim, m).unwrap();
+    assert_eq!(r.restored_bytes(restored.len).unwrap(), kv(31, 4), "the writer's bytes, read by the reader itself");
+    c.ack(&claim, &restored.restore_digest).unwrap();
+    assert_eq!(state(&c, claim.publication), None, "acknowledged and freed");
+
+    // Its engine cannot write the namespace.
+    let t = pdstor::io::Target::open(&d.target, &pdstor::io::TargetOptions { read_only: true, ..Default::default() })
+        .unwrap();
+    let mut e = pdstor::io::Engine::new(t, Default::default()).unwrap();
+    let id = e.register(pdstor::Buffer::memfd("ro", 4096).unwrap()).unwrap();
+    let w = pdstor::io::IoRequest {
+        transfer: pdstor::io::TransferId(9),
+        op: pdstor::io::Op::Write,
+        path: pdstor::PayloadPath::HostFixed,
+        buffer: id,
+        buffer_offset: pdstor::io::BufferOffset(0),
+        target_offset: pdstor::io::TargetOffset(0),
+        len: 4096,
+    };
+    let err = e.execute_all(&[w]).unwrap_err();
+    assert!(matches!(err, pdstor::io::IoError::ReadOnlyTarget { .. }), "{err}");
+    assert!(matches!(e.flush().unwrap_err(), pdstor::io::IoError::ReadOnlyTarget { .. }));
+}

@@ -396,6 +396,15 @@ pub fn router(state: Shared) -> Router {
             }),
         )
         .route(
+            "/storage-pd/loaded",
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: LoadedRequest| {
+                    let chunks: Vec<(u32, u32)> = r.chunks.iter().map(|c| (c.index, c.crc32c)).collect();
+                    svc.loaded(w, &r.receipt, &chunks).map(|_| Done { ok: true })
+                })
+            }),
+        )
+        .route(
             "/storage-pd/release",
             post(|State(s): S, Extension(w): E, b: Body| {
                 step(s, w, b, |svc, w, r: ReceiptOnly| svc.release(w, &r.receipt).map(|_| Done { ok: true }))

@@ -85,6 +85,28 @@ pub struct AckRequest {
     pub restore_digest: String,
 }
 
+/// `POST /storage-pd/loaded`: a reader that loaded chunks itself, straight
+/// from its own view of a shared namespace (another host over NVMe/TCP), says
+/// what it read; the daemon checks each crc32c against the stored one and
+/// counts the chunks as loaded for the claim. Payload bytes never cross the
+/// control plane: only their checksums do.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LoadedRequest {
+    /// The claim receipt.
+    pub receipt: Receipt,
+    /// Each chunk read, with the crc32c of the bytes the reader read.
+    pub chunks: Vec<LoadedChunk>,
+}
+
+/// One chunk a reader loaded itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadedChunk {
+    /// The chunk's index in the manifest.
+    pub index: u32,
+    /// crc32c of the bytes the reader read.
+    pub crc32c: u32,
+}
+
 /// A request that carries only a receipt (`release`, `reclaim`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReceiptOnly {

@@ -123,17 +123,34 @@ pub struct GetArgs {
     /// Append this node's steps to a JSON-lines timeline (see `pdstor timeline`).
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Read the chunks straight from this host's view of the shared namespace (a block device
+    /// or file, opened read-only beside the owner; e.g. the NVMe/TCP namespace on another host)
+    /// instead of through the daemon's data plane: the receipt's namespace is checked against
+    /// its superblock first, and only checksums go back to the daemon (`loaded`).
+    #[arg(long, value_name = "DEVICE")]
+    direct: Option<PathBuf>,
 }
 
 impl GetArgs {
     pub fn run(self) -> anyhow::Result<()> {
         let claim: Receipt = read_json(&self.claim, "claim receipt")?;
         let layout: Layout = read_json(&self.layout, "layout")?;
-        let mut r = Reader::with_buffer(&self.daemon.server, &self.daemon.data_socket, self.buffer.spec())?;
         let started = Instant::now();
-        let restored = r.get(&claim, &layout)?;
+        let (restored, bytes, client) = match &self.direct {
+            Some(device) => {
+                let mut r = pdstor::client::RemoteReader::open(&self.daemon.server, device)?;
+                let restored = r.get(&claim, &layout)?;
+                let bytes = r.restored_bytes(restored.len)?;
+                (restored, bytes, r.client)
+            }
+            None => {
+                let mut r = Reader::with_buffer(&self.daemon.server, &self.daemon.data_socket, self.buffer.spec())?;
+                let restored = r.get(&claim, &layout)?;
+                let bytes = r.restored_bytes(restored.len)?;
+                (restored, bytes, r.client)
+            }
+        };
         let restore_seconds = started.elapsed().as_secs_f64();
-        let bytes = r.restored_bytes(restored.len)?;
         let out = &self.out;
         std::fs::write(out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
         let tl = match &self.timeline {
@@ -147,7 +164,7 @@ impl GetArgs {
         };
         note("restored");
         if self.ack {
-            r.client.ack(&claim, &restored.restore_digest)?;
+            client.ack(&claim, &restored.restore_digest)?;
             note("ack");
         }
         print_json(&serde_json::json!({

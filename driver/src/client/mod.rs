@@ -21,6 +21,9 @@ use crate::protocol::{Receipt, manifest_digest};
 use crate::store::{CancelOutcome, Layout, Manifest};
 
 mod http1;
+mod remote;
+
+pub use remote::RemoteReader;
 
 /// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
@@ -259,6 +262,13 @@ impl Client {
     pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/ack", &AckRequest { receipt: claim.clone(), restore_digest: restore.into() })
             .map(drop)
+    }
+    /// `loaded`: the chunks this reader read itself from the shared
+    /// namespace, with the crc32c of what it read; the daemon checks them
+    /// against the stored ones and lets the claim's ack count them.
+    pub fn loaded(&self, claim: &Receipt, chunks: &[crate::api::wire::LoadedChunk]) -> Result<(), ClientError> {
+        let req = crate::api::wire::LoadedRequest { receipt: claim.clone(), chunks: chunks.to_vec() };
+        self.post::<_, Done>("/storage-pd/loaded", &req).map(drop)
     }
     /// `release`: a READY publication never claimed is freed.
     pub fn release(&self, ready: &Receipt) -> Result<(), ClientError> {

@@ -107,6 +107,18 @@ pub enum IoError {
         /// What the probe found.
         why: String,
     },
+    /// A write or flush on a target opened read-only.
+    #[error(
+        "{transfer}: {op} refused: {path} was opened read-only (a reader beside the namespace's owner); only the owner's daemon writes it"
+    )]
+    ReadOnlyTarget {
+        /// The transfer.
+        transfer: TransferId,
+        /// What was asked.
+        op: Op,
+        /// The target.
+        path: std::path::PathBuf,
+    },
     /// A DMA-BUF larger than the rw-dmabuf series installs.
     #[error(
         "a {len}-byte DMA-BUF is larger than the {max} bytes (1 GiB) the io_uring rw-dmabuf series installs in one buffer slot; nothing was installed: export it as several DMA-BUFs of at most 1 GiB and register each"
@@ -259,6 +271,7 @@ impl IoError {
                 | IoError::BeyondTarget { .. }
                 | IoError::UnknownBuffer(_)
                 | IoError::EmptyRequest { .. }
+                | IoError::ReadOnlyTarget { .. }
         )
     }
 }

@@ -478,6 +478,9 @@ impl Engine {
     /// `fdatasync` (through the ring) on files and block devices.
     pub fn flush(&mut self) -> Result<(), IoError> {
         let transfer = TransferId(0);
+        if self.target.read_only() {
+            return Err(IoError::ReadOnlyTarget { transfer, op: Op::Flush, path: self.target.path().into() });
+        }
         let Engine { ring, stats, .. } = self;
         let flush = Planned { transfer, op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 1 };
         let mut pending = Some(flush);

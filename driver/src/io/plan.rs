@@ -15,6 +15,9 @@ pub(super) fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Re
     if t.0 > MAX_TRANSFER_ID {
         return Err(IoError::TransferIdTooLarge { transfer: t });
     }
+    if target.read_only() && r.op != Op::Read {
+        return Err(IoError::ReadOnlyTarget { transfer: t, op: r.op, path: target.path().into() });
+    }
     if r.op == Op::Flush {
         return Err(IoError::PathUnavailable {
             transfer: t,

@@ -61,15 +61,20 @@ pub struct TargetOptions {
     /// sparse file), so that space promised to a request cannot turn into
     /// `ENOSPC` when its payload is written. The store asks for it.
     pub allocate: bool,
+    /// Open for reading only, unlocked, beside the owner that holds it: a
+    /// reader on another host's view of a shared namespace (or beside the
+    /// daemon on this one). The engine refuses writes and flushes on it.
+    pub read_only: bool,
 }
 
-/// An opened, exclusively held target.
+/// An opened target: held exclusively by its owner, or read-only beside it.
 #[derive(Debug)]
 pub struct Target {
     path: PathBuf,
     file: File,
     kind: TargetKind,
     geometry: Geometry,
+    read_only: bool,
 }
 
 impl Target {
@@ -96,16 +101,22 @@ impl Target {
         if ft.is_dir() {
             return Err(IoError::IsDirectory { path: path.into() });
         }
-        if ft.is_file() {
-            return open_file(path, opts);
-        }
-        if ft.is_block_device() {
-            return open_block_device(path, meta.rdev());
-        }
-        if ft.is_char_device() {
-            return open_nvme_generic(path, meta.rdev());
-        }
-        Err(IoError::UnsupportedKind { path: path.into(), what: "a socket, FIFO or other special file" })
+        let mut target = if ft.is_file() {
+            open_file(path, opts)?
+        } else if ft.is_block_device() {
+            open_block_device(path, meta.rdev(), opts.read_only)?
+        } else if ft.is_char_device() {
+            open_nvme_generic(path, meta.rdev(), opts.read_only)?
+        } else {
+            return Err(IoError::UnsupportedKind { path: path.into(), what: "a socket, FIFO or other special file" });
+        };
+        target.read_only = opts.read_only;
+        Ok(target)
+    }
+
+    /// Whether it was opened read-only ([`TargetOptions::read_only`]).
+    pub fn read_only(&self) -> bool {
+        self.read_only
     }
 
     /// The target's path.
@@ -151,14 +162,18 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
     if matches!(fs.as_str(), "tmpfs" | "ramfs") {
         return Err(IoError::NoDirectIo { path: path.into(), fs });
     }
-    let file =
-        OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT | libc::O_CLOEXEC).open(path).map_err(
-            |source| match source.raw_os_error() {
-                Some(libc::EINVAL) => IoError::NoDirectIo { path: path.into(), fs: fs.clone() },
-                _ => IoError::Open { path: path.into(), source },
-            },
-        )?;
-    lock_exclusive(&file, path)?;
+    let file = OpenOptions::new()
+        .read(true)
+        .write(!opts.read_only)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|source| match source.raw_os_error() {
+            Some(libc::EINVAL) => IoError::NoDirectIo { path: path.into(), fs: fs.clone() },
+            _ => IoError::Open { path: path.into(), source },
+        })?;
+    if !opts.read_only {
+        lock_exclusive(&file, path)?;
+    }
     if let Some(len) = opts.create_len {
         let current = file.metadata().map_err(|source| IoError::Open { path: path.into(), source })?.len();
         if current < len {
@@ -179,6 +194,7 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
     Ok(Target {
         path: path.into(),
         file,
+        read_only: false,
         kind: TargetKind::File,
         geometry: Geometry {
             capacity: capacity - capacity % offset_align as u64,
@@ -191,16 +207,18 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
     })
 }
 
-fn open_block_device(path: &Path, rdev: u64) -> Result<Target, IoError> {
+fn open_block_device(path: &Path, rdev: u64, read_only: bool) -> Result<Target, IoError> {
     // A process that just exited may hold the device for a moment: the kernel
     // tears down an io_uring (and its registered files) asynchronously. A
     // mounted device never frees itself, so that is refused at once.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
     let file = loop {
+        // The owner holds the device exclusively; a reader opens it beside.
+        let excl = if read_only { 0 } else { libc::O_EXCL };
         let opened = OpenOptions::new()
             .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT | libc::O_EXCL | libc::O_CLOEXEC)
+            .write(!read_only)
+            .custom_flags(libc::O_DIRECT | excl | libc::O_CLOEXEC)
             .open(path);
         match opened {
             Ok(f) => break f,
@@ -227,6 +245,7 @@ fn open_block_device(path: &Path, rdev: u64) -> Result<Target, IoError> {
     Ok(Target {
         path: path.into(),
         file,
+        read_only: false,
         kind: TargetKind::BlockDevice,
         geometry: Geometry {
             capacity: capacity - capacity % logical_block as u64,
@@ -241,7 +260,7 @@ fn open_block_device(path: &Path, rdev: u64) -> Result<Target, IoError> {
     })
 }
 
-fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
+fn open_nvme_generic(path: &Path, rdev: u64, read_only: bool) -> Result<Target, IoError> {
     let sys_dir = format!("/sys/dev/char/{}:{}", major(rdev), minor(rdev));
     let subsystem = std::fs::read_link(format!("{sys_dir}/subsystem")).ok();
     if !subsystem.as_deref().is_some_and(|s| s.ends_with("nvme-generic")) {
@@ -252,11 +271,13 @@ fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
     }
     let file = OpenOptions::new()
         .read(true)
-        .write(true)
+        .write(!read_only)
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
         .map_err(|source| IoError::Open { path: path.into(), source })?;
-    lock_exclusive(&file, path)?;
+    if !read_only {
+        lock_exclusive(&file, path)?;
+    }
     let probe = |what: &'static str| move |source| IoError::Geometry { path: path.into(), what, source };
     let nsid = sys::nvme_namespace_id(file.as_fd()).map_err(probe("namespace id (NVME_IOCTL_ID)"))?;
     let mut data = vec![0u8; 4096];
@@ -302,6 +323,7 @@ fn open_nvme_generic(path: &Path, rdev: u64) -> Result<Target, IoError> {
     Ok(Target {
         path: path.into(),
         file,
+        read_only: false,
         kind: TargetKind::NvmeGeneric,
         geometry: Geometry {
             capacity: ns.blocks * ns.lba_size as u64,

@@ -555,6 +555,45 @@ impl Service {
         p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
     }
 
+    /// A reader that read chunks itself from its own view of the shared
+    /// namespace reports them: each must be a chunk of the manifest read with
+    /// its stored crc32c (else `restore_mismatch`, and nothing is recorded);
+    /// then they count as loaded for this claim's ack.
+    pub fn loaded(&self, who: &Caller, claim: &Receipt, chunks: &[(u32, u32)]) -> Result<(), ProtocolError> {
+        let manifest = self.authorize_load(who, claim)?;
+        if chunks.is_empty() {
+            return Err(Refusal::new(RefusalCode::BadRequest, "chunks", "no chunks reported").into());
+        }
+        for &(index, crc) in chunks {
+            let Some(m) = manifest.chunks.get(index as usize) else {
+                return Err(Refusal::new(
+                    RefusalCode::BadRequest,
+                    "chunks",
+                    format!("publication {} has chunks 0..{}, not {index}", claim.publication, manifest.chunks.len()),
+                )
+                .into());
+            };
+            if crc != m.crc32c {
+                return Err(Refusal::new(
+                    RefusalCode::RestoreMismatch,
+                    "chunks",
+                    format!(
+                        "chunk {index} was read as crc32c {crc:#010x}, stored {:#010x}: the reader's view of the namespace is not the stored bytes (another namespace, a stale cache, or a bad read); nothing was recorded",
+                        m.crc32c
+                    ),
+                )
+                .into());
+            }
+        }
+        self.note_served(claim, chunks);
+        for &(index, crc) in chunks {
+            let mut e = Event::new("loaded").claim(claim).chunk(index).detail("read by the reader itself");
+            e.crc32c = Some(crc);
+            self.note(who, e);
+        }
+        Ok(())
+    }
+
     /// Step 7: the reader restored every chunk (its digest must match); the slots free.
     pub fn ack(&self, who: &Caller, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
         let p = self.check(claim, ReceiptKind::Claim)?;

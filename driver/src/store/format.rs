@@ -107,7 +107,7 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
             opts.journal_half
         )));
     }
-    let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true })?;
+    let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true, read_only: false })?;
     let capacity = target.geometry().capacity;
     let block_size = target.geometry().logical_block;
     let data_offset = 2 * SUPERBLOCK_BYTES as u64 + 2 * opts.journal_half;

@@ -199,7 +199,7 @@ impl Store {
     /// publications, keeps READY/CLAIMED/ADOPTED/RETAINED ones with their
     /// slots, bumps and persists the epoch.
     pub fn open(path: &Path, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
-        let target = Target::open(path, &TargetOptions { create_len: None, allocate: true })?;
+        let target = Target::open(path, &TargetOptions { create_len: None, allocate: true, read_only: false })?;
         let (io, opened) = IoThread::start(path, target, opts.queue_depth, opts.fault.clone())?;
         let replayed = recovery::replay(path, &opened)?;
         io.resume(replayed.journal_end)?;

@@ -21,7 +21,7 @@
 //! | `missing_store` | every declared chunk was stored before the publish | `publication 7 published with chunks [1] never stored` |
 //! | `duplicate_store` / `store_conflict` | every chunk is stored exactly once (a second store with another crc32c is a conflict) | `publication 7: chunk 0 stored again with crc32c 0x2, first 0x1 at line 3` |
 //! | `wrong_path` / `not_native` | every store and load on the required path, judged `native` | `publication 7 chunk 0 store on host, required host_fixed` |
-//! | `unknown_chunk` | loads only of chunks in the published manifest | `publication 7: chunk 2 loaded, the manifest has chunks 0..2` |
+//! | `unknown_chunk` | loads (and `loaded` reports of chunks a reader read itself from the shared namespace) only of chunks in the published manifest | `publication 7: chunk 2 loaded, the manifest has chunks 0..2` |
 //! | `load_mismatch` | a load's crc32c (as the daemon read it) is the chunk's stored one | `publication 7: chunk 0 loaded with crc32c 0x9, stored 0x1` |
 //! | `duplicate_claim` | exactly one claim | `publication 7: second claim (first at line 7)` |
 //! | `reader_mismatch` | adopt, load, decode and ack come from the claimed reader and session | `publication 7: adopt by reader decode-1 session s, the claim is decode-0 session s` |
@@ -540,6 +540,37 @@ fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event, dae
                 v.add(line, "causality", format!("{who}: continuation before decode start"));
             }
             p.continued = true;
+        }
+        ("loaded", true) => {
+            // A reader that read the chunk itself, from the shared namespace:
+            // the daemon checked its crc32c; it counts as loaded.
+            let chunk = e.chunk.unwrap_or(u32::MAX);
+            if p.adopt.is_none() {
+                v.add(line, "causality", format!("{who}: chunk {chunk} reported loaded before adopt"));
+            }
+            let n = p.publish.as_ref().map_or(0, |x| x.chunks);
+            if chunk >= n {
+                v.add(
+                    line,
+                    "unknown_chunk",
+                    format!("{who}: chunk {chunk} reported loaded, the manifest has chunks 0..{n}"),
+                );
+            }
+            if let Some(s) = p.stored.get(&chunk)
+                && e.crc32c.is_some()
+                && s.crc.is_some()
+                && e.crc32c != s.crc
+            {
+                let m = format!(
+                    "{who}: chunk {chunk} reported loaded with crc32c {}, stored {}",
+                    hex32(e.crc32c),
+                    hex32(s.crc)
+                );
+                v.add(line, "load_mismatch", m);
+            }
+            same_reader(v, line, who, p, e);
+            p.loaded.insert(chunk);
+            p.served.insert(chunk, e.crc32c);
         }
         ("ack", true) => daemon_ack(v, line, who, p, e),
         ("ack", false) => {

@@ -1,0 +1,174 @@
+//! A reader on another host: it reaches the owner's daemon only over the
+//! control plane, and reads the payload itself, straight from its own view of
+//! the shared namespace (NVMe over TCP, say), with its own io_uring engine
+//! and registered buffer. Before it trusts that view it proves it is the
+//! namespace the receipt names (the pdstor superblock's UUID); after reading
+//! it checks every chunk's crc32c against the manifest, reports what it read
+//! (`loaded`: checksums only, never payload), and computes the restore digest
+//! its `ack` takes.
+
+use std::path::Path;
+
+use super::{Client, ClientError, Restored};
+use crate::api::wire::{AdoptRequest, LoadedChunk};
+use crate::io::{BufferId, BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use crate::protocol::service::restore_digest;
+use crate::protocol::{Receipt, manifest_digest};
+use crate::store::superblock::{SUPERBLOCK_BYTES, Superblock};
+use crate::store::{Layout, Manifest};
+use crate::{Buffer, PayloadPath};
+
+/// A reader of a shared namespace it opens itself, read-only.
+pub struct RemoteReader {
+    /// The owner's control plane.
+    pub client: Client,
+    engine: Engine,
+    device: std::path::PathBuf,
+    namespace: String,
+    buffer: Option<(BufferId, u64)>,
+}
+
+fn io(what: &str) -> impl FnOnce(crate::io::IoError) -> ClientError + '_ {
+    move |e| ClientError::Data(format!("{what}: {e}"))
+}
+
+impl RemoteReader {
+    /// Opens `device` (this host's view of the shared namespace) read-only,
+    /// beside the owner, and reads which namespace it holds.
+    pub fn open(server: &str, device: &Path) -> Result<RemoteReader, ClientError> {
+        let target = Target::open(device, &TargetOptions { read_only: true, ..Default::default() })
+            .map_err(io("opening the shared namespace"))?;
+        let mut engine =
+            Engine::new(target, EngineOptions::default()).map_err(io("an engine on the shared namespace"))?;
+        let sb = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64).map_err(io("reading its superblock"))?;
+        let sb = Superblock::decode(&sb).map_err(|e| {
+            ClientError::Data(format!(
+                "{} holds no pdstor namespace that this reader can read ({e}): is it the namespace the owner formatted?",
+                device.display()
+            ))
+        })?;
+        Ok(RemoteReader {
+            client: Client::new(server),
+            engine,
+            device: device.into(),
+            namespace: sb.uuid.to_string(),
+            buffer: None,
+        })
+    }
+
+    /// The namespace this host's view holds (its superblock's UUID).
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The proof that this view is the namespace the receipt names.
+    pub fn check_namespace(&self, claim: &Receipt) -> Result<(), ClientError> {
+        if claim.namespace != self.namespace {
+            return Err(ClientError::Verify {
+                chunk: 0,
+                what: format!(
+                    "{} holds namespace {}, the receipt names {}: not the same namespace; nothing was read",
+                    self.device.display(),
+                    self.namespace,
+                    claim.namespace
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// A registered buffer of at least `len` bytes.
+    fn buffer_for(&mut self, len: u64) -> Result<BufferId, ClientError> {
+        if let Some((id, have)) = self.buffer
+            && have >= len
+        {
+            return Ok(id);
+        }
+        if let Some((id, _)) = self.buffer.take() {
+            self.engine.remove(id).map_err(io("releasing the old buffer"))?;
+        }
+        let len = len.max(4096).next_multiple_of(4096);
+        let b = Buffer::memfd("pdstor-remote-reader", len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+        let id = self.engine.register(b).map_err(io("registering the reader's buffer"))?;
+        self.buffer = Some((id, len));
+        Ok(id)
+    }
+
+    /// claim's namespace checked → adopt → read every chunk from the shared
+    /// namespace → verify each crc32c → report them (`loaded`) → the restore.
+    /// Strict: any mismatch is an error, never a partial result.
+    pub fn get(&mut self, claim: &Receipt, layout: &Layout) -> Result<Restored, ClientError> {
+        self.check_namespace(claim)?;
+        let manifest = self.client.adopt(&AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout.clone(),
+        })?;
+        if manifest_digest(&manifest) != claim.manifest_digest {
+            return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
+        }
+        self.load(claim, manifest)
+    }
+
+    /// Reads every chunk of an adopted publication into this reader's buffer
+    /// (at their places in the whole), verifies them, and reports them.
+    pub fn load(&mut self, claim: &Receipt, manifest: Manifest) -> Result<Restored, ClientError> {
+        let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
+        let id = self.buffer_for(total)?;
+        let mut requests = Vec::with_capacity(manifest.chunks.len());
+        let mut at = 0u64;
+        for c in &manifest.chunks {
+            requests.push(IoRequest {
+                transfer: TransferId::chunk(manifest.publication, c.index),
+                op: Op::Read,
+                path: PayloadPath::HostFixed,
+                buffer: id,
+                buffer_offset: BufferOffset(at),
+                target_offset: c.offset,
+                len: c.len,
+            });
+            at += c.len;
+        }
+        self.engine.execute_all(&requests).map_err(io("reading the chunks from the shared namespace"))?;
+        let buffer = self.engine.buffer(id).map_err(io("the reader's buffer"))?;
+        let mut crcs = Vec::with_capacity(manifest.chunks.len());
+        let mut piece = vec![0u8; manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize];
+        let mut at = 0u64;
+        for c in &manifest.chunks {
+            let bytes = &mut piece[..c.len as usize];
+            buffer.read_at(at, bytes).map_err(|e| ClientError::Data(e.to_string()))?;
+            let crc = crc32c::crc32c(bytes);
+            if crc != c.crc32c {
+                return Err(ClientError::Verify {
+                    chunk: c.index,
+                    what: format!(
+                        "read from {} with crc32c {crc:#010x}, the manifest says {:#010x}",
+                        self.device.display(),
+                        c.crc32c
+                    ),
+                });
+            }
+            crcs.push(crc);
+            at += c.len;
+        }
+        let report: Vec<LoadedChunk> =
+            manifest.chunks.iter().zip(&crcs).map(|(c, &crc32c)| LoadedChunk { index: c.index, crc32c }).collect();
+        self.client.loaded(claim, &report)?;
+        let nonce = manifest.restore_nonce.clone().unwrap_or_default();
+        Ok(Restored { restore_digest: restore_digest(&nonce, &crcs), manifest, len: total })
+    }
+
+    /// The first `len` restored bytes, for comparison outside pdstor.
+    pub fn restored_bytes(&self, len: u64) -> Result<Vec<u8>, ClientError> {
+        let (id, _) = self.buffer.ok_or_else(|| ClientError::Data("nothing restored yet".into()))?;
+        let mut out = vec![0u8; len as usize];
+        self.engine
+            .buffer(id)
+            .map_err(io("the reader's buffer"))?
+            .read_at(0, &mut out)
+            .map_err(|e| ClientError::Data(e.to_string()))?;
+        Ok(out)
+    }
+}
