@@ -24,7 +24,7 @@ const CONTROL: &str = "/tmp/vmtest/pdstor-control.sock";
 pub(crate) const SOCKET: &str = "/tmp/vmtest/pdstor-data.sock";
 
 /// A `pdstor serve` child, stopped with SIGTERM (then SIGKILL) on drop.
-pub(crate) struct Daemon(Child);
+pub(crate) struct Daemon(pub(crate) Child);
 
 impl Drop for Daemon {
     fn drop(&mut self) {

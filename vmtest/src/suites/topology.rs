@@ -21,8 +21,154 @@ use crate::{DiskRole, NVME_TCP_PORT, Outcome, READER_ADDR, REPORT_PORT, SHARED_N
 
 pub const SUITE: Suite = Suite {
     name: "topology",
-    tests: &[Test { name: "shared_namespace_over_nvme_tcp", disk: None, run: shared_namespace }],
+    tests: &[
+        Test { name: "shared_namespace_over_nvme_tcp", disk: None, run: shared_namespace },
+        Test { name: "handoff_to_a_reader_host", disk: None, run: handoff },
+    ],
 };
+
+/// The owner's control plane on the private network (plaintext: nothing
+/// else is on that network; `--insecure-tcp` says so at every start).
+const CONTROL: &str = "10.77.0.1:7078";
+const HANDOFF_CHUNKS: u32 = 64;
+const HANDOFF_CHUNK: u64 = 256 << 10;
+const HANDOFF_SEED: u64 = 0x64c4;
+/// Where the storage guest hands the reader its READY receipt and waits for its report.
+const HANDOFF_PORT: u16 = 7072;
+
+fn kv_layout() -> pdstor::store::Layout {
+    pdstor::store::Layout {
+        model_id: "vmtest-topology".into(),
+        dtype: "bf16".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        chunk_tokens: 256,
+        kv_format: "pdstor-test".into(),
+    }
+}
+
+fn handoff_payload() -> Vec<u8> {
+    (0..HANDOFF_CHUNKS as u64).flat_map(|i| payload::chunk(HANDOFF_SEED, i, HANDOFF_CHUNK as usize)).collect()
+}
+
+/// The writer host (the storage guest) formats its namespace, serves it with
+/// the control plane on the private network, stores 64 chunks and publishes;
+/// the reader host claims over HTTP, reads every chunk itself from its
+/// NVMe/TCP view of the namespace (`RemoteReader`: its superblock must be the
+/// receipt's namespace), reports only checksums, acks, and compares the bytes
+/// with the writer's outside pdstor. The owner then holds nothing of it.
+fn handoff(ctx: &Ctx) -> Outcome {
+    outcome(match cmdline("role").as_deref() {
+        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
+        Some("storage") => handoff_writer(ctx),
+        Some("reader") => handoff_reader(),
+        Some(other) => Err(format!("unknown topology role {other:?}")),
+    })
+}
+
+fn handoff_writer(ctx: &Ctx) -> Result<(), String> {
+    use pdstor::client::{Client, Writer};
+    let device = ctx.disk(DiskRole::Raw)?.block.clone();
+    let d = device.to_string_lossy().into_owned();
+    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "256K", "--target", &d])?;
+    let socket = "/tmp/vmtest/topology-data.sock";
+    let _ = std::fs::remove_file(socket);
+    let log = std::fs::File::create("/tmp/vmtest/topology-serve.log").map_err(|e| e.to_string())?;
+    let child = std::process::Command::new("/bin/pdstor")
+        .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("starting pdstor serve: {e}"))?;
+    let _daemon = super::protocol::Daemon(child);
+    let server = format!("http://{CONTROL}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !Path::new(socket).exists() || Client::new(&server).healthz().is_err() {
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string("/tmp/vmtest/topology-serve.log").unwrap_or_default();
+            return Err(format!("pdstor serve did not come up on {CONTROL}: {log}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut w = Writer::new(&server, Path::new(socket), HANDOFF_CHUNK, HANDOFF_CHUNKS).map_err(|e| e.to_string())?;
+    let published =
+        w.put("topology-1", &kv_layout(), &handoff_payload(), 8, Some(42)).map_err(|e| format!("put: {e}"))?;
+    console(&format!("pdstor-vminit: topology writer published {} chunks", HANDOFF_CHUNKS));
+    // Hand the reader its READY receipt; wait for its report.
+    let line = serve_once(HANDOFF_PORT, &serde_json::to_string(&published.receipt).map_err(|e| e.to_string())?)?;
+    if line.trim() != "ok" {
+        return Err(format!("the reader host reported {:?}", line.trim()));
+    }
+    let left = Client::new(&server).publications(None, false).map_err(|e| e.to_string())?;
+    if !left.is_empty() {
+        return Err(format!("after the reader host's ack the owner still holds {left:?}"));
+    }
+    Ok(())
+}
+
+/// Listens on the storage address, sends `send` to the first connection and
+/// returns the line it answers.
+fn serve_once(port: u16, send: &str) -> Result<String, String> {
+    let listener = TcpListener::bind((STORAGE_ADDR, port)).map_err(|e| format!("listening on {port}: {e}"))?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stream = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => return Err(format!("no reader connected on port {port} within 240 s: {e}")),
+        }
+    };
+    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    (&stream).write_all(format!("{send}\n").as_bytes()).map_err(|e| format!("sending to the reader: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(180))).map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the reader's report: {e}"))?;
+    Ok(line)
+}
+
+fn handoff_reader() -> Result<(), String> {
+    use pdstor::client::{Client, RemoteReader};
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stream = loop {
+        match TcpStream::connect((STORAGE_ADDR, HANDOFF_PORT)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("no receipt from the writer host: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(300)),
+        }
+    };
+    let mut line = String::new();
+    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the receipt: {e}"))?;
+    let result = (|| -> Result<(), String> {
+        let ready: pdstor::protocol::Receipt =
+            serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
+        let server = format!("http://{CONTROL}");
+        connect()?;
+        let dev = fabric_namespace()?;
+        let claim = Client::new(&server)
+            .claim(&ready, "decode-remote", "topology", 120_000)
+            .map_err(|e| format!("claim: {e}"))?;
+        let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
+        let restored = r.get(&claim, &kv_layout()).map_err(|e| format!("get --direct {}: {e}", dev.display()))?;
+        let bytes = r.restored_bytes(restored.len).map_err(|e| e.to_string())?;
+        if let Some(at) = payload::first_difference(&handoff_payload(), &bytes) {
+            return Err(format!("the restored bytes differ from the writer's at byte {at}"));
+        }
+        r.client.ack(&claim, &restored.restore_digest).map_err(|e| format!("ack: {e}"))?;
+        Ok(())
+    })();
+    let report = match &result {
+        Ok(()) => "ok".to_owned(),
+        Err(e) => format!("fail {e}"),
+    };
+    let _ = (&stream).write_all(format!("{report}\n").as_bytes());
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
+}
 
 /// Where on the namespace the storage guest writes what the reader reads.
 const AT: u64 = 64 << 20;
@@ -68,6 +214,9 @@ fn export(device: &Path) -> Result<(), String> {
         return Err("no /sys/kernel/config/nvmet: the nvmet module is not loaded".into());
     }
     let subsys = nvmet.join("subsystems").join(SHARED_NQN);
+    if subsys.exists() {
+        return Ok(());
+    }
     let mk = |p: &PathBuf| std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()));
     mk(&subsys)?;
     write(&subsys.join("attr_allow_any_host"), "1")?;
