@@ -96,7 +96,8 @@ fn handoff_writer(ctx: &Ctx) -> Result<(), String> {
         w.put("topology-1", &kv_layout(), &handoff_payload(), 8, Some(42)).map_err(|e| format!("put: {e}"))?;
     console(&format!("pdstor-vminit: topology writer published {} chunks", HANDOFF_CHUNKS));
     // Hand the reader its READY receipt; wait for its report.
-    let line = serve_once(HANDOFF_PORT, &serde_json::to_string(&published.receipt).map_err(|e| e.to_string())?)?;
+    let receipt = serde_json::to_string(&published.receipt).map_err(|e| e.to_string())?;
+    let line = serve_once(HANDOFF_PORT, Some(&receipt))?;
     if line.trim() != "ok" {
         return Err(format!("the reader host reported {:?}", line.trim()));
     }
@@ -107,9 +108,9 @@ fn handoff_writer(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
-/// Listens on the storage address, sends `send` to the first connection and
-/// returns the line it answers.
-fn serve_once(port: u16, send: &str) -> Result<String, String> {
+/// Listens on the storage address for the reader guest, sends it `send` (if
+/// any), and returns the line it answers (then says `bye`).
+fn serve_once(port: u16, send: Option<&str>) -> Result<String, String> {
     let listener = TcpListener::bind((STORAGE_ADDR, port)).map_err(|e| format!("listening on {port}: {e}"))?;
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let deadline = Instant::now() + Duration::from_secs(240);
@@ -123,10 +124,13 @@ fn serve_once(port: u16, send: &str) -> Result<String, String> {
         }
     };
     stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    (&stream).write_all(format!("{send}\n").as_bytes()).map_err(|e| format!("sending to the reader: {e}"))?;
+    if let Some(send) = send {
+        (&stream).write_all(format!("{send}\n").as_bytes()).map_err(|e| format!("sending to the reader: {e}"))?;
+    }
     stream.set_read_timeout(Some(Duration::from_secs(180))).map_err(|e| e.to_string())?;
     let mut line = String::new();
     BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the reader's report: {e}"))?;
+    let _ = (&stream).write_all(b"bye\n");
     Ok(line)
 }
 
@@ -261,24 +265,7 @@ fn storage(ctx: &Ctx) -> Result<(), String> {
     export(&device)?;
     console(&format!("pdstor-vminit: topology storage ready: {SHARED_NQN} on {STORAGE_ADDR}:{NVME_TCP_PORT}"));
     // The reader's report: `ok <crc32c>` or `fail <why>`.
-    let listener =
-        TcpListener::bind((STORAGE_ADDR, REPORT_PORT)).map_err(|e| format!("listening for the reader: {e}"))?;
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let stream = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            Err(e) => return Err(format!("no report from the reader guest within 240 s: {e}")),
-        }
-    };
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the reader's report: {e}"))?;
-    let _ = (&stream).write_all(b"bye\n");
+    let line = serve_once(REPORT_PORT, None)?;
     let expected = format!("ok {:08x}", crc32c::crc32c(&want));
     if line.trim() != expected {
         return Err(format!("the reader guest reported {:?}, expected {expected:?}", line.trim()));
