@@ -142,6 +142,9 @@ pub const SHARED_NQN: &str = "nqn.2026-12.io.pdstor:shared";
 pub const SHARED_SERIAL: &str = "PDFABRIC";
 /// Where the storage guest waits for the reader's report.
 pub const REPORT_PORT: u16 = 7071;
+/// A console line at which a topology guest asks the host to kill it at
+/// once, as a host that dies (no shutdown, no flush, no goodbye).
+pub const KILL_ME: &str = "pdstor-vminit: kill this host now";
 
 /// Whether `name` is a suite in [`SUITES`].
 pub fn suite_exists(name: &str) -> bool {

@@ -17,13 +17,17 @@ use pdstor::{Buffer, PayloadPath, payload};
 use super::io::dd_direct;
 use super::{Suite, Test, outcome};
 use crate::guest::{Ctx, cmdline, console, sh};
-use crate::{DiskRole, NVME_TCP_PORT, Outcome, READER_ADDR, REPORT_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR};
+use crate::{
+    DiskRole, KILL_ME, NVME_TCP_PORT, Outcome, READER_ADDR, REPORT_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR,
+};
 
 pub const SUITE: Suite = Suite {
     name: "topology",
     tests: &[
         Test { name: "shared_namespace_over_nvme_tcp", disk: None, run: shared_namespace },
         Test { name: "handoff_to_a_reader_host", disk: None, run: handoff },
+        // Last: the reader host does not survive it.
+        Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
     ],
 };
 
@@ -360,4 +364,145 @@ fn reader() -> Result<(), String> {
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     console(&format!("pdstor-vminit: topology reader at {READER_ADDR} reported {report:?}"));
     if report.starts_with("ok ") { Ok(()) } else { Err(report) }
+}
+
+/// Where the storage guest hands the doomed reader its receipt.
+const DEATH_PORT: u16 = 7073;
+/// Where the doomed reader answers while it lives.
+const HEARTBEAT_PORT: u16 = 7074;
+const DEATH_CHUNKS: u32 = 16;
+
+/// The reader host claims, adopts, reads half the chunks, tells the owner
+/// its claim, and dies (QEMU killed: no shutdown, no ack, no goodbye). The
+/// owner sees its host gone; the claim is not freed by that (a reclaim is
+/// refused: the reader is not fenced), nor by anything but fencing: the
+/// owner closes the reader's session, then reclaims, and the slots serve a
+/// new publication.
+fn reader_death(ctx: &Ctx) -> Outcome {
+    outcome(match cmdline("role").as_deref() {
+        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
+        Some("storage") => death_owner(ctx),
+        Some("reader") => death_reader(),
+        Some(other) => Err(format!("unknown topology role {other:?}")),
+    })
+}
+
+fn death_owner(ctx: &Ctx) -> Result<(), String> {
+    use pdstor::client::{Client, Writer};
+    let device = ctx.disk(DiskRole::Raw)?.block.clone();
+    let d = device.to_string_lossy().into_owned();
+    let socket = "/tmp/vmtest/topology-data.sock";
+    let _ = std::fs::remove_file(socket);
+    let log = std::fs::File::create("/tmp/vmtest/topology-serve-2.log").map_err(|e| e.to_string())?;
+    let child = std::process::Command::new("/bin/pdstor")
+        .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("starting pdstor serve: {e}"))?;
+    let _daemon = super::protocol::Daemon(child);
+    let server = format!("http://{CONTROL}");
+    let c = Client::new(&server);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !Path::new(socket).exists() || c.healthz().is_err() {
+        if Instant::now() > deadline {
+            return Err("pdstor serve did not come up for the reader-death test".into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut w = Writer::new(&server, Path::new(socket), HANDOFF_CHUNK, DEATH_CHUNKS).map_err(|e| e.to_string())?;
+    let payload: Vec<u8> = handoff_payload()[..(DEATH_CHUNKS as u64 * HANDOFF_CHUNK) as usize].to_vec();
+    let published = w.put("topology-doomed", &kv_layout(), &payload, 8, Some(42)).map_err(|e| format!("put: {e}"))?;
+    let receipt = serde_json::to_string(&published.receipt).map_err(|e| e.to_string())?;
+    let line = serve_once(DEATH_PORT, Some(&receipt))?;
+    let claim: pdstor::protocol::Receipt = serde_json::from_str(line.trim().strip_prefix("adopted ").unwrap_or(""))
+        .map_err(|e| format!("the reader host's claim {line:?}: {e}"))?;
+    // Its host is gone when it stops answering.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut silent = 0;
+    while silent < 3 {
+        let addr = std::net::SocketAddr::from(([10, 77, 0, 2], HEARTBEAT_PORT));
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+            Ok(_) => silent = 0,
+            Err(_) => silent += 1,
+        }
+        if Instant::now() > deadline {
+            return Err("the reader host was still answering 60 s after it said it would die".into());
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    console("pdstor-vminit: topology owner: the reader host is gone");
+    let state = |c: &Client| -> Result<Option<String>, String> {
+        Ok(c.publications(None, false)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .find(|p| p.publication == claim.publication)
+            .map(|p| p.state))
+    };
+    if state(&c)?.as_deref() != Some("ADOPTED") {
+        return Err(format!("the dead reader's claim is {:?}, not ADOPTED", state(&c)?));
+    }
+    match c.reclaim(&claim) {
+        Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
+        other => return Err(format!("a reclaim before fencing was not refused not_fenced: {other:?}")),
+    }
+    if state(&c)?.as_deref() != Some("ADOPTED") {
+        return Err("the refused reclaim changed the claim".into());
+    }
+    c.close_session(&claim).map_err(|e| format!("fencing the dead reader's session: {e}"))?;
+    c.reclaim(&claim).map_err(|e| format!("reclaim after fencing: {e}"))?;
+    if state(&c)?.is_some() {
+        return Err("the fenced, reclaimed publication is still listed".into());
+    }
+    // Its slots serve a new publication.
+    let mut w = Writer::new(&server, Path::new(socket), HANDOFF_CHUNK, DEATH_CHUNKS).map_err(|e| e.to_string())?;
+    w.put("topology-after", &kv_layout(), &payload, 8, Some(42)).map_err(|e| format!("put after the reclaim: {e}"))?;
+    Ok(())
+}
+
+fn death_reader() -> Result<(), String> {
+    use pdstor::client::{Client, RemoteReader};
+    connect()?;
+    let dev = fabric_namespace()?;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stream = loop {
+        match TcpStream::connect((STORAGE_ADDR, DEATH_PORT)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("no receipt from the owner: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(300)),
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the receipt: {e}"))?;
+    let ready: pdstor::protocol::Receipt =
+        serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
+    let server = format!("http://{CONTROL}");
+    let c = Client::new(&server);
+    let claim = c.claim(&ready, "decode-doomed", "doomed", 600_000).map_err(|e| format!("claim: {e}"))?;
+    let r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
+    r.check_namespace(&claim).map_err(|e| e.to_string())?;
+    let m = c
+        .adopt(&pdstor::api::wire::AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: kv_layout(),
+        })
+        .map_err(|e| format!("adopt: {e}"))?;
+    // Mid-load: half the chunks read, nothing reported, no ack.
+    for chunk in m.chunks.iter().take(m.chunks.len() / 2) {
+        dd_direct(&dev, chunk.offset.0, chunk.len)?;
+    }
+    let heartbeat = TcpListener::bind((READER_ADDR, HEARTBEAT_PORT)).map_err(|e| format!("heartbeat: {e}"))?;
+    std::thread::spawn(move || for _ in heartbeat.incoming() {});
+    let claim_json = serde_json::to_string(&claim).map_err(|e| e.to_string())?;
+    (&stream).write_all(format!("adopted {claim_json}\n").as_bytes()).map_err(|e| format!("telling the owner: {e}"))?;
+    // Answer heartbeats for a moment, then die as a host does.
+    std::thread::sleep(Duration::from_secs(3));
+    console(KILL_ME);
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
 }

@@ -290,6 +290,7 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     let vm = Vm {
         netdev: None,
         abort: None,
+        kill_marker: None,
         kernel: &kernel.vmlinuz,
         initrd: &initrd,
         disks,
@@ -461,6 +462,7 @@ fn run_topology(
         extra_append: format!("pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24"),
         netdev: Some(format!("socket,listen=127.0.0.1:{port}")),
         abort: Some(stop_storage.clone()),
+        kill_marker: None,
     };
     let reader = Vm {
         kernel,
@@ -470,15 +472,17 @@ fn run_topology(
         extra_append: format!("pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1"),
         netdev: Some(format!("socket,connect=127.0.0.1:{port}")),
         abort: Some(stop_reader.clone()),
+        kill_marker: Some(pdstor_vmtest_spec::KILL_ME),
     };
     println!(
         "vmtest topology: storage guest {STORAGE_ADDR} and reader guest {READER_ADDR} on 127.0.0.1:{port} ({})",
         accel.name()
     );
-    // When one guest ends, its peer has a minute more (it may be reporting).
+    // When one guest ends, its peer has 90 s more (it may be reporting, or
+    // fencing the reader host that just died).
     let grace = |peer: Arc<AtomicBool>| {
         std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs(60));
+            std::thread::sleep(Duration::from_secs(90));
             peer.store(true, Ordering::Relaxed);
         });
     };
@@ -582,7 +586,9 @@ fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
             tail(40)
         );
     }
-    if !finished {
+    if !finished && run.killed_on_request {
+        println!("(the guest was killed when it asked to be, as a host that dies: its last test reports on its peer)");
+    } else if !finished {
         bail!(
             "the guest stopped before finishing its suites ({garbled} garbled result lines); console tail:\n{}",
             tail(40)

@@ -38,6 +38,9 @@ pub struct Vm<'a> {
     pub netdev: Option<String>,
     /// Set by another thread to stop this guest (its peer in a topology failed).
     pub abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// A console line at which the guest asks to be killed, as a host that
+    /// dies does: QEMU is killed at once, nothing shut down.
+    pub kill_marker: Option<&'static str>,
 }
 
 pub struct VmRun {
@@ -48,6 +51,8 @@ pub struct VmRun {
     pub console_file: PathBuf,
     pub qemu_stderr: String,
     pub status: Option<std::process::ExitStatus>,
+    /// Killed because it asked to be ([`Vm::kill_marker`]).
+    pub killed_on_request: bool,
 }
 
 impl Vm<'_> {
@@ -189,6 +194,7 @@ impl Vm<'_> {
         let mut booted = false;
         let mut seen = 0usize;
         let mut timed_out = false;
+        let mut killed_on_request = false;
         let status = loop {
             if let Some(status) = child.try_wait()? {
                 break Some(status);
@@ -203,6 +209,14 @@ impl Vm<'_> {
                 if let Some(s) = line.strip_prefix("pdstor-vminit: suite ") {
                     on_progress(&format!("suite {s}"));
                 }
+                if self.kill_marker.is_some_and(|m| line.contains(m)) {
+                    killed_on_request = true;
+                }
+            }
+            if killed_on_request {
+                on_progress("killed, as it asked");
+                kill(&mut child);
+                break None;
             }
             if let Some(d) = boot_deadline
                 && !booted
@@ -233,6 +247,7 @@ impl Vm<'_> {
             console_file: self.console_file(),
             qemu_stderr,
             status,
+            killed_on_request,
         })
     }
 }
