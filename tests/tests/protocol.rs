@@ -632,13 +632,16 @@ fn a_reader_on_the_shared_namespace_loads_it_directly() {
     let p = put(&d, "remote-1", 31, 4);
     let claim = c.claim(&p.receipt, "decode-remote", "s-remote", 60_000).unwrap();
 
-    // Another namespace: refused before adopt, nothing changes.
+    // A view of another namespace: refused when opened (its superblock is
+    // not the owner's), before anything is adopted or read.
     let other_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let other = pdstor_tests::format_file(other_dir.path(), 4, SLOT);
-    let mut stranger = RemoteReader::open(&d.server, &other).unwrap();
-    let e = stranger.get(&claim, &layout()).unwrap_err();
+    let e = RemoteReader::open(&d.server, &other).err().expect("another namespace is refused");
     assert!(e.to_string().contains("not the same namespace"), "{e}");
     assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "nothing was adopted");
+    let info = c.namespace().unwrap();
+    assert_eq!(info.namespace, claim.namespace, "the owner says which namespace it serves");
+    assert_eq!(info.device, pdstor::io::DeviceIds::default(), "a file has no NVMe identifiers");
 
     // The owner's namespace, opened read-only while the daemon holds it.
     let mut r = RemoteReader::open(&d.server, &d.target).unwrap();

@@ -357,6 +357,7 @@ pub fn router(state: Shared) -> Router {
             }),
         )
         .route("/storage-pd/publications", get(publications))
+        .route("/storage-pd/namespace", get(namespace))
         .route("/storage-pd/prepare", post(prepare))
         .route(
             "/storage-pd/cancel",
@@ -466,6 +467,23 @@ pub(super) fn phase_name(p: Phase) -> &'static str {
 }
 
 /// `GET /storage-pd/publications`: a tenant sees only its own; an admin all.
+/// The namespace the owner serves and its device's NVMe identifiers.
+async fn namespace(State(s): State<Shared>, Extension(who): Extension<Caller>) -> Response {
+    if let Err(r) = who.require(Role::Any, "read the namespace's identity") {
+        return error_response(&s, ErrorBody::new(r.code, r.field, r.message));
+    }
+    let store = s.service.store();
+    let sb = store.superblock();
+    let info = NamespaceInfo {
+        namespace: sb.uuid.to_string(),
+        epoch: sb.epoch,
+        slot_size: sb.slot_size,
+        slot_count: sb.slot_count,
+        device: crate::io::DeviceIds::of(store.path()),
+    };
+    json_response(StatusCode::OK, &info)
+}
+
 async fn publications(
     State(s): State<Shared>,
     Extension(who): Extension<Caller>,

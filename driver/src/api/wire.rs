@@ -98,6 +98,23 @@ pub struct LoadedRequest {
     pub chunks: Vec<LoadedChunk>,
 }
 
+/// `GET /storage-pd/namespace`: what the owner serves, so that a reader on
+/// another host can prove its own view of the shared namespace is the same
+/// one before it reads anything from it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NamespaceInfo {
+    /// The pdstor namespace (its superblock's UUID; receipts name it).
+    pub namespace: String,
+    /// The store's epoch.
+    pub epoch: u64,
+    /// The slot size and count, as formatted.
+    pub slot_size: u64,
+    /// Slots in the namespace.
+    pub slot_count: u64,
+    /// The NVMe namespace identifiers of the owner's target, where it has them.
+    pub device: crate::io::DeviceIds,
+}
+
 /// One chunk a reader loaded itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadedChunk {

@@ -263,6 +263,11 @@ impl Client {
         self.post::<_, Done>("/storage-pd/ack", &AckRequest { receipt: claim.clone(), restore_digest: restore.into() })
             .map(drop)
     }
+    /// `GET namespace`: the namespace the owner serves and its device's NVMe identifiers.
+    pub fn namespace(&self) -> Result<crate::api::wire::NamespaceInfo, ClientError> {
+        serde_json::from_str(&self.get_text("/storage-pd/namespace")?)
+            .map_err(|e| ClientError::Data(format!("namespace: {e}")))
+    }
     /// `loaded`: the chunks this reader read itself from the shared
     /// namespace, with the crc32c of what it read; the daemon checks them
     /// against the stored ones and lets the claim's ack count them.

@@ -2,7 +2,8 @@
 //! control plane, and reads the payload itself, straight from its own view of
 //! the shared namespace (NVMe over TCP, say), with its own io_uring engine
 //! and registered buffer. Before it trusts that view it proves it is the
-//! namespace the receipt names (the pdstor superblock's UUID); after reading
+//! owner's namespace (the pdstor superblock's UUID, and the NVMe namespace
+//! identifiers both sides know) and the one the receipt names; after reading
 //! it checks every chunk's crc32c against the manifest, reports what it read
 //! (`loaded`: checksums only, never payload), and computes the restore digest
 //! its `ack` takes.
@@ -26,6 +27,7 @@ pub struct RemoteReader {
     device: std::path::PathBuf,
     namespace: String,
     buffer: Option<(BufferId, u64)>,
+    ids: crate::io::DeviceIds,
 }
 
 fn io(what: &str) -> impl FnOnce(crate::io::IoError) -> ClientError + '_ {
@@ -47,13 +49,37 @@ impl RemoteReader {
                 device.display()
             ))
         })?;
-        Ok(RemoteReader {
-            client: Client::new(server),
-            engine,
-            device: device.into(),
-            namespace: sb.uuid.to_string(),
-            buffer: None,
-        })
+        let client = Client::new(server);
+        // The proof that this view is the owner's namespace: the pdstor
+        // superblock's UUID, and the NVMe namespace identifiers both sides know.
+        let owner = client.namespace()?;
+        let namespace = sb.uuid.to_string();
+        if owner.namespace != namespace {
+            return Err(ClientError::Verify {
+                chunk: 0,
+                what: format!(
+                    "{} holds pdstor namespace {namespace}, the owner at {server} serves {}: not the same namespace; nothing was read",
+                    device.display(),
+                    owner.namespace
+                ),
+            });
+        }
+        let ids = crate::io::DeviceIds::of(device);
+        if let Some(why) = ids.conflicts_with(&owner.device) {
+            return Err(ClientError::Verify {
+                chunk: 0,
+                what: format!(
+                    "{} is another NVMe namespace than the owner's ({why}), though its superblock says {namespace}: a copy, not the shared namespace; nothing was read",
+                    device.display()
+                ),
+            });
+        }
+        Ok(RemoteReader { client, engine, device: device.into(), namespace, buffer: None, ids })
+    }
+
+    /// This view's NVMe namespace identifiers (empty for a file).
+    pub fn device_ids(&self) -> &crate::io::DeviceIds {
+        &self.ids
     }
 
     /// The namespace this host's view holds (its superblock's UUID).

@@ -37,7 +37,7 @@ pub use error::IoError;
 pub use nvme::NvmeStatus;
 pub use request::{BufferId, BufferOffset, Completion, IoRequest, Op, PayloadPath, TargetOffset, TransferId};
 pub use ring::{MAX_TRANSFER_ID, SEGMENT_BITS};
-pub use target::{Geometry, Target, TargetKind, TargetOptions};
+pub use target::{DeviceIds, Geometry, Target, TargetKind, TargetOptions};
 
 use crate::buffer::Buffer;
 use plan::{build_nvme, build_std, plan};

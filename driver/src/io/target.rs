@@ -422,3 +422,60 @@ fn major(dev: u64) -> u32 {
 fn minor(dev: u64) -> u32 {
     libc::minor(dev)
 }
+
+/// What the NVMe namespace behind a path calls itself (sysfs `uuid`, `nguid`,
+/// `eui`), where it says: how a reader on another host proves that its view
+/// of a shared namespace is the owner's. Identifiers that are all zeros (not
+/// assigned) are left out; files have none.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceIds {
+    /// The namespace UUID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uuid: Option<String>,
+    /// The namespace NGUID.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nguid: Option<String>,
+    /// The namespace EUI-64.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eui64: Option<String>,
+}
+
+impl DeviceIds {
+    /// The identifiers of the namespace at `path` (a block device `/dev/nvmeXnY`
+    /// or its generic `/dev/ngXnY`); empty for anything else.
+    pub fn of(path: &Path) -> DeviceIds {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let Ok(meta) = std::fs::metadata(path) else { return DeviceIds::default() };
+        let dir = if meta.file_type().is_block_device() {
+            format!("/sys/dev/block/{}:{}", major(meta.rdev()), minor(meta.rdev()))
+        } else if meta.file_type().is_char_device() {
+            // ngXnY's namespace attributes live on its block sibling nvmeXnY.
+            let name = path.file_name().map(|n| n.to_string_lossy().replacen("ng", "nvme", 1)).unwrap_or_default();
+            format!("/sys/class/block/{name}")
+        } else {
+            return DeviceIds::default();
+        };
+        let read = |attr: &str| {
+            std::fs::read_to_string(format!("{dir}/{attr}"))
+                .ok()
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty() && v.chars().any(|c| c.is_ascii_hexdigit() && c != '0'))
+        };
+        DeviceIds { uuid: read("uuid"), nguid: read("nguid"), eui64: read("eui") }
+    }
+
+    /// Whether `self` and `other` name different namespaces: some identifier
+    /// both know differs. (Two views with no identifier in common cannot be
+    /// told apart this way; the pdstor superblock still can.)
+    pub fn conflicts_with(&self, other: &DeviceIds) -> Option<String> {
+        let pairs = [
+            ("uuid", &self.uuid, &other.uuid),
+            ("nguid", &self.nguid, &other.nguid),
+            ("eui64", &self.eui64, &other.eui64),
+        ];
+        pairs.into_iter().find_map(|(name, a, b)| match (a, b) {
+            (Some(a), Some(b)) if !a.eq_ignore_ascii_case(b) => Some(format!("{name} {a} here, {b} at the owner")),
+            _ => None,
+        })
+    }
+}

@@ -344,6 +344,12 @@ impl Store {
     }
 
     /// What kind of target the store is on.
+    /// The target's path, as the daemon opened it.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The target's kind.
     pub fn target_kind(&self) -> TargetKind {
         self.io.target_kind()
     }

@@ -25,6 +25,7 @@ pub const SUITE: Suite = Suite {
     name: "topology",
     tests: &[
         Test { name: "shared_namespace_over_nvme_tcp", disk: None, run: shared_namespace },
+        Test { name: "the_reader_proves_it_sees_the_owners_namespace", disk: None, run: identity },
         Test { name: "handoff_to_a_reader_host", disk: None, run: handoff },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
@@ -62,39 +63,20 @@ fn handoff_payload() -> Vec<u8> {
 /// NVMe/TCP view of the namespace (`RemoteReader`: its superblock must be the
 /// receipt's namespace), reports only checksums, acks, and compares the bytes
 /// with the writer's outside pdstor. The owner then holds nothing of it.
-fn handoff(ctx: &Ctx) -> Outcome {
+fn handoff(_: &Ctx) -> Outcome {
     outcome(match cmdline("role").as_deref() {
         None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
-        Some("storage") => handoff_writer(ctx),
+        Some("storage") => handoff_writer(),
         Some("reader") => handoff_reader(),
         Some(other) => Err(format!("unknown topology role {other:?}")),
     })
 }
 
-fn handoff_writer(ctx: &Ctx) -> Result<(), String> {
+fn handoff_writer() -> Result<(), String> {
     use pdstor::client::{Client, Writer};
-    let device = ctx.disk(DiskRole::Raw)?.block.clone();
-    let d = device.to_string_lossy().into_owned();
-    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "256K", "--target", &d])?;
-    let socket = "/tmp/vmtest/topology-data.sock";
-    let _ = std::fs::remove_file(socket);
-    let log = std::fs::File::create("/tmp/vmtest/topology-serve.log").map_err(|e| e.to_string())?;
-    let child = std::process::Command::new("/bin/pdstor")
-        .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("starting pdstor serve: {e}"))?;
-    let _daemon = super::protocol::Daemon(child);
+    let _daemon = serve_owner("/tmp/vmtest/topology-serve.log")?;
     let server = format!("http://{CONTROL}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !Path::new(socket).exists() || Client::new(&server).healthz().is_err() {
-        if Instant::now() > deadline {
-            let log = std::fs::read_to_string("/tmp/vmtest/topology-serve.log").unwrap_or_default();
-            return Err(format!("pdstor serve did not come up on {CONTROL}: {log}"));
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let socket = DATA_SOCKET;
     let mut w = Writer::new(&server, Path::new(socket), HANDOFF_CHUNK, HANDOFF_CHUNKS).map_err(|e| e.to_string())?;
     let published =
         w.put("topology-1", &kv_layout(), &handoff_payload(), 8, Some(42)).map_err(|e| format!("put: {e}"))?;
@@ -184,6 +166,9 @@ const CHUNK: u64 = 1 << 20;
 const CHUNKS: u64 = 4;
 const SEED: u64 = 0x70b0;
 
+/// The writer host's NVMe identity (the storage guest's own connection).
+const WRITER_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e1";
+const WRITER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e1";
 /// The reader host's NVMe identity.
 const READER_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
 const READER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
@@ -210,9 +195,11 @@ fn write(path: &Path, value: &str) -> Result<(), String> {
     std::fs::write(path, value).map_err(|e| format!("writing {value:?} to {}: {e}", path.display()))
 }
 
-/// Exports `device` as namespace 1 of [`SHARED_NQN`] on NVMe/TCP at the
-/// storage address, any host allowed (the network is private to the test).
-fn export(device: &Path) -> Result<(), String> {
+/// Exports `devices` as namespaces 1, 2, … of [`SHARED_NQN`] on NVMe/TCP at
+/// the storage address, any host allowed (the network is private to the
+/// test). Each namespace has a fixed UUID, which every host that reaches it
+/// over the fabric sees.
+fn export(devices: &[&Path]) -> Result<(), String> {
     let cfs = Path::new("/sys/kernel/config");
     if !cfs.join("nvmet").exists() {
         sh("mount", &["-t", "configfs", "configfs", "/sys/kernel/config"])?;
@@ -229,10 +216,16 @@ fn export(device: &Path) -> Result<(), String> {
     mk(&subsys)?;
     write(&subsys.join("attr_allow_any_host"), "1")?;
     write(&subsys.join("attr_serial"), SHARED_SERIAL)?;
-    let ns = subsys.join("namespaces/1");
-    mk(&ns)?;
-    write(&ns.join("device_path"), &device.to_string_lossy())?;
-    write(&ns.join("enable"), "1")?;
+    for (i, device) in devices.iter().enumerate() {
+        let ns = subsys.join(format!("namespaces/{}", i + 1));
+        mk(&ns)?;
+        write(&ns.join("device_path"), &device.to_string_lossy())?;
+        // QEMU's emulated NVMe reports no namespace identifiers to Linux
+        // (its controller is quirked NVME_QUIRK_BOGUS_NID), so the target
+        // gives each namespace a fixed UUID, as an array names its own.
+        write(&ns.join("device_uuid"), &format!("5d5e1000-0000-4000-8000-{:012x}", i + 1))?;
+        write(&ns.join("enable"), "1")?;
+    }
     let port = nvmet.join("ports/1");
     mk(&port)?;
     write(&port.join("addr_trtype"), "tcp")?;
@@ -266,7 +259,10 @@ fn storage(ctx: &Ctx) -> Result<(), String> {
         engine.execute_all(&[req]).map_err(|e| format!("writing the pattern: {e}"))?;
         engine.flush().map_err(|e| format!("flushing the pattern: {e}"))?;
     }
-    export(&device)?;
+    export(&[device.as_path(), ctx.disk(DiskRole::Faulty)?.block.as_path()])?;
+    // The writer host reaches the namespace over the fabric as the reader
+    // does: its publishes flush through NVMe/TCP to the target.
+    connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
     console(&format!("pdstor-vminit: topology storage ready: {SHARED_NQN} on {STORAGE_ADDR}:{NVME_TCP_PORT}"));
     // The reader's report: `ok <crc32c>` or `fail <why>`.
     let line = serve_once(REPORT_PORT, None)?;
@@ -277,13 +273,18 @@ fn storage(ctx: &Ctx) -> Result<(), String> {
     Ok(())
 }
 
-/// Connects to the storage guest's target, retrying while it boots.
+/// Connects the reader host to the storage guest's target, retrying while it boots.
 fn connect() -> Result<(), String> {
+    connect_as(READER_HOSTNQN, READER_HOSTID)
+}
+
+/// Connects this guest to the shared subsystem as the host `hostnqn`. An
+/// explicit host identity: a bare guest has no /etc/nvme/hostnqn, and
+/// nvme-cli's made-up NQN and host id disagree.
+fn connect_as(hostnqn: &str, hostid: &str) -> Result<(), String> {
     let deadline = Instant::now() + Duration::from_secs(180);
     let port = NVME_TCP_PORT.to_string();
     loop {
-        // An explicit host identity: a bare guest has no /etc/nvme/hostnqn,
-        // and nvme-cli's made-up NQN and host id disagree.
         let args = [
             "connect",
             "-t",
@@ -295,9 +296,9 @@ fn connect() -> Result<(), String> {
             "-n",
             SHARED_NQN,
             "--hostnqn",
-            READER_HOSTNQN,
+            hostnqn,
             "--hostid",
-            READER_HOSTID,
+            hostid,
         ];
         match sh("nvme", &args) {
             Ok(_) => return Ok(()),
@@ -307,30 +308,35 @@ fn connect() -> Result<(), String> {
     }
 }
 
-/// The fabric namespace: the block device of the controller whose serial is
-/// [`SHARED_SERIAL`] (the reader guest has no other NVMe).
+/// The fabric namespace 1.
 fn fabric_namespace() -> Result<PathBuf, String> {
+    fabric_namespace_n(1)
+}
+
+/// Namespace `n` of the shared subsystem, as this host sees it over the
+/// fabric: the block device whose subsystem is [`SHARED_NQN`] and whose NSID
+/// is `n` (device names number namespaces in the order they were found, and
+/// the storage guest has local NVMe namespaces of NSID 1 too).
+fn fabric_namespace_n(n: u32) -> Result<PathBuf, String> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let ctrls: Vec<PathBuf> =
-            std::fs::read_dir("/sys/class/nvme").map(|rd| rd.flatten().map(|e| e.path()).collect()).unwrap_or_default();
-        let ours =
-            ctrls.iter().any(|c| std::fs::read_to_string(c.join("serial")).is_ok_and(|s| s.trim() == SHARED_SERIAL));
-        if ours {
-            let blocks: Vec<String> = std::fs::read_dir("/sys/block")
-                .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
-                .unwrap_or_default();
-            if let Some(b) = blocks.iter().find(|b| b.starts_with("nvme") && b.contains('n')) {
-                let dev = PathBuf::from("/dev").join(b);
-                if dev.exists() {
-                    return Ok(dev);
-                }
+        let blocks: Vec<String> = std::fs::read_dir("/sys/block")
+            .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        let attr = |b: &String, a: &str| std::fs::read_to_string(format!("/sys/block/{b}/{a}")).ok();
+        let found = blocks.iter().find(|b| {
+            b.starts_with("nvme")
+                && attr(b, "device/subsysnqn").is_some_and(|s| s.trim() == SHARED_NQN)
+                && attr(b, "nsid").is_some_and(|s| s.trim() == n.to_string())
+        });
+        if let Some(b) = found {
+            let dev = PathBuf::from("/dev").join(b);
+            if dev.exists() {
+                return Ok(dev);
             }
         }
         if Instant::now() > deadline {
-            return Err(format!(
-                "no namespace of a controller with serial {SHARED_SERIAL} within 20 s (controllers: {ctrls:?})"
-            ));
+            return Err(format!("no namespace {n} of {SHARED_NQN} within 20 s (block devices: {blocks:?})"));
         }
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -378,38 +384,21 @@ const DEATH_CHUNKS: u32 = 16;
 /// refused: the reader is not fenced), nor by anything but fencing: the
 /// owner closes the reader's session, then reclaims, and the slots serve a
 /// new publication.
-fn reader_death(ctx: &Ctx) -> Outcome {
+fn reader_death(_: &Ctx) -> Outcome {
     outcome(match cmdline("role").as_deref() {
         None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
-        Some("storage") => death_owner(ctx),
+        Some("storage") => death_owner(),
         Some("reader") => death_reader(),
         Some(other) => Err(format!("unknown topology role {other:?}")),
     })
 }
 
-fn death_owner(ctx: &Ctx) -> Result<(), String> {
+fn death_owner() -> Result<(), String> {
     use pdstor::client::{Client, Writer};
-    let device = ctx.disk(DiskRole::Raw)?.block.clone();
-    let d = device.to_string_lossy().into_owned();
-    let socket = "/tmp/vmtest/topology-data.sock";
-    let _ = std::fs::remove_file(socket);
-    let log = std::fs::File::create("/tmp/vmtest/topology-serve-2.log").map_err(|e| e.to_string())?;
-    let child = std::process::Command::new("/bin/pdstor")
-        .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
-        .stdout(std::process::Stdio::null())
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("starting pdstor serve: {e}"))?;
-    let _daemon = super::protocol::Daemon(child);
+    let _daemon = serve_owner("/tmp/vmtest/topology-serve-death.log")?;
     let server = format!("http://{CONTROL}");
+    let socket = DATA_SOCKET;
     let c = Client::new(&server);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !Path::new(socket).exists() || c.healthz().is_err() {
-        if Instant::now() > deadline {
-            return Err("pdstor serve did not come up for the reader-death test".into());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
     let mut w = Writer::new(&server, Path::new(socket), HANDOFF_CHUNK, DEATH_CHUNKS).map_err(|e| e.to_string())?;
     let payload: Vec<u8> = handoff_payload()[..(DEATH_CHUNKS as u64 * HANDOFF_CHUNK) as usize].to_vec();
     let published = w.put("topology-doomed", &kv_layout(), &payload, 8, Some(42)).map_err(|e| format!("put: {e}"))?;
@@ -505,4 +494,105 @@ fn death_reader() -> Result<(), String> {
     loop {
         std::thread::sleep(Duration::from_secs(3600));
     }
+}
+
+/// The owner's data plane, for the writer on the storage guest.
+const DATA_SOCKET: &str = "/tmp/vmtest/topology-data.sock";
+
+/// Where the storage guest waits for the identity proof's report.
+const IDENTITY_PORT: u16 = 7075;
+
+/// The owner serves its namespace (1 on the fabric); namespace 2 on the same
+/// fabric controller is another pdstor namespace. The reader host's view of
+/// namespace 1 is accepted — its superblock is the owner's and its NVMe UUID
+/// is the one the owner's device reports — and namespace 2 is refused before
+/// anything is read.
+fn identity(_: &Ctx) -> Outcome {
+    outcome(match cmdline("role").as_deref() {
+        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
+        Some("storage") => identity_owner(),
+        Some("reader") => identity_reader(),
+        Some(other) => Err(format!("unknown topology role {other:?}")),
+    })
+}
+
+/// Formats the shared namespace, as the writer host sees it over the fabric,
+/// and serves it there.
+fn serve_owner(log: &str) -> Result<super::protocol::Daemon, String> {
+    use pdstor::client::Client;
+    let d = fabric_namespace()?.to_string_lossy().into_owned();
+    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "256K", "--target", &d])?;
+    let socket = DATA_SOCKET;
+    let _ = std::fs::remove_file(socket);
+    let log_file = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    let child = std::process::Command::new("/bin/pdstor")
+        .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
+        .stdout(std::process::Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .map_err(|e| format!("starting pdstor serve: {e}"))?;
+    let daemon = super::protocol::Daemon(child);
+    let c = Client::new(&format!("http://{CONTROL}"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !Path::new(socket).exists() || c.healthz().is_err() {
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string(log).unwrap_or_default();
+            return Err(format!("pdstor serve did not come up on {CONTROL}: {log}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(daemon)
+}
+
+fn identity_owner() -> Result<(), String> {
+    let other = fabric_namespace_n(2)?.to_string_lossy().into_owned();
+    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "256K", "--target", &other])?;
+    let _daemon = serve_owner("/tmp/vmtest/topology-serve-identity.log")?;
+    let line = serve_once(IDENTITY_PORT, Some("serving"))?;
+    if line.trim() != "ok" {
+        return Err(format!("the reader host reported {:?}", line.trim()));
+    }
+    Ok(())
+}
+
+fn identity_reader() -> Result<(), String> {
+    use pdstor::client::{Client, RemoteReader};
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stream = loop {
+        match TcpStream::connect((STORAGE_ADDR, IDENTITY_PORT)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("the owner never served: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(300)),
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("waiting for the owner: {e}"))?;
+    let result = (|| -> Result<(), String> {
+        connect()?;
+        let (mine, other) = (fabric_namespace_n(1)?, fabric_namespace_n(2)?);
+        let server = format!("http://{CONTROL}");
+        let owner = Client::new(&server).namespace().map_err(|e| format!("the owner's namespace: {e}"))?;
+        let r =
+            RemoteReader::open(&server, &mine).map_err(|e| format!("the owner's namespace over the fabric: {e}"))?;
+        if owner.device.uuid.is_none() || r.device_ids().uuid != owner.device.uuid {
+            return Err(format!(
+                "the NVMe identity was not proven: here {:?}, at the owner {:?}",
+                r.device_ids(),
+                owner.device
+            ));
+        }
+        match RemoteReader::open(&server, &other) {
+            Err(e) if e.to_string().contains("not the same namespace") => Ok(()),
+            Err(e) => Err(format!("namespace 2 was refused for another reason: {e}")),
+            Ok(_) => Err("namespace 2, another pdstor namespace, was accepted as the owner's".into()),
+        }
+    })();
+    let report = match &result {
+        Ok(()) => "ok".to_owned(),
+        Err(e) => format!("fail {e}"),
+    };
+    let _ = (&stream).write_all(format!("{report}\n").as_bytes());
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
 }
