@@ -64,12 +64,7 @@ fn handoff_payload() -> Vec<u8> {
 /// receipt's namespace), reports only checksums, acks, and compares the bytes
 /// with the writer's outside pdstor. The owner then holds nothing of it.
 fn handoff(_: &Ctx) -> Outcome {
-    outcome(match cmdline("role").as_deref() {
-        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
-        Some("storage") => handoff_writer(),
-        Some("reader") => handoff_reader(),
-        Some(other) => Err(format!("unknown topology role {other:?}")),
-    })
+    by_role(handoff_writer, handoff_reader)
 }
 
 fn handoff_writer() -> Result<(), String> {
@@ -122,17 +117,7 @@ fn serve_once(port: u16, send: Option<&str>) -> Result<String, String> {
 
 fn handoff_reader() -> Result<(), String> {
     use pdstor::client::{Client, RemoteReader};
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let stream = loop {
-        match TcpStream::connect((STORAGE_ADDR, HANDOFF_PORT)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => return Err(format!("no receipt from the writer host: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(300)),
-        }
-    };
-    let mut line = String::new();
-    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the receipt: {e}"))?;
+    let (stream, line) = from_owner(HANDOFF_PORT)?;
     let result = (|| -> Result<(), String> {
         let ready: pdstor::protocol::Receipt =
             serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
@@ -173,6 +158,34 @@ const WRITER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e1";
 const READER_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
 const READER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
 
+/// Runs this guest's side of a topology test: `storage` on the storage
+/// (writer) host, `reader` on the reader host; SKIP in a guest booted alone.
+fn by_role(storage: impl FnOnce() -> Result<(), String>, reader: impl FnOnce() -> Result<(), String>) -> Outcome {
+    outcome(match cmdline("role").as_deref() {
+        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
+        Some("storage") => storage(),
+        Some("reader") => reader(),
+        Some(other) => Err(format!("unknown topology role {other:?}")),
+    })
+}
+
+/// The reader host's end of [`serve_once`]: connects to the owner on `port`
+/// (retrying while it gets there) and returns the stream and the owner's line.
+fn from_owner(port: u16) -> Result<(TcpStream, String), String> {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stream = loop {
+        match TcpStream::connect((STORAGE_ADDR, port)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => return Err(format!("the owner never answered on port {port}: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(300)),
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the owner's line on {port}: {e}"))?;
+    Ok((stream, line))
+}
+
 fn pattern() -> Vec<u8> {
     (0..CHUNKS).flat_map(|i| payload::chunk(SEED, i, CHUNK as usize)).collect()
 }
@@ -183,12 +196,7 @@ fn pattern() -> Vec<u8> {
 /// `dd iflag=direct` through the fabric and reports its crc32c. Byte-exact
 /// across two kernels, or it fails on both sides.
 fn shared_namespace(ctx: &Ctx) -> Outcome {
-    outcome(match cmdline("role").as_deref() {
-        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
-        Some("storage") => storage(ctx),
-        Some("reader") => reader(),
-        Some(other) => Err(format!("unknown topology role {other:?}")),
-    })
+    by_role(|| storage(ctx), reader)
 }
 
 fn write(path: &Path, value: &str) -> Result<(), String> {
@@ -385,12 +393,7 @@ const DEATH_CHUNKS: u32 = 16;
 /// owner closes the reader's session, then reclaims, and the slots serve a
 /// new publication.
 fn reader_death(_: &Ctx) -> Outcome {
-    outcome(match cmdline("role").as_deref() {
-        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
-        Some("storage") => death_owner(),
-        Some("reader") => death_reader(),
-        Some(other) => Err(format!("unknown topology role {other:?}")),
-    })
+    by_role(death_owner, death_reader)
 }
 
 fn death_owner() -> Result<(), String> {
@@ -453,17 +456,7 @@ fn death_reader() -> Result<(), String> {
     use pdstor::client::{Client, RemoteReader};
     connect()?;
     let dev = fabric_namespace()?;
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let stream = loop {
-        match TcpStream::connect((STORAGE_ADDR, DEATH_PORT)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => return Err(format!("no receipt from the owner: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(300)),
-        }
-    };
-    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the receipt: {e}"))?;
+    let (stream, line) = from_owner(DEATH_PORT)?;
     let ready: pdstor::protocol::Receipt =
         serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
     let server = format!("http://{CONTROL}");
@@ -508,12 +501,7 @@ const IDENTITY_PORT: u16 = 7075;
 /// is the one the owner's device reports — and namespace 2 is refused before
 /// anything is read.
 fn identity(_: &Ctx) -> Outcome {
-    outcome(match cmdline("role").as_deref() {
-        None => Err("SKIP: not a topology guest (cargo xtask vmtest --suite topology boots two)".into()),
-        Some("storage") => identity_owner(),
-        Some("reader") => identity_reader(),
-        Some(other) => Err(format!("unknown topology role {other:?}")),
-    })
+    by_role(identity_owner, identity_reader)
 }
 
 /// Formats the shared namespace, as the writer host sees it over the fabric,
@@ -557,17 +545,7 @@ fn identity_owner() -> Result<(), String> {
 
 fn identity_reader() -> Result<(), String> {
     use pdstor::client::{Client, RemoteReader};
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let stream = loop {
-        match TcpStream::connect((STORAGE_ADDR, IDENTITY_PORT)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => return Err(format!("the owner never served: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(300)),
-        }
-    };
-    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("waiting for the owner: {e}"))?;
+    let (stream, _serving) = from_owner(IDENTITY_PORT)?;
     let result = (|| -> Result<(), String> {
         connect()?;
         let (mine, other) = (fabric_namespace_n(1)?, fabric_namespace_n(2)?);
