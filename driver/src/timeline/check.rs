@@ -13,7 +13,7 @@
 //! | `malformed` | every line is a timeline event | `{"seq":` → `not a timeline event: EOF while parsing` |
 //! | `out_of_order` | per node, `seq` increases, and a `parent` is an earlier line | `daemon-e1 seq 5 follows seq 7` |
 //! | `clock` | per node, `ts_ns` never goes backwards | `daemon-e1 ts_ns 900 is before its previous line's 1000` |
-//! | `causality` | prepare → store → publish → claim → adopt → load → decode start → continuation → ack, by time as well as by line: a transfer starts (`ts − dur`) after the step that caused it, and a load ends after its chunk's store completed | `publication 7: chunk 1 loaded (ended at 880) before its store completed (at 900)` |
+//! | `causality` | prepare → store → publish → claim → adopt → load → decode start → continuation → ack, by time as well as by line: a transfer starts (`ts − dur`) after the step that caused it, and a load ends after its chunk's store completed — times compared only between lines of one boot (`boot`: the kernel's boot_id; another host's clock, or this one's after a reboot, is ordered by causality alone) | `publication 7: chunk 1 loaded (ended at 880) before its store completed (at 900)` |
 //! | `missing_publish` | one authoritative publish per publication, from the daemon, before any echo of it or any claim | `publication 7: writer-1 echoes a publish the daemon never recorded` |
 //! | `publish_incomplete` | the daemon's publish carries the chunk count and every chunk's crc32c | `publication 7: the daemon's publish carries no chunk crc32c list` |
 //! | `publish_mismatch` | the publish declares exactly the chunks stored, with their stored crc32c | `publication 7: publish declares 1 chunks but chunk 1 was stored` |
@@ -91,10 +91,11 @@ pub fn is_daemon(node: &str) -> bool {
 }
 
 /// A chunk as the daemon stored it.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct Stored {
     crc: Option<u32>,
     ts: u64,
+    boot: Option<String>,
     line: usize,
 }
 
@@ -104,6 +105,19 @@ struct Publish {
     chunks: u32,
     crcs: Option<Vec<u32>>,
     token: Option<u32>,
+}
+
+/// The daemon's adopt.
+struct Adopt {
+    ts: u64,
+    boot: Option<String>,
+    nonce: Option<String>,
+}
+
+/// Whether two lines' times can be compared: read on one boot's
+/// `CLOCK_MONOTONIC` (lines from before boots were recorded count as one).
+fn same_clock(a: &Option<String>, b: &Option<String>) -> bool {
+    a == b
 }
 
 /// The daemon's claim.
@@ -116,14 +130,15 @@ struct Claim {
 #[derive(Default)]
 struct Pub {
     req_id: Option<String>,
-    prepared_ts: Option<u64>,
+    /// The prepare's time and the boot its clock belongs to.
+    prepared: Option<(u64, Option<String>)>,
     stored: BTreeMap<u32, Stored>,
     publish: Option<Publish>,
     ready_receipt: Option<(String, usize)>,
     claim_receipt: Option<(String, usize)>,
     claim: Option<Claim>,
     /// The daemon's adopt: line, time, restore nonce.
-    adopt: Option<(usize, u64, Option<String>)>,
+    adopt: Option<Adopt>,
     /// Chunks loaded since the adopt or the last decode start.
     loaded: BTreeSet<u32>,
     /// Every chunk the daemon loaded for the claim since the adopt, with the
@@ -218,7 +233,7 @@ impl Checker {
             }
         }
         match e.event.as_str() {
-            "prepare" => p.prepared_ts = Some(e.ts_ns),
+            "prepare" => p.prepared = Some((e.ts_ns, e.boot.clone())),
             "store" => {
                 self.report.payload_events += 1;
                 payload(&mut v, self.path, line, &who, e);
@@ -336,9 +351,9 @@ fn hex32(c: Option<u32>) -> String {
 /// A chunk stored: after the prepare, before the publish, once.
 fn store(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
     let chunk = e.chunk.unwrap_or(u32::MAX);
-    match p.prepared_ts {
+    match &p.prepared {
         None => v.add(line, "causality", format!("{who}: chunk {chunk} stored before prepare")),
-        Some(t) if started(e) < t => v.add(
+        Some((t, boot)) if same_clock(boot, &e.boot) && started(e) < *t => v.add(
             line,
             "causality",
             format!("{who}: chunk {chunk}'s store started at {} before its prepare at {t}", started(e)),
@@ -365,7 +380,7 @@ fn store(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
             format!("{who}: chunk {chunk} stored a second time (first at line {})", first.line),
         ),
         None => {
-            p.stored.insert(chunk, Stored { crc: e.crc32c, ts: e.ts_ns, line });
+            p.stored.insert(chunk, Stored { crc: e.crc32c, ts: e.ts_ns, boot: e.boot.clone(), line });
         }
     }
 }
@@ -420,10 +435,10 @@ fn load(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
     let chunk = e.chunk.unwrap_or(u32::MAX);
     match &p.adopt {
         None => v.add(line, "causality", format!("{who}: chunk {chunk} loaded before adopt")),
-        Some((_, t, _)) if started(e) < *t => v.add(
+        Some(a) if same_clock(&a.boot, &e.boot) && started(e) < a.ts => v.add(
             line,
             "causality",
-            format!("{who}: chunk {chunk}'s load started at {} before its adopt at {t}", started(e)),
+            format!("{who}: chunk {chunk}'s load started at {} before its adopt at {}", started(e), a.ts),
         ),
         Some(_) => {}
     }
@@ -432,7 +447,7 @@ fn load(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
         v.add(line, "unknown_chunk", format!("{who}: chunk {chunk} loaded, the manifest has chunks 0..{n}"));
     }
     match p.stored.get(&chunk) {
-        Some(s) if e.ts_ns < s.ts => v.add(
+        Some(s) if same_clock(&s.boot, &e.boot) && e.ts_ns < s.ts => v.add(
             line,
             "causality",
             format!("{who}: chunk {chunk} loaded (ended at {}) before its store completed (at {})", e.ts_ns, s.ts),
@@ -495,7 +510,7 @@ fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event, dae
                 v.add(line, "causality", format!("{who}: adopt before claim"));
             }
             same_reader(v, line, who, p, e);
-            p.adopt = Some((line, e.ts_ns, e.nonce.clone()));
+            p.adopt = Some(Adopt { ts: e.ts_ns, boot: e.boot.clone(), nonce: e.nonce.clone() });
             p.served.clear();
             p.loaded.clear();
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
@@ -603,7 +618,7 @@ fn daemon_ack(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
     p.ack = Some(line);
     same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
     same_reader(v, line, who, p, e);
-    let Some((_, _, nonce)) = &p.adopt else {
+    let Some(Adopt { nonce, .. }) = &p.adopt else {
         v.add(line, "causality", format!("{who}: ack before adopt"));
         return;
     };
@@ -711,6 +726,33 @@ mod tests {
         l.insert(3, (99, Err("expected value".into())));
         let r = check(&l, PayloadPath::HostFixed);
         assert_eq!(r.violations.iter().map(|v| (v.kind, v.line)).collect::<Vec<_>>(), vec![("malformed", 99)]);
+    }
+
+    /// A reader on another host records its own loads on its own clock, which
+    /// reads far earlier than the owner's: times of different boots are never
+    /// compared, only causal order; on one boot the same lines are a lie.
+    #[test]
+    fn times_compare_only_within_one_boot() {
+        let remote = |boot: &str| {
+            let mut t = mutate::example();
+            for e in t.iter_mut() {
+                e.boot = Some("owner-boot".into());
+            }
+            for (i, at) in [(8, 10u64), (9, 20)] {
+                t[i].node = "reader-host-1".into();
+                t[i].seq = i as u64;
+                t[i].ts_ns = at;
+                t[i].dur_ns = Some(5);
+                t[i].boot = Some(boot.into());
+            }
+            t
+        };
+        let r = check(&lines(remote("reader-boot")), PayloadPath::HostFixed);
+        assert!(r.ok(), "{:#?}", r.violations);
+        let r = check(&lines(remote("owner-boot")), PayloadPath::HostFixed);
+        let mut at: Vec<usize> = r.violations.iter().filter(|v| v.kind == "causality").map(|v| v.line).collect();
+        at.dedup();
+        assert_eq!(at, [9, 10], "{:#?}", r.violations);
     }
 
     /// Every mutation the generator makes of the example is caught, at its

@@ -81,6 +81,11 @@ pub struct Event {
     /// The claim's restore nonce (adopt).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nonce: Option<String>,
+    /// The boot whose `CLOCK_MONOTONIC` `ts_ns` was read on (the kernel's
+    /// `boot_id`): times of lines from different boots — another host, or
+    /// this one after a reboot — are never compared, only their causal order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
     /// Who asked for the step, as the daemon proved it (`uid:1000 (tenant a, writer)`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub by: Option<String>,
@@ -154,6 +159,7 @@ fn monotonic_ns() -> u64 {
 /// One node's writer of timeline lines.
 pub struct Timeline {
     node: String,
+    boot: Option<String>,
     out: Mutex<Out>,
 }
 
@@ -170,7 +176,8 @@ impl Timeline {
         let f = File::options().create(true).append(true).open(path).map_err(|e| {
             std::io::Error::new(e.kind(), format!("opening timeline {} for appending: {e}", path.display()))
         })?;
-        Ok(Timeline { node: node.into(), out: Mutex::new(Out { file: f, seq: 0, last: Default::default() }) })
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|b| b.trim().to_owned());
+        Ok(Timeline { node: node.into(), boot, out: Mutex::new(Out { file: f, seq: 0, last: Default::default() }) })
     }
 
     /// This node's name.
@@ -188,6 +195,7 @@ impl Timeline {
         e.seq = g.seq;
         e.ts_ns = monotonic_ns();
         e.node = self.node.clone();
+        e.boot.clone_from(&self.boot);
         if let Some(p) = e.publication {
             let prev = g.last.insert(p, e.seq);
             if e.parent.is_none() {
