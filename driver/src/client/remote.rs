@@ -28,6 +28,9 @@ pub struct RemoteReader {
     namespace: String,
     buffer: Option<(BufferId, u64)>,
     ids: crate::io::DeviceIds,
+    /// This process's provenance probes, once attached ([`RemoteReader::with_probes`]).
+    probes: Option<(pdstor_probes::Probes, pdstor_probes::SignalReader)>,
+    verdicts: Vec<String>,
 }
 
 fn io(what: &str) -> impl FnOnce(crate::io::IoError) -> ClientError + '_ {
@@ -74,7 +77,37 @@ impl RemoteReader {
                 ),
             });
         }
-        Ok(RemoteReader { client, engine, device: device.into(), namespace, buffer: None, ids })
+        Ok(RemoteReader {
+            client,
+            engine,
+            device: device.into(),
+            namespace,
+            buffer: None,
+            ids,
+            probes: None,
+            verdicts: Vec::new(),
+        })
+    }
+
+    /// Attaches the provenance probes to this process (root, or CAP_BPF +
+    /// CAP_PERFMON): every later load judges each chunk's read as the daemon
+    /// judges its own ([`RemoteReader::verdicts`]). On a fabric-attached
+    /// namespace `native` means what it means on a local one — a fixed read
+    /// from the registered buffer, block requests issued for it, no page
+    /// cache, no bounce; the transport's own receive copy (NVMe/TCP fills the
+    /// request's pages from its socket) is the fabric's, not pdstor's.
+    pub fn with_probes(mut self) -> Result<RemoteReader, ClientError> {
+        let probes = pdstor_probes::Probes::attach(std::process::id())
+            .map_err(|e| ClientError::Data(format!("attaching the provenance probes: {e}")))?;
+        let reader = probes.reader().map_err(|e| ClientError::Data(format!("reading the probes: {e}")))?;
+        self.probes = Some((probes, reader));
+        Ok(self)
+    }
+
+    /// The probes' verdict on each chunk of the last load, in manifest order
+    /// (empty without probes).
+    pub fn verdicts(&self) -> &[String] {
+        &self.verdicts
     }
 
     /// This view's NVMe namespace identifiers (empty for a file).
@@ -158,6 +191,16 @@ impl RemoteReader {
             at += c.len;
         }
         self.engine.execute_all(&requests).map_err(io("reading the chunks from the shared namespace"))?;
+        self.verdicts = match &self.probes {
+            Some((_, reader)) => {
+                let class = crate::provenance::target_class(self.engine.target().kind());
+                requests
+                    .iter()
+                    .map(|r| reader.verdict(r.transfer.0, crate::provenance::declared(r.path), class).to_string())
+                    .collect()
+            }
+            None => Vec::new(),
+        };
         let buffer = self.engine.buffer(id).map_err(io("the reader's buffer"))?;
         let mut crcs = Vec::with_capacity(manifest.chunks.len());
         let mut piece = vec![0u8; manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize];

@@ -127,8 +127,12 @@ fn handoff_reader() -> Result<(), String> {
         let claim = Client::new(&server)
             .claim(&ready, "decode-remote", "topology", 120_000)
             .map_err(|e| format!("claim: {e}"))?;
-        let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
+        let mut r = RemoteReader::open(&server, &dev).and_then(RemoteReader::with_probes).map_err(|e| e.to_string())?;
         let restored = r.get(&claim, &kv_layout()).map_err(|e| format!("get --direct {}: {e}", dev.display()))?;
+        // The reader host's own probes judge its reads from the fabric.
+        if r.verdicts().len() != HANDOFF_CHUNKS as usize || r.verdicts().iter().any(|v| v != "native") {
+            return Err(format!("the reader host's probes judged its loads {:?}", r.verdicts()));
+        }
         let bytes = r.restored_bytes(restored.len).map_err(|e| e.to_string())?;
         if let Some(at) = payload::first_difference(&handoff_payload(), &bytes) {
             return Err(format!("the restored bytes differ from the writer's at byte {at}"));
