@@ -210,7 +210,6 @@ where
             return resp;
         }
     };
-    let names = Names::of(&body);
     let req: Req = match parse(&body) {
         Ok(r) => r,
         Err(e) => return error_response(&state, e),
@@ -225,17 +224,22 @@ where
     match stepped.await {
         Ok(Ok(resp)) => json_response(StatusCode::OK, &resp),
         Ok(Err(e)) => {
-            let body = from_protocol(&e);
+            let refusal = from_protocol(&e);
             if matches!(&e, ProtocolError::Refused(r) if r.code.is_identity()) {
-                tracing::warn!(by = %who.audit(), code = %body.code, message = %body.message, "refused for who the caller is");
+                tracing::warn!(by = %who.audit(), code = %refusal.code, message = %refusal.message, "refused for who the caller is");
             }
-            let mut e = crate::timeline::Event::new("refused")
-                .detail(format!("{} ({}): {}", body.code, body.field, body.message))
-                .by(who.audit());
-            e.publication = names.publication;
-            e.req_id = names.req_id;
-            crate::timeline::emit(state.service.timeline(), e);
-            error_response(&state, body)
+            if let Some(timeline) = state.service.timeline() {
+                // Only a refusal needs to know what it was about: the body is
+                // read a second time here, never on the way to a step.
+                let names = Names::of(&body);
+                let mut e = crate::timeline::Event::new("refused")
+                    .detail(format!("{} ({}): {}", refusal.code, refusal.field, refusal.message))
+                    .by(who.audit());
+                e.publication = names.publication;
+                e.req_id = names.req_id;
+                timeline.emit(e);
+            }
+            error_response(&state, refusal)
         }
         Err(join) => {
             error_response(&state, ErrorBody::new(RefusalCode::Internal, "", format!("handler panicked: {join}")))
