@@ -618,7 +618,15 @@ impl Sim {
         let Some(id) = self.rng.pick(&claimed) else { return Ok(()) };
         let Some(claim) = self.reqs[&id].claim.clone() else { return Ok(()) };
         let ns = self.svc().namespace().to_owned();
-        let r = self.svc().adopt(&me(), &claim, &ns, claim.epoch, &claim.manifest_digest, &layout());
+        let request = pdstor::api::wire::AdoptRequest {
+            receipt: claim.clone(),
+            namespace: ns,
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout(),
+            direct: false,
+        };
+        let r = self.svc().adopt(&me(), &request);
         self.note(format!(
             "adopt {id} (claim epoch {}, now {}) -> {}",
             claim.epoch,

@@ -180,6 +180,7 @@ fn run(attack: Attack) -> Outcome {
             epoch: receipt.epoch,
             manifest_digest: receipt.manifest_digest.clone(),
             layout: layout(),
+            direct: false,
             receipt,
         })),
         Attack::Load { data, receipt } => Outcome::of((|| {

@@ -157,6 +157,7 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
         epoch: claim.epoch,
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout.clone(),
+        direct: false,
     };
     c.adopt(&adopt).unwrap();
     let loaded = data.load(&claim, vec![chunk(0), chunk(1)]).unwrap();

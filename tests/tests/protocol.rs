@@ -50,6 +50,7 @@ fn adopt(c: &Client, claim: &pdstor::protocol::Receipt) -> pdstor::store::Manife
         epoch: claim.epoch,
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout(),
+        direct: false,
     })
     .unwrap()
 }
@@ -147,6 +148,7 @@ fn the_refusal_matrix_leaves_state_unchanged() {
         epoch: claim.epoch,
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout(),
+        direct: false,
     };
     let wrong = |f: &dyn Fn(&mut AdoptRequest)| {
         let mut r = good.clone();
@@ -671,4 +673,56 @@ fn a_reader_on_the_shared_namespace_loads_it_directly() {
     let err = e.execute_all(&[w]).unwrap_err();
     assert!(matches!(err, pdstor::io::IoError::ReadOnlyTarget { .. }), "{err}");
     assert!(matches!(e.flush().unwrap_err(), pdstor::io::IoError::ReadOnlyTarget { .. }));
+}
+
+/// A reader that reads the shared namespace itself (another host's view of
+/// it) is not stopped by the owner's restart, so the restart does not fence
+/// it: after a kill -9 its claim is still ADOPTED, a reclaim is refused
+/// `not_fenced` (saying why), its slots are not handed to a new writer
+/// (admission refuses when the rest are full), and it acks with its old
+/// receipt — reporting its verified checksums again to the daemon that
+/// forgot them. A loading-through-the-daemon claim made in the same epoch
+/// is fenced by that restart as before; a direct one only by closing its
+/// session.
+#[test]
+fn a_direct_reader_outlives_the_owners_restart_and_its_slots_stay_taken() {
+    use pdstor::client::RemoteReader;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let direct = put(&d, "direct-1", 41, 4);
+    let claim = c.claim(&direct.receipt, "decode-remote", "s-direct", 600_000).unwrap();
+    let mut r = RemoteReader::open(&d.server, &d.target).unwrap();
+    let restored = r.get(&claim, &layout()).unwrap();
+    let through = put(&d, "through-1", 42, 2);
+    let through_claim = c.claim(&through.receipt, "decode-local", "s-local", 600_000).unwrap();
+    adopt(&c, &through_claim);
+    let doomed = put(&d, "direct-2", 43, 2);
+    let doomed_claim = c.claim(&doomed.receipt, "decode-doomed", "s-doomed", 600_000).unwrap();
+    r.adopt(&doomed_claim, &layout()).unwrap();
+
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"));
+    let e = c.reclaim(&claim).unwrap_err();
+    assert!(matches!(&e, ClientError::Api(b) if b.code == "not_fenced" && b.message.contains("adopted direct")), "{e}");
+    // The through-the-daemon reader is fenced by the restart; its slots free.
+    c.reclaim(&through_claim).unwrap();
+    // Every free slot taken; the direct readers' six are not handed out.
+    let filler = put(&d, "filler", 44, 2);
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let e = w.put("one-too-many", &layout(), &kv(45, 1), 1, Some(9)).unwrap_err();
+    assert!(e.to_string().contains("admission"), "{e}");
+    // The direct reader's bytes are still the writer's, and it acks with its old receipt.
+    assert_eq!(r.restored_bytes(restored.len).unwrap(), kv(41, 4));
+    let again = r.load(&claim, restored.manifest.clone()).unwrap();
+    assert_eq!(r.restored_bytes(again.len).unwrap(), kv(41, 4), "read again after the restart: not reused");
+    r.ack(&claim, &restored).unwrap();
+    assert_eq!(state(&c, claim.publication), None, "acknowledged and freed");
+    // Closing its session is what fences the other direct reader.
+    assert_eq!(code(c.reclaim(&doomed_claim)).1, "not_fenced");
+    c.close_session(&doomed_claim).unwrap();
+    c.reclaim(&doomed_claim).unwrap();
+    c.release(&filler.receipt).unwrap();
+    assert!(c.publications(None, false).unwrap().is_empty());
 }

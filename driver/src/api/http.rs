@@ -386,11 +386,7 @@ pub fn router(state: Shared) -> Router {
         )
         .route(
             "/storage-pd/adopt",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: AdoptRequest| {
-                    svc.adopt(w, &r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout)
-                })
-            }),
+            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, |svc, w, r: AdoptRequest| svc.adopt(w, &r))),
         )
         .route(
             "/storage-pd/ack",

@@ -74,6 +74,12 @@ pub struct AdoptRequest {
     pub manifest_digest: String,
     /// The KV layout the reader expects.
     pub layout: Layout,
+    /// The reader reads the chunks itself from its own view of the shared
+    /// namespace (another host, over NVMe/TCP say), not through the daemon:
+    /// a daemon restart cannot stop such reads, so it does not fence this
+    /// claim — its slots stay taken until it acks or its session is closed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub direct: bool,
 }
 
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.

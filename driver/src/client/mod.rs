@@ -620,6 +620,7 @@ impl Reader {
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout.clone(),
+            direct: false,
         };
         let manifest = self.client.adopt(&adopt)?;
         if manifest_digest(&manifest) != claim.manifest_digest {

@@ -157,6 +157,15 @@ impl RemoteReader {
     /// namespace → verify each crc32c → report them (`loaded`) → the restore.
     /// Strict: any mismatch is an error, never a partial result.
     pub fn get(&mut self, claim: &Receipt, layout: &Layout) -> Result<Restored, ClientError> {
+        let manifest = self.adopt(claim, layout)?;
+        self.load(claim, manifest)
+    }
+
+    /// Adopts `claim` as a *direct* reader (it reads the shared namespace
+    /// itself, so the owner's restart does not fence it: its slots stay
+    /// taken until it acks or its session is closed) and returns the
+    /// manifest, checked against the claimed digest.
+    pub fn adopt(&self, claim: &Receipt, layout: &Layout) -> Result<Manifest, ClientError> {
         self.check_namespace(claim)?;
         let manifest = self.client.adopt(&AdoptRequest {
             receipt: claim.clone(),
@@ -164,11 +173,28 @@ impl RemoteReader {
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout.clone(),
+            direct: true,
         })?;
         if manifest_digest(&manifest) != claim.manifest_digest {
             return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
         }
-        self.load(claim, manifest)
+        Ok(manifest)
+    }
+
+    /// Acknowledges a restore. An owner that restarted since the chunks were
+    /// reported has forgotten the report (it answers `not_loaded`): the
+    /// reader reports the same verified checksums once more, then acks — the
+    /// same old receipt, no byte read again.
+    pub fn ack(&self, claim: &Receipt, restored: &Restored) -> Result<(), ClientError> {
+        match self.client.ack(claim, &restored.restore_digest) {
+            Err(ClientError::Api(b)) if b.code == "not_loaded" => {
+                let report: Vec<LoadedChunk> =
+                    restored.manifest.chunks.iter().map(|c| LoadedChunk { index: c.index, crc32c: c.crc32c }).collect();
+                self.client.loaded(claim, &report)?;
+                self.client.ack(claim, &restored.restore_digest)
+            }
+            other => other,
+        }
     }
 
     /// Reads every chunk of an adopted publication into this reader's buffer

@@ -452,15 +452,9 @@ impl Service {
     }
 
     /// Every field must match exactly; the manifest comes back.
-    pub fn adopt(
-        &self,
-        who: &Caller,
-        claim: &Receipt,
-        namespace: &str,
-        epoch: u64,
-        digest: &str,
-        layout: &Layout,
-    ) -> Result<Manifest, ProtocolError> {
+    pub fn adopt(&self, who: &Caller, r: &crate::api::wire::AdoptRequest) -> Result<Manifest, ProtocolError> {
+        let (claim, namespace, epoch, digest, layout) =
+            (&r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout);
         let p = self.check(claim, ReceiptKind::Claim)?;
         Self::check_claimant(who, &p, "adopt")?;
         self.unfenced(&p, "adopt")?;
@@ -480,7 +474,7 @@ impl Service {
             )
             .into());
         }
-        if digest != claim.manifest_digest {
+        if *digest != claim.manifest_digest {
             return Err(Refusal::new(RefusalCode::DigestMismatch, "manifest_digest", "not the claimed manifest").into());
         }
         if *layout != p.layout {
@@ -509,10 +503,13 @@ impl Service {
             )
             .into());
         }
-        let p = self.store.adopt(p.id)?;
+        let p = self.store.adopt(p.id, r.direct)?;
         let nonce = self.signer.restore_nonce(&claim.signature);
         self.lock_served().insert(p.id, (claim.signature.clone(), Default::default()));
         let mut e = Event::new("adopt").claim(claim);
+        if r.direct {
+            e = e.detail("direct: the reader reads the shared namespace itself; a restart does not fence it");
+        }
         e.nonce = Some(nonce.clone());
         self.note(who, e);
         let manifest = p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest"))?;
@@ -743,7 +740,12 @@ impl Service {
     }
 
     /// Why the claim on `p` is fenced, if it is: its session was closed, or
-    /// it was made in an earlier epoch (the daemon restarted since).
+    /// it was made in an earlier epoch (the daemon restarted since) and its
+    /// reader loads through the daemon. A *direct* reader — one that adopted
+    /// to read the shared namespace itself, from another host — is not
+    /// stopped by this daemon's restart: it may still be reading the slots,
+    /// so only closing its session fences it (the operator's word that its
+    /// host is stopped or cut off from the namespace).
     fn fenced(&self, p: &Publication) -> Option<String> {
         let c = p.claim.as_ref()?;
         let key = (c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default(), c.session.clone());
@@ -751,7 +753,8 @@ impl Service {
             return Some(format!("its session {} was closed", c.session));
         }
         let epoch = self.store.epoch();
-        (c.epoch < epoch).then(|| format!("it was made in epoch {}, and the daemon is in epoch {epoch} now", c.epoch))
+        (c.epoch < epoch && !c.direct)
+            .then(|| format!("it was made in epoch {}, and the daemon is in epoch {epoch} now", c.epoch))
     }
 
     /// Refuses a step of a fenced claim.
@@ -790,12 +793,16 @@ impl Service {
             })?;
         }
         if self.fenced(&p).is_none() {
-            return Err(Refusal::new(
-                RefusalCode::NotFenced,
-                "session",
-                "the reader is not fenced: close its session (POST /storage-pd/session/close) or restart the daemon first",
-            )
-            .into());
+            let why = if c.direct {
+                format!(
+                    "the reader of publication {} reads the shared namespace itself (adopted direct), so a daemon restart does not fence it: stop its host or cut it off from the namespace, then close its session (POST /storage-pd/session/close)",
+                    p.id
+                )
+            } else {
+                "the reader is not fenced: close its session (POST /storage-pd/session/close) or restart the daemon first"
+                    .to_owned()
+            };
+            return Err(Refusal::new(RefusalCode::NotFenced, "session", why).into());
         }
         self.store.reclaim(p.id)?;
         self.lock_served().remove(&p.id);

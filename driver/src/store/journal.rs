@@ -80,6 +80,10 @@ pub enum Record {
     Adopt {
         /// The publication.
         publication: u64,
+        /// The reader reads the shared namespace itself (another host's
+        /// view of it): a daemon restart does not fence it.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        direct: bool,
     },
     /// Acknowledged: the slots free.
     Ack {

@@ -156,6 +156,11 @@ pub struct ClaimInfo {
     /// The identity that claimed it: only it adopts, loads and acks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claimant: Option<Owner>,
+    /// Adopted by a reader that reads the shared namespace itself, from
+    /// another host: the daemon's restart does not stop its reads, so it
+    /// does not fence it (only closing its session does).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub direct: bool,
 }
 
 /// Every publication and slot owner the journal describes: rebuilt by replay, changed only by records.
@@ -291,10 +296,15 @@ impl State {
                     epoch: *epoch,
                     claimed_unix_ms: *claimed_unix_ms,
                     claimant: claimant.clone(),
+                    direct: false,
                 });
             }
-            Record::Adopt { publication } => {
-                self.for_record(*publication, "adopted", &[Phase::Claimed])?.phase = Phase::Adopted;
+            Record::Adopt { publication, direct } => {
+                let p = self.for_record(*publication, "adopted", &[Phase::Claimed])?;
+                p.phase = Phase::Adopted;
+                if let Some(c) = &mut p.claim {
+                    c.direct = *direct;
+                }
             }
             Record::Retain { publication, .. } => {
                 let allowed = [Phase::Claimed, Phase::Adopted];
@@ -507,7 +517,7 @@ mod tests {
         s.apply(&claim).unwrap();
         let ack = Record::Ack { publication: 1, restore_digest: "x".into() };
         assert!(s.apply(&ack).is_err(), "ack before adopt");
-        s.apply(&Record::Adopt { publication: 1 }).unwrap();
+        s.apply(&Record::Adopt { publication: 1, direct: false }).unwrap();
         s.apply(&ack).unwrap();
         assert!(s.apply(&ack).is_err(), "a second ack is refused, never a double free");
         assert_eq!(s.free_slots(), 4);

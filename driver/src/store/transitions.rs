@@ -117,13 +117,14 @@ impl Store {
         self.transition(id, &[Phase::Ready], "only a READY, unclaimed publication can be claimed", record)
     }
 
-    /// Step 5: the claimed reader adopts the publication (checks are the caller's).
-    pub fn adopt(&self, id: u64) -> Result<Publication, StoreError> {
+    /// Step 5: the claimed reader adopts the publication (checks are the
+    /// caller's); `direct`: it reads the shared namespace itself.
+    pub fn adopt(&self, id: u64, direct: bool) -> Result<Publication, StoreError> {
         self.transition(
             id,
             &[Phase::Claimed],
             "only a CLAIMED publication can be adopted",
-            Record::Adopt { publication: id },
+            Record::Adopt { publication: id, direct },
         )
     }
 

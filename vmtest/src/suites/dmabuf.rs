@@ -249,6 +249,7 @@ fn handoff_at(
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
+            direct: false,
         })
         .map_err(e("adopt"))?;
     // Independent: every chunk as it lies on the target, read by busybox dd.
@@ -1042,6 +1043,7 @@ fn device_errors(ctx: &Ctx) -> Outcome {
                 epoch: claim.epoch,
                 manifest_digest: claim.manifest_digest.clone(),
                 layout: layout(),
+                direct: false,
             })
             .map_err(e("adopt"))?;
         if manifest.chunks.iter().all(|c| c.offset.0 < 4 << 20) {

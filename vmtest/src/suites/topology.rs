@@ -475,6 +475,7 @@ fn death_reader() -> Result<(), String> {
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: kv_layout(),
+            direct: false,
         })
         .map_err(|e| format!("adopt: {e}"))?;
     // Mid-load: half the chunks read, nothing reported, no ack.

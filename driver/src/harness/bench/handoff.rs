@@ -144,6 +144,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
+            direct: false,
         };
         let manifest = client.adopt(&adopt)?;
         lap(&mut times);

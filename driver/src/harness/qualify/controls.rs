@@ -105,6 +105,7 @@ impl Run<'_> {
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: self.layout.clone(),
+            direct: false,
         };
         let b = match c.adopt(&adopt) {
             Err(crate::client::ClientError::Api(e)) => e.code,
