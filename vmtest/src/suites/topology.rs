@@ -27,6 +27,9 @@ pub const SUITE: Suite = Suite {
         Test { name: "shared_namespace_over_nvme_tcp", disk: None, run: shared_namespace },
         Test { name: "the_reader_proves_it_sees_the_owners_namespace", disk: None, run: identity },
         Test { name: "handoff_to_a_reader_host", disk: None, run: handoff },
+        Test { name: "a_published_chunk_is_visible_to_the_reader_host_through_no_cache", disk: None, run: visibility },
+        Test { name: "ready_is_at_the_target_before_the_writer_host_is_gone", disk: None, run: durability },
+        Test { name: "the_owner_restarts_while_a_reader_host_loads", disk: None, run: restarts },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
     ],
@@ -271,7 +274,14 @@ fn storage(ctx: &Ctx) -> Result<(), String> {
         engine.execute_all(&[req]).map_err(|e| format!("writing the pattern: {e}"))?;
         engine.flush().map_err(|e| format!("flushing the pattern: {e}"))?;
     }
-    export(&[device.as_path(), ctx.disk(DiskRole::Faulty)?.block.as_path()])?;
+    // Namespace 3: a small file-backed namespace on the ext4 disk, small
+    // enough for a writer to fill every free slot of it in seconds.
+    let small =
+        ctx.disk(DiskRole::Ext4)?.mount.as_ref().ok_or("the ext4 disk is not mounted")?.join("topology-small.img");
+    std::fs::File::create(&small)
+        .and_then(|f| f.set_len(SMALL_NAMESPACE))
+        .map_err(|e| format!("creating {}: {e}", small.display()))?;
+    export(&[device.as_path(), ctx.disk(DiskRole::Faulty)?.block.as_path(), small.as_path()])?;
     // The writer host reaches the namespace over the fabric as the reader
     // does: its publishes flush through NVMe/TCP to the target.
     connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
@@ -512,14 +522,27 @@ fn identity(_: &Ctx) -> Outcome {
 /// Formats the shared namespace, as the writer host sees it over the fabric,
 /// and serves it there.
 fn serve_owner(log: &str) -> Result<super::protocol::Daemon, String> {
+    let d = fabric_namespace()?;
+    format_namespace(&d)?;
+    start_owner(&d, log)
+}
+
+fn format_namespace(d: &Path) -> Result<(), String> {
+    let d = d.to_string_lossy();
+    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "256K", "--target", &d]).map(drop)
+}
+
+/// Serves the formatted namespace `d` (the writer host's fabric view) on the
+/// private network; a prepare waits at most 2 s for capacity.
+fn start_owner(d: &Path, log: &str) -> Result<super::protocol::Daemon, String> {
     use pdstor::client::Client;
-    let d = fabric_namespace()?.to_string_lossy().into_owned();
-    sh("/bin/pdstor", &["format", "--force", "--journal", "1M", "--chunk-slot", "256K", "--target", &d])?;
+    let d = d.to_string_lossy().into_owned();
     let socket = DATA_SOCKET;
     let _ = std::fs::remove_file(socket);
     let log_file = std::fs::File::create(log).map_err(|e| e.to_string())?;
     let child = std::process::Command::new("/bin/pdstor")
         .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
+        .args(["--admission-timeout-ms", "2000"])
         .stdout(std::process::Stdio::null())
         .stderr(log_file)
         .spawn()
@@ -578,4 +601,553 @@ fn identity_reader() -> Result<(), String> {
     let _ = (&stream).write_all(format!("{report}\n").as_bytes());
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     result
+}
+
+/// A line-by-line conversation between the owner (storage guest, which
+/// listens) and the reader host (which dials), on the private network.
+struct Peer {
+    stream: TcpStream,
+    lines: BufReader<TcpStream>,
+}
+
+impl Peer {
+    fn accept(port: u16) -> Result<Peer, String> {
+        let listener = TcpListener::bind((STORAGE_ADDR, port)).map_err(|e| format!("listening on {port}: {e}"))?;
+        listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + Duration::from_secs(240);
+        let stream = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => return Err(format!("no reader host connected on port {port} within 240 s: {e}")),
+            }
+        };
+        stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+        Peer::over(stream)
+    }
+
+    fn dial(port: u16) -> Result<Peer, String> {
+        let deadline = Instant::now() + Duration::from_secs(240);
+        loop {
+            match TcpStream::connect((STORAGE_ADDR, port)) {
+                Ok(s) => return Peer::over(s),
+                Err(e) if Instant::now() > deadline => return Err(format!("the owner never answered on {port}: {e}")),
+                Err(_) => std::thread::sleep(Duration::from_millis(300)),
+            }
+        }
+    }
+
+    fn over(stream: TcpStream) -> Result<Peer, String> {
+        stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
+        let lines = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
+        Ok(Peer { stream, lines })
+    }
+
+    fn send(&mut self, line: &str) -> Result<(), String> {
+        self.stream.write_all(format!("{line}\n").as_bytes()).map_err(|e| format!("sending {line:?}: {e}"))
+    }
+
+    fn recv(&mut self) -> Result<String, String> {
+        let mut line = String::new();
+        match self.lines.read_line(&mut line) {
+            Ok(0) => Err("the peer closed the conversation".into()),
+            Ok(_) => Ok(line.trim_end().to_owned()),
+            Err(e) => Err(format!("waiting for the peer: {e}")),
+        }
+    }
+
+    /// Sends the outcome of this side's work: `ok`, or `fail <why>`.
+    fn report(&mut self, r: &Result<(), String>) {
+        let _ = self.send(&match r {
+            Ok(()) => "ok".to_owned(),
+            Err(e) => format!("fail {}", e.replace('\n', " ")),
+        });
+    }
+
+    /// Waits for the peer's outcome.
+    fn outcome(&mut self) -> Result<(), String> {
+        match self.recv()?.as_str() {
+            "ok" => Ok(()),
+            other => Err(format!("the peer reported {other:?}")),
+        }
+    }
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Result<String, String> {
+    serde_json::to_string(v).map_err(|e| e.to_string())
+}
+
+fn parse<T: serde::de::DeserializeOwned>(what: &str, s: &str) -> Result<T, String> {
+    serde_json::from_str(s).map_err(|e| format!("{what} {s:?}: {e}"))
+}
+
+fn api(what: &str) -> impl FnOnce(pdstor::client::ClientError) -> String + '_ {
+    move |e| format!("{what}: {e}")
+}
+
+/// Reads `len` bytes at `offset` of `dev`, held open, through this host's
+/// page cache (no `O_DIRECT`), as a careless reader would. (Held open: the
+/// last close of a block device drops its page cache.)
+fn read_cached(dev: &std::fs::File, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::FileExt;
+    let mut out = vec![0u8; len as usize];
+    dev.read_exact_at(&mut out, offset).map_err(|e| format!("a cached read of {len} bytes at {offset}: {e}"))?;
+    Ok(out)
+}
+
+/// The chunks' places on the target, as the owner lists them (`?verbose=1`).
+fn extents(c: &pdstor::client::Client, publication: u64) -> Result<Vec<pdstor::api::wire::Extent>, String> {
+    let infos = c.publications(None, true).map_err(api("listing the publications"))?;
+    let p = infos
+        .into_iter()
+        .find(|p| p.publication == publication)
+        .ok_or_else(|| format!("publication {publication} is not listed"))?;
+    p.extents.ok_or_else(|| format!("publication {publication} is listed without its extents"))
+}
+
+/// Checks, outside pdstor, that each extent on `dev` holds the writer's chunk.
+fn same_bytes(dev: &Path, extents: &[pdstor::api::wire::Extent], want: &[u8], what: &str) -> Result<(), String> {
+    for e in extents {
+        let len = e.len.unwrap_or(HANDOFF_CHUNK);
+        let got = dd_direct(dev, e.offset, len)?;
+        let at = e.chunk as usize * HANDOFF_CHUNK as usize;
+        if got[..] != want[at..at + len as usize] {
+            return Err(format!(
+                "{what}: chunk {} at byte {} of {} is not the writer's",
+                e.chunk,
+                e.offset,
+                dev.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A block device's completed flush requests (`/sys/block/*/stat`, field 16).
+fn flushes(dev: &Path) -> Result<u64, String> {
+    let name = dev.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let stat = std::fs::read_to_string(format!("/sys/block/{name}/stat")).map_err(|e| format!("{name} stat: {e}"))?;
+    stat.split_whitespace()
+        .nth(15)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| format!("{name} stat has no flush count: {stat:?}"))
+}
+
+/// The size of namespace 3, the small file-backed one.
+const SMALL_NAMESPACE: u64 = 12 << 20;
+
+fn seeded(seed: u64, chunks: u32) -> Vec<u8> {
+    (0..chunks as u64).flat_map(|i| payload::chunk(seed, i, HANDOFF_CHUNK as usize)).collect()
+}
+
+const VISIBLE_PORT: u16 = 7077;
+const VISIBLE_CHUNKS: u32 = 8;
+
+/// Visibility without a cache. The reader host reads the whole small
+/// namespace through its page cache first, so any stale copy a cache could
+/// serve is there. The writer then publishes new bytes: the reader host's
+/// cached read still shows the old ones (the hazard is real), and its
+/// `O_DIRECT` load shows the new ones, verified and acked. Then the writer
+/// stores chunks and never publishes them — stored, never flushed — and its
+/// daemon is killed: while stored the publication is PREPARED (no READY
+/// receipt exists to claim it), and the restarted daemon rolls it back: an
+/// unflushed write never became READY.
+fn visibility(_: &Ctx) -> Outcome {
+    by_role(visible_owner, visible_reader)
+}
+
+fn visible_owner() -> Result<(), String> {
+    use pdstor::client::{Client, Writer};
+    let dev = fabric_namespace_n(3)?;
+    format_namespace(&dev)?;
+    let log = "/tmp/vmtest/topology-serve-visible.log";
+    let mut daemon = start_owner(&dev, log)?;
+    let server = format!("http://{CONTROL}");
+    let c = Client::new(&server);
+    let mut peer = Peer::accept(VISIBLE_PORT)?;
+    peer.send("serving")?;
+    if peer.recv()? != "cached" {
+        return Err("the reader host did not read the namespace through its cache".into());
+    }
+    let mut w =
+        Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, VISIBLE_CHUNKS).map_err(|e| e.to_string())?;
+    let fresh = w.put("visible", &kv_layout(), &seeded(0x7151, VISIBLE_CHUNKS), 4, Some(42)).map_err(api("put"))?;
+    let at = extents(&c, fresh.receipt.publication)?;
+    peer.send(&format!("{} {}", json(&fresh.receipt)?, json(&at)?))?;
+    peer.outcome()?;
+    // Stored, never published (so never flushed by pdstor), then the daemon dies.
+    let (p, _data) = store_unpublished(&c, "unflushed", &seeded(0x7152, 4))?;
+    let listed = c.publications(None, false).map_err(api("listing"))?;
+    let state = listed.iter().find(|i| i.publication == p.publication).map(|i| i.state.clone());
+    if state.as_deref() != Some("PREPARED") {
+        return Err(format!("stored but unpublished, publication {} is {state:?}, not PREPARED", p.publication));
+    }
+    peer.send(&format!("stored {}", p.publication))?;
+    peer.outcome()?;
+    daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
+    let _ = daemon.0.wait();
+    std::mem::forget(daemon);
+    let _daemon = start_owner(&dev, log)?;
+    let c = Client::new(&server);
+    if let Some(p) =
+        c.publications(None, false).map_err(api("listing"))?.iter().find(|i| i.publication == p.publication)
+    {
+        return Err(format!("after the restart the unflushed publication is {}", p.state));
+    }
+    peer.send("rolled back")?;
+    peer.outcome()
+}
+
+fn visible_reader() -> Result<(), String> {
+    use pdstor::client::{Client, RemoteReader};
+    connect()?;
+    let dev = fabric_namespace_n(3)?;
+    let mut peer = Peer::dial(VISIBLE_PORT)?;
+    let result = (|| -> Result<(), String> {
+        peer.recv()?;
+        // Everything the namespace holds now, into this host's page cache.
+        let held = std::fs::File::open(&dev).map_err(|e| format!("opening {}: {e}", dev.display()))?;
+        let before = read_cached(&held, 0, SMALL_NAMESPACE)?;
+        peer.send("cached")?;
+        let line = peer.recv()?;
+        let (receipt, at) = line.split_once(' ').ok_or_else(|| format!("the owner sent {line:?}"))?;
+        let ready: pdstor::protocol::Receipt = parse("the receipt", receipt)?;
+        let at: Vec<pdstor::api::wire::Extent> = parse("the extents", at)?;
+        let want = seeded(0x7151, VISIBLE_CHUNKS);
+        // Through the cache: the old bytes (the hazard O_DIRECT avoids).
+        let stale = at.iter().filter(|e| {
+            let cached = read_cached(&held, e.offset, HANDOFF_CHUNK).unwrap_or_default();
+            let at = e.chunk as usize * HANDOFF_CHUNK as usize;
+            cached[..] == before[e.offset as usize..(e.offset + HANDOFF_CHUNK) as usize]
+                && cached[..] != want[at..at + HANDOFF_CHUNK as usize]
+        });
+        if stale.count() != at.len() {
+            return Err("a buffered read already saw the new bytes: this proof needs the cache to be stale".into());
+        }
+        // Without a cache: the new bytes, verified.
+        let server = format!("http://{CONTROL}");
+        let claim = Client::new(&server).claim(&ready, "decode-visible", "visible", 120_000).map_err(api("claim"))?;
+        let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
+        let restored = r.get(&claim, &kv_layout()).map_err(api("get --direct"))?;
+        if r.restored_bytes(restored.len).map_err(|e| e.to_string())? != want {
+            return Err("the O_DIRECT load did not restore the published bytes".into());
+        }
+        r.ack(&claim, &restored).map_err(api("ack"))?;
+        peer.send("ok")?;
+        // A stored, unflushed publication: listed PREPARED, no READY receipt to claim.
+        let line = peer.recv()?;
+        let n: u64 = line.strip_prefix("stored ").and_then(|n| n.parse().ok()).ok_or(format!("owner: {line:?}"))?;
+        let listed = r.client.publications(Some("READY"), false).map_err(api("listing"))?;
+        if listed.iter().any(|p| p.publication == n) {
+            return Err(format!("the unflushed publication {n} is listed READY"));
+        }
+        peer.send("ok")?;
+        if peer.recv()? != "rolled back" {
+            return Err("the owner did not roll the unflushed publication back".into());
+        }
+        Ok(())
+    })();
+    peer.report(&result);
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
+}
+
+const DURABLE_PORT: u16 = 7080;
+const DURABLE_CHUNKS: u32 = 16;
+
+/// Durability through the fabric. The writer host publishes; its publish
+/// must have sent an NVMe Flush over TCP that reached the target's own
+/// device (the flush counts of the writer host's fabric view and of the
+/// target's backing NVMe both grow). The moment READY is answered the
+/// writer's daemon is killed and the writer host's NVMe/TCP connection
+/// dropped; the reader host reads every chunk at once, `O_DIRECT`, and
+/// finds the writer's bytes (compared outside pdstor). Then the writer host
+/// reconnects, its daemon recovers the READY publication, and the reader
+/// host claims, loads and acks it.
+fn durability(ctx: &Ctx) -> Outcome {
+    by_role(|| durable_owner(ctx), durable_reader)
+}
+
+fn durable_owner(ctx: &Ctx) -> Result<(), String> {
+    use pdstor::client::Client;
+    let backing = ctx.disk(DiskRole::Raw)?.block.clone();
+    let dev = fabric_namespace()?;
+    format_namespace(&dev)?;
+    let log = "/tmp/vmtest/topology-serve-durable.log";
+    let mut daemon = start_owner(&dev, log)?;
+    let server = format!("http://{CONTROL}");
+    let c = Client::new(&server);
+    let mut peer = Peer::accept(DURABLE_PORT)?;
+    let payload = seeded(0xd0ab, DURABLE_CHUNKS);
+    // Stored (not yet flushed by pdstor); then the publish alone is watched.
+    let (p, _data) = store_unpublished(&c, "durable", &payload)?;
+    let (fabric_before, target_before) = (flushes(&dev)?, flushes(&backing)?);
+    let published = c.publish(p.publication, &p.writer_token, Some(42)).map_err(api("publish"))?;
+    let (fabric_after, target_after) = (flushes(&dev)?, flushes(&backing)?);
+    let at = extents(&c, published.receipt.publication)?;
+    // READY answered: the writer host is gone at once.
+    daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
+    let _ = daemon.0.wait();
+    std::mem::forget(daemon);
+    sh("nvme", &["disconnect", "-n", SHARED_NQN])?;
+    // The writer host's view is a multipath head whose counters may not
+    // count; the target's own device must.
+    if target_after <= target_before {
+        return Err(format!(
+            "the publish sent no flush through the fabric: the writer host's view flushed {} times, the target's device {} times",
+            fabric_after - fabric_before,
+            target_after - target_before
+        ));
+    }
+    console(&format!(
+        "pdstor-vminit: topology publish: {} flush requests reached the target's device ({} counted on the writer host's multipath view)",
+        target_after - target_before,
+        fabric_after - fabric_before,
+    ));
+    peer.send(&format!("gone {}", json(&at)?))?;
+    peer.outcome()?;
+    // Back: the writer host reconnects and its daemon recovers READY.
+    connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
+    let dev = fabric_namespace()?;
+    let _daemon = start_owner(&dev, log)?;
+    peer.send(&json(&published.receipt)?)?;
+    peer.outcome()?;
+    let left = Client::new(&server).publications(None, false).map_err(api("listing"))?;
+    if !left.is_empty() {
+        return Err(format!("after the reader host's ack the owner holds {left:?}"));
+    }
+    Ok(())
+}
+
+fn durable_reader() -> Result<(), String> {
+    use pdstor::client::{Client, RemoteReader};
+    connect()?;
+    let dev = fabric_namespace()?;
+    let mut peer = Peer::dial(DURABLE_PORT)?;
+    let result = (|| -> Result<(), String> {
+        let line = peer.recv()?;
+        let at: Vec<pdstor::api::wire::Extent> =
+            parse("the extents", line.strip_prefix("gone ").ok_or(format!("the owner sent {line:?}"))?)?;
+        let want = seeded(0xd0ab, DURABLE_CHUNKS);
+        same_bytes(&dev, &at, &want, "read right after READY with the writer host gone")?;
+        peer.send("ok")?;
+        let ready: pdstor::protocol::Receipt = parse("the receipt", &peer.recv()?)?;
+        let server = format!("http://{CONTROL}");
+        let claim = Client::new(&server).claim(&ready, "decode-durable", "durable", 120_000).map_err(api("claim"))?;
+        let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
+        let restored = r.get(&claim, &kv_layout()).map_err(api("get --direct"))?;
+        if r.restored_bytes(restored.len).map_err(|e| e.to_string())? != want {
+            return Err("the recovered publication did not restore the published bytes".into());
+        }
+        r.ack(&claim, &restored).map_err(api("ack"))
+    })();
+    peer.report(&result);
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
+}
+
+const RESTART_PORT: u16 = 7079;
+const RESTART_CHUNKS: u32 = 16;
+/// Where the owner's daemon is killed while the reader host loads.
+const POINTS: [&str; 4] = ["claimed", "adopted", "half_read", "reported"];
+
+/// The owner's daemon killed (`kill -9`) while a reader host loads, at four
+/// points: after its claim, after its adopt, with half the chunks read, and
+/// with every chunk read and reported but not acked. Each time the daemon
+/// restarts (a new epoch) and a writer at once takes every slot admission
+/// gives it; the reader host then reads every chunk again outside pdstor and
+/// through it, and finds the writer's bytes — nothing it may still read was
+/// reused — and acks with its old receipt. Claimed but not adopted, it never
+/// learned where the chunks are: the restart fences it, its adopt is refused
+/// `fenced`, and only then may its slots be reclaimed.
+fn restarts(_: &Ctx) -> Outcome {
+    by_role(restart_owner, restart_reader)
+}
+
+fn restart_payload(i: usize) -> Vec<u8> {
+    seeded(0x4e57 + i as u64, RESTART_CHUNKS)
+}
+
+fn restart_owner() -> Result<(), String> {
+    use pdstor::client::{Client, Writer};
+    let dev = fabric_namespace_n(3)?;
+    format_namespace(&dev)?;
+    let log = "/tmp/vmtest/topology-serve-restart.log";
+    let mut daemon = start_owner(&dev, log)?;
+    let server = format!("http://{CONTROL}");
+    let mut peer = Peer::accept(RESTART_PORT)?;
+    for (i, point) in POINTS.iter().enumerate() {
+        let mut w =
+            Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, RESTART_CHUNKS).map_err(|e| e.to_string())?;
+        let published =
+            w.put(&format!("restart-{point}"), &kv_layout(), &restart_payload(i), 8, Some(42)).map_err(api("put"))?;
+        peer.send(&format!("{point} {}", json(&published.receipt)?))?;
+        let line = peer.recv()?;
+        let claim: pdstor::protocol::Receipt =
+            parse("the claim", line.strip_prefix(&format!("at {point} ")).ok_or(format!("reader: {line:?}"))?)?;
+        daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
+        let _ = daemon.0.wait();
+        std::mem::forget(daemon);
+        daemon = start_owner(&dev, log)?;
+        let c = Client::new(&server);
+        // An eager operator's reclaim: refused while a direct reader may
+        // still read the slots (the restart did not stop that host).
+        if *point != "claimed" {
+            match c.reclaim(&claim) {
+                Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
+                other => {
+                    return Err(format!(
+                        "killed at {point}: a reclaim after the restart was not refused not_fenced: {other:?}"
+                    ));
+                }
+            }
+        }
+        // A writer takes every slot it can.
+        let mut fillers = Vec::new();
+        let mut fill = Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4).map_err(|e| e.to_string())?;
+        loop {
+            let n = fillers.len() as u64;
+            match fill.put(&format!("fill-{point}-{n}"), &kv_layout(), &seeded(0xf111 + n, 4), 4, Some(42)) {
+                Ok(p) => fillers.push(p.receipt),
+                Err(e) if e.to_string().contains("admission") => break,
+                Err(e) => return Err(format!("filling after the restart at {point}: {e}")),
+            }
+            if fillers.len() > 64 {
+                return Err("the small namespace took more than 64 fillers".into());
+            }
+        }
+        let held = c.publications(None, false).map_err(api("listing"))?;
+        let state = held.iter().find(|p| p.publication == claim.publication).map(|p| p.state.clone());
+        console(&format!(
+            "pdstor-vminit: topology owner killed at {point}: restarted, {} fillers took every free slot, the reader's publication is {state:?}",
+            fillers.len()
+        ));
+        peer.send(&format!("restarted {}", fillers.len()))?;
+        let outcome = peer.recv()?;
+        match (*point, outcome.as_str()) {
+            ("claimed", "refused fenced") => c.reclaim(&claim).map_err(api("reclaiming the fenced claim"))?,
+            ("claimed", other) => return Err(format!("killed after the claim: the reader host reported {other:?}")),
+            (_, "acked") => {}
+            (_, other) => return Err(format!("killed at {point}: the reader host reported {other:?}")),
+        }
+        if let Some(p) =
+            c.publications(None, false).map_err(api("listing"))?.iter().find(|p| p.publication == claim.publication)
+        {
+            return Err(format!("killed at {point}: after the reader's outcome its publication is {}", p.state));
+        }
+        for f in &fillers {
+            c.release(f).map_err(api("releasing a filler"))?;
+        }
+    }
+    peer.send("done")?;
+    peer.outcome()
+}
+
+fn restart_reader() -> Result<(), String> {
+    use pdstor::client::{ClientError, RemoteReader};
+    connect()?;
+    let dev = fabric_namespace_n(3)?;
+    let server = format!("http://{CONTROL}");
+    let mut peer = Peer::dial(RESTART_PORT)?;
+    let mut reader: Option<RemoteReader> = None;
+    let result = (|| -> Result<(), String> {
+        loop {
+            let line = peer.recv()?;
+            if line == "done" {
+                return Ok(());
+            }
+            let (point, receipt) = line.split_once(' ').ok_or(format!("the owner sent {line:?}"))?;
+            let i = POINTS.iter().position(|p| *p == point).ok_or(format!("unknown point {point:?}"))?;
+            let ready: pdstor::protocol::Receipt = parse("the receipt", receipt)?;
+            let r = match &mut reader {
+                Some(r) => r,
+                None => reader.insert(RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?),
+            };
+            let want = restart_payload(i);
+            let claim =
+                r.client.claim(&ready, "decode-remote", &format!("restart-{point}"), 600_000).map_err(api("claim"))?;
+            let (mut manifest, mut restored) = (None, None);
+            if point != "claimed" {
+                let m = r.adopt(&claim, &kv_layout()).map_err(api("adopt"))?;
+                if point == "half_read" {
+                    let half = manifest_extents(&m, m.chunks.len() / 2);
+                    same_bytes(&dev, &half, &want, "half read before the kill")?;
+                }
+                if point == "reported" {
+                    restored = Some(r.load(&claim, m.clone()).map_err(api("load"))?);
+                }
+                manifest = Some(m);
+            }
+            peer.send(&format!("at {point} {}", json(&claim)?))?;
+            let restarted = peer.recv()?;
+            if !restarted.starts_with("restarted ") {
+                return Err(format!("the owner sent {restarted:?}"));
+            }
+            let Some(m) = manifest else {
+                match r.adopt(&claim, &kv_layout()) {
+                    Err(ClientError::Api(b)) if b.code == "fenced" => peer.send("refused fenced")?,
+                    other => return Err(format!("adopting after the restart that fenced the claim: {other:?}")),
+                }
+                continue;
+            };
+            // Every chunk again, after the writer filled every slot it was given.
+            let all = manifest_extents(&m, m.chunks.len());
+            same_bytes(&dev, &all, &want, &format!("read after the owner was killed at {point}"))?;
+            let restored = match restored {
+                Some(done) => done,
+                None => r.load(&claim, m).map_err(api("load after the restart"))?,
+            };
+            if r.restored_bytes(restored.len).map_err(|e| e.to_string())? != want {
+                return Err(format!("killed at {point}: the restored bytes are not the writer's"));
+            }
+            r.ack(&claim, &restored).map_err(api("ack with the old receipt"))?;
+            peer.send("acked")?;
+        }
+    })();
+    peer.report(&result);
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
+}
+
+/// The first `n` chunks' places, as the adopted manifest gives them.
+fn manifest_extents(m: &pdstor::store::Manifest, n: usize) -> Vec<pdstor::api::wire::Extent> {
+    m.chunks
+        .iter()
+        .take(n)
+        .map(|c| pdstor::api::wire::Extent {
+            chunk: c.index,
+            slot: 0,
+            offset: c.offset.0,
+            len: Some(c.len),
+            crc32c: Some(c.crc32c),
+        })
+        .collect()
+}
+
+/// prepare → store every chunk of `payload` in one batch, not published
+/// (so never flushed by pdstor): the publication stays PREPARED.
+fn store_unpublished(
+    c: &pdstor::client::Client,
+    req_id: &str,
+    payload: &[u8],
+) -> Result<(pdstor::protocol::service::Prepared, pdstor::client::DataConn), String> {
+    let n = (payload.len() as u64 / HANDOFF_CHUNK) as u32;
+    let p = c.prepare(req_id, &kv_layout(), n, "w-topology").map_err(api("prepare"))?;
+    let mut data = pdstor::client::DataConn::connect(Path::new(DATA_SOCKET)).map_err(api("the data plane"))?;
+    let buf = pdstor::Buffer::memfd(req_id, payload.len()).map_err(|e| e.to_string())?;
+    buf.write_at(0, payload).map_err(|e| e.to_string())?;
+    let id = data.register(&buf).map_err(api("registering"))?;
+    let chunks = (0..n)
+        .map(|i| pdstor::api::wire::DataChunk {
+            index: i,
+            buffer: id,
+            offset: i as u64 * HANDOFF_CHUNK,
+            len: HANDOFF_CHUNK,
+            crc32c: None,
+        })
+        .collect();
+    data.store(p.publication, &p.writer_token, chunks, true, n).map_err(api("store"))?;
+    Ok((p, data))
 }
