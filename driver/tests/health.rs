@@ -45,6 +45,7 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         provenance: false,
         require_native: false,
         timeline: None,
+        reservation_key: None,
         fault: Some(fault.clone()),
         limits: Default::default(),
         allow_readable_target: false,

@@ -625,6 +625,7 @@ impl Sim {
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
             direct: false,
+            reservation_key: None,
         };
         let r = self.svc().adopt(&me(), &request);
         self.note(format!(

@@ -181,6 +181,7 @@ fn run(attack: Attack) -> Outcome {
             manifest_digest: receipt.manifest_digest.clone(),
             layout: layout(),
             direct: false,
+            reservation_key: None,
             receipt,
         })),
         Attack::Load { data, receipt } => Outcome::of((|| {

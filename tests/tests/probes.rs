@@ -158,6 +158,7 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout.clone(),
         direct: false,
+        reservation_key: None,
     };
     c.adopt(&adopt).unwrap();
     let loaded = data.load(&claim, vec![chunk(0), chunk(1)]).unwrap();

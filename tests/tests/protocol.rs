@@ -51,6 +51,7 @@ fn adopt(c: &Client, claim: &pdstor::protocol::Receipt) -> pdstor::store::Manife
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout(),
         direct: false,
+        reservation_key: None,
     })
     .unwrap()
 }
@@ -149,6 +150,7 @@ fn the_refusal_matrix_leaves_state_unchanged() {
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout(),
         direct: false,
+        reservation_key: None,
     };
     let wrong = |f: &dyn Fn(&mut AdoptRequest)| {
         let mut r = good.clone();
@@ -725,4 +727,52 @@ fn a_direct_reader_outlives_the_owners_restart_and_its_slots_stay_taken() {
     c.reclaim(&doomed_claim).unwrap();
     c.release(&filler.receipt).unwrap();
     assert!(c.publications(None, false).unwrap().is_empty());
+}
+
+/// Reservations where there are none: `serve --reservation-key` on a file
+/// refuses to start, saying the target cannot reserve (the guest's NVMe/TCP
+/// suite holds one for real); a reservation key is refused at adopt unless
+/// the reader is direct, and is never the "no key" 0.
+#[test]
+fn reservation_keys_are_refused_where_they_cannot_fence() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let out = Command::new(pdstor_bin())
+        .args(["serve", "--reservation-key", "0x5d", "--listen"])
+        .arg(format!("unix:{}", dir.path().join("c.sock").display()))
+        .arg("--data-socket")
+        .arg(dir.path().join("d.sock"))
+        .arg("--target")
+        .arg(&target)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("--reservation-key") && stderr.contains("persistent reservations"), "{stderr}");
+    let out =
+        Command::new(pdstor_bin()).args(["serve", "--reservation-key", "0", "--target"]).arg(&target).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not 0"), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let p = put(&d, "keyed", 51, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-keyed", 60_000).unwrap();
+    let request = |direct: bool, key: u64| AdoptRequest {
+        receipt: claim.clone(),
+        namespace: claim.namespace.clone(),
+        epoch: claim.epoch,
+        manifest_digest: claim.manifest_digest.clone(),
+        layout: layout(),
+        direct,
+        reservation_key: Some(key),
+    };
+    assert_eq!(code(c.adopt(&request(false, 7))).1, "bad_request", "a key from a reader that reads through the daemon");
+    assert_eq!(code(c.adopt(&request(true, 0))).1, "bad_request", "key 0");
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "the refusals changed nothing");
+    assert!(!c.namespace().unwrap().reservations, "this owner holds no reservation");
+    c.adopt(&request(true, 7)).unwrap();
+    // Without a reservation its session's close is the operator's word alone, and says so.
+    c.close_session(&claim).unwrap();
+    c.reclaim(&claim).unwrap();
 }

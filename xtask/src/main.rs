@@ -319,7 +319,9 @@ fn ci(sh: &Shell) -> Result<()> {
             ));
             vmtest::run(sh, &vmtest::VmtestArgs::series(dir.clone()))?;
             step("cargo xtask vmtest --kernel-series … --suite swiotlb --append swiotlb=force");
-            vmtest::run(sh, &vmtest::VmtestArgs::series_swiotlb_forced(dir))?;
+            vmtest::run(sh, &vmtest::VmtestArgs::series_swiotlb_forced(dir.clone()))?;
+            step("cargo xtask vmtest --kernel-series … --suite topology (its nvmet has persistent reservations)");
+            vmtest::run(sh, &vmtest::VmtestArgs::series_topology(dir))?;
         }
         Err(why) => println!("SKIP: vmtest on the rw-dmabuf series kernel: {why}"),
     }

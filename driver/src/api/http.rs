@@ -480,6 +480,7 @@ async fn namespace(State(s): State<Shared>, Extension(who): Extension<Caller>) -
         slot_size: sb.slot_size,
         slot_count: sb.slot_count,
         device: crate::io::DeviceIds::of(store.path()),
+        reservations: s.service.holds_reservation(),
     };
     json_response(StatusCode::OK, &info)
 }

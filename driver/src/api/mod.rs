@@ -71,6 +71,10 @@ pub struct ServeConfig {
     pub require_native: bool,
     /// Append every step to this timeline (as node `daemon-e<epoch>`).
     pub timeline: Option<PathBuf>,
+    /// Hold the namespace's Exclusive Access — All Registrants reservation
+    /// with this key: direct readers register keys of their own, and fencing
+    /// one preempts its key at the target.
+    pub reservation_key: Option<u64>,
     /// Fault injection for tests: the device "dies" as this plan says.
     pub fault: Option<Arc<crate::store::FaultPlan>>,
     /// What one client may hold or take.
@@ -171,7 +175,17 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, &format!("daemon-e{}", store.epoch()))?)),
         None => None,
     };
-    let service = Arc::new(Service::new(store.clone()).with_timeline(timeline).with_policy(cfg.policy.clone()));
+    let mut service = Service::new(store.clone()).with_timeline(timeline).with_policy(cfg.policy.clone());
+    if let Some(key) = cfg.reservation_key {
+        service = service.with_reservation_key(key).map_err(|e| {
+            anyhow::anyhow!("--reservation-key: {e}: serve without it, or on a namespace with persistent reservations")
+        })?;
+        tracing::info!(
+            key = format!("{key:#x}"),
+            "holding the namespace's reservation (exclusive access, all registrants)"
+        );
+    }
+    let service = Arc::new(service);
     let metrics = Arc::new(metrics::Metrics::default());
     // The probes stay attached for as long as `probes` lives: this function.
     let probes = if cfg.provenance { Some(pdstor_probes::Probes::attach(std::process::id())?) } else { None };

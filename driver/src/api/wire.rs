@@ -80,6 +80,11 @@ pub struct AdoptRequest {
     /// claim — its slots stay taken until it acks or its session is closed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub direct: bool,
+    /// A direct reader's persistent-reservation key, registered by its host
+    /// on the shared namespace: fencing it (closing its session) preempts
+    /// this key at the target, so that host can no longer read or write.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_key: Option<u64>,
 }
 
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.
@@ -119,6 +124,11 @@ pub struct NamespaceInfo {
     pub slot_count: u64,
     /// The NVMe namespace identifiers of the owner's target, where it has them.
     pub device: crate::io::DeviceIds,
+    /// The owner holds an Exclusive Access — All Registrants reservation on
+    /// the namespace (`serve --reservation-key`): a direct reader's host must
+    /// register a key of its own before it can read, and names it at adopt.
+    #[serde(default)]
+    pub reservations: bool,
 }
 
 /// One chunk a reader loaded itself.

@@ -129,6 +129,11 @@ pub struct GetArgs {
     /// its superblock first, and only checksums go back to the daemon (`loaded`).
     #[arg(long, value_name = "DEVICE")]
     direct: Option<PathBuf>,
+    /// With --direct, on a namespace its owner reserves (`serve --reservation-key`): register this
+    /// key for this host first, and name it at adopt so that the owner can cut this host off when
+    /// it fences this reader (hex 0x… or decimal; root).
+    #[arg(long, requires = "direct", value_parser = super::serve::parse_key)]
+    reservation_key: Option<u64>,
 }
 
 impl GetArgs {
@@ -138,7 +143,7 @@ impl GetArgs {
         let started = Instant::now();
         let (restored, bytes, client) = match &self.direct {
             Some(device) => {
-                let mut r = pdstor::client::RemoteReader::open(&self.daemon.server, device)?;
+                let mut r = pdstor::client::RemoteReader::open_with(&self.daemon.server, device, self.reservation_key)?;
                 let restored = r.get(&claim, &layout)?;
                 let bytes = r.restored_bytes(restored.len)?;
                 (restored, bytes, r.client)

@@ -113,6 +113,11 @@ pub struct ServeArgs {
     /// Append every protocol step, chunk transfer and refusal to this JSON-lines timeline.
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Hold the namespace's persistent reservation (Exclusive Access, All Registrants) with this
+    /// key (hex 0x… or decimal): only hosts that registered a key read or write it, and closing a
+    /// direct reader's session preempts its host's key at the target (NVMe, incl. NVMe/TCP; root).
+    #[arg(long, value_parser = parse_key)]
+    reservation_key: Option<u64>,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -139,6 +144,7 @@ impl ServeArgs {
             provenance: self.provenance,
             require_native: self.require_native,
             timeline: self.timeline,
+            reservation_key: self.reservation_key,
             fault: None,
             limits: self.limits.limits(),
             allow_readable_target: self.allow_readable_target,
@@ -151,4 +157,17 @@ impl ServeArgs {
             },
         })
     }
+}
+
+/// A reservation key: `0x…` hex or decimal, not 0 (NVMe's "no key").
+pub fn parse_key(s: &str) -> Result<u64, String> {
+    let v = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16),
+        None => s.parse(),
+    }
+    .map_err(|e| format!("{s:?} is not a 64-bit key (0x… or decimal): {e}"))?;
+    if v == 0 {
+        return Err("a reservation key is not 0".into());
+    }
+    Ok(v)
 }

@@ -621,6 +621,7 @@ impl Reader {
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout.clone(),
             direct: false,
+            reservation_key: None,
         };
         let manifest = self.client.adopt(&adopt)?;
         if manifest_digest(&manifest) != claim.manifest_digest {

@@ -31,6 +31,8 @@ pub struct RemoteReader {
     /// This process's provenance probes, once attached ([`RemoteReader::with_probes`]).
     probes: Option<(pdstor_probes::Probes, pdstor_probes::SignalReader)>,
     verdicts: Vec<String>,
+    /// This host's registered reservation key, named at adopt.
+    reservation_key: Option<u64>,
 }
 
 fn io(what: &str) -> impl FnOnce(crate::io::IoError) -> ClientError + '_ {
@@ -41,6 +43,28 @@ impl RemoteReader {
     /// Opens `device` (this host's view of the shared namespace) read-only,
     /// beside the owner, and reads which namespace it holds.
     pub fn open(server: &str, device: &Path) -> Result<RemoteReader, ClientError> {
+        RemoteReader::open_with(server, device, None)
+    }
+
+    /// [`RemoteReader::open`] on a namespace the owner reserves for
+    /// registrants (`serve --reservation-key`): this host first registers
+    /// `reservation_key` (needs CAP_SYS_ADMIN), and names it at adopt, so
+    /// that the owner can cut this host off when it fences this reader.
+    pub fn open_with(server: &str, device: &Path, reservation_key: Option<u64>) -> Result<RemoteReader, ClientError> {
+        let client = Client::new(server);
+        let owner = client.namespace()?;
+        match reservation_key {
+            Some(key) => crate::io::reservation::Reservations::open(device)
+                .and_then(|r| r.register(key))
+                .map_err(|e| ClientError::Data(format!("registering this host's reservation key: {e}")))?,
+            None if owner.reservations => {
+                return Err(ClientError::Data(format!(
+                    "the owner at {server} reserves its namespace for registered hosts: give this reader a reservation key of its own (--reservation-key) so it can read {} and be fenced",
+                    device.display()
+                )));
+            }
+            None => {}
+        }
         let target = Target::open(device, &TargetOptions { read_only: true, ..Default::default() })
             .map_err(io("opening the shared namespace"))?;
         let mut engine =
@@ -52,10 +76,8 @@ impl RemoteReader {
                 device.display()
             ))
         })?;
-        let client = Client::new(server);
         // The proof that this view is the owner's namespace: the pdstor
         // superblock's UUID, and the NVMe namespace identifiers both sides know.
-        let owner = client.namespace()?;
         let namespace = sb.uuid.to_string();
         if owner.namespace != namespace {
             return Err(ClientError::Verify {
@@ -86,6 +108,7 @@ impl RemoteReader {
             ids,
             probes: None,
             verdicts: Vec::new(),
+            reservation_key,
         })
     }
 
@@ -174,6 +197,7 @@ impl RemoteReader {
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout.clone(),
             direct: true,
+            reservation_key: self.reservation_key,
         })?;
         if manifest_digest(&manifest) != claim.manifest_digest {
             return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });

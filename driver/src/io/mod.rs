@@ -24,6 +24,7 @@ mod error;
 pub mod nvme;
 mod plan;
 mod request;
+pub mod reservation;
 mod ring;
 mod sys;
 mod target;

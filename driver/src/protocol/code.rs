@@ -136,6 +136,9 @@ codes! {
     BufferTableFull = "buffer_table_full" => 503,
     /// Any other I/O failure.
     IoError = "io_error" => 500,
+    /// Fencing a direct reader's host failed: the target refused to preempt
+    /// its reservation key, so its session stays open and its slots taken.
+    FenceFailed = "fence_failed" => 502,
 
     // The control plane's own limits.
     /// The daemon cannot take changes now (`/readyz`).

@@ -66,6 +66,9 @@ pub struct Service {
     /// (the claim's signature, chunk → crc32c as served). In memory: after a
     /// restart the reader loads again before it acks.
     served: Mutex<HashMap<u64, Served>>,
+    /// The owner's persistent reservation on the namespace and its key
+    /// (`serve --reservation-key`): fencing a direct reader preempts its key.
+    reservations: Option<(crate::io::reservation::Reservations, u64)>,
 }
 
 /// What the data plane served to one adopted claim: the claim's signature,
@@ -122,7 +125,24 @@ impl Service {
             closed_sessions: Mutex::new(HashSet::new()),
             preparing: Mutex::new(HashMap::new()),
             served: Mutex::new(HashMap::new()),
+            reservations: None,
         }
+    }
+
+    /// Holds the namespace's Exclusive Access — All Registrants reservation
+    /// with `key` (registering it for this host first): only registered
+    /// hosts read or write it, and fencing a direct reader preempts its key.
+    pub fn with_reservation_key(mut self, key: u64) -> Result<Service, crate::io::reservation::ReservationError> {
+        let r = crate::io::reservation::Reservations::open(self.store.path())?;
+        r.register(key)?;
+        r.reserve(key)?;
+        self.reservations = Some((r, key));
+        Ok(self)
+    }
+
+    /// Whether this owner holds a reservation on its namespace.
+    pub fn holds_reservation(&self) -> bool {
+        self.reservations.is_some()
     }
 
     /// Resolves and authorizes callers by `policy` (default: [`Policy::local`]).
@@ -503,7 +523,20 @@ impl Service {
             )
             .into());
         }
-        let p = self.store.adopt(p.id, r.direct)?;
+        if let Some(key) = r.reservation_key {
+            let own = self.reservations.as_ref().map(|(_, k)| *k);
+            if !r.direct || key == 0 || Some(key) == own {
+                return Err(Refusal::new(
+                    RefusalCode::BadRequest,
+                    "reservation_key",
+                    format!(
+                        "reservation_key {key:#x}: only a direct reader names one, it is not 0, and not the owner's own key"
+                    ),
+                )
+                .into());
+            }
+        }
+        let p = self.store.adopt(p.id, r.direct, r.reservation_key)?;
         let nonce = self.signer.restore_nonce(&claim.signature);
         self.lock_served().insert(p.id, (claim.signature.clone(), Default::default()));
         let mut e = Event::new("adopt").claim(claim);
@@ -836,8 +869,29 @@ impl Service {
             who.require_owner(Some(o), &format!("session {session}"))?;
         }
         let principal = claimant.map_or_else(|| who.principal.clone(), |o| o.principal);
-        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert((principal, session.clone()));
-        self.note(who, Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(session));
+        // A direct reader's host is cut off at the target before its session
+        // counts as closed: if the preempt fails, nothing is fenced.
+        let key = live.as_ref().filter(|c| c.session == session && c.direct).and_then(|c| c.reservation_key);
+        let detail = match (key, &self.reservations) {
+            (Some(key), Some((r, own))) => {
+                r.preempt(*own, key).map_err(|e| {
+                    Refusal::new(
+                        RefusalCode::FenceFailed,
+                        "session",
+                        format!(
+                            "session {session} stays open: its host's reservation key could not be preempted ({e}); its slots stay taken"
+                        ),
+                    )
+                })?;
+                format!("{session}; its host's reservation key {key:#x} preempted at the target")
+            }
+            (Some(key), None) => format!(
+                "{session}; its host registered key {key:#x}, but this owner holds no reservation (serve --reservation-key): the host is not cut off by the target"
+            ),
+            (None, _) => session.clone(),
+        };
+        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert((principal, session));
+        self.note(who, Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(detail));
         Ok(())
     }
 }

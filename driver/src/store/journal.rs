@@ -84,6 +84,9 @@ pub enum Record {
         /// view of it): a daemon restart does not fence it.
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         direct: bool,
+        /// The direct reader's host's reservation key, if it registered one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reservation_key: Option<u64>,
     },
     /// Acknowledged: the slots free.
     Ack {

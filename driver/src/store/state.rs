@@ -161,6 +161,10 @@ pub struct ClaimInfo {
     /// does not fence it (only closing its session does).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub direct: bool,
+    /// A direct reader's host's persistent-reservation key: fencing it
+    /// preempts this key at the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_key: Option<u64>,
 }
 
 /// Every publication and slot owner the journal describes: rebuilt by replay, changed only by records.
@@ -297,13 +301,15 @@ impl State {
                     claimed_unix_ms: *claimed_unix_ms,
                     claimant: claimant.clone(),
                     direct: false,
+                    reservation_key: None,
                 });
             }
-            Record::Adopt { publication, direct } => {
+            Record::Adopt { publication, direct, reservation_key } => {
                 let p = self.for_record(*publication, "adopted", &[Phase::Claimed])?;
                 p.phase = Phase::Adopted;
                 if let Some(c) = &mut p.claim {
                     c.direct = *direct;
+                    c.reservation_key = *reservation_key;
                 }
             }
             Record::Retain { publication, .. } => {
@@ -517,7 +523,7 @@ mod tests {
         s.apply(&claim).unwrap();
         let ack = Record::Ack { publication: 1, restore_digest: "x".into() };
         assert!(s.apply(&ack).is_err(), "ack before adopt");
-        s.apply(&Record::Adopt { publication: 1, direct: false }).unwrap();
+        s.apply(&Record::Adopt { publication: 1, direct: false, reservation_key: None }).unwrap();
         s.apply(&ack).unwrap();
         assert!(s.apply(&ack).is_err(), "a second ack is refused, never a double free");
         assert_eq!(s.free_slots(), 4);

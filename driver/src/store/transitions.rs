@@ -118,13 +118,14 @@ impl Store {
     }
 
     /// Step 5: the claimed reader adopts the publication (checks are the
-    /// caller's); `direct`: it reads the shared namespace itself.
-    pub fn adopt(&self, id: u64, direct: bool) -> Result<Publication, StoreError> {
+    /// caller's); `direct`: it reads the shared namespace itself, its host
+    /// registered `reservation_key` (if any).
+    pub fn adopt(&self, id: u64, direct: bool, reservation_key: Option<u64>) -> Result<Publication, StoreError> {
         self.transition(
             id,
             &[Phase::Claimed],
             "only a CLAIMED publication can be adopted",
-            Record::Adopt { publication: id, direct },
+            Record::Adopt { publication: id, direct, reservation_key },
         )
     }
 

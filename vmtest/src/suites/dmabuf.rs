@@ -250,6 +250,7 @@ fn handoff_at(
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
             direct: false,
+            reservation_key: None,
         })
         .map_err(e("adopt"))?;
     // Independent: every chunk as it lies on the target, read by busybox dd.
@@ -1044,6 +1045,7 @@ fn device_errors(ctx: &Ctx) -> Outcome {
                 manifest_digest: claim.manifest_digest.clone(),
                 layout: layout(),
                 direct: false,
+                reservation_key: None,
             })
             .map_err(e("adopt"))?;
         if manifest.chunks.iter().all(|c| c.offset.0 < 4 << 20) {

@@ -30,6 +30,7 @@ pub const SUITE: Suite = Suite {
         Test { name: "a_published_chunk_is_visible_to_the_reader_host_through_no_cache", disk: None, run: visibility },
         Test { name: "ready_is_at_the_target_before_the_writer_host_is_gone", disk: None, run: durability },
         Test { name: "the_owner_restarts_while_a_reader_host_loads", disk: None, run: restarts },
+        Test { name: "a_fenced_reader_host_is_cut_off_by_its_reservation", disk: None, run: reservation },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
     ],
@@ -239,6 +240,11 @@ fn export(devices: &[&Path]) -> Result<(), String> {
         // (its controller is quirked NVME_QUIRK_BOGUS_NID), so the target
         // gives each namespace a fixed UUID, as an array names its own.
         write(&ns.join("device_uuid"), &format!("5d5e1000-0000-4000-8000-{:012x}", i + 1))?;
+        // Persistent reservations, where this kernel's target has them (set
+        // before the namespace is enabled).
+        if ns.join("resv_enable").exists() {
+            write(&ns.join("resv_enable"), "1")?;
+        }
         write(&ns.join("enable"), "1")?;
     }
     let port = nvmet.join("ports/1");
@@ -486,6 +492,7 @@ fn death_reader() -> Result<(), String> {
             manifest_digest: claim.manifest_digest.clone(),
             layout: kv_layout(),
             direct: false,
+            reservation_key: None,
         })
         .map_err(|e| format!("adopt: {e}"))?;
     // Mid-load: half the chunks read, nothing reported, no ack.
@@ -535,6 +542,10 @@ fn format_namespace(d: &Path) -> Result<(), String> {
 /// Serves the formatted namespace `d` (the writer host's fabric view) on the
 /// private network; a prepare waits at most 2 s for capacity.
 fn start_owner(d: &Path, log: &str) -> Result<super::protocol::Daemon, String> {
+    start_owner_with(d, log, &[])
+}
+
+fn start_owner_with(d: &Path, log: &str, extra: &[&str]) -> Result<super::protocol::Daemon, String> {
     use pdstor::client::Client;
     let d = d.to_string_lossy().into_owned();
     let socket = DATA_SOCKET;
@@ -543,6 +554,7 @@ fn start_owner(d: &Path, log: &str) -> Result<super::protocol::Daemon, String> {
     let child = std::process::Command::new("/bin/pdstor")
         .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", socket, "--target", &d])
         .args(["--admission-timeout-ms", "2000"])
+        .args(extra)
         .stdout(std::process::Stdio::null())
         .stderr(log_file)
         .spawn()
@@ -1150,4 +1162,122 @@ fn store_unpublished(
         .collect();
     data.store(p.publication, &p.writer_token, chunks, true, n).map_err(api("store"))?;
     Ok((p, data))
+}
+
+const RESERVE_PORT: u16 = 7081;
+const RESERVE_CHUNKS: u32 = 8;
+const OWNER_KEY: u64 = 0x5d0e;
+const READER_KEY: u64 = 0x5d0f;
+
+/// Whether this kernel's NVMe target does persistent reservations (Debian's
+/// 6.12 nvmet does not: it has no `resv_enable`; the series kernel, 7.2, does).
+/// Both guests boot the same kernel, so both sides answer alike.
+fn nvmet_has_reservations() -> bool {
+    std::fs::read_to_string("/proc/kallsyms").is_ok_and(|k| k.contains(" nvmet_parse_pr_cmd"))
+}
+
+/// Fencing a direct reader cuts its host off at the target. The owner
+/// serves with `--reservation-key`: it holds the namespace's Exclusive
+/// Access — Registrants Only reservation. An unregistered reader host can
+/// read nothing (the target refuses, and pdstor's reader says to register a
+/// key before it tries); a registered one claims, adopts naming its key, and
+/// reads half. The owner's reclaim is refused (`not_fenced`); closing the
+/// reader's session preempts its key; the reclaim frees the slots and a new
+/// publication takes them. The reader host is alive, and can read none of
+/// it any more: the target refuses its commands, and its report is refused.
+fn reservation(_: &Ctx) -> Outcome {
+    if !nvmet_has_reservations() {
+        return outcome(Err(
+            "SKIP: this kernel's NVMe target has no persistent reservations (Debian's 6.12 nvmet has no resv_enable); the rw-dmabuf series kernel (7.2) runs this test"
+                .into(),
+        ));
+    }
+    by_role(reserve_owner, reserve_reader)
+}
+
+fn reserve_owner() -> Result<(), String> {
+    use pdstor::client::{Client, Writer};
+    let dev = fabric_namespace()?;
+    format_namespace(&dev)?;
+    let key = format!("{OWNER_KEY:#x}");
+    let daemon =
+        start_owner_with(&dev, "/tmp/vmtest/topology-serve-reserve.log", &["--reservation-key", key.as_str()])?;
+    let server = format!("http://{CONTROL}");
+    let c = Client::new(&server);
+    let result = (|| -> Result<(), String> {
+        if !c.namespace().map_err(api("the namespace"))?.reservations {
+            return Err("the owner does not say it holds a reservation".into());
+        }
+        let mut peer = Peer::accept(RESERVE_PORT)?;
+        let mut w =
+            Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, RESERVE_CHUNKS).map_err(|e| e.to_string())?;
+        let published =
+            w.put("reserved", &kv_layout(), &seeded(0x5e5, RESERVE_CHUNKS), 4, Some(42)).map_err(api("put"))?;
+        peer.send(&json(&published.receipt)?)?;
+        let line = peer.recv()?;
+        let claim: pdstor::protocol::Receipt =
+            parse("the claim", line.strip_prefix("adopted ").ok_or(format!("reader: {line:?}"))?)?;
+        match c.reclaim(&claim) {
+            Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
+            other => return Err(format!("a reclaim before fencing was not refused not_fenced: {other:?}")),
+        }
+        c.close_session(&claim).map_err(api("fencing the reader (its key preempted)"))?;
+        c.reclaim(&claim).map_err(api("reclaim after fencing"))?;
+        // New bytes where the reader's were.
+        w.put("after-fence", &kv_layout(), &seeded(0x5e6, RESERVE_CHUNKS), 4, Some(42)).map_err(api("put"))?;
+        peer.send("fenced")?;
+        peer.outcome()
+    })();
+    drop(daemon);
+    // The reservation outlives the daemon (it is the host's): clear it for the tests after.
+    let cleared =
+        pdstor::io::reservation::Reservations::open(&dev).and_then(|r| r.clear(OWNER_KEY)).map_err(|e| e.to_string());
+    result.and(cleared)
+}
+
+fn reserve_reader() -> Result<(), String> {
+    use pdstor::client::RemoteReader;
+    connect()?;
+    let dev = fabric_namespace()?;
+    let server = format!("http://{CONTROL}");
+    let mut peer = Peer::dial(RESERVE_PORT)?;
+    let result = (|| -> Result<(), String> {
+        let ready: pdstor::protocol::Receipt = parse("the receipt", &peer.recv()?)?;
+        // Unregistered: the target refuses this host, and pdstor says why first.
+        if dd_direct(&dev, 0, 4096).is_ok() {
+            return Err("an unregistered host read the reserved namespace".into());
+        }
+        match RemoteReader::open(&server, &dev) {
+            Err(e) if e.to_string().contains("reservation key") => {}
+            other => return Err(format!("an unregistered reader was not told to register: {:?}", other.err())),
+        }
+        let mut r = RemoteReader::open_with(&server, &dev, Some(READER_KEY)).map_err(|e| e.to_string())?;
+        let claim = r.client.claim(&ready, "decode-reserved", "reserved", 600_000).map_err(api("claim"))?;
+        let m = r.adopt(&claim, &kv_layout()).map_err(api("adopt"))?;
+        let want = seeded(0x5e5, RESERVE_CHUNKS);
+        same_bytes(&dev, &manifest_extents(&m, m.chunks.len() / 2), &want, "half read while registered")?;
+        peer.send(&format!("adopted {}", json(&claim)?))?;
+        if peer.recv()? != "fenced" {
+            return Err("the owner did not fence this reader".into());
+        }
+        // Alive, and cut off: every read of the namespace is refused by the target.
+        let rest = &m.chunks[m.chunks.len() / 2..];
+        for c in rest {
+            if let Ok(bytes) = dd_direct(&dev, c.offset.0, c.len) {
+                return Err(format!(
+                    "after the preempt this host still read chunk {} ({} bytes)",
+                    c.index,
+                    bytes.len()
+                ));
+            }
+        }
+        match r.load(&claim, m.clone()) {
+            Err(e) => console(&format!("pdstor-vminit: topology fenced reader's load: {e}")),
+            Ok(_) => return Err("after the preempt this host's load succeeded".into()),
+        }
+        Ok(())
+    })();
+    peer.report(&result);
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
 }

@@ -145,6 +145,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
             direct: false,
+            reservation_key: None,
         };
         let manifest = client.adopt(&adopt)?;
         lap(&mut times);

@@ -106,6 +106,7 @@ impl Run<'_> {
             manifest_digest: claim.manifest_digest.clone(),
             layout: self.layout.clone(),
             direct: false,
+            reservation_key: None,
         };
         let b = match c.adopt(&adopt) {
             Err(crate::client::ClientError::Api(e)) => e.code,
