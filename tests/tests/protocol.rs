@@ -776,3 +776,69 @@ fn reservation_keys_are_refused_where_they_cannot_fence() {
     c.close_session(&claim).unwrap();
     c.reclaim(&claim).unwrap();
 }
+
+/// Two hosts' timelines, one handoff: the owner's daemon records its side,
+/// the direct reader its own (its claim, each chunk it read with the probes'
+/// verdict, its restore, its ack) in a file of its own. `timeline merge`
+/// orders them by the messages between them — whichever file comes first —
+/// and the merged timeline passes the checker on host_fixed, native; the
+/// files in an order no message allows are refused.
+#[test]
+fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
+    use pdstor::client::RemoteReader;
+    if !pdstor_tests::is_root() {
+        pdstor_tests::skip("a_direct_readers_timeline_merges_with_the_owners_and_checks", "the probes need root");
+        return;
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let owner_tl = dir.path().join("owner.jsonl");
+    let reader_tl = dir.path().join("reader.jsonl");
+    let target = pdstor_tests::format_file(dir.path(), 8, SLOT);
+    let d = Daemon::start_with(&target, dir.path(), &["--provenance", "--timeline", owner_tl.to_str().unwrap()]);
+    let p = put(&d, "two-hosts", 61, 4);
+    let t = std::sync::Arc::new(pdstor::timeline::Timeline::open(&reader_tl, "remote-reader").unwrap());
+    let mut r = RemoteReader::open(&d.server, &target).unwrap().with_probes().unwrap().with_timeline(t);
+    let claim = r.claim(&p.receipt, "decode-remote", "s-two", 60_000).unwrap();
+    let restored = r.get(&claim, &layout()).unwrap();
+    r.ack(&claim, &restored).unwrap();
+
+    let merged = dir.path().join("merged.jsonl");
+    let out = Command::new(pdstor_bin())
+        .args(["timeline", "merge"])
+        .arg(&reader_tl)
+        .arg(&owner_tl)
+        .arg("-o")
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(pdstor_bin())
+        .args(["timeline", "check", "--require-path", "host_fixed"])
+        .arg(&merged)
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{report}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(report.contains("1 acknowledged") && report.contains("8 payload events"), "{report}");
+    let lines = std::fs::read_to_string(&merged).unwrap();
+    let order: Vec<String> = lines
+        .lines()
+        .map(|l| serde_json::from_str::<pdstor::timeline::Event>(l).unwrap())
+        .filter(|e| e.node == "remote-reader" || matches!(e.event.as_str(), "adopt" | "loaded" | "ack"))
+        .map(|e| format!("{}:{}", if e.node == "remote-reader" { "reader" } else { "daemon" }, e.event))
+        .collect();
+    assert_eq!(order.first().map(String::as_str), Some("reader:claim"));
+    assert_eq!(order.last().map(String::as_str), Some("reader:ack"));
+    let at = |s: &str| order.iter().position(|o| o == s).unwrap();
+    assert!(at("daemon:adopt") < at("reader:load") && at("reader:restored") < at("daemon:ack"), "{order:?}");
+
+    // A reader that claims to have acked before it read: no order holds it.
+    let text = std::fs::read_to_string(&reader_tl).unwrap();
+    let mut reversed: Vec<&str> = text.lines().collect();
+    reversed.reverse();
+    let lying = dir.path().join("lying.jsonl");
+    std::fs::write(&lying, reversed.join("\n") + "\n").unwrap();
+    let out = Command::new(pdstor_bin()).args(["timeline", "merge"]).arg(&owner_tl).arg(&lying).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("contradict"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -38,6 +38,17 @@ pub enum TimelineCmd {
         #[arg(long)]
         json: bool,
     },
+    /// One timeline from several hosts' (the owner's daemon, a reader host that read the shared
+    /// namespace itself): ordered by the protocol's messages, never by clocks that hosts do not
+    /// share; refused if no order can hold them all. Then `pdstor timeline check` the result.
+    Merge {
+        /// The JSON-lines timelines, one per host.
+        #[arg(required = true, num_args = 1..)]
+        files: Vec<PathBuf>,
+        /// Write the merged timeline here (default: standard output).
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
     /// Draw the timeline: a row per publication on its own compressed time axis, its steps with
     /// causal arrows, its chunks' stores and loads stacked by chunk (fill by path, red for a
     /// fallback verdict), failures labelled; tooltips on every mark.
@@ -59,6 +70,7 @@ impl TimelineCmd {
             TimelineCmd::Check { file, require_path, json } => check(&file, require_path, json),
             TimelineCmd::Mutate { file, require_path, out, json } => mutate(&file, require_path, out.as_deref(), json),
             TimelineCmd::Render { file, output, title } => render(&file, &output, title),
+            TimelineCmd::Merge { files, output } => merge(&files, output.as_deref()),
         }
     }
 }
@@ -89,6 +101,27 @@ fn check(file: &std::path::Path, require_path: PayloadPath, json: bool) -> anyho
     }
     if !report.ok() {
         anyhow::bail!("{} violates the handoff contract ({} violations)", file.display(), report.violations.len());
+    }
+    Ok(())
+}
+
+fn merge(files: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let mut inputs = Vec::with_capacity(files.len());
+    for f in files {
+        inputs.push((f.display().to_string(), pdstor::timeline::read(f)?));
+    }
+    let merged = pdstor::timeline::merge::merge(&inputs)?;
+    let mut text = String::new();
+    for e in &merged {
+        text.push_str(&serde_json::to_string(e)?);
+        text.push('\n');
+    }
+    match output {
+        Some(out) => {
+            std::fs::write(out, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+            eprintln!("{}: {} lines from {} timelines", out.display(), merged.len(), files.len());
+        }
+        None => print!("{text}"),
     }
     Ok(())
 }

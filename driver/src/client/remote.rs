@@ -33,6 +33,8 @@ pub struct RemoteReader {
     verdicts: Vec<String>,
     /// This host's registered reservation key, named at adopt.
     reservation_key: Option<u64>,
+    /// This host's own timeline (its claim, every chunk it read, its restore, its ack).
+    timeline: Option<std::sync::Arc<crate::timeline::Timeline>>,
 }
 
 fn io(what: &str) -> impl FnOnce(crate::io::IoError) -> ClientError + '_ {
@@ -109,6 +111,7 @@ impl RemoteReader {
             probes: None,
             verdicts: Vec::new(),
             reservation_key,
+            timeline: None,
         })
     }
 
@@ -125,6 +128,27 @@ impl RemoteReader {
         let reader = probes.reader().map_err(|e| ClientError::Data(format!("reading the probes: {e}")))?;
         self.probes = Some((probes, reader));
         Ok(self)
+    }
+
+    /// Records this host's side on `timeline` (its own file, node
+    /// `remote-…`): its claim, each chunk it read from the shared namespace
+    /// (path, verdict, crc32c as read), its restore and its ack. The owner's
+    /// daemon records the other side; `pdstor timeline merge` joins the two
+    /// by the messages between them, not by clocks the hosts do not share.
+    pub fn with_timeline(mut self, timeline: std::sync::Arc<crate::timeline::Timeline>) -> RemoteReader {
+        self.timeline = Some(timeline);
+        self
+    }
+
+    fn note(&self, e: crate::timeline::Event) {
+        crate::timeline::emit(&self.timeline, e);
+    }
+
+    /// Claims a READY publication for `reader`/`session` at the owner.
+    pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ClientError> {
+        let claim = self.client.claim(ready, reader, session, lease_ms)?;
+        self.note(crate::timeline::Event::new("claim").claim(&claim));
+        Ok(claim)
     }
 
     /// The probes' verdict on each chunk of the last load, in manifest order
@@ -210,6 +234,12 @@ impl RemoteReader {
     /// reader reports the same verified checksums once more, then acks — the
     /// same old receipt, no byte read again.
     pub fn ack(&self, claim: &Receipt, restored: &Restored) -> Result<(), ClientError> {
+        self.ack_once(claim, restored)?;
+        self.note(crate::timeline::Event::new("ack").claim(claim));
+        Ok(())
+    }
+
+    fn ack_once(&self, claim: &Receipt, restored: &Restored) -> Result<(), ClientError> {
         match self.client.ack(claim, &restored.restore_digest) {
             Err(ClientError::Api(b)) if b.code == "not_loaded" => {
                 let report: Vec<LoadedChunk> =
@@ -240,7 +270,9 @@ impl RemoteReader {
             });
             at += c.len;
         }
+        let started = std::time::Instant::now();
         self.engine.execute_all(&requests).map_err(io("reading the chunks from the shared namespace"))?;
+        let took = started.elapsed().as_nanos() as u64;
         self.verdicts = match &self.probes {
             Some((_, reader)) => {
                 let class = crate::provenance::target_class(self.engine.target().kind());
@@ -272,9 +304,19 @@ impl RemoteReader {
             crcs.push(crc);
             at += c.len;
         }
+        for (i, (c, &crc)) in manifest.chunks.iter().zip(&crcs).enumerate() {
+            let mut e = crate::timeline::Event::new("load").claim(claim).chunk(c.index);
+            e.path = Some(PayloadPath::HostFixed.as_str().into());
+            e.bytes = Some(c.len);
+            e.verdict = Some(self.verdicts.get(i).cloned().unwrap_or_else(|| "unverified (no probes)".into()));
+            e.crc32c = Some(crc);
+            e.dur_ns = Some(took);
+            self.note(e.detail(format!("read by this host from {}", self.device.display())));
+        }
         let report: Vec<LoadedChunk> =
             manifest.chunks.iter().zip(&crcs).map(|(c, &crc32c)| LoadedChunk { index: c.index, crc32c }).collect();
         self.client.loaded(claim, &report)?;
+        self.note(crate::timeline::Event::new("restored").claim(claim));
         let nonce = manifest.restore_nonce.clone().unwrap_or_default();
         Ok(Restored { restore_digest: restore_digest(&nonce, &crcs), manifest, len: total })
     }

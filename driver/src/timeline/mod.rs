@@ -7,6 +7,7 @@
 //! one. [`check`] verifies a timeline; [`render`] draws it.
 
 pub mod check;
+pub mod merge;
 pub mod mutate;
 pub mod render;
 

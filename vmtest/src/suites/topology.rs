@@ -73,7 +73,15 @@ fn handoff(_: &Ctx) -> Outcome {
 
 fn handoff_writer() -> Result<(), String> {
     use pdstor::client::{Client, Writer};
-    let _daemon = serve_owner("/tmp/vmtest/topology-serve.log")?;
+    let dev = fabric_namespace()?;
+    format_namespace(&dev)?;
+    let owner_tl = "/tmp/vmtest/topology-owner.jsonl";
+    let _ = std::fs::remove_file(owner_tl);
+    let daemon = start_owner_with(
+        &dev,
+        "/tmp/vmtest/topology-serve.log",
+        &["--provenance", "--require-native", "--timeline", owner_tl],
+    )?;
     let server = format!("http://{CONTROL}");
     let socket = DATA_SOCKET;
     let mut w = Writer::new(&server, Path::new(socket), HANDOFF_CHUNK, HANDOFF_CHUNKS).map_err(|e| e.to_string())?;
@@ -83,13 +91,31 @@ fn handoff_writer() -> Result<(), String> {
     // Hand the reader its READY receipt; wait for its report.
     let receipt = serde_json::to_string(&published.receipt).map_err(|e| e.to_string())?;
     let line = serve_once(HANDOFF_PORT, Some(&receipt))?;
-    if line.trim() != "ok" {
+    let Some(reader_lines) = line.trim().strip_prefix("ok ") else {
         return Err(format!("the reader host reported {:?}", line.trim()));
-    }
+    };
     let left = Client::new(&server).publications(None, false).map_err(|e| e.to_string())?;
     if !left.is_empty() {
         return Err(format!("after the reader host's ack the owner still holds {left:?}"));
     }
+    drop(daemon);
+    // Both hosts' timelines, merged by the messages between them, checked.
+    let reader_lines: Vec<String> = parse("the reader host's timeline", reader_lines)?;
+    let reader_tl = "/tmp/vmtest/topology-reader-host.jsonl";
+    std::fs::write(reader_tl, reader_lines.join("\n") + "\n").map_err(|e| e.to_string())?;
+    let merged = "/tmp/vmtest/topology-merged.jsonl";
+    sh("/bin/pdstor", &["timeline", "merge", owner_tl, reader_tl, "-o", merged])?;
+    let report = sh("/bin/pdstor", &["timeline", "check", "--require-path", "host_fixed", merged])?;
+    let nodes: std::collections::BTreeSet<String> = pdstor::timeline::read(Path::new(merged))
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter_map(|(_, e)| e.ok().map(|e| e.node))
+        .collect();
+    let want_events = format!("{} payload events", 2 * HANDOFF_CHUNKS);
+    if !report.contains(&want_events) || !nodes.iter().any(|n| n.starts_with("remote-")) {
+        return Err(format!("the merged timeline of nodes {nodes:?} checked as {report:?}"));
+    }
+    console(&format!("pdstor-vminit: topology merged timeline of {nodes:?}: {}", report.trim()));
     Ok(())
 }
 
@@ -120,18 +146,23 @@ fn serve_once(port: u16, send: Option<&str>) -> Result<String, String> {
 }
 
 fn handoff_reader() -> Result<(), String> {
-    use pdstor::client::{Client, RemoteReader};
+    use pdstor::client::RemoteReader;
     let (stream, line) = from_owner(HANDOFF_PORT)?;
-    let result = (|| -> Result<(), String> {
+    let result = (|| -> Result<String, String> {
         let ready: pdstor::protocol::Receipt =
             serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
         let server = format!("http://{CONTROL}");
         connect()?;
         let dev = fabric_namespace()?;
-        let claim = Client::new(&server)
-            .claim(&ready, "decode-remote", "topology", 120_000)
-            .map_err(|e| format!("claim: {e}"))?;
-        let mut r = RemoteReader::open(&server, &dev).and_then(RemoteReader::with_probes).map_err(|e| e.to_string())?;
+        let tl = "/tmp/vmtest/topology-reader-host.jsonl";
+        let _ = std::fs::remove_file(tl);
+        let timeline = pdstor::timeline::Timeline::open(Path::new(tl), "remote-reader-host")
+            .map_err(|e| format!("the reader host's timeline: {e}"))?;
+        let mut r = RemoteReader::open(&server, &dev)
+            .and_then(RemoteReader::with_probes)
+            .map_err(|e| e.to_string())?
+            .with_timeline(std::sync::Arc::new(timeline));
+        let claim = r.claim(&ready, "decode-remote", "topology", 120_000).map_err(|e| format!("claim: {e}"))?;
         let restored = r.get(&claim, &kv_layout()).map_err(|e| format!("get --direct {}: {e}", dev.display()))?;
         // The reader host's own probes judge its reads from the fabric.
         if r.verdicts().len() != HANDOFF_CHUNKS as usize || r.verdicts().iter().any(|v| v != "native") {
@@ -141,16 +172,18 @@ fn handoff_reader() -> Result<(), String> {
         if let Some(at) = payload::first_difference(&handoff_payload(), &bytes) {
             return Err(format!("the restored bytes differ from the writer's at byte {at}"));
         }
-        r.client.ack(&claim, &restored.restore_digest).map_err(|e| format!("ack: {e}"))?;
-        Ok(())
+        r.ack(&claim, &restored).map_err(|e| format!("ack: {e}"))?;
+        let lines: Vec<String> =
+            std::fs::read_to_string(tl).map_err(|e| format!("reading {tl}: {e}"))?.lines().map(str::to_owned).collect();
+        json(&lines)
     })();
     let report = match &result {
-        Ok(()) => "ok".to_owned(),
+        Ok(lines) => format!("ok {lines}"),
         Err(e) => format!("fail {e}"),
     };
     let _ = (&stream).write_all(format!("{report}\n").as_bytes());
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
-    result
+    result.map(drop)
 }
 
 /// Where on the namespace the storage guest writes what the reader reads.
