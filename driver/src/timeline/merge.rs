@@ -78,7 +78,7 @@ fn key(e: &Event) -> Option<Key> {
 
 /// Merges `files` (each: its name and its lines as [`super::read`] returns
 /// them) into one causal order.
-pub fn merge(files: &[(String, Vec<(usize, Result<Event, String>)>)]) -> Result<Vec<Event>, MergeError> {
+pub fn merge(files: &[(String, super::Lines)]) -> Result<Vec<Event>, MergeError> {
     let mut queues: Vec<(&str, Vec<&Event>)> = Vec::with_capacity(files.len());
     for (name, lines) in files {
         let mut q = Vec::with_capacity(lines.len());
@@ -139,7 +139,7 @@ mod tests {
         Event { seq, node: node.into(), event: event.into(), publication: Some(7), chunk, ..Default::default() }
     }
 
-    fn file(name: &str, events: Vec<Event>) -> (String, Vec<(usize, Result<Event, String>)>) {
+    fn file(name: &str, events: Vec<Event>) -> (String, crate::timeline::Lines) {
         (name.into(), events.into_iter().enumerate().map(|(i, e)| (i + 1, Ok(e))).collect())
     }
 

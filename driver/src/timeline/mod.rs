@@ -221,9 +221,12 @@ pub fn emit(t: &Option<std::sync::Arc<Timeline>>, e: Event) -> Option<u64> {
     t.as_ref().map(|t| t.emit(e))
 }
 
+/// A timeline as read: each line's number (from 1) and its event, or why it is not one.
+pub type Lines = Vec<(usize, Result<Event, String>)>;
+
 /// Reads a timeline: each line's number (from 1) and event, or the line's
 /// parse error.
-pub fn read(path: &Path) -> std::io::Result<Vec<(usize, Result<Event, String>)>> {
+pub fn read(path: &Path) -> std::io::Result<Lines> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| std::io::Error::new(e.kind(), format!("reading timeline {}: {e}", path.display())))?;
     Ok(text
