@@ -126,7 +126,15 @@ impl Client {
                 Err(e) => Transport::Tls { host: String::new(), port: 0, config: Err(e) },
             }
         } else {
-            Transport::Http(ureq::Agent::config_builder().http_status_as_error(false).build().into())
+            // Idle connections are dropped well before the daemon closes them
+            // (`--header-timeout-ms`, 10 s by default), so a pooled connection
+            // is never one the daemon — or a host that rebooted meanwhile —
+            // has already forgotten.
+            let config = ureq::Agent::config_builder()
+                .http_status_as_error(false)
+                .max_idle_age(std::time::Duration::from_secs(4))
+                .build();
+            Transport::Http(config.into())
         };
         Client { transport, base }
     }

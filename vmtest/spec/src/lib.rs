@@ -145,6 +145,11 @@ pub const REPORT_PORT: u16 = 7071;
 /// A console line at which a topology guest asks the host to kill it at
 /// once, as a host that dies (no shutdown, no flush, no goodbye).
 pub const KILL_ME: &str = "pdstor-vminit: kill this host now";
+/// A console line (followed by the test's name) at which a topology's
+/// storage guest asks to lose power: QEMU is killed at once and the guest
+/// booted again on the same disks with `pdstor.resume=<test>`, which resumes
+/// its suite at that test.
+pub const POWER_CUT_ME: &str = "pdstor-vminit: cut this host's power, then boot it again at ";
 
 /// Whether `name` is a suite in [`SUITES`].
 pub fn suite_exists(name: &str) -> bool {

@@ -18,7 +18,8 @@ use super::io::dd_direct;
 use super::{Suite, Test, outcome};
 use crate::guest::{Ctx, cmdline, console, sh};
 use crate::{
-    DiskRole, KILL_ME, NVME_TCP_PORT, Outcome, READER_ADDR, REPORT_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR,
+    DiskRole, KILL_ME, NVME_TCP_PORT, Outcome, POWER_CUT_ME, READER_ADDR, REPORT_PORT, SHARED_NQN, SHARED_SERIAL,
+    STORAGE_ADDR,
 };
 
 pub const SUITE: Suite = Suite {
@@ -30,6 +31,8 @@ pub const SUITE: Suite = Suite {
         Test { name: "a_published_chunk_is_visible_to_the_reader_host_through_no_cache", disk: None, run: visibility },
         Test { name: "ready_is_at_the_target_before_the_writer_host_is_gone", disk: None, run: durability },
         Test { name: "the_owner_restarts_while_a_reader_host_loads", disk: None, run: restarts },
+        // The storage guest loses power in it and boots again at it.
+        Test { name: POWER_TEST, disk: None, run: power_cut },
         Test { name: "a_fenced_reader_host_is_cut_off_by_its_reservation", disk: None, run: reservation },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
@@ -244,11 +247,23 @@ fn write(path: &Path, value: &str) -> Result<(), String> {
     std::fs::write(path, value).map_err(|e| format!("writing {value:?} to {}: {e}", path.display()))
 }
 
+/// Namespace 3: a small file-backed namespace on the ext4 disk, small
+/// enough for a writer to fill every free slot of it in seconds.
+fn small_namespace(ctx: &Ctx) -> Result<PathBuf, String> {
+    Ok(ctx.disk(DiskRole::Ext4)?.mount.as_ref().ok_or("the ext4 disk is not mounted")?.join("topology-small.img"))
+}
+
+/// Exports the raw disk (1), the faulty one (2) and the small namespace (3).
+fn export_all(ctx: &Ctx, hosts: Option<&[&str]>) -> Result<(), String> {
+    let (raw, faulty) = (ctx.disk(DiskRole::Raw)?.block.clone(), ctx.disk(DiskRole::Faulty)?.block.clone());
+    export(&[raw.as_path(), faulty.as_path(), small_namespace(ctx)?.as_path()], hosts)
+}
+
 /// Exports `devices` as namespaces 1, 2, … of [`SHARED_NQN`] on NVMe/TCP at
-/// the storage address, any host allowed (the network is private to the
-/// test). Each namespace has a fixed UUID, which every host that reaches it
-/// over the fabric sees.
-fn export(devices: &[&Path]) -> Result<(), String> {
+/// the storage address: to `hosts` only, or (None) to any host (the network
+/// is private to the test). Each namespace has a fixed UUID, which every host
+/// that reaches it over the fabric sees.
+fn export(devices: &[&Path], hosts: Option<&[&str]>) -> Result<(), String> {
     let cfs = Path::new("/sys/kernel/config");
     if !cfs.join("nvmet").exists() {
         sh("mount", &["-t", "configfs", "configfs", "/sys/kernel/config"])?;
@@ -263,7 +278,14 @@ fn export(devices: &[&Path]) -> Result<(), String> {
     }
     let mk = |p: &PathBuf| std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()));
     mk(&subsys)?;
-    write(&subsys.join("attr_allow_any_host"), "1")?;
+    match hosts {
+        None => write(&subsys.join("attr_allow_any_host"), "1")?,
+        Some(hosts) => {
+            for h in hosts {
+                allow_host(h)?;
+            }
+        }
+    }
     write(&subsys.join("attr_serial"), SHARED_SERIAL)?;
     for (i, device) in devices.iter().enumerate() {
         let ns = subsys.join(format!("namespaces/{}", i + 1));
@@ -313,14 +335,11 @@ fn storage(ctx: &Ctx) -> Result<(), String> {
         engine.execute_all(&[req]).map_err(|e| format!("writing the pattern: {e}"))?;
         engine.flush().map_err(|e| format!("flushing the pattern: {e}"))?;
     }
-    // Namespace 3: a small file-backed namespace on the ext4 disk, small
-    // enough for a writer to fill every free slot of it in seconds.
-    let small =
-        ctx.disk(DiskRole::Ext4)?.mount.as_ref().ok_or("the ext4 disk is not mounted")?.join("topology-small.img");
+    let small = small_namespace(ctx)?;
     std::fs::File::create(&small)
         .and_then(|f| f.set_len(SMALL_NAMESPACE))
         .map_err(|e| format!("creating {}: {e}", small.display()))?;
-    export(&[device.as_path(), ctx.disk(DiskRole::Faulty)?.block.as_path(), small.as_path()])?;
+    export_all(ctx, None)?;
     // The writer host reaches the namespace over the fabric as the reader
     // does: its publishes flush through NVMe/TCP to the target.
     connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
@@ -1311,6 +1330,189 @@ fn reserve_reader() -> Result<(), String> {
         Ok(())
     })();
     peer.report(&result);
+    let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
+    result
+}
+
+/// Lets host `hostnqn` connect to the shared subsystem (exported to named hosts).
+fn allow_host(hostnqn: &str) -> Result<(), String> {
+    let nvmet = Path::new("/sys/kernel/config/nvmet");
+    let host = nvmet.join("hosts").join(hostnqn);
+    if !host.exists() {
+        std::fs::create_dir_all(&host).map_err(|e| format!("creating {}: {e}", host.display()))?;
+    }
+    let link = nvmet.join("subsystems").join(SHARED_NQN).join("allowed_hosts").join(hostnqn);
+    std::os::unix::fs::symlink(&host, &link).map_err(|e| format!("allowing {hostnqn}: {e}"))
+}
+
+const POWER_TEST: &str = "the_writer_host_loses_power_while_a_reader_host_loads";
+/// Where the owner hands the reader its receipt before the power cut.
+const POWER_PORT: u16 = 7082;
+/// Where the owner, booted again, waits for the reader host.
+const REBORN_PORT: u16 = 7083;
+const POWER_CHUNKS: u32 = 16;
+
+/// The writer host (with the target: it is the storage guest) loses power
+/// while a reader host is mid-load: the reader has claimed, adopted and read
+/// half, and has a read of the other half in flight (`dd`, outside pdstor)
+/// when QEMU is killed. The guest boots again on the same disks; its target
+/// comes back exporting to the writer host alone, so the reader host's queued
+/// read cannot complete yet; the daemon recovers (a new epoch) with the claim
+/// still ADOPTED — a reclaim is refused `not_fenced` — and a writer takes
+/// every free slot admission gives it. Only then is the reader host let back
+/// in: its in-flight read completes with the writer's bytes, its pdstor load
+/// verifies every chunk, and it acks with its old receipt.
+fn power_cut(ctx: &Ctx) -> Outcome {
+    let booted_again = cmdline("resume").as_deref() == Some(POWER_TEST);
+    by_role(|| if booted_again { power_owner_after(ctx) } else { power_owner_before() }, power_reader)
+}
+
+fn power_payload() -> Vec<u8> {
+    seeded(0x90c0, POWER_CHUNKS)
+}
+
+fn power_owner_before() -> Result<(), String> {
+    use pdstor::client::Writer;
+    let dev = fabric_namespace_n(3)?;
+    format_namespace(&dev)?;
+    let _daemon = start_owner(&dev, "/tmp/vmtest/topology-serve-power.log")?;
+    let server = format!("http://{CONTROL}");
+    let mut peer = Peer::accept(POWER_PORT)?;
+    let mut w = Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, POWER_CHUNKS).map_err(|e| e.to_string())?;
+    let published = w.put("power", &kv_layout(), &power_payload(), 8, Some(42)).map_err(api("put"))?;
+    peer.send(&json(&published.receipt)?)?;
+    if peer.recv()? != "reading" {
+        return Err("the reader host did not start its load".into());
+    }
+    // Power off: no shutdown, no flush, no goodbye.
+    console(&format!("{POWER_CUT_ME}{POWER_TEST}"));
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn power_owner_after(ctx: &Ctx) -> Result<(), String> {
+    use pdstor::client::{Client, Writer};
+    // The target again, to the writer host alone for now.
+    export_all(ctx, Some(&[WRITER_HOSTNQN]))?;
+    connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
+    let dev = fabric_namespace_n(3)?;
+    let _daemon = start_owner(&dev, "/tmp/vmtest/topology-serve-power-again.log")?;
+    let server = format!("http://{CONTROL}");
+    let c = Client::new(&server);
+    let mut peer = Peer::accept(REBORN_PORT)?;
+    let result = (|| -> Result<(), String> {
+        let line = peer.recv()?;
+        let claim: pdstor::protocol::Receipt =
+            parse("the claim", line.strip_prefix("claim ").ok_or(format!("reader: {line:?}"))?)?;
+        let held = c.publications(None, false).map_err(api("listing"))?;
+        let state = held.iter().find(|p| p.publication == claim.publication).map(|p| p.state.clone());
+        if state.as_deref() != Some("ADOPTED") {
+            return Err(format!("after the power cut the reader's publication is {state:?}, not ADOPTED"));
+        }
+        match c.reclaim(&claim) {
+            Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
+            other => return Err(format!("a reclaim after the power cut was not refused not_fenced: {other:?}")),
+        }
+        let mut fillers = Vec::new();
+        let mut fill = Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4).map_err(|e| e.to_string())?;
+        loop {
+            let n = fillers.len() as u64;
+            match fill.put(&format!("fill-power-{n}"), &kv_layout(), &seeded(0xf0f0 + n, 4), 4, Some(42)) {
+                Ok(p) => fillers.push(p.receipt),
+                Err(e) if e.to_string().contains("admission") => break,
+                Err(e) => return Err(format!("filling after the power cut: {e}")),
+            }
+            if fillers.len() > 64 {
+                return Err("the small namespace took more than 64 fillers".into());
+            }
+        }
+        console(&format!(
+            "pdstor-vminit: topology owner after its power cut: the reader's publication is ADOPTED, {} fillers took every free slot; letting the reader host back in",
+            fillers.len()
+        ));
+        allow_host(READER_HOSTNQN)?;
+        peer.send("allowed")?;
+        match peer.recv()?.as_str() {
+            "acked" => {}
+            other => return Err(format!("the reader host reported {other:?}")),
+        }
+        if c.publications(None, false).map_err(api("listing"))?.iter().any(|p| p.publication == claim.publication) {
+            return Err("the acknowledged publication is still listed".into());
+        }
+        for f in &fillers {
+            c.release(f).map_err(api("releasing a filler"))?;
+        }
+        Ok(())
+    })();
+    peer.report(&result);
+    result
+}
+
+fn power_reader() -> Result<(), String> {
+    use pdstor::client::RemoteReader;
+    connect()?;
+    let dev = fabric_namespace_n(3)?;
+    let server = format!("http://{CONTROL}");
+    let want = power_payload();
+    let mut peer = Peer::dial(POWER_PORT)?;
+    let ready: pdstor::protocol::Receipt = parse("the receipt", &peer.recv()?)?;
+    let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
+    let claim = r.claim(&ready, "decode-power", "power", 900_000).map_err(api("claim"))?;
+    let m = r.adopt(&claim, &kv_layout()).map_err(api("adopt"))?;
+    let half = m.chunks.len() / 2;
+    same_bytes(&dev, &manifest_extents(&m, half), &want, "half read before the power cut")?;
+    // The other half in flight when the power goes: one dd per chunk, run by a shell.
+    let script: String = m.chunks[half..]
+        .iter()
+        .map(|c| {
+            format!(
+                "dd if={} of=/tmp/vmtest/inflight-{} bs=64k iflag=direct,skip_bytes,count_bytes skip={} count={} 2>/dev/null || exit 1; ",
+                dev.display(),
+                c.index,
+                c.offset.0,
+                c.len
+            )
+        })
+        .collect();
+    let mut inflight = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .env("PATH", "/sbin:/bin:/usr/sbin:/usr/bin")
+        .spawn()
+        .map_err(|e| format!("starting the in-flight read: {e}"))?;
+    peer.send("reading")?;
+    drop(peer);
+    // The owner's host is gone; it answers again on another port once it is back.
+    let mut peer = Peer::dial(REBORN_PORT)?;
+    let result = (|| -> Result<(), String> {
+        peer.send(&format!("claim {}", json(&claim)?))?;
+        if peer.recv()? != "allowed" {
+            return Err("the owner did not let this host back in".into());
+        }
+        let status = inflight.wait().map_err(|e| format!("the in-flight read: {e}"))?;
+        if !status.success() {
+            return Err(format!("the read in flight across the power cut failed: {status}"));
+        }
+        for c in &m.chunks[half..] {
+            let got = std::fs::read(format!("/tmp/vmtest/inflight-{}", c.index)).map_err(|e| e.to_string())?;
+            let at = c.index as usize * HANDOFF_CHUNK as usize;
+            if got[..] != want[at..at + c.len as usize] {
+                return Err(format!("chunk {} read across the power cut is not the writer's", c.index));
+            }
+        }
+        // The whole load with pdstor, reported to the recovered daemon, acked with the old receipt.
+        let restored = r.load(&claim, m.clone()).map_err(api("load after the power cut"))?;
+        if r.restored_bytes(restored.len).map_err(|e| e.to_string())? != want {
+            return Err("the load after the power cut did not restore the writer's bytes".into());
+        }
+        r.ack(&claim, &restored).map_err(api("ack with the old receipt"))?;
+        peer.send("acked")?;
+        peer.outcome()
+    })();
+    if result.is_err() {
+        let _ = inflight.kill();
+        peer.report(&result);
+    }
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     result
 }

@@ -450,21 +450,25 @@ fn run_topology(
 ) -> Result<()> {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
-    // A free loopback port for the two QEMUs' socket network.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let (sdir, rdir) = (dir.join("storage"), dir.join("reader"));
-    std::fs::create_dir_all(&sdir)?;
-    std::fs::create_dir_all(&rdir)?;
+    // Two free loopback ports for the two QEMUs' network: UDP, connectionless,
+    // so that a guest booted again after a power cut joins its peer again.
+    let free_udp = || -> Result<u16> { Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port()) };
+    let (sport, rport) = (free_udp()?, free_udp()?);
+    let (sdir, rdir, reborn_dir) = (dir.join("storage"), dir.join("reader"), dir.join("storage-reborn"));
+    for d in [&sdir, &rdir, &reborn_dir] {
+        std::fs::create_dir_all(d)?;
+    }
     let (stop_storage, stop_reader) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let storage_net = format!("socket,udp=127.0.0.1:{rport},localaddr=127.0.0.1:{sport}");
     let storage = Vm {
         kernel,
         initrd,
-        disks,
+        disks: disks.clone(),
         dir: &sdir,
         extra_append: format!("pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24"),
-        netdev: Some(format!("socket,listen=127.0.0.1:{port}")),
+        netdev: Some(storage_net.clone()),
         abort: Some(stop_storage.clone()),
-        kill_marker: None,
+        kill_marker: Some(pdstor_vmtest_spec::POWER_CUT_ME),
     };
     let reader = Vm {
         kernel,
@@ -472,12 +476,12 @@ fn run_topology(
         disks: Vec::new(),
         dir: &rdir,
         extra_append: format!("pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1"),
-        netdev: Some(format!("socket,connect=127.0.0.1:{port}")),
+        netdev: Some(format!("socket,udp=127.0.0.1:{sport},localaddr=127.0.0.1:{rport}")),
         abort: Some(stop_reader.clone()),
         kill_marker: Some(pdstor_vmtest_spec::KILL_ME),
     };
     println!(
-        "vmtest topology: storage guest {STORAGE_ADDR} and reader guest {READER_ADDR} on 127.0.0.1:{port} ({})",
+        "vmtest topology: storage guest {STORAGE_ADDR} and reader guest {READER_ADDR} on UDP 127.0.0.1:{sport}/{rport} ({})",
         accel.name()
     );
     // When one guest ends, its peer has 90 s more (it may be reporting, or
@@ -501,13 +505,34 @@ fn run_topology(
         Ok(r)
     };
     let (srun, rrun) = std::thread::scope(|s| {
-        let st = s.spawn(|| {
-            let r = boot(&storage, "storage");
+        let st = s.spawn(|| -> Result<(qemu::VmRun, Option<qemu::VmRun>)> {
+            let first = boot(&storage, "storage")?;
+            // Its power cut: booted again on the same disks, resuming at the test that asked.
+            let resume = first
+                .kill_line
+                .as_deref()
+                .and_then(|l| l.split(pdstor_vmtest_spec::POWER_CUT_ME).nth(1))
+                .map(|t| t.trim().to_owned());
+            let reborn = match resume {
+                Some(test) => {
+                    println!("  storage: power cut, as it asked; booting it again at {test}");
+                    let vm = Vm {
+                        kernel,
+                        initrd,
+                        disks: disks.clone(),
+                        dir: &reborn_dir,
+                        extra_append: format!("pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24 pdstor.resume={test}"),
+                        netdev: Some(storage_net.clone()),
+                        abort: Some(stop_storage.clone()),
+                        kill_marker: None,
+                    };
+                    Some(boot(&vm, "storage (booted again)")?)
+                }
+                None => None,
+            };
             grace(stop_reader.clone());
-            r
+            Ok((first, reborn))
         });
-        // QEMU opens the listening socket before the guest boots.
-        std::thread::sleep(Duration::from_secs(2));
         let rt = s.spawn(|| {
             let r = boot(&reader, "reader");
             grace(stop_storage.clone());
@@ -515,13 +540,17 @@ fn run_topology(
         });
         (st.join(), rt.join())
     });
-    let srun = srun.map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))??;
+    let (srun, reborn) = srun.map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))??;
     let rrun = rrun.map_err(|_| anyhow::anyhow!("the reader guest's thread panicked"))??;
     println!("\nstorage guest:");
-    let s = report(&srun, started.elapsed());
+    let mut s = report(&srun, started.elapsed());
+    if let Some(reborn) = &reborn {
+        println!("\nstorage guest, booted again after its power cut:");
+        s = s.and(report(reborn, started.elapsed()));
+    }
     println!("\nreader guest:");
     let r = report(&rrun, started.elapsed());
-    for (name, d) in [("storage", &sdir), ("reader", &rdir)] {
+    for (name, d) in [("storage", &sdir), ("storage booted again", &reborn_dir), ("reader", &rdir)] {
         println!("logs ({name}): {}", d.join("console.log").display());
     }
     s.and(r)
@@ -589,7 +618,9 @@ fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
         );
     }
     if !finished && run.killed_on_request {
-        println!("(the guest was killed when it asked to be, as a host that dies: its last test reports on its peer)");
+        println!(
+            "(the guest was killed when it asked to be, as a host that dies: its last test reports on its peer, or after the guest boots again)"
+        );
     } else if !finished {
         bail!(
             "the guest stopped before finishing its suites ({garbled} garbled result lines); console tail:\n{}",

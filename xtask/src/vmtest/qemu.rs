@@ -53,6 +53,8 @@ pub struct VmRun {
     pub status: Option<std::process::ExitStatus>,
     /// Killed because it asked to be ([`Vm::kill_marker`]).
     pub killed_on_request: bool,
+    /// The console line that asked.
+    pub kill_line: Option<String>,
 }
 
 impl Vm<'_> {
@@ -195,6 +197,7 @@ impl Vm<'_> {
         let mut seen = 0usize;
         let mut timed_out = false;
         let mut killed_on_request = false;
+        let mut kill_line = None;
         let status = loop {
             if let Some(status) = child.try_wait()? {
                 break Some(status);
@@ -211,6 +214,7 @@ impl Vm<'_> {
                 }
                 if self.kill_marker.is_some_and(|m| line.contains(m)) {
                     killed_on_request = true;
+                    kill_line = Some(line.to_owned());
                 }
             }
             if killed_on_request {
@@ -248,6 +252,7 @@ impl Vm<'_> {
             qemu_stderr,
             status,
             killed_on_request,
+            kill_line,
         })
     }
 }
