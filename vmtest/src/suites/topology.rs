@@ -125,32 +125,18 @@ fn handoff_writer() -> Result<(), String> {
 /// Listens on the storage address for the reader guest, sends it `send` (if
 /// any), and returns the line it answers (then says `bye`).
 fn serve_once(port: u16, send: Option<&str>) -> Result<String, String> {
-    let listener = TcpListener::bind((STORAGE_ADDR, port)).map_err(|e| format!("listening on {port}: {e}"))?;
-    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let stream = loop {
-        match listener.accept() {
-            Ok((s, _)) => break s,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(200));
-            }
-            Err(e) => return Err(format!("no reader connected on port {port} within 240 s: {e}")),
-        }
-    };
-    stream.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let mut peer = Peer::accept(port)?;
     if let Some(send) = send {
-        (&stream).write_all(format!("{send}\n").as_bytes()).map_err(|e| format!("sending to the reader: {e}"))?;
+        peer.send(send)?;
     }
-    stream.set_read_timeout(Some(Duration::from_secs(180))).map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the reader's report: {e}"))?;
-    let _ = (&stream).write_all(b"bye\n");
+    let line = peer.recv()?;
+    let _ = peer.send("bye");
     Ok(line)
 }
 
 fn handoff_reader() -> Result<(), String> {
     use pdstor::client::RemoteReader;
-    let (stream, line) = from_owner(HANDOFF_PORT)?;
+    let (mut peer, line) = from_owner(HANDOFF_PORT)?;
     let result = (|| -> Result<String, String> {
         let ready: pdstor::protocol::Receipt =
             serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
@@ -184,7 +170,7 @@ fn handoff_reader() -> Result<(), String> {
         Ok(lines) => format!("ok {lines}"),
         Err(e) => format!("fail {e}"),
     };
-    let _ = (&stream).write_all(format!("{report}\n").as_bytes());
+    let _ = peer.send(&report);
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     result.map(drop)
 }
@@ -215,19 +201,10 @@ fn by_role(storage: impl FnOnce() -> Result<(), String>, reader: impl FnOnce() -
 
 /// The reader host's end of [`serve_once`]: connects to the owner on `port`
 /// (retrying while it gets there) and returns the stream and the owner's line.
-fn from_owner(port: u16) -> Result<(TcpStream, String), String> {
-    let deadline = Instant::now() + Duration::from_secs(240);
-    let stream = loop {
-        match TcpStream::connect((STORAGE_ADDR, port)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => return Err(format!("the owner never answered on port {port}: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(300)),
-        }
-    };
-    stream.set_read_timeout(Some(Duration::from_secs(240))).map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(&stream).read_line(&mut line).map_err(|e| format!("reading the owner's line on {port}: {e}"))?;
-    Ok((stream, line))
+fn from_owner(port: u16) -> Result<(Peer, String), String> {
+    let mut peer = Peer::dial(port)?;
+    let line = peer.recv()?;
+    Ok((peer, line))
 }
 
 fn pattern() -> Vec<u8> {
@@ -435,18 +412,9 @@ fn reader() -> Result<(), String> {
         ),
         Err(e) => format!("fail reading {}: {e}", dev.display()),
     };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut stream = loop {
-        match TcpStream::connect((STORAGE_ADDR, REPORT_PORT)) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() > deadline => return Err(format!("reporting to the storage guest: {e}")),
-            Err(_) => std::thread::sleep(Duration::from_millis(300)),
-        }
-    };
-    stream.write_all(format!("{report}\n").as_bytes()).map_err(|e| format!("sending the report: {e}"))?;
-    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
-    let mut bye = String::new();
-    let _ = BufReader::new(&stream).read_line(&mut bye);
+    let mut peer = Peer::dial(REPORT_PORT)?;
+    peer.send(&report)?;
+    let _ = peer.recv();
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     console(&format!("pdstor-vminit: topology reader at {READER_ADDR} reported {report:?}"));
     if report.starts_with("ok ") { Ok(()) } else { Err(report) }
@@ -528,7 +496,7 @@ fn death_reader() -> Result<(), String> {
     use pdstor::client::{Client, RemoteReader};
     connect()?;
     let dev = fabric_namespace()?;
-    let (stream, line) = from_owner(DEATH_PORT)?;
+    let (mut peer, line) = from_owner(DEATH_PORT)?;
     let ready: pdstor::protocol::Receipt =
         serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
     let server = format!("http://{CONTROL}");
@@ -554,7 +522,7 @@ fn death_reader() -> Result<(), String> {
     let heartbeat = TcpListener::bind((READER_ADDR, HEARTBEAT_PORT)).map_err(|e| format!("heartbeat: {e}"))?;
     std::thread::spawn(move || for _ in heartbeat.incoming() {});
     let claim_json = serde_json::to_string(&claim).map_err(|e| e.to_string())?;
-    (&stream).write_all(format!("adopted {claim_json}\n").as_bytes()).map_err(|e| format!("telling the owner: {e}"))?;
+    peer.send(&format!("adopted {claim_json}"))?;
     // Answer heartbeats for a moment, then die as a host does.
     std::thread::sleep(Duration::from_secs(3));
     console(KILL_ME);
@@ -637,7 +605,7 @@ fn identity_owner() -> Result<(), String> {
 
 fn identity_reader() -> Result<(), String> {
     use pdstor::client::{Client, RemoteReader};
-    let (stream, _serving) = from_owner(IDENTITY_PORT)?;
+    let (mut peer, _serving) = from_owner(IDENTITY_PORT)?;
     let result = (|| -> Result<(), String> {
         connect()?;
         let (mine, other) = (fabric_namespace_n(1)?, fabric_namespace_n(2)?);
@@ -662,7 +630,7 @@ fn identity_reader() -> Result<(), String> {
         Ok(()) => "ok".to_owned(),
         Err(e) => format!("fail {e}"),
     };
-    let _ = (&stream).write_all(format!("{report}\n").as_bytes());
+    let _ = peer.send(&report);
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     result
 }
