@@ -147,6 +147,9 @@ struct Req {
     nonce: String,
     /// The writer's token its prepare answered.
     token: String,
+    /// Adopted as a direct reader (one that reads the shared namespace
+    /// itself): a crash does not fence it.
+    direct: bool,
 }
 
 impl Req {
@@ -163,6 +166,7 @@ impl Req {
             loaded: false,
             nonce: String::new(),
             token,
+            direct: false,
         }
     }
 }
@@ -618,18 +622,20 @@ impl Sim {
         let Some(id) = self.rng.pick(&claimed) else { return Ok(()) };
         let Some(claim) = self.reqs[&id].claim.clone() else { return Ok(()) };
         let ns = self.svc().namespace().to_owned();
+        let direct = self.rng.chance(50);
         let request = pdstor::api::wire::AdoptRequest {
             receipt: claim.clone(),
             namespace: ns,
             epoch: claim.epoch,
             manifest_digest: claim.manifest_digest.clone(),
             layout: layout(),
-            direct: false,
+            direct,
             reservation_key: None,
         };
         let r = self.svc().adopt(&me(), &request);
         self.note(format!(
-            "adopt {id} (claim epoch {}, now {}) -> {}",
+            "adopt {id}{} (claim epoch {}, now {}) -> {}",
+            if direct { " direct" } else { "" },
             claim.epoch,
             self.store().epoch(),
             r.as_ref().map_or_else(|e| e.to_string(), |_| "ok".into())
@@ -640,6 +646,7 @@ impl Sim {
             Ok(m) => {
                 if let Some(req) = self.reqs.get_mut(&id) {
                     req.nonce = m.restore_nonce.unwrap_or_default();
+                    req.direct = direct;
                 }
                 Ok(())
             }
@@ -661,8 +668,9 @@ impl Sim {
                 self.note(format!("load {id} -> refused, lease expired: {e}"));
                 return Ok(());
             }
-            // A claim from before a crash is fenced: it may not read.
-            Err(e) if claim.epoch != self.store().epoch() && e.to_string().contains("fenced") => {
+            // A claim from before a crash is fenced — unless its reader is
+            // direct, which a crash does not stop: it may not read.
+            Err(e) if claim.epoch != self.store().epoch() && !r.direct && e.to_string().contains("fenced") => {
                 self.note(format!("load {id} -> refused, fenced: {e}"));
                 return Ok(());
             }
@@ -708,8 +716,9 @@ impl Sim {
 
     fn ack(&mut self) -> Result<(), String> {
         let epoch = self.store().epoch();
-        let loaded =
-            self.ids(|r, p| p == Phase::Adopted && r.loaded && r.claim.as_ref().is_some_and(|c| c.epoch == epoch));
+        let loaded = self.ids(|r, p| {
+            p == Phase::Adopted && r.loaded && r.claim.as_ref().is_some_and(|c| c.epoch == epoch || r.direct)
+        });
         let Some(id) = self.rng.pick(&loaded) else { return Ok(()) };
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
         let manifest = self.store().publication(id).and_then(|p| p.manifest).ok_or("no manifest")?;
@@ -768,8 +777,9 @@ impl Sim {
         let held = self.ids(|r, p| matches!(p, Phase::Claimed | Phase::Adopted | Phase::Retained) && r.claim.is_some());
         let Some(id) = self.rng.pick(&held) else { return Ok(()) };
         let claim = self.reqs[&id].claim.clone().ok_or("no claim")?;
-        // Not fenced yet: refused, the bytes stay.
-        let fenced = claim.epoch != self.store().epoch();
+        // Not fenced yet: refused, the bytes stay. A crash fences only
+        // readers that read through the daemon.
+        let fenced = claim.epoch != self.store().epoch() && !self.reqs[&id].direct;
         if !fenced && self.svc().reclaim(&me(), &claim).is_ok() {
             return Err(format!("reclaim of {id} succeeded while its reader's session was open"));
         }
@@ -870,6 +880,15 @@ impl Sim {
             {
                 self.reqs.insert(*id, r);
             }
+        }
+        // A direct adopt was acknowledged, so it is durable; the daemon
+        // forgot what it served, so a direct reader reports its load again.
+        for (id, r) in self.reqs.iter_mut() {
+            let recovered = live.get(id).and_then(|p| p.claim.as_ref()).is_some_and(|c| c.direct);
+            if r.direct && !recovered && live.get(id).is_some_and(|p| p.phase == Phase::Adopted) {
+                return Err(format!("publication {id} was adopted direct, recovered without it"));
+            }
+            r.loaded = false;
         }
         Ok(())
     }
