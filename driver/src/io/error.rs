@@ -216,7 +216,7 @@ pub enum IoError {
         hint: &'static str,
     },
     /// A transfer failed in the kernel or on the device.
-    #[error("{transfer}: {op} of {len} bytes at target offset {offset} failed: {source}")]
+    #[error("{transfer}: {op} of {len} bytes at target offset {offset} failed: {source}{hint}", hint = transfer_hint(source))]
     Transfer {
         /// The transfer.
         transfer: TransferId,
@@ -276,6 +276,16 @@ impl IoError {
     }
 }
 
+fn transfer_hint(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        // BLK_STS_RESV_CONFLICT: NVMe's Reservation Conflict status.
+        Some(libc::EBADE) => {
+            " (a persistent-reservation conflict: this host has no registered key on the namespace, or its key was preempted when its reader was fenced)"
+        }
+        _ => "",
+    }
+}
+
 fn register_hint(e: &std::io::Error) -> &'static str {
     match e.raw_os_error() {
         Some(libc::ENOMEM) => {
@@ -292,5 +302,31 @@ fn nvme_cmd_name(op: Op) -> &'static str {
         Op::Read => nvme::opcode_name(nvme::OPC_READ),
         Op::Write => nvme::opcode_name(nvme::OPC_WRITE),
         Op::Flush => nvme::opcode_name(nvme::OPC_FLUSH),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A read refused for a reservation says what that means.
+    #[test]
+    fn a_reservation_conflict_is_named() {
+        let e = IoError::Transfer {
+            transfer: TransferId(7),
+            op: Op::Read,
+            offset: 4096,
+            len: 4096,
+            source: std::io::Error::from_raw_os_error(libc::EBADE),
+        };
+        assert!(e.to_string().contains("persistent-reservation conflict"), "{e}");
+        let e = IoError::Transfer {
+            transfer: TransferId(7),
+            op: Op::Read,
+            offset: 4096,
+            len: 4096,
+            source: std::io::Error::from_raw_os_error(libc::EIO),
+        };
+        assert!(!e.to_string().contains("reservation"), "{e}");
     }
 }
