@@ -842,3 +842,49 @@ fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("contradict"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// `pdstor get --direct` as a reader host runs it: reads the owner's
+/// namespace itself, writes the writer's bytes, acks, and records its own
+/// side on its timeline — each chunk it read, its restore, its ack — which
+/// `timeline merge` joins with the owner's.
+#[test]
+fn get_direct_restores_acks_and_records_its_reads() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let owner_tl = dir.path().join("owner.jsonl");
+    let reader_tl = dir.path().join("reader.jsonl");
+    let target = pdstor_tests::format_file(dir.path(), 8, SLOT);
+    let d = Daemon::start_with(&target, dir.path(), &["--timeline", owner_tl.to_str().unwrap()]);
+    let c = Client::new(&d.server);
+    let p = put(&d, "cli-direct", 71, 4);
+    let claim = c.claim(&p.receipt, "decode-cli", "s-cli", 60_000).unwrap();
+    let (claim_file, layout_file, out) =
+        (dir.path().join("claim.json"), dir.path().join("layout.json"), dir.path().join("kv.bin"));
+    std::fs::write(&claim_file, serde_json::to_vec(&claim).unwrap()).unwrap();
+    std::fs::write(&layout_file, serde_json::to_vec(&layout()).unwrap()).unwrap();
+    let run = Command::new(pdstor_bin())
+        .args(["get", "--server", &d.server, "--ack"])
+        .arg("--claim")
+        .arg(&claim_file)
+        .arg("--layout")
+        .arg(&layout_file)
+        .arg("--out")
+        .arg(&out)
+        .arg("--direct")
+        .arg(&target)
+        .arg("--timeline")
+        .arg(&reader_tl)
+        .output()
+        .unwrap();
+    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert_eq!(std::fs::read(&out).unwrap(), kv(71, 4), "the writer's bytes");
+    assert_eq!(state(&c, claim.publication), None, "acknowledged");
+    let events: Vec<pdstor::timeline::Event> =
+        std::fs::read_to_string(&reader_tl).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(kinds, ["load", "load", "load", "load", "restored", "ack"], "{kinds:?}");
+    assert!(events.iter().all(|e| e.node.starts_with("reader-") && e.publication == Some(claim.publication)));
+    assert!(events.iter().filter(|e| e.event == "load").all(|e| e.path.as_deref() == Some("host_fixed")));
+    let merged =
+        Command::new(pdstor_bin()).args(["timeline", "merge"]).arg(&reader_tl).arg(&owner_tl).output().unwrap();
+    assert!(merged.status.success(), "{}", String::from_utf8_lossy(&merged.stderr));
+}

@@ -136,41 +136,57 @@ pub struct GetArgs {
     reservation_key: Option<u64>,
 }
 
+/// Who restored: the daemon's data plane, or this host itself from the shared namespace.
+enum Restorer {
+    Daemon(Client),
+    Direct(Box<pdstor::client::RemoteReader>),
+}
+
 impl GetArgs {
     pub fn run(self) -> anyhow::Result<()> {
         let claim: Receipt = read_json(&self.claim, "claim receipt")?;
         let layout: Layout = read_json(&self.layout, "layout")?;
+        let tl = match &self.timeline {
+            Some(t) => Some(std::sync::Arc::new(Timeline::open(t, &format!("reader-{}", std::process::id()))?)),
+            None => None,
+        };
         let started = Instant::now();
-        let (restored, bytes, client) = match &self.direct {
+        let (restored, bytes, restorer) = match &self.direct {
             Some(device) => {
+                // A direct reader records its own reads, restore and ack on the timeline.
                 let mut r = pdstor::client::RemoteReader::open_with(&self.daemon.server, device, self.reservation_key)?;
+                if let Some(tl) = &tl {
+                    r = r.with_timeline(tl.clone());
+                }
                 let restored = r.get(&claim, &layout)?;
                 let bytes = r.restored_bytes(restored.len)?;
-                (restored, bytes, r.client)
+                (restored, bytes, Restorer::Direct(Box::new(r)))
             }
             None => {
                 let mut r = Reader::with_buffer(&self.daemon.server, &self.daemon.data_socket, self.buffer.spec())?;
                 let restored = r.get(&claim, &layout)?;
                 let bytes = r.restored_bytes(restored.len)?;
-                (restored, bytes, r.client)
+                (restored, bytes, Restorer::Daemon(r.client))
             }
         };
         let restore_seconds = started.elapsed().as_secs_f64();
         let out = &self.out;
         std::fs::write(out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
-        let tl = match &self.timeline {
-            Some(t) => Some(Timeline::open(t, &format!("reader-{}", std::process::id()))?),
-            None => None,
-        };
         let note = |event: &str| {
             if let Some(tl) = &tl {
                 tl.emit(Event::new(event).claim(&claim));
             }
         };
-        note("restored");
-        if self.ack {
-            client.ack(&claim, &restored.restore_digest)?;
-            note("ack");
+        match (&restorer, self.ack) {
+            (Restorer::Direct(r), true) => r.ack(&claim, &restored)?,
+            (Restorer::Direct(_), false) => {}
+            (Restorer::Daemon(client), ack) => {
+                note("restored");
+                if ack {
+                    client.ack(&claim, &restored.restore_digest)?;
+                    note("ack");
+                }
+            }
         }
         print_json(&serde_json::json!({
             "publication": restored.manifest.publication,
