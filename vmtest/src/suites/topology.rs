@@ -474,10 +474,7 @@ fn death_owner() -> Result<(), String> {
     if state(&c)?.as_deref() != Some("ADOPTED") {
         return Err(format!("the dead reader's claim is {:?}, not ADOPTED", state(&c)?));
     }
-    match c.reclaim(&claim) {
-        Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
-        other => return Err(format!("a reclaim before fencing was not refused not_fenced: {other:?}")),
-    }
+    reclaim_refused(&c, &claim, "before fencing")?;
     if state(&c)?.as_deref() != Some("ADOPTED") {
         return Err("the refused reclaim changed the claim".into());
     }
@@ -795,7 +792,7 @@ fn visible_owner() -> Result<(), String> {
     let dev = fabric_namespace_n(3)?;
     format_namespace(&dev)?;
     let log = "/tmp/vmtest/topology-serve-visible.log";
-    let mut daemon = start_owner(&dev, log)?;
+    let daemon = start_owner(&dev, log)?;
     let server = format!("http://{CONTROL}");
     let c = Client::new(&server);
     let mut peer = Peer::accept(VISIBLE_PORT)?;
@@ -818,9 +815,7 @@ fn visible_owner() -> Result<(), String> {
     }
     peer.send(&format!("stored {}", p.publication))?;
     peer.outcome()?;
-    daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
-    let _ = daemon.0.wait();
-    std::mem::forget(daemon);
+    kill9(daemon)?;
     let _daemon = start_owner(&dev, log)?;
     let c = Client::new(&server);
     if let Some(p) =
@@ -908,7 +903,7 @@ fn durable_owner(ctx: &Ctx) -> Result<(), String> {
     let dev = fabric_namespace()?;
     format_namespace(&dev)?;
     let log = "/tmp/vmtest/topology-serve-durable.log";
-    let mut daemon = start_owner(&dev, log)?;
+    let daemon = start_owner(&dev, log)?;
     let server = format!("http://{CONTROL}");
     let c = Client::new(&server);
     let mut peer = Peer::accept(DURABLE_PORT)?;
@@ -920,9 +915,7 @@ fn durable_owner(ctx: &Ctx) -> Result<(), String> {
     let (fabric_after, target_after) = (flushes(&dev)?, flushes(&backing)?);
     let at = extents(&c, published.receipt.publication)?;
     // READY answered: the writer host is gone at once.
-    daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
-    let _ = daemon.0.wait();
-    std::mem::forget(daemon);
+    kill9(daemon)?;
     sh("nvme", &["disconnect", "-n", SHARED_NQN])?;
     // The writer host's view is a multipath head whose counters may not
     // count; the target's own device must.
@@ -1019,37 +1012,16 @@ fn restart_owner() -> Result<(), String> {
         let line = peer.recv()?;
         let claim: pdstor::protocol::Receipt =
             parse("the claim", line.strip_prefix(&format!("at {point} ")).ok_or(format!("reader: {line:?}"))?)?;
-        daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
-        let _ = daemon.0.wait();
-        std::mem::forget(daemon);
+        kill9(daemon)?;
         daemon = start_owner(&dev, log)?;
         let c = Client::new(&server);
         // An eager operator's reclaim: refused while a direct reader may
         // still read the slots (the restart did not stop that host).
         if *point != "claimed" {
-            match c.reclaim(&claim) {
-                Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
-                other => {
-                    return Err(format!(
-                        "killed at {point}: a reclaim after the restart was not refused not_fenced: {other:?}"
-                    ));
-                }
-            }
+            reclaim_refused(&c, &claim, &format!("killed at {point}, after the restart"))?;
         }
         // A writer takes every slot it can.
-        let mut fillers = Vec::new();
-        let mut fill = Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4).map_err(|e| e.to_string())?;
-        loop {
-            let n = fillers.len() as u64;
-            match fill.put(&format!("fill-{point}-{n}"), &kv_layout(), &seeded(0xf111 + n, 4), 4, Some(42)) {
-                Ok(p) => fillers.push(p.receipt),
-                Err(e) if e.to_string().contains("admission") => break,
-                Err(e) => return Err(format!("filling after the restart at {point}: {e}")),
-            }
-            if fillers.len() > 64 {
-                return Err("the small namespace took more than 64 fillers".into());
-            }
-        }
+        let fillers = fill_free_slots(&server, &format!("fill-{point}"), 0xf111)?;
         let held = c.publications(None, false).map_err(api("listing"))?;
         let state = held.iter().find(|p| p.publication == claim.publication).map(|p| p.state.clone());
         console(&format!(
@@ -1237,10 +1209,7 @@ fn reserve_owner() -> Result<(), String> {
         let line = peer.recv()?;
         let claim: pdstor::protocol::Receipt =
             parse("the claim", line.strip_prefix("adopted ").ok_or(format!("reader: {line:?}"))?)?;
-        match c.reclaim(&claim) {
-            Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
-            other => return Err(format!("a reclaim before fencing was not refused not_fenced: {other:?}")),
-        }
+        reclaim_refused(&c, &claim, "before fencing")?;
         c.close_session(&claim).map_err(api("fencing the reader (its key preempted)"))?;
         c.reclaim(&claim).map_err(api("reclaim after fencing"))?;
         // New bytes where the reader's were.
@@ -1360,7 +1329,7 @@ fn power_owner_before() -> Result<(), String> {
 }
 
 fn power_owner_after(ctx: &Ctx) -> Result<(), String> {
-    use pdstor::client::{Client, Writer};
+    use pdstor::client::Client;
     // The target again, to the writer host alone for now.
     export_all(ctx, Some(&[WRITER_HOSTNQN]))?;
     connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
@@ -1378,23 +1347,8 @@ fn power_owner_after(ctx: &Ctx) -> Result<(), String> {
         if state.as_deref() != Some("ADOPTED") {
             return Err(format!("after the power cut the reader's publication is {state:?}, not ADOPTED"));
         }
-        match c.reclaim(&claim) {
-            Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => {}
-            other => return Err(format!("a reclaim after the power cut was not refused not_fenced: {other:?}")),
-        }
-        let mut fillers = Vec::new();
-        let mut fill = Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4).map_err(|e| e.to_string())?;
-        loop {
-            let n = fillers.len() as u64;
-            match fill.put(&format!("fill-power-{n}"), &kv_layout(), &seeded(0xf0f0 + n, 4), 4, Some(42)) {
-                Ok(p) => fillers.push(p.receipt),
-                Err(e) if e.to_string().contains("admission") => break,
-                Err(e) => return Err(format!("filling after the power cut: {e}")),
-            }
-            if fillers.len() > 64 {
-                return Err("the small namespace took more than 64 fillers".into());
-            }
-        }
+        reclaim_refused(&c, &claim, "after the power cut")?;
+        let fillers = fill_free_slots(&server, "fill-power", 0xf0f0)?;
         console(&format!(
             "pdstor-vminit: topology owner after its power cut: the reader's publication is ADOPTED, {} fillers took every free slot; letting the reader host back in",
             fillers.len()
@@ -1483,4 +1437,41 @@ fn power_reader() -> Result<(), String> {
     }
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
     result
+}
+
+/// Kills the owner's daemon at once (`kill -9`) and reaps it.
+fn kill9(mut daemon: super::protocol::Daemon) -> Result<(), String> {
+    daemon.0.kill().map_err(|e| format!("kill -9 the owner: {e}"))?;
+    let _ = daemon.0.wait();
+    // Reaped: its Drop would signal a pid that may be another process's by now.
+    std::mem::forget(daemon);
+    Ok(())
+}
+
+/// A reclaim of `claim` must be refused `not_fenced` (`when`: the moment, for the error).
+fn reclaim_refused(c: &pdstor::client::Client, claim: &pdstor::protocol::Receipt, when: &str) -> Result<(), String> {
+    match c.reclaim(claim) {
+        Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => Ok(()),
+        other => Err(format!("a reclaim {when} was not refused not_fenced: {other:?}")),
+    }
+}
+
+/// A writer puts 4-chunk publications (`tag-0`, `tag-1`, …, seeded from
+/// `seed`) until admission refuses one: every free slot is taken. Returns
+/// their READY receipts.
+fn fill_free_slots(server: &str, tag: &str, seed: u64) -> Result<Vec<pdstor::protocol::Receipt>, String> {
+    use pdstor::client::Writer;
+    let mut fillers = Vec::new();
+    let mut fill = Writer::new(server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4).map_err(|e| e.to_string())?;
+    loop {
+        let n = fillers.len() as u64;
+        match fill.put(&format!("{tag}-{n}"), &kv_layout(), &seeded(seed + n, 4), 4, Some(42)) {
+            Ok(p) => fillers.push(p.receipt),
+            Err(e) if e.to_string().contains("admission") => return Ok(fillers),
+            Err(e) => return Err(format!("{tag}: filling the free slots: {e}")),
+        }
+        if fillers.len() > 64 {
+            return Err(format!("{tag}: the small namespace took more than 64 fillers"));
+        }
+    }
 }
