@@ -61,31 +61,8 @@ pub struct ReceiptResponse {
     pub receipt: Receipt,
 }
 
-/// `POST /storage-pd/adopt`: the claimed reader confirms what it will read.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct AdoptRequest {
-    /// The claim receipt.
-    pub receipt: Receipt,
-    /// The namespace the reader expects.
-    pub namespace: String,
-    /// The epoch the reader expects.
-    pub epoch: u64,
-    /// The manifest digest the reader expects.
-    pub manifest_digest: String,
-    /// The KV layout the reader expects.
-    pub layout: Layout,
-    /// The reader reads the chunks itself from its own view of the shared
-    /// namespace (another host, over NVMe/TCP say), not through the daemon:
-    /// a daemon restart cannot stop such reads, so it does not fence this
-    /// claim — its slots stay taken until it acks or its session is closed.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub direct: bool,
-    /// A direct reader's persistent-reservation key, registered by its host
-    /// on the shared namespace: fencing it (closing its session) preempts
-    /// this key at the target, so that host can no longer read or write.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reservation_key: Option<u64>,
-}
+/// `POST /storage-pd/adopt` (the protocol's own step input; see [`crate::protocol::service::AdoptRequest`]).
+pub use crate::protocol::service::AdoptRequest;
 
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -304,7 +304,9 @@ impl RemoteReader {
             crcs.push(crc);
             at += c.len;
         }
-        for (i, (c, &crc)) in manifest.chunks.iter().zip(&crcs).enumerate() {
+        // Built only for a timeline: nothing per chunk otherwise.
+        let chunks = if self.timeline.is_some() { manifest.chunks.as_slice() } else { &[] };
+        for (i, (c, &crc)) in chunks.iter().zip(&crcs).enumerate() {
             let mut e = crate::timeline::Event::new("load").claim(claim).chunk(c.index);
             e.path = Some(PayloadPath::HostFixed.as_str().into());
             e.bytes = Some(c.len);
