@@ -78,6 +78,11 @@ enum Attack {
         publication: u64,
         token: String,
     },
+    /// Look requests up by name: how many READY receipts come back.
+    Lookup {
+        server: String,
+        reqs: Vec<String>,
+    },
     Claim {
         server: String,
         receipt: Receipt,
@@ -197,6 +202,9 @@ fn run(attack: Attack) -> Outcome {
         Attack::CloseSession { server, receipt } => Outcome::of(Client::new(&server).close_session(&receipt)),
         Attack::Reclaim { server, receipt } => Outcome::of(Client::new(&server).reclaim(&receipt)),
         Attack::List { server } => Outcome::of(Client::new(&server).publications(None, false).map(|l| l.len())),
+        Attack::Lookup { server, reqs } => {
+            Outcome::of(Client::new(&server).lookup(&reqs).map(|l| l.iter().flatten().count()))
+        }
         Attack::Metrics { server } => Outcome::of(Client::new(&server).metrics()),
         Attack::Squat { path, secs } => squat(&path, secs),
     }
@@ -411,6 +419,12 @@ fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
     let published = c.publish(id, &p.writer_token, Some(1)).expect("publish");
     assert_eq!(published.manifest.first_token, Some(1), "the publish race set the first token");
     let ready = published.receipt;
+    // Known by name, it is still not found: its receipt is only for those who may claim or release it.
+    let found = as_mallory(&Attack::Lookup { server: server.clone(), reqs: vec!["victim".into(), "m-own".into()] });
+    assert_eq!((found.ok, found.detail.as_str()), (true, "0"), "lookup handed another tenant's receipt");
+    let own =
+        c.lookup(&["victim".into()]).expect("the owner's lookup").remove(0).expect("the owner finds its READY receipt");
+    assert_eq!((own.publication, &own.manifest_digest), (ready.publication, &ready.manifest_digest));
     refused(as_mallory(&Attack::Claim { server: server.clone(), receipt: ready.clone() }), "forbidden");
     refused(as_mallory(&Attack::Release { server: server.clone(), receipt: ready.clone() }), "not_owner");
     let mut forged = ready.clone();

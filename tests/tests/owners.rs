@@ -147,3 +147,31 @@ fn a_rotated_key_voids_every_earlier_receipt() {
     assert_eq!(new.key_id, old.key_id + 1);
     c.release(&new).unwrap();
 }
+
+/// `lookup` answers a READY receipt by request name — one that claims — and
+/// nothing for a request that is unknown, still PREPARED or already claimed;
+/// a lookup of too many names is refused whole.
+#[test]
+fn lookup_finds_ready_receipts_by_name_and_nothing_else() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
+    let kv = pdstor::payload::chunk(3, 0, SLOT as usize);
+    let ready = w.put("ready", &layout(), &kv, 1, None).unwrap().receipt;
+    let _open = c.prepare("prepared", &layout(), 1, "writer-b").unwrap();
+    let names: Vec<String> = ["ready", "prepared", "unknown"].map(String::from).to_vec();
+    let found = c.lookup(&names).unwrap();
+    let r = found[0].as_ref().expect("the READY publication is found");
+    assert_eq!(
+        (r.publication, &r.req_id, &r.manifest_digest),
+        (ready.publication, &ready.req_id, &ready.manifest_digest)
+    );
+    assert!(found[1].is_none() && found[2].is_none(), "{found:?}");
+    // The looked-up receipt is as good as the writer's: it claims.
+    let claim = c.claim(r, "reader", "s", 60_000).unwrap();
+    assert_eq!(claim.publication, ready.publication);
+    assert!(c.lookup(&names[..1]).unwrap()[0].is_none(), "a claimed publication is no longer READY");
+    let many: Vec<String> = (0..4097).map(|i| format!("r{i}")).collect();
+    assert_eq!(code(c.lookup(&many)), (400, "bad_request".into()));
+}

@@ -412,6 +412,14 @@ pub fn router(state: Shared) -> Router {
             }),
         )
         .route(
+            "/storage-pd/lookup",
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: LookupRequest| {
+                    svc.lookup(w, &r.req_ids).map(|receipts| LookupResponse { receipts })
+                })
+            }),
+        )
+        .route(
             "/storage-pd/abort",
             post(|State(s): S, Extension(w): E, b: Body| {
                 step(s, w, b, |svc, w, r: AbortRequest| match svc.abort(w, r.publication, &r.writer_token)? {

@@ -117,6 +117,21 @@ pub struct LoadedChunk {
     pub crc32c: u32,
 }
 
+/// `POST /storage-pd/lookup`: the READY receipts of requests known by name.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LookupRequest {
+    /// The request ids (at most 4096).
+    pub req_ids: Vec<String>,
+}
+
+/// What `lookup` answers: one entry per request asked, in order — its READY
+/// receipt, or `null` where there is none the caller may claim or release.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LookupResponse {
+    /// The receipts.
+    pub receipts: Vec<Option<Receipt>>,
+}
+
 /// A request that carries only a receipt (`release`, `reclaim`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReceiptOnly {

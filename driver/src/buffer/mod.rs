@@ -289,6 +289,30 @@ impl Buffer {
         Ok(())
     }
 
+    /// Start of the CPU mapping, for code that lends the bytes out without a
+    /// copy (the Python buffer protocol). Valid while `self` lives. The bytes
+    /// are shared with the daemon, which writes them only during a load this
+    /// process asked for.
+    pub fn as_mut_ptr(&self) -> Result<*mut u8, BufferError> {
+        Ok(self.region()?.as_ptr())
+    }
+
+    /// crc32c of `count` bytes at `offset`, computed in place in the mapping:
+    /// no copy (bracketed and counted for a DMA-BUF). Call it once whatever
+    /// wrote the range (a load) has completed.
+    pub fn crc32c(&self, offset: u64, count: usize) -> Result<u32, BufferError> {
+        self.check_range(offset, count)?;
+        let base = self.as_mut_ptr()?;
+        let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Read)).transpose()?;
+        // SAFETY: `offset..offset + count` lies within the mapping
+        // (check_range), which lives as long as `self`; every byte pattern is
+        // a valid u8. Nothing writes the range while it is read: the load that
+        // filled it has completed (the caller's contract), and bytes a
+        // misbehaving peer changed anyway can only fail the checksum.
+        let bytes = unsafe { std::slice::from_raw_parts(base.add(offset as usize).cast_const(), count) };
+        Ok(crc32c::crc32c(bytes))
+    }
+
     /// Copies `dst.len()` bytes at `offset` out of the buffer (bracketed and
     /// counted for a DMA-BUF).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), BufferError> {

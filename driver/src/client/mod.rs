@@ -287,6 +287,12 @@ impl Client {
     pub fn release(&self, ready: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/release", &ReceiptOnly { receipt: ready.clone() }).map(drop)
     }
+    /// `lookup`: the READY receipt of each request named, or `None` where
+    /// there is none this caller may claim or release.
+    pub fn lookup(&self, req_ids: &[String]) -> Result<Vec<Option<Receipt>>, ClientError> {
+        let r = LookupRequest { req_ids: req_ids.to_vec() };
+        self.post::<_, LookupResponse>("/storage-pd/lookup", &r).map(|r| r.receipts)
+    }
     /// `abort`: rolls back a publication that is not READY (with the
     /// writer's token its `prepare` answered).
     pub fn abort(&self, publication: u64, writer_token: &str) -> Result<AbortResponse, ClientError> {

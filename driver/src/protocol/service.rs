@@ -104,6 +104,8 @@ type Served = (String, std::collections::BTreeMap<u32, u32>);
 /// The longest id or name a client may give (request, writer, reader,
 /// session, layout strings): every one is journaled, so none may be large.
 pub const MAX_NAME_BYTES: usize = 256;
+/// The most request ids one `lookup` may name.
+pub const MAX_LOOKUP: usize = 4096;
 /// The longest `fail` reason.
 pub const MAX_REASON_BYTES: usize = 1024;
 /// The longest lease a claim may ask for: 7 days.
@@ -713,6 +715,44 @@ impl Service {
         self.store.release(p.id)?;
         self.note(who, Event::new("release").req(&ready.req_id).publication(p.id).receipt(&ready.signature));
         Ok(())
+    }
+
+    /// The READY receipt of each request in `req_ids`, freshly signed, or
+    /// `None` where there is none the caller may use: no live publication of
+    /// that request, not READY (still being written, or already claimed), or
+    /// one the caller may neither claim (a reader of a tenant its owner lets
+    /// read) nor release (its owner). A reader that knows only the request's
+    /// name — an LMCache key — finds the receipt to claim with; it learns
+    /// nothing `publications` would not show it.
+    pub fn lookup(&self, who: &Caller, req_ids: &[String]) -> Result<Vec<Option<Receipt>>, ProtocolError> {
+        who.require(Role::Any, "lookup")?;
+        if req_ids.len() > MAX_LOOKUP {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "req_ids",
+                format!("lookup names {} requests; at most {MAX_LOOKUP} at a time", req_ids.len()),
+            )
+            .into());
+        }
+        for r in req_ids {
+            bounded("req_ids", r, MAX_NAME_BYTES)?;
+        }
+        let usable = |p: &Publication| {
+            let Some(owner) = &p.owner else { return true };
+            who.roles.admin
+                || (who.roles.writer && who.is(owner))
+                || (who.roles.reader && who.tenant.as_deref().is_some_and(|t| self.policy.may_read(&owner.tenant, t)))
+        };
+        let epoch = self.store.epoch();
+        req_ids
+            .iter()
+            .map(|r| match self.store.publication_of(r) {
+                Some(p) if p.phase == Phase::Ready && usable(&p) => {
+                    self.receipt(ReceiptKind::Ready, &p, epoch).map(Some).map_err(Into::into)
+                }
+                _ => Ok(None),
+            })
+            .collect()
     }
 
     /// Rolls back a publication that is not READY yet.

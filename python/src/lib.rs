@@ -1,0 +1,878 @@
+//! `pdstor._native`: the protocol as Python objects, mirroring
+//! `pdstor::client`. Every call that waits — on the daemon, the data socket or
+//! a checksum — releases the GIL. Errors become the exception classes of
+//! `pdstor.errors`, one per refusal code, carrying the daemon's code, field
+//! and message.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_int;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pdstor::api::wire::{AdoptRequest, DataChunk, PrepareRequest};
+use pdstor::client::{ClientError, DataConn};
+use pdstor::protocol::service::{Prepared, restore_digest};
+use pdstor::protocol::{Receipt as RustReceipt, RefusalCode, manifest_digest};
+use pdstor::store::{Layout, Manifest};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// What a binding call failed on, before it becomes a Python exception.
+enum Failure {
+    /// The client library's error (daemon refusal, transport, data plane, verification).
+    Client(ClientError),
+    /// A wrong argument or a step out of order, found here.
+    Usage(String),
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Self {
+        Failure::Client(e)
+    }
+}
+
+/// The exception `pdstor.errors.error_for(code, status, field, message)` builds.
+fn raise(py: Python<'_>, code: &str, status: u16, field: &str, message: &str) -> PyErr {
+    let built = py
+        .import("pdstor.errors")
+        .and_then(|m| m.getattr("error_for"))
+        .and_then(|f| f.call1((code, status, field, message)));
+    match built {
+        Ok(e) => PyErr::from_value(e),
+        Err(e) => e,
+    }
+}
+
+fn to_py(py: Python<'_>, f: Failure) -> PyErr {
+    match f {
+        Failure::Usage(m) => raise(py, "usage", 0, "", &m),
+        Failure::Client(ClientError::Api(b)) => raise(py, &b.code, b.status, &b.field, &b.message),
+        Failure::Client(e @ ClientError::Transport { .. }) => raise(py, "transport", 0, "", &e.to_string()),
+        Failure::Client(ClientError::Data(m)) => raise(py, "data_plane", 0, "", &format!("data plane: {m}")),
+        Failure::Client(e @ ClientError::Verify { .. }) => raise(py, "verify_failed", 0, "chunks", &e.to_string()),
+    }
+}
+
+/// JSON text of a Python value (`json.dumps`).
+fn dumps(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    obj.py().import("json")?.call_method1("dumps", (obj,))?.extract()
+}
+
+/// A Python value from JSON text (`json.loads`).
+fn loads<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.import("json")?.call_method1("loads", (text,))
+}
+
+/// A KV layout from a dict with the fields of `pdstor::store::Layout`.
+fn layout_from(obj: &Bound<'_, PyAny>) -> PyResult<Layout> {
+    if !obj.is_instance_of::<PyDict>() {
+        return Err(PyTypeError::new_err(
+            "layout must be a dict with model_id, dtype, layers, kv_heads, head_dim, chunk_tokens and kv_format",
+        ));
+    }
+    serde_json::from_str(&dumps(obj)?).map_err(|e| {
+        PyValueError::new_err(format!(
+            "layout {}: {e} (a layout is a dict with model_id: str, dtype: str, layers, kv_heads, head_dim, \
+             chunk_tokens: int, kv_format: str)",
+            obj.repr().map(|r| r.to_string()).unwrap_or_default()
+        ))
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
+
+/// Memory the daemon reads stores from and loads into: a memfd, mapped here
+/// and shared with the daemon once over the data socket.
+///
+/// It implements the buffer protocol, so `memoryview(buf)`,
+/// `numpy.frombuffer(buf, dtype)` and `torch.frombuffer(buf, dtype=…)` view
+/// the very bytes the daemon moves — no copy. Keep a view's owner alive while
+/// you use the view.
+#[pyclass(module = "pdstor", frozen)]
+struct Buffer {
+    inner: Arc<pdstor::Buffer>,
+    /// Unique for the process's life, so a registration is never mistaken
+    /// for one of a freed buffer at the same address.
+    id: u64,
+}
+
+#[pymethods]
+impl Buffer {
+    /// A new buffer of `size` bytes (a multiple of 4096: direct I/O moves whole pages).
+    #[new]
+    #[pyo3(signature = (size, name = "pdstor"))]
+    fn new(size: usize, name: &str) -> PyResult<Self> {
+        if size == 0 || !size.is_multiple_of(4096) {
+            return Err(PyValueError::new_err(format!(
+                "Buffer({size}): the size must be a positive multiple of 4096 (direct I/O moves whole pages)"
+            )));
+        }
+        let b = pdstor::Buffer::memfd(name, size).map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
+        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("pdstor.Buffer({} bytes, memfd)", self.inner.len())
+    }
+
+    /// Copies `data` (any object with the buffer protocol: bytes, a numpy
+    /// array, a contiguous tensor's memoryview…) into the buffer at `offset`.
+    fn write(&self, py: Python<'_>, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let src = pyo3::buffer::PyBuffer::<u8>::get(data)
+            .map_err(|e| PyTypeError::new_err(format!("write: data must be a contiguous byte buffer: {e}")))?;
+        if !src.is_c_contiguous() {
+            return Err(PyValueError::new_err("write: data must be C-contiguous"));
+        }
+        let len = src.len_bytes();
+        self.inner.check_range(offset, len).map_err(|e| PyValueError::new_err(format!("write: {e}")))?;
+        let (from, to) = (src.buf_ptr() as usize, self.inner.clone());
+        py.detach(move || {
+            // SAFETY: `src` (a held PyBuffer, alive until the end of this
+            // function) exports `len` readable bytes at `from`.
+            let bytes = unsafe { std::slice::from_raw_parts(from as *const u8, len) };
+            to.write_at(offset, bytes)
+        })
+        .map_err(|e| PyValueError::new_err(format!("write: {e}")))?;
+        drop(src);
+        Ok(())
+    }
+
+    /// Copies `len` bytes at `offset` out, as `bytes`.
+    fn read(&self, offset: u64, len: usize) -> PyResult<Vec<u8>> {
+        let mut out = vec![0u8; len];
+        self.inner.read_at(offset, &mut out).map_err(|e| PyValueError::new_err(format!("read: {e}")))?;
+        Ok(out)
+    }
+
+    /// crc32c of `len` bytes at `offset`, computed in place (what the daemon and a reader check).
+    fn crc32c(&self, py: Python<'_>, offset: u64, len: usize) -> PyResult<u32> {
+        let b = self.inner.clone();
+        py.detach(move || b.crc32c(offset, len)).map_err(|e| PyValueError::new_err(format!("crc32c: {e}")))
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let this = slf.get();
+        let ptr = this.inner.as_mut_ptr().map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let len = ffi::Py_ssize_t::try_from(this.inner.len())
+            .map_err(|_| PyValueError::new_err("the buffer is larger than Python can index"))?;
+        // SAFETY: `view` is the Py_buffer the interpreter passes to
+        // bf_getbuffer; `ptr` and `len` describe the writable mapping, which
+        // lives as long as `slf` — and FillInfo takes a reference to `slf`
+        // that the view holds until it is released.
+        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), len, 0, flags) };
+        if rc == -1 { Err(PyErr::fetch(slf.py())) } else { Ok(()) }
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {}
+}
+
+/// A signed receipt: READY (from `publish` or `lookup`) or a claim (from
+/// `claim`). Hand it to another process as `to_json()` (or pickle it).
+#[pyclass(module = "pdstor", frozen)]
+#[derive(Clone)]
+struct Receipt {
+    inner: RustReceipt,
+}
+
+#[pymethods]
+impl Receipt {
+    /// A receipt from the JSON `to_json` (or the daemon's HTTP API) gave.
+    #[staticmethod]
+    fn from_json(text: &str) -> PyResult<Self> {
+        serde_json::from_str(text)
+            .map(|inner| Receipt { inner })
+            .map_err(|e| PyValueError::new_err(format!("Receipt.from_json: not a receipt: {e}")))
+    }
+    /// The receipt as the daemon's JSON.
+    fn to_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.inner).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+    /// `"READY"` or `"CLAIM"`.
+    #[getter]
+    fn kind(&self) -> PyResult<String> {
+        Ok(serde_json::to_value(self.inner.kind)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?
+            .as_str()
+            .unwrap_or_default()
+            .to_owned())
+    }
+    /// The publication's number.
+    #[getter]
+    fn publication(&self) -> u64 {
+        self.inner.publication
+    }
+    /// The request id it was prepared as.
+    #[getter]
+    fn req_id(&self) -> &str {
+        &self.inner.req_id
+    }
+    /// The daemon epoch that signed it.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+    /// The namespace's uuid.
+    #[getter]
+    fn namespace(&self) -> &str {
+        &self.inner.namespace
+    }
+    /// SHA-256 of the manifest it vouches for.
+    #[getter]
+    fn manifest_digest(&self) -> &str {
+        &self.inner.manifest_digest
+    }
+    /// The claimed reader (claim receipts).
+    #[getter]
+    fn reader(&self) -> Option<&str> {
+        self.inner.reader.as_deref()
+    }
+    /// The claimed session (claim receipts).
+    #[getter]
+    fn session(&self) -> Option<&str> {
+        self.inner.session.as_deref()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "pdstor.Receipt({} publication {} req_id {:?} epoch {})",
+            self.kind().unwrap_or_default(),
+            self.inner.publication,
+            self.inner.req_id,
+            self.inner.epoch
+        )
+    }
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other.cast::<Receipt>().is_ok_and(|o| o.get().inner == self.inner)
+    }
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (String,))> {
+        let ctor = slf.get_type().getattr("from_json")?;
+        Ok((ctor, (slf.get().to_json()?,)))
+    }
+}
+
+/// The daemon's two planes: HTTP control and the data socket.
+struct Conn {
+    control: pdstor::client::Client,
+    data: Mutex<DataPlane>,
+    server: String,
+}
+
+struct DataPlane {
+    conn: Option<DataConn>,
+    socket: PathBuf,
+    /// Buffer id (ours) → (the buffer, kept alive while registered; its id on this connection).
+    registered: HashMap<u64, (Arc<pdstor::Buffer>, u32)>,
+}
+
+impl DataPlane {
+    fn conn(&mut self) -> Result<&mut DataConn, ClientError> {
+        if self.conn.is_none() {
+            self.conn = Some(DataConn::connect(&self.socket)?);
+            self.registered.clear();
+        }
+        self.conn.as_mut().ok_or_else(|| ClientError::Data("no data connection".into()))
+    }
+
+    /// The connection's id of `b`, registering it the first time.
+    fn id_of(&mut self, b: &BufferRef) -> Result<u32, ClientError> {
+        if let Some((_, id)) = self.registered.get(&b.id) {
+            return Ok(*id);
+        }
+        let id = self.conn()?.register(&b.inner)?;
+        self.registered.insert(b.id, (b.inner.clone(), id));
+        Ok(id)
+    }
+
+    /// Runs `f` on the connection; a connection that failed under it is
+    /// dropped, so the next call reconnects (and registers again).
+    fn with<T>(&mut self, f: impl FnOnce(&mut DataConn) -> Result<T, ClientError>) -> Result<T, ClientError> {
+        let r = f(self.conn()?);
+        if let Err(ClientError::Data(_)) = &r {
+            self.conn = None;
+            self.registered.clear();
+        }
+        r
+    }
+}
+
+/// A buffer as a call uses it, outside the GIL.
+#[derive(Clone)]
+struct BufferRef {
+    inner: Arc<pdstor::Buffer>,
+    id: u64,
+}
+
+impl From<&Buffer> for BufferRef {
+    fn from(b: &Buffer) -> Self {
+        BufferRef { inner: b.inner.clone(), id: b.id }
+    }
+}
+
+/// A connection to one `pdstor serve`: its control plane (`server`:
+/// `unix:/run/pdstor/control.sock`, `https://host:port` or `http://host:port`)
+/// and its data socket (buffers are shared over it once, by fd).
+#[pyclass(module = "pdstor", frozen)]
+struct Client {
+    conn: Arc<Conn>,
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (server = "unix:/run/pdstor/control.sock", data_socket = "/run/pdstor/data.sock"))]
+    fn new(server: &str, data_socket: &str) -> Self {
+        let data = DataPlane { conn: None, socket: PathBuf::from(data_socket), registered: HashMap::new() };
+        Client {
+            conn: Arc::new(Conn {
+                control: pdstor::client::Client::new(server),
+                data: Mutex::new(data),
+                server: server.into(),
+            }),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("pdstor.Client({:?}, {:?})", self.conn.server, lock(&self.conn.data).socket)
+    }
+
+    /// Raises unless the daemon answers and its store has not failed.
+    fn healthz(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self.conn.clone();
+        py.detach(move || c.control.healthz()).map_err(|e| to_py(py, e.into()))
+    }
+
+    /// Shares `buffer` with the daemon now (otherwise the first store or load
+    /// into it does). A connection may share a bounded number of buffers
+    /// (the daemon's `--max-buffers-per-connection`): use a few large ones.
+    fn register(&self, py: Python<'_>, buffer: PyRef<'_, Buffer>) -> PyResult<()> {
+        let (c, b) = (self.conn.clone(), BufferRef::from(&*buffer));
+        py.detach(move || lock(&c.data).id_of(&b).map(drop)).map_err(|e| to_py(py, e.into()))
+    }
+
+    /// The namespace the daemon serves: `namespace`, `epoch`, `slot_size`
+    /// (the largest chunk), `slot_count`, `device`, `reservations`.
+    fn namespace<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.conn.clone();
+        let ns = py.detach(move || c.control.namespace()).map_err(|e| to_py(py, e.into()))?;
+        loads(py, &serde_json::to_string(&ns).map_err(|e| PyValueError::new_err(e.to_string()))?)
+    }
+
+    /// Live publications (of one `state`, e.g. `"READY"`), as dicts;
+    /// `verbose` adds each chunk's `extents` on the target.
+    #[pyo3(signature = (state = None, verbose = false))]
+    fn publications<'py>(&self, py: Python<'py>, state: Option<String>, verbose: bool) -> PyResult<Bound<'py, PyAny>> {
+        let c = self.conn.clone();
+        let list =
+            py.detach(move || c.control.publications(state.as_deref(), verbose)).map_err(|e| to_py(py, e.into()))?;
+        loads(py, &serde_json::to_string(&list).map_err(|e| PyValueError::new_err(e.to_string()))?)
+    }
+
+    /// The READY receipt of each request named, or `None` where there is
+    /// none this caller may claim or release (unknown, not READY yet, already
+    /// claimed, another tenant's).
+    fn lookup(&self, py: Python<'_>, req_ids: Vec<String>) -> PyResult<Vec<Option<Receipt>>> {
+        let c = self.conn.clone();
+        let found = py.detach(move || c.control.lookup(&req_ids)).map_err(|e| to_py(py, e.into()))?;
+        Ok(found.into_iter().map(|r| r.map(|inner| Receipt { inner })).collect())
+    }
+
+    /// Frees a READY publication no reader claimed (exact unread release).
+    fn release(&self, py: Python<'_>, receipt: PyRef<'_, Receipt>) -> PyResult<()> {
+        let (c, r) = (self.conn.clone(), receipt.inner.clone());
+        py.detach(move || c.control.release(&r)).map_err(|e| to_py(py, e.into()))
+    }
+
+    /// Gives up request `req_id` while it waits for capacity or is PREPARED;
+    /// answers what happened (`"cancelled"`, `"aborted"`, `"not_found"`, …).
+    fn cancel(&self, py: Python<'_>, req_id: String) -> PyResult<String> {
+        let c = self.conn.clone();
+        let outcome = py.detach(move || c.control.cancel(&req_id)).map_err(|e| to_py(py, e.into()))?;
+        let v = serde_json::to_value(outcome).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(v.get("outcome").and_then(|o| o.as_str()).map_or_else(|| v.to_string(), str::to_owned))
+    }
+}
+
+/// One chunk to store: where its bytes are.
+struct StoreChunk {
+    index: u32,
+    buffer: BufferRef,
+    offset: u64,
+    len: u64,
+}
+
+fn store_chunks(chunks: &Bound<'_, PyAny>) -> PyResult<Vec<StoreChunk>> {
+    let mut out = Vec::new();
+    for item in chunks.try_iter()? {
+        let item = item?;
+        let (index, buffer, offset, len): (u32, PyRef<'_, Buffer>, u64, u64) = item.extract().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "a store chunk is (index: int, buffer: pdstor.Buffer, offset: int, length: int), not {}",
+                item.repr().map(|r| r.to_string()).unwrap_or_default()
+            ))
+        })?;
+        out.push(StoreChunk { index, buffer: BufferRef::from(&*buffer), offset, len });
+    }
+    Ok(out)
+}
+
+/// Stores one batch through the data plane.
+fn store_batch(conn: &Conn, p: &Prepared, chunks: &[StoreChunk], last: bool, total: u32) -> Result<(), ClientError> {
+    let mut data = lock(&conn.data);
+    let mut wire = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        c.buffer.inner.check_range(c.offset, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+        wire.push(DataChunk {
+            index: c.index,
+            buffer: data.id_of(&c.buffer)?,
+            offset: c.offset,
+            len: c.len,
+            crc32c: None,
+        });
+    }
+    data.with(|d| d.store(p.publication, &p.writer_token, wire, last, total)).map(drop)
+}
+
+/// The prefill side of one publication at a time:
+/// `prepare` → `store` (one or more batches) → `publish`, or `put` for all three.
+#[pyclass(module = "pdstor")]
+struct Writer {
+    conn: Arc<Conn>,
+    writer_id: String,
+    /// The publication prepared and not yet published or aborted, with its total.
+    current: Option<(Prepared, u32)>,
+}
+
+#[pymethods]
+impl Writer {
+    /// A writer on `client`, recorded with each publication as `writer_id`.
+    #[new]
+    #[pyo3(signature = (client, writer_id = "python"))]
+    fn new(client: PyRef<'_, Client>, writer_id: &str) -> Self {
+        Writer { conn: client.conn.clone(), writer_id: writer_id.into(), current: None }
+    }
+
+    /// Reserves `total_chunks` slots for request `req_id` (waiting up to
+    /// `timeout_ms` for capacity; `pdstor.AdmissionTimeout` after that).
+    /// Returns the publication's number.
+    #[pyo3(signature = (req_id, layout, total_chunks, timeout_ms = None))]
+    fn prepare(
+        &mut self,
+        py: Python<'_>,
+        req_id: String,
+        layout: &Bound<'_, PyAny>,
+        total_chunks: u32,
+        timeout_ms: Option<u64>,
+    ) -> PyResult<u64> {
+        if let Some((p, _)) = &self.current {
+            return Err(to_py(
+                py,
+                Failure::Usage(format!(
+                    "prepare: publication {} is still open on this writer: publish() or abort() it first",
+                    p.publication
+                )),
+            ));
+        }
+        let layout = layout_from(layout)?;
+        let (c, writer) = (self.conn.clone(), self.writer_id.clone());
+        let r = PrepareRequest { req_id, layout, total_chunks, writer, timeout_ms };
+        let p = py.detach(move || c.control.prepare_request(&r)).map_err(|e| to_py(py, e.into()))?;
+        let id = p.publication;
+        self.current = Some((p, total_chunks));
+        Ok(id)
+    }
+
+    /// Stores one batch: `chunks` is a list of `(index, buffer, offset,
+    /// length)`; `last=True` on the final batch. The daemon checks each
+    /// chunk's crc32c as it lands. A refused batch rolls the whole
+    /// publication back (the writer is free again).
+    #[pyo3(signature = (chunks, last = false))]
+    fn store(&mut self, py: Python<'_>, chunks: &Bound<'_, PyAny>, last: bool) -> PyResult<()> {
+        let chunks = store_chunks(chunks)?;
+        let Some((p, total)) = self.current.clone() else {
+            return Err(to_py(
+                py,
+                Failure::Usage("store: nothing prepared on this writer: call prepare() first".into()),
+            ));
+        };
+        let c = self.conn.clone();
+        let r = py.detach(move || store_batch(&c, &p, &chunks, last, total));
+        if let Err(e) = r {
+            self.current = None;
+            return Err(to_py(py, e.into()));
+        }
+        Ok(())
+    }
+
+    /// Makes the publication READY (its chunks flushed to the device first)
+    /// and returns its READY receipt.
+    #[pyo3(signature = (first_token = None))]
+    fn publish(&mut self, py: Python<'_>, first_token: Option<u32>) -> PyResult<Receipt> {
+        let Some((p, _)) = self.current.clone() else {
+            return Err(to_py(py, Failure::Usage("publish: nothing prepared on this writer".into())));
+        };
+        let c = self.conn.clone();
+        // A refused publish (not every chunk stored yet) leaves the
+        // publication open: store the rest, or abort it.
+        let published = py
+            .detach(move || c.control.publish(p.publication, &p.writer_token, first_token))
+            .map_err(|e| to_py(py, e.into()))?;
+        self.current = None;
+        Ok(Receipt { inner: published.receipt })
+    }
+
+    /// Rolls back the open publication (its slots free); answers
+    /// `"aborted"`, `"pending"` or `"none"` when nothing was open.
+    fn abort(&mut self, py: Python<'_>) -> PyResult<String> {
+        let Some((p, _)) = self.current.take() else { return Ok("none".into()) };
+        let c = self.conn.clone();
+        let r = py.detach(move || c.control.abort(p.publication, &p.writer_token)).map_err(|e| to_py(py, e.into()))?;
+        Ok(r.outcome)
+    }
+
+    /// The open publication's number, if one is prepared.
+    #[getter]
+    fn publication(&self) -> Option<u64> {
+        self.current.as_ref().map(|(p, _)| p.publication)
+    }
+
+    /// prepare → store (`batch` chunks per request) → publish, in one call:
+    /// `chunks` is a list of `(buffer, offset, length)`, chunk 0 first.
+    /// Anything refused on the way aborts the publication and raises.
+    #[pyo3(signature = (req_id, layout, chunks, batch = 16, first_token = None, timeout_ms = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put(
+        &mut self,
+        py: Python<'_>,
+        req_id: String,
+        layout: &Bound<'_, PyAny>,
+        chunks: &Bound<'_, PyAny>,
+        batch: usize,
+        first_token: Option<u32>,
+        timeout_ms: Option<u64>,
+    ) -> PyResult<Receipt> {
+        if self.current.is_some() {
+            return Err(to_py(py, Failure::Usage("put: a publication is still open on this writer".into())));
+        }
+        let layout = layout_from(layout)?;
+        let mut list = Vec::new();
+        for (i, item) in chunks.try_iter()?.enumerate() {
+            let item = item?;
+            let (buffer, offset, len): (PyRef<'_, Buffer>, u64, u64) = item.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "put: a chunk is (buffer: pdstor.Buffer, offset: int, length: int), not {}",
+                    item.repr().map(|r| r.to_string()).unwrap_or_default()
+                ))
+            })?;
+            let index = u32::try_from(i).map_err(|_| PyValueError::new_err("put: too many chunks"))?;
+            list.push(StoreChunk { index, buffer: BufferRef::from(&*buffer), offset, len });
+        }
+        if list.is_empty() {
+            return Err(PyValueError::new_err("put: a publication needs at least one chunk"));
+        }
+        let total = u32::try_from(list.len()).map_err(|_| PyValueError::new_err("put: too many chunks"))?;
+        let (c, writer) = (self.conn.clone(), self.writer_id.clone());
+        let batch = batch.max(1);
+        let r = py.detach(move || {
+            let p = c.control.prepare_request(&PrepareRequest {
+                req_id,
+                layout,
+                total_chunks: total,
+                writer,
+                timeout_ms,
+            })?;
+            let groups: Vec<&[StoreChunk]> = list.chunks(batch).collect();
+            for (n, group) in groups.iter().enumerate() {
+                if let Err(e) = store_batch(&c, &p, group, n + 1 == groups.len(), total) {
+                    let _ = c.control.abort(p.publication, &p.writer_token);
+                    return Err(e);
+                }
+            }
+            c.control.publish(p.publication, &p.writer_token, first_token)
+        });
+        r.map(|p| Receipt { inner: p.receipt }).map_err(|e| to_py(py, e.into()))
+    }
+}
+
+/// What a reader verified of one adopted claim.
+struct Adopted {
+    manifest: Manifest,
+    /// Chunk index → crc32c this process computed from the bytes it received.
+    verified: BTreeMap<u32, u32>,
+}
+
+/// The decode side: `claim` → `adopt` → `load` (verified here, chunk by
+/// chunk, in place) → `ack`; or `get` for all of it. A failed load is never
+/// a silent miss: it raises, and `fail` keeps the publication RETAINED for a
+/// retry instead of freeing it.
+#[pyclass(module = "pdstor")]
+struct Reader {
+    conn: Arc<Conn>,
+    reader_id: String,
+    session: String,
+    /// Claim signature → what was adopted and verified.
+    adopted: HashMap<String, Adopted>,
+}
+
+fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyAny>> {
+    loads(py, &serde_json::to_string(m).map_err(|e| PyValueError::new_err(e.to_string()))?)
+}
+
+/// Loads `which` chunks of an adopted claim to their places and verifies
+/// each one's crc32c from this process's own view of the bytes.
+fn load_verified(
+    conn: &Conn,
+    claim: &RustReceipt,
+    manifest: &Manifest,
+    places: &[(u32, BufferRef, u64)],
+) -> Result<Vec<(u32, u32)>, ClientError> {
+    let mut data = lock(&conn.data);
+    let mut wire = Vec::with_capacity(places.len());
+    let mut expect = Vec::with_capacity(places.len());
+    for (index, buffer, offset) in places {
+        let entry = manifest.chunks.get(*index as usize).filter(|c| c.index == *index).ok_or_else(|| {
+            ClientError::Verify { chunk: *index, what: format!("the manifest has {} chunks", manifest.chunks.len()) }
+        })?;
+        buffer.inner.check_range(*offset, entry.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+        wire.push(DataChunk { index: *index, buffer: data.id_of(buffer)?, offset: *offset, len: 0, crc32c: None });
+        expect.push((*index, buffer.inner.clone(), *offset, entry.len, entry.crc32c));
+    }
+    data.with(|d| d.load(claim, wire))?;
+    drop(data);
+    expect
+        .into_iter()
+        .map(|(index, buffer, offset, len, want)| {
+            let got = buffer.crc32c(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            if got != want {
+                return Err(ClientError::Verify {
+                    chunk: index,
+                    what: format!("crc32c {got:#010x}, the manifest says {want:#010x}"),
+                });
+            }
+            Ok((index, got))
+        })
+        .collect()
+}
+
+#[pymethods]
+impl Reader {
+    /// A reader on `client`: `reader_id` and `session` are what claims bind
+    /// (a new session per process by default).
+    #[new]
+    #[pyo3(signature = (client, reader_id = "python", session = None))]
+    fn new(client: PyRef<'_, Client>, reader_id: &str, session: Option<String>) -> Self {
+        let session = session
+            .unwrap_or_else(|| format!("py-{}-{}", std::process::id(), NEXT_BUFFER.fetch_add(1, Ordering::Relaxed)));
+        Reader { conn: client.conn.clone(), reader_id: reader_id.into(), session, adopted: HashMap::new() }
+    }
+
+    /// This reader's session id.
+    #[getter]
+    fn session(&self) -> &str {
+        &self.session
+    }
+
+    /// Binds this reader and session to a READY publication for `lease_ms`;
+    /// returns the claim receipt.
+    #[pyo3(signature = (ready, lease_ms = 60_000))]
+    fn claim(&self, py: Python<'_>, ready: PyRef<'_, Receipt>, lease_ms: u64) -> PyResult<Receipt> {
+        let (c, r) = (self.conn.clone(), ready.inner.clone());
+        let (reader, session) = (self.reader_id.clone(), self.session.clone());
+        let claim =
+            py.detach(move || c.control.claim(&r, &reader, &session, lease_ms)).map_err(|e| to_py(py, e.into()))?;
+        Ok(Receipt { inner: claim })
+    }
+
+    /// Confirms what this reader reads — the claim, its manifest digest and
+    /// the layout it expects (`pdstor.LayoutMismatch` if the writer stored
+    /// another) — and returns the manifest as a dict (`chunks`: each chunk's
+    /// `index`, `len`, `crc32c`).
+    fn adopt<'py>(
+        &mut self,
+        py: Python<'py>,
+        claim: PyRef<'_, Receipt>,
+        layout: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let layout = layout_from(layout)?;
+        let (c, r) = (self.conn.clone(), claim.inner.clone());
+        let req = AdoptRequest {
+            receipt: r.clone(),
+            namespace: r.namespace.clone(),
+            epoch: r.epoch,
+            manifest_digest: r.manifest_digest.clone(),
+            layout,
+            direct: false,
+            reservation_key: None,
+        };
+        let manifest = py.detach(move || c.control.adopt(&req)).map_err(|e| to_py(py, e.into()))?;
+        if manifest_digest(&manifest) != claim.inner.manifest_digest {
+            let e = ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() };
+            return Err(to_py(py, e.into()));
+        }
+        let dict = manifest_dict(py, &manifest)?;
+        self.adopted.insert(claim.inner.signature.clone(), Adopted { manifest, verified: BTreeMap::new() });
+        Ok(dict)
+    }
+
+    /// Loads chunks of an adopted claim: `chunks` is a list of `(index,
+    /// buffer, offset)`; each lands at its offset and its crc32c is checked
+    /// here, in place, against the manifest (`pdstor.VerifyFailed`).
+    fn load(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>, chunks: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut places = Vec::new();
+        for item in chunks.try_iter()? {
+            let item = item?;
+            let (index, buffer, offset): (u32, PyRef<'_, Buffer>, u64) = item.extract().map_err(|_| {
+                PyTypeError::new_err(format!(
+                    "a load chunk is (index: int, buffer: pdstor.Buffer, offset: int), not {}",
+                    item.repr().map(|r| r.to_string()).unwrap_or_default()
+                ))
+            })?;
+            places.push((index, BufferRef::from(&*buffer), offset));
+        }
+        let sig = claim.inner.signature.clone();
+        let Some(adopted) = self.adopted.get(&sig) else {
+            return Err(to_py(
+                py,
+                Failure::Usage("load: this claim is not adopted by this reader: adopt() it first".into()),
+            ));
+        };
+        let (c, r, m) = (self.conn.clone(), claim.inner.clone(), adopted.manifest.clone());
+        let verified = py.detach(move || load_verified(&c, &r, &m, &places)).map_err(|e| to_py(py, e.into()))?;
+        if let Some(a) = self.adopted.get_mut(&sig) {
+            a.verified.extend(verified);
+        }
+        Ok(())
+    }
+
+    /// Acknowledges the restore: every chunk must have been loaded and
+    /// verified by this reader; the slots free.
+    fn ack(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>) -> PyResult<()> {
+        let sig = claim.inner.signature.clone();
+        let Some(a) = self.adopted.get(&sig) else {
+            return Err(to_py(py, Failure::Usage("ack: this claim is not adopted by this reader".into())));
+        };
+        let missing: Vec<u32> =
+            a.manifest.chunks.iter().map(|c| c.index).filter(|i| !a.verified.contains_key(i)).collect();
+        if !missing.is_empty() {
+            return Err(to_py(
+                py,
+                Failure::Usage(format!("ack: chunks {missing:?} were not loaded and verified: load() them first")),
+            ));
+        }
+        let crcs: Vec<u32> = a.verified.values().copied().collect();
+        let digest = restore_digest(a.manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
+        let (c, r) = (self.conn.clone(), claim.inner.clone());
+        py.detach(move || c.control.ack(&r, &digest)).map_err(|e| to_py(py, e.into()))?;
+        self.adopted.remove(&sig);
+        Ok(())
+    }
+
+    /// Reports a failed or uncertain read: the publication is RETAINED (its
+    /// bytes kept, never reused) until it is reclaimed.
+    fn fail(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>, reason: String) -> PyResult<()> {
+        let (c, r) = (self.conn.clone(), claim.inner.clone());
+        py.detach(move || c.control.fail(&r, &reason)).map_err(|e| to_py(py, e.into()))?;
+        self.adopted.remove(&claim.inner.signature);
+        Ok(())
+    }
+
+    /// claim → adopt → load every chunk into `buffer` from `offset`, one
+    /// after another → verify → ack, in one call; returns the manifest. A
+    /// load or verification failure reports `fail` (the publication stays
+    /// RETAINED) and raises: never a partial or silent result.
+    #[pyo3(signature = (ready, layout, buffer, offset = 0, lease_ms = 60_000))]
+    fn get<'py>(
+        &mut self,
+        py: Python<'py>,
+        ready: PyRef<'_, Receipt>,
+        layout: &Bound<'py, PyAny>,
+        buffer: PyRef<'_, Buffer>,
+        offset: u64,
+        lease_ms: u64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let layout = layout_from(layout)?;
+        let (c, r) = (self.conn.clone(), ready.inner.clone());
+        let (reader, session, b) = (self.reader_id.clone(), self.session.clone(), BufferRef::from(&*buffer));
+        let manifest = py
+            .detach(move || -> Result<Manifest, ClientError> {
+                let claim = c.control.claim(&r, &reader, &session, lease_ms)?;
+                let req = AdoptRequest {
+                    receipt: claim.clone(),
+                    namespace: claim.namespace.clone(),
+                    epoch: claim.epoch,
+                    manifest_digest: claim.manifest_digest.clone(),
+                    layout,
+                    direct: false,
+                    reservation_key: None,
+                };
+                let manifest = c.control.adopt(&req)?;
+                let loaded = (|| {
+                    if manifest_digest(&manifest) != claim.manifest_digest {
+                        return Err(ClientError::Verify {
+                            chunk: 0,
+                            what: "the adopted manifest is not the one claimed".into(),
+                        });
+                    }
+                    let mut at = offset;
+                    let places: Vec<(u32, BufferRef, u64)> = manifest
+                        .chunks
+                        .iter()
+                        .map(|ch| {
+                            let place = (ch.index, b.clone(), at);
+                            at += ch.len;
+                            place
+                        })
+                        .collect();
+                    load_verified(&c, &claim, &manifest, &places)
+                })();
+                match loaded {
+                    Ok(v) => {
+                        let crcs: Vec<u32> = v.into_iter().map(|(_, crc)| crc).collect();
+                        let digest = restore_digest(manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
+                        c.control.ack(&claim, &digest)?;
+                        Ok(manifest)
+                    }
+                    Err(e) => {
+                        // Keep the bytes: a failed load must never let the slots be reused.
+                        let _ = c.control.fail(&claim, &e.to_string());
+                        Err(e)
+                    }
+                }
+            })
+            .map_err(|e| to_py(py, e.into()))?;
+        manifest_dict(py, &manifest)
+    }
+}
+
+/// Every refusal code the daemon answers: `(code, http_status)`.
+#[pyfunction]
+fn refusal_codes() -> Vec<(&'static str, u16)> {
+    RefusalCode::ALL.iter().map(|c| (c.as_str(), c.status())).collect()
+}
+
+/// The version of the pdstor crate this module was built from.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Buffer>()?;
+    m.add_class::<Receipt>()?;
+    m.add_class::<Client>()?;
+    m.add_class::<Writer>()?;
+    m.add_class::<Reader>()?;
+    m.add_function(wrap_pyfunction!(refusal_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    Ok(())
+}
