@@ -17,6 +17,8 @@ class Buffer:
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def write(self, offset: int, data: _BufferLike) -> None:
         """Copies data (bytes, a numpy array, a memoryview…) in at offset."""
+    def read_into(self, offset: int, dest: _BufferLike) -> None:
+        """Copies len(dest) bytes at offset into dest (writable, contiguous)."""
     def read(self, offset: int, len: int) -> bytes:
         """Copies len bytes at offset out."""
     def crc32c(self, offset: int, len: int) -> int:

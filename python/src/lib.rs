@@ -86,6 +86,24 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A byte view of any C-contiguous buffer-protocol object (a bf16 tensor's
+/// memoryview included: it is cast to bytes, not copied).
+fn byte_view(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<pyo3::buffer::PyBuffer<u8>> {
+    if let Ok(b) = pyo3::buffer::PyBuffer::<u8>::get(obj) {
+        return Ok(b);
+    }
+    let bytes = obj
+        .py()
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,))
+        .and_then(|m| m.call_method1("cast", ("B",)))
+        .map_err(|e| {
+            PyTypeError::new_err(format!("{what} must be a C-contiguous buffer (bytes, array, memoryview): {e}"))
+        })?;
+    pyo3::buffer::PyBuffer::<u8>::get(&bytes).map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))
+}
+
 static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
 
 /// Memory the daemon reads stores from and loads into: a memfd, mapped here
@@ -129,8 +147,7 @@ impl Buffer {
     /// Copies `data` (any object with the buffer protocol: bytes, a numpy
     /// array, a contiguous tensor's memoryview…) into the buffer at `offset`.
     fn write(&self, py: Python<'_>, offset: u64, data: &Bound<'_, PyAny>) -> PyResult<()> {
-        let src = pyo3::buffer::PyBuffer::<u8>::get(data)
-            .map_err(|e| PyTypeError::new_err(format!("write: data must be a contiguous byte buffer: {e}")))?;
+        let src = byte_view(data, "write: data")?;
         if !src.is_c_contiguous() {
             return Err(PyValueError::new_err("write: data must be C-contiguous"));
         }
@@ -145,6 +162,27 @@ impl Buffer {
         })
         .map_err(|e| PyValueError::new_err(format!("write: {e}")))?;
         drop(src);
+        Ok(())
+    }
+
+    /// Copies `len(dest)` bytes at `offset` into `dest` (any writable,
+    /// C-contiguous buffer: a bytearray, a numpy array, a tensor's memoryview).
+    fn read_into(&self, py: Python<'_>, offset: u64, dest: &Bound<'_, PyAny>) -> PyResult<()> {
+        let dst = byte_view(dest, "read_into: dest")?;
+        if dst.readonly() || !dst.is_c_contiguous() {
+            return Err(PyValueError::new_err("read_into: dest must be writable and C-contiguous"));
+        }
+        let len = dst.len_bytes();
+        self.inner.check_range(offset, len).map_err(|e| PyValueError::new_err(format!("read_into: {e}")))?;
+        let (to, from) = (dst.buf_ptr() as usize, self.inner.clone());
+        py.detach(move || {
+            // SAFETY: `dst` (a held, writable PyBuffer, alive until the end
+            // of this function) exports `len` bytes at `to`.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(to as *mut u8, len) };
+            from.read_at(offset, bytes)
+        })
+        .map_err(|e| PyValueError::new_err(format!("read_into: {e}")))?;
+        drop(dst);
         Ok(())
     }
 
@@ -786,9 +824,10 @@ impl Reader {
     }
 
     /// claim → adopt → load every chunk into `buffer` from `offset`, one
-    /// after another → verify → ack, in one call; returns the manifest. A
-    /// load or verification failure reports `fail` (the publication stays
-    /// RETAINED) and raises: never a partial or silent result.
+    /// after another → verify → ack, in one call; returns the manifest. Once
+    /// claimed, any failure — adopt refused, a load or verification failed —
+    /// reports `fail` (the publication stays RETAINED) and raises: never a
+    /// partial or silent result.
     #[pyo3(signature = (ready, layout, buffer, offset = 0, lease_ms = 60_000))]
     fn get<'py>(
         &mut self,
@@ -814,8 +853,8 @@ impl Reader {
                     direct: false,
                     reservation_key: None,
                 };
-                let manifest = c.control.adopt(&req)?;
                 let loaded = (|| {
+                    let manifest = c.control.adopt(&req)?;
                     if manifest_digest(&manifest) != claim.manifest_digest {
                         return Err(ClientError::Verify {
                             chunk: 0,
@@ -832,17 +871,20 @@ impl Reader {
                             place
                         })
                         .collect();
-                    load_verified(&c, &claim, &manifest, &places)
+                    Ok((load_verified(&c, &claim, &manifest, &places)?, manifest))
                 })();
                 match loaded {
-                    Ok(v) => {
+                    Ok((v, manifest)) => {
                         let crcs: Vec<u32> = v.into_iter().map(|(_, crc)| crc).collect();
                         let digest = restore_digest(manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
                         c.control.ack(&claim, &digest)?;
                         Ok(manifest)
                     }
                     Err(e) => {
-                        // Keep the bytes: a failed load must never let the slots be reused.
+                        // Refused at adopt (another layout, say), or a failed
+                        // load: the claim is reported failed and the bytes
+                        // kept RETAINED — never reused while someone may
+                        // still read them.
                         let _ = c.control.fail(&claim, &e.to_string());
                         Err(e)
                     }

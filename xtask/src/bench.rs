@@ -30,6 +30,12 @@ pub struct BenchArgs {
     /// pdstor payload path (fio always uses --fixedbufs).
     #[arg(long, default_value = "host_fixed")]
     path: String,
+    /// Instead: put and get through LMCache's StorageManager with pdstor's
+    /// plugin, LMCache's raw_block (io_uring) and its local_disk, each on its own
+    /// zram device, alternating rounds; prints pdstor/raw_block and
+    /// pdstor/local_disk (root; the venv of `cargo xtask python`).
+    #[arg(long)]
+    lmcache: bool,
 }
 
 struct Case {
@@ -70,6 +76,9 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     let pdstor = crate::build_pdstor(sh)?;
     let out_dir = crate::project_root().join("target/bench");
     sh.create_dir(&out_dir)?;
+    if args.lmcache {
+        return lmcache(sh, &pdstor, &out_dir, args);
+    }
     let mut reports = Vec::new();
     for t in &args.targets {
         match t.as_str() {
@@ -211,6 +220,41 @@ fn median(mut v: Vec<f64>) -> f64 {
         n if n % 2 == 1 => v[n / 2],
         n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
     }
+}
+
+/// pdstor's LMCache plugin against LMCache's own raw_block and local_disk
+/// backends (python/bench/lmcache_bench.py), each on its own zram device:
+/// pdstor's namespace and raw_block's raw device, and ext4 for local_disk.
+fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+    if !crate::deps::is_root(sh) {
+        bail!("bench --lmcache makes zram devices and mounts one: run it as root");
+    }
+    let venv = crate::python::venv(sh)?;
+    crate::python::install(sh, &venv)?;
+    // local_disk's filesystem holds every round: LMCache 0.5.6's remove() does
+    // not give back the space its admission counts (zram allocates lazily).
+    let (ours, raw, disk) = (Zram::new(sh, &args.size)?, Zram::new(sh, &args.size)?, Zram::new(sh, "8G")?);
+    let disk_dev = &disk.device;
+    cmd!(sh, "mkfs.ext4 -q -F {disk_dev}").run().context("mkfs.ext4 on the local_disk zram")?;
+    let mnt = out_dir.join("lmcache-disk");
+    sh.create_dir(&mnt)?;
+    cmd!(sh, "mount {disk_dev} {mnt}").run().context("mounting the local_disk zram")?;
+    let python = venv.join("bin/python");
+    let script = crate::project_root().join("python/bench/lmcache_bench.py");
+    let json = out_dir.join("lmcache-report.json");
+    let rounds = args.rounds.max(5).to_string();
+    let (a, b) = (&ours.device, &raw.device);
+    let ran = cmd!(
+        sh,
+        "{python} {script} --pdstor-bin {pdstor} --pdstor-device {a} --raw-block-device {b} --disk-dir {mnt} --rounds {rounds} --json {json}"
+    )
+    .run()
+    .context("the LMCache benchmark failed (see above)");
+    let _ = cmd!(sh, "umount {mnt}").run();
+    drop((ours, raw, disk));
+    ran?;
+    println!("\nreport: {}", json.display());
+    Ok(())
 }
 
 /// A zram device made for the bench and reset and removed after it.

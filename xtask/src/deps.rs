@@ -36,6 +36,8 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("dwarves", "pahole: BTF in the series guest kernel, for the probes"),
     ("patch", "applying the kernel patch series"),
     ("chromium", "rendering the timeline SVG headless in its screenshot test"),
+    ("python3", "the Python package and its LMCache tests (cargo xtask python)"),
+    ("python3-venv", "the cached virtual environment cargo xtask python makes"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {

@@ -6,6 +6,7 @@ mod bench;
 mod deps;
 mod fresh;
 mod gpu_qual;
+mod python;
 mod vmtest;
 
 use std::path::{Path, PathBuf};
@@ -31,6 +32,9 @@ enum Command {
     Ci,
     /// pdstor bench beside fio on the same targets; prints pdstor/fio ratios.
     Bench(bench::BenchArgs),
+    /// The Python package in a cached venv with the real LMCache (from PyPI): `pip install
+    /// ./python`, then its tests (the API, and the LMCache plugin against a live daemon).
+    Python(python::PythonArgs),
     /// Boot QEMU guests with emulated NVMe (ext4, XFS, raw) and run the contract suites inside.
     Vmtest(vmtest::VmtestArgs),
     /// The payload ladder on real NVIDIA GPU hardware (host → host_fixed → dmabuf_fixed from
@@ -85,6 +89,7 @@ fn main() -> Result<()> {
         Command::Demo => demo(&sh),
         Command::Ci => ci(&sh),
         Command::Bench(args) => bench::run(&sh, &args),
+        Command::Python(args) => python::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Fresh(args) => fresh::run(&sh, &args),
@@ -305,6 +310,11 @@ fn ci(sh: &Shell) -> Result<()> {
         print!("{skips}");
     }
     tested.context("tests failed")?;
+    step("cargo xtask python (pip install ./python in a venv with LMCache 0.5.6 from PyPI; its tests)");
+    let venv = python::venv(sh)?;
+    python::clippy(sh, &venv)?;
+    python::install(sh, &venv)?;
+    python::test(sh, &venv, &[])?;
     step("cargo xtask vmtest (every suite, in a QEMU guest)");
     vmtest::run(sh, &vmtest::VmtestArgs::all())?;
     step("cargo xtask vmtest --suite swiotlb --append swiotlb=force");

@@ -1,0 +1,231 @@
+"""The LMCache plugin with the real LMCache (0.5.6, from PyPI): its
+StorageManager loads `pdstor.lmcache.PdstorBackend` from a configuration
+file exactly as a user's would, and stores and retrieves KV chunks of
+Llama-3.2-1B's shape (16 layers, 8 KV heads of 64, BF16, 256 tokens: 8 MiB a
+chunk) through a live `pdstor serve`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("lmcache")
+
+from lmcache.utils import CacheEngineKey  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.event_manager import EventManager  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
+
+import pdstor  # noqa: E402
+from conftest import Daemon, format_target  # noqa: E402
+
+MODEL = "meta-llama/Llama-3.2-1B"
+KV_SHAPE = (16, 2, 256, 8, 64)  # layers, K/V, tokens, KV heads, head size
+
+
+def config_file(dir: Path, d: Daemon) -> Path:
+    """The YAML an LMCache user writes to load the plugin."""
+    path = dir / "lmcache.yaml"
+    path.write_text(
+        f"""chunk_size: 256
+local_cpu: false
+max_local_cpu_size: 1.0
+storage_plugins: ["pdstor"]
+extra_config:
+  storage_plugin.pdstor.module_path: pdstor.lmcache
+  storage_plugin.pdstor.class_name: PdstorBackend
+  pdstor.server: "{d.server}"
+  pdstor.data_socket: "{d.data_socket}"
+  pdstor.io_threads: 4
+"""
+    )
+    return path
+
+
+def manager(cfg: Path, kv_shape=KV_SHAPE) -> StorageManager:
+    config = LMCacheEngineConfig.from_file(str(cfg))
+    md = LMCacheMetadata(
+        model_name=MODEL,
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.bfloat16,
+        kv_shape=kv_shape,
+    )
+    sm = StorageManager(config, md, EventManager())
+    assert "pdstor" in sm.storage_backends, f"LMCache did not load the plugin: {list(sm.storage_backends)}"
+    return sm
+
+
+def key(i: int) -> CacheEngineKey:
+    return CacheEngineKey(MODEL, 1, 0, 0xC0FFEE00 + i, torch.bfloat16)
+
+
+def kv(i: int, tokens: int = 256) -> "torch.Tensor":
+    """Chunk i's KV, from its own seed: regenerated anywhere, no pdstor involved."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn((2, KV_SHAPE[0], tokens, KV_SHAPE[3] * KV_SHAPE[4]), generator=g).to(torch.bfloat16)
+
+
+def put(sm: StorageManager, ids: list[int], tokens: int = 256) -> None:
+    objs = []
+    for i in ids:
+        t = kv(i, tokens)
+        obj = sm.allocate(t.shape, torch.bfloat16)
+        obj.tensor.copy_(t)
+        objs.append(obj)
+    sm.batched_put([key(i) for i in ids], objs)
+    backend = sm.storage_backends["pdstor"]
+    deadline = time.monotonic() + 60
+    while any(backend.exists_in_put_tasks(key(i)) for i in ids):
+        assert time.monotonic() < deadline, "puts did not finish"
+        time.sleep(0.01)
+
+
+def retrieve(sm: StorageManager, keys: list[CacheEngineKey]) -> list:
+    """What LMCache's engine does to retrieve (LMCacheEngine.retrieve): map
+    the keys to the backends that hold them, then get from each there."""
+    mapping = sm.get_block_mapping([(k, i * 256, (i + 1) * 256) for i, k in enumerate(keys)])
+    assert list(mapping) == ["pdstor"], f"the keys were found in {list(mapping)}"
+    return sm.batched_get([k for k, _, _ in mapping["pdstor"]], location="pdstor")
+
+
+@pytest.fixture
+def big_daemon(tmp_path: Path):
+    """A daemon on a 256 MiB file with 8 MiB slots (one LMCache chunk each)."""
+    target = tmp_path / "kv.img"
+    format_target(target, "256M", "8M")
+    d = Daemon(tmp_path, target)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def sm_factory(tmp_path: Path, big_daemon: Daemon):
+    made: list[StorageManager] = []
+
+    def make(kv_shape=KV_SHAPE) -> StorageManager:
+        sm = manager(config_file(tmp_path, big_daemon), kv_shape)
+        made.append(sm)
+        return sm
+
+    yield make
+    for sm in made:
+        sm.close()
+
+
+def test_lmcache_stores_and_retrieves_through_pdstor(sm_factory, big_daemon: Daemon):
+    sm = sm_factory()
+    put(sm, [0, 1, 2, 3])
+    # Each key is a READY publication of one 8 MiB chunk, durable before it counts.
+    pubs = big_daemon.client().publications("READY")
+    assert sorted(p["req_id"] for p in pubs) == sorted(key(i).to_string() for i in range(4))
+    assert all(p["chunks"] == 1 for p in pubs)
+    assert sm.batched_contains([key(i) for i in range(5)])[0] == 4
+    got = retrieve(sm, [key(i) for i in range(4)])
+    for i, obj in enumerate(got):
+        assert obj is not None and torch.equal(obj.tensor, kv(i)), f"chunk {i} differs"
+        obj.ref_count_down()
+    # A handoff consumes: restored and acknowledged, the slots are free again.
+    assert big_daemon.client().publications() == []
+
+
+def test_a_partial_last_chunk_keeps_its_token_count(sm_factory):
+    sm = sm_factory()
+    put(sm, [7], tokens=100)
+    (obj,) = retrieve(sm, [key(7)])
+    assert obj.tensor.shape[2] == 100 and torch.equal(obj.tensor, kv(7, 100))
+    obj.ref_count_down()
+
+
+WRITER = r"""
+import sys, time, torch
+sys.path.insert(0, sys.argv[2])
+from pathlib import Path
+import test_lmcache as t
+sm = t.manager(Path(sys.argv[1]))
+t.put(sm, [10, 11, 12])
+sm.close()
+print("stored")
+"""
+
+
+def test_a_second_process_restores_what_the_first_stored(sm_factory, tmp_path, big_daemon: Daemon):
+    cfg = config_file(tmp_path, big_daemon)
+    out = subprocess.run(
+        [sys.executable, "-c", WRITER, str(cfg), os.path.dirname(__file__)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "stored" in out.stdout, out.stderr[-3000:]
+    sm = sm_factory()  # the decode process: knows the keys, not the receipts
+    keys = [key(i) for i in (10, 11, 12)]
+    assert sm.batched_contains(keys)[0] == 3
+    for i, obj in zip((10, 11, 12), retrieve(sm, keys)):
+        assert torch.equal(obj.tensor, kv(i))
+        obj.ref_count_down()
+
+
+def test_a_corrupt_chunk_is_a_load_error_in_lmcache(sm_factory, big_daemon: Daemon):
+    sm = sm_factory()
+    put(sm, [20, 21])
+    victim = key(21).to_string()
+    (info,) = [p for p in big_daemon.client().publications(verbose=True) if p["req_id"] == victim]
+    with open(big_daemon.target, "r+b") as f:
+        f.seek(info["extents"][0]["offset"] + 4 * 4096 + 17)
+        f.write(b"bit rot")
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(pdstor.LoadFailed):
+        retrieve(sm, [key(20), key(21)])
+    # Not a miss, not freed: the corrupt publication is RETAINED with its bytes.
+    states = {p["req_id"]: p["state"] for p in big_daemon.client().publications()}
+    assert states == {victim: "RETAINED"}, states
+
+
+def test_a_daemon_restart_between_put_and_get_keeps_the_data(sm_factory, big_daemon: Daemon):
+    sm = sm_factory()
+    put(sm, [30, 31])
+    sm.close()
+    big_daemon.kill9()
+    big_daemon.start()
+    sm = sm_factory()
+    got = retrieve(sm, [key(30), key(31)])
+    for i, obj in zip((30, 31), got):
+        assert torch.equal(obj.tensor, kv(i))
+        obj.ref_count_down()
+
+
+def test_a_reader_with_another_layout_is_refused(sm_factory, big_daemon: Daemon):
+    put(sm_factory(), [40])
+    # Same bytes per token, another geometry (4 KV heads of 128): refused at adopt.
+    other = sm_factory(kv_shape=(16, 2, 256, 4, 128))
+    with pytest.raises(pdstor.LayoutMismatch):
+        retrieve(other, [key(40)])
+    assert [p["state"] for p in big_daemon.client().publications()] == ["RETAINED"]
+
+
+def test_bad_configuration_gives_python_exceptions(tmp_path: Path, big_daemon: Daemon):
+    from pdstor.lmcache import PdstorBackend
+
+    cfg = LMCacheEngineConfig.from_file(str(config_file(tmp_path, big_daemon)))
+    md = LMCacheMetadata(MODEL, 1, 1, 0, 0, torch.bfloat16, KV_SHAPE)
+    with pytest.raises(ValueError, match="local_cpu_backend"):
+        PdstorBackend(config=cfg, metadata=md, local_cpu_backend=None)
+    cfg.extra_config = dict(cfg.extra_config, **{"pdstor.server": f"unix:{tmp_path}/nobody.sock"})
+    with pytest.raises(pdstor.TransportError):
+        PdstorBackend(config=cfg, metadata=md, local_cpu_backend=object())
+    cfg.extra_config = dict(cfg.extra_config, **{"pdstor.server": big_daemon.server, "pdstor.io_threads": 0})
+    with pytest.raises(ValueError, match="io_threads"):
+        PdstorBackend(config=cfg, metadata=md, local_cpu_backend=object())
+    big_daemon.client().healthz()

@@ -1,0 +1,163 @@
+//! `cargo xtask python`: the Python package (`python/`) in a virtual
+//! environment with the real LMCache, as its users install it — `pip install
+//! lmcache==0.5.6` (which brings torch from PyPI), then `pip install
+//! ./python` — and its tests: the API against a live daemon, and the LMCache
+//! plugin loaded by LMCache's own configuration.
+//!
+//! The environment is several GB (torch pulls CUDA's runtime wheels even on a
+//! CPU machine), so it is made once per requirement set and interpreter and
+//! kept under `~/.cache/pdstor/python/<key>/venv`.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use xshell::{Shell, cmd};
+
+use crate::project_root;
+
+/// What the environment holds besides pdstor: LMCache as its users install
+/// it; the native engine of its raw_block backend (the benchmark's peer: a
+/// separate wheel, published only as release candidates); the test and build
+/// tools.
+pub const REQUIREMENTS: &str =
+    "lmcache==0.5.6\nlmcache-rust-raw-block-io==0.5.7rc2\nnumpy\npytest\nmaturin>=1.9,<2\npatchelf\n";
+
+/// The marker written once the environment is complete: a half-made one
+/// (an interrupted pip) is made again, never used.
+const COMPLETE: &str = ".pdstor-complete";
+
+#[derive(clap::Args, Debug, Default)]
+pub struct PythonArgs {
+    /// Only make (or find) the environment and install the package; print its path.
+    #[arg(long)]
+    pub env_only: bool,
+    /// pytest arguments (default: the whole of python/tests).
+    #[arg(trailing_var_arg = true)]
+    pub pytest: Vec<String>,
+}
+
+/// The environment for pip: the system's CA bundle where there is one (as
+/// Debian's own pip uses; a venv's pip otherwise trusts only its vendored
+/// certificates), and the package built into the workspace's `target/python`.
+fn pip_env(cmd: xshell::Cmd<'_>) -> xshell::Cmd<'_> {
+    let bundle = Path::new("/etc/ssl/certs/ca-certificates.crt");
+    let cmd = cmd
+        .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
+        .env("PIP_PROGRESS_BAR", "off")
+        .env("CARGO_TARGET_DIR", project_root().join("target/python"));
+    if std::env::var_os("PIP_CERT").is_none() && bundle.exists() { cmd.env("PIP_CERT", bundle) } else { cmd }
+}
+
+/// The interpreter the environment is made from: Debian's `/usr/bin/python3`
+/// (what `cargo xtask deps` installs), else `python3` on PATH.
+fn interpreter(sh: &Shell) -> Result<(String, String)> {
+    let python = if Path::new("/usr/bin/python3").exists() { "/usr/bin/python3".to_owned() } else { "python3".into() };
+    let version = cmd!(sh, "{python} --version")
+        .quiet()
+        .read()
+        .with_context(|| format!("running {python} --version: install python3 and python3-venv (cargo xtask deps)"))?;
+    Ok((python, version.trim().to_owned()))
+}
+
+/// The cached environment (made if missing or incomplete); returns its directory.
+pub fn venv(sh: &Shell) -> Result<PathBuf> {
+    let (python, version) = interpreter(sh)?;
+    check_interpreter(&version)?;
+    // FNV-1a over what decides the environment: the interpreter and the requirements.
+    let key = format!("{version}\n{REQUIREMENTS}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let key = format!("{key:016x}");
+    let home = std::env::var_os("HOME").context("HOME is not set: cannot find ~/.cache/pdstor")?;
+    let root = PathBuf::from(home).join(".cache/pdstor/python").join(&key);
+    let venv = root.join("venv");
+    if venv.join(COMPLETE).exists() {
+        println!("python: environment {} ({version}, cached)", venv.display());
+        return Ok(venv);
+    }
+    let started = Instant::now();
+    let _ = std::fs::remove_dir_all(&venv);
+    std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    println!("python: making {} ({version}): pip install {}", venv.display(), REQUIREMENTS.replace('\n', " "));
+    cmd!(sh, "{python} -m venv {venv}")
+        .run()
+        .with_context(|| format!("{python} -m venv: install python3-venv (cargo xtask deps)"))?;
+    let requirements = root.join("requirements.txt");
+    std::fs::write(&requirements, REQUIREMENTS).context("writing requirements.txt")?;
+    let pip = venv.join("bin/pip");
+    pip_env(cmd!(sh, "{pip} install --quiet -r {requirements}"))
+        .run()
+        .context("pip install of LMCache and the test tools (PyPI must be reachable)")?;
+    let frozen = cmd!(sh, "{pip} freeze").quiet().read().context("pip freeze")?;
+    std::fs::write(root.join("freeze.txt"), frozen).context("writing freeze.txt")?;
+    std::fs::write(venv.join(COMPLETE), "").context("marking the environment complete")?;
+    println!(
+        "python: environment made in {:.0} s (versions in {})",
+        started.elapsed().as_secs_f64(),
+        root.join("freeze.txt").display()
+    );
+    Ok(venv)
+}
+
+/// `pip install ./python` into `venv`, exactly as a user installs it (pip
+/// builds the wheel with maturin, in release).
+pub fn install(sh: &Shell, venv: &Path) -> Result<()> {
+    let started = Instant::now();
+    let pip = venv.join("bin/pip");
+    let package = project_root().join("python");
+    pip_env(cmd!(sh, "{pip} install --quiet --force-reinstall --no-deps {package}"))
+        .run()
+        .context("pip install ./python failed (the build output is above)")?;
+    println!("python: pip install ./python in {:.0} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// Lints the binding crate (its own cargo workspace) with the environment's interpreter.
+pub fn clippy(sh: &Shell, venv: &Path) -> Result<()> {
+    let manifest = project_root().join("python/Cargo.toml");
+    cmd!(sh, "cargo fmt --manifest-path {manifest} --check")
+        .run()
+        .context("python/: formatting differs: run cargo fmt there")?;
+    cmd!(sh, "cargo clippy --manifest-path {manifest} --all-targets --quiet -- -D warnings")
+        .env("PYO3_PYTHON", venv.join("bin/python"))
+        .env("CARGO_TARGET_DIR", project_root().join("target/python"))
+        .run()
+        .context("clippy found problems in python/")
+}
+
+pub fn run(sh: &Shell, args: &PythonArgs) -> Result<()> {
+    let venv = venv(sh)?;
+    install(sh, &venv)?;
+    if args.env_only {
+        println!("{}", venv.display());
+        return Ok(());
+    }
+    test(sh, &venv, &args.pytest)
+}
+
+/// The package's tests (API and LMCache plugin) against the release daemon.
+pub fn test(sh: &Shell, venv: &Path, pytest: &[String]) -> Result<()> {
+    let pdstor = crate::build_pdstor(sh)?;
+    let python = venv.join("bin/python");
+    let tests = project_root().join("python/tests");
+    let args: Vec<String> = if pytest.is_empty() {
+        vec![tests.display().to_string(), "-q".into(), "-p".into(), "no:cacheprovider".into()]
+    } else {
+        pytest.to_vec()
+    };
+    // From the tests' own directory: the installed package is what is
+    // imported, not the source tree's python/pdstor (which has no module built).
+    sh.change_dir(&tests);
+    let ran = cmd!(sh, "{python} -m pytest {args...}").env("PDSTOR_BIN", &pdstor).run();
+    sh.change_dir(project_root());
+    ran.context("the Python tests failed (see above)")
+}
+
+/// Fails unless the interpreter is one LMCache 0.5.6 ships wheels for.
+fn check_interpreter(version: &str) -> Result<()> {
+    if !version.starts_with("Python 3.11") {
+        bail!("{version}: LMCache 0.5.6 publishes wheels for CPython 3.11 only");
+    }
+    Ok(())
+}
