@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,8 @@ from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.event_manager import EventManager
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+from pdstor.testing import Daemon, format_target
 
 MODEL = "meta-llama/Llama-3.2-1B"
 SHAPES = {
@@ -54,44 +55,12 @@ def chunk_bytes(shape) -> int:
     return layers * kv * tokens * heads * dim * 2
 
 
-def run(cmd: list[str]) -> None:
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {out.stderr.strip()}")
-
-
-class Pdstor:
-    """`pdstor format` + `pdstor serve` on the device, sockets in a temporary dir."""
-
-    def __init__(self, binary: str, device: str, slot: int, dir: Path):
-        run([binary, "format", "--target", device, "--chunk-slot", str(slot), "--journal", "16M", "--force"])
-        self.server = f"unix:{dir}/control.sock"
-        self.data_socket = f"{dir}/data.sock"
-        self.log = open(dir / "serve.log", "ab")
-        self.proc = subprocess.Popen(
-            [binary, "serve", "--target", device, "--listen", self.server, "--data-socket", self.data_socket,
-             "--qd", "128"],
-            stdout=subprocess.DEVNULL,
-            stderr=self.log,
-        )
-        import pdstor
-
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                pdstor.Client(self.server, self.data_socket).healthz()
-                if os.path.exists(self.data_socket):
-                    return
-            except pdstor.Error:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pdstor serve did not start on {device} (see {dir}/serve.log)")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        self.log.close()
+def start_pdstor(binary: str, device: str, slot: int, dir: Path) -> Daemon:
+    """`pdstor format` + `pdstor serve` on the device, sockets in `dir`."""
+    format_target(binary, device, slot=slot, journal="16M")
+    d = Daemon(binary, dir, device, ["--qd", "128"])
+    d.start()
+    return d
 
 
 def manager(dir: Path, name: str, shape, extra: dict, top: dict) -> StorageManager:
@@ -174,7 +143,7 @@ def main() -> int:
             torch.randn((2, shape[0], 256, shape[3] * shape[4]), generator=g).to(torch.bfloat16) for _ in range(n)
         ]
         dir = Path(tempfile.mkdtemp(prefix="pdstor-lmcache-bench-"))
-        daemon = Pdstor(a.pdstor_bin, a.pdstor_device, size, dir)
+        daemon = start_pdstor(a.pdstor_bin, a.pdstor_device, size, dir)
         raw_dev_bytes = int(Path(f"/sys/class/block/{Path(a.raw_block_device).name}/size").read_text()) * 512
         disk = Path(a.disk_dir) / shape_name
         disk.mkdir(parents=True, exist_ok=True)
@@ -189,7 +158,7 @@ def main() -> int:
     return 0
 
 
-def measure_shape(a, shape_name, shape, size, n, source, daemon, dir, disk, raw_dev_bytes, sms) -> dict:
+def measure_shape(a, shape_name, shape, size, n, source, daemon: Daemon, dir, disk, raw_dev_bytes, sms) -> dict:
     """Alternating rounds of the three backends on one chunk shape; medians and ratios."""
     sms.update({
         "pdstor": manager(dir, "pdstor", shape, {

@@ -24,7 +24,7 @@ from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
 import pdstor  # noqa: E402
-from conftest import Daemon, format_target  # noqa: E402
+from conftest import Daemon, serve  # noqa: E402
 
 MODEL = "meta-llama/Llama-3.2-1B"
 KV_SHAPE = (16, 2, 256, 8, 64)  # layers, K/V, tokens, KV heads, head size
@@ -101,10 +101,7 @@ def retrieve(sm: StorageManager, keys: list[CacheEngineKey]) -> list:
 @pytest.fixture
 def big_daemon(tmp_path: Path):
     """A daemon on a 256 MiB file with 8 MiB slots (one LMCache chunk each)."""
-    target = tmp_path / "kv.img"
-    format_target(target, "256M", "8M")
-    d = Daemon(tmp_path, target)
-    d.start()
+    d = serve(tmp_path, "256M", "8M")
     yield d
     d.stop()
 
