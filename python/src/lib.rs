@@ -532,7 +532,8 @@ impl Writer {
     /// Stores one batch: `chunks` is a list of `(index, buffer, offset,
     /// length)`; `last=True` on the final batch. The daemon checks each
     /// chunk's crc32c as it lands. A refused batch rolls the whole
-    /// publication back (the writer is free again).
+    /// publication back — aborted, its slots free — and the writer is free
+    /// again.
     #[pyo3(signature = (chunks, last = false))]
     fn store(&mut self, py: Python<'_>, chunks: &Bound<'_, PyAny>, last: bool) -> PyResult<()> {
         let chunks = store_chunks(chunks)?;
@@ -543,7 +544,14 @@ impl Writer {
             ));
         };
         let c = self.conn.clone();
-        let r = py.detach(move || store_batch(&c, &p, &chunks, last, total));
+        let r = py.detach(move || {
+            store_batch(&c, &p, &chunks, last, total).inspect_err(|_| {
+                // The daemon rolls back a refused batch's publication; a
+                // batch refused before it reached the daemon is rolled back
+                // here, so nothing stays PREPARED behind a forgotten token.
+                let _ = c.control.abort(p.publication, &p.writer_token);
+            })
+        });
         if let Err(e) = r {
             self.current = None;
             return Err(to_py(py, e.into()));

@@ -143,8 +143,10 @@ def test_bad_arguments_raise_not_crash(daemon: Daemon):
         w.store([("zero", None, 0, 1)])
     buf = pdstor.Buffer(MIB)
     with pytest.raises(pdstor.Error):
-        # Past the end of the buffer: refused before anything moves.
+        # Past the end of the buffer: refused before anything moves, and the
+        # publication rolled back rather than left PREPARED.
         w.store([(0, buf, MIB - 4096, 2 * MIB)], last=True)
+    assert w.publication is None and client.publications() == []
     with pytest.raises(TypeError):
         w.put("y", LAYOUT, [(b"bytes are not a pdstor.Buffer", 0, 10)])
     with pytest.raises(ValueError, match="at least one chunk"):
