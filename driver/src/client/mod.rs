@@ -675,20 +675,13 @@ impl Reader {
         let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
         let all: Vec<u32> = manifest.chunks.iter().map(|c| c.index).collect();
         self.load_chunks(claim, &manifest, &all)?;
-        // Verify from this process's own view of the bytes, a piece at a time.
+        // Verify from this process's own view of the bytes, in place in its
+        // mapping: no copy (the load of every chunk has completed).
         let (buffer, _) = self.buffer_for(total)?;
-        let mut scratch = vec![0u8; (1 << 20).min(total.max(1)) as usize];
         let mut crcs = Vec::with_capacity(manifest.chunks.len());
         let mut off = 0u64;
         for m in &manifest.chunks {
-            let mut crc = 0u32;
-            let mut at = 0u64;
-            while at < m.len {
-                let n = (m.len - at).min(scratch.len() as u64) as usize;
-                buffer.read_at(off + at, &mut scratch[..n]).map_err(|e| ClientError::Data(e.to_string()))?;
-                crc = crc32c::crc32c_append(crc, &scratch[..n]);
-                at += n as u64;
-            }
+            let crc = buffer.crc32c(off, m.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
             if crc != m.crc32c {
                 return Err(ClientError::Verify {
                     chunk: m.index,
