@@ -1,7 +1,9 @@
 """Type stubs of pdstor._native (the PyO3 module built from python/src/lib.rs)."""
 
-from collections.abc import Buffer as _BufferLike, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
+
+from typing_extensions import Buffer as _BufferLike  # collections.abc.Buffer from Python 3.12
 
 Layout = dict[str, Any]
 """model_id: str, dtype: str, layers, kv_heads, head_dim, chunk_tokens: int, kv_format: str"""
