@@ -13,7 +13,7 @@ use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClo
 use std::time::Duration;
 
 use crate::admission::CancelToken;
-use crate::store::{AbortOutcome, CancelOutcome, Layout, Manifest, Phase, Publication, Store, StoreError};
+use crate::store::{AbortOutcome, CancelOutcome, Layout, Manifest, Owner, Phase, Publication, Store, StoreError};
 use crate::timeline::Event;
 
 /// A refused or failed protocol step, as the API reports it.
@@ -440,6 +440,13 @@ impl Service {
         Ok(Published { receipt, manifest })
     }
 
+    /// Whether `who` may read (claim) a publication `owner` made: an admin,
+    /// or a caller of a tenant the owner's tenant lets read. The one rule
+    /// `claim` enforces and `lookup` answers by.
+    fn may_read(&self, who: &Caller, owner: &Owner) -> bool {
+        who.roles.admin || who.tenant.as_deref().is_some_and(|t| self.policy.may_read(&owner.tenant, t))
+    }
+
     /// Step 4: binds one reader and session to a READY publication; returns the claim receipt.
     pub fn claim(
         &self,
@@ -452,8 +459,7 @@ impl Service {
         who.require(Role::Reader, "claim")?;
         let p = self.check(ready, ReceiptKind::Ready)?;
         if let (Some(owner), Some(tenant)) = (&p.owner, &who.tenant)
-            && !who.roles.admin
-            && !self.policy.may_read(&owner.tenant, tenant)
+            && !self.may_read(who, owner)
         {
             return Err(Refusal::new(
                 RefusalCode::Forbidden,
@@ -739,9 +745,7 @@ impl Service {
         }
         let usable = |p: &Publication| {
             let Some(owner) = &p.owner else { return true };
-            who.roles.admin
-                || (who.roles.writer && who.is(owner))
-                || (who.roles.reader && who.tenant.as_deref().is_some_and(|t| self.policy.may_read(&owner.tenant, t)))
+            who.roles.admin || (who.roles.writer && who.is(owner)) || (who.roles.reader && self.may_read(who, owner))
         };
         let epoch = self.store.epoch();
         req_ids
