@@ -673,6 +673,25 @@ fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyAn
     loads(py, &serde_json::to_string(m).map_err(|e| PyValueError::new_err(e.to_string()))?)
 }
 
+/// `adopt` with every field from the claim, then the check that the
+/// manifest answered is the one claimed.
+fn adopt_checked(conn: &Conn, claim: &RustReceipt, layout: Layout) -> Result<Manifest, ClientError> {
+    let req = AdoptRequest {
+        receipt: claim.clone(),
+        namespace: claim.namespace.clone(),
+        epoch: claim.epoch,
+        manifest_digest: claim.manifest_digest.clone(),
+        layout,
+        direct: false,
+        reservation_key: None,
+    };
+    let manifest = conn.control.adopt(&req)?;
+    if manifest_digest(&manifest) != claim.manifest_digest {
+        return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
+    }
+    Ok(manifest)
+}
+
 /// Loads `which` chunks of an adopted claim to their places and verifies
 /// each one's crc32c from this process's own view of the bytes.
 fn load_verified(
@@ -750,20 +769,7 @@ impl Reader {
     ) -> PyResult<Bound<'py, PyAny>> {
         let layout = layout_from(layout)?;
         let (c, r) = (self.conn.clone(), claim.inner.clone());
-        let req = AdoptRequest {
-            receipt: r.clone(),
-            namespace: r.namespace.clone(),
-            epoch: r.epoch,
-            manifest_digest: r.manifest_digest.clone(),
-            layout,
-            direct: false,
-            reservation_key: None,
-        };
-        let manifest = py.detach(move || c.control.adopt(&req)).map_err(|e| to_py(py, e.into()))?;
-        if manifest_digest(&manifest) != claim.inner.manifest_digest {
-            let e = ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() };
-            return Err(to_py(py, e.into()));
-        }
+        let manifest = py.detach(move || adopt_checked(&c, &r, layout)).map_err(|e| to_py(py, e.into()))?;
         let dict = manifest_dict(py, &manifest)?;
         self.adopted.insert(claim.inner.signature.clone(), Adopted { manifest, verified: BTreeMap::new() });
         Ok(dict)
@@ -852,23 +858,8 @@ impl Reader {
         let manifest = py
             .detach(move || -> Result<Manifest, ClientError> {
                 let claim = c.control.claim(&r, &reader, &session, lease_ms)?;
-                let req = AdoptRequest {
-                    receipt: claim.clone(),
-                    namespace: claim.namespace.clone(),
-                    epoch: claim.epoch,
-                    manifest_digest: claim.manifest_digest.clone(),
-                    layout,
-                    direct: false,
-                    reservation_key: None,
-                };
-                let loaded = (|| {
-                    let manifest = c.control.adopt(&req)?;
-                    if manifest_digest(&manifest) != claim.manifest_digest {
-                        return Err(ClientError::Verify {
-                            chunk: 0,
-                            what: "the adopted manifest is not the one claimed".into(),
-                        });
-                    }
+                let loaded = (|| -> Result<_, ClientError> {
+                    let manifest = adopt_checked(&c, &claim, layout)?;
                     let mut at = offset;
                     let places: Vec<(u32, BufferRef, u64)> = manifest
                         .chunks
