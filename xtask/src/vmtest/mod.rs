@@ -556,6 +556,16 @@ fn run_topology(
     s.and(r)
 }
 
+/// The console from the first line of the kernel's report (what died and
+/// how: `Oops: int3`, `BUG: ...`, a WARN's "cut here") through the panic,
+/// at most 80 lines: a tail alone cuts off the header that names the fault.
+fn oops(console: &str) -> String {
+    const STARTS: [&str; 5] = ["------------[ cut here ]", "Oops:", "BUG:", "general protection fault", "Kernel panic"];
+    let lines: Vec<&str> = console.lines().collect();
+    let first = lines.iter().position(|l| STARTS.iter().any(|m| l.contains(m))).unwrap_or(0);
+    lines[first..].iter().take(80).copied().collect::<Vec<_>>().join("\n")
+}
+
 fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
     let text = std::fs::read_to_string(&run.results_file).unwrap_or_default();
     let mut results: Vec<TestResult> = Vec::new();
@@ -604,7 +614,7 @@ fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
     let tail =
         |n: usize| console.lines().rev().take(n).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
     if console.contains("Kernel panic") {
-        bail!("the guest kernel panicked:\n{}", tail(40));
+        bail!("the guest kernel panicked:\n{}", oops(&console));
     }
     if run.timed_out {
         bail!("the guest did not finish within the timeout; console tail:\n{}", tail(40));
@@ -631,4 +641,24 @@ fn report(run: &qemu::VmRun, elapsed: Duration) -> Result<()> {
         bail!("{fail} vmtest test(s) failed");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::oops;
+
+    #[test]
+    fn oops_starts_at_the_report_header_not_a_tail() {
+        let mut console = String::from("[    0.1] booting\n[    1.9] PDSTOR-VMINIT-START\n");
+        console.push_str("[    2.0] Oops: int3: 0000 [#1] SMP NOPTI\n[    2.0] CPU: 0 UID: 0 PID: 0 Comm: swapper/0\n");
+        for i in 0..60 {
+            console.push_str(&format!("[    2.0] R{i}: 0\n"));
+        }
+        console.push_str("[    2.1] Kernel panic - not syncing: Fatal exception in interrupt\n");
+        let excerpt = oops(&console);
+        assert!(excerpt.starts_with("[    2.0] Oops: int3"), "{excerpt}");
+        assert!(excerpt.contains("Kernel panic"), "{excerpt}");
+        assert!(!excerpt.contains("booting"));
+        assert_eq!(oops("no report at all\n"), "no report at all");
+    }
 }

@@ -67,9 +67,20 @@ impl Vm<'_> {
 
     /// `-accel`/`-cpu`: TCG with every CPU feature it emulates (SSE4.2 for
     /// crc32c, etc.); KVM with the host's.
+    ///
+    /// TCG runs the guest's two CPUs on one host thread (`thread=single`),
+    /// round robin. With one thread per CPU (`thread=multi`) a CPU could run
+    /// code another CPU had just rewritten — the kernel patches its own text
+    /// at run time (static keys, `text_poke_bp`'s int3) — from a stale
+    /// translation: a CI run's series-kernel guest died of exactly that, an
+    /// int3 oops in the idle task's `set_next_task_fair` two seconds after
+    /// boot. One thread makes every rewrite visible before the other CPU
+    /// runs again; it costs ~25% of a single guest's wall time (126 -> 155 s
+    /// for the series kernel's suites) and nothing in topology (57 s, 66 s
+    /// before), whose two guests already share the host's two cores.
     fn machine_args(accel: Accel) -> Vec<String> {
         let (accel, cpu) = match accel {
-            Accel::Tcg => ("tcg,thread=multi", "max"),
+            Accel::Tcg => ("tcg,thread=single", "max"),
             Accel::Kvm => ("kvm", "host"),
         };
         ["-machine", "q35", "-accel", accel, "-cpu", cpu, "-smp", "2", "-m", "2048"].map(String::from).to_vec()
