@@ -119,7 +119,8 @@ impl Engine {
             len: buffer.len(),
             source,
         })?;
-        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::DmaBuf });
+        self.slots[id.0 as usize] =
+            Some(Slot { buffer: std::sync::Arc::new(buffer), registered: Registration::DmaBuf });
         Ok(id)
     }
 }

@@ -30,6 +30,7 @@ mod sys;
 mod target;
 
 use std::cell::Cell;
+use std::sync::Arc;
 
 use io_uring::{IoUring, squeue, types};
 
@@ -119,7 +120,10 @@ pub(super) enum Registration {
 }
 
 pub(super) struct Slot {
-    pub(super) buffer: Buffer,
+    /// Shared so a checksum can run on another thread while the ring moves
+    /// other requests ([`Engine::shared_buffer`]); the mapping lives as long
+    /// as the last holder.
+    pub(super) buffer: Arc<Buffer>,
     pub(super) registered: Registration,
 }
 
@@ -244,7 +248,7 @@ impl Engine {
             let _ = unsafe { self.update_buffer_table(id.0, &[empty]) };
             trial.map_err(|source| IoError::DmabufNotPinnable { exporter: d.exporter().to_owned(), source })?;
         }
-        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::None });
+        self.slots[id.0 as usize] = Some(Slot { buffer: Arc::new(buffer), registered: Registration::None });
         Ok(id)
     }
 
@@ -264,12 +268,12 @@ impl Engine {
             }
             _ => IoError::Register { buffer: id, len: buffer.len(), source },
         })?;
-        self.slots[id.0 as usize] = Some(Slot { buffer, registered: Registration::Host });
+        self.slots[id.0 as usize] = Some(Slot { buffer: Arc::new(buffer), registered: Registration::Host });
         Ok(id)
     }
 
     /// Releases a buffer (unregistering it first) and hands it back.
-    pub fn remove(&mut self, id: BufferId) -> Result<Buffer, IoError> {
+    pub fn remove(&mut self, id: BufferId) -> Result<Arc<Buffer>, IoError> {
         let slot = self.slots.get_mut(id.0 as usize).and_then(Option::take).ok_or(IoError::UnknownBuffer(id))?;
         if slot.registered != Registration::None {
             let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
@@ -287,7 +291,13 @@ impl Engine {
 
     /// The held buffer `id`.
     pub fn buffer(&self, id: BufferId) -> Result<&Buffer, IoError> {
-        self.slot(id).map(|s| &s.buffer)
+        self.slot(id).map(|s| &*s.buffer)
+    }
+
+    /// The held buffer `id`, shared: for work on its bytes on another thread
+    /// (a checksum) while this engine moves other requests.
+    pub fn shared_buffer(&self, id: BufferId) -> Result<Arc<Buffer>, IoError> {
+        self.slot(id).map(|s| Arc::clone(&s.buffer))
     }
 
     /// Whether the buffer's CPU mapping is registered (`host_fixed`).
@@ -401,7 +411,7 @@ impl Engine {
             };
             stats.record(req.op, req.path, outcome.bytes, outcome.result.is_ok());
             stats.resubmitted += u64::from(outcome.resubmitted);
-            let buffer = slots.get(req.buffer.0 as usize).and_then(Option::as_ref).map(|s| &s.buffer);
+            let buffer = slots.get(req.buffer.0 as usize).and_then(Option::as_ref).map(|s| &*s.buffer);
             done(
                 slot,
                 Completion {

@@ -82,6 +82,7 @@ pub(crate) struct Worker {
     payload_dirty: bool,
     fault: Option<Arc<FaultPlan>>,
     scratch: Vec<u8>,
+    verifier: Verifier,
     flushes: u64,
     groups: u64,
 }
@@ -127,6 +128,7 @@ impl Worker {
                 payload_dirty: false,
                 fault,
                 scratch: Vec::new(),
+                verifier: Verifier::default(),
                 flushes: 0,
                 groups: 0,
             },
@@ -419,14 +421,40 @@ impl Worker {
             }
         }
         let mut early: Vec<Option<Result<Option<u32>, IoError>>> = (0..allowed.len()).map(|_| None).collect();
-        let Worker { engine, scratch, .. } = self;
+        // The large requests of a batch are checksummed on the verifier
+        // thread, on another core, while this thread keeps the ring full (on
+        // a memory-speed device the transfer is this thread's own copy in
+        // the kernel); the rest here, where a hand-off costs more than the
+        // checksum.
+        let shared: Vec<Option<Arc<Buffer>>> = allowed
+            .iter()
+            .map(|r| {
+                (allowed.len() > 1 && r.len >= Verifier::MIN_LEN)
+                    .then(|| self.engine.shared_buffer(r.buffer).ok())
+                    .flatten()
+                    .filter(|b| b.is_mapped() && b.dmabuf().is_none())
+            })
+            .collect();
+        let Worker { engine, scratch, verifier, .. } = self;
+        let mut handed = 0usize;
         let done = engine.execute_inspect(&allowed, |i, c, buffer| {
             if let (Ok(()), Some(b)) = (&c.result, buffer)
                 && b.dmabuf().is_none()
             {
-                early[i] = Some(crc_of(b, &allowed[i], scratch));
+                match &shared[i] {
+                    Some(b) if verifier.submit(i, Arc::clone(b), allowed[i]) => handed += 1,
+                    _ => early[i] = Some(crc_of(b, &allowed[i], scratch)),
+                }
             }
-        })?;
+        });
+        // Every hand-off is collected before anything returns, so no result
+        // is left for a later batch. One the verifier never answered (it
+        // died) is checksummed below, here.
+        for _ in 0..handed {
+            let Some((i, crc)) = verifier.result() else { break };
+            early[i] = Some(crc);
+        }
+        let done = done?;
         if let Some(f) = &self.fault {
             f.after_writes();
         }
@@ -477,14 +505,91 @@ impl Worker {
     }
 }
 
-/// crc32c of `r`'s range of `b`, through `scratch` (see [`Worker::crc`]).
+/// A thread that checksums completed requests' buffer ranges while the I/O
+/// thread moves the rest of the batch: on a memory-speed target the I/O
+/// thread's time is the kernel's copy, and the checksum on the same thread
+/// would follow it instead of overlapping it. Started at first use; if it
+/// cannot start, or dies, checksums run on the I/O thread as before.
+#[derive(Default)]
+struct Verifier {
+    running: Option<VerifierThread>,
+    failed: bool,
+}
+
+struct VerifierThread {
+    jobs: Sender<(usize, Arc<Buffer>, IoRequest)>,
+    results: Receiver<(usize, Result<Option<u32>, IoError>)>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Verifier {
+    /// Requests shorter than this are checksummed on the I/O thread.
+    const MIN_LEN: u64 = 256 << 10;
+
+    /// Hands request `i` (completed, in `buffer`) to the thread; false if
+    /// there is no thread to take it.
+    fn submit(&mut self, i: usize, buffer: Arc<Buffer>, r: IoRequest) -> bool {
+        if self.running.is_none() && !self.failed {
+            self.running = VerifierThread::start();
+            self.failed = self.running.is_none();
+        }
+        self.running.as_ref().is_some_and(|t| t.jobs.send((i, buffer, r)).is_ok())
+    }
+
+    /// The next result, in completion order; `None` if the thread is gone.
+    fn result(&mut self) -> Option<(usize, Result<Option<u32>, IoError>)> {
+        let got = self.running.as_ref()?.results.recv().ok();
+        if got.is_none() {
+            self.running = None;
+            self.failed = true;
+        }
+        got
+    }
+}
+
+impl VerifierThread {
+    fn start() -> Option<VerifierThread> {
+        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Arc<Buffer>, IoRequest)>();
+        let (tx, results) = std::sync::mpsc::channel();
+        let handle = std::thread::Builder::new()
+            .name("pdstor-verify".into())
+            .spawn(move || {
+                let mut scratch = Vec::new();
+                for (i, b, r) in rx {
+                    let crc = crc_of(&b, &r, &mut scratch);
+                    // Let go of the buffer before answering: the I/O thread
+                    // may unregister it as soon as the batch is answered.
+                    drop(b);
+                    if tx.send((i, crc)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok()?;
+        Some(VerifierThread { jobs, results, handle: Some(handle) })
+    }
+}
+
+impl Drop for VerifierThread {
+    fn drop(&mut self) {
+        // Closing the job channel ends the thread's loop.
+        let (closed, _) = std::sync::mpsc::channel();
+        drop(std::mem::replace(&mut self.jobs, closed));
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// crc32c of `r`'s range of `b`, read with volatile copies a block at a
+/// time through `scratch` (see [`Worker::crc`]).
 fn crc_of(b: &Buffer, r: &IoRequest, scratch: &mut Vec<u8>) -> Result<Option<u32>, IoError> {
     if !b.is_mapped() {
         return Ok(None);
     }
-    scratch.resize(r.len as usize, 0);
-    b.read_at(r.buffer_offset.0, scratch).map_err(|what| IoError::Buffer { transfer: r.transfer, what })?;
-    Ok(Some(crc32c::crc32c(scratch)))
+    b.crc32c_volatile(r.buffer_offset.0, r.len as usize, scratch)
+        .map(Some)
+        .map_err(|what| IoError::Buffer { transfer: r.transfer, what })
 }
 
 fn blank_superblock() -> Superblock {
