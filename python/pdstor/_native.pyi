@@ -84,9 +84,15 @@ class Writer:
     ) -> Receipt: ...
 
 class Reader:
-    """The decode side: claim → adopt → load (verified in place) → ack, or get."""
+    """The decode side: claim → adopt → load (verified in place) → ack, or get.
 
-    def __init__(self, client: Client, reader_id: str = "python", session: str | None = None) -> None: ...
+    verify="daemon" takes each chunk's crc32c as the daemon computed it in
+    place in this process's buffer (checked against the manifest);
+    verify="local" checksums every chunk in this process as well."""
+
+    def __init__(
+        self, client: Client, reader_id: str = "python", session: str | None = None, verify: str = "daemon"
+    ) -> None: ...
     @property
     def session(self) -> str: ...
     def claim(self, ready: Receipt, lease_ms: int = 60000) -> Receipt: ...

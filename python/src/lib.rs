@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdstor::api::wire::{AdoptRequest, DataChunk, PrepareRequest};
-use pdstor::client::{ClientError, DataConn};
+use pdstor::client::{ClientError, DataConn, Verify, reported_checksums};
 use pdstor::protocol::service::{Prepared, restore_digest};
 use pdstor::protocol::{Receipt as RustReceipt, RefusalCode, manifest_digest};
 use pdstor::store::{Layout, Manifest};
@@ -667,6 +667,8 @@ struct Reader {
     session: String,
     /// Claim signature → what was adopted and verified.
     adopted: HashMap<String, Adopted>,
+    /// Who checksums what this reader loads.
+    verify: Verify,
 }
 
 fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyAny>> {
@@ -692,13 +694,17 @@ fn adopt_checked(conn: &Conn, claim: &RustReceipt, layout: Layout) -> Result<Man
     Ok(manifest)
 }
 
-/// Loads `which` chunks of an adopted claim to their places and verifies
-/// each one's crc32c from this process's own view of the bytes.
+/// Loads chunks of an adopted claim to their places and checks each one's
+/// crc32c against the manifest: as the daemon read it in place in this
+/// process's buffer, or computed here, in place, for what the daemon could
+/// not read and for every chunk with `Verify::Local` (see
+/// `pdstor::client::Verify`: one checksum per byte unless asked for two).
 fn load_verified(
     conn: &Conn,
     claim: &RustReceipt,
     manifest: &Manifest,
     places: &[(u32, BufferRef, u64)],
+    verify: Verify,
 ) -> Result<Vec<(u32, u32)>, ClientError> {
     let mut data = lock(&conn.data);
     let mut wire = Vec::with_capacity(places.len());
@@ -711,16 +717,27 @@ fn load_verified(
         wire.push(DataChunk { index: *index, buffer: data.id_of(buffer)?, offset: *offset, len: 0, crc32c: None });
         expect.push((*index, buffer.inner.clone(), *offset, entry.len, entry.crc32c));
     }
-    data.with(|d| d.load(claim, wire))?;
+    let requested: Vec<u32> = wire.iter().map(|c| c.index).collect();
+    let answer = data.with(|d| d.load(claim, wire))?;
     drop(data);
+    let reported = match verify {
+        Verify::Daemon => reported_checksums(&requested, &answer),
+        Verify::Local => Default::default(),
+    };
     expect
         .into_iter()
         .map(|(index, buffer, offset, len, want)| {
-            let got = buffer.crc32c(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let (got, by) = match reported.get(&index) {
+                Some(&crc) => (crc, "the daemon read"),
+                None => (
+                    buffer.crc32c(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?,
+                    "this reader computed",
+                ),
+            };
             if got != want {
                 return Err(ClientError::Verify {
                     chunk: index,
-                    what: format!("crc32c {got:#010x}, the manifest says {want:#010x}"),
+                    what: format!("{by} crc32c {got:#010x}, the manifest says {want:#010x}"),
                 });
             }
             Ok((index, got))
@@ -731,13 +748,17 @@ fn load_verified(
 #[pymethods]
 impl Reader {
     /// A reader on `client`: `reader_id` and `session` are what claims bind
-    /// (a new session per process by default).
+    /// (a new session per process by default). `verify`: `"daemon"` takes
+    /// the crc32c the daemon computed in place in this process's buffer as
+    /// each chunk landed (checked against the manifest; what it could not
+    /// read is checksummed here); `"local"` checksums every chunk here too.
     #[new]
-    #[pyo3(signature = (client, reader_id = "python", session = None))]
-    fn new(client: PyRef<'_, Client>, reader_id: &str, session: Option<String>) -> Self {
+    #[pyo3(signature = (client, reader_id = "python", session = None, verify = "daemon"))]
+    fn new(client: PyRef<'_, Client>, reader_id: &str, session: Option<String>, verify: &str) -> PyResult<Self> {
+        let verify: Verify = verify.parse().map_err(PyValueError::new_err)?;
         let session = session
             .unwrap_or_else(|| format!("py-{}-{}", std::process::id(), NEXT_BUFFER.fetch_add(1, Ordering::Relaxed)));
-        Reader { conn: client.conn.clone(), reader_id: reader_id.into(), session, adopted: HashMap::new() }
+        Ok(Reader { conn: client.conn.clone(), reader_id: reader_id.into(), session, adopted: HashMap::new(), verify })
     }
 
     /// This reader's session id.
@@ -798,7 +819,9 @@ impl Reader {
             ));
         };
         let (c, r, m) = (self.conn.clone(), claim.inner.clone(), adopted.manifest.clone());
-        let verified = py.detach(move || load_verified(&c, &r, &m, &places)).map_err(|e| to_py(py, e.into()))?;
+        let verify = self.verify;
+        let verified =
+            py.detach(move || load_verified(&c, &r, &m, &places, verify)).map_err(|e| to_py(py, e.into()))?;
         if let Some(a) = self.adopted.get_mut(&sig) {
             a.verified.extend(verified);
         }
@@ -855,6 +878,7 @@ impl Reader {
         let layout = layout_from(layout)?;
         let (c, r) = (self.conn.clone(), ready.inner.clone());
         let (reader, session, b) = (self.reader_id.clone(), self.session.clone(), BufferRef::from(&*buffer));
+        let verify = self.verify;
         let manifest = py
             .detach(move || -> Result<Manifest, ClientError> {
                 let claim = c.control.claim(&r, &reader, &session, lease_ms)?;
@@ -870,7 +894,7 @@ impl Reader {
                             place
                         })
                         .collect();
-                    Ok((load_verified(&c, &claim, &manifest, &places)?, manifest))
+                    Ok((load_verified(&c, &claim, &manifest, &places, verify)?, manifest))
                 })();
                 match loaded {
                     Ok((v, manifest)) => {

@@ -170,7 +170,8 @@ def test_every_refusal_code_has_its_class():
         assert cls.code == code
 
 
-def test_a_corrupt_chunk_raises_load_failed_and_is_retained(daemon: Daemon):
+@pytest.mark.parametrize("verify", ["daemon", "local"])
+def test_a_corrupt_chunk_raises_load_failed_and_is_retained(daemon: Daemon, verify: str):
     client = daemon.client()
     buf = pdstor.Buffer(2 * MIB)
     buf.write(0, pattern(2 * MIB, 3))
@@ -184,11 +185,13 @@ def test_a_corrupt_chunk_raises_load_failed_and_is_retained(daemon: Daemon):
         os.fsync(f.fileno())
     out = pdstor.Buffer(2 * MIB)
     with pytest.raises(pdstor.LoadFailed) as e:
-        pdstor.Reader(client).get(ready, LAYOUT, out)
+        pdstor.Reader(client, verify=verify).get(ready, LAYOUT, out)
     assert "1" in str(e.value)
     # Never freed by a failed load: the bytes stay, RETAINED, until reclaimed.
     (after,) = client.publications()
     assert after["state"] == "RETAINED"
+    with pytest.raises(ValueError, match="expected daemon or local"):
+        pdstor.Reader(client, verify="sometimes")
 
 
 def test_the_data_survives_a_daemon_kill_between_put_and_get(tmp_path):

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdstor::api::wire::AdoptRequest;
-use pdstor::client::{Client, ClientError, Reader, Writer};
+use pdstor::client::{Client, ClientError, Reader, Verify, Writer};
 use pdstor::store::Layout;
 use pdstor::{payload, protocol::service::Published};
 use pdstor_tests::{Daemon, pdstor_bin};
@@ -189,6 +189,43 @@ fn the_refusal_matrix_leaves_state_unchanged() {
     assert_eq!(state(&c, prep.publication).as_deref(), Some("READY"));
     let m = c.metrics().unwrap();
     assert!(m.contains("pdstor_errors_total{code=\"bad_signature\"}"), "{m}");
+}
+
+/// Each loaded byte is checksummed once: by the daemon, in place in the
+/// reader's buffer, which the reader takes ([`Verify::Daemon`]), or once more
+/// in the reader when asked ([`Verify::Local`]). Either way a chunk corrupted
+/// on the media fails the load (the daemon's check) and the bytes are kept.
+#[test]
+fn the_daemon_checks_loads_in_the_readers_buffer_and_a_reader_may_check_again() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    for (seed, verify) in [(5, Verify::Daemon), (6, Verify::Local)] {
+        let p = put(&d, &format!("v{seed}"), seed, 3);
+        let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+        r.set_verify(verify);
+        let claim = c.claim(&p.receipt, "decode-0", "s-v", 60_000).unwrap();
+        let restored = r.get(&claim, &layout()).unwrap();
+        assert!(r.restored_bytes(3 * SLOT).unwrap() == kv(seed, 3), "{verify:?}: byte for byte");
+        c.ack(&claim, &restored.restore_digest).expect("the digest of the checked crc32c is the one the daemon served");
+    }
+    for (seed, verify) in [(9, Verify::Daemon), (10, Verify::Local)] {
+        let p = put(&d, &format!("bad{seed}"), seed, 2);
+        // Flip one byte of chunk 1 on the media, behind the daemon's back.
+        let image = std::fs::read(&d.target).unwrap();
+        let needle = &payload::chunk(seed, 1, SLOT as usize)[..4096];
+        let at = image.windows(needle.len()).position(|w| w == needle).expect("chunk 1 is on the media") + 100;
+        let file = std::fs::OpenOptions::new().write(true).open(&d.target).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&file, &[image[at] ^ 0x5a], at as u64).unwrap();
+        file.sync_all().unwrap();
+        let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+        r.set_verify(verify);
+        let claim = c.claim(&p.receipt, "decode-0", &format!("s-{seed}"), 60_000).unwrap();
+        let e = r.get(&claim, &layout()).unwrap_err().to_string();
+        assert!(e.contains("checksum mismatch") && e.contains("chunk 1"), "{verify:?}: {e}");
+        c.fail(&claim, "corrupt chunk").unwrap();
+        assert_eq!(state(&c, claim.publication).as_deref(), Some("RETAINED"), "the bytes are kept for a look");
+    }
 }
 
 #[test]

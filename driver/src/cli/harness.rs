@@ -139,6 +139,15 @@ pub struct BenchHandoffArgs {
     /// Single-chunk handoffs timed per step for the latency percentiles.
     #[arg(long, default_value_t = 300)]
     latency_samples: u32,
+    /// After the rounds, load one adopted handoff this many times more, each
+    /// timed (the load path alone, e.g. under `perf record`).
+    #[arg(long, default_value_t = 0)]
+    reloads: u32,
+    /// Who checksums the reader's loads: `daemon` (in place in the reader's
+    /// buffer; the reader checks the answer against its manifest) or `local`
+    /// (the reader checksums every chunk again).
+    #[arg(long, default_value = "daemon")]
+    verify: pdstor::client::Verify,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -153,6 +162,8 @@ impl BenchHandoffArgs {
             chunk: self.chunk,
             rounds: self.rounds,
             latency_samples: self.latency_samples,
+            reloads: self.reloads,
+            verify: self.verify,
         };
         let r = bench::handoff::run(&cfg)?;
         print_report(self.json, &r, |r| {
@@ -162,6 +173,9 @@ impl BenchHandoffArgs {
             );
             for (k, v) in &r.steps {
                 println!("  {k:<22} p50 {:>8.0} us  p99 {:>8.0} us", v.p50_us, v.p99_us);
+            }
+            if let Some(m) = r.reload_median_seconds {
+                println!("  reload (load + verify) median {:.1} ms over {}", m * 1e3, r.reload_seconds.len());
             }
         })
     }

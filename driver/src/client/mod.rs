@@ -573,6 +573,50 @@ impl Writer {
     }
 }
 
+/// Who checksums the chunks a reader loads.
+///
+/// The daemon checksums every chunk it loads in place in the reader's own
+/// buffer, through its mapping of that memory, once the chunk's transfer has
+/// completed, and fails the load on a mismatch with the crc32c journaled at
+/// store: that is the end-to-end check (the bytes the reader will use against
+/// the bytes the writer stored). The reader checks those reported checksums
+/// against its manifest (the one its claim signed), and checksums itself only
+/// what the daemon could not (memory it cannot map, listed as `unverified`).
+/// A second pass in the reader over the same bytes, against the same stored
+/// crc32c, would check the same thing twice: [`Verify::Local`] does it
+/// anyway, for a reader that wants a check independent of the daemon's code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Verify {
+    /// The daemon's in-place check (one checksum per byte).
+    #[default]
+    Daemon,
+    /// Every chunk checksummed again in this process.
+    Local,
+}
+
+impl std::str::FromStr for Verify {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "daemon" => Ok(Verify::Daemon),
+            "local" => Ok(Verify::Local),
+            _ => Err(format!("unknown verification {s:?}: expected daemon or local")),
+        }
+    }
+}
+
+/// The crc32c the daemon reported for each chunk of a load (`requested`, in
+/// request order), by chunk index: what it read in place in the reader's
+/// buffer. Chunks it listed as `unverified` are absent, and so is every chunk
+/// if the answer's counts do not add up: the reader checksums those itself.
+pub fn reported_checksums(requested: &[u32], answer: &DataResponse) -> std::collections::HashMap<u32, u32> {
+    let checked: Vec<u32> = requested.iter().copied().filter(|i| !answer.unverified.contains(i)).collect();
+    if checked.len() != answer.crc32c.len() {
+        return Default::default();
+    }
+    checked.into_iter().zip(answer.crc32c.iter().copied()).collect()
+}
+
 /// The decode side. Its buffer is sized by the first manifest it adopts,
 /// registered once, and reused while large enough.
 pub struct Reader {
@@ -581,6 +625,7 @@ pub struct Reader {
     data: DataConn,
     buffer: Option<(Buffer, u32)>,
     spec: BufferSpec,
+    verify: Verify,
 }
 
 /// What a reader restored: the bytes are in the reader's buffer
@@ -603,7 +648,18 @@ impl Reader {
 
     /// A reader whose buffers come from `spec.exporter` and move on `spec.path`.
     pub fn with_buffer(server: &str, data_socket: &Path, spec: BufferSpec) -> Result<Reader, ClientError> {
-        Ok(Reader { client: Client::new(server), data: DataConn::connect(data_socket)?, buffer: None, spec })
+        Ok(Reader {
+            client: Client::new(server),
+            data: DataConn::connect(data_socket)?,
+            buffer: None,
+            spec,
+            verify: Verify::default(),
+        })
+    }
+
+    /// Who checksums what this reader loads (see [`Verify`]).
+    pub fn set_verify(&mut self, verify: Verify) {
+        self.verify = verify;
     }
 
     /// A registered buffer of at least `len` bytes (page-rounded: DMA-BUF
@@ -647,6 +703,16 @@ impl Reader {
     /// Loads the chunks `which` (indices into the manifest) of an adopted
     /// publication into this reader's buffer, at their places in the whole.
     pub fn load_chunks(&mut self, claim: &Receipt, manifest: &Manifest, which: &[u32]) -> Result<(), ClientError> {
+        self.load_answered(claim, manifest, which).map(drop)
+    }
+
+    /// [`Reader::load_chunks`], returning the daemon's answer.
+    fn load_answered(
+        &mut self,
+        claim: &Receipt,
+        manifest: &Manifest,
+        which: &[u32],
+    ) -> Result<DataResponse, ClientError> {
         let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
         let (_, buffer_id) = self.buffer_for(total)?;
         let mut offsets = Vec::with_capacity(manifest.chunks.len());
@@ -665,27 +731,38 @@ impl Reader {
                 Ok(DataChunk { index: i, buffer: buffer_id, offset: at, len: 0, crc32c: None })
             })
             .collect::<Result<Vec<_>, ClientError>>()?;
-        self.data.load(claim, chunks)?;
-        Ok(())
+        self.data.load(claim, chunks)
     }
 
     /// Loads every chunk of an adopted publication (again, for a warm
-    /// repeat) and verifies each one's crc32c from this process's view.
+    /// repeat) and checks each one's crc32c against the manifest: as the
+    /// daemon read it in this reader's buffer, or computed here for what the
+    /// daemon could not read and for every chunk with [`Verify::Local`].
     pub fn load(&mut self, claim: &Receipt, manifest: Manifest) -> Result<Restored, ClientError> {
         let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
         let all: Vec<u32> = manifest.chunks.iter().map(|c| c.index).collect();
-        self.load_chunks(claim, &manifest, &all)?;
-        // Verify from this process's own view of the bytes, in place in its
+        let answer = self.load_answered(claim, &manifest, &all)?;
+        let reported = match self.verify {
+            Verify::Daemon => reported_checksums(&all, &answer),
+            Verify::Local => Default::default(),
+        };
+        // What is checksummed here is read in place in this process's
         // mapping: no copy (the load of every chunk has completed).
         let (buffer, _) = self.buffer_for(total)?;
         let mut crcs = Vec::with_capacity(manifest.chunks.len());
         let mut off = 0u64;
         for m in &manifest.chunks {
-            let crc = buffer.crc32c(off, m.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let (crc, by) = match reported.get(&m.index) {
+                Some(&crc) => (crc, "the daemon read"),
+                None => (
+                    buffer.crc32c(off, m.len as usize).map_err(|e| ClientError::Data(e.to_string()))?,
+                    "this reader computed",
+                ),
+            };
             if crc != m.crc32c {
                 return Err(ClientError::Verify {
                     chunk: m.index,
-                    what: format!("crc32c {crc:#010x}, manifest says {:#010x}", m.crc32c),
+                    what: format!("{by} crc32c {crc:#010x}, the manifest says {:#010x}", m.crc32c),
                 });
             }
             crcs.push(crc);
@@ -701,5 +778,21 @@ impl Reader {
         let mut out = vec![0u8; len as usize];
         b.read_at(0, &mut out).map_err(|e| ClientError::Data(e.to_string()))?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reported_checksums_skip_unverified_chunks_and_distrust_a_short_answer() {
+        let answer = DataResponse { crc32c: vec![0xa, 0xc], unverified: vec![5], ..Default::default() };
+        let got = reported_checksums(&[4, 5, 6], &answer);
+        assert_eq!(got, [(4, 0xa), (6, 0xc)].into_iter().collect());
+        let short = DataResponse { crc32c: vec![0xa], ..Default::default() };
+        assert!(reported_checksums(&[4, 5], &short).is_empty(), "a count that does not add up: check everything here");
+        assert_eq!("local".parse::<Verify>(), Ok(Verify::Local));
+        assert!("maybe".parse::<Verify>().is_err());
     }
 }

@@ -28,6 +28,10 @@ pub struct HandoffBenchConfig {
     pub rounds: u32,
     /// Single-chunk handoffs timed per step.
     pub latency_samples: u32,
+    /// Loads of one adopted handoff timed after the rounds.
+    pub reloads: u32,
+    /// Who checksums the reader's loads.
+    pub verify: crate::client::Verify,
 }
 
 /// One step's latency percentiles.
@@ -58,6 +62,10 @@ pub struct HandoffBenchReport {
     pub steps: BTreeMap<String, StepLatency>,
     /// Where each full round spent its time, in µs.
     pub round_steps_us: Vec<BTreeMap<String, u64>>,
+    /// Each reload's wall time (load + verify of every chunk), s.
+    pub reload_seconds: Vec<f64>,
+    /// Their median.
+    pub reload_median_seconds: Option<f64>,
 }
 
 fn layout() -> Layout {
@@ -72,11 +80,34 @@ fn layout() -> Layout {
     }
 }
 
+/// Bytes per store request: enough to keep the daemon's queue (32 deep by
+/// default, 1 MiB transfers) full; 4 chunks of 8 MiB, 64 of 512 KiB. A
+/// request per few small chunks spends the handoff on round trips.
+const STORE_REQUEST_BYTES: u64 = 32 << 20;
+
+/// The middle value (the upper one of an even count); NaN for none.
+fn median_of(v: &[f64]) -> f64 {
+    let mut sorted = v.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// Chunks per store request for `chunk`-byte chunks.
+fn store_batch(chunk: u64) -> u32 {
+    (STORE_REQUEST_BYTES / chunk.max(1)).clamp(4, 1024) as u32
+}
+
 /// One handoff; returns each step's duration in µs.
-fn handoff(w: &mut Writer, r: &mut Reader, req: &str, bytes: u64) -> Result<Vec<(&'static str, u64)>, ClientError> {
+fn handoff(
+    w: &mut Writer,
+    r: &mut Reader,
+    req: &str,
+    bytes: u64,
+    chunk: u64,
+) -> Result<Vec<(&'static str, u64)>, ClientError> {
     let mut steps = Vec::with_capacity(6);
     let t = Instant::now();
-    let published = w.put_in_place(req, &layout(), bytes, 4, Some(1))?;
+    let published = w.put_in_place(req, &layout(), bytes, store_batch(chunk), Some(1))?;
     steps.push(("prepare+store+publish", t.elapsed().as_micros() as u64));
     let t = Instant::now();
     let claim = r.client.claim(&published.receipt, "bench-reader", req, 60_000)?;
@@ -100,16 +131,34 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
         .collect();
     w.buffer().write_at(0, &payload).map_err(|e| ClientError::Data(e.to_string()))?;
     let mut r = Reader::new(&cfg.server, &cfg.data_socket)?;
+    r.set_verify(cfg.verify);
     let run_id = crate::protocol::now_unix_ms();
     // Warm-up: first-touch of the reader's buffer pages is not the protocol's cost.
-    handoff(&mut w, &mut r, &format!("bench-{run_id}-warm"), cfg.bytes)?;
+    handoff(&mut w, &mut r, &format!("bench-{run_id}-warm"), cfg.bytes, cfg.chunk)?;
     let mut round_steps_us: Vec<BTreeMap<String, u64>> = Vec::new();
     let mut seconds = Vec::new();
     for i in 0..cfg.rounds {
         let t = Instant::now();
-        let steps = handoff(&mut w, &mut r, &format!("bench-{run_id}-{i}"), cfg.bytes)?;
+        let steps = handoff(&mut w, &mut r, &format!("bench-{run_id}-{i}"), cfg.bytes, cfg.chunk)?;
         seconds.push(t.elapsed().as_secs_f64());
         round_steps_us.push(steps.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
+    }
+    // The load path alone: one adopted handoff loaded again and again.
+    let mut reload_seconds = Vec::new();
+    if cfg.reloads > 0 {
+        let req = format!("bench-{run_id}-reload");
+        let published = w.put_in_place(&req, &layout(), cfg.bytes, store_batch(cfg.chunk), Some(1))?;
+        let claim = r.client.claim(&published.receipt, "bench-reader", &req, 60_000)?;
+        let manifest = r.adopt(&claim, &layout())?;
+        let mut last = None;
+        for _ in 0..cfg.reloads {
+            let t = Instant::now();
+            last = Some(r.load(&claim, manifest.clone())?);
+            reload_seconds.push(t.elapsed().as_secs_f64());
+        }
+        if let Some(restored) = last {
+            r.client.ack(&claim, &restored.restore_digest)?;
+        }
     }
     // Control-plane latency: small handoffs, each step timed on its own.
     let steps = ["prepare", "store (data plane)", "publish", "claim", "adopt", "load (data plane)", "ack"];
@@ -160,10 +209,11 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
             }
         }
     }
-    let mut sorted = seconds.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
+    let median = median_of(&seconds);
+    let reload_median_seconds = (!reload_seconds.is_empty()).then(|| median_of(&reload_seconds));
     Ok(HandoffBenchReport {
+        reload_seconds,
+        reload_median_seconds,
         bytes: cfg.bytes,
         chunk: cfg.chunk,
         rounds: cfg.rounds,
