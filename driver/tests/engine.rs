@@ -7,7 +7,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{Filesystem, LoopDevice, dd_direct, skip};
+use common::{Filesystem, LoopDevice, Zram, dd_direct, skip};
 use pdstor::io::{
     BufferId, Engine, EngineOptions, IoError, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
 };
@@ -112,6 +112,30 @@ fn on_filesystem(fstype: &'static str) {
     };
     let target = fs.mount.join("kv.img");
     both_paths(&target, Some(2 * CHUNK * CHUNKS));
+}
+
+/// zram refuses `RWF_NOWAIT`: the engine sees it at open and submits every
+/// command `IOSQE_ASYNC`, and the bytes still go and come back exact. A loop
+/// device and a file take the flag and are submitted inline.
+#[test]
+fn a_device_that_refuses_nowait_is_submitted_async() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let file = open(&dir.path().join("t.img"), Some(16 << 20), EngineOptions::default());
+    assert!(!file.target().blocks(), "a file takes RWF_NOWAIT");
+    let z = match Zram::new(64 << 20) {
+        Ok(z) => z,
+        Err(why) => return skip("a_device_that_refuses_nowait_is_submitted_async", &why),
+    };
+    let mut engine = open(&z.device, None, EngineOptions::default());
+    assert_eq!(engine.target().kind(), TargetKind::BlockDevice);
+    assert!(engine.target().blocks(), "zram refuses RWF_NOWAIT");
+    for path in [PayloadPath::Host, PayloadPath::HostFixed] {
+        round_trip(&mut engine, &z.device, path, 21, 0);
+    }
+    drop(engine);
+    if let Ok(dev) = LoopDevice::new(16 << 20, 4096) {
+        assert!(!open(&dev.device, None, EngineOptions::default()).target().blocks(), "a loop device takes RWF_NOWAIT");
+    }
 }
 
 #[test]

@@ -386,6 +386,7 @@ impl Engine {
         done: &mut dyn FnMut(usize, Completion, Option<&Buffer>),
     ) -> Result<(), IoError> {
         let Engine { target, ring, slots, queue_depth, nowait_first, stats, .. } = self;
+        let punt = target.blocks();
         let slots: &[Option<Slot>] = slots;
         let mut refused = None;
         let requests: Vec<Cell<Option<IoRequest>>> = vec![Cell::new(None); *queue_depth as usize];
@@ -429,6 +430,7 @@ impl Engine {
             queue_depth: *queue_depth as usize,
             max_transfer: target.geometry().max_transfer,
             nowait_first: *nowait_first,
+            punt,
             completions: match ring {
                 Ring::Std(_) => Completions::Bytes,
                 Ring::Nvme(_) => Completions::NvmeStatus,
@@ -500,6 +502,7 @@ impl Engine {
             queue_depth: 1,
             max_transfer: u32::MAX,
             nowait_first: false,
+            punt: false,
             completions: match ring {
                 Ring::Std(_) => Completions::Bytes,
                 Ring::Nvme(_) => Completions::NvmeStatus,

@@ -93,6 +93,7 @@ pub(super) fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
         }
         (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE).flags(types::FsyncFlags::DATASYNC).build(),
     };
+    let sqe = if seg.punt { sqe.flags(squeue::Flags::ASYNC) } else { sqe };
     sqe.user_data(user_data)
 }
 

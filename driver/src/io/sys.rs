@@ -109,6 +109,27 @@ pub fn block_logical_size(fd: BorrowedFd<'_>) -> io::Result<u32> {
     u32::try_from(size).map_err(|_| io::Error::other(format!("BLKSSZGET returned {size}")))
 }
 
+/// Whether the file takes `RWF_NOWAIT` (the kernel's `FMODE_NOWAIT`): one
+/// direct read of `buf` at offset 0 with the flag. A device without it (zram
+/// and other bio-based drivers) answers `EOPNOTSUPP`, and io_uring then hands
+/// every command on it to an io-wq worker. `EAGAIN` (it would block just now)
+/// and success both mean it takes the flag.
+pub fn takes_nowait(fd: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<bool> {
+    let iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: one iovec describing `buf`, which outlives the call; the kernel
+    // writes at most `buf.len()` bytes into it.
+    let rc = unsafe { libc::preadv2(fd.as_raw_fd(), &iov, 1, 0, libc::RWF_NOWAIT) };
+    if rc >= 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP) => Ok(false),
+        Some(libc::EAGAIN) => Ok(true),
+        _ => Err(e),
+    }
+}
+
 pub fn block_size_bytes(fd: BorrowedFd<'_>) -> io::Result<u64> {
     let mut size: u64 = 0;
     // SAFETY: BLKGETSIZE64 writes one `u64` (size_t on 64-bit) through the pointer.

@@ -75,6 +75,10 @@ pub struct Target {
     kind: TargetKind,
     geometry: Geometry,
     read_only: bool,
+    /// A block device that cannot take a command without blocking
+    /// (`RWF_NOWAIT` refused): io_uring runs each of its commands on an
+    /// io-wq worker, so the engine marks them async up front.
+    blocks: bool,
 }
 
 impl Target {
@@ -130,6 +134,11 @@ impl Target {
     /// Its geometry.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
+    }
+    /// Whether every command on it runs on an io-wq worker: a block device
+    /// that refuses `RWF_NOWAIT` (zram, other bio-based drivers).
+    pub fn blocks(&self) -> bool {
+        self.blocks
     }
     /// Lowers the per-command limit, keeping it a whole number of logical blocks.
     pub(crate) fn cap_max_transfer(&mut self, cap: u32) {
@@ -195,6 +204,7 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
         path: path.into(),
         file,
         read_only: false,
+        blocks: false,
         kind: TargetKind::File,
         geometry: Geometry {
             capacity: capacity - capacity % offset_align as u64,
@@ -239,6 +249,15 @@ fn open_block_device(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
         Ok(DioSupport::Aligned(a)) => a.mem,
         _ => logical_block,
     };
+    // Probed once with one direct read of the first logical block; a probe
+    // that fails for another reason changes nothing.
+    let blocks = {
+        // One direct-I/O-aligned block out of a slightly larger allocation.
+        let block = logical_block.max(4096) as usize;
+        let mut room = vec![0u8; 2 * block];
+        let at = room.as_ptr().align_offset(block);
+        matches!(sys::takes_nowait(file.as_fd(), &mut room[at..at + block]), Ok(false))
+    };
     let max_transfer = sysfs_queue_u64(&format!("/sys/dev/block/{}:{}", major(rdev), minor(rdev)), "max_hw_sectors_kb")
         .map(|kb| (kb * 1024).min(MAX_FILE_TRANSFER as u64) as u32)
         .unwrap_or(MAX_FILE_TRANSFER);
@@ -246,6 +265,7 @@ fn open_block_device(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
         path: path.into(),
         file,
         read_only: false,
+        blocks,
         kind: TargetKind::BlockDevice,
         geometry: Geometry {
             capacity: capacity - capacity % logical_block as u64,
@@ -324,6 +344,7 @@ fn open_nvme_generic(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
         path: path.into(),
         file,
         read_only: false,
+        blocks: false,
         kind: TargetKind::NvmeGeneric,
         geometry: Geometry {
             capacity: ns.blocks * ns.lba_size as u64,

@@ -66,6 +66,45 @@ impl Drop for LoopDevice {
     }
 }
 
+/// A zram device (memory speed, and bio-based: it refuses `RWF_NOWAIT`),
+/// reset and removed on drop.
+pub struct Zram {
+    pub device: PathBuf,
+    id: String,
+}
+
+impl Zram {
+    /// Returns `Err(reason)` where this machine cannot make one (not root, no
+    /// zram module).
+    pub fn new(size: u64) -> Result<Zram, String> {
+        if !is_root() {
+            return Err("zram devices need root".into());
+        }
+        let control = Path::new("/sys/class/zram-control/hot_add");
+        if !control.exists() {
+            let _ = Command::new("modprobe").args(["zram", "num_devices=0"]).status();
+        }
+        let id = std::fs::read_to_string(control).map_err(|e| format!("no zram here ({}: {e})", control.display()))?;
+        let z = Zram { device: PathBuf::from(format!("/dev/zram{}", id.trim())), id: id.trim().to_owned() };
+        std::fs::write(format!("/sys/block/zram{}/disksize", z.id), size.to_string())
+            .map_err(|e| format!("sizing zram{}: {e}", z.id))?;
+        Ok(z)
+    }
+}
+
+impl Drop for Zram {
+    fn drop(&mut self) {
+        // The engine's ring may hold the device a moment after it is dropped.
+        for _ in 0..100 {
+            if std::fs::write(format!("/sys/block/zram{}/reset", self.id), "1").is_ok() {
+                let _ = std::fs::write("/sys/class/zram-control/hot_remove", &self.id);
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}
+
 /// A filesystem made on its own loop device and mounted in a temp dir.
 pub struct Filesystem {
     pub mount: PathBuf,
