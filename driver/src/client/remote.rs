@@ -290,7 +290,7 @@ impl RemoteReader {
         for c in &manifest.chunks {
             let bytes = &mut piece[..c.len as usize];
             buffer.read_at(at, bytes).map_err(|e| ClientError::Data(e.to_string()))?;
-            let crc = crc32c::crc32c(bytes);
+            let crc = crate::buffer::payload_crc32c(bytes);
             if crc != c.crc32c {
                 return Err(ClientError::Verify {
                     chunk: c.index,

@@ -81,7 +81,6 @@ pub(crate) struct Worker {
     durable_end: u64,
     payload_dirty: bool,
     fault: Option<Arc<FaultPlan>>,
-    scratch: Vec<u8>,
     verifier: Verifier,
     flushes: u64,
     groups: u64,
@@ -127,7 +126,6 @@ impl Worker {
                 durable_end: 0,
                 payload_dirty: false,
                 fault,
-                scratch: Vec::new(),
                 verifier: Verifier::default(),
                 flushes: 0,
                 groups: 0,
@@ -435,7 +433,7 @@ impl Worker {
                     .filter(|b| b.is_mapped() && b.dmabuf().is_none())
             })
             .collect();
-        let Worker { engine, scratch, verifier, .. } = self;
+        let Worker { engine, verifier, .. } = self;
         let mut handed = 0usize;
         let done = engine.execute_inspect(&allowed, |i, c, buffer| {
             if let (Ok(()), Some(b)) = (&c.result, buffer)
@@ -443,7 +441,7 @@ impl Worker {
             {
                 match &shared[i] {
                     Some(b) if verifier.submit(i, Arc::clone(b), allowed[i]) => handed += 1,
-                    _ => early[i] = Some(crc_of(b, &allowed[i], scratch)),
+                    _ => early[i] = Some(crc_of(b, &allowed[i])),
                 }
             }
         });
@@ -491,13 +489,14 @@ impl Worker {
         Ok(out)
     }
 
-    /// crc32c of the request's buffer range, read with volatile copies (the
-    /// memory may be shared with another process; a DMA-BUF's access is
-    /// bracketed with DMA_BUF_IOCTL_SYNC). `None` for memory this process
-    /// cannot map (device memory): the client's checksum has to do.
+    /// crc32c of the request's buffer range, in place in the mapping (a
+    /// client's memory, shared; a DMA-BUF's access is bracketed with
+    /// DMA_BUF_IOCTL_SYNC) once its transfer has completed. `None` for memory
+    /// this process cannot map (device memory): the client's checksum has to
+    /// do.
     fn crc(&mut self, r: &IoRequest) -> Result<Option<u32>, IoError> {
         let b = self.engine.buffer(r.buffer)?;
-        crc_of(b, r, &mut self.scratch)
+        crc_of(b, r)
     }
 
     pub(super) fn dmabuf_rw(&self) -> crate::io::DmabufRw {
@@ -554,9 +553,8 @@ impl VerifierThread {
         let handle = std::thread::Builder::new()
             .name("pdstor-verify".into())
             .spawn(move || {
-                let mut scratch = Vec::new();
                 for (i, b, r) in rx {
-                    let crc = crc_of(&b, &r, &mut scratch);
+                    let crc = crc_of(&b, &r);
                     // Let go of the buffer before answering: the I/O thread
                     // may unregister it as soon as the batch is answered.
                     drop(b);
@@ -581,15 +579,13 @@ impl Drop for VerifierThread {
     }
 }
 
-/// crc32c of `r`'s range of `b`, read with volatile copies a block at a
-/// time through `scratch` (see [`Worker::crc`]).
-fn crc_of(b: &Buffer, r: &IoRequest, scratch: &mut Vec<u8>) -> Result<Option<u32>, IoError> {
+/// crc32c of `r`'s range of `b`, in place in the daemon's mapping of it
+/// (see [`Worker::crc`]).
+fn crc_of(b: &Buffer, r: &IoRequest) -> Result<Option<u32>, IoError> {
     if !b.is_mapped() {
         return Ok(None);
     }
-    b.crc32c_volatile(r.buffer_offset.0, r.len as usize, scratch)
-        .map(Some)
-        .map_err(|what| IoError::Buffer { transfer: r.transfer, what })
+    b.crc32c(r.buffer_offset.0, r.len as usize).map(Some).map_err(|what| IoError::Buffer { transfer: r.transfer, what })
 }
 
 fn blank_superblock() -> Superblock {
