@@ -36,6 +36,12 @@ pub struct BenchArgs {
     /// pdstor/local_disk (root; the venv of `cargo xtask python`).
     #[arg(long)]
     lmcache: bool,
+    /// Instead: only pdstor's handoff (`bench-handoff`) against LMCache's
+    /// raw_block core (`RawBlockCore`, io_uring, put_many/load_many_into) at
+    /// 8 MiB and 512 KiB, on each of --targets (root for zram; the venv of
+    /// `cargo xtask python`). The full bench runs it too.
+    #[arg(long)]
+    raw_block: bool,
 }
 
 struct Case {
@@ -78,6 +84,9 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     sh.create_dir(&out_dir)?;
     if args.lmcache {
         return lmcache(sh, &pdstor, &out_dir, args);
+    }
+    if args.raw_block {
+        return raw_block(sh, &pdstor, &out_dir, args);
     }
     let mut reports = Vec::new();
     for t in &args.targets {
@@ -132,6 +141,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     std::fs::write(out_dir.join("store-report.json"), serde_json::to_string_pretty(&store_reports)?)?;
     handoff_vs_fio(sh, &pdstor, &out_dir)?;
+    raw_block(sh, &pdstor, &out_dir, args)?;
     probe_overhead(sh, &pdstor, &out_dir, args)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
@@ -254,6 +264,50 @@ fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Resul
     drop((ours, raw, disk));
     ran?;
     println!("\nreport: {}", json.display());
+    Ok(())
+}
+
+/// pdstor's handoff against LMCache's raw_block core
+/// (python/bench/raw_block_bench.py): 512 MiB per round in 8 MiB and 512 KiB
+/// chunks, rounds alternating, each side on a target of its own — two zram
+/// devices, or two files on the root filesystem. Prints pdstor/raw_block
+/// (throughput) for store vs put and load vs get; JSON per target in
+/// target/bench/raw-block-<target>.json.
+fn raw_block(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+    println!(
+        "\nhandoff vs LMCache raw_block (RawBlockCore, io_uring QD 256, O_DIRECT, registered pool), 512 MiB per round"
+    );
+    let venv = crate::python::venv(sh)?;
+    crate::python::install(sh, &venv)?;
+    let python = venv.join("bin/python");
+    let script = crate::project_root().join("python/bench/raw_block_bench.py");
+    let rounds = args.rounds.max(5).to_string();
+    for t in &args.targets {
+        let json = out_dir.join(format!("raw-block-{t}.json"));
+        let run = |a: &Path, b: &Path| {
+            cmd!(
+                sh,
+                "{python} {script} --pdstor-bin {pdstor} --pdstor-target {a} --peer-target {b} --label {t} --rounds {rounds} --json {json}"
+            )
+            .run()
+            .context("the raw_block benchmark failed (see above)")
+        };
+        match t.as_str() {
+            "file" => {
+                let (a, b) = (out_dir.join("rawbench-pdstor.img"), out_dir.join("rawbench-raw-block.img"));
+                let ran = run(&a, &b);
+                let _ = std::fs::remove_file(&a);
+                let _ = std::fs::remove_file(&b);
+                ran?;
+            }
+            "zram" => match (Zram::new(sh, "2G"), Zram::new(sh, "2G")) {
+                (Ok(a), Ok(b)) => run(&a.device, &b.device)?,
+                (Err(why), _) | (_, Err(why)) => println!("SKIP: raw_block on zram: {why:#}"),
+            },
+            other => bail!("unknown bench target {other:?}: expected file or zram"),
+        }
+        println!("  report: {}", json.display());
+    }
     Ok(())
 }
 
