@@ -420,10 +420,8 @@ impl Worker {
         }
         let mut early: Vec<Option<Result<Option<u32>, IoError>>> = (0..allowed.len()).map(|_| None).collect();
         // The large requests of a batch are checksummed on the verifier
-        // thread, on another core, while this thread keeps the ring full (on
-        // a memory-speed device the transfer is this thread's own copy in
-        // the kernel); the rest here, where a hand-off costs more than the
-        // checksum.
+        // thread, on another core, while this thread keeps the ring full;
+        // the rest here, where a hand-off costs more than the checksum.
         let shared: Vec<Option<Arc<Buffer>>> = allowed
             .iter()
             .map(|r| {
@@ -505,10 +503,10 @@ impl Worker {
 }
 
 /// A thread that checksums completed requests' buffer ranges while the I/O
-/// thread moves the rest of the batch: on a memory-speed target the I/O
-/// thread's time is the kernel's copy, and the checksum on the same thread
-/// would follow it instead of overlapping it. Started at first use; if it
-/// cannot start, or dies, checksums run on the I/O thread as before.
+/// thread submits and reaps the rest of the batch: on the I/O thread, each
+/// checksum would hold back the next submissions and completions instead of
+/// overlapping them. Started at first use; if it cannot start, or dies,
+/// checksums run on the I/O thread as before.
 #[derive(Default)]
 struct Verifier {
     running: Option<VerifierThread>,
