@@ -3,6 +3,7 @@
 //! and what a client refuses: handing its buffers to a daemon of another uid.
 
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 use std::process::{Command, Output};
 
 use pdstor_tests::{Daemon, pdstor_bin};
@@ -72,16 +73,23 @@ fn sockets_are_owner_only_whatever_the_umask() {
     let target = pdstor_tests::format_file(dir.path(), 4, 1 << 20);
     let control = dir.path().join("run/control.sock");
     let data = dir.path().join("run/data.sock");
-    // SAFETY: umask(2) only sets this process's mask; restored right after the spawn.
-    let old = unsafe { libc::umask(0) };
-    let mut child = Command::new(pdstor_bin())
+    let mut serve = Command::new(pdstor_bin());
+    serve
         .args(["serve", "--target", target.to_str().unwrap(), "--listen-unix", control.to_str().unwrap()])
         .args(["--data-socket", data.to_str().unwrap()])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    // SAFETY: as above.
-    unsafe { libc::umask(old) };
+        .stderr(std::process::Stdio::null());
+    // The daemon alone runs under umask 000: setting this test process's own
+    // mask, even for a moment, leaked into the tests running beside it (a
+    // temp dir made 0777 meanwhile was refused as a socket directory).
+    // SAFETY: umask(2) is async-signal-safe; it runs in the child between
+    // fork and exec and touches nothing else.
+    unsafe {
+        serve.pre_exec(|| {
+            libc::umask(0);
+            Ok(())
+        });
+    }
+    let mut child = serve.spawn().unwrap();
     let t = std::time::Instant::now();
     while !(control.exists() && data.exists()) {
         assert!(t.elapsed() < std::time::Duration::from_secs(20), "the daemon did not come up");
