@@ -442,8 +442,9 @@ class NotNative(Error):
 
 
 class VerifyFailed(LoadFailed):
-    """A restored chunk's bytes do not match the crc32c the manifest gives,
-    as this process computed it from its own view of the bytes."""
+    """A restored chunk's crc32c — taken in place in this process's buffer,
+    by the daemon or (``verify="local"``) here — is not the one the manifest
+    gives."""
 
     code = "verify_failed"
     status = 0

@@ -22,8 +22,8 @@ How LMCache's operations map onto pdstor's protocol:
   daemon hands out by name (``lookup``: the decode process finds what the
   prefill process stored). A key already claimed by a reader is not contained.
 * **get** (``batched_get_blocking`` / ``batched_get_non_blocking``): claim →
-  adopt (the layout is checked) → load into the staging buffer → verify each
-  chunk's crc32c in this process → ack → copy into a memory object of the
+  adopt (the layout is checked) → load into the staging buffer, each chunk's
+  crc32c taken in place there and checked against the manifest → ack → copy into a memory object of the
   local CPU allocator. pdstor is a *handoff*: a restored key is consumed (its
   slots free); LMCache keeps its own copy in ``LocalCPUBackend``. Strict: a
   load that fails or does not verify raises (``pdstor.LoadFailed``,

@@ -652,12 +652,13 @@ impl Writer {
 /// What a reader verified of one adopted claim.
 struct Adopted {
     manifest: Manifest,
-    /// Chunk index → crc32c this process computed from the bytes it received.
+    /// Chunk index → crc32c of the bytes this process received, checked
+    /// against the manifest.
     verified: BTreeMap<u32, u32>,
 }
 
-/// The decode side: `claim` → `adopt` → `load` (verified here, chunk by
-/// chunk, in place) → `ack`; or `get` for all of it. A failed load is never
+/// The decode side: `claim` → `adopt` → `load` (each chunk's crc32c, taken
+/// in place in this process's buffer, checked against the manifest) → `ack`; or `get` for all of it. A failed load is never
 /// a silent miss: it raises, and `fail` keeps the publication RETAINED for a
 /// retry instead of freeing it.
 #[pyclass(module = "pdstor")]
@@ -797,8 +798,10 @@ impl Reader {
     }
 
     /// Loads chunks of an adopted claim: `chunks` is a list of `(index,
-    /// buffer, offset)`; each lands at its offset and its crc32c is checked
-    /// here, in place, against the manifest (`pdstor.VerifyFailed`).
+    /// buffer, offset)`; each lands at its offset and its crc32c — taken in
+    /// place in this buffer by the daemon, or here too with
+    /// `verify="local"` — is checked against the manifest
+    /// (`pdstor.VerifyFailed`).
     fn load(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>, chunks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut places = Vec::new();
         for item in chunks.try_iter()? {
