@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdstor::api::wire::{AdoptRequest, DataChunk, PrepareRequest};
-use pdstor::client::{ClientError, DataConn, Verify, reported_checksums};
+use pdstor::client::{ClientError, DataConn, LoadChecks, Verify};
 use pdstor::protocol::service::{Prepared, restore_digest};
 use pdstor::protocol::{Receipt as RustReceipt, RefusalCode, manifest_digest};
 use pdstor::store::{Layout, Manifest};
@@ -721,28 +721,10 @@ fn load_verified(
     let requested: Vec<u32> = wire.iter().map(|c| c.index).collect();
     let answer = data.with(|d| d.load(claim, wire))?;
     drop(data);
-    let reported = match verify {
-        Verify::Daemon => reported_checksums(&requested, &answer),
-        Verify::Local => Default::default(),
-    };
+    let checks = LoadChecks::new(verify, &requested, &answer);
     expect
         .into_iter()
-        .map(|(index, buffer, offset, len, want)| {
-            let (got, by) = match reported.get(&index) {
-                Some(&crc) => (crc, "the daemon read"),
-                None => (
-                    buffer.crc32c(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?,
-                    "this reader computed",
-                ),
-            };
-            if got != want {
-                return Err(ClientError::Verify {
-                    chunk: index,
-                    what: format!("{by} crc32c {got:#010x}, the manifest says {want:#010x}"),
-                });
-            }
-            Ok((index, got))
-        })
+        .map(|(index, buffer, offset, len, want)| Ok((index, checks.check(index, &buffer, offset, len, want)?)))
         .collect()
 }
 

@@ -617,6 +617,43 @@ pub fn reported_checksums(requested: &[u32], answer: &DataResponse) -> std::coll
     checked.into_iter().zip(answer.crc32c.iter().copied()).collect()
 }
 
+/// The checks of one load's chunks against the manifest: each chunk's
+/// crc32c as the daemon reported it, or, where it did not (or with
+/// [`Verify::Local`]), computed here in place in the buffer.
+pub struct LoadChecks {
+    reported: std::collections::HashMap<u32, u32>,
+}
+
+impl LoadChecks {
+    /// For a load of `requested` (in request order) that the daemon answered.
+    pub fn new(verify: Verify, requested: &[u32], answer: &DataResponse) -> LoadChecks {
+        let reported = match verify {
+            Verify::Daemon => reported_checksums(requested, answer),
+            Verify::Local => Default::default(),
+        };
+        LoadChecks { reported }
+    }
+
+    /// Chunk `index` (`len` bytes at `offset` of `buffer`) against the
+    /// manifest's `want`; its crc32c, or the mismatch as a `Verify` error.
+    pub fn check(&self, index: u32, buffer: &Buffer, offset: u64, len: u64, want: u32) -> Result<u32, ClientError> {
+        let (crc, by) = match self.reported.get(&index) {
+            Some(&crc) => (crc, "the daemon read"),
+            None => (
+                buffer.crc32c(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?,
+                "this reader computed",
+            ),
+        };
+        if crc != want {
+            return Err(ClientError::Verify {
+                chunk: index,
+                what: format!("{by} crc32c {crc:#010x}, the manifest says {want:#010x}"),
+            });
+        }
+        Ok(crc)
+    }
+}
+
 /// The decode side. Its buffer is sized by the first manifest it adopts,
 /// registered once, and reused while large enough.
 pub struct Reader {
@@ -742,29 +779,14 @@ impl Reader {
         let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
         let all: Vec<u32> = manifest.chunks.iter().map(|c| c.index).collect();
         let answer = self.load_answered(claim, &manifest, &all)?;
-        let reported = match self.verify {
-            Verify::Daemon => reported_checksums(&all, &answer),
-            Verify::Local => Default::default(),
-        };
+        let checks = LoadChecks::new(self.verify, &all, &answer);
         // What is checksummed here is read in place in this process's
         // mapping: no copy (the load of every chunk has completed).
         let (buffer, _) = self.buffer_for(total)?;
         let mut crcs = Vec::with_capacity(manifest.chunks.len());
         let mut off = 0u64;
         for m in &manifest.chunks {
-            let (crc, by) = match reported.get(&m.index) {
-                Some(&crc) => (crc, "the daemon read"),
-                None => (
-                    buffer.crc32c(off, m.len as usize).map_err(|e| ClientError::Data(e.to_string()))?,
-                    "this reader computed",
-                ),
-            };
-            if crc != m.crc32c {
-                return Err(ClientError::Verify {
-                    chunk: m.index,
-                    what: format!("{by} crc32c {crc:#010x}, the manifest says {:#010x}", m.crc32c),
-                });
-            }
+            let crc = checks.check(m.index, buffer, off, m.len, m.crc32c)?;
             crcs.push(crc);
             off += m.len;
         }
