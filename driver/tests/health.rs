@@ -41,6 +41,7 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         listen: Listen::Tcp(format!("127.0.0.1:{port}").parse().unwrap()),
         data_socket: socket.clone(),
         queue_depth: 8,
+        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
         admission_timeout: Duration::from_secs(2),
         provenance: false,
         require_native: false,

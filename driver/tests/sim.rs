@@ -199,6 +199,9 @@ struct Sim {
 fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
     StoreOptions {
         queue_depth: 8,
+        // Back-to-back chunks merge as in the daemon: faults then land on
+        // merged commands too.
+        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
         // The daemon's maximum; each prepare asks for its own, in simulated time.
         admission_timeout: Duration::from_secs(3600),
         fault: Some(plan.clone()),

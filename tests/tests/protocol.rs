@@ -228,6 +228,72 @@ fn the_daemon_checks_loads_in_the_readers_buffer_and_a_reader_may_check_again() 
     }
 }
 
+/// A counter from the daemon's /metrics.
+fn metric(c: &Client, name: &str) -> u64 {
+    let m = c.metrics().unwrap();
+    let line = m.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap_or_else(|| panic!("no {name} in {m}"));
+    line[name.len() + 1..].parse().unwrap()
+}
+
+/// 16 KiB chunks (a per-layer layout), back to back on the target and in
+/// the writer's and reader's buffers, go to the device merged into 1 MiB
+/// commands (`serve --merge`), each still checksummed on its own: restored
+/// byte for byte in far fewer commands than chunks, and a byte flipped in a
+/// chunk in the middle of a merged command fails the load naming that
+/// chunk. `--merge 0` sends one command per chunk.
+#[test]
+fn back_to_back_small_chunks_move_in_fewer_commands_and_are_still_checked_one_by_one() {
+    const SMALL: u64 = 16 << 10;
+    const CHUNKS: u32 = 128;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = pdstor_tests::format_file(dir.path(), 4 * CHUNKS as u64, SMALL);
+    let data =
+        |seed: u64| -> Vec<u8> { (0..CHUNKS as u64).flat_map(|i| payload::chunk(seed, i, SMALL as usize)).collect() };
+    for (merge, seed) in [("1M", 21), ("0", 22)] {
+        let d = Daemon::start_with(&target, dir.path(), &["--merge", merge]);
+        let c = Client::new(&d.server);
+        let (chunks0, commands0) =
+            (metric(&c, "pdstor_payload_chunks_total"), metric(&c, "pdstor_payload_commands_total"));
+        let mut w = Writer::new(&d.server, &d.data_socket, SMALL, CHUNKS).unwrap();
+        let p = w.put(&format!("small-{merge}"), &layout(), &data(seed), CHUNKS, None).unwrap();
+        let claim = c.claim(&p.receipt, "decode-0", &format!("s-small-{merge}"), 60_000).unwrap();
+        let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+        let restored = r.get(&claim, &layout()).unwrap();
+        assert!(r.restored_bytes(CHUNKS as u64 * SMALL).unwrap() == data(seed), "--merge {merge}: byte for byte");
+        c.ack(&claim, &restored.restore_digest).unwrap();
+        let chunks = metric(&c, "pdstor_payload_chunks_total") - chunks0;
+        let commands = metric(&c, "pdstor_payload_commands_total") - commands0;
+        assert_eq!(chunks, 2 * CHUNKS as u64, "--merge {merge}: every chunk stored and loaded once");
+        if merge == "0" {
+            assert_eq!(commands, chunks, "--merge 0: a command per chunk");
+        } else {
+            // 64 chunks of 16 KiB per 1 MiB command: 2 each way where the
+            // slots are back to back; allow for a few breaks.
+            assert!(commands <= 16, "--merge {merge}: {commands} commands for {chunks} chunks");
+        }
+    }
+    // A byte flipped on the media in chunk 37, mid-run: the load fails
+    // naming chunk 37, the publication is kept.
+    let d = Daemon::start_with(&target, dir.path(), &["--merge", "1M"]);
+    let c = Client::new(&d.server);
+    let mut w = Writer::new(&d.server, &d.data_socket, SMALL, CHUNKS).unwrap();
+    let p = w.put("small-bad", &layout(), &data(23), CHUNKS, None).unwrap();
+    let image = std::fs::read(&d.target).unwrap();
+    let needle = &payload::chunk(23, 37, SMALL as usize)[..4096];
+    let at = image.windows(needle.len()).position(|w| w == needle).expect("chunk 37 is on the media") + 100;
+    let file = std::fs::OpenOptions::new().write(true).open(&d.target).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[image[at] ^ 0x5a], at as u64).unwrap();
+    file.sync_all().unwrap();
+    let commands0 = metric(&c, "pdstor_payload_commands_total");
+    let claim = c.claim(&p.receipt, "decode-0", "s-small-bad", 60_000).unwrap();
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    let e = r.get(&claim, &layout()).unwrap_err().to_string();
+    assert!(e.contains("checksum mismatch") && e.contains("chunk 37"), "{e}");
+    assert!(metric(&c, "pdstor_payload_commands_total") - commands0 <= 8, "the load was merged too");
+    c.fail(&claim, "corrupt chunk").unwrap();
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("RETAINED"));
+}
+
 #[test]
 fn a_failed_read_retains_the_bytes_until_a_fenced_reclaim() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -123,6 +123,16 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
     for ((path, kind), n) in s.metrics.verdicts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = writeln!(out, "pdstor_verdicts_total{{path=\"{path}\",verdict=\"{kind}\"}} {n}");
     }
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_payload_chunks_total Payload chunks stored and loaded.\n# TYPE pdstor_payload_chunks_total counter\npdstor_payload_chunks_total {}",
+        st.payload_chunks
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_payload_commands_total Device commands the payload chunks went in (fewer where back-to-back small chunks were merged, serve --merge).\n# TYPE pdstor_payload_commands_total counter\npdstor_payload_commands_total {}",
+        st.payload_commands
+    );
     let _ = writeln!(out, "# HELP pdstor_flushes_total Device flushes.\n# TYPE pdstor_flushes_total counter");
     let _ = writeln!(out, "pdstor_flushes_total {}", st.flushes);
     let _ =

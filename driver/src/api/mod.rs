@@ -63,6 +63,10 @@ pub struct ServeConfig {
     pub data_socket: PathBuf,
     /// Payload requests the store's I/O thread keeps in flight.
     pub queue_depth: u32,
+    /// Back-to-back small chunks go to the device as one command of up to
+    /// this many bytes (`StoreOptions::merge_bytes`); with `provenance` every
+    /// chunk goes alone whatever this says, so each has its own verdict.
+    pub merge_bytes: u64,
     /// The longest a prepare waits for capacity.
     pub admission_timeout: Duration,
     /// Attach the provenance probes and stamp every payload transfer.
@@ -155,6 +159,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         &cfg.target,
         StoreOptions {
             queue_depth: cfg.queue_depth,
+            merge_bytes: if cfg.provenance { 0 } else { cfg.merge_bytes },
             admission_timeout: cfg.admission_timeout,
             fault: cfg.fault.clone(),
             ..Default::default()

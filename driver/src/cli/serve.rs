@@ -100,6 +100,12 @@ pub struct ServeArgs {
     /// io_uring queue depth of the store's I/O thread.
     #[arg(long, default_value_t = 32)]
     qd: u32,
+    /// Chunks smaller than this that lie back to back on the target and in the client's buffer
+    /// (16-64 KiB per-layer layouts) go to the device as one command of up to this many bytes,
+    /// each still checksummed on its own; 0 sends every chunk alone. Off with --provenance
+    /// (verdicts are per chunk).
+    #[arg(long, default_value = "1M", value_parser = pdstor::units::parse_size)]
+    merge: u64,
     /// Longest a prepare waits for capacity, in ms (a prepare's own timeout_ms is capped at it);
     /// then it is refused with 503.
     #[arg(long, default_value_t = 30_000)]
@@ -140,6 +146,7 @@ impl ServeArgs {
             },
             data_socket: self.data_socket,
             queue_depth: self.qd,
+            merge_bytes: self.merge,
             admission_timeout: Duration::from_millis(self.admission_timeout_ms),
             provenance: self.provenance,
             require_native: self.require_native,

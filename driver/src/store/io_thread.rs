@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use super::error::{StoreError, WorkerError};
 use super::fault::FaultPlan;
 use super::superblock::{self, Superblock};
-use super::worker::{CommitReply, Job, PayloadResults, Worker};
+use super::worker::{CommitReply, Job, PayloadCounters, PayloadResults, Worker};
 use crate::buffer::Buffer;
 use crate::io::{BufferId, DmabufRw, IoRequest, PayloadPath, Target, TargetKind};
 
@@ -38,6 +38,7 @@ pub(super) struct IoThread {
     paths: Mutex<HashMap<BufferId, PayloadPath>>,
     target_kind: TargetKind,
     dmabuf_rw: DmabufRw,
+    counters: Arc<PayloadCounters>,
 }
 
 /// Locks `m`, taking the data of a poisoned lock: every value kept behind
@@ -54,19 +55,20 @@ impl IoThread {
         path: &Path,
         target: Target,
         queue_depth: u32,
+        merge_bytes: u64,
         fault: Option<Arc<FaultPlan>>,
     ) -> Result<(IoThread, Opened), StoreError> {
         let target_kind = target.kind();
         let (tx, rx) = channel::<Job>();
-        let (otx, orx) = channel::<Result<(Opened, DmabufRw), StoreError>>();
+        let (otx, orx) = channel::<Result<(Opened, DmabufRw, Arc<PayloadCounters>), StoreError>>();
         let path = path.to_path_buf();
         let handle = std::thread::Builder::new()
             .name("pdstor-store-io".into())
             .spawn(move || {
-                let opened = Self::open_on_thread(&path, target, queue_depth, fault);
+                let opened = Self::open_on_thread(&path, target, queue_depth, merge_bytes, fault);
                 let worker = match opened {
                     Ok((worker, opened)) => {
-                        let _ = otx.send(Ok((opened, worker.dmabuf_rw())));
+                        let _ = otx.send(Ok((opened, worker.dmabuf_rw(), worker.counters())));
                         worker
                     }
                     Err(e) => {
@@ -83,13 +85,14 @@ impl IoThread {
                 }
             })
             .map_err(|e| StoreError::from(WorkerError::Spawn(e)))?;
-        let (opened, dmabuf_rw) = orx.recv().map_err(|_| WorkerError::ExitedDuringOpen)??;
+        let (opened, dmabuf_rw, counters) = orx.recv().map_err(|_| WorkerError::ExitedDuringOpen)??;
         let io = IoThread {
             jobs: Mutex::new(tx),
             handle: Mutex::new(Some(handle)),
             paths: Mutex::new(HashMap::new()),
             target_kind,
             dmabuf_rw,
+            counters,
         };
         Ok((io, opened))
     }
@@ -99,9 +102,10 @@ impl IoThread {
         path: &Path,
         target: Target,
         queue_depth: u32,
+        merge_bytes: u64,
         fault: Option<Arc<FaultPlan>>,
     ) -> Result<(Worker, Opened), StoreError> {
-        let (mut worker, a, b) = Worker::open(target, queue_depth, fault)?;
+        let (mut worker, a, b) = Worker::open(target, queue_depth, merge_bytes, fault)?;
         let (superblock, note) = superblock::choose(Superblock::decode(&a), Superblock::decode(&b))
             .map_err(|source| StoreError::Superblock { path: path.into(), source })?;
         let journal = worker.load_journal(&superblock)?;
@@ -170,6 +174,12 @@ impl IoThread {
     /// (`None` for memory the daemon cannot map) or its failure.
     pub fn payload(&self, requests: Vec<IoRequest>) -> Result<PayloadResults, StoreError> {
         Ok(self.ask(|reply| Job::Io(requests, reply))??)
+    }
+
+    /// Payload chunks moved so far, and the device commands they took.
+    pub fn payload_counts(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.counters.chunks.load(Relaxed), self.counters.commands.load(Relaxed))
     }
 
     /// What kind of target the thread drives.

@@ -12,10 +12,11 @@ use std::sync::mpsc::{Receiver, Sender};
 
 use crate::buffer::Buffer;
 use crate::io::{
-    BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOffset,
-    TransferId,
+    BufferId, BufferOffset, Completion, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target,
+    TargetOffset, TransferId,
 };
 
+use super::coalesce::{Run, coalesce};
 use super::error::WorkerError;
 use super::fault::{FaultPlan, dead_device};
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
@@ -59,6 +60,15 @@ pub(crate) enum Job {
     Stop,
 }
 
+/// Payload chunks the I/O thread moved and the device commands it moved them
+/// in (fewer where back-to-back chunks were merged, [`coalesce`]). Shared
+/// with the store, which reports them.
+#[derive(Debug, Default)]
+pub(crate) struct PayloadCounters {
+    pub chunks: std::sync::atomic::AtomicU64,
+    pub commands: std::sync::atomic::AtomicU64,
+}
+
 /// What the last commit left: journal use and how often the device was flushed.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CommitInfo {
@@ -82,6 +92,9 @@ pub(crate) struct Worker {
     payload_dirty: bool,
     fault: Option<Arc<FaultPlan>>,
     verifier: Verifier,
+    /// Back-to-back chunks up to this many bytes are one command ([`coalesce`]).
+    merge_bytes: u64,
+    counters: Arc<PayloadCounters>,
     flushes: u64,
     groups: u64,
 }
@@ -92,6 +105,7 @@ impl Worker {
     pub fn open(
         target: Target,
         queue_depth: u32,
+        merge_bytes: u64,
         fault: Option<Arc<FaultPlan>>,
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
         let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })?;
@@ -127,6 +141,8 @@ impl Worker {
                 payload_dirty: false,
                 fault,
                 verifier: Verifier::default(),
+                merge_bytes,
+                counters: Arc::default(),
                 flushes: 0,
                 groups: 0,
             },
@@ -418,14 +434,20 @@ impl Worker {
                 f.before_write(r.target_offset.0, r.len);
             }
         }
+        // Back-to-back small chunks go to the device as one command each run
+        // (`coalesce`); each chunk keeps its own checksum and result.
+        let runs = coalesce(&allowed, self.merge_bytes);
+        let submitted: Vec<IoRequest> = runs.iter().map(|run| run.request).collect();
+        self.counters.chunks.fetch_add(allowed.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.counters.commands.fetch_add(submitted.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut early: Vec<Option<Result<Option<u32>, IoError>>> = (0..allowed.len()).map(|_| None).collect();
         // The large requests of a batch are checksummed on the verifier
         // thread, on another core, while this thread keeps the ring full;
         // the rest here, where a hand-off costs more than the checksum.
-        let shared: Vec<Option<Arc<Buffer>>> = allowed
+        let shared: Vec<Option<Arc<Buffer>>> = submitted
             .iter()
             .map(|r| {
-                (allowed.len() > 1 && r.len >= Verifier::MIN_LEN)
+                (submitted.len() > 1 && r.len >= Verifier::MIN_LEN)
                     .then(|| self.engine.shared_buffer(r.buffer).ok())
                     .flatten()
                     .filter(|b| b.is_mapped() && b.dmabuf().is_none())
@@ -433,13 +455,20 @@ impl Worker {
             .collect();
         let Worker { engine, verifier, .. } = self;
         let mut handed = 0usize;
-        let done = engine.execute_inspect(&allowed, |i, c, buffer| {
+        let done = engine.execute_inspect(&submitted, |i, c, buffer| {
             if let (Ok(()), Some(b)) = (&c.result, buffer)
                 && b.dmabuf().is_none()
             {
+                let parts = runs[i].parts.clone();
                 match &shared[i] {
-                    Some(b) if verifier.submit(i, Arc::clone(b), allowed[i]) => handed += 1,
-                    _ => early[i] = Some(crc_of(b, &allowed[i])),
+                    Some(b) if verifier.submit(parts.start, Arc::clone(b), allowed[parts.clone()].to_vec()) => {
+                        handed += 1
+                    }
+                    _ => {
+                        for k in parts {
+                            early[k] = Some(crc_of(b, &allowed[k]));
+                        }
+                    }
                 }
             }
         });
@@ -447,17 +476,19 @@ impl Worker {
         // is left for a later batch. One the verifier never answered (it
         // died) is checksummed below, here.
         for _ in 0..handed {
-            let Some((i, crc)) = verifier.result() else { break };
-            early[i] = Some(crc);
+            let Some((first, crcs)) = verifier.result() else { break };
+            for (k, crc) in (first..).zip(crcs) {
+                early[k] = Some(crc);
+            }
         }
         let done = done?;
         if let Some(f) = &self.fault {
             f.after_writes();
         }
-        let mut done = done.into_iter().zip(early);
         if requests.iter().any(|r| r.op == Op::Write) {
             self.payload_dirty = true;
         }
+        let mut done = split_runs(&runs, &allowed, done).into_iter().zip(early);
         let mut out = Vec::with_capacity(requests.len());
         for (i, r) in requests.iter().enumerate() {
             if refused[i] {
@@ -470,7 +501,7 @@ impl Worker {
                 }));
                 continue;
             }
-            let Some((c, early)) = done.next() else {
+            let Some((Some(result), early)) = done.next() else {
                 out.push(Err(IoError::ShortTransfer {
                     transfer: r.transfer,
                     op: r.op,
@@ -479,7 +510,7 @@ impl Worker {
                 }));
                 continue;
             };
-            out.push(c.result.and_then(|_| match early {
+            out.push(result.and_then(|_| match early {
                 Some(crc) => crc,
                 None => self.crc(r),
             }));
@@ -495,6 +526,10 @@ impl Worker {
     fn crc(&mut self, r: &IoRequest) -> Result<Option<u32>, IoError> {
         let b = self.engine.buffer(r.buffer)?;
         crc_of(b, r)
+    }
+
+    pub(super) fn counters(&self) -> Arc<PayloadCounters> {
+        Arc::clone(&self.counters)
     }
 
     pub(super) fn dmabuf_rw(&self) -> crate::io::DmabufRw {
@@ -514,8 +549,8 @@ struct Verifier {
 }
 
 struct VerifierThread {
-    jobs: Sender<(usize, Arc<Buffer>, IoRequest)>,
-    results: Receiver<(usize, Result<Option<u32>, IoError>)>,
+    jobs: Sender<(usize, Arc<Buffer>, Vec<IoRequest>)>,
+    results: Receiver<(usize, PayloadResults)>,
     handle: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -523,18 +558,19 @@ impl Verifier {
     /// Requests shorter than this are checksummed on the I/O thread.
     const MIN_LEN: u64 = 256 << 10;
 
-    /// Hands request `i` (completed, in `buffer`) to the thread; false if
-    /// there is no thread to take it.
-    fn submit(&mut self, i: usize, buffer: Arc<Buffer>, r: IoRequest) -> bool {
+    /// Hands the chunks of a completed run (in `buffer`, the first at batch
+    /// index `first`) to the thread; false if there is no thread to take them.
+    fn submit(&mut self, first: usize, buffer: Arc<Buffer>, chunks: Vec<IoRequest>) -> bool {
         if self.running.is_none() && !self.failed {
             self.running = VerifierThread::start();
             self.failed = self.running.is_none();
         }
-        self.running.as_ref().is_some_and(|t| t.jobs.send((i, buffer, r)).is_ok())
+        self.running.as_ref().is_some_and(|t| t.jobs.send((first, buffer, chunks)).is_ok())
     }
 
-    /// The next result, in completion order; `None` if the thread is gone.
-    fn result(&mut self) -> Option<(usize, Result<Option<u32>, IoError>)> {
+    /// The next run's checksums (with its first batch index), in completion
+    /// order; `None` if the thread is gone.
+    fn result(&mut self) -> Option<(usize, PayloadResults)> {
         let got = self.running.as_ref()?.results.recv().ok();
         if got.is_none() {
             self.running = None;
@@ -546,17 +582,17 @@ impl Verifier {
 
 impl VerifierThread {
     fn start() -> Option<VerifierThread> {
-        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Arc<Buffer>, IoRequest)>();
+        let (jobs, rx) = std::sync::mpsc::channel::<(usize, Arc<Buffer>, Vec<IoRequest>)>();
         let (tx, results) = std::sync::mpsc::channel();
         let handle = std::thread::Builder::new()
             .name("pdstor-verify".into())
             .spawn(move || {
-                for (i, b, r) in rx {
-                    let crc = crc_of(&b, &r);
+                for (first, b, chunks) in rx {
+                    let crcs = chunks.iter().map(|r| crc_of(&b, r)).collect();
                     // Let go of the buffer before answering: the I/O thread
                     // may unregister it as soon as the batch is answered.
                     drop(b);
-                    if tx.send((i, crc)).is_err() {
+                    if tx.send((first, crcs)).is_err() {
                         return;
                     }
                 }
@@ -575,6 +611,40 @@ impl Drop for VerifierThread {
             let _ = h.join();
         }
     }
+}
+
+/// Each chunk's outcome from its run's completion, in batch order: the run's
+/// own for every chunk of a run that moved; for a run that failed, its error
+/// for the first chunk and one naming the run for each chunk after it.
+/// `None` for a chunk whose run never completed.
+fn split_runs(runs: &[Run], batch: &[IoRequest], done: Vec<Completion>) -> Vec<Option<Result<(), IoError>>> {
+    let mut out: Vec<Option<Result<(), IoError>>> = (0..batch.len()).map(|_| None).collect();
+    for (run, c) in runs.iter().zip(done) {
+        match c.result {
+            Ok(()) => run.parts.clone().for_each(|k| out[k] = Some(Ok(()))),
+            Err(e) => {
+                let why = format!(
+                    "it went to the device in one command with {} other chunk(s) (from {}, {} bytes at target offset {}), which failed: {e}",
+                    run.parts.len() - 1,
+                    run.request.transfer,
+                    run.request.len,
+                    run.request.target_offset.0
+                );
+                for k in run.parts.clone().skip(1) {
+                    let r = &batch[k];
+                    out[k] = Some(Err(IoError::Transfer {
+                        transfer: r.transfer,
+                        op: r.op,
+                        offset: r.target_offset.0,
+                        len: r.len,
+                        source: std::io::Error::other(why.clone()),
+                    }));
+                }
+                out[run.parts.start] = Some(Err(e));
+            }
+        }
+    }
+    out
 }
 
 /// crc32c of `r`'s range of `b`, in place in the daemon's mapping of it
