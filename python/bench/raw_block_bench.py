@@ -174,6 +174,7 @@ def main() -> int:
     ap.add_argument("--chunks", default="8M,512K")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--qd", type=int, help="the daemon's queue depth (`pdstor serve --qd`; its default if not given)")
+    ap.add_argument("--merge", help="the daemon's merge limit (`pdstor serve --merge`; its default if not given)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     total = parse_size(a.bytes)
@@ -188,7 +189,8 @@ def main() -> int:
             with open(a.peer_target, "wb") as f:
                 f.truncate(parse_size(a.file_size))
         with tempfile.TemporaryDirectory(prefix="pdstor-rawbench-") as tmp:
-            d = Daemon(a.pdstor_bin, Path(tmp), a.pdstor_target, ["--qd", str(a.qd)] if a.qd else [])
+            serve_args = (["--qd", str(a.qd)] if a.qd else []) + (["--merge", a.merge] if a.merge else [])
+            d = Daemon(a.pdstor_bin, Path(tmp), a.pdstor_target, serve_args)
             d.start()
             peer = Peer(a.peer_target, total, chunk)
             try:

@@ -174,3 +174,37 @@ fn put_names_its_writer_get_acks_and_publications_show_extents() {
         serde_json::from_slice(&pdstor(&["publications", "--server", &d.server]).stdout).unwrap();
     assert_eq!(list, serde_json::json!([]), "acknowledged in the same call: nothing left");
 }
+
+/// `pdstor bench-store --handoffs`: every publication goes through claim,
+/// adopt, load and ack; alone that is five flushes each (the publish's
+/// payload and journal, then one per ownership record), and concurrent
+/// threads share them through group commit.
+#[test]
+fn bench_store_runs_whole_handoffs_and_readers_share_flushes() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = dir.path().join("bench-store.img");
+    let run = |writers: &str| -> serde_json::Value {
+        let out = pdstor(&[
+            "bench-store",
+            "--json",
+            "--handoffs",
+            "--target",
+            target.to_str().unwrap(),
+            "--writers",
+            writers,
+            "--publications",
+            "64",
+            "--chunk",
+            "64k",
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let alone = run("1");
+    assert_eq!(alone["after_publish"], "claim+adopt+load+ack");
+    assert_eq!(alone["publications"], 64);
+    assert_eq!(alone["flushes_per_publication"].as_f64(), Some(5.0), "{alone}");
+    let shared = run("16");
+    assert!(shared["flushes_per_publication"].as_f64().unwrap() < 5.0, "group commit shares flushes: {shared}");
+    assert!(!target.exists(), "the scratch target is removed");
+}

@@ -136,23 +136,32 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
             r.ratio_max
         );
     }
-    println!("\nstore: prepare + store (1 chunk) + publish (+ release) on a file target");
+    println!("\nstore: prepare + store (1 chunk) + publish, then release or a whole handoff, on a file target");
     let mut store_reports = Vec::new();
-    for writers in [1u32, 8, 16] {
-        let target = out_dir.join("bench-store.img");
-        let w = writers.to_string();
-        let json =
-            cmd!(sh, "{pdstor} bench-store --json --target {target} --writers {w} --publications 2000 --chunk 256k")
-                .read()
-                .context("pdstor bench-store")?;
-        let v: Value = serde_json::from_str(&json).context("parsing bench-store --json")?;
-        println!(
-            "  {writers:>2} writers: {:>6.0} publications/s, {:>6.0} journal records/s, {:.3} flushes/publication (goal <= 1 at >= 8 writers)",
-            v["publications_per_s"].as_f64().unwrap_or(0.0),
-            v["journal_records_per_s"].as_f64().unwrap_or(0.0),
-            v["flushes_per_publication"].as_f64().unwrap_or(f64::NAN)
-        );
-        store_reports.push(v);
+    for (handoffs, what) in [
+        (false, "release (goal <= 1 flush/publication at >= 8 writers)"),
+        (true, "claim + adopt + load + ack (5 flushes/publication unshared)"),
+    ] {
+        println!("  then {what}:");
+        for writers in [1u32, 8, 16] {
+            let target = out_dir.join("bench-store.img");
+            let w = writers.to_string();
+            let flag = if handoffs { vec!["--handoffs"] } else { Vec::new() };
+            let json = cmd!(
+                sh,
+                "{pdstor} bench-store --json --target {target} --writers {w} --publications 2000 --chunk 256k {flag...}"
+            )
+            .read()
+            .context("pdstor bench-store")?;
+            let v: Value = serde_json::from_str(&json).context("parsing bench-store --json")?;
+            println!(
+                "    {writers:>2} threads: {:>6.0} publications/s, {:>6.0} journal records/s, {:.3} flushes/publication",
+                v["publications_per_s"].as_f64().unwrap_or(0.0),
+                v["journal_records_per_s"].as_f64().unwrap_or(0.0),
+                v["flushes_per_publication"].as_f64().unwrap_or(f64::NAN)
+            );
+            store_reports.push(v);
+        }
     }
     std::fs::write(out_dir.join("store-report.json"), serde_json::to_string_pretty(&store_reports)?)?;
     handoff_vs_fio(sh, &pdstor, &out_dir, args.rounds)?;

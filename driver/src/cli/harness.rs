@@ -94,6 +94,10 @@ pub struct BenchStoreArgs {
     /// Bytes of each publication's one chunk.
     #[arg(long, default_value = "256k", value_parser = parse_size)]
     chunk: u64,
+    /// Each thread claims, adopts, loads and acks every publication it made (a whole handoff,
+    /// the readers' ownership records group-committed too) instead of releasing it.
+    #[arg(long)]
+    handoffs: bool,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -106,14 +110,16 @@ impl BenchStoreArgs {
             writers: self.writers,
             publications: self.publications,
             chunk: self.chunk,
+            handoffs: self.handoffs,
         };
         let r = bench::store::run(&cfg)?;
         print_report(self.json, &r, |r| {
             println!(
-                "{} writers, {} publications of {} B: {:.0} publications/s, {:.0} journal records/s, {:.3} flushes and {:.3} commit groups per publication",
+                "{} writers, {} publications of {} B, then {}: {:.0} publications/s, {:.0} journal records/s, {:.3} flushes and {:.3} commit groups per publication",
                 r.writers,
                 r.publications,
                 r.chunk,
+                r.after_publish,
                 r.publications_per_s,
                 r.journal_records_per_s,
                 r.flushes_per_publication,

@@ -1,7 +1,10 @@
 //! `pdstor bench-store`: publications per second through prepare → one-chunk
 //! store batch → publish → release on a formatted target, with concurrent
 //! writers, and what group commit saves: flushes and commit groups per
-//! publication, journal records per second.
+//! publication, journal records per second. With `--handoffs` each
+//! publication is instead claimed, adopted, loaded and acked by its thread:
+//! the readers' ownership records (CLAIM, ADOPT, ACK) share flushes with one
+//! another and with the writers' the same way.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::buffer::Buffer;
 use crate::io::BufferOffset;
-use crate::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
+use crate::store::{self, ChunkDest, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
 
 /// What `pdstor bench-store` runs.
 #[derive(Debug, Clone)]
@@ -22,6 +25,9 @@ pub struct StoreBenchConfig {
     pub publications: u32,
     /// Bytes of each publication's one chunk.
     pub chunk: u64,
+    /// Each publication is claimed, adopted, loaded and acked (a whole
+    /// handoff) instead of released.
+    pub handoffs: bool,
 }
 
 /// What the store bench measured.
@@ -33,11 +39,15 @@ pub struct StoreBenchReport {
     pub publications: u32,
     /// Bytes per chunk.
     pub chunk: u64,
+    /// What followed each publish: `release`, or
+    /// `claim+adopt+load+ack` (`--handoffs`).
+    pub after_publish: &'static str,
     /// Wall time.
     pub seconds: f64,
     /// Publications per second.
     pub publications_per_s: f64,
-    /// Journal records per second (four per publication).
+    /// Journal records per second (four per publication, six with
+    /// `--handoffs`).
     pub journal_records_per_s: f64,
     /// Device flushes during the run.
     pub flushes: u64,
@@ -76,11 +86,12 @@ pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
     let started = Instant::now();
     let handles: Vec<_> = (0..cfg.writers)
         .map(|w| {
-            let (s, layout, chunk) = (s.clone(), layout.clone(), cfg.chunk);
+            let (s, layout, chunk, handoffs) = (s.clone(), layout.clone(), cfg.chunk, cfg.handoffs);
             std::thread::spawn(move || -> anyhow::Result<()> {
                 let buf = Buffer::host(chunk as usize)?;
                 buf.write_at(0, &crate::payload::chunk(w as u64, 0, chunk as usize))?;
                 let id = s.register_buffer(buf)?;
+                let into = s.register_buffer(Buffer::host(chunk as usize)?)?;
                 for i in 0..per_writer {
                     let p = s.prepare(&format!("w{w}-{i}"), "bench", &layout, 1)?;
                     let c =
@@ -92,7 +103,20 @@ pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
                         total_chunks: 1,
                     })?;
                     s.publish(p, None)?;
-                    s.release(p)?;
+                    if handoffs {
+                        // The reader's side: what the protocol service does
+                        // for claim, adopt and ack once it has checked who asks.
+                        let now_ms = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_millis() as u64);
+                        s.claim(p, &format!("r{w}"), &format!("s{w}-{i}"), 60_000, now_ms, None)?;
+                        s.adopt(p, false, None)?;
+                        let dest = ChunkDest { index: 0, buffer: into, buffer_offset: BufferOffset(0) };
+                        s.load(p, &[dest])?;
+                        s.ack(p, "bench")?;
+                    } else {
+                        s.release(p)?;
+                    }
                 }
                 Ok(())
             })
@@ -105,13 +129,14 @@ pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
     let after = s.commit()?;
     let done = per_writer * cfg.writers;
     let flushes = after.flushes - before.flushes;
-    // prepare, alloc, publish, release: four records per publication.
-    let records = 4.0 * done as f64;
+    // prepare, alloc, publish, then release, or claim, adopt and ack.
+    let records = if cfg.handoffs { 6.0 } else { 4.0 } * done as f64;
     let _ = std::fs::remove_file(&cfg.target);
     Ok(StoreBenchReport {
         writers: cfg.writers,
         publications: done,
         chunk: cfg.chunk,
+        after_publish: if cfg.handoffs { "claim+adopt+load+ack" } else { "release" },
         seconds,
         publications_per_s: done as f64 / seconds,
         journal_records_per_s: records / seconds,
