@@ -48,6 +48,13 @@ pub struct BenchArgs {
     /// latency. The full bench runs it too.
     #[arg(long)]
     handoff: bool,
+    /// Instead: only the engine against NIXL's POSIX backend (io_uring) at
+    /// 16 KiB and 64 KiB chunks, write and read (pdstor at QD 128, NIXL's
+    /// default queue), on each of
+    /// --targets, alternating rounds (the venv of `cargo xtask python`, which
+    /// holds nixl-cu12). The full bench runs it too.
+    #[arg(long)]
+    nixl: bool,
 }
 
 struct Case {
@@ -102,6 +109,9 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     if args.handoff {
         return handoff_vs_fio(sh, &pdstor, &out_dir, args.rounds);
+    }
+    if args.nixl {
+        return nixl(sh, &pdstor, &out_dir, args);
     }
     let mut reports = Vec::new();
     for t in &args.targets {
@@ -166,6 +176,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     std::fs::write(out_dir.join("store-report.json"), serde_json::to_string_pretty(&store_reports)?)?;
     handoff_vs_fio(sh, &pdstor, &out_dir, args.rounds)?;
     raw_block(sh, &pdstor, &out_dir, args)?;
+    nixl(sh, &pdstor, &out_dir, args)?;
     probe_overhead(sh, &pdstor, &out_dir, args)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
@@ -327,6 +338,47 @@ fn raw_block(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Res
             "zram" => match (Zram::new(sh, "2G"), Zram::new(sh, "2G")) {
                 (Ok(a), Ok(b)) => run(&a.device, &b.device)?,
                 (Err(why), _) | (_, Err(why)) => println!("SKIP: raw_block on zram: {why:#}"),
+            },
+            other => bail!("unknown bench target {other:?}: expected file or zram"),
+        }
+        println!("  report: {}", json.display());
+    }
+    Ok(())
+}
+
+/// pdstor's engine against NIXL's POSIX backend (python/bench/nixl_bench.py):
+/// 256 MiB in 16 KiB and 64 KiB commands, write then read (pdstor at QD
+/// 128; NIXL with its default queue, which does not bound it the same way),
+/// rounds alternating, on each of --targets in turn (a zram device,
+/// a file on the root filesystem). Prints pdstor/NIXL; JSON per target in
+/// target/bench/nixl-<target>.json.
+fn nixl(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+    println!("\nengine (QD 128) vs NIXL 1.5.1 POSIX backend (io_uring), small chunks, 256 MiB per run");
+    let venv = crate::python::venv(sh)?;
+    let python = venv.join("bin/python");
+    let script = crate::project_root().join("python/bench/nixl_bench.py");
+    let rounds = args.rounds.max(5).to_string();
+    for t in &args.targets {
+        let json = out_dir.join(format!("nixl-{t}.json"));
+        let run = |target: &Path| {
+            cmd!(
+                sh,
+                "{python} {script} --pdstor-bin {pdstor} --target {target} --label {t} --rounds {rounds} --json {json}"
+            )
+            .env("NIXL_LOG_LEVEL", "WARN")
+            .run()
+            .context("the NIXL benchmark failed (see above)")
+        };
+        match t.as_str() {
+            "file" => {
+                let file = out_dir.join("nixl-bench.img");
+                let ran = run(&file);
+                let _ = std::fs::remove_file(&file);
+                ran?;
+            }
+            "zram" => match Zram::new(sh, "512M") {
+                Ok(z) => run(&z.device)?,
+                Err(why) => println!("SKIP: NIXL on zram: {why:#}"),
             },
             other => bail!("unknown bench target {other:?}: expected file or zram"),
         }

@@ -18,10 +18,11 @@ use crate::project_root;
 
 /// What the environment holds besides pdstor: LMCache as its users install
 /// it; the native engine of its raw_block backend (the benchmark's peer: a
-/// separate wheel, published only as release candidates); the test and build
-/// tools.
+/// separate wheel, published only as release candidates); NIXL (the
+/// small-chunk benchmark's peer: its POSIX backend runs on the CPU); the test
+/// and build tools.
 pub const REQUIREMENTS: &str =
-    "lmcache==0.5.6\nlmcache-rust-raw-block-io==0.5.7rc2\nnumpy\npytest\nmaturin>=1.9,<2\npatchelf\n";
+    "lmcache==0.5.6\nlmcache-rust-raw-block-io==0.5.7rc2\nnixl-cu12==1.5.1\nnumpy\npytest\nmaturin>=1.9,<2\npatchelf\n";
 
 /// The marker written once the environment is complete: a half-made one
 /// (an interrupted pip) is made again, never used.
