@@ -294,6 +294,77 @@ fn back_to_back_small_chunks_move_in_fewer_commands_and_are_still_checked_one_by
     assert_eq!(state(&c, claim.publication).as_deref(), Some("RETAINED"));
 }
 
+/// A reader that loads through the daemon adopts without waiting for a
+/// flush: its ADOPT is durable with the next commit (the ack's at the
+/// latest), so the first load starts at once. A kill -9 right after the
+/// adopt finds the claim CLAIMED — and fenced, as every claim that is not
+/// direct is after a restart, ADOPTED or not: it cannot load or ack, its
+/// bytes stay until a reclaim. A direct adopt (the reader reads the
+/// namespace itself, and its claim must survive a restart unfenced) is
+/// flushed before it returns. After a lazy adopt the handoff completes and
+/// its ACK, with the ADOPT before it in the journal, survives a kill -9.
+#[test]
+fn an_adopt_through_the_daemon_waits_for_no_flush_and_a_crash_after_it_keeps_the_bytes() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let mut d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let p = put(&d, "lazy", 30, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-lazy", 600_000).unwrap();
+    let flushes = metric(&c, "pdstor_flushes_total");
+    adopt(&c, &claim);
+    assert_eq!(metric(&c, "pdstor_flushes_total"), flushes, "the adopt waited for no flush");
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"));
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "the ADOPT was not yet durable");
+    assert_eq!(code(c.ack(&claim, "any")).1, "fenced");
+    assert_eq!(
+        code(c.adopt(&AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout: layout(),
+            direct: false,
+            reservation_key: None,
+        }))
+        .1,
+        "fenced"
+    );
+    c.reclaim(&claim).unwrap();
+    assert_eq!(state(&c, claim.publication), None, "reclaimed: the slots are free");
+
+    // A direct adopt is flushed before it returns, and survives.
+    let p = put(&d, "direct", 31, 2);
+    let direct = c.claim(&p.receipt, "decode-1", "s-direct", 600_000).unwrap();
+    let flushes = metric(&c, "pdstor_flushes_total");
+    c.adopt(&AdoptRequest {
+        receipt: direct.clone(),
+        namespace: direct.namespace.clone(),
+        epoch: direct.epoch,
+        manifest_digest: direct.manifest_digest.clone(),
+        layout: layout(),
+        direct: true,
+        reservation_key: None,
+    })
+    .unwrap();
+    assert!(metric(&c, "pdstor_flushes_total") > flushes, "a direct adopt is flushed before it returns");
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    assert_eq!(state(&c, direct.publication).as_deref(), Some("ADOPTED"), "the direct ADOPT survived");
+
+    // A whole handoff after a lazy adopt: its ACK (and the ADOPT before it) survive.
+    let p = put(&d, "whole", 32, 2);
+    let claim = c.claim(&p.receipt, "decode-0", "s-whole", 600_000).unwrap();
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    let restored = r.get(&claim, &layout()).unwrap();
+    assert!(r.restored_bytes(2 * SLOT).unwrap() == kv(32, 2), "byte for byte");
+    c.ack(&claim, &restored.restore_digest).unwrap();
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    assert_eq!(state(&c, claim.publication), None, "the ack was durable");
+}
+
 #[test]
 fn a_failed_read_retains_the_bytes_until_a_fenced_reclaim() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

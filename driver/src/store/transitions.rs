@@ -1,11 +1,22 @@
 //! The protocol's transitions as state changes (DESIGN §4): release, claim,
 //! adopt, ack, fail, reclaim. Each checks the publication's phase, journals
-//! one record and commits before it returns; the ones that free slots keep
-//! them quarantined until their record is durable. Who may take a step
+//! one record and commits before it returns — all but the ADOPT of a reader
+//! that loads through the daemon, which is durable with the next commit
+//! (see [`Store::adopt`]); the ones that free slots keep them quarantined
+//! until their record is durable. Who may take a step
 //! (receipts, leases, fencing) is the protocol's to check, before it calls here.
 
 use super::error::StoreError;
 use super::{Live, Phase, Publication, Record, SlotIndex, Store, in_phase};
+
+/// When a transition's record must be durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durable {
+    /// Committed (flushed) before the transition returns.
+    BeforeReturn,
+    /// Queued in the journal; durable with the next commit, whoever makes it.
+    WithNextCommit,
+}
 
 /// The longest a reclaim or ack waits for loads of its publication to end.
 const LOAD_DRAIN: std::time::Duration = std::time::Duration::from_secs(30);
@@ -55,6 +66,19 @@ impl Store {
         what: &'static str,
         record: Record,
     ) -> Result<Publication, StoreError> {
+        self.transition_durable(id, allowed, what, record, Durable::BeforeReturn)
+    }
+
+    /// [`transition`](Self::transition), committing before it returns or
+    /// leaving the record for the next commit.
+    fn transition_durable(
+        &self,
+        id: u64,
+        allowed: &[Phase],
+        what: &'static str,
+        record: Record,
+        durable: Durable,
+    ) -> Result<Publication, StoreError> {
         let frees = matches!(record, Record::Ack { .. } | Record::Reclaim { .. });
         let before = {
             let mut live = self.lock_live();
@@ -71,7 +95,7 @@ impl Store {
         };
         if frees {
             self.free_when_durable(&before.req_id, &before.slots)?;
-        } else {
+        } else if durable == Durable::BeforeReturn {
             self.commit()?;
         }
         Ok(self.publication(id).unwrap_or(before))
@@ -120,12 +144,22 @@ impl Store {
     /// Step 5: the claimed reader adopts the publication (checks are the
     /// caller's); `direct`: it reads the shared namespace itself, its host
     /// registered `reservation_key` (if any).
+    ///
+    /// A direct ADOPT is durable before this returns: after a restart it is
+    /// what keeps the claim of a reader that reads the namespace itself from
+    /// being fenced. Any other ADOPT is durable with the next commit (the
+    /// ack's at the latest, or another step's shared flush meanwhile), so the
+    /// reader's first load starts without waiting for a flush: nothing after
+    /// a crash depends on it — a restart fences every claim that is not
+    /// direct, ADOPTED or CLAIMED alike, and frees neither without a reclaim
+    /// — and journal order keeps it before any record committed after it.
     pub fn adopt(&self, id: u64, direct: bool, reservation_key: Option<u64>) -> Result<Publication, StoreError> {
-        self.transition(
+        self.transition_durable(
             id,
             &[Phase::Claimed],
             "only a CLAIMED publication can be adopted",
             Record::Adopt { publication: id, direct, reservation_key },
+            if direct { Durable::BeforeReturn } else { Durable::WithNextCommit },
         )
     }
 

@@ -4,7 +4,8 @@
 //! publication, journal records per second. With `--handoffs` each
 //! publication is instead claimed, adopted, loaded and acked by its thread:
 //! the readers' ownership records (CLAIM, ADOPT, ACK) share flushes with one
-//! another and with the writers' the same way.
+//! another and with the writers' the same way (the ADOPT, of a reader
+//! loading through the store, needs no flush of its own).
 
 use std::path::PathBuf;
 use std::sync::Arc;
