@@ -42,18 +42,23 @@ fn code(r: Result<impl std::fmt::Debug, ClientError>) -> (u16, String, String) {
     }
 }
 
-/// Adopts `claim` with every field as claimed.
-fn adopt(c: &Client, claim: &pdstor::protocol::Receipt) -> pdstor::store::Manifest {
-    c.adopt(&AdoptRequest {
+/// An adopt of `claim` with every field as claimed; `direct`: the reader
+/// reads the namespace itself.
+fn adopt_request(claim: &pdstor::protocol::Receipt, direct: bool) -> AdoptRequest {
+    AdoptRequest {
         receipt: claim.clone(),
         namespace: claim.namespace.clone(),
         epoch: claim.epoch,
         manifest_digest: claim.manifest_digest.clone(),
         layout: layout(),
-        direct: false,
+        direct,
         reservation_key: None,
-    })
-    .unwrap()
+    }
+}
+
+/// Adopts `claim` with every field as claimed.
+fn adopt(c: &Client, claim: &pdstor::protocol::Receipt) -> pdstor::store::Manifest {
+    c.adopt(&adopt_request(claim, false)).unwrap()
 }
 
 fn state(c: &Client, publication: u64) -> Option<String> {
@@ -318,19 +323,7 @@ fn an_adopt_through_the_daemon_waits_for_no_flush_and_a_crash_after_it_keeps_the
     let c = Client::new(&d.server);
     assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "the ADOPT was not yet durable");
     assert_eq!(code(c.ack(&claim, "any")).1, "fenced");
-    assert_eq!(
-        code(c.adopt(&AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: layout(),
-            direct: false,
-            reservation_key: None,
-        }))
-        .1,
-        "fenced"
-    );
+    assert_eq!(code(c.adopt(&adopt_request(&claim, false))).1, "fenced");
     c.reclaim(&claim).unwrap();
     assert_eq!(state(&c, claim.publication), None, "reclaimed: the slots are free");
 
@@ -338,16 +331,7 @@ fn an_adopt_through_the_daemon_waits_for_no_flush_and_a_crash_after_it_keeps_the
     let p = put(&d, "direct", 31, 2);
     let direct = c.claim(&p.receipt, "decode-1", "s-direct", 600_000).unwrap();
     let flushes = metric(&c, "pdstor_flushes_total");
-    c.adopt(&AdoptRequest {
-        receipt: direct.clone(),
-        namespace: direct.namespace.clone(),
-        epoch: direct.epoch,
-        manifest_digest: direct.manifest_digest.clone(),
-        layout: layout(),
-        direct: true,
-        reservation_key: None,
-    })
-    .unwrap();
+    c.adopt(&adopt_request(&direct, true)).unwrap();
     assert!(metric(&c, "pdstor_flushes_total") > flushes, "a direct adopt is flushed before it returns");
     d.kill9_and_restart();
     let c = Client::new(&d.server);
