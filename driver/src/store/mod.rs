@@ -440,6 +440,7 @@ impl Store {
     pub fn stats(&self) -> StoreStats {
         let live = self.lock_live();
         let c = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
+        let (payload_chunks, payload_commands) = self.io.payload_counts();
         StoreStats {
             slots: live.state.slot_count(),
             free_slots: live.state.free_slots(),
@@ -452,8 +453,8 @@ impl Store {
             admission: self.admission.stats().counters,
             violations: live.violations,
             rollbacks: live.rollbacks,
-            payload_chunks: self.io.payload_counts().0,
-            payload_commands: self.io.payload_counts().1,
+            payload_chunks,
+            payload_commands,
         }
     }
 
