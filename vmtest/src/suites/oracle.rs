@@ -36,9 +36,37 @@ fn run_qualify(args: &[&str], out: &Path) -> Result<serde_json::Value, String> {
         .ok_or_else(|| format!("no qualify.json: {}", String::from_utf8_lossy(&run.stderr)))?;
     if !run.status.success() || report["ok"] != true {
         let md = std::fs::read_to_string(out.join("qualify.md")).unwrap_or_default();
-        return Err(format!("pdstor qualify {args:?} failed ({:?}):\n{md}", run.status.code()));
+        return Err(format!(
+            "pdstor qualify {args:?} failed ({:?}):\n{md}{}",
+            run.status.code(),
+            violating_lines(&report, &out.join("timeline.jsonl"))
+        ));
     }
     Ok(report)
+}
+
+/// The timeline lines the report's violations name (the first ten, with
+/// the line before each), so that a failure in CI shows what happened
+/// without the guest's files.
+fn violating_lines(report: &serde_json::Value, timeline: &Path) -> String {
+    let Some(violations) = report["timeline"]["violations"].as_array().filter(|v| !v.is_empty()) else {
+        return String::new();
+    };
+    let text = std::fs::read_to_string(timeline).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut shown = std::collections::BTreeSet::new();
+    for v in violations.iter().take(10) {
+        if let Some(n) = v["line"].as_u64().map(|n| n as usize).filter(|n| *n >= 1) {
+            shown.extend([n.saturating_sub(1).max(1), n]);
+        }
+    }
+    let mut s = format!("\ntimeline lines around the first {} violations:\n", violations.len().min(10));
+    for n in shown {
+        if let Some(l) = lines.get(n - 1) {
+            s += &format!("{n}: {l}\n");
+        }
+    }
+    s
 }
 
 fn qualify(ctx: &Ctx) -> Outcome {

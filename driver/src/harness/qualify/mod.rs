@@ -167,6 +167,13 @@ impl QualifyReport {
             self.timeline.violations.len(),
             self.seconds
         );
+        let shown = 20;
+        for v in self.timeline.violations.iter().take(shown) {
+            s += &format!("- {v}\n");
+        }
+        if self.timeline.violations.len() > shown {
+            s += &format!("- … and {} more (qualify.json has them all)\n", self.timeline.violations.len() - shown);
+        }
         s
     }
 }
