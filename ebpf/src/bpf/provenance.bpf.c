@@ -327,14 +327,7 @@ int BPF_KPROBE(on_map_user_iov, struct request_queue *q, struct request *rq, voi
 {
 	if (!ours())
 		return 0;
-	struct transfer_key *k = current_key();
-	__u64 r = (__u64)rq;
-
-	if (!k)
-		return 0;
-	/* The request is the transfer's whatever its buffer (see rq_owner). */
-	bpf_map_update_elem(&rq_owner, &r, k, BPF_ANY);
-	struct transfer_signals *s = bpf_map_lookup_elem(&signals, k);
+	struct transfer_signals *s = current_signals();
 
 	if (!s)
 		return 0;
@@ -353,6 +346,11 @@ int BPF_KPROBE(on_map_user_iov, struct request_queue *q, struct request *rq, voi
 	}
 	if (map_data || ((addr | count) & align))
 		__sync_fetch_and_add(&s->passthrough_bounces, 1);
+	struct transfer_key *k = current_key();
+	__u64 r = (__u64)rq;
+
+	if (k)
+		bpf_map_update_elem(&rq_owner, &r, k, BPF_ANY);
 	return 0;
 }
 
