@@ -210,9 +210,6 @@ impl Probes {
             try_attach(IOMAP_TP, skel.progs.on_dio_begin.attach());
         }
         try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
-        try_attach("block:block_bio_queue", skel.progs.on_bio_queue.attach());
-        try_attach("block:block_split", skel.progs.on_bio_split.attach());
-        try_attach("block:block_bio_complete", skel.progs.on_bio_complete.attach());
         try_attach("block:block_rq_issue", skel.progs.on_rq_issue.attach());
         try_attach("block:block_rq_complete", skel.progs.on_rq_complete.attach());
         if !has_iomap {

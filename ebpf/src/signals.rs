@@ -153,7 +153,7 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 TargetClass::BlockDevice if s.rq_issued > 0 => Verdict::Native,
                 TargetClass::BlockDevice if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
                 TargetClass::BlockDevice => {
-                    Verdict::Unverifiable("no block request carried this transfer's bios".into())
+                    Verdict::Unverifiable("block requests issued off the submitting thread".into())
                 }
                 _ => Verdict::Fallback("dmabuf_fixed needs a raw block device target".into()),
             }
@@ -176,7 +176,7 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 TargetClass::File => Verdict::Fallback("no-direct-io".into()),
                 _ if s.rq_issued > 0 => Verdict::Native,
                 _ if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
-                _ => Verdict::Unverifiable("no block request carried this transfer's bios".into()),
+                _ => Verdict::Unverifiable("block requests issued off the submitting thread".into()),
             }
         }
         Declared::Host => {

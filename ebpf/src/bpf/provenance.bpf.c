@@ -36,39 +36,14 @@ struct {
 	__type(value, struct transfer_key);
 } current_transfer SEC(".maps");
 
-/* The transfer each of our bios belongs to, recorded where the bio enters
- * the block layer (block_bio_queue, on the thread that submits it; a bio
- * split off at the device's limits inherits its parent's). A block request
- * is then attributed by the bios it carries, whichever task issues or
- * completes it: blk-mq dispatches from a kworker whenever a request could
- * not go at once (no budget, a stopped queue, a plug flushed as the
- * submitter slept, a submitter moved to another CPU), and a request merged
- * from several transfers' bios belongs to each of them. */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 65536);
-	__type(key, __u64);
-	__type(value, struct transfer_key);
-} bio_owner SEC(".maps");
-
-/* A passthrough request, whose bios never pass block_bio_queue: its transfer,
- * from the thread that maps the user buffer into it (blk_rq_map_user_iov). */
+/* Block requests our transfers issued, so their completions (in interrupt
+ * context, on any task) can be attributed. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, 16384);
-	__type(key, __u64);
+	__type(key, struct rq_key);
 	__type(value, struct transfer_key);
-} rq_owner SEC(".maps");
-
-/* Requests of ours issued and not yet completed, so that a completion
- * (in interrupt context, on any task) counts once; the value is the
- * transfer of a request none of whose bios is known (0: none). */
-struct {
-	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 16384);
-	__type(key, __u64);
-	__type(value, struct transfer_key);
-} issued_rq SEC(".maps");
+} inflight_rq SEC(".maps");
 
 /* The target files whose page-cache insertions count, when the loader names
  * them (watch_on[0] = 1): then a page of anything else — the binary's own
@@ -119,7 +94,7 @@ static __always_inline struct transfer_signals *signals_for(__u64 transfer)
  * attach) is charged to the process's last submission: a copy it makes must
  * not go unseen. Any other thread with no transfer of its own (the daemon
  * writing its log or timeline, say) is charged nothing. */
-static __always_inline struct transfer_key *current_key(void)
+static __always_inline struct transfer_signals *current_signals(void)
 {
 	__u32 tid = (__u32)bpf_get_current_pid_tgid();
 	struct transfer_key *k = bpf_map_lookup_elem(&current_transfer, &tid);
@@ -132,13 +107,6 @@ static __always_inline struct transfer_key *current_key(void)
 		__u32 process = 0;
 		k = bpf_map_lookup_elem(&current_transfer, &process);
 	}
-	return k;
-}
-
-static __always_inline struct transfer_signals *current_signals(void)
-{
-	struct transfer_key *k = current_key();
-
 	if (!k)
 		return NULL;
 	return bpf_map_lookup_elem(&signals, k);
@@ -346,115 +314,7 @@ int BPF_KPROBE(on_map_user_iov, struct request_queue *q, struct request *rq, voi
 	}
 	if (map_data || ((addr | count) & align))
 		__sync_fetch_and_add(&s->passthrough_bounces, 1);
-	struct transfer_key *k = current_key();
-	__u64 r = (__u64)rq;
-
-	if (k)
-		bpf_map_update_elem(&rq_owner, &r, k, BPF_ANY);
 	return 0;
-}
-
-/* What walk_request counts for each transfer a request carries. */
-enum walk {
-	WALK_ISSUE,
-	WALK_COMPLETE,
-	WALK_NVME_CMD,
-};
-
-/* The most bios of one request attributed one by one; a request merged from
- * more (only small adjacent transfers do that) has the rest unattributed. */
-#define MAX_REQUEST_BIOS 64
-
-static __always_inline void count_for(struct transfer_key *k, enum walk what, __u64 bytes, __u64 rq_bytes,
-				      blk_status_t error, __u64 cmd_blocks)
-{
-	struct transfer_signals *s = bpf_map_lookup_elem(&signals, k);
-
-	if (!s)
-		return;
-	if (what == WALK_ISSUE) {
-		__sync_fetch_and_add(&s->rq_issued, 1);
-		__sync_fetch_and_add(&s->rq_bytes, bytes);
-	} else if (what == WALK_COMPLETE) {
-		__sync_fetch_and_add(&s->rq_completed, 1);
-		if (error)
-			__sync_fetch_and_add(&s->rq_errors, 1);
-	} else {
-		__sync_fetch_and_add(&s->nvme_cmds, 1);
-		/* A command's blocks, shared by its transfers by their bytes. */
-		if (rq_bytes)
-			__sync_fetch_and_add(&s->nvme_blocks, cmd_blocks * bytes / rq_bytes);
-	}
-}
-
-/* Counts `what` once for each transfer whose bios request `rq` carries,
- * whichever task runs this (see bio_owner). A request none of whose bios is
- * known — a passthrough command, or a bio queued where no transfer was
- * current — belongs to the passthrough map's transfer, else to the issuing
- * thread's, remembered at issue for the completion. */
-static __always_inline void walk_request(struct request *rq, enum walk what, blk_status_t error, __u64 cmd_blocks)
-{
-	__u64 r = (__u64)rq;
-	__u64 rq_bytes = BPF_CORE_READ(rq, __data_len);
-	struct transfer_key *fallback = NULL;
-
-	if (what == WALK_COMPLETE) {
-		/* Once per request: a partial completion comes back here. */
-		struct transfer_key *f = bpf_map_lookup_elem(&issued_rq, &r);
-
-		if (!f)
-			return;
-		struct transfer_key copy = *f;
-
-		bpf_map_delete_elem(&issued_rq, &r);
-		if (copy.transfer) {
-			count_for(&copy, what, rq_bytes, rq_bytes, error, cmd_blocks);
-			bpf_map_delete_elem(&rq_owner, &r);
-			return;
-		}
-	}
-	struct bio *bio = BPF_CORE_READ(rq, bio);
-	__u64 last = 0, run_bytes = 0;
-	bool any = false;
-
-	for (int i = 0; i < MAX_REQUEST_BIOS && bio; i++) {
-		__u64 b = (__u64)bio;
-		struct transfer_key *k = bpf_map_lookup_elem(&bio_owner, &b);
-		__u64 size = BPF_CORE_READ(bio, bi_iter.bi_size);
-
-		if (k) {
-			any = true;
-			/* A run of one transfer's bios counts as one request of it. */
-			if (k->transfer != last && last) {
-				struct transfer_key prev = { .transfer = last };
-
-				count_for(&prev, what, run_bytes, rq_bytes, error, cmd_blocks);
-				run_bytes = 0;
-			}
-			last = k->transfer;
-			run_bytes += size;
-		}
-		if (what == WALK_COMPLETE)
-			bpf_map_delete_elem(&bio_owner, &b);
-		bio = BPF_CORE_READ(bio, bi_next);
-	}
-	if (last) {
-		struct transfer_key prev = { .transfer = last };
-
-		count_for(&prev, what, run_bytes, rq_bytes, error, cmd_blocks);
-	}
-	if (!any && what != WALK_COMPLETE) {
-		fallback = bpf_map_lookup_elem(&rq_owner, &r);
-		if (!fallback && ours())
-			fallback = current_key();
-		if (fallback)
-			count_for(fallback, what, rq_bytes, rq_bytes, error, cmd_blocks);
-	}
-	if (what == WALK_ISSUE && (any || fallback)) {
-		struct transfer_key mark = { .transfer = any ? 0 : fallback->transfer };
-
-		bpf_map_update_elem(&issued_rq, &r, &mark, BPF_ANY);
-	}
 }
 
 /* nvme_setup_cmd(req, cmd): the NVMe command the driver builds. It lives in
@@ -463,12 +323,19 @@ static __always_inline void walk_request(struct request *rq, enum walk what, blk
 SEC("raw_tp/nvme_setup_cmd")
 int BPF_PROG(on_nvme_setup_cmd, struct request *req, void *cmd)
 {
+	if (!ours())
+		return 0;
+	struct transfer_signals *s = current_signals();
 	__u8 opcode = 0;
 	__u32 cdw12 = 0;
 
+	if (!s)
+		return 0;
 	bpf_probe_read_kernel(&opcode, sizeof(opcode), cmd);
 	bpf_probe_read_kernel(&cdw12, sizeof(cdw12), (char *)cmd + 48);
-	walk_request(req, WALK_NVME_CMD, 0, (opcode == 0x01 || opcode == 0x02) ? (cdw12 & 0xffff) + 1 : 0);
+	__sync_fetch_and_add(&s->nvme_cmds, 1);
+	if (opcode == 0x01 || opcode == 0x02)
+		__sync_fetch_and_add(&s->nvme_blocks, (cdw12 & 0xffff) + 1);
 	return 0;
 }
 
@@ -589,55 +456,46 @@ int on_dmabuf_cpu_access(struct pt_regs *ctx)
 	return 0;
 }
 
-SEC("tp_btf/block_bio_queue")
-int BPF_PROG(on_bio_queue, struct bio *bio)
+SEC("tracepoint/block/block_rq_issue")
+int on_rq_issue(struct trace_event_raw_block_rq *ctx)
 {
 	if (!ours())
 		return 0;
-	struct transfer_key *k = current_key();
-	__u64 b = (__u64)bio;
+	struct transfer_signals *s = current_signals();
 
-	if (k)
-		bpf_map_update_elem(&bio_owner, &b, k, BPF_ANY);
+	if (!s)
+		return 0;
+	__sync_fetch_and_add(&s->rq_issued, 1);
+	__sync_fetch_and_add(&s->rq_bytes, ctx->bytes);
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	struct transfer_key *k = bpf_map_lookup_elem(&current_transfer, &tid);
+	if (!k) {
+		__u32 process = 0;
+		k = bpf_map_lookup_elem(&current_transfer, &process);
+	}
+	if (k) {
+		struct rq_key rk = { .dev = ctx->dev, .sector = ctx->sector };
+		struct transfer_key v = *k;
+		bpf_map_update_elem(&inflight_rq, &rk, &v, BPF_ANY);
+	}
 	return 0;
 }
 
-/* block_split(split, new_sector): `split` is the front part, a new bio
- * chained to the one it came from (bio_chain: bi_private is the parent). */
-SEC("tp_btf/block_split")
-int BPF_PROG(on_bio_split, struct bio *split, unsigned int new_sector)
+SEC("tracepoint/block/block_rq_complete")
+int on_rq_complete(struct trace_event_raw_block_rq_completion *ctx)
 {
-	__u64 parent = (__u64)BPF_CORE_READ(split, bi_private);
-	struct transfer_key *k = bpf_map_lookup_elem(&bio_owner, &parent);
-	__u64 b = (__u64)split;
+	struct rq_key rk = { .dev = ctx->dev, .sector = ctx->sector };
+	struct transfer_key *k = bpf_map_lookup_elem(&inflight_rq, &rk);
 
-	if (!k && ours())
-		k = current_key();
-	if (k)
-		bpf_map_update_elem(&bio_owner, &b, k, BPF_ANY);
-	return 0;
-}
-
-SEC("tp_btf/block_bio_complete")
-int BPF_PROG(on_bio_complete, struct request_queue *q, struct bio *bio)
-{
-	__u64 b = (__u64)bio;
-
-	bpf_map_delete_elem(&bio_owner, &b);
-	return 0;
-}
-
-SEC("tp_btf/block_rq_issue")
-int BPF_PROG(on_rq_issue, struct request *rq)
-{
-	walk_request(rq, WALK_ISSUE, 0, 0);
-	return 0;
-}
-
-SEC("tp_btf/block_rq_complete")
-int BPF_PROG(on_rq_complete, struct request *rq, blk_status_t error, unsigned int nr_bytes)
-{
-	walk_request(rq, WALK_COMPLETE, error, 0);
+	if (!k)
+		return 0;
+	struct transfer_signals *s = bpf_map_lookup_elem(&signals, k);
+	if (s) {
+		__sync_fetch_and_add(&s->rq_completed, 1);
+		if (ctx->error)
+			__sync_fetch_and_add(&s->rq_errors, 1);
+	}
+	bpf_map_delete_elem(&inflight_rq, &rk);
 	return 0;
 }
 

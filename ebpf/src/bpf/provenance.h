@@ -28,14 +28,14 @@ struct transfer_signals {
 	__u64 dio_bvec;         /* iomap direct I/O on a bvec iterator: a registered buffer */
 	__u64 dio_user;         /* iomap direct I/O on a user-memory iterator */
 	__u64 page_cache_adds;  /* page-cache insertions while this transfer was current */
-	__u64 rq_issued;        /* block requests carrying this transfer's bios, issued (any context) */
-	__u64 rq_bytes;         /* ... the bytes of this transfer's bios in them */
+	__u64 rq_issued;        /* block requests issued while this transfer was current */
+	__u64 rq_bytes;
 	__u64 cmd_fixed_imports;/* io_uring_cmd_import_fixed: passthrough on a registered buffer (kprobe) */
 	__u64 swiotlb_bounces;  /* swiotlb_tbl_map_single: a DMA bounce through swiotlb (kprobe) */
 	__u64 dmabuf_cpu_access;/* dma_buf_begin_cpu_access: the CPU touched a DMA-BUF (kprobe) */
 	__u64 passthrough_bounces;/* blk_rq_map_user_iov on a buffer the queue must copy (kprobe) */
-	__u64 nvme_cmds;        /* nvme:nvme_setup_cmd of a request carrying this transfer's bios */
-	__u64 nvme_blocks;      /* logical blocks those Read/Write commands moved for it (NLB + 1, by bytes) */
+	__u64 nvme_cmds;        /* nvme:nvme_setup_cmd issued while this transfer was current */
+	__u64 nvme_blocks;      /* logical blocks those Read/Write commands moved (NLB + 1) */
 	__u64 rq_completed;     /* block requests of this transfer completed (any context) */
 	__u64 rq_errors;        /* ... that completed with an error */
 	__u64 dmabuf_token_bios;/* bio_dmabuf_map_set: a bio built on a DMA-BUF's DMA mapping, the
@@ -43,6 +43,13 @@ struct transfer_signals {
 	__u64 dmabuf_bounced_bios;/* ... of those, bios on a DMA-BUF mapping that swiotlb bounced when the
 	                         * mapping was made (nvme_dmabuf_token_map; possibly in an earlier
 	                         * transfer): the device moves bytes to and from bounce pages */
+};
+
+/* A block request in flight, as the block tracepoints name it. */
+struct rq_key {
+	__u32 dev;
+	__u32 pad;
+	__u64 sector;
 };
 
 /* Per-CPU counters of submitted payload ops, by kind. */

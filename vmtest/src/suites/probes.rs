@@ -38,7 +38,6 @@ pub const SUITE: Suite = Suite {
         Test { name: "buffered_write_is_page_cache_fallback", disk: Some(DiskRole::Xfs), run: page_cache_control },
         Test { name: "bpftool_reads_the_pinned_signals", disk: Some(DiskRole::Xfs), run: bpftool_dump },
         Test { name: "tracepoint_program_counts_requests", disk: Some(DiskRole::Raw), run: tracepoint_counts },
-        Test { name: "requests_dispatched_by_a_kworker_are_attributed", disk: None, run: kworker_dispatch },
     ],
 };
 
@@ -292,100 +291,6 @@ fn btf_present(_: &Ctx) -> Outcome {
         } else if !vmlinux.windows(b"nvme_queue\0".len()).any(|w| w == b"nvme_queue\0") {
             // Built in: the driver's types are in vmlinux's BTF string table.
             return Err("NVMe is built in, but vmlinux's BTF names no nvme_queue type".into());
-        }
-        Ok(())
-    })())
-}
-
-/// The scsi_debug disk the Debian kernel's module made at boot.
-fn scsi_debug_disk() -> Option<String> {
-    std::fs::read_dir("/sys/block").ok()?.flatten().find_map(|e| {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let model = std::fs::read_to_string(e.path().join("device/model")).unwrap_or_default();
-        (name.starts_with("sd") && model.trim() == "scsi_debug").then_some(name)
-    })
-}
-
-/// Block requests that another task dispatches — a kworker running the queue
-/// once the device has room, as blk-mq does whenever a request could not be
-/// issued at once — still belong to the transfer whose bio they carry. A
-/// scsi_debug disk of queue depth 1 with a delayed completion makes that
-/// happen to every request but the first of a batch (the tracefs log of
-/// `block_rq_issue` must show a kworker issuing some, or the scenario did not
-/// happen); each transfer of the batch must still be judged `native`, with
-/// every request it issued completed.
-fn kworker_dispatch(_: &Ctx) -> Outcome {
-    outcome((|| {
-        let Some(disk) = scsi_debug_disk() else {
-            if crate::guest::expects_rw_dmabuf() {
-                return Err("SKIP: the series kernel is built without scsi_debug (Debian's kernel runs this)".into());
-            }
-            return Err("no scsi_debug disk: the module was loaded at boot and should have made one".into());
-        };
-        let sys = Path::new("/sys/block").join(&disk);
-        let write = |path: &Path, v: &str| std::fs::write(path, v).map_err(|e| format!("{}: {e}", path.display()));
-        write(&sys.join("device/queue_depth"), "1")?;
-        let devno = std::fs::read_to_string(sys.join("dev")).map_err(|e| format!("{disk}/dev: {e}"))?;
-        let trace_dev = devno.trim().replace(':', ",");
-        let tracing = Path::new("/sys/kernel/tracing");
-        write(&tracing.join("events/block/block_rq_issue/enable"), "1")?;
-        write(&tracing.join("trace"), "")?;
-        let probes = attach()?;
-        let target =
-            Target::open(&Path::new("/dev").join(&disk), &TargetOptions::default()).map_err(|e| e.to_string())?;
-        let mut engine = Engine::new(target, EngineOptions::default()).map_err(|e| e.to_string())?;
-        const N: u64 = 8;
-        const LEN: u64 = 64 << 10;
-        let id =
-            engine.register(Buffer::host((N * LEN) as usize).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-        let requests: Vec<IoRequest> = (0..N)
-            .map(|i| IoRequest {
-                transfer: TransferId(530 + i),
-                op: Op::Write,
-                path: PayloadPath::HostFixed,
-                buffer: id,
-                buffer_offset: pdstor::io::BufferOffset(i * LEN),
-                target_offset: pdstor::io::TargetOffset(i * LEN),
-                len: LEN,
-            })
-            .collect();
-        let done = engine.execute_all(&requests).map_err(|e| e.to_string());
-        let trace = std::fs::read_to_string(tracing.join("trace")).unwrap_or_default();
-        write(&tracing.join("events/block/block_rq_issue/enable"), "0")?;
-        done?;
-        let issues: Vec<&str> =
-            trace.lines().filter(|l| l.contains("block_rq_issue:") && l.contains(&format!(" {trace_dev} "))).collect();
-        let by_kworker = issues.iter().filter(|l| l.trim_start().starts_with("kworker/")).count();
-        if by_kworker == 0 {
-            return Err(format!(
-                "no kworker issued a request of the batch, so this tested nothing; block_rq_issue on {disk}: {issues:#?}"
-            ));
-        }
-        let mut wrong = Vec::new();
-        for r in &requests {
-            let s = probes
-                .signals(r.transfer.0)
-                .map_err(|e| e.to_string())?
-                .ok_or(format!("no signals for transfer {}", r.transfer.0))?;
-            let v = pdstor_probes::judge(
-                pdstor_probes::Declared::HostFixed,
-                pdstor_probes::TargetClass::BlockDevice,
-                &s,
-                &probes.attached(),
-            );
-            if v != pdstor_probes::Verdict::Native
-                || s.rq_issued == 0
-                || s.rq_completed != s.rq_issued
-                || s.rq_bytes != LEN
-            {
-                wrong.push(format!("transfer {}: {v}, {s:?}", r.transfer.0));
-            }
-        }
-        if !wrong.is_empty() {
-            return Err(format!(
-                "{by_kworker} of {} requests were issued by a kworker, and these transfers lost them: {wrong:#?}",
-                issues.len()
-            ));
         }
         Ok(())
     })())
