@@ -8,6 +8,7 @@
 //! [`judge`] turns signals into a verdict. Nothing here claims `native`
 //! without a signal that says so.
 
+mod kallsyms;
 mod loader;
 mod signals;
 

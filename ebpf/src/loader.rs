@@ -131,6 +131,10 @@ fn attach_failure(name: &str, e: &libbpf_rs::Error) -> String {
 /// The iomap program: a tp_btf that older kernels lack (reported, not required).
 const IOMAP_TP: &str = "iomap:iomap_dio_rw_begin (tp_btf)";
 
+/// The status line that says how block requests are attributed (not a
+/// program: whether the kernel symbols that identify a bio were found).
+const BLOCK_IDENTITY: &str = "attribution:block requests by bio identity";
+
 /// Whether one program attached, and if not, why.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ProgramStatus {
@@ -186,8 +190,16 @@ impl Probes {
         // lives for the process, so the few bytes are leaked on purpose.
         let object: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
         let mut open = ProvenanceSkelBuilder::default().open(object).map_err(|e| ProbeError::Load(e.to_string()))?;
+        // Without the addresses, bios are attributed by the thread that
+        // queues them (reported below), as before identity was possible.
+        let syms = crate::kallsyms::Addresses::read().unwrap_or_default();
         if let Some(r) = open.maps.rodata_data.as_deref_mut() {
             r.target_tgid = tgid;
+            r.ksym_iomap_dio_bio_end_io = syms.get("iomap_dio_bio_end_io");
+            r.ksym_blkdev_bio_end_io = syms.get("blkdev_bio_end_io");
+            r.ksym_blkdev_bio_end_io_async = syms.get("blkdev_bio_end_io_async");
+            r.ksym_nvme_uring_cmd_end_io = syms.get("nvme_uring_cmd_end_io");
+            r.bio_identity = u32::from(syms.bio_identity());
         }
         let has_iomap = tracepoint_exists("iomap", "iomap_dio_rw_begin");
         if !has_iomap {
@@ -210,8 +222,11 @@ impl Probes {
             try_attach(IOMAP_TP, skel.progs.on_dio_begin.attach());
         }
         try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
-        try_attach("block:block_rq_issue", skel.progs.on_rq_issue.attach());
-        try_attach("block:block_rq_complete", skel.progs.on_rq_complete.attach());
+        try_attach("block:block_bio_queue (tp_btf)", skel.progs.on_bio_queue.attach());
+        try_attach("block:block_split (tp_btf)", skel.progs.on_bio_split.attach());
+        try_attach("block:block_bio_complete (tp_btf)", skel.progs.on_bio_complete.attach());
+        try_attach("block:block_rq_issue (tp_btf)", skel.progs.on_rq_issue.attach());
+        try_attach("block:block_rq_complete (tp_btf)", skel.progs.on_rq_complete.attach());
         if !has_iomap {
             status.push(ProgramStatus {
                 name: IOMAP_TP,
@@ -224,6 +239,25 @@ impl Probes {
         if !required.is_empty() {
             return Err(ProbeError::Attach(required));
         }
+        let missing = syms.missing();
+        status.push(ProgramStatus {
+            name: BLOCK_IDENTITY,
+            attached: syms.bio_identity(),
+            detail: if missing.is_empty() {
+                "block requests are charged to the transfers whose bios they carry, whichever task issues them".into()
+            } else {
+                format!(
+                    "not in /proc/kallsyms: {}; {}",
+                    missing.join(", "),
+                    if syms.bio_identity() {
+                        "passthrough requests are charged to the thread that issues them"
+                    } else {
+                        "bios are charged to the thread that queues them, and a request another task issues \
+                         is unverifiable"
+                    }
+                )
+            },
+        });
         try_optional(
             &mut status,
             &mut links,
@@ -280,7 +314,10 @@ impl Probes {
                 && self.is_attached("io_uring:io_uring_complete"),
             iomap_dio: self.is_attached("iomap:"),
             page_cache: self.is_attached("filemap:"),
-            block: self.is_attached("block:"),
+            block: ["block_bio_queue", "block_split", "block_bio_complete", "block_rq_issue", "block_rq_complete"]
+                .iter()
+                .all(|tp| self.is_attached(&format!("block:{tp} "))),
+            block_identity: self.is_attached(BLOCK_IDENTITY),
             cmd_fixed: self.is_attached("kprobe:io_uring_cmd_import_fixed"),
             swiotlb: self.is_attached("kprobe:swiotlb_tbl_map_single"),
             bounce: self.is_attached("kprobe:blk_rq_map_user_iov"),

@@ -27,10 +27,22 @@ pub struct Signals {
     pub rq_errors: u64,
     pub dmabuf_token_bios: u64,
     pub dmabuf_bounced_bios: u64,
+    pub bios: u64,
+    pub rq_off_process: u64,
+    pub rq_reissued: u64,
+    pub rq_shared: u64,
+    pub rq_completed_unseen: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 168, "struct transfer_signals is 21 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 208, "struct transfer_signals is 26 x 8 bytes");
 
 impl Signals {
+    /// Every block request this transfer issued completed, once: seen by the
+    /// probes, or proven by its io_uring request's completion where the
+    /// kernel did not run the completion program (`rq_completed_unseen`).
+    pub fn requests_all_completed(&self) -> bool {
+        self.rq_completed + self.rq_completed_unseen == self.rq_issued
+    }
+
     /// Decodes a map value (native endianness, as the kernel wrote it).
     pub fn from_bytes(b: &[u8]) -> Option<Signals> {
         if b.len() < std::mem::size_of::<Signals>() {
@@ -59,6 +71,11 @@ impl Signals {
             rq_errors: w(18),
             dmabuf_token_bios: w(19),
             dmabuf_bounced_bios: w(20),
+            bios: w(21),
+            rq_off_process: w(22),
+            rq_reissued: w(23),
+            rq_shared: w(24),
+            rq_completed_unseen: w(25),
         })
     }
 }
@@ -85,7 +102,11 @@ pub struct Attached {
     pub io_uring: bool,
     pub iomap_dio: bool,
     pub page_cache: bool,
+    /// Every block tracepoint program (bio queue, split, complete; request issue, complete).
     pub block: bool,
+    /// Block requests attributed by the bios they carry, not by the issuing
+    /// task: the kernel symbols that identify a bio were found.
+    pub block_identity: bool,
     /// kprobe on io_uring_cmd_import_fixed.
     pub cmd_fixed: bool,
     /// kprobe on swiotlb_tbl_map_single.
@@ -152,9 +173,7 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
             match target {
                 TargetClass::BlockDevice if s.rq_issued > 0 => Verdict::Native,
                 TargetClass::BlockDevice if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
-                TargetClass::BlockDevice => {
-                    Verdict::Unverifiable("block requests issued off the submitting thread".into())
-                }
+                TargetClass::BlockDevice => no_request_seen(a),
                 _ => Verdict::Fallback("dmabuf_fixed needs a raw block device target".into()),
             }
         }
@@ -176,7 +195,7 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 TargetClass::File => Verdict::Fallback("no-direct-io".into()),
                 _ if s.rq_issued > 0 => Verdict::Native,
                 _ if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
-                _ => Verdict::Unverifiable("block requests issued off the submitting thread".into()),
+                _ => no_request_seen(a),
             }
         }
         Declared::Host => {
@@ -195,6 +214,15 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
     }
 }
 
+/// A transfer to a block device that no block request was seen carrying.
+fn no_request_seen(a: &Attached) -> Verdict {
+    Verdict::Unverifiable(if a.block_identity {
+        "no block request carried this transfer's bios".into()
+    } else {
+        "no block request issued on the submitting thread (bio identity unavailable: see the probe status)".into()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +232,7 @@ mod tests {
         iomap_dio: true,
         page_cache: true,
         block: true,
+        block_identity: true,
         cmd_fixed: true,
         swiotlb: true,
         bounce: true,
@@ -344,7 +373,7 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 168];
+        let mut b = vec![0u8; 208];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
@@ -353,6 +382,10 @@ mod tests {
         assert_eq!(Signals::from_bytes(&b).map(|s| s.dmabuf_token_bios), Some(3));
         b[160..168].copy_from_slice(&2u64.to_ne_bytes());
         assert_eq!(Signals::from_bytes(&b).map(|s| s.dmabuf_bounced_bios), Some(2));
-        assert!(Signals::from_bytes(&b[..160]).is_none());
+        b[184..192].copy_from_slice(&4u64.to_ne_bytes());
+        assert_eq!(Signals::from_bytes(&b).map(|s| s.rq_reissued), Some(4));
+        b[200..208].copy_from_slice(&5u64.to_ne_bytes());
+        assert_eq!(Signals::from_bytes(&b).map(|s| s.rq_completed_unseen), Some(5));
+        assert!(Signals::from_bytes(&b[..200]).is_none());
     }
 }

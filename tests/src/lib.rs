@@ -229,3 +229,39 @@ impl Drop for Daemon {
         }
     }
 }
+
+/// A loop device over a scratch file (direct I/O on, so its requests reach
+/// the backing file without the page cache), detached when dropped.
+pub struct LoopDevice {
+    pub path: PathBuf,
+}
+
+impl LoopDevice {
+    /// Attaches `image` (created at `len` bytes if missing). Needs root and
+    /// `losetup`.
+    pub fn attach(image: &Path, len: u64) -> LoopDevice {
+        if !image.exists() {
+            std::fs::File::create(image).and_then(|f| f.set_len(len)).expect("creating the loop device's backing file");
+        }
+        let out = Command::new("losetup")
+            .args(["--find", "--show", "--direct-io=on"])
+            .arg(image)
+            .output()
+            .expect("running losetup");
+        assert!(out.status.success(), "losetup {}: {}", image.display(), String::from_utf8_lossy(&out.stderr));
+        LoopDevice { path: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()) }
+    }
+
+    /// `/sys/block/<name>/queue/<attr>`, written (the device's queue limits and scheduler).
+    pub fn set_queue(&self, attr: &str, value: &str) {
+        let name = self.path.file_name().expect("a /dev/loopN path").to_string_lossy().into_owned();
+        let file = Path::new("/sys/block").join(name).join("queue").join(attr);
+        std::fs::write(&file, value).unwrap_or_else(|e| panic!("writing {value} to {}: {e}", file.display()));
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.path).status();
+    }
+}

@@ -25,6 +25,30 @@ pub enum ProbeCmd {
     Dump,
     /// Remove the pinned probe set.
     Detach,
+    /// The probes under load: `--threads` submitters at `--depth` each write then read
+    /// `--transfers` host_fixed chunks on TARGET (its bytes are overwritten), a CPU hog
+    /// beside them; every transfer must be judged as at queue depth 1, with each request
+    /// it issued completed once and exactly its own bytes. Prints the report as JSON;
+    /// exits 1 if any transfer was not. Needs root.
+    Load {
+        /// A scratch block device or file (overwritten from --offset on).
+        #[arg(long)]
+        target: std::path::PathBuf,
+        #[arg(long, default_value = "0", value_parser = pdstor::units::parse_size)]
+        offset: u64,
+        #[arg(long, default_value_t = 8)]
+        threads: u64,
+        /// Writes in all (each read back as well), split evenly over the threads.
+        #[arg(long, default_value_t = 1000)]
+        transfers: u64,
+        #[arg(long, default_value_t = 64)]
+        depth: u32,
+        #[arg(long, default_value = "128K", value_parser = pdstor::units::parse_size)]
+        chunk: u64,
+        /// No CPU hog beside the submitters.
+        #[arg(long)]
+        no_hog: bool,
+    },
 }
 
 impl ProbeCmd {
@@ -47,6 +71,25 @@ impl ProbeCmd {
                 let all = pdstor_probes::read_pinned(pin_dir)?;
                 let rows: Vec<_> = all.iter().map(|(t, s)| serde_json::json!({"transfer": t, "signals": s})).collect();
                 print_json(&rows)
+            }
+            ProbeCmd::Load { target, offset, threads, transfers, depth, chunk, no_hog } => {
+                anyhow::ensure!(threads > 0 && transfers >= threads, "--transfers must be at least --threads (>= 1)");
+                let len = u32::try_from(chunk).map_err(|_| anyhow::anyhow!("--chunk {chunk} is over 4 GiB"))?;
+                let p = pdstor_probes::Probes::attach(std::process::id())?;
+                let opts = pdstor::harness::probe_load::LoadOptions {
+                    target,
+                    offset,
+                    threads,
+                    per_thread: transfers / threads,
+                    depth,
+                    len,
+                    hog: !no_hog,
+                    first_id: 1,
+                };
+                let report = pdstor::harness::probe_load::run(&p, &opts).map_err(anyhow::Error::msg)?;
+                print_json(&report)?;
+                anyhow::ensure!(report.clean(), "transfers misjudged under load (see the report above)");
+                Ok(())
             }
             ProbeCmd::Detach => {
                 let n = pdstor_probes::detach_pinned(pin_dir)?;

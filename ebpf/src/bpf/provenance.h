@@ -28,28 +28,50 @@ struct transfer_signals {
 	__u64 dio_bvec;         /* iomap direct I/O on a bvec iterator: a registered buffer */
 	__u64 dio_user;         /* iomap direct I/O on a user-memory iterator */
 	__u64 page_cache_adds;  /* page-cache insertions while this transfer was current */
-	__u64 rq_issued;        /* block requests issued while this transfer was current */
-	__u64 rq_bytes;
+	__u64 rq_issued;        /* block requests that carried this transfer's bios, each counted once
+	                         * however often blk-mq dispatched it (see rq_reissued) */
+	__u64 rq_bytes;         /* ... this transfer's bytes in them (a shared request: only its own) */
 	__u64 cmd_fixed_imports;/* io_uring_cmd_import_fixed: passthrough on a registered buffer (kprobe) */
 	__u64 swiotlb_bounces;  /* swiotlb_tbl_map_single: a DMA bounce through swiotlb (kprobe) */
 	__u64 dmabuf_cpu_access;/* dma_buf_begin_cpu_access: the CPU touched a DMA-BUF (kprobe) */
 	__u64 passthrough_bounces;/* blk_rq_map_user_iov on a buffer the queue must copy (kprobe) */
 	__u64 nvme_cmds;        /* nvme:nvme_setup_cmd issued while this transfer was current */
 	__u64 nvme_blocks;      /* logical blocks those Read/Write commands moved (NLB + 1) */
-	__u64 rq_completed;     /* block requests of this transfer completed (any context) */
+	__u64 rq_completed;     /* block requests of this transfer completed (any context, once each) */
 	__u64 rq_errors;        /* ... that completed with an error */
 	__u64 dmabuf_token_bios;/* bio_dmabuf_map_set: a bio built on a DMA-BUF's DMA mapping, the
 	                         * rw-dmabuf series' DMA-token path (kprobe; that kernel only) */
 	__u64 dmabuf_bounced_bios;/* ... of those, bios on a DMA-BUF mapping that swiotlb bounced when the
 	                         * mapping was made (nvme_dmabuf_token_map; possibly in an earlier
 	                         * transfer): the device moves bytes to and from bounce pages */
+	__u64 bios;             /* bios attributed to this transfer where the block layer took them in
+	                         * (block_bio_queue, by the bio's own completion context) or split them */
+	__u64 rq_off_process;   /* requests of this transfer issued by a task outside the traced
+	                         * process: a kworker running the queue, another task's plug */
+	__u64 rq_reissued;      /* dispatches of a request already issued (a requeue after the driver
+	                         * or device was busy): not counted again in rq_issued */
+	__u64 rq_shared;        /* requests that carried other bios too (another transfer's, or I/O
+	                         * no transfer made) beside this transfer's */
+	__u64 rq_completed_unseen;/* requests of this transfer that completed (their io_uring request
+	                         * did, which needs every bio ended) while no program saw
+	                         * block_rq_complete: the kernel does not run BPF programs in an
+	                         * interrupt that lands on a CPU where BPF is busy (see the header) */
 };
 
-/* A block request in flight, as the block tracepoints name it. */
-struct rq_key {
-	__u32 dev;
-	__u32 pad;
-	__u64 sector;
+/* Who made a bio: the transfer, and the io_uring request (io_kiocb) whose
+ * completion proves the bio ended. */
+struct bio_tag {
+	__u64 transfer;
+	__u64 req;
+};
+
+/* A request seen at issue, so that its completion counts once and a
+ * dispatch of the same request again (a requeue) is told from a new one. */
+struct rq_state {
+	__u64 bio;       /* its first bio and start sector at issue: a request */
+	__u64 sector;    /* reused for other I/O has another pair */
+	__u64 transfer;  /* a passthrough request's transfer (it has no queued bio); 0 otherwise */
+	__u64 req;       /* ... and its io_uring request */
 };
 
 /* Per-CPU counters of submitted payload ops, by kind. */

@@ -612,7 +612,7 @@ fn dmabuf_fixed_probes(ctx: &Ctx) -> Outcome {
             let exact = s.nvme_blocks * 4096 == CHUNK
                 && s.nvme_cmds == CHUNK.div_ceil(mdts)
                 && s.rq_bytes == CHUNK
-                && s.rq_completed == s.rq_issued
+                && s.requests_all_completed()
                 && s.rq_errors == 0
                 && s.page_cache_adds == 0
                 && s.swiotlb_bounces == 0

@@ -1,6 +1,7 @@
 //! The contract suites the guest runs. Adding a suite is one entry in
 //! [`SUITES`]; adding a test is one entry in its suite's table.
 
+mod attribution;
 mod dmabuf;
 mod faults;
 mod io;

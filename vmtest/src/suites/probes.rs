@@ -14,7 +14,7 @@ use std::path::Path;
 use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
 use pdstor::{Buffer, PayloadPath};
 
-use super::{Suite, Test, outcome};
+use super::{Suite, Test, attribution, outcome};
 use crate::guest::Ctx;
 use crate::{DiskRole, Outcome};
 
@@ -38,10 +38,21 @@ pub const SUITE: Suite = Suite {
         Test { name: "buffered_write_is_page_cache_fallback", disk: Some(DiskRole::Xfs), run: page_cache_control },
         Test { name: "bpftool_reads_the_pinned_signals", disk: Some(DiskRole::Xfs), run: bpftool_dump },
         Test { name: "tracepoint_program_counts_requests", disk: Some(DiskRole::Raw), run: tracepoint_counts },
+        Test {
+            name: "requests_a_kworker_dispatches_keep_their_transfer",
+            disk: None,
+            run: attribution::kworker_dispatch,
+        },
+        Test { name: "a_requeued_request_counts_once", disk: None, run: attribution::requeue },
+        Test {
+            name: "under_load_every_transfer_keeps_its_verdict",
+            disk: Some(DiskRole::Raw),
+            run: attribution::under_load,
+        },
     ],
 };
 
-fn attach() -> Result<pdstor_probes::Probes, String> {
+pub(crate) fn attach() -> Result<pdstor_probes::Probes, String> {
     pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())
 }
 
@@ -135,7 +146,7 @@ fn native_on_raw_block(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let dev = ctx.disk(DiskRole::Raw)?.block.clone();
         let v = fixed_write_verdict(&dev, None, pdstor_probes::TargetClass::BlockDevice, PayloadPath::HostFixed, 502)?;
-        if v.1.rq_completed == 0 || v.1.rq_completed != v.1.rq_issued || v.1.rq_errors != 0 {
+        if v.1.rq_issued == 0 || !v.1.requests_all_completed() || v.1.rq_errors != 0 {
             return Err(format!("block requests issued and completed disagree: {:?}", v.1));
         }
         expect(v, pdstor_probes::Verdict::Native)

@@ -25,8 +25,9 @@ use xshell::{Shell, cmd};
 
 use qemu::{Accel, Vm};
 
-/// Modules the guest needs that Debian builds as modules.
-const MODULES: &[&str] = &["nvme", "ext4", "xfs", "dm-mod", "dm-flakey"];
+/// Modules the guest needs that Debian builds as modules (sd_mod and
+/// scsi_debug: the probes suite's disk of queue depth 1 and injected requeues).
+const MODULES: &[&str] = &["nvme", "ext4", "xfs", "dm-mod", "dm-flakey", "sd_mod", "scsi_debug"];
 /// And those a topology's guests need: the private network's card, the
 /// NVMe/TCP target and initiator.
 const TOPOLOGY_MODULES: &[&str] = &["virtio_net", "nvmet", "nvmet-tcp", "nvme-tcp"];
