@@ -55,6 +55,13 @@ pub struct BenchArgs {
     /// holds nixl-cu12). The full bench runs it too.
     #[arg(long)]
     nixl: bool,
+    /// Instead: only the provenance probes' cost on the handoff: 512 MiB in
+    /// 8 MiB chunks through two daemons on two files, one with `serve
+    /// --provenance` and one without, strictly alternating rounds (at least
+    /// 5); prints the throughput ratio (goal >= 0.95). Root (BPF). The full
+    /// bench runs it too, beside the engine's probe overhead.
+    #[arg(long)]
+    probes: bool,
 }
 
 struct Case {
@@ -112,6 +119,9 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     if args.nixl {
         return nixl(sh, &pdstor, &out_dir, args);
+    }
+    if args.probes {
+        return handoff_probe_overhead(&pdstor, &out_dir, args.rounds);
     }
     let mut reports = Vec::new();
     for t in &args.targets {
@@ -178,6 +188,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     raw_block(sh, &pdstor, &out_dir, args)?;
     nixl(sh, &pdstor, &out_dir, args)?;
     probe_overhead(sh, &pdstor, &out_dir, args)?;
+    handoff_probe_overhead(&pdstor, &out_dir, args.rounds)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
@@ -435,32 +446,9 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path, rounds: u32) -> Res
     println!(
         "\nhandoff: 512 MiB, 8 MiB chunks, through pdstor serve on a file target, vs fio write + read of the same bytes"
     );
-    let target = out_dir.join("handoff.img");
-    let sock = out_dir.join("handoff.sock");
     let fio_file = out_dir.join("handoff-fio.img");
-    let _ = std::fs::remove_file(&target);
-    let _ = std::fs::remove_file(&sock);
-    cmd!(sh, "{pdstor} format --target {target} --size 1200M --chunk-slot 8M").quiet().ignore_stdout().run()?;
-    let control = out_dir.join("handoff-control.sock");
-    let server = format!("unix:{}", control.display());
-    let mut daemon = std::process::Command::new(pdstor)
-        .arg("serve")
-        .arg("--target")
-        .arg(&target)
-        .args(["--listen", &server, "--data-socket"])
-        .arg(&sock)
-        .stderr(std::fs::File::create(out_dir.join("handoff-serve.log"))?)
-        .spawn()
-        .context("starting pdstor serve")?;
-    let handoff = |latency_samples: &str| -> Result<Value> {
-        let json = cmd!(
-            sh,
-            "{pdstor} bench-handoff --json --server {server} --data-socket {sock} --bytes 512M --chunk 8M --rounds 1 --latency-samples {latency_samples}"
-        )
-        .read()
-        .context("pdstor bench-handoff")?;
-        serde_json::from_str(&json).context("parsing bench-handoff --json")
-    };
+    let daemon = BenchDaemon::start(pdstor, out_dir, "handoff", &[])?;
+    let handoff = |latency_samples: &str| daemon.handoff_json(pdstor, latency_samples);
     let fio = || -> Result<f64> {
         let mut secs = 0.0;
         for rw in ["write", "read"] {
@@ -472,15 +460,6 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path, rounds: u32) -> Res
         Ok(secs)
     };
     let measured = (|| -> Result<(Vec<(f64, f64)>, Value)> {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&sock).is_err()
-            || std::os::unix::net::UnixStream::connect(&control).is_err()
-        {
-            if std::time::Instant::now() > deadline {
-                bail!("pdstor serve did not start; see handoff-serve.log");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
         // Precondition both: the first write of a file allocates its extents.
         handoff("0")?;
         fio()?;
@@ -495,9 +474,7 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path, rounds: u32) -> Res
         }
         Ok((pairs, handoff("300")?))
     })();
-    let _ = daemon.kill();
-    let _ = daemon.wait();
-    let _ = std::fs::remove_file(&target);
+    drop(daemon);
     let _ = std::fs::remove_file(&fio_file);
     let (pairs, latency) = measured?;
     let ratios: Vec<f64> = pairs.iter().map(|(h, f)| h / f).collect();
@@ -530,6 +507,125 @@ fn handoff_vs_fio(sh: &Shell, pdstor: &Path, out_dir: &Path, rounds: u32) -> Res
             "ratio_median": ratio,
             "latency": latency,
         }))?,
+    )?;
+    Ok(())
+}
+
+/// One `pdstor serve` on a file of its own, for a handoff benchmark; killed
+/// and its files removed when dropped.
+struct BenchDaemon {
+    child: std::process::Child,
+    server: String,
+    data_socket: PathBuf,
+    files: Vec<PathBuf>,
+}
+
+impl BenchDaemon {
+    fn start(pdstor: &Path, out_dir: &Path, name: &str, extra: &[&str]) -> Result<BenchDaemon> {
+        let target = out_dir.join(format!("{name}.img"));
+        let data_socket = out_dir.join(format!("{name}-data.sock"));
+        let control = out_dir.join(format!("{name}-control.sock"));
+        for f in [&target, &data_socket, &control] {
+            let _ = std::fs::remove_file(f);
+        }
+        let formatted = std::process::Command::new(pdstor)
+            .args(["format", "--size", "1200M", "--chunk-slot", "8M", "--target"])
+            .arg(&target)
+            .output()
+            .context("running pdstor format")?;
+        if !formatted.status.success() {
+            bail!("pdstor format {}: {}", target.display(), String::from_utf8_lossy(&formatted.stderr));
+        }
+        let server = format!("unix:{}", control.display());
+        let log = out_dir.join(format!("{name}-serve.log"));
+        let child = std::process::Command::new(pdstor)
+            .arg("serve")
+            .arg("--target")
+            .arg(&target)
+            .args(["--listen", &server, "--data-socket"])
+            .arg(&data_socket)
+            .args(extra)
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting pdstor serve")?;
+        let daemon =
+            BenchDaemon { child, server, data_socket: data_socket.clone(), files: vec![target, control.clone()] };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while std::os::unix::net::UnixStream::connect(&data_socket).is_err()
+            || std::os::unix::net::UnixStream::connect(&control).is_err()
+        {
+            if std::time::Instant::now() > deadline {
+                bail!("pdstor serve {} did not start; see {}", extra.join(" "), log.display());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Ok(daemon)
+    }
+
+    /// One handoff of 512 MiB in 8 MiB chunks (and `latency_samples` timed
+    /// control-plane steps): bench-handoff's JSON report.
+    fn handoff_json(&self, pdstor: &Path, latency_samples: &str) -> Result<Value> {
+        let out = std::process::Command::new(pdstor)
+            .args(["bench-handoff", "--json", "--server", &self.server, "--data-socket"])
+            .arg(&self.data_socket)
+            .args(["--bytes", "512M", "--chunk", "8M", "--rounds", "1", "--latency-samples", latency_samples])
+            .output()
+            .context("running pdstor bench-handoff")?;
+        if !out.status.success() {
+            bail!("pdstor bench-handoff against {}: {}", self.server, String::from_utf8_lossy(&out.stderr));
+        }
+        serde_json::from_slice(&out.stdout).context("parsing bench-handoff --json")
+    }
+
+    /// One handoff's median seconds.
+    fn handoff(&self, pdstor: &Path) -> Result<f64> {
+        self.handoff_json(pdstor, "0")?["median_seconds"].as_f64().context("bench-handoff JSON without median_seconds")
+    }
+}
+
+impl Drop for BenchDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for f in self.files.iter().chain([&self.data_socket]) {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// The handoff through a daemon with the provenance probes (`serve
+/// --provenance`: every chunk judged) and through one without, strictly
+/// alternating, as the median throughput ratio with/without (goal >= 0.95).
+fn handoff_probe_overhead(pdstor: &Path, out_dir: &Path, rounds: u32) -> Result<()> {
+    println!(
+        "
+provenance probe overhead on the handoff: 512 MiB, 8 MiB chunks, two daemons on files, with vs without"
+    );
+    let with = BenchDaemon::start(pdstor, out_dir, "probes-on", &["--provenance"])?;
+    let without = BenchDaemon::start(pdstor, out_dir, "probes-off", &[])?;
+    // Precondition both: the first write of a file allocates its extents.
+    with.handoff(pdstor)?;
+    without.handoff(pdstor)?;
+    let mut ratios = Vec::new();
+    for round in 0..rounds.max(5) {
+        // Who goes first alternates, so neither always follows its own kind.
+        let (w, wo) = if round % 2 == 0 {
+            let w = with.handoff(pdstor)?;
+            (w, without.handoff(pdstor)?)
+        } else {
+            let wo = without.handoff(pdstor)?;
+            (with.handoff(pdstor)?, wo)
+        };
+        ratios.push(wo / w);
+    }
+    let med = median(ratios.clone());
+    println!(
+        "  handoff with/without probes (throughput): median {med:.3} (rounds {:?}; goal >= 0.95)",
+        ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>()
+    );
+    std::fs::write(
+        out_dir.join("probe-overhead-handoff.json"),
+        serde_json::to_string_pretty(&serde_json::json!({"ratios": ratios, "median": med}))?,
     )?;
     Ok(())
 }
