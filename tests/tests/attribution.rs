@@ -5,9 +5,8 @@
 //! devices, mount); says SKIP otherwise. The scenarios that need scsi_debug
 //! (a queue of depth 1, injected requeues) run in the vmtest guest.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::process::Command;
 
@@ -40,12 +39,7 @@ fn setup(test: &str) -> Option<(std::sync::MutexGuard<'static, ()>, Probes)> {
 }
 
 fn open_direct(path: &Path) -> File {
-    OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(path)
-        .unwrap_or_else(|e| panic!("opening {} O_DIRECT: {e}", path.display()))
+    pdstor::harness::probe_load::open_direct(path).unwrap()
 }
 
 /// An io_uring with one registered buffer of `len` bytes (payload-filled).

@@ -156,7 +156,12 @@ fn run(port: &mut Option<File>) -> Result<(), String> {
         // Booted again after a power cut: the suite resumes at the test that asked for it.
         let resume = cmdline("resume");
         let start = resume.as_deref().and_then(|r| suite.tests.iter().position(|t| t.name == r)).unwrap_or(0);
-        for test in &suite.tests[start..] {
+        // `pdstor.only=TEST pdstor.repeat=N` (vmtest --append): one test, N
+        // times in one boot, each run reported (a flake hunt, not CI).
+        let only = cmdline("only");
+        let repeat = cmdline("repeat").and_then(|n| n.parse::<u32>().ok()).unwrap_or(1).max(1);
+        let chosen = suite.tests[start..].iter().filter(|t| only.as_deref().is_none_or(|o| o == t.name));
+        for test in chosen.flat_map(|t| std::iter::repeat_n(t, repeat as usize)) {
             let t = Instant::now();
             let outcome = match test.disk {
                 Some(d) if !cfg.disks.contains(&d) => Outcome::Skip(format!("--fs leaves out the {d} disk")),

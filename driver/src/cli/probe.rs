@@ -34,15 +34,19 @@ pub enum ProbeCmd {
         /// A scratch block device or file (overwritten from --offset on).
         #[arg(long)]
         target: std::path::PathBuf,
+        /// Where on TARGET the transfers start (a multiple of 4 KiB).
         #[arg(long, default_value = "0", value_parser = pdstor::units::parse_size)]
         offset: u64,
+        /// Submitter threads, each with its own io_uring.
         #[arg(long, default_value_t = 8)]
         threads: u64,
         /// Writes in all (each read back as well), split evenly over the threads.
         #[arg(long, default_value_t = 1000)]
         transfers: u64,
+        /// Requests each thread keeps in flight.
         #[arg(long, default_value_t = 64)]
         depth: u32,
+        /// Bytes per transfer (a multiple of 4 KiB).
         #[arg(long, default_value = "128K", value_parser = pdstor::units::parse_size)]
         chunk: u64,
         /// No CPU hog beside the submitters.

@@ -214,7 +214,8 @@ fn submitter(opts: &LoadOptions, t: u64) -> Result<(), String> {
     Ok(())
 }
 
-fn open_direct(path: &Path) -> Result<File, String> {
+/// `path` opened for reading and writing with `O_DIRECT`.
+pub fn open_direct(path: &Path) -> Result<File, String> {
     OpenOptions::new()
         .read(true)
         .write(true)

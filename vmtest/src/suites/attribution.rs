@@ -102,25 +102,39 @@ fn exactly_native(probes: &Probes, first: u64, all: &[Signals], len: u64) -> Res
     if wrong.is_empty() { Ok(()) } else { Err(format!("{wrong:#?}")) }
 }
 
+/// Eight 64 KiB host_fixed writes in one batch on the scsi_debug disk,
+/// with `settings` (paths relative to the disk's /sys/block directory, or
+/// absolute) in force: `happened` must count the scenario in some transfer's
+/// signals (else the test tested nothing, and says `nothing`), and every
+/// transfer must be native with exactly its own requests.
+fn scsi_debug_batch(settings: &[(&str, &str)], first: u64, happened: fn(&Signals) -> u64, nothing: &str) -> Outcome {
+    outcome((|| {
+        let disk = scsi_debug_disk()?;
+        let sys = Path::new("/sys/block").join(&disk);
+        let _kept: Vec<Setting> =
+            settings.iter().map(|(path, value)| Setting::set(sys.join(path), value)).collect::<Result<_, _>>()?;
+        let probes = crate::suites::probes::attach()?;
+        const LEN: u64 = 64 << 10;
+        let all = fixed_writes(&probes, &Path::new("/dev").join(&disk), first, 8, LEN)?;
+        if all.iter().map(happened).sum::<u64>() == 0 {
+            return Err(format!("{nothing}, so this tested nothing: {all:#?}"));
+        }
+        exactly_native(&probes, first, &all, LEN)
+    })())
+}
+
 /// Queue depth 1 and scsi_debug's delayed completions: every request of a
 /// batch but the first waits for the one before, and blk-mq dispatches it
 /// from a kworker when that one completes. Each transfer must still be
 /// native with its own requests (on the programs that charged a request to
 /// the issuing thread, 7 of 8 were unverifiable).
 pub fn kworker_dispatch(_: &Ctx) -> Outcome {
-    outcome((|| {
-        let disk = scsi_debug_disk()?;
-        let sys = Path::new("/sys/block").join(&disk);
-        let _depth = Setting::set(sys.join("device/queue_depth"), "1")?;
-        let probes = crate::suites::probes::attach()?;
-        const LEN: u64 = 64 << 10;
-        let all = fixed_writes(&probes, &Path::new("/dev").join(&disk), 530, 8, LEN)?;
-        let off_process: u64 = all.iter().map(|s| s.rq_off_process).sum();
-        if off_process == 0 {
-            return Err(format!("no request was issued outside the process, so this tested nothing: {all:#?}"));
-        }
-        exactly_native(&probes, 530, &all, LEN)
-    })())
+    scsi_debug_batch(
+        &[("device/queue_depth", "1")],
+        530,
+        |s| s.rq_off_process,
+        "no request was issued outside the process",
+    )
 }
 
 /// scsi_debug answers every third command "host busy"
@@ -128,20 +142,12 @@ pub fn kworker_dispatch(_: &Ctx) -> Outcome {
 /// blk-mq requeues it and dispatches the same request again. It is one
 /// request: issued once, completed once, its bytes once.
 pub fn requeue(_: &Ctx) -> Outcome {
-    outcome((|| {
-        let disk = scsi_debug_disk()?;
-        let driver = Path::new("/sys/bus/pseudo/drivers/scsi_debug");
-        let _nth = Setting::set(driver.join("every_nth"), "3")?;
-        let _opts = Setting::set(driver.join("opts"), "0x8000")?;
-        let probes = crate::suites::probes::attach()?;
-        const LEN: u64 = 64 << 10;
-        let all = fixed_writes(&probes, &Path::new("/dev").join(&disk), 540, 8, LEN)?;
-        let reissued: u64 = all.iter().map(|s| s.rq_reissued).sum();
-        if reissued == 0 {
-            return Err(format!("no request was dispatched again, so this tested nothing: {all:#?}"));
-        }
-        exactly_native(&probes, 540, &all, LEN)
-    })())
+    scsi_debug_batch(
+        &[("/sys/bus/pseudo/drivers/scsi_debug/every_nth", "3"), ("/sys/bus/pseudo/drivers/scsi_debug/opts", "0x8000")],
+        540,
+        |s| s.rq_reissued,
+        "no request was dispatched again",
+    )
 }
 
 /// The load test on the NVMe namespace (`pdstor::harness::probe_load`):
