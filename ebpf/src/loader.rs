@@ -6,7 +6,7 @@
 use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 
-use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
 use crate::signals::{Attached, Signals};
@@ -369,6 +369,21 @@ impl Probes {
     /// Every transfer seen so far.
     pub fn all_signals(&self) -> Result<Vec<(u64, Signals)>, ProbeError> {
         read_all(&self.skel.maps.signals)
+    }
+
+    /// Runs of this probe set's programs the kernel skipped because the same
+    /// program was already running on that CPU (its `recursion_misses`): a
+    /// program preempted mid-run (7.x runs tracepoint programs preemptibly)
+    /// or interrupted by its own event. The events of those runs are not in
+    /// the signals.
+    pub fn skipped_runs(&self) -> u64 {
+        use std::os::fd::AsFd;
+        let ours: std::collections::HashSet<u32> =
+            self.skel.object().progs().filter_map(|p| libbpf_rs::Program::id_from_fd(p.as_fd()).ok()).collect();
+        libbpf_rs::query::ProgInfoIter::default()
+            .filter(|info| ours.contains(&info.id))
+            .map(|info| info.recursion_misses)
+            .sum()
     }
 
     /// Payload ops submitted by kind: [plain, fixed, uring_cmd], summed over CPUs.

@@ -58,6 +58,8 @@ pub struct LoadReport {
     pub lost_completions: u64,
     /// Transfers charged other bytes than their own (a request of someone else's, or one missed).
     pub wrong_bytes: u64,
+    /// ... of those, charged more than their own: someone else's request, never excusable.
+    pub excess_bytes: u64,
     /// Requests issued by a task outside this process (a kworker running the queue).
     pub rq_off_process: u64,
     /// Dispatches of a request already issued (requeues), counted once.
@@ -67,6 +69,9 @@ pub struct LoadReport {
     /// Requests whose completion no program saw (the kernel skipped it), proven
     /// complete by their io_uring request's.
     pub rq_completed_unseen: u64,
+    /// Runs of the probes the kernel skipped during the load (the same program
+    /// already running on that CPU: see `Probes::skipped_runs`).
+    pub probe_runs_skipped: u64,
     /// Up to ten transfers that went wrong, with their signals.
     pub examples: Vec<String>,
 }
@@ -75,6 +80,14 @@ impl LoadReport {
     /// No transfer unverifiable, lost, misjudged or charged the wrong bytes.
     pub fn clean(&self) -> bool {
         self.other_verdict == 0 && self.lost_completions == 0 && self.wrong_bytes == 0
+    }
+
+    /// Every transfer that is not clean lacks evidence (unverifiable, fewer
+    /// requests or bytes seen than it moved) rather than carrying wrong
+    /// evidence (a fallback, someone else's bytes): what runs of the probes
+    /// the kernel skipped can cause, and all they can cause.
+    pub fn only_evidence_missing(&self) -> bool {
+        self.other_verdict == self.unverifiable && self.excess_bytes == 0
     }
 }
 
@@ -100,6 +113,7 @@ pub fn run(probes: &Probes, opts: &LoadOptions) -> Result<LoadReport, String> {
         }
     }
 
+    let skipped_before = probes.skipped_runs();
     let stop = AtomicBool::new(false);
     let loaded = std::thread::scope(|scope| {
         if opts.hog {
@@ -116,7 +130,11 @@ pub fn run(probes: &Probes, opts: &LoadOptions) -> Result<LoadReport, String> {
     });
     loaded?;
 
-    let mut report = LoadReport { reference: reference.to_string(), ..Default::default() };
+    let mut report = LoadReport {
+        reference: reference.to_string(),
+        probe_runs_skipped: probes.skipped_runs().saturating_sub(skipped_before),
+        ..Default::default()
+    };
     for t in opts.first_id..opts.first_id + 2 * opts.threads * opts.per_thread {
         let s = signals(t)?;
         let v = verdict(&s);
@@ -142,6 +160,7 @@ pub fn run(probes: &Probes, opts: &LoadOptions) -> Result<LoadReport, String> {
         }
         if s.rq_bytes != u64::from(opts.len) {
             report.wrong_bytes += 1;
+            report.excess_bytes += u64::from(s.rq_bytes > u64::from(opts.len));
             wrong.push(format!("{} bytes charged of {}", s.rq_bytes, opts.len));
         }
         if !wrong.is_empty() && report.examples.len() < 10 {

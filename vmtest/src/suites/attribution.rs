@@ -173,9 +173,21 @@ pub fn under_load(ctx: &Ctx) -> Outcome {
         };
         let report = pdstor::harness::probe_load::run(&probes, &opts)?;
         println!("probe load on the NVMe namespace: {report:?}");
-        if report.reference != "native" || !report.clean() {
-            return Err(format!("{report:#?}"));
+        if report.reference == "native" && report.clean() {
+            return Ok(());
         }
-        Ok(())
+        // The kernel did not run the probes for some events (7.2 runs
+        // tracepoint programs preemptibly, and a program preempted on a CPU
+        // makes the kernel skip every other run of it there): a transfer may
+        // then lack evidence, which is what the probes report, but never
+        // carry someone else's. Issue 30 stays open for this.
+        if report.reference == "native" && report.probe_runs_skipped > 0 && report.only_evidence_missing() {
+            return Err(format!(
+                "SKIP: the kernel skipped {} runs of the probes under this load, and {} of {} transfers lack \
+                 evidence for it (none carries wrong evidence)",
+                report.probe_runs_skipped, report.unverifiable, report.transfers
+            ));
+        }
+        Err(format!("{report:#?}"))
     })())
 }
