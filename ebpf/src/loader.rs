@@ -149,22 +149,67 @@ pub struct Probes {
     status: Vec<ProgramStatus>,
 }
 
-/// Attaches an optional program: failure is a status line, not an error.
-fn try_optional(
+/// The kernel functions the optional programs hook, each by fentry (fexit)
+/// where the kernel lets it and by kprobe (kretprobe) where it does not: a
+/// kprobe program is skipped while any process on its CPU is inside a bpf()
+/// map syscall, an fentry program only while itself runs there (see "Runs
+/// the kernel skips" in the header of `bpf/provenance.bpf.c`).
+const HOOKED: [&str; 7] = [
+    "io_wq_submit_work",
+    "io_uring_cmd_import_fixed",
+    "blk_rq_map_user_iov",
+    "nvme_dmabuf_token_map",
+    "bio_dmabuf_map_set",
+    "swiotlb_tbl_map_single",
+    "dma_buf_begin_cpu_access",
+];
+
+/// Which program variants one load uses.
+#[derive(Debug, Clone)]
+struct Variants {
+    /// The functions whose fentry (fexit) programs are loaded.
+    fentry: std::collections::HashSet<&'static str>,
+    /// The io_uring tracepoints as tp_btf rather than classic tracepoints.
+    io_uring_btf: bool,
+    /// The page-cache tracepoint as tp_btf.
+    filemap_btf: bool,
+}
+
+/// Attaches an optional function hook: its fentry (or fexit) program when it
+/// was loaded and attaches, else its kprobe (or kretprobe). Failure of both
+/// is a status line, not an error.
+fn attach_hook(
     status: &mut Vec<ProgramStatus>,
     links: &mut Vec<(&'static str, Link)>,
-    name: &'static str,
-    r: libbpf_rs::Result<Link>,
+    (fentry_name, kprobe_name): (&'static str, &'static str),
+    fentry: Option<libbpf_rs::Result<Link>>,
+    kprobe: impl FnOnce() -> libbpf_rs::Result<Link>,
 ) {
-    match r {
+    let why_not_fentry = match fentry {
+        Some(Ok(l)) => {
+            status.push(ProgramStatus { name: fentry_name, attached: true, detail: "attached".into() });
+            links.push((fentry_name, l));
+            return;
+        }
+        Some(Err(e)) => attach_failure(fentry_name, &e),
+        None => format!("{fentry_name}: not loadable here"),
+    };
+    match kprobe() {
         Ok(l) => {
-            status.push(ProgramStatus { name, attached: true, detail: "attached".into() });
-            links.push((name, l));
+            status.push(ProgramStatus {
+                name: kprobe_name,
+                attached: true,
+                detail: format!("attached (instead of fentry: {why_not_fentry})"),
+            });
+            links.push((kprobe_name, l));
         }
         Err(e) => status.push(ProgramStatus {
-            name,
+            name: kprobe_name,
             attached: false,
-            detail: format!("cannot attach here ({}): reported unverifiable", attach_failure(name, &e)),
+            detail: format!(
+                "cannot attach here ({}; {why_not_fentry}): reported unverifiable",
+                attach_failure(kprobe_name, &e)
+            ),
         }),
     }
 }
@@ -174,6 +219,52 @@ fn tracepoint_exists(group: &str, name: &str) -> bool {
     ["/sys/kernel/tracing/events", "/sys/kernel/debug/tracing/events"]
         .iter()
         .any(|root| Path::new(root).join(group).join(name).exists())
+}
+
+/// Opens and loads the programs of `variants` for process `tgid`.
+fn load(
+    tgid: u32,
+    syms: &crate::kallsyms::Addresses,
+    bio_flag_dmabuf_map: u32,
+    has_iomap: bool,
+    variants: &Variants,
+) -> libbpf_rs::Result<ProvenanceSkel<'static>> {
+    // The skeleton borrows its object for as long as it lives; a probe set
+    // lives for the process, so the few bytes are leaked on purpose (once
+    // more for each variant tried).
+    let object: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
+    let mut open = ProvenanceSkelBuilder::default().open(object)?;
+    if let Some(r) = open.maps.rodata_data.as_deref_mut() {
+        r.target_tgid = tgid;
+        r.ksym_iomap_dio_bio_end_io = syms.get("iomap_dio_bio_end_io");
+        r.ksym_blkdev_bio_end_io = syms.get("blkdev_bio_end_io");
+        r.ksym_blkdev_bio_end_io_async = syms.get("blkdev_bio_end_io_async");
+        r.ksym_nvme_uring_cmd_end_io = syms.get("nvme_uring_cmd_end_io");
+        r.ksym_bio_chain_endio = syms.get("bio_chain_endio");
+        r.bio_identity = u32::from(syms.bio_identity());
+        r.bio_flag_dmabuf_map = bio_flag_dmabuf_map;
+    }
+    // tp_btf needs the tracepoint's BTF at load time: leave it out.
+    open.progs.on_dio_begin.set_autoload(has_iomap);
+    let p = &mut open.progs;
+    p.on_submit_btf.set_autoload(variants.io_uring_btf);
+    p.on_complete_btf.set_autoload(variants.io_uring_btf);
+    p.on_submit.set_autoload(!variants.io_uring_btf);
+    p.on_complete.set_autoload(!variants.io_uring_btf);
+    p.on_page_cache_add_btf.set_autoload(variants.filemap_btf);
+    p.on_page_cache_add.set_autoload(!variants.filemap_btf);
+    // An fentry program is loaded against its function's BTF: only for a
+    // function this kernel has.
+    let fe = |f: &str| variants.fentry.contains(f);
+    p.fe_iowq_work.set_autoload(fe("io_wq_submit_work"));
+    p.fe_cmd_import_fixed.set_autoload(fe("io_uring_cmd_import_fixed"));
+    p.fe_map_user_iov.set_autoload(fe("blk_rq_map_user_iov"));
+    p.fe_dmabuf_create_map.set_autoload(fe("nvme_dmabuf_token_map"));
+    p.fx_dmabuf_create_map.set_autoload(fe("nvme_dmabuf_token_map"));
+    p.fe_dmabuf_token_bio.set_autoload(fe("bio_dmabuf_map_set"));
+    p.fe_swiotlb_map.set_autoload(fe("swiotlb_tbl_map_single"));
+    p.fe_dmabuf_cpu_access.set_autoload(fe("dma_buf_begin_cpu_access"));
+    open.load()
 }
 
 impl Probes {
@@ -186,27 +277,31 @@ impl Probes {
         ensure_tracefs()?;
         // Attach failures are reported per program below, not on stderr.
         libbpf_rs::set_print(None);
-        // The skeleton borrows its object for as long as it lives; a probe set
-        // lives for the process, so the few bytes are leaked on purpose.
-        let object: &'static mut MaybeUninit<OpenObject> = Box::leak(Box::new(MaybeUninit::uninit()));
-        let mut open = ProvenanceSkelBuilder::default().open(object).map_err(|e| ProbeError::Load(e.to_string()))?;
         // Without the addresses, bios are attributed by the thread that
         // queues them (reported below), as before identity was possible.
-        let syms = crate::kallsyms::Addresses::read().unwrap_or_default();
-        if let Some(r) = open.maps.rodata_data.as_deref_mut() {
-            r.target_tgid = tgid;
-            r.ksym_iomap_dio_bio_end_io = syms.get("iomap_dio_bio_end_io");
-            r.ksym_blkdev_bio_end_io = syms.get("blkdev_bio_end_io");
-            r.ksym_blkdev_bio_end_io_async = syms.get("blkdev_bio_end_io_async");
-            r.ksym_nvme_uring_cmd_end_io = syms.get("nvme_uring_cmd_end_io");
-            r.bio_identity = u32::from(syms.bio_identity());
-        }
+        let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
+        let syms = crate::kallsyms::Addresses::parse(&kallsyms);
+        let kernel = crate::kallsyms::KernelBtf::read();
         let has_iomap = tracepoint_exists("iomap", "iomap_dio_rw_begin");
-        if !has_iomap {
-            // tp_btf needs the tracepoint's BTF at load time: leave it out.
-            open.progs.on_dio_begin.set_autoload(false);
-        }
-        let skel = open.load().map_err(|e| ProbeError::Load(e.to_string()))?;
+        let mut variants = Variants {
+            fentry: crate::kallsyms::functions_defined(&kallsyms, &HOOKED),
+            io_uring_btf: kernel.io_uring_btf,
+            filemap_btf: kernel.filemap_btf,
+        };
+        // Where fentry programs cannot be loaded (no trampolines, a lockdown
+        // that forbids them), the kprobes do the same work; where the tp_btf
+        // tracepoint programs cannot, the classic tracepoints do.
+        let skel = loop {
+            match load(tgid, &syms, kernel.bio_flag_dmabuf_map, has_iomap, &variants) {
+                Ok(skel) => break skel,
+                Err(_) if !variants.fentry.is_empty() => variants.fentry.clear(),
+                Err(_) if variants.io_uring_btf || variants.filemap_btf => {
+                    variants.io_uring_btf = false;
+                    variants.filemap_btf = false;
+                }
+                Err(e) => return Err(ProbeError::Load(e.to_string())),
+            }
+        };
         let mut links = Vec::new();
         let mut status = Vec::new();
         let mut try_attach = |name: &'static str, r: libbpf_rs::Result<Link>| match r {
@@ -216,12 +311,21 @@ impl Probes {
             }
             Err(e) => status.push(ProgramStatus { name, attached: false, detail: attach_failure(name, &e) }),
         };
-        try_attach("io_uring:io_uring_submit_req", skel.progs.on_submit.attach());
-        try_attach("io_uring:io_uring_complete", skel.progs.on_complete.attach());
+        if variants.io_uring_btf {
+            try_attach("io_uring:io_uring_submit_req (tp_btf)", skel.progs.on_submit_btf.attach());
+            try_attach("io_uring:io_uring_complete (tp_btf)", skel.progs.on_complete_btf.attach());
+        } else {
+            try_attach("io_uring:io_uring_submit_req", skel.progs.on_submit.attach());
+            try_attach("io_uring:io_uring_complete", skel.progs.on_complete.attach());
+        }
         if has_iomap {
             try_attach(IOMAP_TP, skel.progs.on_dio_begin.attach());
         }
-        try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
+        if variants.filemap_btf {
+            try_attach("filemap:mm_filemap_add_to_page_cache (tp_btf)", skel.progs.on_page_cache_add_btf.attach());
+        } else {
+            try_attach("filemap:mm_filemap_add_to_page_cache", skel.progs.on_page_cache_add.attach());
+        }
         try_attach("block:block_bio_queue (tp_btf)", skel.progs.on_bio_queue.attach());
         try_attach("block:block_split (tp_btf)", skel.progs.on_bio_split.attach());
         try_attach("block:block_bio_complete (tp_btf)", skel.progs.on_bio_complete.attach());
@@ -246,42 +350,95 @@ impl Probes {
             detail: if missing.is_empty() {
                 "block requests are charged to the transfers whose bios they carry, whichever task issues them".into()
             } else {
-                format!(
-                    "not in /proc/kallsyms: {}; {}",
-                    missing.join(", "),
-                    if syms.bio_identity() {
-                        "passthrough requests are charged to the thread that issues them"
-                    } else {
+                let mut costs = Vec::new();
+                if !syms.bio_identity() {
+                    costs.push(
                         "bios are charged to the thread that queues them, and a request another task issues \
-                         is unverifiable"
-                    }
-                )
+                         is unverifiable",
+                    );
+                }
+                if syms.get("nvme_uring_cmd_end_io") == 0 {
+                    costs.push("passthrough requests are charged to the thread that issues them");
+                }
+                if syms.bio_identity() && syms.get("bio_chain_endio") == 0 {
+                    costs.push("a split bio whose queueing the kernel ran no program for is nobody's");
+                }
+                format!("not in /proc/kallsyms: {}; {}", missing.join(", "), costs.join("; "))
             },
         });
-        try_optional(
-            &mut status,
-            &mut links,
-            "kprobe:io_uring_cmd_import_fixed",
-            skel.progs.on_cmd_import_fixed.attach(),
+        let p = &skel.progs;
+        let fe = |f: &str, prog: &libbpf_rs::ProgramMut<'_>| variants.fentry.contains(f).then(|| prog.attach());
+        let (st, ln) = (&mut status, &mut links);
+        attach_hook(
+            st,
+            ln,
+            ("fentry:io_uring_cmd_import_fixed", "kprobe:io_uring_cmd_import_fixed"),
+            fe("io_uring_cmd_import_fixed", &p.fe_cmd_import_fixed),
+            || p.on_cmd_import_fixed.attach(),
         );
-        try_optional(&mut status, &mut links, "kprobe:swiotlb_tbl_map_single", skel.progs.on_swiotlb_map.attach());
-        try_optional(
-            &mut status,
-            &mut links,
-            "kprobe:dma_buf_begin_cpu_access",
-            skel.progs.on_dmabuf_cpu_access.attach(),
+        attach_hook(
+            st,
+            ln,
+            ("fentry:swiotlb_tbl_map_single", "kprobe:swiotlb_tbl_map_single"),
+            fe("swiotlb_tbl_map_single", &p.fe_swiotlb_map),
+            || p.on_swiotlb_map.attach(),
         );
-        try_optional(&mut status, &mut links, "kprobe:blk_rq_map_user_iov", skel.progs.on_map_user_iov.attach());
-        try_optional(&mut status, &mut links, "kprobe:bio_dmabuf_map_set", skel.progs.on_dmabuf_token_bio.attach());
-        try_optional(&mut status, &mut links, "kprobe:nvme_dmabuf_token_map", skel.progs.on_dmabuf_create_map.attach());
-        try_optional(
-            &mut status,
-            &mut links,
-            "kretprobe:nvme_dmabuf_token_map",
-            skel.progs.on_dmabuf_create_map_ret.attach(),
+        attach_hook(
+            st,
+            ln,
+            ("fentry:dma_buf_begin_cpu_access", "kprobe:dma_buf_begin_cpu_access"),
+            fe("dma_buf_begin_cpu_access", &p.fe_dmabuf_cpu_access),
+            || p.on_dmabuf_cpu_access.attach(),
         );
-        try_optional(&mut status, &mut links, "kprobe:io_wq_submit_work", skel.progs.on_iowq_work.attach());
-        try_optional(&mut status, &mut links, "raw_tp:nvme_setup_cmd", skel.progs.on_nvme_setup_cmd.attach());
+        attach_hook(
+            st,
+            ln,
+            ("fentry:blk_rq_map_user_iov", "kprobe:blk_rq_map_user_iov"),
+            fe("blk_rq_map_user_iov", &p.fe_map_user_iov),
+            || p.on_map_user_iov.attach(),
+        );
+        attach_hook(
+            st,
+            ln,
+            ("fentry:bio_dmabuf_map_set", "kprobe:bio_dmabuf_map_set"),
+            fe("bio_dmabuf_map_set", &p.fe_dmabuf_token_bio),
+            || p.on_dmabuf_token_bio.attach(),
+        );
+        attach_hook(
+            st,
+            ln,
+            ("fentry:nvme_dmabuf_token_map", "kprobe:nvme_dmabuf_token_map"),
+            fe("nvme_dmabuf_token_map", &p.fe_dmabuf_create_map),
+            || p.on_dmabuf_create_map.attach(),
+        );
+        attach_hook(
+            st,
+            ln,
+            ("fexit:nvme_dmabuf_token_map", "kretprobe:nvme_dmabuf_token_map"),
+            fe("nvme_dmabuf_token_map", &p.fx_dmabuf_create_map),
+            || p.on_dmabuf_create_map_ret.attach(),
+        );
+        attach_hook(
+            st,
+            ln,
+            ("fentry:io_wq_submit_work", "kprobe:io_wq_submit_work"),
+            fe("io_wq_submit_work", &p.fe_iowq_work),
+            || p.on_iowq_work.attach(),
+        );
+        match p.on_nvme_setup_cmd.attach() {
+            Ok(l) => {
+                st.push(ProgramStatus { name: "raw_tp:nvme_setup_cmd", attached: true, detail: "attached".into() });
+                ln.push(("raw_tp:nvme_setup_cmd", l));
+            }
+            Err(e) => st.push(ProgramStatus {
+                name: "raw_tp:nvme_setup_cmd",
+                attached: false,
+                detail: format!(
+                    "cannot attach here ({}): reported unverifiable",
+                    attach_failure("raw_tp:nvme_setup_cmd", &e)
+                ),
+            }),
+        }
         Ok(Probes { skel, links, status })
     }
 
@@ -307,6 +464,15 @@ impl Probes {
         self.status.iter().any(|s| s.attached && s.name.starts_with(prefix))
     }
 
+    /// Whether function `func` is hooked at its entry (fentry or kprobe) or,
+    /// with `exit`, at its return (fexit or kretprobe).
+    fn hooked(&self, func: &str, exit: bool) -> bool {
+        let kinds: [&str; 2] = if exit { ["fexit", "kretprobe"] } else { ["fentry", "kprobe"] };
+        self.status
+            .iter()
+            .any(|s| s.attached && s.name.split_once(':').is_some_and(|(kind, f)| f == func && kinds.contains(&kind)))
+    }
+
     /// Which signal sources are live, for [`crate::judge`].
     pub fn attached(&self) -> Attached {
         Attached {
@@ -318,13 +484,12 @@ impl Probes {
                 .iter()
                 .all(|tp| self.is_attached(&format!("block:{tp} "))),
             block_identity: self.is_attached(BLOCK_IDENTITY),
-            cmd_fixed: self.is_attached("kprobe:io_uring_cmd_import_fixed"),
-            swiotlb: self.is_attached("kprobe:swiotlb_tbl_map_single"),
-            bounce: self.is_attached("kprobe:blk_rq_map_user_iov"),
-            dmabuf_cpu: self.is_attached("kprobe:dma_buf_begin_cpu_access"),
-            dmabuf_token: self.is_attached("kprobe:bio_dmabuf_map_set"),
-            dmabuf_map: self.is_attached("kprobe:nvme_dmabuf_token_map")
-                && self.is_attached("kretprobe:nvme_dmabuf_token_map"),
+            cmd_fixed: self.hooked("io_uring_cmd_import_fixed", false),
+            swiotlb: self.hooked("swiotlb_tbl_map_single", false),
+            bounce: self.hooked("blk_rq_map_user_iov", false),
+            dmabuf_cpu: self.hooked("dma_buf_begin_cpu_access", false),
+            dmabuf_token: self.hooked("bio_dmabuf_map_set", false),
+            dmabuf_map: self.hooked("nvme_dmabuf_token_map", false) && self.hooked("nvme_dmabuf_token_map", true),
         }
     }
 
@@ -377,13 +542,19 @@ impl Probes {
     /// or interrupted by its own event. The events of those runs are not in
     /// the signals.
     pub fn skipped_runs(&self) -> u64 {
+        self.skipped_runs_by_program().iter().map(|(_, n)| n).sum()
+    }
+
+    /// [`skipped_runs`](Self::skipped_runs) for each program that has any,
+    /// by the program's (kernel-truncated) name.
+    pub fn skipped_runs_by_program(&self) -> Vec<(String, u64)> {
         use std::os::fd::AsFd;
         let ours: std::collections::HashSet<u32> =
             self.skel.object().progs().filter_map(|p| libbpf_rs::Program::id_from_fd(p.as_fd()).ok()).collect();
         libbpf_rs::query::ProgInfoIter::default()
-            .filter(|info| ours.contains(&info.id))
-            .map(|info| info.recursion_misses)
-            .sum()
+            .filter(|info| ours.contains(&info.id) && info.recursion_misses > 0)
+            .map(|info| (info.name.to_string_lossy().into_owned(), info.recursion_misses))
+            .collect()
     }
 
     /// Payload ops submitted by kind: [plain, fixed, uring_cmd], summed over CPUs.

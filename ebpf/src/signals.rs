@@ -32,8 +32,10 @@ pub struct Signals {
     pub rq_reissued: u64,
     pub rq_shared: u64,
     pub rq_completed_unseen: u64,
+    pub dmabuf_token_rqs: u64,
+    pub cmd_fixed_rqs: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 208, "struct transfer_signals is 26 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 224, "struct transfer_signals is 28 x 8 bytes");
 
 impl Signals {
     /// Every block request this transfer issued completed, once: seen by the
@@ -41,6 +43,14 @@ impl Signals {
     /// kernel did not run the completion program (`rq_completed_unseen`).
     pub fn requests_all_completed(&self) -> bool {
         self.rq_completed + self.rq_completed_unseen == self.rq_issued
+    }
+
+    /// A block request carried this transfer's bytes to the device: seen
+    /// issued (block_rq_issue), or its NVMe command seen built
+    /// (nvme_setup_cmd) — two programs, so a run the kernel skips of one
+    /// does not leave the transfer without evidence.
+    pub fn requests_seen(&self) -> bool {
+        self.rq_issued > 0 || self.nvme_cmds > 0
     }
 
     /// Decodes a map value (native endianness, as the kernel wrote it).
@@ -76,6 +86,8 @@ impl Signals {
             rq_reissued: w(23),
             rq_shared: w(24),
             rq_completed_unseen: w(25),
+            dmabuf_token_rqs: w(26),
+            cmd_fixed_rqs: w(27),
         })
     }
 }
@@ -151,15 +163,24 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 return Verdict::Fallback("not-fixed".into());
             }
             if !a.dmabuf_cpu {
-                return Verdict::Unverifiable("kprobe:dma_buf_begin_cpu_access".into());
+                return Verdict::Unverifiable("the dma_buf_begin_cpu_access hook".into());
             }
             // Positive evidence of the DMA-token path: bios built on the
-            // DMA-BUF's own DMA mapping, not on pinned pages.
+            // DMA-BUF's own DMA mapping (seen built), or requests seen
+            // carrying such bios. Its absence is a fallback only where this
+            // transfer's requests were seen: a run the kernel skipped of
+            // the one hook is no evidence of pinned pages.
             if !a.dmabuf_token {
-                return Verdict::Unverifiable("kprobe:bio_dmabuf_map_set".into());
+                return Verdict::Unverifiable("the bio_dmabuf_map_set hook".into());
             }
-            if s.dmabuf_token_bios == 0 {
-                return Verdict::Fallback("not-dma-token".into());
+            if s.dmabuf_token_bios == 0 && s.dmabuf_token_rqs == 0 {
+                return if s.requests_seen() {
+                    Verdict::Fallback("not-dma-token".into())
+                } else if target != TargetClass::BlockDevice {
+                    Verdict::Fallback("dmabuf_fixed needs a raw block device target".into())
+                } else {
+                    no_request_seen(a)
+                };
             }
             // The mapping those bios use may have been bounced when it was
             // made, in an earlier transfer: the device then DMAs to bounce
@@ -168,10 +189,10 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 return Verdict::Fallback("swiotlb-bounce".into());
             }
             if !a.dmabuf_map || !a.swiotlb {
-                return Verdict::Unverifiable("kprobe:nvme_dmabuf_token_map/swiotlb_tbl_map_single".into());
+                return Verdict::Unverifiable("the nvme_dmabuf_token_map/swiotlb_tbl_map_single hooks".into());
             }
             match target {
-                TargetClass::BlockDevice if s.rq_issued > 0 => Verdict::Native,
+                TargetClass::BlockDevice if s.requests_seen() => Verdict::Native,
                 TargetClass::BlockDevice if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
                 TargetClass::BlockDevice => no_request_seen(a),
                 _ => Verdict::Fallback("dmabuf_fixed needs a raw block device target".into()),
@@ -180,10 +201,15 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
         Declared::HostFixed => {
             if target == TargetClass::NvmePassthrough || s.uring_cmds > 0 {
                 // The tracepoint does not carry uring_cmd_flags: the kprobe tells.
-                if !a.cmd_fixed {
-                    return Verdict::Unverifiable("kprobe:io_uring_cmd_import_fixed".into());
+                // Seen importing the registered buffer, or seen as a
+                // request whose command asked for it (two programs).
+                if s.cmd_fixed_imports > 0 || s.cmd_fixed_rqs > 0 {
+                    return Verdict::Native;
                 }
-                return if s.cmd_fixed_imports > 0 { Verdict::Native } else { Verdict::Fallback("not-fixed".into()) };
+                if !a.cmd_fixed {
+                    return Verdict::Unverifiable("the io_uring_cmd_import_fixed hook".into());
+                }
+                return if s.requests_seen() { Verdict::Fallback("not-fixed".into()) } else { no_request_seen(a) };
             }
             if s.fixed_ops == 0 {
                 return Verdict::Fallback("not-fixed".into());
@@ -192,8 +218,13 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 TargetClass::File if s.dio_user > 0 => Verdict::Fallback("user-buffer".into()),
                 TargetClass::File if s.dio_bvec > 0 => Verdict::Native,
                 TargetClass::File if !a.iomap_dio => Verdict::Unverifiable("iomap_dio_rw_begin".into()),
+                // Its bios were made by iomap direct I/O (bio identity), but
+                // the kernel ran no iomap_dio_rw_begin program for it.
+                TargetClass::File if s.bios > 0 => {
+                    Verdict::Unverifiable("direct-I/O bios seen, but not their iterator (iomap_dio_rw_begin)".into())
+                }
                 TargetClass::File => Verdict::Fallback("no-direct-io".into()),
-                _ if s.rq_issued > 0 => Verdict::Native,
+                _ if s.requests_seen() => Verdict::Native,
                 _ if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
                 _ => no_request_seen(a),
             }
@@ -205,7 +236,7 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
             if s.uring_cmds > 0 {
                 return Verdict::Native;
             }
-            if s.dio_user > 0 || (target != TargetClass::File && s.rq_issued > 0) {
+            if s.dio_user > 0 || (target != TargetClass::File && s.requests_seen()) {
                 Verdict::Native
             } else {
                 Verdict::Unverifiable("no direct-I/O signal for this transfer".into())
@@ -283,6 +314,20 @@ mod tests {
     }
 
     #[test]
+    fn a_file_transfer_without_its_iterator_seen_is_a_fallback_only_without_direct_io_bios() {
+        let bare = Signals { dio_bvec: 0, dio_user: 0, ..fixed_file() };
+        assert_eq!(
+            judge(Declared::HostFixed, TargetClass::File, &bare, &ALL),
+            Verdict::Fallback("no-direct-io".into())
+        );
+        let dio_bios = Signals { bios: 4, ..bare };
+        assert!(matches!(
+            judge(Declared::HostFixed, TargetClass::File, &dio_bios, &ALL),
+            Verdict::Unverifiable(w) if w.contains("iomap_dio_rw_begin")
+        ));
+    }
+
+    #[test]
     fn a_plain_read_on_the_host_path_is_not_counted_as_fixed() {
         let s = Signals { submits: 1, plain_ops: 1, dio_user: 1, ..Default::default() };
         assert_eq!(judge(Declared::Host, TargetClass::File, &s, &ALL), Verdict::Native);
@@ -290,14 +335,24 @@ mod tests {
     }
 
     #[test]
-    fn passthrough_is_judged_by_the_fixed_import_kprobe() {
-        let pt = Signals { submits: 1, uring_cmds: 1, completions: 1, ..Default::default() };
+    fn passthrough_is_judged_by_the_fixed_import_or_its_requests() {
+        let pt = Signals { submits: 1, uring_cmds: 1, completions: 1, rq_issued: 1, ..Default::default() };
         assert_eq!(
             judge(Declared::HostFixed, TargetClass::NvmePassthrough, &pt, &ALL),
             Verdict::Fallback("not-fixed".into())
         );
+        // Its request unseen too: no evidence either way.
+        let unseen = Signals { rq_issued: 0, ..pt };
+        assert!(matches!(
+            judge(Declared::HostFixed, TargetClass::NvmePassthrough, &unseen, &ALL),
+            Verdict::Unverifiable(_)
+        ));
         let fixed = Signals { cmd_fixed_imports: 1, ..pt };
         assert_eq!(judge(Declared::HostFixed, TargetClass::NvmePassthrough, &fixed, &ALL), Verdict::Native);
+        // Either witness is enough: the command that asked for the
+        // registered buffer, seen as a request, when the hook was skipped.
+        let asked = Signals { cmd_fixed_rqs: 1, ..pt };
+        assert_eq!(judge(Declared::HostFixed, TargetClass::NvmePassthrough, &asked, &ALL), Verdict::Native);
         assert_eq!(judge(Declared::Host, TargetClass::NvmePassthrough, &pt, &ALL), Verdict::Native);
         let copied = Signals { passthrough_bounces: 1, ..fixed };
         assert_eq!(
@@ -331,7 +386,18 @@ mod tests {
         let no_token_probe = Attached { dmabuf_token: false, ..ALL };
         assert_eq!(
             judge(Declared::DmabufFixed, TargetClass::BlockDevice, &dma, &no_token_probe),
-            Verdict::Unverifiable("kprobe:bio_dmabuf_map_set".into())
+            Verdict::Unverifiable("the bio_dmabuf_map_set hook".into())
+        );
+        // The second witness: requests seen carrying DMA-token bios, where
+        // the kernel skipped the hook's runs.
+        let rqs_only = Signals { dmabuf_token_bios: 0, dmabuf_token_rqs: 2, ..dma };
+        assert_eq!(judge(Declared::DmabufFixed, TargetClass::BlockDevice, &rqs_only, &ALL), Verdict::Native);
+        // Nothing seen of the transfer's requests or bios: no evidence of
+        // pinned pages either.
+        let unseen = Signals { dmabuf_token_bios: 0, rq_issued: 0, ..dma };
+        assert_eq!(
+            judge(Declared::DmabufFixed, TargetClass::BlockDevice, &unseen, &ALL),
+            Verdict::Unverifiable("no block request carried this transfer's bios".into())
         );
         // Bios on a mapping swiotlb bounced when it was made (in an earlier
         // transfer: no bounce inside this one) are not native.
@@ -373,7 +439,7 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 208];
+        let mut b = vec![0u8; 224];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
@@ -386,6 +452,10 @@ mod tests {
         assert_eq!(Signals::from_bytes(&b).map(|s| s.rq_reissued), Some(4));
         b[200..208].copy_from_slice(&5u64.to_ne_bytes());
         assert_eq!(Signals::from_bytes(&b).map(|s| s.rq_completed_unseen), Some(5));
+        b[208..216].copy_from_slice(&6u64.to_ne_bytes());
+        b[216..224].copy_from_slice(&8u64.to_ne_bytes());
+        assert_eq!(Signals::from_bytes(&b).map(|s| (s.dmabuf_token_rqs, s.cmd_fixed_rqs)), Some((6, 8)));
+        assert_eq!(Signals::from_bytes(&b[..216]), None, "a short value is not decoded");
         assert!(Signals::from_bytes(&b[..200]).is_none());
     }
 }

@@ -214,7 +214,7 @@ fn probe_attach_mounts_tracefs_when_it_is_absent() {
     let attached: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     for p in attached["programs"].as_array().unwrap() {
         let name = p["name"].as_str().unwrap();
-        if !["kprobe:", "kretprobe:", "raw_tp:"].iter().any(|kind| name.starts_with(kind)) {
+        if !["kprobe:", "kretprobe:", "fentry:", "fexit:", "raw_tp:"].iter().any(|kind| name.starts_with(kind)) {
             assert_eq!(p["attached"], true, "every tracepoint attaches once tracefs is mounted: {p}");
         }
     }

@@ -56,6 +56,12 @@ struct transfer_signals {
 	                         * did, which needs every bio ended) while no program saw
 	                         * block_rq_complete: the kernel does not run BPF programs in an
 	                         * interrupt that lands on a CPU where BPF is busy (see the header) */
+	__u64 dmabuf_token_rqs; /* requests seen (at issue, at their NVMe command: up to two sightings
+	                         * each) carrying this transfer's bios on a DMA-BUF's DMA mapping
+	                         * (BIO_DMABUF_MAP): the DMA-token path's second witness */
+	__u64 cmd_fixed_rqs;    /* passthrough requests seen (likewise) whose io_uring_cmd asked for
+	                         * the registered buffer (IORING_URING_CMD_FIXED): the fixed
+	                         * passthrough's second witness */
 };
 
 /* Who made a bio: the transfer, and the io_uring request (io_kiocb) whose
@@ -72,7 +78,12 @@ struct rq_state {
 	__u64 sector;    /* reused for other I/O has another pair */
 	__u64 transfer;  /* a passthrough request's transfer (it has no queued bio); 0 otherwise */
 	__u64 req;       /* ... and its io_uring request */
+	__u64 evidence;  /* what the request itself shows (EVIDENCE_*) */
 };
+
+/* What a request shows of the path its transfer took. */
+#define EVIDENCE_DMABUF_TOKEN 1 /* a bio on a DMA-BUF's DMA mapping */
+#define EVIDENCE_CMD_FIXED 2    /* a passthrough command on a registered buffer */
 
 /* Per-CPU counters of submitted payload ops, by kind. */
 enum path_counter {

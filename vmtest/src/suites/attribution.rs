@@ -176,16 +176,25 @@ pub fn under_load(ctx: &Ctx) -> Outcome {
         if report.reference == "native" && report.clean() {
             return Ok(());
         }
-        // The kernel did not run the probes for some events (7.2 runs
-        // tracepoint programs preemptibly, and a program preempted on a CPU
-        // makes the kernel skip every other run of it there): a transfer may
-        // then lack evidence, which is what the probes report, but never
-        // carry someone else's. Issue 30 stays open for this.
-        if report.reference == "native" && report.probe_runs_skipped > 0 && report.only_evidence_missing() {
+        // The kernel did not run the probes for some events (see "Runs the
+        // kernel skips" in the header of provenance.bpf.c): the byte and
+        // completion counts of a transfer may then fall short, but every
+        // verdict must still be the reference one (each rests on more than
+        // one program) and no transfer may carry someone else's bytes.
+        let skipped = report.probe_runs_skipped > 0;
+        if report.reference == "native" && skipped && report.other_verdict == 0 && report.excess_bytes == 0 {
+            println!(
+                "every verdict held while the kernel skipped {} runs of the probes ({:?}); {} transfers were seen \
+                 with fewer bytes than they moved",
+                report.probe_runs_skipped, report.skipped_by_program, report.wrong_bytes
+            );
+            return Ok(());
+        }
+        if report.reference == "native" && skipped && report.only_evidence_missing() {
             return Err(format!(
-                "SKIP: the kernel skipped {} runs of the probes under this load, and {} of {} transfers lack \
-                 evidence for it (none carries wrong evidence)",
-                report.probe_runs_skipped, report.unverifiable, report.transfers
+                "SKIP: the kernel skipped {} runs of the probes under this load ({:?}), and {} of {} transfers \
+                 lack the evidence for a verdict (none carries wrong evidence)",
+                report.probe_runs_skipped, report.skipped_by_program, report.unverifiable, report.transfers
             ));
         }
         Err(format!("{report:#?}"))

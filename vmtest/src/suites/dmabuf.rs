@@ -98,7 +98,7 @@ fn cpu_access(ctx: &Ctx) -> Outcome {
         let reader = probes.reader().map_err(e("reading the probes"))?;
         let attached = reader.attached();
         if !attached.dmabuf_cpu {
-            return Err("kprobe:dma_buf_begin_cpu_access did not attach in the guest".into());
+            return Err("no hook on dma_buf_begin_cpu_access attached in the guest".into());
         }
         let buf = Buffer::udmabuf("vmtest-cpu", 2 * CHUNK as usize).map_err(e("creating a udmabuf"))?;
         let pattern = pdstor::payload::chunk(0xd0a, 1, CHUNK as usize);
@@ -558,7 +558,7 @@ fn another_file_is_ebadf(device: &Path) -> Result<(), String> {
 
 /// The series kernel, with the probes attached to this process: a
 /// `dmabuf_fixed` write and read are `native` with DMA-token bios seen
-/// (`kprobe:bio_dmabuf_map_set`) and no CPU access. Controls: the same
+/// (the hook on `bio_dmabuf_map_set`) and no CPU access. Controls: the same
 /// exporter's memory on `host_fixed` is native `host_fixed` and, judged as
 /// `dmabuf_fixed`, `not-dma-token`; a CPU access while a `dmabuf_fixed`
 /// write is in flight is `fallback(dmabuf-cpu-access)`.
