@@ -1,8 +1,10 @@
-//! The kernel addresses the block-attribution programs compare against: the
-//! completion functions that say which io_uring request a bio or a request
-//! was made for (see the header of `bpf/provenance.bpf.c`). Read from
-//! `/proc/kallsyms`, which shows real addresses to root (CAP_SYSLOG) and
-//! zeros to everyone else.
+//! What the programs need to know of the running kernel that CO-RE does not
+//! tell them. From `/proc/kallsyms` (which shows real addresses to root,
+//! CAP_SYSLOG, and zeros to everyone else): the completion functions that
+//! say which io_uring request a bio or a request was made for (see the
+//! header of `bpf/provenance.bpf.c`), and which functions an fentry program
+//! can hook. From the kernel's BTF ([`KernelBtf`]): the tracepoint
+//! prototypes the tp_btf programs read, and the rw-dmabuf series' bio flag.
 
 use std::collections::HashMap;
 

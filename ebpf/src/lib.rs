@@ -8,13 +8,13 @@
 //! [`judge`] turns signals into a verdict. Nothing here claims `native`
 //! without a signal that says so.
 
+mod facility;
 mod kallsyms;
 mod loader;
 mod signals;
 
-pub use loader::{
-    PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, TRACEFS, detach_pinned, ensure_tracefs, read_pinned,
-};
+pub use facility::{TRACEFS, ensure_tracefs};
+pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, detach_pinned, read_pinned};
 pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 
 use std::fmt;
