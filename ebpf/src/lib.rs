@@ -14,7 +14,7 @@ mod loader;
 mod signals;
 
 pub use facility::{TRACEFS, ensure_tracefs};
-pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, detach_pinned, read_pinned};
+pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, SkipRuns, detach_pinned, read_pinned};
 pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 
 use std::fmt;

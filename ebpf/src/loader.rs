@@ -74,6 +74,31 @@ const HOOKED: [&str; 7] = [
     "dma_buf_begin_cpu_access",
 ];
 
+/// Runs the programs skip on purpose, as a 7.x kernel may skip them (see
+/// "Runs the kernel skips" in the header of `bpf/provenance.bpf.c`): for
+/// tests that prove each verdict stands on its second witness.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SkipRuns {
+    /// io_uring_submit_req.
+    pub submit: bool,
+    /// block_bio_queue.
+    pub bio_queue: bool,
+    /// block_rq_issue.
+    pub rq_issue: bool,
+    /// The hooks on bio_dmabuf_map_set and io_uring_cmd_import_fixed.
+    pub hooks: bool,
+}
+
+impl SkipRuns {
+    /// The `test_skip` bits of `bpf/provenance.h`.
+    fn bits(self) -> u32 {
+        u32::from(self.submit)
+            | u32::from(self.bio_queue) << 1
+            | u32::from(self.rq_issue) << 2
+            | u32::from(self.hooks) << 3
+    }
+}
+
 /// Which program variants one load uses.
 #[derive(Debug, Clone)]
 struct Variants {
@@ -131,6 +156,7 @@ fn load(
     bio_flag_dmabuf_map: u32,
     has_iomap: bool,
     variants: &Variants,
+    skip: SkipRuns,
 ) -> libbpf_rs::Result<ProvenanceSkel<'static>> {
     // The skeleton borrows its object for as long as it lives; a probe set
     // lives for the process, so the few bytes are leaked on purpose (once
@@ -146,6 +172,7 @@ fn load(
         r.ksym_bio_chain_endio = syms.get("bio_chain_endio");
         r.bio_identity = u32::from(syms.bio_identity());
         r.bio_flag_dmabuf_map = bio_flag_dmabuf_map;
+        r.test_skip = skip.bits();
     }
     // tp_btf needs the tracepoint's BTF at load time: leave it out.
     open.progs.on_dio_begin.set_autoload(has_iomap);
@@ -177,6 +204,12 @@ impl Probes {
     /// must attach ([`ProbeError::Attach`] names each failure and its errno);
     /// the kprobes are optional and reported in [`status`](Self::status).
     pub fn attach(tgid: u32) -> Result<Probes, ProbeError> {
+        Probes::attach_skipping(tgid, SkipRuns::default())
+    }
+
+    /// [`attach`](Self::attach), with the programs skipping the runs `skip`
+    /// names (tests only).
+    pub fn attach_skipping(tgid: u32, skip: SkipRuns) -> Result<Probes, ProbeError> {
         ensure_tracefs()?;
         // Attach failures are reported per program below, not on stderr.
         libbpf_rs::set_print(None);
@@ -195,7 +228,7 @@ impl Probes {
         // that forbids them), the kprobes do the same work; where the tp_btf
         // tracepoint programs cannot, the classic tracepoints do.
         let skel = loop {
-            match load(tgid, &syms, kernel.bio_flag_dmabuf_map, has_iomap, &variants) {
+            match load(tgid, &syms, kernel.bio_flag_dmabuf_map, has_iomap, &variants, skip) {
                 Ok(skel) => break skel,
                 Err(_) if !variants.fentry.is_empty() => variants.fentry.clear(),
                 Err(_) if variants.io_uring_btf || variants.filemap_btf => {

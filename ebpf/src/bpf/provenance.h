@@ -85,6 +85,12 @@ struct rq_state {
 #define EVIDENCE_DMABUF_TOKEN 1 /* a bio on a DMA-BUF's DMA mapping */
 #define EVIDENCE_CMD_FIXED 2    /* a passthrough command on a registered buffer */
 
+/* test_skip: the runs a test makes the programs skip (Probes::attach_skipping). */
+#define SKIP_SUBMIT 1    /* io_uring_submit_req */
+#define SKIP_BIO_QUEUE 2 /* block_bio_queue */
+#define SKIP_RQ_ISSUE 4  /* block_rq_issue */
+#define SKIP_HOOKS 8     /* bio_dmabuf_map_set, io_uring_cmd_import_fixed */
+
 /* Per-CPU counters of submitted payload ops, by kind. */
 enum path_counter {
 	COUNT_PLAIN = 0,

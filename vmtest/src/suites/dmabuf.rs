@@ -602,7 +602,9 @@ fn dmabuf_fixed_probes(ctx: &Ctx) -> Outcome {
         engine.execute_all(&[req(0x7903, Op::Write, PayloadPath::HostFixed, host)]).map_err(e("host_fixed write"))?;
         for t in [0x7901u64, 0x7902] {
             let (v, s) = judge(t, Declared::DmabufFixed)?;
-            if v != Verdict::Native || s.dmabuf_token_bios == 0 || s.dmabuf_cpu_access != 0 {
+            // Both witnesses of the DMA-token path: the bio seen built on the
+            // mapping, and the requests seen carrying it (BIO_DMABUF_MAP).
+            if v != Verdict::Native || s.dmabuf_token_bios == 0 || s.dmabuf_token_rqs == 0 || s.dmabuf_cpu_access != 0 {
                 return Err(format!("dmabuf_fixed transfer {t:#x}: {v} ({s:?})"));
             }
             // The commands the device got are exactly the request: 1 MiB in
@@ -624,7 +626,10 @@ fn dmabuf_fixed_probes(ctx: &Ctx) -> Outcome {
         let s = reader.signals(0x7903).map_err(e("signals"))?.ok_or("no signals for the host_fixed control")?;
         let as_host = pdstor_probes::judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &attached);
         let as_fixed = pdstor_probes::judge(Declared::DmabufFixed, TargetClass::BlockDevice, &s, &attached);
-        if as_host != Verdict::Native || as_fixed != Verdict::Fallback("not-dma-token".into()) {
+        if as_host != Verdict::Native
+            || as_fixed != Verdict::Fallback("not-dma-token".into())
+            || s.dmabuf_token_rqs != 0
+        {
             return Err(format!(
                 "the host path of a udmabuf: as host_fixed {as_host}, as dmabuf_fixed {as_fixed} ({s:?})"
             ));

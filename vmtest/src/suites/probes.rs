@@ -44,6 +44,7 @@ pub const SUITE: Suite = Suite {
             run: attribution::kworker_dispatch,
         },
         Test { name: "a_requeued_request_counts_once", disk: None, run: attribution::requeue },
+        Test { name: "verdicts_stand_on_their_second_witness", disk: Some(DiskRole::Raw), run: second_witness },
         Test {
             name: "under_load_every_transfer_keeps_its_verdict",
             disk: Some(DiskRole::Raw),
@@ -113,7 +114,19 @@ pub(crate) fn fixed_write_verdict(
     path: PayloadPath,
     transfer: u64,
 ) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
-    let probes = attach()?;
+    write_verdict_skipping(target, create, class, path, transfer, pdstor_probes::SkipRuns::default())
+}
+
+/// [`fixed_write_verdict`], with the programs skipping the runs `skip` names.
+fn write_verdict_skipping(
+    target: &Path,
+    create: Option<u64>,
+    class: pdstor_probes::TargetClass,
+    path: PayloadPath,
+    transfer: u64,
+    skip: pdstor_probes::SkipRuns,
+) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
+    let probes = pdstor_probes::Probes::attach_skipping(std::process::id(), skip).map_err(|e| e.to_string())?;
     let t =
         Target::open(target, &TargetOptions { create_len: create, ..Default::default() }).map_err(|e| e.to_string())?;
     let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
@@ -170,6 +183,51 @@ fn native_on_raw_block(ctx: &Ctx) -> Outcome {
             return Err(format!("block requests issued and completed disagree: {:?}", v.1));
         }
         expect(v, pdstor_probes::Verdict::Native)
+    })())
+}
+
+/// A 7.x kernel skips runs of the programs under load (see the header of
+/// provenance.bpf.c): with the first witness of each piece of evidence
+/// never run, the verdicts stand on the second. A write through the block
+/// device whose submission, bio queueing and request issue no program saw
+/// is adopted from its io_kiocb and seen at nvme_setup_cmd; a fixed
+/// passthrough whose buffer import no program saw is known by its command's
+/// IORING_URING_CMD_FIXED. Control: a passthrough on a plain buffer, the
+/// import hook skipped, is still `not-fixed`.
+fn second_witness(ctx: &Ctx) -> Outcome {
+    outcome((|| {
+        let disk = ctx.disk(DiskRole::Raw)?;
+        let skip = |submit, bio_queue, rq_issue, hooks| pdstor_probes::SkipRuns { submit, bio_queue, rq_issue, hooks };
+        let block = pdstor_probes::TargetClass::BlockDevice;
+        let (v, s) = write_verdict_skipping(
+            &disk.block,
+            None,
+            block,
+            PayloadPath::HostFixed,
+            521,
+            skip(true, true, true, false),
+        )?;
+        if s.rq_issued != 0 || s.nvme_cmds == 0 || s.fixed_ops != 1 {
+            return Err(format!("expected no issue seen, its NVMe commands seen, the fixed op adopted: {s:?}"));
+        }
+        expect((v, s), pdstor_probes::Verdict::Native)?;
+        let pt = pdstor_probes::TargetClass::NvmePassthrough;
+        let (v, s) = write_verdict_skipping(
+            &disk.generic,
+            None,
+            pt,
+            PayloadPath::HostFixed,
+            522,
+            skip(true, false, false, true),
+        )?;
+        if s.cmd_fixed_imports != 0 || s.cmd_fixed_rqs == 0 {
+            return Err(format!("expected no import seen, the fixed command seen on its requests: {s:?}"));
+        }
+        expect((v, s), pdstor_probes::Verdict::Native)?;
+        expect(
+            write_verdict_skipping(&disk.generic, None, pt, PayloadPath::Host, 523, skip(false, false, false, true))?,
+            pdstor_probes::Verdict::Fallback("not-fixed".into()),
+        )
     })())
 }
 
