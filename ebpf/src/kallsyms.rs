@@ -93,9 +93,12 @@ pub fn functions_defined<'a>(text: &str, names: &[&'a str]) -> std::collections:
 /// classic tracepoints and no DMA-token flag are used.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KernelBtf {
-    /// io_uring_submit_req takes (req) and io_uring_complete (ctx, req, cqe):
-    /// the prototypes the tp_btf programs read (6.0 on).
+    /// io_uring_submit_req takes (req) (6.0 on), and io_uring_complete one
+    /// of the two prototypes the tp_btf programs read: (ctx, req, cqe) from
+    /// 6.13, (ctx, req, user_data, res, cflags, extra1, extra2) before.
     pub io_uring_btf: bool,
+    /// ... io_uring_complete the older of the two.
+    pub complete_args: bool,
     /// mm_filemap_add_to_page_cache takes (folio) (5.16 on).
     pub filemap_btf: bool,
     /// The rw-dmabuf series' bio flag BIO_DMABUF_MAP as bit number + 1, 0
@@ -121,8 +124,10 @@ impl KernelBtf {
             .find_map(|e| (0..e.len()).filter_map(|i| e.get(i)).find(|m| m.name.is_some_and(|n| n == "BIO_DMABUF_MAP")))
             .and_then(|m| u32::try_from(m.value).ok())
             .filter(|bit| *bit < 16);
+        let complete = args("io_uring_complete");
         KernelBtf {
-            io_uring_btf: args("io_uring_submit_req") == Some(1) && args("io_uring_complete") == Some(3),
+            io_uring_btf: args("io_uring_submit_req") == Some(1) && matches!(complete, Some(3 | 7)),
+            complete_args: complete == Some(7),
             filemap_btf: args("mm_filemap_add_to_page_cache") == Some(1),
             bio_flag_dmabuf_map: flag.map_or(0, |bit| bit + 1),
         }

@@ -106,6 +106,8 @@ struct Variants {
     fentry: std::collections::HashSet<&'static str>,
     /// The io_uring tracepoints as tp_btf rather than classic tracepoints.
     io_uring_btf: bool,
+    /// ... io_uring_complete's prototype before 6.13 (user_data and res as arguments).
+    complete_args: bool,
     /// The page-cache tracepoint as tp_btf.
     filemap_btf: bool,
 }
@@ -149,6 +151,32 @@ fn attach_hook(
     }
 }
 
+/// libbpf's warnings of the current load (the verifier's log of a program it
+/// refused among them), for the error a failed load returns.
+static LIBBPF_LOG: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+fn keep_libbpf_warning(_: libbpf_rs::PrintLevel, line: String) {
+    if let Ok(mut log) = LIBBPF_LOG.lock() {
+        if log.len() >= 4096 {
+            log.drain(..2048);
+        }
+        log.push(line);
+    }
+}
+
+/// The end of the last verifier log libbpf printed: the refused program and
+/// the verifier's reason ("" when there is none).
+fn verifier_reason() -> String {
+    let Ok(log) = LIBBPF_LOG.lock() else { return String::new() };
+    let text: String = log.concat();
+    let Some(end) = text.rfind("-- END PROG LOAD LOG --") else { return String::new() };
+    let start = text[..end].rfind("-- BEGIN PROG LOAD LOG --").map_or(0, |at| at + "-- BEGIN PROG LOAD LOG --".len());
+    let lines: Vec<&str> = text[start..end].lines().filter(|l| !l.starts_with(';') && !l.trim().is_empty()).collect();
+    let tail = &lines[lines.len().saturating_sub(12)..];
+    let prog = text[..end].rfind("prog '").and_then(|at| text[at + 6..].split('\'').next()).unwrap_or("?");
+    format!("; the verifier refused program {prog}:\n    {}", tail.join("\n    "))
+}
+
 /// Opens and loads the programs of `variants` for process `tgid`.
 fn load(
     tgid: u32,
@@ -178,7 +206,8 @@ fn load(
     open.progs.on_dio_begin.set_autoload(has_iomap);
     let p = &mut open.progs;
     p.on_submit_btf.set_autoload(variants.io_uring_btf);
-    p.on_complete_btf.set_autoload(variants.io_uring_btf);
+    p.on_complete_btf.set_autoload(variants.io_uring_btf && !variants.complete_args);
+    p.on_complete_args_btf.set_autoload(variants.io_uring_btf && variants.complete_args);
     p.on_submit.set_autoload(!variants.io_uring_btf);
     p.on_complete.set_autoload(!variants.io_uring_btf);
     p.on_page_cache_add_btf.set_autoload(variants.filemap_btf);
@@ -211,8 +240,12 @@ impl Probes {
     /// names (tests only).
     pub fn attach_skipping(tgid: u32, skip: SkipRuns) -> Result<Probes, ProbeError> {
         ensure_tracefs()?;
-        // Attach failures are reported per program below, not on stderr.
-        libbpf_rs::set_print(None);
+        // Attach failures are reported per program below, not on stderr; a
+        // load failure carries the verifier's reason.
+        libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Warn, keep_libbpf_warning)));
+        if let Ok(mut log) = LIBBPF_LOG.lock() {
+            log.clear();
+        }
         // Without the addresses, bios are attributed by the thread that
         // queues them (reported below), as before identity was possible.
         let kallsyms = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
@@ -222,6 +255,7 @@ impl Probes {
         let mut variants = Variants {
             fentry: crate::kallsyms::functions_defined(&kallsyms, &HOOKED),
             io_uring_btf: kernel.io_uring_btf,
+            complete_args: kernel.complete_args,
             filemap_btf: kernel.filemap_btf,
         };
         // Where fentry programs cannot be loaded (no trampolines, a lockdown
@@ -235,7 +269,7 @@ impl Probes {
                     variants.io_uring_btf = false;
                     variants.filemap_btf = false;
                 }
-                Err(e) => return Err(ProbeError::Load(e.to_string())),
+                Err(e) => return Err(ProbeError::Load(format!("{e}{}", verifier_reason()))),
             }
         };
         let mut links = Vec::new();
@@ -249,7 +283,9 @@ impl Probes {
         };
         if variants.io_uring_btf {
             try_attach("io_uring:io_uring_submit_req (tp_btf)", skel.progs.on_submit_btf.attach());
-            try_attach("io_uring:io_uring_complete (tp_btf)", skel.progs.on_complete_btf.attach());
+            let complete =
+                if variants.complete_args { &skel.progs.on_complete_args_btf } else { &skel.progs.on_complete_btf };
+            try_attach("io_uring:io_uring_complete (tp_btf)", complete.attach());
         } else {
             try_attach("io_uring:io_uring_submit_req", skel.progs.on_submit.attach());
             try_attach("io_uring:io_uring_complete", skel.progs.on_complete.attach());

@@ -221,15 +221,19 @@ static __always_inline bool ours(void)
 	return (bpf_get_current_pid_tgid() >> 32) == target_tgid;
 }
 
+/* A transfer's first signals, from .rodata rather than the stack: the BPF
+ * stack of a whole call chain (a program, bpf_loop's callback, the identity
+ * functions) must stay within 512 bytes. */
+const struct transfer_signals no_signals = {};
+
 static __always_inline struct transfer_signals *signals_for(__u64 transfer)
 {
 	struct transfer_key key = { .transfer = transfer };
-	struct transfer_signals zero = {};
 	struct transfer_signals *s = bpf_map_lookup_elem(&signals, &key);
 
 	if (s)
 		return s;
-	bpf_map_update_elem(&signals, &key, &zero, BPF_NOEXIST);
+	bpf_map_update_elem(&signals, &key, &no_signals, BPF_NOEXIST);
 	return bpf_map_lookup_elem(&signals, &key);
 }
 
@@ -474,6 +478,14 @@ SEC("tp_btf/io_uring_complete")
 int BPF_PROG(on_complete_btf, struct io_ring_ctx *ring, void *req, struct io_uring_cqe *cqe)
 {
 	return completed((__u64)req, BPF_CORE_READ(cqe, user_data), BPF_CORE_READ(cqe, res));
+}
+
+/* io_uring_complete before 6.13: (ctx, req, user_data, res, cflags, extra1,
+ * extra2). */
+SEC("tp_btf/io_uring_complete")
+int BPF_PROG(on_complete_args_btf, void *ring, void *req, __u64 user_data, int res)
+{
+	return completed(address_of(req), user_data, res);
 }
 
 /* The same as classic tracepoints, on kernels whose prototypes differ. */
