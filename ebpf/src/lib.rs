@@ -9,6 +9,7 @@
 //! without a signal that says so.
 
 mod facility;
+mod hooks;
 mod kallsyms;
 mod loader;
 mod signals;

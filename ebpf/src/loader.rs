@@ -10,10 +10,11 @@ use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags, MapHandle, OpenObject};
 
 use crate::facility::{attach_failure, ensure_bpffs, ensure_tracefs, tracepoint_exists};
+use crate::hooks::{HOOKS, attach_hook};
 use crate::signals::{Attached, Signals};
 
 #[allow(clippy::all, clippy::pedantic, unsafe_op_in_unsafe_fn, dead_code, non_camel_case_types, unused)]
-mod skel {
+pub(crate) mod skel {
     include!(concat!(env!("OUT_DIR"), "/provenance.skel.rs"));
 }
 
@@ -59,21 +60,6 @@ pub struct Probes {
     status: Vec<ProgramStatus>,
 }
 
-/// The kernel functions the optional programs hook, each by fentry (fexit)
-/// where the kernel lets it and by kprobe (kretprobe) where it does not: a
-/// kprobe program is skipped while any process on its CPU is inside a bpf()
-/// map syscall, an fentry program only while itself runs there (see "Runs
-/// the kernel skips" in the header of `bpf/provenance.bpf.c`).
-const HOOKED: [&str; 7] = [
-    "io_wq_submit_work",
-    "io_uring_cmd_import_fixed",
-    "blk_rq_map_user_iov",
-    "nvme_dmabuf_token_map",
-    "bio_dmabuf_map_set",
-    "swiotlb_tbl_map_single",
-    "dma_buf_begin_cpu_access",
-];
-
 /// Runs the programs skip on purpose, as a 7.x kernel may skip them (see
 /// "Runs the kernel skips" in the header of `bpf/provenance.bpf.c`): for
 /// tests that prove each verdict stands on its second witness.
@@ -110,45 +96,6 @@ struct Variants {
     complete_args: bool,
     /// The page-cache tracepoint as tp_btf.
     filemap_btf: bool,
-}
-
-/// Attaches an optional function hook: its fentry (or fexit) program when it
-/// was loaded and attaches, else its kprobe (or kretprobe). Failure of both
-/// is a status line, not an error.
-fn attach_hook(
-    status: &mut Vec<ProgramStatus>,
-    links: &mut Vec<(&'static str, Link)>,
-    (fentry_name, kprobe_name): (&'static str, &'static str),
-    fentry: Option<libbpf_rs::Result<Link>>,
-    kprobe: impl FnOnce() -> libbpf_rs::Result<Link>,
-) {
-    let why_not_fentry = match fentry {
-        Some(Ok(l)) => {
-            status.push(ProgramStatus { name: fentry_name, attached: true, detail: "attached".into() });
-            links.push((fentry_name, l));
-            return;
-        }
-        Some(Err(e)) => attach_failure(fentry_name, &e),
-        None => format!("{fentry_name}: not loadable here"),
-    };
-    match kprobe() {
-        Ok(l) => {
-            status.push(ProgramStatus {
-                name: kprobe_name,
-                attached: true,
-                detail: format!("attached (instead of fentry: {why_not_fentry})"),
-            });
-            links.push((kprobe_name, l));
-        }
-        Err(e) => status.push(ProgramStatus {
-            name: kprobe_name,
-            attached: false,
-            detail: format!(
-                "cannot attach here ({}; {why_not_fentry}): reported unverifiable",
-                attach_failure(kprobe_name, &e)
-            ),
-        }),
-    }
 }
 
 /// libbpf's warnings of the current load (the verifier's log of a program it
@@ -214,15 +161,9 @@ fn load(
     p.on_page_cache_add.set_autoload(!variants.filemap_btf);
     // An fentry program is loaded against its function's BTF: only for a
     // function this kernel has.
-    let fe = |f: &str| variants.fentry.contains(f);
-    p.fe_iowq_work.set_autoload(fe("io_wq_submit_work"));
-    p.fe_cmd_import_fixed.set_autoload(fe("io_uring_cmd_import_fixed"));
-    p.fe_map_user_iov.set_autoload(fe("blk_rq_map_user_iov"));
-    p.fe_dmabuf_create_map.set_autoload(fe("nvme_dmabuf_token_map"));
-    p.fx_dmabuf_create_map.set_autoload(fe("nvme_dmabuf_token_map"));
-    p.fe_dmabuf_token_bio.set_autoload(fe("bio_dmabuf_map_set"));
-    p.fe_swiotlb_map.set_autoload(fe("swiotlb_tbl_map_single"));
-    p.fe_dmabuf_cpu_access.set_autoload(fe("dma_buf_begin_cpu_access"));
+    for hook in &HOOKS {
+        (hook.fentry)(p).set_autoload(variants.fentry.contains(hook.func));
+    }
     open.load()
 }
 
@@ -253,7 +194,7 @@ impl Probes {
         let kernel = crate::kallsyms::KernelBtf::read();
         let has_iomap = tracepoint_exists("iomap", "iomap_dio_rw_begin");
         let mut variants = Variants {
-            fentry: crate::kallsyms::functions_defined(&kallsyms, &HOOKED),
+            fentry: crate::kallsyms::functions_defined(&kallsyms, &HOOKS.map(|h| h.func)),
             io_uring_btf: kernel.io_uring_btf,
             complete_args: kernel.complete_args,
             filemap_btf: kernel.filemap_btf,
@@ -339,64 +280,12 @@ impl Probes {
             },
         });
         let p = &skel.progs;
-        let fe = |f: &str, prog: &libbpf_rs::ProgramMut<'_>| variants.fentry.contains(f).then(|| prog.attach());
         let (st, ln) = (&mut status, &mut links);
-        attach_hook(
-            st,
-            ln,
-            ("fentry:io_uring_cmd_import_fixed", "kprobe:io_uring_cmd_import_fixed"),
-            fe("io_uring_cmd_import_fixed", &p.fe_cmd_import_fixed),
-            || p.on_cmd_import_fixed.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fentry:swiotlb_tbl_map_single", "kprobe:swiotlb_tbl_map_single"),
-            fe("swiotlb_tbl_map_single", &p.fe_swiotlb_map),
-            || p.on_swiotlb_map.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fentry:dma_buf_begin_cpu_access", "kprobe:dma_buf_begin_cpu_access"),
-            fe("dma_buf_begin_cpu_access", &p.fe_dmabuf_cpu_access),
-            || p.on_dmabuf_cpu_access.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fentry:blk_rq_map_user_iov", "kprobe:blk_rq_map_user_iov"),
-            fe("blk_rq_map_user_iov", &p.fe_map_user_iov),
-            || p.on_map_user_iov.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fentry:bio_dmabuf_map_set", "kprobe:bio_dmabuf_map_set"),
-            fe("bio_dmabuf_map_set", &p.fe_dmabuf_token_bio),
-            || p.on_dmabuf_token_bio.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fentry:nvme_dmabuf_token_map", "kprobe:nvme_dmabuf_token_map"),
-            fe("nvme_dmabuf_token_map", &p.fe_dmabuf_create_map),
-            || p.on_dmabuf_create_map.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fexit:nvme_dmabuf_token_map", "kretprobe:nvme_dmabuf_token_map"),
-            fe("nvme_dmabuf_token_map", &p.fx_dmabuf_create_map),
-            || p.on_dmabuf_create_map_ret.attach(),
-        );
-        attach_hook(
-            st,
-            ln,
-            ("fentry:io_wq_submit_work", "kprobe:io_wq_submit_work"),
-            fe("io_wq_submit_work", &p.fe_iowq_work),
-            || p.on_iowq_work.attach(),
-        );
+        for hook in &HOOKS {
+            let [fentry, kprobe] = (hook.progs)(p);
+            let fentry = variants.fentry.contains(hook.func).then(|| fentry.attach());
+            attach_hook(st, ln, hook.names, fentry, || kprobe.attach());
+        }
         match p.on_nvme_setup_cmd.attach() {
             Ok(l) => {
                 st.push(ProgramStatus { name: "raw_tp:nvme_setup_cmd", attached: true, detail: "attached".into() });

@@ -261,38 +261,30 @@ fn a_bio_split_at_the_device_limit_is_charged_part_by_part() {
 #[test]
 fn verdicts_stand_on_their_second_witness_when_runs_are_skipped() {
     const TEST: &str = "verdicts_stand_on_their_second_witness_when_runs_are_skipped";
-    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     const LEN: u32 = 1 << 20;
-    let unseen_submit = SkipRuns { submit: true, bio_queue: true, ..Default::default() };
-    {
-        let Some((_serial, probes)) = setup_skipping(TEST, unseen_submit) else { return };
-        let lo = LoopDevice::attach(&dir.path().join("disk.img"), 16 << 20);
-        lo.set_queue("max_sectors_kb", "64");
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // One 1 MiB WRITE_FIXED of `transfer` to a fresh loop device whose
+    // requests are at most `max_kb`, with the programs skipping `runs`.
+    let write = |runs: SkipRuns, transfer: u64, max_kb: &str| -> Option<(Signals, Verdict)> {
+        let (_serial, probes) = setup_skipping(TEST, runs)?;
+        let lo = LoopDevice::attach(&dir.path().join(format!("{transfer}.img")), 16 << 20);
+        lo.set_queue("max_sectors_kb", max_kb);
         let dev = open_direct(&lo.path);
-        let mut ring = Ring::new(4, LEN as usize, 11);
-        let sqe = ring.fixed(&dev, false, 950, 0, 0, LEN);
+        let mut ring = Ring::new(4, LEN as usize, transfer);
+        let sqe = ring.fixed(&dev, false, transfer, 0, 0, LEN);
         ring.push(&sqe);
         ring.reap(1, LEN as i32);
-        let s = signals(&probes, 950);
-        assert_eq!((s.submits, s.fixed_ops, s.bios), (1, 1, 0), "adopted, with no bio seen queued: {s:?}");
-        exactly_its_own(950, &s, LEN as u64).unwrap();
-        assert_eq!(judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &probes.attached()), Verdict::Native);
-    }
-    let Some((_serial, probes)) = setup_skipping(TEST, SkipRuns { rq_issue: true, ..Default::default() }) else {
-        return;
+        let s = signals(&probes, transfer);
+        Some((s, judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &probes.attached())))
     };
-    let lo = LoopDevice::attach(&dir.path().join("disk2.img"), 16 << 20);
-    let dev = open_direct(&lo.path);
-    let mut ring = Ring::new(4, LEN as usize, 12);
-    let sqe = ring.fixed(&dev, false, 951, 0, 0, LEN);
-    ring.push(&sqe);
-    ring.reap(1, LEN as i32);
-    let s = signals(&probes, 951);
+    let unseen_submit = SkipRuns { submit: true, bio_queue: true, ..Default::default() };
+    let Some((s, v)) = write(unseen_submit, 950, "64") else { return };
+    assert_eq!((s.submits, s.fixed_ops, s.bios), (1, 1, 0), "adopted, with no bio seen queued: {s:?}");
+    exactly_its_own(950, &s, LEN as u64).unwrap();
+    assert_eq!(v, Verdict::Native);
+    let Some((s, v)) = write(SkipRuns { rq_issue: true, ..Default::default() }, 951, "1024") else { return };
     assert_eq!((s.submits, s.rq_issued, s.nvme_cmds), (1, 0, 0), "{s:?}");
-    assert_eq!(
-        judge(Declared::HostFixed, TargetClass::BlockDevice, &s, &probes.attached()),
-        Verdict::Unverifiable("no block request carried this transfer's bios".into())
-    );
+    assert_eq!(v, Verdict::Unverifiable("no block request carried this transfer's bios".into()));
 }
 
 /// 8 submitters at queue depth 64 on one loop device (its queue holds 128,
