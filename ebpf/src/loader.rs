@@ -73,6 +73,8 @@ pub struct SkipRuns {
     pub rq_issue: bool,
     /// The hooks on bio_dmabuf_map_set and io_uring_cmd_import_fixed.
     pub hooks: bool,
+    /// block_rq_complete.
+    pub rq_complete: bool,
 }
 
 impl SkipRuns {
@@ -82,6 +84,7 @@ impl SkipRuns {
             | u32::from(self.bio_queue) << 1
             | u32::from(self.rq_issue) << 2
             | u32::from(self.hooks) << 3
+            | u32::from(self.rq_complete) << 4
     }
 }
 

@@ -34,8 +34,9 @@ pub struct Signals {
     pub rq_completed_unseen: u64,
     pub dmabuf_token_rqs: u64,
     pub cmd_fixed_rqs: u64,
+    pub rq_issue_unseen: u64,
 }
-const _: () = assert!(std::mem::size_of::<Signals>() == 224, "struct transfer_signals is 28 x 8 bytes");
+const _: () = assert!(std::mem::size_of::<Signals>() == 232, "struct transfer_signals is 29 x 8 bytes");
 
 impl Signals {
     /// Every block request this transfer issued completed, once: seen by the
@@ -88,6 +89,7 @@ impl Signals {
             rq_completed_unseen: w(25),
             dmabuf_token_rqs: w(26),
             cmd_fixed_rqs: w(27),
+            rq_issue_unseen: w(28),
         })
     }
 }
@@ -439,7 +441,7 @@ mod tests {
 
     #[test]
     fn map_values_decode_field_by_field() {
-        let mut b = vec![0u8; 224];
+        let mut b = vec![0u8; 232];
         b[8..16].copy_from_slice(&7u64.to_ne_bytes());
         b[40..48].copy_from_slice(&(-5i64).to_ne_bytes());
         let s = Signals::from_bytes(&b).unwrap();
@@ -455,7 +457,9 @@ mod tests {
         b[208..216].copy_from_slice(&6u64.to_ne_bytes());
         b[216..224].copy_from_slice(&8u64.to_ne_bytes());
         assert_eq!(Signals::from_bytes(&b).map(|s| (s.dmabuf_token_rqs, s.cmd_fixed_rqs)), Some((6, 8)));
-        assert_eq!(Signals::from_bytes(&b[..216]), None, "a short value is not decoded");
+        b[224..232].copy_from_slice(&9u64.to_ne_bytes());
+        assert_eq!(Signals::from_bytes(&b).map(|s| s.rq_issue_unseen), Some(9));
+        assert_eq!(Signals::from_bytes(&b[..224]), None, "a short value is not decoded");
         assert!(Signals::from_bytes(&b[..200]).is_none());
     }
 }

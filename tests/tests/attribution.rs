@@ -255,9 +255,10 @@ fn a_bio_split_at_the_device_limit_is_charged_part_by_part() {
 /// io_uring_submit_req and block_bio_queue never run, a write split at
 /// 64 KiB is still adopted from its io_kiocb and its bios (split ones
 /// through bio_chain_endio) identified where their requests are walked:
-/// exactly its own bytes, native. With block_rq_issue never run (and no
-/// NVMe command to see on a loop device) the transfer is unverifiable —
-/// missing evidence, never a fallback.
+/// exactly its own bytes, native. With block_rq_issue never run, each request
+/// is seen completing. With block_rq_complete never run either (and no NVMe
+/// command to see on a loop device) the transfer is unverifiable — missing
+/// evidence, never a fallback.
 #[test]
 fn verdicts_stand_on_their_second_witness_when_runs_are_skipped() {
     const TEST: &str = "verdicts_stand_on_their_second_witness_when_runs_are_skipped";
@@ -282,7 +283,15 @@ fn verdicts_stand_on_their_second_witness_when_runs_are_skipped() {
     assert_eq!((s.submits, s.fixed_ops, s.bios), (1, 1, 0), "adopted, with no bio seen queued: {s:?}");
     exactly_its_own(950, &s, LEN as u64).unwrap();
     assert_eq!(v, Verdict::Native);
-    let Some((s, v)) = write(SkipRuns { rq_issue: true, ..Default::default() }, 951, "1024") else { return };
+    // Issue unseen: each request is seen completing (the third witness).
+    let Some((s, v)) = write(SkipRuns { rq_issue: true, ..Default::default() }, 951, "64") else { return };
+    assert_eq!((s.rq_issue_unseen, s.rq_issued), (16, 16), "{s:?}");
+    exactly_its_own(951, &s, LEN as u64).unwrap();
+    assert_eq!(v, Verdict::Native);
+    // Issue and completion unseen, and no NVMe command on a loop device:
+    // missing evidence, never a fallback.
+    let unseen = SkipRuns { rq_issue: true, rq_complete: true, ..Default::default() };
+    let Some((s, v)) = write(unseen, 952, "1024") else { return };
     assert_eq!((s.submits, s.rq_issued, s.nvme_cmds), (1, 0, 0), "{s:?}");
     assert_eq!(v, Verdict::Unverifiable("no block request carried this transfer's bios".into()));
 }

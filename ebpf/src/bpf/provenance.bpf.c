@@ -967,6 +967,7 @@ enum walk {
 	WALK_REISSUE,
 	WALK_COMPLETE,
 	WALK_NVME_CMD,
+	WALK_COMPLETE_UNISSUED, /* completing, its issue seen by no program */
 };
 
 /* The most bios of one request looked at; a request merged from more (only
@@ -1019,6 +1020,15 @@ static __always_inline void count_for(struct bio_tag *tag, enum walk what, __u64
 			__sync_fetch_and_add(&s->rq_errors, 1);
 		open_requests(tag->req, -1);
 		break;
+	case WALK_COMPLETE_UNISSUED:
+		/* Issued, or it would not complete: counted here, once. */
+		__sync_fetch_and_add(&s->rq_issued, 1);
+		__sync_fetch_and_add(&s->rq_bytes, bytes);
+		__sync_fetch_and_add(&s->rq_issue_unseen, 1);
+		__sync_fetch_and_add(&s->rq_completed, 1);
+		if (error)
+			__sync_fetch_and_add(&s->rq_errors, 1);
+		break;
 	case WALK_NVME_CMD:
 		__sync_fetch_and_add(&s->nvme_cmds, 1);
 		/* A command's blocks, shared by its transfers by their bytes. */
@@ -1061,7 +1071,17 @@ __noinline int owner_of(__u64 b, struct bio_tag *owner, int adopt)
 		 * not charge a reused bio to a finished transfer. */
 		struct transfer_key *live = owner->req ? bpf_map_lookup_elem(&inflight_req, &owner->req) : NULL;
 
-		if (owner->req && (!live || live->transfer != owner->transfer)) {
+		/* ... and while the io_kiocb still names that transfer: one
+		 * reused after a completion no program saw, for a transfer
+		 * whose submission no program saw either, does not. */
+		bool stale = owner->req && (!live || live->transfer != owner->transfer);
+
+		if (!stale && owner->req) {
+			struct io_kiocb *r = (struct io_kiocb *)owner->req;
+
+			stale = (BPF_CORE_READ(r, cqe.user_data) >> PDSTOR_SEGMENT_BITS) != owner->transfer;
+		}
+		if (stale) {
 			bpf_map_delete_elem(&bio_owner, &b);
 			owner->transfer = 0;
 			owner->req = 0;
@@ -1094,7 +1114,7 @@ static long walk_step(__u32 i, struct walk_ctx *c)
 	__u64 b = (__u64)bio;
 	struct bio_tag owner = {};
 
-	owner_of(b, &owner, c->what != WALK_COMPLETE);
+	owner_of(b, &owner, 1);
 	c->bio = BPF_CORE_READ(bio, bi_next);
 	bool other = owner.transfer != c->last.transfer || owner.req != c->last.req;
 
@@ -1119,7 +1139,7 @@ static long walk_step(__u32 i, struct walk_ctx *c)
 	c->run_bytes += size;
 	c->evidence |= bio_evidence(bio);
 	c->done += size;
-	if (c->what == WALK_COMPLETE && owner.transfer && c->done <= c->arg)
+	if ((c->what == WALK_COMPLETE || c->what == WALK_COMPLETE_UNISSUED) && owner.transfer && c->done <= c->arg)
 		bpf_map_delete_elem(&bio_owner, &b);
 	return 0;
 }
@@ -1147,11 +1167,11 @@ static __always_inline int walk_request(struct request *rq, struct rq_state *sta
 	if (first && first == BPF_CORE_READ(rq, biotail)) {
 		struct bio_tag owner = {};
 
-		owner_of((__u64)first, &owner, what != WALK_COMPLETE);
+		owner_of((__u64)first, &owner, 1);
 		if (!owner.transfer)
 			return 0;
 		count_for(&owner, what, rq_bytes, rq_bytes, false, error, arg, bio_evidence(first));
-		if (what == WALK_COMPLETE && BPF_CORE_READ(first, bi_iter.bi_size) <= arg) {
+		if ((what == WALK_COMPLETE || what == WALK_COMPLETE_UNISSUED) && BPF_CORE_READ(first, bi_iter.bi_size) <= arg) {
 			__u64 b = (__u64)first;
 
 			bpf_map_delete_elem(&bio_owner, &b);
@@ -1260,11 +1280,21 @@ static __always_inline int rq_complete(struct request *rq, blk_status_t error, u
 {
 	__u64 r = (__u64)rq;
 	struct rq_state *was = bpf_map_lookup_elem(&issued_rq, &r);
+	struct rq_state state = {};
 
-	if (!was)
+	if (!was) {
+		/* No program saw it issued (block_rq_issue skipped): it is
+		 * seen now, in the interrupt or softirq that completes it,
+		 * which the kernel does not preempt — the third witness. Only
+		 * a whole, successful completion: the rest of a request
+		 * completed in parts after its issue was seen is not new. */
+		if (error || nr_bytes < BPF_CORE_READ(rq, __data_len))
+			return 0;
+		request_state(rq, &state);
+		walk_request(rq, &state, WALK_COMPLETE_UNISSUED, error, nr_bytes);
 		return 0;
-	struct rq_state state = *was;
-
+	}
+	state = *was;
 	bpf_map_delete_elem(&issued_rq, &r);
 	walk_request(rq, &state, WALK_COMPLETE, error, nr_bytes);
 	return 0;
@@ -1273,6 +1303,8 @@ static __always_inline int rq_complete(struct request *rq, blk_status_t error, u
 SEC("tp_btf/block_rq_complete")
 int BPF_PROG(on_rq_complete, struct request *rq, blk_status_t error, unsigned int nr_bytes)
 {
+	if (test_skip & SKIP_RQ_COMPLETE)
+		return 0;
 	return rq_complete(rq, error, nr_bytes);
 }
 

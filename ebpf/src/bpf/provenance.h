@@ -62,6 +62,9 @@ struct transfer_signals {
 	__u64 cmd_fixed_rqs;    /* passthrough requests seen (likewise) whose io_uring_cmd asked for
 	                         * the registered buffer (IORING_URING_CMD_FIXED): the fixed
 	                         * passthrough's second witness */
+	__u64 rq_issue_unseen;  /* requests of this transfer first seen completing: neither block_rq_issue
+	                         * nor nvme_setup_cmd ran a program for their issue (counted in
+	                         * rq_issued and rq_bytes then) */
 };
 
 /* Who made a bio: the transfer, and the io_uring request (io_kiocb) whose
@@ -90,6 +93,7 @@ struct rq_state {
 #define SKIP_BIO_QUEUE 2 /* block_bio_queue */
 #define SKIP_RQ_ISSUE 4  /* block_rq_issue */
 #define SKIP_HOOKS 8     /* bio_dmabuf_map_set, io_uring_cmd_import_fixed */
+#define SKIP_RQ_COMPLETE 16 /* block_rq_complete */
 
 /* Per-CPU counters of submitted payload ops, by kind. */
 enum path_counter {

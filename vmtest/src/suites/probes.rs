@@ -197,7 +197,15 @@ fn native_on_raw_block(ctx: &Ctx) -> Outcome {
 fn second_witness(ctx: &Ctx) -> Outcome {
     outcome((|| {
         let disk = ctx.disk(DiskRole::Raw)?;
-        let skip = |submit, bio_queue, rq_issue, hooks| pdstor_probes::SkipRuns { submit, bio_queue, rq_issue, hooks };
+        let skip = |submit, bio_queue, rq_issue, hooks| pdstor_probes::SkipRuns {
+            submit,
+            bio_queue,
+            rq_issue,
+            hooks,
+            // With completions seen, a request whose issue was skipped is seen
+            // completing: the NVMe command is the witness tested here.
+            rq_complete: rq_issue,
+        };
         let block = pdstor_probes::TargetClass::BlockDevice;
         let (v, s) = write_verdict_skipping(
             &disk.block,
