@@ -97,9 +97,12 @@
  *    adopted from the io_kiocb itself (its user_data, its task) by the first
  *    of its bios or requests a program sees (tag_of_cmd); a bio is tagged at
  *    block_bio_queue, or identified again where its request is walked
- *    (owner_of); a request counts as issued at block_rq_issue, and its NVMe
- *    command at nvme_setup_cmd, and either is a request seen. The common
- *    request of one bio is walked without a loop.
+ *    (owner_of) — and a tag must still match its io_kiocb's own user_data;
+ *    a request counts as issued at block_rq_issue, its NVMe command at
+ *    nvme_setup_cmd, and a request neither saw is counted where it
+ *    completes (block_rq_complete runs in the interrupt or softirq that
+ *    completes it, which is never preempted): any of the three is a request
+ *    seen. The common request of one bio is walked without a loop.
  *
  * What is still skipped is counted (Probes::skipped_runs), and a tag whose
  * io_uring request is no longer in flight is dropped at the walk, so a
