@@ -56,9 +56,10 @@ pub struct BenchArgs {
     #[arg(long)]
     nixl: bool,
     /// Instead: only the provenance probes' cost on the handoff: 512 MiB in
-    /// 8 MiB chunks through two daemons on two files, one with `serve
-    /// --provenance` and one without, strictly alternating rounds (at least
-    /// 5); prints the throughput ratio (goal >= 0.95). Root (BPF). The full
+    /// 8 MiB chunks through two daemons on two targets of each of --targets
+    /// (files, zram devices), one with `serve --provenance` and one without,
+    /// strictly alternating rounds (at least 5); prints the throughput ratio
+    /// (goal >= 0.95). Root (BPF). The full
     /// bench runs it too, beside the engine's probe overhead.
     #[arg(long)]
     probes: bool,
@@ -121,7 +122,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
         return nixl(sh, &pdstor, &out_dir, args);
     }
     if args.probes {
-        return handoff_probe_overhead(&pdstor, &out_dir, args.rounds);
+        return handoff_probe_overhead(sh, &pdstor, &out_dir, args);
     }
     let mut reports = Vec::new();
     for t in &args.targets {
@@ -188,7 +189,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     raw_block(sh, &pdstor, &out_dir, args)?;
     nixl(sh, &pdstor, &out_dir, args)?;
     probe_overhead(sh, &pdstor, &out_dir, args)?;
-    handoff_probe_overhead(&pdstor, &out_dir, args.rounds)?;
+    handoff_probe_overhead(sh, &pdstor, &out_dir, args)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
@@ -522,17 +523,34 @@ struct BenchDaemon {
 
 impl BenchDaemon {
     fn start(pdstor: &Path, out_dir: &Path, name: &str, extra: &[&str]) -> Result<BenchDaemon> {
-        let target = out_dir.join(format!("{name}.img"));
+        BenchDaemon::start_on(pdstor, out_dir, name, None, extra)
+    }
+
+    /// A daemon on `device` (formatted here, and never removed), or on a
+    /// 1200 MiB file of its own under `out_dir`.
+    fn start_on(
+        pdstor: &Path,
+        out_dir: &Path,
+        name: &str,
+        device: Option<&Path>,
+        extra: &[&str],
+    ) -> Result<BenchDaemon> {
+        let target = device.map_or_else(|| out_dir.join(format!("{name}.img")), Path::to_path_buf);
         let data_socket = out_dir.join(format!("{name}-data.sock"));
         let control = out_dir.join(format!("{name}-control.sock"));
-        for f in [&target, &data_socket, &control] {
+        let mut files = vec![&data_socket, &control];
+        if device.is_none() {
+            files.push(&target);
+        }
+        for f in files {
             let _ = std::fs::remove_file(f);
         }
-        let formatted = std::process::Command::new(pdstor)
-            .args(["format", "--size", "1200M", "--chunk-slot", "8M", "--target"])
-            .arg(&target)
-            .output()
-            .context("running pdstor format")?;
+        let mut format = std::process::Command::new(pdstor);
+        format.args(["format", "--chunk-slot", "8M", "--force", "--target"]).arg(&target);
+        if device.is_none() {
+            format.args(["--size", "1200M"]);
+        }
+        let formatted = format.output().context("running pdstor format")?;
         if !formatted.status.success() {
             bail!("pdstor format {}: {}", target.display(), String::from_utf8_lossy(&formatted.stderr));
         }
@@ -548,8 +566,8 @@ impl BenchDaemon {
             .stderr(std::fs::File::create(&log)?)
             .spawn()
             .context("starting pdstor serve")?;
-        let daemon =
-            BenchDaemon { child, server, data_socket: data_socket.clone(), files: vec![target, control.clone()] };
+        let files = if device.is_none() { vec![target, control.clone()] } else { vec![control.clone()] };
+        let daemon = BenchDaemon { child, server, data_socket: data_socket.clone(), files };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
         while std::os::unix::net::UnixStream::connect(&data_socket).is_err()
             || std::os::unix::net::UnixStream::connect(&control).is_err()
@@ -595,38 +613,57 @@ impl Drop for BenchDaemon {
 
 /// The handoff through a daemon with the provenance probes (`serve
 /// --provenance`: every chunk judged) and through one without, strictly
-/// alternating, as the median throughput ratio with/without (goal >= 0.95).
-fn handoff_probe_overhead(pdstor: &Path, out_dir: &Path, rounds: u32) -> Result<()> {
-    println!(
-        "
-provenance probe overhead on the handoff: 512 MiB, 8 MiB chunks, two daemons on files, with vs without"
-    );
-    let with = BenchDaemon::start(pdstor, out_dir, "probes-on", &["--provenance"])?;
-    let without = BenchDaemon::start(pdstor, out_dir, "probes-off", &[])?;
-    // Precondition both: the first write of a file allocates its extents.
-    with.handoff(pdstor)?;
-    without.handoff(pdstor)?;
-    let mut ratios = Vec::new();
-    for round in 0..rounds.max(5) {
-        // Who goes first alternates, so neither always follows its own kind.
-        let (w, wo) = if round % 2 == 0 {
-            let w = with.handoff(pdstor)?;
-            (w, without.handoff(pdstor)?)
-        } else {
-            let wo = without.handoff(pdstor)?;
-            (with.handoff(pdstor)?, wo)
+/// alternating, as the median throughput ratio with/without (goal >= 0.95),
+/// on each of `--targets`: two files on the root filesystem, or two zram
+/// devices (memory speed, where the probes' CPU cost shows).
+fn handoff_probe_overhead(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+    println!("\nprovenance probe overhead on the handoff: 512 MiB, 8 MiB chunks, a daemon with probes and one without");
+    let mut report = serde_json::Map::new();
+    for t in &args.targets {
+        let (with, without, _devices) = match t.as_str() {
+            "file" => (
+                BenchDaemon::start(pdstor, out_dir, "probes-on", &["--provenance"])?,
+                BenchDaemon::start(pdstor, out_dir, "probes-off", &[])?,
+                None,
+            ),
+            "zram" => match (Zram::new(sh, "1300M"), Zram::new(sh, "1300M")) {
+                (Ok(a), Ok(b)) => (
+                    BenchDaemon::start_on(pdstor, out_dir, "probes-on", Some(&a.device), &["--provenance"])?,
+                    BenchDaemon::start_on(pdstor, out_dir, "probes-off", Some(&b.device), &[])?,
+                    Some((a, b)),
+                ),
+                (Err(why), _) | (_, Err(why)) => {
+                    println!("SKIP: the probes' cost on zram: {why:#}");
+                    continue;
+                }
+            },
+            other => bail!("unknown bench target {other:?}: expected file or zram"),
         };
-        ratios.push(wo / w);
+        // Precondition both: the first write of a file allocates its extents.
+        with.handoff(pdstor)?;
+        without.handoff(pdstor)?;
+        let mut ratios = Vec::new();
+        for round in 0..args.rounds.max(5) {
+            // Who goes first alternates, so neither always follows its own kind.
+            let (w, wo) = if round % 2 == 0 {
+                let w = with.handoff(pdstor)?;
+                (w, without.handoff(pdstor)?)
+            } else {
+                let wo = without.handoff(pdstor)?;
+                (with.handoff(pdstor)?, wo)
+            };
+            ratios.push(wo / w);
+        }
+        // The daemons stop before their devices are reset.
+        drop((with, without));
+        let med = median(ratios.clone());
+        println!(
+            "  {t:<5} handoff with/without probes (throughput): median {med:.3} (rounds {:?}; goal >= 0.95)",
+            ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>()
+        );
+        report.insert(t.clone(), serde_json::json!({"ratios": ratios, "median": med}));
     }
-    let med = median(ratios.clone());
-    println!(
-        "  handoff with/without probes (throughput): median {med:.3} (rounds {:?}; goal >= 0.95)",
-        ratios.iter().map(|r| format!("{r:.3}")).collect::<Vec<_>>()
-    );
-    std::fs::write(
-        out_dir.join("probe-overhead-handoff.json"),
-        serde_json::to_string_pretty(&serde_json::json!({"ratios": ratios, "median": med}))?,
-    )?;
+    std::fs::write(out_dir.join("probe-overhead-handoff.json"), serde_json::to_string_pretty(&report)?)?;
     Ok(())
 }
 
