@@ -1,7 +1,7 @@
 #![warn(missing_docs)]
 //! pdstor: hands an LLM's KV cache from a prefill engine to a decode engine
-//! through NVMe storage, and proves every step. See DESIGN.md in the project's
-//! shared folder and README.md.
+//! through NVMe storage, and proves every step. The design this code cites as
+//! "DESIGN §N" is `docs/design.md`; the rest of the book is beside it in `docs/`.
 
 pub mod admission;
 pub mod api;

@@ -49,10 +49,16 @@ fn installed(sh: &Shell, pkg: &str) -> bool {
         .is_ok_and(|s| s.contains("install ok installed"))
 }
 
-/// Installs the packages ([`install_packages`]), then checks the kernel
-/// facilities the tests use ([`facilities`]) and says what it found and did.
-pub fn install(sh: &Shell) -> Result<()> {
+/// Installs the packages ([`install_packages`]) and, with `book`, the mdBook
+/// the docs are built with (from crates.io, cached per machine), then checks
+/// the kernel facilities the tests use ([`facilities`]) and says what it
+/// found and did.
+pub fn install(sh: &Shell, book: bool) -> Result<()> {
     install_packages(sh)?;
+    if book {
+        let mdbook = crate::docs::mdbook(sh)?;
+        println!("deps: mdbook {} at {}", crate::docs::MDBOOK_VERSION, mdbook.display());
+    }
     facilities(sh);
     Ok(())
 }

@@ -98,7 +98,7 @@ pub fn run(sh: &Shell, args: &GpuQualArgs) -> Result<()> {
     });
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     std::fs::write(out.join("preflight.json"), serde_json::to_vec_pretty(&pre)?)?;
-    crate::deps::install(sh)?;
+    crate::deps::install(sh, false)?;
     cmd!(sh, "cargo build --release --quiet -p pdstor --features cuda --bin pdstor")
         .run()
         .context("building pdstor with --features cuda")?;

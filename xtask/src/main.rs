@@ -4,6 +4,7 @@
 
 mod bench;
 mod deps;
+mod docs;
 mod fresh;
 mod gpu_qual;
 mod python;
@@ -28,8 +29,11 @@ enum Command {
     Deps,
     /// The main job: a verified KV payload round trip through the engine on a file target.
     Demo,
-    /// Everything CI checks: deps, fmt, clippy, docs, tests (with the list of skips).
+    /// Everything CI checks: deps, fmt, clippy, API docs, the book, tests (with the list of skips).
     Ci,
+    /// Build the book in docs/ (mdBook) into target/book/, every internal link checked;
+    /// --write regenerates the CLI and HTTP references from the code first.
+    Docs(docs::DocsArgs),
     /// pdstor bench beside fio on the same targets; prints pdstor/fio ratios.
     Bench(bench::BenchArgs),
     /// The Python package in a cached venv with the real LMCache (from PyPI): `pip install
@@ -40,7 +44,7 @@ enum Command {
     /// The payload ladder on real NVIDIA GPU hardware (host → host_fixed → dmabuf_fixed from
     /// GPU memory) against a scratch target; exits at once on a machine without a GPU.
     GpuQual(gpu_qual::GpuQualArgs),
-    /// README's two commands on a bare Debian root with only the host's Rust toolchain (root;
+    /// The README's two commands on a bare Debian root with only the host's Rust toolchain (root;
     /// the root is cached under ~/.cache/pdstor/fresh/). Prints each command's wall time.
     Fresh(fresh::FreshArgs),
     /// The crash campaign, longer than CI's: kill -9 the daemon at random points during
@@ -82,16 +86,17 @@ fn main() -> Result<()> {
     // `fresh` needs only its own host tools.
     if !matches!(cli.command, Command::Deps | Command::GpuQual(_) | Command::Fresh(_)) {
         step("dependencies");
-        deps::install(&sh)?;
+        deps::install(&sh, matches!(cli.command, Command::Ci | Command::Docs(_)))?;
     }
     match cli.command {
-        Command::Deps => deps::install(&sh),
+        Command::Deps => deps::install(&sh, true),
         Command::Demo => demo(&sh),
         Command::Ci => ci(&sh),
         Command::Bench(args) => bench::run(&sh, &args),
         Command::Python(args) => python::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
+        Command::Docs(args) => docs::run(&sh, &args),
         Command::Fresh(args) => fresh::run(&sh, &args),
         Command::Sim { seed, seeds, first } => {
             let mut run = cmd!(sh, "cargo test --release --quiet -p pdstor --test sim -- --nocapture --test-threads 1");
@@ -296,6 +301,8 @@ fn ci(sh: &Shell) -> Result<()> {
         .env("RUSTDOCFLAGS", "-D warnings")
         .run()
         .context("the pdstor API docs have warnings: document every public item (see the output above)")?;
+    step("the book (mdbook build docs/, every internal link checked)");
+    docs::build(sh)?;
     step("cargo test --workspace");
     let skip_log = project_root().join("target/ci-skips.log");
     let _ = std::fs::remove_file(&skip_log);

@@ -86,7 +86,7 @@ pub struct ServeArgs {
     /// The same as --listen unix:PATH.
     #[arg(long)]
     listen_unix: Option<PathBuf>,
-    /// Who may do what: tenants, roles, quotas and the socket group (TOML; see the README).
+    /// Who may do what: tenants, roles, quotas and the socket group (TOML; see docs/security.md).
     /// Without it, only this daemon's user and root are anyone.
     #[arg(long, env = "PDSTOR_CONFIG")]
     config: Option<PathBuf>,
