@@ -5,10 +5,8 @@
 
 pub mod admission;
 pub mod api;
-pub mod buffer;
 pub mod client;
 pub mod harness;
-pub mod io;
 pub mod model;
 pub mod payload;
 pub mod protocol;
@@ -17,19 +15,9 @@ pub mod store;
 pub mod timeline;
 pub mod units;
 
+/// The payload engine and its buffers live in their own crate, `pdstor-engine`
+/// (no daemon, no HTTP, no probes); they are re-exported here whole.
+pub use pdstor_engine::{buffer, io};
+
 pub use buffer::{Buffer, BufferKind};
 pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};
-
-/// Test support: says `SKIP: <test>: <reason>` on stderr and, when
-/// `PDSTOR_SKIP_LOG` names a file, appends it there for CI's skip list.
-#[cfg(test)]
-pub(crate) fn test_skip(test: &str, reason: &str) {
-    let line = format!("SKIP: {test}: {reason}");
-    eprintln!("{line}");
-    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}

@@ -292,12 +292,14 @@ fn ci(sh: &Shell) -> Result<()> {
     cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
     step("cargo clippy --all-targets -- -D warnings");
     cmd!(sh, "cargo clippy --workspace --all-targets --quiet -- -D warnings").run().context("clippy found problems")?;
-    step("cargo clippy -p pdstor --features cuda (builds with no CUDA toolkit: the driver is loaded at run time)");
-    cmd!(sh, "cargo clippy -p pdstor --features cuda --all-targets --quiet -- -D warnings")
+    step(
+        "cargo clippy -p pdstor-engine -p pdstor --features cuda (builds with no CUDA toolkit: the driver is loaded at run time)",
+    );
+    cmd!(sh, "cargo clippy -p pdstor-engine -p pdstor --features cuda --all-targets --quiet -- -D warnings")
         .run()
         .context("clippy found problems in the cuda feature")?;
-    step("cargo doc -p pdstor (every public item documented: missing_docs, links resolve)");
-    cmd!(sh, "cargo doc -p pdstor --no-deps --features cuda --quiet")
+    step("cargo doc -p pdstor-engine -p pdstor (every public item documented: missing_docs, links resolve)");
+    cmd!(sh, "cargo doc -p pdstor-engine -p pdstor --no-deps --features cuda --quiet")
         .env("RUSTDOCFLAGS", "-D warnings")
         .run()
         .context("the pdstor API docs have warnings: document every public item (see the output above)")?;
@@ -307,7 +309,9 @@ fn ci(sh: &Shell) -> Result<()> {
     let skip_log = project_root().join("target/ci-skips.log");
     let _ = std::fs::remove_file(&skip_log);
     let tested = cmd!(sh, "cargo test --workspace").env("PDSTOR_SKIP_LOG", &skip_log).run().and_then(|()| {
-        cmd!(sh, "cargo test -p pdstor --features cuda --lib buffer::cuda").env("PDSTOR_SKIP_LOG", &skip_log).run()
+        cmd!(sh, "cargo test -p pdstor-engine --features cuda --lib buffer::cuda")
+            .env("PDSTOR_SKIP_LOG", &skip_log)
+            .run()
     });
     let skips = std::fs::read_to_string(&skip_log).unwrap_or_default();
     step("skipped tests");

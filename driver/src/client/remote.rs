@@ -56,7 +56,7 @@ impl RemoteReader {
         let client = Client::new(server);
         let owner = client.namespace()?;
         match reservation_key {
-            Some(key) => crate::io::reservation::Reservations::open(device)
+            Some(key) => crate::io::persistent_reservation::Reservations::open(device)
                 .and_then(|r| r.register(key))
                 .map_err(|e| ClientError::Data(format!("registering this host's reservation key: {e}")))?,
             None if owner.reservations => {

@@ -94,7 +94,7 @@ pub struct Service {
     served: Mutex<HashMap<u64, Served>>,
     /// The owner's persistent reservation on the namespace and its key
     /// (`serve --reservation-key`): fencing a direct reader preempts its key.
-    reservations: Option<(crate::io::reservation::Reservations, u64)>,
+    reservations: Option<(crate::io::persistent_reservation::Reservations, u64)>,
 }
 
 /// What the data plane served to one adopted claim: the claim's signature,
@@ -160,8 +160,11 @@ impl Service {
     /// Holds the namespace's Exclusive Access — All Registrants reservation
     /// with `key` (registering it for this host first): only registered
     /// hosts read or write it, and fencing a direct reader preempts its key.
-    pub fn with_reservation_key(mut self, key: u64) -> Result<Service, crate::io::reservation::ReservationError> {
-        let r = crate::io::reservation::Reservations::open(self.store.path())?;
+    pub fn with_reservation_key(
+        mut self,
+        key: u64,
+    ) -> Result<Service, crate::io::persistent_reservation::ReservationError> {
+        let r = crate::io::persistent_reservation::Reservations::open(self.store.path())?;
         r.register(key)?;
         r.reserve(key)?;
         self.reservations = Some((r, key));

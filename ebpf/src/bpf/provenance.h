@@ -4,7 +4,7 @@
 #ifndef PDSTOR_PROVENANCE_H
 #define PDSTOR_PROVENANCE_H
 
-/* user_data = transfer_id << SEGMENT_BITS | segment slot (driver/src/io/ring.rs). */
+/* user_data = transfer_id << SEGMENT_BITS | segment slot (engine/src/io/ring.rs). */
 #define PDSTOR_SEGMENT_BITS 16
 
 /* A file pages may be cached for: the kernel dev_t (major << 20 | minor)

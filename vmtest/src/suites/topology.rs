@@ -1219,8 +1219,9 @@ fn reserve_owner() -> Result<(), String> {
     })();
     drop(daemon);
     // The reservation outlives the daemon (it is the host's): clear it for the tests after.
-    let cleared =
-        pdstor::io::reservation::Reservations::open(&dev).and_then(|r| r.clear(OWNER_KEY)).map_err(|e| e.to_string());
+    let cleared = pdstor::io::persistent_reservation::Reservations::open(&dev)
+        .and_then(|r| r.clear(OWNER_KEY))
+        .map_err(|e| e.to_string());
     result.and(cleared)
 }
 

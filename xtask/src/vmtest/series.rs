@@ -79,7 +79,7 @@ pub struct Built {
     pub key: String,
 }
 
-/// The v3 UAPI as the engine encodes it (`driver/src/buffer/dmabuf.rs`,
+/// The v3 UAPI as the engine encodes it (`engine/src/buffer/dmabuf.rs`,
 /// `uapi`): the descriptor's fields in order, the DMA-BUF type's place in its
 /// enum, and the update flag.
 const DESC_FIELDS: &[&str] = &[
@@ -112,7 +112,7 @@ pub fn check_uapi(header: &str) -> Result<()> {
     let fields = body("struct io_uring_regbuf_desc {")?;
     if fields != DESC_FIELDS {
         bail!(
-            "struct io_uring_regbuf_desc is {fields:?}; the engine encodes {DESC_FIELDS:?} (driver/src/buffer/dmabuf.rs uapi)"
+            "struct io_uring_regbuf_desc is {fields:?}; the engine encodes {DESC_FIELDS:?} (engine/src/buffer/dmabuf.rs uapi)"
         );
     }
     let types = body("enum io_uring_regbuf_type {")?;

@@ -22,9 +22,9 @@
 mod dmabuf_rw;
 mod error;
 pub mod nvme;
+pub mod persistent_reservation;
 mod plan;
 mod request;
-pub mod reservation;
 mod ring;
 mod sys;
 mod target;

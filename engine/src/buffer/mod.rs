@@ -255,7 +255,7 @@ impl Buffer {
 
     /// Start address of the CPU mapping, for the kernel (io_uring SQEs,
     /// buffer registration).
-    pub(crate) fn addr(&self) -> Result<u64, BufferError> {
+    pub fn addr(&self) -> Result<u64, BufferError> {
         Ok(self.region()?.as_ptr() as u64)
     }
 
