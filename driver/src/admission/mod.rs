@@ -11,7 +11,7 @@ mod reservation;
 mod staging;
 
 pub use reservation::{
-    AdmissionCounters, CancelToken, MonotonicClock, ReservationManager, ReservationStats, WaitClock,
+    AdmissionCounters, AdmissionInvariant, CancelToken, MonotonicClock, ReservationManager, ReservationStats, WaitClock,
 };
 pub use staging::{StagingError, StagingPool};
 

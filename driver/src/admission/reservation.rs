@@ -394,17 +394,39 @@ impl ReservationManager {
 
     /// The invariant, as a checkable result: reserved <= capacity and equal to
     /// the sum of what holders hold; no request both waiting and holding.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), AdmissionInvariant> {
         let s = self.lock();
-        let sum: u64 = s.held.values().sum();
-        if s.reserved > s.capacity || sum != s.reserved {
-            return Err(format!("reserved {} (holders sum {sum}) vs capacity {}", s.reserved, s.capacity));
+        let held: u64 = s.held.values().sum();
+        if s.reserved > s.capacity || held != s.reserved {
+            return Err(AdmissionInvariant::Reserved { reserved: s.reserved, held, capacity: s.capacity });
         }
         if let Some(w) = s.queue.iter().find(|w| s.held.contains_key(&w.req)) {
-            return Err(format!("request {} both waits and holds a reservation", w.req));
+            return Err(AdmissionInvariant::WaitsAndHolds { req: w.req.clone() });
         }
         Ok(())
     }
+}
+
+/// What [`ReservationManager::check`] found broken: a bug in admission, never
+/// a caller's mistake.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionInvariant {
+    /// More is reserved than there is, or the holders do not add up to it.
+    #[error("reserved {reserved} (holders sum {held}) vs capacity {capacity}")]
+    Reserved {
+        /// Slots reserved.
+        reserved: u64,
+        /// The sum of every holder's reservation.
+        held: u64,
+        /// Slots there are.
+        capacity: u64,
+    },
+    /// A request is both in the waiting queue and a holder.
+    #[error("request {req} both waits and holds a reservation")]
+    WaitsAndHolds {
+        /// The request.
+        req: String,
+    },
 }
 
 #[cfg(test)]

@@ -38,9 +38,18 @@ pub enum StoreError {
         /// The bytes a namespace with these options needs.
         minimum: u64,
     },
-    /// A format option out of range.
-    #[error("bad format option: {0}")]
-    BadOption(String),
+    /// A slot size that is not a positive multiple of 4 KiB.
+    #[error("bad format option: slot size {slot_size} must be a positive multiple of 4096")]
+    SlotSize {
+        /// The slot size asked for.
+        slot_size: u64,
+    },
+    /// A journal half size pdstor does not offer.
+    #[error("bad format option: journal half {journal_half} must be a power of two from 256 KiB to 1 GiB")]
+    JournalHalf {
+        /// The journal half size asked for.
+        journal_half: u64,
+    },
     /// Neither superblock copy is usable.
     #[error("target {path}: {source}")]
     Superblock {
@@ -431,7 +440,7 @@ pub enum Invariant {
     OwnedAndFree(SlotIndex),
     /// The reservation manager's own invariants.
     #[error("{0}")]
-    Admission(String),
+    Admission(crate::admission::AdmissionInvariant),
     /// A live publication's request holds another number of reservations.
     #[error("request {req} holds {held} reservations for {slots} slots")]
     Reservations {

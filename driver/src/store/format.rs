@@ -99,13 +99,10 @@ fn now_unix() -> u64 {
 /// Writes a fresh namespace: empty journal halves, then both superblock copies.
 pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
     if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
-        return Err(StoreError::BadOption(format!("slot size {} must be a positive multiple of 4096", opts.slot_size)));
+        return Err(StoreError::SlotSize { slot_size: opts.slot_size });
     }
     if !JOURNAL_HALF_CHOICES.contains(&opts.journal_half) {
-        return Err(StoreError::BadOption(format!(
-            "journal half {} must be a power of two from 256 KiB to 1 GiB",
-            opts.journal_half
-        )));
+        return Err(StoreError::JournalHalf { journal_half: opts.journal_half });
     }
     let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true, read_only: false })?;
     let capacity = target.geometry().capacity;

@@ -81,8 +81,23 @@ pub enum SuperblockError {
         found: u32,
     },
     /// The fields disagree with each other (sizes, offsets).
-    #[error("superblock geometry is inconsistent: {0}")]
-    Geometry(String),
+    #[error(
+        "superblock geometry is inconsistent: active journal half {active_half} (0 or 1), slot size {slot_size}, \
+         journal half {journal_half} (neither may be 0), data at {data_offset} (must be at or after {data_floor}, \
+         where copy B ends)"
+    )]
+    Geometry {
+        /// Which journal half it says is active.
+        active_half: u8,
+        /// Bytes per slot.
+        slot_size: u64,
+        /// Bytes of each journal half.
+        journal_half: u64,
+        /// Where it says slot 0 starts.
+        data_offset: u64,
+        /// Where copy B ends, the earliest slot 0 may start.
+        data_floor: u64,
+    },
 }
 
 impl Superblock {
@@ -172,7 +187,14 @@ impl Superblock {
             || sb.journal_half == 0
             || sb.data_offset < sb.copy_b_offset() + SUPERBLOCK_BYTES as u64
         {
-            return Err(SuperblockError::Geometry(format!("{sb:?}")));
+            // Never the superblock's Debug: it holds the receipt key.
+            return Err(SuperblockError::Geometry {
+                active_half: sb.active_half,
+                slot_size: sb.slot_size,
+                journal_half: sb.journal_half,
+                data_offset: sb.data_offset,
+                data_floor: sb.copy_b_offset() + SUPERBLOCK_BYTES as u64,
+            });
         }
         Ok(sb)
     }
@@ -232,6 +254,20 @@ mod tests {
         sb.version = FORMAT_VERSION + 1;
         let e = Superblock::decode(&sb.encode()).unwrap_err();
         assert!(e.to_string().contains(&format!("version {}", FORMAT_VERSION + 1)), "{e}");
+    }
+
+    #[test]
+    fn inconsistent_geometry_is_named_field_by_field_and_never_shows_the_key() {
+        let mut sb = sample();
+        sb.data_offset = 4096; // inside the journal
+        let e = Superblock::decode(&sb.encode()).unwrap_err();
+        assert!(
+            matches!(e, SuperblockError::Geometry { data_offset: 4096, data_floor, .. } if data_floor == 2 * 4096 + 2 * 65536),
+            "{e:?}"
+        );
+        let text = e.to_string();
+        assert!(text.contains("data at 4096 (must be at or after 139264"), "{text}");
+        assert!(!text.contains("hmac_key") && !text.contains("9, 9, 9"), "the receipt key leaked: {text}");
     }
 
     #[test]
