@@ -5,7 +5,6 @@
 
 pub mod admission;
 pub mod api;
-pub mod client;
 pub mod harness;
 pub mod model;
 pub mod payload;
@@ -18,6 +17,10 @@ pub mod units;
 /// The payload engine and its buffers live in their own crate, `pdstor-engine`
 /// (no daemon, no HTTP, no probes); they are re-exported here whole.
 pub use pdstor_engine::{buffer, io};
+
+/// The client side — the wire vocabulary, receipts, the writer and the reader —
+/// is the crate `pdstor-client`, which engines link without the daemon.
+pub use pdstor_client as client;
 
 pub use buffer::{Buffer, BufferKind};
 pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};

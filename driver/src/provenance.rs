@@ -27,3 +27,27 @@ pub fn target_class(kind: TargetKind) -> TargetClass {
         TargetKind::NvmeGeneric => TargetClass::NvmePassthrough,
     }
 }
+
+/// The provenance probes attached to this process, judging a reader host's
+/// own reads for [`pdstor_client::RemoteReader::with_judge`].
+pub struct ProbeJudge {
+    /// Kept alive: dropping it detaches the programs.
+    _probes: pdstor_probes::Probes,
+    reader: pdstor_probes::SignalReader,
+}
+
+impl ProbeJudge {
+    /// Attaches the probes to this process (root, or CAP_BPF + CAP_PERFMON).
+    pub fn attach() -> Result<ProbeJudge, String> {
+        let probes = pdstor_probes::Probes::attach(std::process::id())
+            .map_err(|e| format!("attaching the provenance probes: {e}"))?;
+        let reader = probes.reader().map_err(|e| format!("reading the probes: {e}"))?;
+        Ok(ProbeJudge { _probes: probes, reader })
+    }
+}
+
+impl pdstor_client::Judge for ProbeJudge {
+    fn verdict(&self, transfer: crate::io::TransferId, path: PayloadPath, target: TargetKind) -> String {
+        self.reader.verdict(transfer.0, declared(path), target_class(target)).to_string()
+    }
+}

@@ -1,5 +1,5 @@
 //! `pdstor._native`: the protocol as Python objects, mirroring
-//! `pdstor::client`. Every call that waits — on the daemon, the data socket or
+//! `pdstor_client`. Every call that waits — on the daemon, the data socket or
 //! a checksum — releases the GIL. Errors become the exception classes of
 //! `pdstor.errors`, one per refusal code, carrying the daemon's code, field
 //! and message.
@@ -10,11 +10,11 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pdstor::api::wire::{AdoptRequest, DataChunk, PrepareRequest};
-use pdstor::client::{ClientError, DataConn, LoadChecks, Verify};
-use pdstor::protocol::service::{Prepared, restore_digest};
-use pdstor::protocol::{Receipt as RustReceipt, RefusalCode, manifest_digest};
-use pdstor::store::{Layout, Manifest};
+use pdstor_client::code::RefusalCode;
+use pdstor_client::layout::{Layout, Manifest};
+use pdstor_client::receipt::{Receipt as RustReceipt, manifest_digest, restore_digest};
+use pdstor_client::wire::{AdoptRequest, DataChunk, PrepareRequest, Prepared};
+use pdstor_client::{ClientError, DataConn, LoadChecks, Verify};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -66,7 +66,7 @@ fn loads<'py>(py: Python<'py>, text: &str) -> PyResult<Bound<'py, PyAny>> {
     py.import("json")?.call_method1("loads", (text,))
 }
 
-/// A KV layout from a dict with the fields of `pdstor::store::Layout`.
+/// A KV layout from a dict with the fields of `pdstor_client::layout::Layout`.
 fn layout_from(obj: &Bound<'_, PyAny>) -> PyResult<Layout> {
     if !obj.is_instance_of::<PyDict>() {
         return Err(PyTypeError::new_err(
@@ -115,7 +115,7 @@ static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
 /// you use the view.
 #[pyclass(module = "pdstor", frozen)]
 struct Buffer {
-    inner: Arc<pdstor::Buffer>,
+    inner: Arc<pdstor_client::Buffer>,
     /// Unique for the process's life, so a registration is never mistaken
     /// for one of a freed buffer at the same address.
     id: u64,
@@ -132,7 +132,8 @@ impl Buffer {
                 "Buffer({size}): the size must be a positive multiple of 4096 (direct I/O moves whole pages)"
             )));
         }
-        let b = pdstor::Buffer::memfd(name, size).map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
+        let b = pdstor_client::Buffer::memfd(name, size)
+            .map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
         Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
     }
 
@@ -300,7 +301,7 @@ impl Receipt {
 
 /// The daemon's two planes: HTTP control and the data socket.
 struct Conn {
-    control: pdstor::client::Client,
+    control: pdstor_client::Client,
     data: Mutex<DataPlane>,
     server: String,
 }
@@ -309,7 +310,7 @@ struct DataPlane {
     conn: Option<DataConn>,
     socket: PathBuf,
     /// Buffer id (ours) → (the buffer, kept alive while registered; its id on this connection).
-    registered: HashMap<u64, (Arc<pdstor::Buffer>, u32)>,
+    registered: HashMap<u64, (Arc<pdstor_client::Buffer>, u32)>,
 }
 
 impl DataPlane {
@@ -346,7 +347,7 @@ impl DataPlane {
 /// A buffer as a call uses it, outside the GIL.
 #[derive(Clone)]
 struct BufferRef {
-    inner: Arc<pdstor::Buffer>,
+    inner: Arc<pdstor_client::Buffer>,
     id: u64,
 }
 
@@ -372,7 +373,7 @@ impl Client {
         let data = DataPlane { conn: None, socket: PathBuf::from(data_socket), registered: HashMap::new() };
         Client {
             conn: Arc::new(Conn {
-                control: pdstor::client::Client::new(server),
+                control: pdstor_client::Client::new(server),
                 data: Mutex::new(data),
                 server: server.into(),
             }),
@@ -699,7 +700,7 @@ fn adopt_checked(conn: &Conn, claim: &RustReceipt, layout: Layout) -> Result<Man
 /// crc32c against the manifest: as the daemon read it in place in this
 /// process's buffer, or computed here, in place, for what the daemon could
 /// not read and for every chunk with `Verify::Local` (see
-/// `pdstor::client::Verify`: one checksum per byte unless asked for two).
+/// `pdstor_client::Verify`: one checksum per byte unless asked for two).
 fn load_verified(
     conn: &Conn,
     claim: &RustReceipt,

@@ -955,7 +955,8 @@ fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
     let d = Daemon::start_with(&target, dir.path(), &["--provenance", "--timeline", owner_tl.to_str().unwrap()]);
     let p = put(&d, "two-hosts", 61, 4);
     let t = std::sync::Arc::new(pdstor::timeline::Timeline::open(&reader_tl, "remote-reader").unwrap());
-    let mut r = RemoteReader::open(&d.server, &target).unwrap().with_probes().unwrap().with_timeline(t);
+    let judge = pdstor::provenance::ProbeJudge::attach().unwrap();
+    let mut r = RemoteReader::open(&d.server, &target).unwrap().with_judge(Box::new(judge)).with_timeline(t);
     let claim = r.claim(&p.receipt, "decode-remote", "s-two", 60_000).unwrap();
     let restored = r.get(&claim, &layout()).unwrap();
     r.ack(&claim, &restored).unwrap();

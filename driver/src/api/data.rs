@@ -11,15 +11,12 @@
 //! [`DataResponse`]); a `register` frame carries the fd.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{IoSlice, IoSliceMut, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recvmsg, sendmsg};
 
 use super::data_error::DataError;
 use super::metrics::Metrics;
@@ -31,9 +28,7 @@ use crate::protocol::Receipt;
 use crate::protocol::identity::{Caller, Resource, Role};
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
-
-/// Largest frame accepted (a batch of thousands of chunks fits easily).
-const MAX_FRAME: usize = 16 << 20;
+pub use pdstor_client::frame::{read_frame, write_frame};
 
 /// Provenance checking for the data plane (`pdstor serve --provenance`).
 pub struct Provenance {
@@ -162,58 +157,6 @@ fn last_word(stream: &mut UnixStream, e: ErrorBody) {
     let resp = DataResponse { ok: false, error: Some(e), ..Default::default() };
     if let Ok(bytes) = serde_json::to_vec(&resp) {
         let _ = write_frame(stream, &bytes, &[]);
-    }
-}
-
-/// Reads one frame, collecting any fds sent with it.
-pub fn read_frame(stream: &mut UnixStream) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
-    let mut header = [0u8; 4];
-    let mut got = 0;
-    let mut fds = Vec::new();
-    while got < 4 {
-        // Room for the most descriptors one message can carry (SCM_MAX_FD):
-        // a smaller buffer truncates the control data, and the descriptors
-        // the kernel did install would then never be seen, or closed.
-        let mut space = nix::cmsg_space!([RawFd; 253]);
-        let mut iov = [IoSliceMut::new(&mut header[got..])];
-        let msg = recvmsg::<()>(stream.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
-            .map_err(std::io::Error::from)?;
-        if msg.bytes == 0 {
-            return if got == 0 { Ok(None) } else { Err(std::io::ErrorKind::UnexpectedEof.into()) };
-        }
-        for c in msg.cmsgs().map_err(std::io::Error::from)? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                // SAFETY: SCM_RIGHTS hands us new descriptors that nothing else owns.
-                fds.extend(raw.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
-            }
-        }
-        got += msg.bytes;
-    }
-    let len = u32::from_le_bytes(header) as usize;
-    if len > MAX_FRAME {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("frame of {len} bytes is over {MAX_FRAME}"),
-        ));
-    }
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body)?;
-    Ok(Some((body, fds)))
-}
-
-/// Writes one frame, with `fds` attached when there are any.
-pub fn write_frame(stream: &mut UnixStream, body: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
-    let mut frame = Vec::with_capacity(body.len() + 4);
-    frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    frame.extend_from_slice(body);
-    match fds {
-        [] => stream.write_all(&frame),
-        fds => {
-            let cmsg = [ControlMessage::ScmRights(fds)];
-            let sent = sendmsg::<()>(stream.as_raw_fd(), &[IoSlice::new(&frame)], &cmsg, MsgFlags::empty(), None)
-                .map_err(std::io::Error::from)?;
-            stream.write_all(&frame[sent..])
-        }
     }
 }
 

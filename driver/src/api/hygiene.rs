@@ -11,6 +11,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 
+pub use pdstor_client::peer_uid;
+
 /// The directory the daemon's sockets live in by default: `/run/pdstor` for
 /// root; the user's runtime directory (`$XDG_RUNTIME_DIR/pdstor`) otherwise,
 /// or a 0700 directory of the user's own under the temporary directory.
@@ -201,12 +203,6 @@ pub fn check_tcp(addr: &std::net::SocketAddr, insecure: bool) -> anyhow::Result<
 pub fn peer_cred(stream: &impl std::os::fd::AsFd) -> std::io::Result<(u32, u32, i32)> {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
     getsockopt(stream, PeerCredentials).map(|c| (c.uid(), c.gid(), c.pid())).map_err(std::io::Error::from)
-}
-
-/// The uid serving a connected Unix socket (`SO_PEERCRED`).
-pub fn peer_uid(stream: &impl std::os::fd::AsFd) -> std::io::Result<u32> {
-    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-    getsockopt(stream, PeerCredentials).map(|c| c.uid()).map_err(std::io::Error::from)
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@ pub mod hygiene;
 mod listen;
 pub mod metrics;
 pub mod tls;
-pub mod wire;
+pub use pdstor_client::wire;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

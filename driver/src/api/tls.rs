@@ -7,12 +7,13 @@
 //! answered 401 `unauthenticated` on every step; one whose certificate the CA
 //! did not sign is refused in the handshake.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use anyhow::Context;
+use rustls::pki_types::CertificateDer;
+
+pub use pdstor_client::tls::{certs, key, provider, roots};
 
 /// The daemon's TLS files.
 #[derive(Debug, Clone)]
@@ -23,37 +24,6 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// The CA that signs client certificates (PEM).
     pub client_ca: PathBuf,
-}
-
-/// The crypto provider (ring), the one the build carries.
-pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-/// Reads every certificate in a PEM file.
-pub fn certs(path: &Path) -> anyhow::Result<Vec<CertificateDer<'static>>> {
-    let certs = CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("reading certificates from {}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("parsing the PEM certificates in {}", path.display()))?;
-    if certs.is_empty() {
-        bail!("{} holds no PEM certificate", path.display());
-    }
-    Ok(certs)
-}
-
-/// Reads the private key in a PEM file.
-pub fn key(path: &Path) -> anyhow::Result<PrivateKeyDer<'static>> {
-    PrivateKeyDer::from_pem_file(path).with_context(|| format!("reading a PEM private key from {}", path.display()))
-}
-
-/// A root store holding every certificate of `path`.
-pub fn roots(path: &Path) -> anyhow::Result<rustls::RootCertStore> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in certs(path)? {
-        roots.add(c).with_context(|| format!("adding a CA certificate from {}", path.display()))?;
-    }
-    Ok(roots)
 }
 
 /// The server side: the daemon's certificate, client certificates verified

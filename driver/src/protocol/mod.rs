@@ -7,59 +7,17 @@
 //! state, manifest digest, and (for claims) reader and session. A mismatch is
 //! a [`Refusal`] naming the field; it changes nothing.
 
-pub mod code;
 pub mod identity;
 pub mod service;
 
-pub use code::RefusalCode;
+pub use pdstor_client::code;
+pub use pdstor_client::code::RefusalCode;
+pub use pdstor_client::receipt::{Receipt, ReceiptKind, manifest_digest};
 
 use hmac::{Hmac, KeyInit, Mac};
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
-
-use crate::store::Manifest;
+use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
-
-/// What a receipt attests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
-pub enum ReceiptKind {
-    /// The publication is READY: payload and manifest are durable.
-    Ready,
-    /// The publication is claimed by exactly this reader and session.
-    Claim,
-}
-
-/// A daemon-signed statement about a publication. Field order is the
-/// canonical encoding that the signature covers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Receipt {
-    /// READY or claim.
-    pub kind: ReceiptKind,
-    /// The namespace (its uuid).
-    pub namespace: String,
-    /// The daemon epoch that issued it.
-    pub epoch: u64,
-    /// The publication.
-    pub publication: u64,
-    /// Its request id.
-    pub req_id: String,
-    /// SHA-256 of the manifest's canonical JSON.
-    pub manifest_digest: String,
-    /// The claimed reader (claim receipts).
-    pub reader: Option<String>,
-    /// The claimed session (claim receipts).
-    pub session: Option<String>,
-    /// The claim's lease, in ms (claim receipts).
-    pub lease_ms: Option<u64>,
-    /// When it was issued, by the protocol's clock.
-    pub issued_unix_ms: u64,
-    /// Which key signed it.
-    pub key_id: u32,
-    /// Hex HMAC-SHA256 over the canonical encoding of every field above.
-    pub signature: String,
-}
 
 /// Why a protocol step was refused: a stable code and the offending field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -195,15 +153,6 @@ impl Signer {
             )
         })
     }
-}
-
-/// The digest that names a manifest: SHA-256 of its canonical JSON.
-pub fn manifest_digest(m: &Manifest) -> String {
-    if m.restore_nonce.is_some() {
-        let stored = Manifest { restore_nonce: None, ..m.clone() };
-        return hex::encode(Sha256::digest(serde_json::to_vec(&stored).unwrap_or_default()));
-    }
-    hex::encode(Sha256::digest(serde_json::to_vec(m).unwrap_or_default()))
 }
 
 /// The system clock, in ms since the Unix epoch.

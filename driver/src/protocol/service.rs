@@ -6,8 +6,6 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
-
 use super::identity::{Caller, Policy, Resource, Role};
 use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock, manifest_digest};
 use std::time::Duration;
@@ -15,6 +13,8 @@ use std::time::Duration;
 use crate::admission::CancelToken;
 use crate::store::{AbortOutcome, CancelOutcome, Layout, Manifest, Owner, Phase, Publication, Store, StoreError};
 use crate::timeline::Event;
+pub use pdstor_client::receipt::restore_digest;
+pub use pdstor_client::wire::{AdoptRequest, Prepared, Published};
 
 /// A refused or failed protocol step, as the API reports it.
 #[derive(Debug, thiserror::Error)]
@@ -25,55 +25,6 @@ pub enum ProtocolError {
     /// The store refused or failed it.
     #[error(transparent)]
     Store(#[from] StoreError),
-}
-
-/// What `prepare` answers: the publication and the namespace it lives in.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Prepared {
-    /// The PREPARED publication.
-    pub publication: u64,
-    /// The writer's token: store batches, publish and abort of this
-    /// publication must carry it (only `prepare` answers it).
-    pub writer_token: String,
-    /// The namespace.
-    pub namespace: String,
-    /// The daemon epoch.
-    pub epoch: u64,
-}
-
-/// `POST /storage-pd/adopt`: the claimed reader confirms what it will read.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct AdoptRequest {
-    /// The claim receipt.
-    pub receipt: Receipt,
-    /// The namespace the reader expects.
-    pub namespace: String,
-    /// The epoch the reader expects.
-    pub epoch: u64,
-    /// The manifest digest the reader expects.
-    pub manifest_digest: String,
-    /// The KV layout the reader expects.
-    pub layout: Layout,
-    /// The reader reads the chunks itself from its own view of the shared
-    /// namespace (another host, over NVMe/TCP say), not through the daemon:
-    /// a daemon restart cannot stop such reads, so it does not fence this
-    /// claim — its slots stay taken until it acks or its session is closed.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub direct: bool,
-    /// A direct reader's persistent-reservation key, registered by its host
-    /// on the shared namespace: fencing it (closing its session) preempts
-    /// this key at the target, so that host can no longer read or write.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reservation_key: Option<u64>,
-}
-
-/// A READY publication: its signed receipt and its manifest.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct Published {
-    /// The READY receipt.
-    pub receipt: Receipt,
-    /// The manifest.
-    pub manifest: Manifest,
 }
 
 /// The ownership protocol (DESIGN §4) over a store: receipts, leases, fencing and who may take each step.
@@ -121,23 +72,6 @@ fn bounded(field: &'static str, value: &str, max: usize) -> Result<(), Refusal> 
         ));
     }
     Ok(())
-}
-
-/// The digest a reader acknowledges with: SHA-256 over the claim's restore
-/// nonce (from `adopt`) and the little-endian crc32c of each chunk it
-/// restored, in chunk order. The reader computes it from the bytes it loaded;
-/// the daemon from the chunks it served to that claim, and it refuses an ack
-/// while any chunk was never served (`not_loaded`).
-pub fn restore_digest(nonce: &str, chunk_crcs: &[u32]) -> String {
-    use sha2::{Digest, Sha256};
-    let mut h = Sha256::new();
-    h.update(b"pdstor restore v2\0");
-    h.update(nonce.as_bytes());
-    h.update([0]);
-    for c in chunk_crcs {
-        h.update(c.to_le_bytes());
-    }
-    hex::encode(h.finalize())
 }
 
 impl Service {

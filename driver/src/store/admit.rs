@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use super::error::{Invariant, StoreError};
 use super::{AbortOutcome, Batches, Layout, Live, Owner, Phase, Record, Store, TransferId};
 use crate::admission::{AdmitError, CancelToken};
+pub use pdstor_client::wire::CancelOutcome;
 
 /// What a prepare did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,28 +27,6 @@ pub struct Prepared {
     pub publication: u64,
     /// It existed already: this prepare was a retry of the same request.
     pub repeated: bool,
-}
-
-/// What `cancel` did for a request id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "outcome", rename_all = "snake_case")]
-pub enum CancelOutcome {
-    /// A prepare was waiting for admission; it is refused.
-    Cancelled,
-    /// The PREPARED publication was rolled back.
-    Aborted {
-        /// The publication.
-        publication: u64,
-        /// Slots freed.
-        slots: u32,
-    },
-    /// Batches are in flight; the publication rolls back when they finish.
-    Pending {
-        /// The publication.
-        publication: u64,
-    },
-    /// Nothing waits or is PREPARED under this request id.
-    None,
 }
 
 /// Why the reaper aborted a PREPARED publication.

@@ -29,7 +29,7 @@ mod io_thread;
 pub mod journal;
 mod recovery;
 pub mod state;
-pub mod superblock;
+pub use pdstor_client::superblock;
 mod transitions;
 mod worker;
 

@@ -147,9 +147,10 @@ fn handoff_reader() -> Result<(), String> {
         let _ = std::fs::remove_file(tl);
         let timeline = pdstor::timeline::Timeline::open(Path::new(tl), "remote-reader-host")
             .map_err(|e| format!("the reader host's timeline: {e}"))?;
+        let judge = pdstor::provenance::ProbeJudge::attach()?;
         let mut r = RemoteReader::open(&server, &dev)
-            .and_then(RemoteReader::with_probes)
             .map_err(|e| e.to_string())?
+            .with_judge(Box::new(judge))
             .with_timeline(std::sync::Arc::new(timeline));
         let claim = r.claim(&ready, "decode-remote", "topology", 120_000).map_err(|e| format!("claim: {e}"))?;
         let restored = r.get(&claim, &kv_layout()).map_err(|e| format!("get --direct {}: {e}", dev.display()))?;

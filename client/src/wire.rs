@@ -3,8 +3,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::Receipt;
-use crate::store::Layout;
+use crate::layout::{Layout, Manifest};
+use crate::receipt::Receipt;
 
 /// `POST /storage-pd/prepare`: reserve a request's chunks.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -61,9 +61,6 @@ pub struct ReceiptResponse {
     pub receipt: Receipt,
 }
 
-/// `POST /storage-pd/adopt` (the protocol's own step input; see [`crate::protocol::service::AdoptRequest`]).
-pub use crate::protocol::service::AdoptRequest;
-
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AckRequest {
@@ -100,7 +97,7 @@ pub struct NamespaceInfo {
     /// Slots in the namespace.
     pub slot_count: u64,
     /// The NVMe namespace identifiers of the owner's target, where it has them.
-    pub device: crate::io::DeviceIds,
+    pub device: pdstor_engine::io::DeviceIds,
     /// The owner holds an Exclusive Access — All Registrants reservation on
     /// the namespace (`serve --reservation-key`): a direct reader's host must
     /// register a key of its own before it can read, and names it at adopt.
@@ -196,7 +193,7 @@ pub struct ErrorBody {
 
 impl ErrorBody {
     /// The body for `code`: its status follows from the code.
-    pub fn new(code: crate::protocol::RefusalCode, field: &str, message: impl Into<String>) -> ErrorBody {
+    pub fn new(code: crate::code::RefusalCode, field: &str, message: impl Into<String>) -> ErrorBody {
         ErrorBody { status: code.status(), code: code.as_str().into(), field: field.into(), message: message.into() }
     }
 }
@@ -274,7 +271,7 @@ pub enum DataRequest {
         kind: SharedKind,
         /// The path its chunks move on (default `host_fixed`).
         #[serde(default)]
-        path: Option<crate::io::PayloadPath>,
+        path: Option<pdstor_engine::io::PayloadPath>,
     },
     /// One store batch from registered buffers.
     Store {
@@ -346,4 +343,75 @@ pub struct DataResponse {
     pub verdicts: Vec<String>,
     /// Why the request failed.
     pub error: Option<ErrorBody>,
+}
+
+/// What `prepare` answers: the publication and the namespace it lives in.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Prepared {
+    /// The PREPARED publication.
+    pub publication: u64,
+    /// The writer's token: store batches, publish and abort of this
+    /// publication must carry it (only `prepare` answers it).
+    pub writer_token: String,
+    /// The namespace.
+    pub namespace: String,
+    /// The daemon epoch.
+    pub epoch: u64,
+}
+
+/// `POST /storage-pd/adopt`: the claimed reader confirms what it will read.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdoptRequest {
+    /// The claim receipt.
+    pub receipt: Receipt,
+    /// The namespace the reader expects.
+    pub namespace: String,
+    /// The epoch the reader expects.
+    pub epoch: u64,
+    /// The manifest digest the reader expects.
+    pub manifest_digest: String,
+    /// The KV layout the reader expects.
+    pub layout: Layout,
+    /// The reader reads the chunks itself from its own view of the shared
+    /// namespace (another host, over NVMe/TCP say), not through the daemon:
+    /// a daemon restart cannot stop such reads, so it does not fence this
+    /// claim — its slots stay taken until it acks or its session is closed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub direct: bool,
+    /// A direct reader's persistent-reservation key, registered by its host
+    /// on the shared namespace: fencing it (closing its session) preempts
+    /// this key at the target, so that host can no longer read or write.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_key: Option<u64>,
+}
+
+/// A READY publication: its signed receipt and its manifest.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Published {
+    /// The READY receipt.
+    pub receipt: Receipt,
+    /// The manifest.
+    pub manifest: Manifest,
+}
+
+/// What `cancel` did for a request id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum CancelOutcome {
+    /// A prepare was waiting for admission; it is refused.
+    Cancelled,
+    /// The PREPARED publication was rolled back.
+    Aborted {
+        /// The publication.
+        publication: u64,
+        /// Slots freed.
+        slots: u32,
+    },
+    /// Batches are in flight; the publication rolls back when they finish.
+    Pending {
+        /// The publication.
+        publication: u64,
+    },
+    /// Nothing waits or is PREPARED under this request id.
+    None,
 }

@@ -27,26 +27,6 @@ pub fn unix(socket: &Path, method: &str, path: &str, json: Option<&[u8]>) -> Res
     request(s, method, path, json)
 }
 
-/// The client side of mutual TLS: the daemon's CA, and this client's
-/// certificate and key when it has them.
-pub fn tls_config(ca: &Path, cert: Option<(&Path, &Path)>) -> Result<Arc<rustls::ClientConfig>, String> {
-    use crate::api::tls;
-    let roots = tls::roots(ca).map_err(|e| format!("{e:#}"))?;
-    let builder = rustls::ClientConfig::builder_with_provider(tls::provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_root_certificates(roots);
-    let config = match cert {
-        Some((cert, key)) => {
-            let (c, k) =
-                (tls::certs(cert).map_err(|e| format!("{e:#}"))?, tls::key(key).map_err(|e| format!("{e:#}"))?);
-            builder.with_client_auth_cert(c, k).map_err(|e| format!("using {}: {e}", cert.display()))?
-        }
-        None => builder.with_no_client_auth(),
-    };
-    Ok(Arc::new(config))
-}
-
 /// Sends the request over TLS to `host:port`, verifying the daemon as `host`.
 pub fn tls(
     config: &Arc<rustls::ClientConfig>,

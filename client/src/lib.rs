@@ -1,9 +1,20 @@
-//! `pdstor::client`: the writer and reader sides of the handoff over both
-//! planes. [`Client`] speaks the HTTP control plane; [`DataConn`] the data
-//! plane (buffers registered once, by fd, and reused); [`Writer`] and
-//! [`Reader`] run the whole of `prepare → store → publish` and
-//! `claim → adopt → load → ack`, verifying every restored chunk's crc32c on
-//! the client side, independently of the daemon.
+#![warn(missing_docs)]
+//! `pdstor-client`: everything a writer or a reader links to hand KV cache
+//! through a `pdstor serve` daemon, and nothing of the daemon itself — no
+//! HTTP server, no async runtime, no eBPF.
+//!
+//! - the vocabulary both ends share: [`wire`] (every control- and data-plane
+//!   body), [`layout`] (the KV layout and a READY publication's manifest),
+//!   [`receipt`] (receipts and the digests that bind manifests and restores),
+//!   [`code`] (every refusal code with its HTTP and exit status), [`frame`]
+//!   (the data plane's framing), [`timeline`] (the causal timeline's lines and
+//!   their writer), [`superblock`] (the on-media root a reader host checks);
+//! - the client: [`Client`] speaks the HTTP control plane (over the Unix
+//!   socket, or mutual TLS with [`tls`]); [`DataConn`] the data plane (buffers
+//!   registered once, by fd, and reused); [`Writer`] and [`Reader`] run the
+//!   whole of `prepare → store → publish` and `claim → adopt → load → ack`,
+//!   verifying every restored chunk's crc32c; [`RemoteReader`] reads a shared
+//!   namespace itself, from another host.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -12,18 +23,26 @@ use std::path::Path;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use crate::api::data::{read_frame, write_frame};
-use crate::api::wire::*;
-use crate::buffer::Buffer;
-use crate::io::PayloadPath;
-use crate::protocol::service::{Prepared, Published, restore_digest};
-use crate::protocol::{Receipt, manifest_digest};
-use crate::store::{CancelOutcome, Layout, Manifest};
+pub use pdstor_engine::{Buffer, PayloadPath};
+
+pub mod code;
+pub mod frame;
+pub mod layout;
+pub mod receipt;
+pub mod superblock;
+pub mod timeline;
+pub mod tls;
+pub mod wire;
 
 mod http1;
 mod remote;
 
-pub use remote::RemoteReader;
+use crate::frame::{read_frame, write_frame};
+use crate::layout::{Layout, Manifest};
+use crate::receipt::{Receipt, manifest_digest, restore_digest};
+use crate::wire::*;
+
+pub use remote::{Judge, RemoteReader};
 
 /// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
@@ -52,12 +71,17 @@ pub enum ClientError {
     },
 }
 
+/// The uid serving a connected Unix socket (`SO_PEERCRED`).
+pub fn peer_uid(stream: &impl std::os::fd::AsFd) -> std::io::Result<u32> {
+    use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+    getsockopt(stream, PeerCredentials).map(|c| c.uid()).map_err(std::io::Error::from)
+}
+
 /// Refuses a daemon socket served by anyone but root, this user, or
 /// `PDSTOR_DAEMON_UID` (`SO_PEERCRED`): a request, a receipt or a buffer is
 /// never handed to whoever squats a socket path.
-pub(crate) fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), String> {
-    let peer =
-        crate::api::hygiene::peer_uid(stream).map_err(|e| format!("asking who serves {}: {e}", path.display()))?;
+pub fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), String> {
+    let peer = peer_uid(stream).map_err(|e| format!("asking who serves {}: {e}", path.display()))?;
     let me = nix::unistd::geteuid().as_raw();
     let expected: Option<u32> = std::env::var("PDSTOR_DAEMON_UID").ok().and_then(|v| v.parse().ok());
     let trusted = match expected {
@@ -91,8 +115,8 @@ fn tls_from_env() -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
     let ca = var("PDSTOR_TLS_CA")
         .ok_or("an https:// server needs PDSTOR_TLS_CA, the CA that signed the daemon's certificate")?;
     match (var("PDSTOR_TLS_CERT"), var("PDSTOR_TLS_KEY")) {
-        (Some(c), Some(k)) => http1::tls_config(&ca, Some((&c, &k))),
-        (None, None) => http1::tls_config(&ca, None),
+        (Some(c), Some(k)) => crate::tls::client_config(&ca, Some((&c, &k))),
+        (None, None) => crate::tls::client_config(&ca, None),
         _ => Err("PDSTOR_TLS_CERT and PDSTOR_TLS_KEY go together: give both, or neither".into()),
     }
 }
@@ -146,7 +170,7 @@ impl Client {
         let base = base.trim_end_matches('/').to_owned();
         let rest = base.strip_prefix("https://").unwrap_or(&base);
         let transport = match host_port(rest) {
-            Ok((host, port)) => Transport::Tls { host, port, config: http1::tls_config(ca, cert) },
+            Ok((host, port)) => Transport::Tls { host, port, config: crate::tls::client_config(ca, cert) },
             Err(e) => Transport::Tls { host: String::new(), port: 0, config: Err(e) },
         };
         Client { transport, base }
@@ -272,15 +296,15 @@ impl Client {
             .map(drop)
     }
     /// `GET namespace`: the namespace the owner serves and its device's NVMe identifiers.
-    pub fn namespace(&self) -> Result<crate::api::wire::NamespaceInfo, ClientError> {
+    pub fn namespace(&self) -> Result<crate::wire::NamespaceInfo, ClientError> {
         serde_json::from_str(&self.get_text("/storage-pd/namespace")?)
             .map_err(|e| ClientError::Data(format!("namespace: {e}")))
     }
     /// `loaded`: the chunks this reader read itself from the shared
     /// namespace, with the crc32c of what it read; the daemon checks them
     /// against the stored ones and lets the claim's ack count them.
-    pub fn loaded(&self, claim: &Receipt, chunks: &[crate::api::wire::LoadedChunk]) -> Result<(), ClientError> {
-        let req = crate::api::wire::LoadedRequest { receipt: claim.clone(), chunks: chunks.to_vec() };
+    pub fn loaded(&self, claim: &Receipt, chunks: &[crate::wire::LoadedChunk]) -> Result<(), ClientError> {
+        let req = crate::wire::LoadedRequest { receipt: claim.clone(), chunks: chunks.to_vec() };
         self.post::<_, Done>("/storage-pd/loaded", &req).map(drop)
     }
     /// `release`: a READY publication never claimed is freed.

@@ -10,14 +10,25 @@
 
 use std::path::Path;
 
+use pdstor_engine::io::{
+    BufferId, BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
+};
+use pdstor_engine::{Buffer, PayloadPath};
+
 use super::{Client, ClientError, Restored};
-use crate::api::wire::{AdoptRequest, LoadedChunk};
-use crate::io::{BufferId, BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use crate::protocol::service::restore_digest;
-use crate::protocol::{Receipt, manifest_digest};
-use crate::store::superblock::{SUPERBLOCK_BYTES, Superblock};
-use crate::store::{Layout, Manifest};
-use crate::{Buffer, PayloadPath};
+use crate::layout::{Layout, Manifest};
+use crate::receipt::{Receipt, manifest_digest, restore_digest};
+use crate::superblock::{SUPERBLOCK_BYTES, Superblock};
+use crate::wire::{AdoptRequest, LoadedChunk};
+
+/// Who judges each chunk's read: the provenance probes, in `pdstor`
+/// (`pdstor::provenance::ProbeJudge`), which this crate does not link.
+pub trait Judge {
+    /// The verdict on the transfer `transfer` that moved a chunk on `path`
+    /// from a target of kind `target` (`native`, `fallback(…)`,
+    /// `unverifiable(…)`).
+    fn verdict(&self, transfer: TransferId, path: PayloadPath, target: TargetKind) -> String;
+}
 
 /// A reader of a shared namespace it opens itself, read-only.
 pub struct RemoteReader {
@@ -27,9 +38,9 @@ pub struct RemoteReader {
     device: std::path::PathBuf,
     namespace: String,
     buffer: Option<(BufferId, u64)>,
-    ids: crate::io::DeviceIds,
-    /// This process's provenance probes, once attached ([`RemoteReader::with_probes`]).
-    probes: Option<(pdstor_probes::Probes, pdstor_probes::SignalReader)>,
+    ids: pdstor_engine::io::DeviceIds,
+    /// Who judges each chunk's read, once given ([`RemoteReader::with_judge`]).
+    judge: Option<Box<dyn Judge>>,
     verdicts: Vec<String>,
     /// This host's registered reservation key, named at adopt.
     reservation_key: Option<u64>,
@@ -37,7 +48,7 @@ pub struct RemoteReader {
     timeline: Option<std::sync::Arc<crate::timeline::Timeline>>,
 }
 
-fn io(what: &str) -> impl FnOnce(crate::io::IoError) -> ClientError + '_ {
+fn io(what: &str) -> impl FnOnce(pdstor_engine::io::IoError) -> ClientError + '_ {
     move |e| ClientError::Data(format!("{what}: {e}"))
 }
 
@@ -56,7 +67,7 @@ impl RemoteReader {
         let client = Client::new(server);
         let owner = client.namespace()?;
         match reservation_key {
-            Some(key) => crate::io::persistent_reservation::Reservations::open(device)
+            Some(key) => pdstor_engine::io::persistent_reservation::Reservations::open(device)
                 .and_then(|r| r.register(key))
                 .map_err(|e| ClientError::Data(format!("registering this host's reservation key: {e}")))?,
             None if owner.reservations => {
@@ -91,7 +102,7 @@ impl RemoteReader {
                 ),
             });
         }
-        let ids = crate::io::DeviceIds::of(device);
+        let ids = pdstor_engine::io::DeviceIds::of(device);
         if let Some(why) = ids.conflicts_with(&owner.device) {
             return Err(ClientError::Verify {
                 chunk: 0,
@@ -108,26 +119,24 @@ impl RemoteReader {
             namespace,
             buffer: None,
             ids,
-            probes: None,
+            judge: None,
             verdicts: Vec::new(),
             reservation_key,
             timeline: None,
         })
     }
 
-    /// Attaches the provenance probes to this process (root, or CAP_BPF +
-    /// CAP_PERFMON): every later load judges each chunk's read as the daemon
-    /// judges its own ([`RemoteReader::verdicts`]). On a fabric-attached
-    /// namespace `native` means what it means on a local one — a fixed read
-    /// from the registered buffer, block requests issued for it, no page
-    /// cache, no bounce; the transport's own receive copy (NVMe/TCP fills the
-    /// request's pages from its socket) is the fabric's, not pdstor's.
-    pub fn with_probes(mut self) -> Result<RemoteReader, ClientError> {
-        let probes = pdstor_probes::Probes::attach(std::process::id())
-            .map_err(|e| ClientError::Data(format!("attaching the provenance probes: {e}")))?;
-        let reader = probes.reader().map_err(|e| ClientError::Data(format!("reading the probes: {e}")))?;
-        self.probes = Some((probes, reader));
-        Ok(self)
+    /// Judges every later load's chunk reads with `judge` — the provenance
+    /// probes attached to this process (`pdstor::provenance::ProbeJudge`) —
+    /// as the daemon judges its own ([`RemoteReader::verdicts`]). On a
+    /// fabric-attached namespace `native` means what it means on a local one —
+    /// a fixed read from the registered buffer, block requests issued for it,
+    /// no page cache, no bounce; the transport's own receive copy (NVMe/TCP
+    /// fills the request's pages from its socket) is the fabric's, not
+    /// pdstor's.
+    pub fn with_judge(mut self, judge: Box<dyn Judge>) -> RemoteReader {
+        self.judge = Some(judge);
+        self
     }
 
     /// Records this host's side on `timeline` (its own file, node
@@ -158,7 +167,7 @@ impl RemoteReader {
     }
 
     /// This view's NVMe namespace identifiers (empty for a file).
-    pub fn device_ids(&self) -> &crate::io::DeviceIds {
+    pub fn device_ids(&self) -> &pdstor_engine::io::DeviceIds {
         &self.ids
     }
 
@@ -273,13 +282,10 @@ impl RemoteReader {
         let started = std::time::Instant::now();
         self.engine.execute_all(&requests).map_err(io("reading the chunks from the shared namespace"))?;
         let took = started.elapsed().as_nanos() as u64;
-        self.verdicts = match &self.probes {
-            Some((_, reader)) => {
-                let class = crate::provenance::target_class(self.engine.target().kind());
-                requests
-                    .iter()
-                    .map(|r| reader.verdict(r.transfer.0, crate::provenance::declared(r.path), class).to_string())
-                    .collect()
+        self.verdicts = match &self.judge {
+            Some(judge) => {
+                let kind = self.engine.target().kind();
+                requests.iter().map(|r| judge.verdict(r.transfer, r.path, kind)).collect()
             }
             None => Vec::new(),
         };
@@ -290,7 +296,7 @@ impl RemoteReader {
         for c in &manifest.chunks {
             let bytes = &mut piece[..c.len as usize];
             buffer.read_at(at, bytes).map_err(|e| ClientError::Data(e.to_string()))?;
-            let crc = crate::buffer::payload_crc32c(bytes);
+            let crc = pdstor_engine::buffer::payload_crc32c(bytes);
             if crc != c.crc32c {
                 return Err(ClientError::Verify {
                     chunk: c.index,

@@ -1,4 +1,6 @@
-//! The superblock: 4 KiB written at both ends of the metadata region, each
+//! The superblock, the root of the on-media format: the owner's store writes
+//! it, and a reader host that reads the namespace itself checks it (the
+//! namespace's identity and geometry). 4 KiB written at both ends of the metadata region, each
 //! copy checksummed and carrying a generation number. An update writes copy A,
 //! flushes, then writes copy B and flushes, so a crash leaves at least one
 //! valid copy; open picks the valid copy with the highest generation.
@@ -12,8 +14,9 @@
 
 use uuid::Uuid;
 
-use super::state::SlotIndex;
-use crate::io::TargetOffset;
+use pdstor_engine::io::TargetOffset;
+
+use crate::layout::SlotIndex;
 
 /// The superblock's first eight bytes.
 pub const MAGIC: &[u8; 8] = b"PDSTORSB";
