@@ -290,6 +290,18 @@ impl Client {
     pub fn adopt(&self, req: &AdoptRequest) -> Result<Manifest, ClientError> {
         self.post("/storage-pd/adopt", req)
     }
+
+    /// `adopt` of a claim with every field taken from the claim receipt
+    /// ([`AdoptRequest::of_claim`]), then the check that the manifest
+    /// answered is the one claimed.
+    pub fn adopt_claim(&self, claim: &Receipt, layout: &Layout) -> Result<Manifest, ClientError> {
+        let manifest = self.adopt(&AdoptRequest::of_claim(claim, layout.clone()))?;
+        if manifest_digest(&manifest) != claim.manifest_digest {
+            return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
+        }
+        Ok(manifest)
+    }
+
     /// `ack`: the restore is done; the slots free.
     pub fn ack(&self, claim: &Receipt, restore: &str) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/ack", &AckRequest { receipt: claim.clone(), restore_digest: restore.into() })
@@ -432,6 +444,76 @@ impl DataConn {
     pub fn load(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
         self.call(&DataRequest::Load { receipt: claim.clone(), chunks }, &[])
     }
+
+    /// Stores `chunks` of a prepared publication as one batch, each from its
+    /// place in a registered buffer (checked to lie inside that buffer
+    /// before anything is sent).
+    pub fn store_from(
+        &mut self,
+        prepared: &Prepared,
+        chunks: &[Place<'_>],
+        is_last_batch: bool,
+        total_chunks: u32,
+    ) -> Result<DataResponse, ClientError> {
+        let mut wire = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            c.buffer.check_range(c.offset, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            wire.push(DataChunk { index: c.index, buffer: c.buffer_id, offset: c.offset, len: c.len, crc32c: None });
+        }
+        self.store(prepared.publication, &prepared.writer_token, wire, is_last_batch, total_chunks)
+    }
+
+    /// Loads chunks of an adopted claim to their places and checks each
+    /// one's crc32c against `manifest` ([`LoadChecks`]: as the daemon read it
+    /// in place in the buffer, or computed here for what the daemon could not
+    /// read and for every chunk with [`Verify::Local`]). A place's `len` is
+    /// taken from the manifest. Returns each chunk's crc32c, in `places`
+    /// order; any mismatch or unknown chunk is an error, never a partial
+    /// result.
+    pub fn load_verified(
+        &mut self,
+        claim: &Receipt,
+        manifest: &Manifest,
+        places: &[Place<'_>],
+        verify: Verify,
+    ) -> Result<Vec<(u32, u32)>, ClientError> {
+        let mut wire = Vec::with_capacity(places.len());
+        let mut lens = Vec::with_capacity(places.len());
+        for p in places {
+            let entry = manifest.chunks.get(p.index as usize).filter(|c| c.index == p.index).ok_or_else(|| {
+                ClientError::Verify {
+                    chunk: p.index,
+                    what: format!("the manifest has {} chunks", manifest.chunks.len()),
+                }
+            })?;
+            p.buffer.check_range(p.offset, entry.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            wire.push(DataChunk { index: p.index, buffer: p.buffer_id, offset: p.offset, len: 0, crc32c: None });
+            lens.push((entry.len, entry.crc32c));
+        }
+        let requested: Vec<u32> = wire.iter().map(|c| c.index).collect();
+        let answer = self.load(claim, wire)?;
+        let checks = LoadChecks::new(verify, &requested, &answer);
+        places
+            .iter()
+            .zip(lens)
+            .map(|(p, (len, want))| Ok((p.index, checks.check(p.index, p.buffer, p.offset, len, want)?)))
+            .collect()
+    }
+}
+
+/// One chunk's place in a registered buffer: where a store takes its bytes
+/// from, or a load puts them.
+pub struct Place<'a> {
+    /// The chunk's index in its publication.
+    pub index: u32,
+    /// The buffer, as this process maps it (for range checks and checksums).
+    pub buffer: &'a Buffer,
+    /// The id the data connection registered it under.
+    pub buffer_id: u32,
+    /// Where in the buffer the chunk starts.
+    pub offset: u64,
+    /// Its length in bytes (a store's; a load takes the manifest's).
+    pub len: u64,
 }
 
 /// Who provides a client's buffer memory.
@@ -745,20 +827,7 @@ impl Reader {
 
     /// Adopts a claimed publication; checks the manifest is the one claimed.
     pub fn adopt(&mut self, claim: &Receipt, layout: &Layout) -> Result<Manifest, ClientError> {
-        let adopt = AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: layout.clone(),
-            direct: false,
-            reservation_key: None,
-        };
-        let manifest = self.client.adopt(&adopt)?;
-        if manifest_digest(&manifest) != claim.manifest_digest {
-            return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
-        }
-        Ok(manifest)
+        self.client.adopt_claim(claim, layout)
     }
 
     /// Loads the chunks `which` (indices into the manifest) of an adopted
@@ -796,24 +865,21 @@ impl Reader {
     }
 
     /// Loads every chunk of an adopted publication (again, for a warm
-    /// repeat) and checks each one's crc32c against the manifest: as the
-    /// daemon read it in this reader's buffer, or computed here for what the
-    /// daemon could not read and for every chunk with [`Verify::Local`].
+    /// repeat) into this reader's buffer, each at its place in the whole, and
+    /// checks each one's crc32c against the manifest
+    /// ([`DataConn::load_verified`]).
     pub fn load(&mut self, claim: &Receipt, manifest: Manifest) -> Result<Restored, ClientError> {
         let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
-        let all: Vec<u32> = manifest.chunks.iter().map(|c| c.index).collect();
-        let answer = self.load_answered(claim, &manifest, &all)?;
-        let checks = LoadChecks::new(self.verify, &all, &answer);
-        // What is checksummed here is read in place in this process's
-        // mapping: no copy (the load of every chunk has completed).
-        let (buffer, _) = self.buffer_for(total)?;
-        let mut crcs = Vec::with_capacity(manifest.chunks.len());
-        let mut off = 0u64;
+        self.buffer_for(total)?;
+        let (buffer, buffer_id) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("no buffer".into()))?;
+        let mut places = Vec::with_capacity(manifest.chunks.len());
+        let mut offset = 0u64;
         for m in &manifest.chunks {
-            let crc = checks.check(m.index, buffer, off, m.len, m.crc32c)?;
-            crcs.push(crc);
-            off += m.len;
+            places.push(Place { index: m.index, buffer, buffer_id: *buffer_id, offset, len: m.len });
+            offset += m.len;
         }
+        let crcs: Vec<u32> =
+            self.data.load_verified(claim, &manifest, &places, self.verify)?.into_iter().map(|(_, crc)| crc).collect();
         let nonce = manifest.restore_nonce.clone().unwrap_or_default();
         Ok(Restored { restore_digest: restore_digest(&nonce, &crcs), manifest, len: total })
     }

@@ -385,6 +385,23 @@ pub struct AdoptRequest {
     pub reservation_key: Option<u64>,
 }
 
+impl AdoptRequest {
+    /// The adopt of a claim through the daemon, every field taken from the
+    /// claim receipt itself: its namespace, epoch and manifest digest, with
+    /// the layout the reader expects.
+    pub fn of_claim(claim: &Receipt, layout: Layout) -> AdoptRequest {
+        AdoptRequest {
+            receipt: claim.clone(),
+            namespace: claim.namespace.clone(),
+            epoch: claim.epoch,
+            manifest_digest: claim.manifest_digest.clone(),
+            layout,
+            direct: false,
+            reservation_key: None,
+        }
+    }
+}
+
 /// A READY publication: its signed receipt and its manifest.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Published {

@@ -12,9 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdstor_client::code::RefusalCode;
 use pdstor_client::layout::{Layout, Manifest};
-use pdstor_client::receipt::{Receipt as RustReceipt, manifest_digest, restore_digest};
-use pdstor_client::wire::{AdoptRequest, DataChunk, PrepareRequest, Prepared};
-use pdstor_client::{ClientError, DataConn, LoadChecks, Verify};
+use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
+use pdstor_client::wire::{PrepareRequest, Prepared};
+use pdstor_client::{ClientError, DataConn, Place, Verify};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -464,21 +464,22 @@ fn store_chunks(chunks: &Bound<'_, PyAny>) -> PyResult<Vec<StoreChunk>> {
     Ok(out)
 }
 
-/// Stores one batch through the data plane.
+/// Stores one batch through the data plane ([`DataConn::store_from`]).
 fn store_batch(conn: &Conn, p: &Prepared, chunks: &[StoreChunk], last: bool, total: u32) -> Result<(), ClientError> {
     let mut data = lock(&conn.data);
-    let mut wire = Vec::with_capacity(chunks.len());
-    for c in chunks {
-        c.buffer.inner.check_range(c.offset, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-        wire.push(DataChunk {
+    let ids = chunks.iter().map(|c| data.id_of(&c.buffer)).collect::<Result<Vec<u32>, ClientError>>()?;
+    let places: Vec<Place<'_>> = chunks
+        .iter()
+        .zip(ids)
+        .map(|(c, buffer_id)| Place {
             index: c.index,
-            buffer: data.id_of(&c.buffer)?,
+            buffer: &c.buffer.inner,
+            buffer_id,
             offset: c.offset,
             len: c.len,
-            crc32c: None,
-        });
-    }
-    data.with(|d| d.store(p.publication, &p.writer_token, wire, last, total)).map(drop)
+        })
+        .collect();
+    data.with(|d| d.store_from(p, &places, last, total)).map(drop)
 }
 
 /// The prefill side of one publication at a time:
@@ -677,30 +678,8 @@ fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyAn
     loads(py, &serde_json::to_string(m).map_err(|e| PyValueError::new_err(e.to_string()))?)
 }
 
-/// `adopt` with every field from the claim, then the check that the
-/// manifest answered is the one claimed.
-fn adopt_checked(conn: &Conn, claim: &RustReceipt, layout: Layout) -> Result<Manifest, ClientError> {
-    let req = AdoptRequest {
-        receipt: claim.clone(),
-        namespace: claim.namespace.clone(),
-        epoch: claim.epoch,
-        manifest_digest: claim.manifest_digest.clone(),
-        layout,
-        direct: false,
-        reservation_key: None,
-    };
-    let manifest = conn.control.adopt(&req)?;
-    if manifest_digest(&manifest) != claim.manifest_digest {
-        return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
-    }
-    Ok(manifest)
-}
-
-/// Loads chunks of an adopted claim to their places and checks each one's
-/// crc32c against the manifest: as the daemon read it in place in this
-/// process's buffer, or computed here, in place, for what the daemon could
-/// not read and for every chunk with `Verify::Local` (see
-/// `pdstor_client::Verify`: one checksum per byte unless asked for two).
+/// Loads chunks of an adopted claim to their places, each crc32c checked
+/// against the manifest ([`DataConn::load_verified`]).
 fn load_verified(
     conn: &Conn,
     claim: &RustReceipt,
@@ -709,24 +688,19 @@ fn load_verified(
     verify: Verify,
 ) -> Result<Vec<(u32, u32)>, ClientError> {
     let mut data = lock(&conn.data);
-    let mut wire = Vec::with_capacity(places.len());
-    let mut expect = Vec::with_capacity(places.len());
-    for (index, buffer, offset) in places {
-        let entry = manifest.chunks.get(*index as usize).filter(|c| c.index == *index).ok_or_else(|| {
-            ClientError::Verify { chunk: *index, what: format!("the manifest has {} chunks", manifest.chunks.len()) }
-        })?;
-        buffer.inner.check_range(*offset, entry.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-        wire.push(DataChunk { index: *index, buffer: data.id_of(buffer)?, offset: *offset, len: 0, crc32c: None });
-        expect.push((*index, buffer.inner.clone(), *offset, entry.len, entry.crc32c));
-    }
-    let requested: Vec<u32> = wire.iter().map(|c| c.index).collect();
-    let answer = data.with(|d| d.load(claim, wire))?;
-    drop(data);
-    let checks = LoadChecks::new(verify, &requested, &answer);
-    expect
-        .into_iter()
-        .map(|(index, buffer, offset, len, want)| Ok((index, checks.check(index, &buffer, offset, len, want)?)))
-        .collect()
+    let ids = places.iter().map(|(_, b, _)| data.id_of(b)).collect::<Result<Vec<u32>, ClientError>>()?;
+    let places: Vec<Place<'_>> = places
+        .iter()
+        .zip(ids)
+        .map(|((index, b, offset), buffer_id)| Place {
+            index: *index,
+            buffer: &b.inner,
+            buffer_id,
+            offset: *offset,
+            len: 0,
+        })
+        .collect();
+    data.with(|d| d.load_verified(claim, manifest, &places, verify))
 }
 
 #[pymethods]
@@ -774,7 +748,7 @@ impl Reader {
     ) -> PyResult<Bound<'py, PyAny>> {
         let layout = layout_from(layout)?;
         let (c, r) = (self.conn.clone(), claim.inner.clone());
-        let manifest = py.detach(move || adopt_checked(&c, &r, layout)).map_err(|e| to_py(py, e.into()))?;
+        let manifest = py.detach(move || c.control.adopt_claim(&r, &layout)).map_err(|e| to_py(py, e.into()))?;
         let dict = manifest_dict(py, &manifest)?;
         self.adopted.insert(claim.inner.signature.clone(), Adopted { manifest, verified: BTreeMap::new() });
         Ok(dict)
@@ -869,7 +843,7 @@ impl Reader {
             .detach(move || -> Result<Manifest, ClientError> {
                 let claim = c.control.claim(&r, &reader, &session, lease_ms)?;
                 let loaded = (|| -> Result<_, ClientError> {
-                    let manifest = adopt_checked(&c, &claim, layout)?;
+                    let manifest = c.control.adopt_claim(&claim, &layout)?;
                     let mut at = offset;
                     let places: Vec<(u32, BufferRef, u64)> = manifest
                         .chunks

@@ -151,15 +151,7 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
     assert_eq!(stored.verdicts, vec!["native", "native"], "{stored:?}");
     let published = c.publish(p.publication, &p.writer_token, None).unwrap();
     let claim = c.claim(&published.receipt, "r", "s", 60_000).unwrap();
-    let adopt = pdstor::api::wire::AdoptRequest {
-        receipt: claim.clone(),
-        namespace: claim.namespace.clone(),
-        epoch: claim.epoch,
-        manifest_digest: claim.manifest_digest.clone(),
-        layout: layout.clone(),
-        direct: false,
-        reservation_key: None,
-    };
+    let adopt = pdstor::api::wire::AdoptRequest::of_claim(&claim, layout.clone());
     c.adopt(&adopt).unwrap();
     let loaded = data.load(&claim, vec![chunk(0), chunk(1)]).unwrap();
     assert_eq!(loaded.verdicts, vec!["native", "native"], "{loaded:?}");

@@ -11,7 +11,7 @@ mod reservation;
 mod staging;
 
 pub use reservation::{
-    AdmissionCounters, AdmissionInvariant, CancelToken, MonotonicClock, ReservationManager, ReservationStats, WaitClock,
+    AdmissionCounters, CancelToken, MonotonicClock, ReservationManager, ReservationStats, WaitClock,
 };
 pub use staging::{StagingError, StagingPool};
 
@@ -89,5 +89,27 @@ pub enum AdmitError {
     Cancelled {
         /// The request.
         req: ReqId,
+    },
+}
+
+/// What [`ReservationManager::check`] found broken: a bug in admission, never
+/// a caller's mistake.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionInvariant {
+    /// More is reserved than there is, or the holders do not add up to it.
+    #[error("reserved {reserved} (holders sum {held}) vs capacity {capacity}")]
+    Reserved {
+        /// Slots reserved.
+        reserved: u64,
+        /// The sum of every holder's reservation.
+        held: u64,
+        /// Slots there are.
+        capacity: u64,
+    },
+    /// A request is both in the waiting queue and a holder.
+    #[error("request {req} both waits and holds a reservation")]
+    WaitsAndHolds {
+        /// The request.
+        req: String,
     },
 }

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::{AdmitError, ReqId};
+use super::{AdmissionInvariant, AdmitError, ReqId};
 
 /// The time admission waits are measured in: monotonic, from any origin.
 /// The daemon uses the system's; the simulation moves its own.
@@ -405,28 +405,6 @@ impl ReservationManager {
         }
         Ok(())
     }
-}
-
-/// What [`ReservationManager::check`] found broken: a bug in admission, never
-/// a caller's mistake.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AdmissionInvariant {
-    /// More is reserved than there is, or the holders do not add up to it.
-    #[error("reserved {reserved} (holders sum {held}) vs capacity {capacity}")]
-    Reserved {
-        /// Slots reserved.
-        reserved: u64,
-        /// The sum of every holder's reservation.
-        held: u64,
-        /// Slots there are.
-        capacity: u64,
-    },
-    /// A request is both in the waiting queue and a holder.
-    #[error("request {req} both waits and holds a reservation")]
-    WaitsAndHolds {
-        /// The request.
-        req: String,
-    },
 }
 
 #[cfg(test)]

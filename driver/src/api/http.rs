@@ -18,13 +18,13 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::error::from_protocol;
-use super::metrics::{Metrics, metrics};
+use super::metrics::{Metrics, exposition, phase_name};
 use super::wire::*;
 use crate::admission::CancelToken;
 use crate::protocol::identity::{Caller, Role};
 use crate::protocol::service::{Prepared, ProtocolError, Service};
 use crate::protocol::{Refusal, RefusalCode};
-use crate::store::{AbortOutcome, Phase};
+use crate::store::AbortOutcome;
 
 /// The OpenAPI document, kept in the repository beside the crate.
 pub const OPENAPI: &str = include_str!("../../openapi.json");
@@ -355,7 +355,7 @@ pub fn router(state: Shared) -> Router {
             get(|State(s): S, Extension(w): E| async move {
                 // Counters span every tenant: only an admin reads them.
                 match w.require(Role::Admin, "read /metrics") {
-                    Ok(()) => metrics(State(s)).await,
+                    Ok(()) => exposition(s.service.store(), &s.metrics),
                     Err(r) => error_response(&s, ErrorBody::new(r.code, r.field, r.message)),
                 }
             }),
@@ -461,17 +461,6 @@ pub fn router(state: Shared) -> Router {
         )
         .with_state(state)
         .layer(axum::middleware::map_response(json_errors))
-}
-
-pub(super) fn phase_name(p: Phase) -> &'static str {
-    match p {
-        Phase::Prepared => "PREPARED",
-        Phase::Ready => "READY",
-        Phase::Claimed => "CLAIMED",
-        Phase::Adopted => "ADOPTED",
-        Phase::Retained => "RETAINED",
-        Phase::Aborting => "ABORTING",
-    }
 }
 
 /// `GET /storage-pd/publications`: a tenant sees only its own; an admin all.

@@ -4,12 +4,10 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
-use super::http::{Shared, phase_name};
-use crate::store::Store;
+use crate::store::{Phase, Store};
 
 /// Counters the daemon exports.
 #[derive(Debug, Default)]
@@ -64,9 +62,8 @@ impl Metrics {
 }
 
 /// Prometheus text exposition.
-pub(super) async fn metrics(State(s): State<Shared>) -> Response {
+pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
     use std::fmt::Write;
-    let store = s.service.store();
     let st = store.stats();
     let mut by_state: BTreeMap<&'static str, u64> =
         ["PREPARED", "READY", "CLAIMED", "ADOPTED", "RETAINED", "ABORTING"].into_iter().map(|k| (k, 0)).collect();
@@ -83,23 +80,21 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
         out,
         "# HELP pdstor_invariant_violations_total Times the slot accounting did not reconcile after a step (each logged; a bug).\n# TYPE pdstor_invariant_violations_total counter"
     );
-    let _ =
-        writeln!(out, "pdstor_invariant_violations_total {}", s.metrics.invariant_violations.load(Ordering::Relaxed));
+    let _ = writeln!(out, "pdstor_invariant_violations_total {}", metrics.invariant_violations.load(Ordering::Relaxed));
     let _ = writeln!(
         out,
         "# HELP pdstor_payload_bytes_total Payload bytes moved, by path.\n# TYPE pdstor_payload_bytes_total counter"
     );
-    let _ =
-        writeln!(out, "pdstor_payload_bytes_total{{path=\"host\"}} {}", s.metrics.bytes_host.load(Ordering::Relaxed));
+    let _ = writeln!(out, "pdstor_payload_bytes_total{{path=\"host\"}} {}", metrics.bytes_host.load(Ordering::Relaxed));
     let _ = writeln!(
         out,
         "pdstor_payload_bytes_total{{path=\"host_fixed\"}} {}",
-        s.metrics.bytes_host_fixed.load(Ordering::Relaxed)
+        metrics.bytes_host_fixed.load(Ordering::Relaxed)
     );
     let _ = writeln!(
         out,
         "pdstor_payload_bytes_total{{path=\"dmabuf_fixed\"}} {}",
-        s.metrics.bytes_dmabuf_fixed.load(Ordering::Relaxed)
+        metrics.bytes_dmabuf_fixed.load(Ordering::Relaxed)
     );
     let _ = writeln!(
         out,
@@ -110,17 +105,17 @@ pub(super) async fn metrics(State(s): State<Shared>) -> Response {
         out,
         "# HELP pdstor_prepared_reaped_total PREPARED publications aborted after --prepare-idle-timeout-ms with no store batch.\n# TYPE pdstor_prepared_reaped_total counter"
     );
-    let _ = writeln!(out, "pdstor_prepared_reaped_total {}", s.metrics.reaped.load(Ordering::Relaxed));
+    let _ = writeln!(out, "pdstor_prepared_reaped_total {}", metrics.reaped.load(Ordering::Relaxed));
     let _ =
         writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
-    for (code, n) in s.metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+    for (code, n) in metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = writeln!(out, "pdstor_errors_total{{code=\"{code}\"}} {n}");
     }
     let _ = writeln!(
         out,
         "# HELP pdstor_verdicts_total Observed payload provenance (pdstor serve --provenance).\n# TYPE pdstor_verdicts_total counter"
     );
-    for ((path, kind), n) in s.metrics.verdicts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+    for ((path, kind), n) in metrics.verdicts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         let _ = writeln!(out, "pdstor_verdicts_total{{path=\"{path}\",verdict=\"{kind}\"}} {n}");
     }
     let _ = writeln!(
@@ -186,4 +181,16 @@ fn slot_gauges(out: &mut String, store: &Store) {
         "# HELP pdstor_rollbacks_total PREPARED publications rolled back (abort, cancel, violation, failed batch, reaper).\n# TYPE pdstor_rollbacks_total counter"
     );
     let _ = writeln!(out, "pdstor_rollbacks_total {}", st.rollbacks);
+}
+
+/// A publication's phase as the API and `/metrics` name it.
+pub(super) fn phase_name(p: Phase) -> &'static str {
+    match p {
+        Phase::Prepared => "PREPARED",
+        Phase::Ready => "READY",
+        Phase::Claimed => "CLAIMED",
+        Phase::Adopted => "ADOPTED",
+        Phase::Retained => "RETAINED",
+        Phase::Aborting => "ABORTING",
+    }
 }

@@ -11,7 +11,7 @@ use crate::admission::AdmitError;
 use crate::buffer::BufferError;
 use crate::io::IoError;
 
-use super::state::{Phase, SlotIndex};
+use super::publication::{Phase, SlotIndex};
 use super::superblock::SuperblockError;
 
 /// What a store operation refused or failed on.

@@ -9,7 +9,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::state::{Layout, Manifest, Owner, Publication, SlotIndex};
+use super::publication::{Layout, Manifest, Owner, Publication, SlotIndex};
 
 /// The first word of every record frame ("PJDR").
 pub const RECORD_MAGIC: u32 = 0x5244_4a50; // "PJDR"

@@ -27,10 +27,12 @@ mod fault;
 mod format;
 mod io_thread;
 pub mod journal;
+pub mod publication;
 mod recovery;
 pub mod state;
 pub use pdstor_client::superblock;
 mod transitions;
+mod verifier;
 mod worker;
 
 use std::collections::{BTreeSet, HashMap};
@@ -48,8 +50,8 @@ pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use fault::{FaultPlan, PowerLoss};
 pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, signature_of};
 pub use journal::Record;
+pub use publication::{ChunkEntry, ClaimInfo, Layout, Manifest, Owner, Phase, Publication, SlotIndex};
 pub use recovery::{Inspection, inspect};
-pub use state::{ChunkEntry, Layout, Manifest, Owner, Phase, Publication, SlotIndex};
 pub use superblock::Superblock;
 pub use worker::CommitInfo;
 

@@ -7,6 +7,8 @@
 //! before it gets here, so every command built here must already fit.
 
 use std::fmt;
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
 
 use super::sys::NvmeCmd;
 
@@ -188,6 +190,25 @@ pub fn opcode_name(opcode: u8) -> &'static str {
         OPC_WRITE => "Write",
         OPC_READ => "Read",
         _ => "command",
+    }
+}
+
+/// Runs an admin command that reads `data.len()` bytes (Identify) on an NVMe fd.
+pub fn admin_read(fd: BorrowedFd<'_>, mut cmd: NvmeCmd, data: &mut [u8]) -> io::Result<()> {
+    cmd.addr = data.as_mut_ptr() as u64;
+    cmd.data_len = u32::try_from(data.len())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "admin buffer over 4 GiB"))?;
+    // SAFETY: `cmd` is a valid `struct nvme_admin_cmd`; `addr`/`data_len` describe
+    // `data`, which is writable and outlives the synchronous ioctl.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), super::sys::NVME_IOCTL_ADMIN_CMD as _, &mut cmd) };
+    match rc {
+        0 => Ok(()),
+        r if r < 0 => Err(io::Error::last_os_error()),
+        status => Err(io::Error::other(format!(
+            "NVMe admin opcode {:#04x} failed: {}",
+            cmd.opcode,
+            NvmeStatus(status as u16)
+        ))),
     }
 }
 

@@ -54,7 +54,7 @@ const _: () = assert!(size_of::<NvmeCmd>() == 72, "struct nvme_uring_cmd is 72 b
 /// `NVME_IOCTL_ID`: `_IO('N', 0x40)`, returns the namespace id of the fd.
 const NVME_IOCTL_ID: u32 = ioc(IOC_NONE, b'N', 0x40, 0);
 /// `NVME_IOCTL_ADMIN_CMD`: `_IOWR('N', 0x41, struct nvme_admin_cmd)`.
-const NVME_IOCTL_ADMIN_CMD: u32 = ioc(IOC_READ | IOC_WRITE, b'N', 0x41, size_of::<NvmeCmd>());
+pub const NVME_IOCTL_ADMIN_CMD: u32 = ioc(IOC_READ | IOC_WRITE, b'N', 0x41, size_of::<NvmeCmd>());
 /// `NVME_URING_CMD_IO`: `_IOWR('N', 0x80, struct nvme_uring_cmd)`, the `cmd_op` of an
 /// I/O passthrough `IORING_OP_URING_CMD`.
 pub const NVME_URING_CMD_IO: u32 = ioc(IOC_READ | IOC_WRITE, b'N', 0x80, size_of::<NvmeCmd>());
@@ -147,25 +147,6 @@ pub fn nvme_namespace_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
         return Err(io::Error::last_os_error());
     }
     Ok(rc as u32)
-}
-
-/// Runs an admin command that reads `data.len()` bytes (Identify) on an NVMe fd.
-pub fn nvme_admin_read(fd: BorrowedFd<'_>, mut cmd: NvmeCmd, data: &mut [u8]) -> io::Result<()> {
-    cmd.addr = data.as_mut_ptr() as u64;
-    cmd.data_len = u32::try_from(data.len())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "admin buffer over 4 GiB"))?;
-    // SAFETY: `cmd` is a valid `struct nvme_admin_cmd`; `addr`/`data_len` describe
-    // `data`, which is writable and outlives the synchronous ioctl.
-    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), NVME_IOCTL_ADMIN_CMD as _, &mut cmd) };
-    match rc {
-        0 => Ok(()),
-        r if r < 0 => Err(io::Error::last_os_error()),
-        status => Err(io::Error::other(format!(
-            "NVMe admin opcode {:#04x} failed: {}",
-            cmd.opcode,
-            super::nvme::NvmeStatus(status as u16)
-        ))),
-    }
 }
 
 #[cfg(test)]

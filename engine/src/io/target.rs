@@ -303,7 +303,7 @@ fn open_nvme_generic(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
     let mut data = vec![0u8; 4096];
     let identify =
         |cns: u32, nsid: u32| sys::NvmeCmd { opcode: nvme::ADMIN_IDENTIFY, nsid, cdw10: cns, ..Default::default() };
-    sys::nvme_admin_read(file.as_fd(), identify(nvme::CNS_NAMESPACE, nsid), &mut data)
+    nvme::admin_read(file.as_fd(), identify(nvme::CNS_NAMESPACE, nsid), &mut data)
         .map_err(probe("Identify Namespace"))?;
     let ns = nvme::parse_identify_namespace(&data).map_err(|msg| IoError::Geometry {
         path: path.into(),
@@ -327,7 +327,7 @@ fn open_nvme_generic(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
     let max_transfer = match sibling.as_ref().and_then(|(dir, _)| sysfs_queue_u64(dir, "max_hw_sectors_kb")) {
         Some(kb) => (kb * 1024).min(u32::MAX as u64) as u32,
         None => {
-            sys::nvme_admin_read(file.as_fd(), identify(nvme::CNS_CONTROLLER, 0), &mut data)
+            nvme::admin_read(file.as_fd(), identify(nvme::CNS_CONTROLLER, 0), &mut data)
                 .map_err(probe("Identify Controller"))?;
             nvme::parse_mdts(&data, ASSUMED_MIN_PAGE)
                 .map_err(|msg| IoError::Geometry {

@@ -242,17 +242,7 @@ fn handoff_at(
     check_chunks("store", &stored.paths, &stored.verdicts, writer.1)?;
     let published = client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
     let claim = client.claim(&published.receipt, "decode-0", req, 60_000).map_err(e("claim"))?;
-    let manifest = client
-        .adopt(&pdstor::api::wire::AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: layout(),
-            direct: false,
-            reservation_key: None,
-        })
-        .map_err(e("adopt"))?;
+    let manifest = client.adopt(&pdstor::api::wire::AdoptRequest::of_claim(&claim, layout())).map_err(e("adopt"))?;
     // Independent: every chunk as it lies on the target, read by busybox dd.
     for c in &manifest.chunks {
         let on_disk = dd_direct(target, c.offset.0, c.len)?;
@@ -1042,17 +1032,8 @@ fn device_errors(ctx: &Ctx) -> Outcome {
         data.store(p.publication, &p.writer_token, chunks(wid), true, CHUNKS).map_err(e("store below 48 MiB"))?;
         let published = client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
         let claim = client.claim(&published.receipt, "decode-0", "faulty", 60_000).map_err(e("claim"))?;
-        let manifest = client
-            .adopt(&pdstor::api::wire::AdoptRequest {
-                receipt: claim.clone(),
-                namespace: claim.namespace.clone(),
-                epoch: claim.epoch,
-                manifest_digest: claim.manifest_digest.clone(),
-                layout: layout(),
-                direct: false,
-                reservation_key: None,
-            })
-            .map_err(e("adopt"))?;
+        let manifest =
+            client.adopt(&pdstor::api::wire::AdoptRequest::of_claim(&claim, layout())).map_err(e("adopt"))?;
         if manifest.chunks.iter().all(|c| c.offset.0 < 4 << 20) {
             return Err("every chunk landed below 4 MiB: the read fault cannot be reached".into());
         }

@@ -502,17 +502,8 @@ fn death_reader() -> Result<(), String> {
     let claim = c.claim(&ready, "decode-doomed", "doomed", 600_000).map_err(|e| format!("claim: {e}"))?;
     let r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
     r.check_namespace(&claim).map_err(|e| e.to_string())?;
-    let m = c
-        .adopt(&pdstor::api::wire::AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: kv_layout(),
-            direct: false,
-            reservation_key: None,
-        })
-        .map_err(|e| format!("adopt: {e}"))?;
+    let m =
+        c.adopt(&pdstor::api::wire::AdoptRequest::of_claim(&claim, kv_layout())).map_err(|e| format!("adopt: {e}"))?;
     // Mid-load: half the chunks read, nothing reported, no ack.
     for chunk in m.chunks.iter().take(m.chunks.len() / 2) {
         dd_direct(&dev, chunk.offset.0, chunk.len)?;

@@ -189,15 +189,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
         lap(&mut times);
         let claim = client.claim(&published.receipt, "lat", &req, 60_000)?;
         lap(&mut times);
-        let adopt = crate::api::wire::AdoptRequest {
-            receipt: claim.clone(),
-            namespace: claim.namespace.clone(),
-            epoch: claim.epoch,
-            manifest_digest: claim.manifest_digest.clone(),
-            layout: layout(),
-            direct: false,
-            reservation_key: None,
-        };
+        let adopt = crate::api::wire::AdoptRequest::of_claim(&claim, layout());
         let manifest = client.adopt(&adopt)?;
         lap(&mut times);
         let loaded = data.load(&claim, vec![chunk])?;

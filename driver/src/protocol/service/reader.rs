@@ -1,0 +1,406 @@
+//! The reader's steps: claim, adopt, the loads the data plane serves (or a
+//! direct reader reports), ack, fail; and fencing — a claim's session
+//! closed, or its epoch past — with the reclaim only a fenced claim allows.
+
+use super::*;
+
+impl Service {
+    /// Whether `who` may read (claim) a publication `owner` made: an admin,
+    /// or a caller of a tenant the owner's tenant lets read. The one rule
+    /// `claim` enforces and `lookup` answers by.
+    pub(super) fn may_read(&self, who: &Caller, owner: &Owner) -> bool {
+        who.roles.admin || who.tenant.as_deref().is_some_and(|t| self.policy.may_read(&owner.tenant, t))
+    }
+
+    /// Step 4: binds one reader and session to a READY publication; returns the claim receipt.
+    pub fn claim(
+        &self,
+        who: &Caller,
+        ready: &Receipt,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+    ) -> Result<Receipt, ProtocolError> {
+        who.require(Role::Reader, "claim")?;
+        let p = self.check(ready, ReceiptKind::Ready)?;
+        if let (Some(owner), Some(tenant)) = (&p.owner, &who.tenant)
+            && !self.may_read(who, owner)
+        {
+            return Err(Refusal::new(
+                RefusalCode::Forbidden,
+                "caller",
+                format!(
+                    "claim: publication {} belongs to tenant {}, whose config does not let readers of tenant {tenant} claim it",
+                    p.id, owner.tenant
+                ),
+            )
+            .into());
+        }
+        if p.phase != Phase::Ready {
+            return Err(Refusal::new(
+                RefusalCode::AlreadyClaimed,
+                "publication",
+                format!("publication {} is {:?}", p.id, p.phase),
+            )
+            .into());
+        }
+        if reader.is_empty() || session.is_empty() {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "reader_id",
+                "reader_id and session_id must not be empty",
+            )
+            .into());
+        }
+        bounded("reader_id", reader, MAX_NAME_BYTES)?;
+        bounded("session_id", session, MAX_NAME_BYTES)?;
+        if !(1..=MAX_LEASE_MS).contains(&lease_ms) {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "lease_ms",
+                format!("lease_ms {lease_ms} is outside 1..={MAX_LEASE_MS} (7 days)"),
+            )
+            .into());
+        }
+        let claimant = who.owner();
+        let p = self.store.claim(p.id, reader, session, lease_ms, self.now_unix_ms(), claimant.as_ref())?;
+        let epoch = p.claim.as_ref().map_or(self.store.epoch(), |c| c.epoch);
+        let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
+        self.note(who, Event::new("claim").claim(&receipt).detail(format!("reader {reader} session {session}")));
+        Ok(receipt)
+    }
+
+    /// Every field must match exactly; the manifest comes back.
+    pub fn adopt(&self, who: &Caller, r: &AdoptRequest) -> Result<Manifest, ProtocolError> {
+        let (claim, namespace, epoch, digest, layout) =
+            (&r.receipt, &r.namespace, r.epoch, &r.manifest_digest, &r.layout);
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "adopt")?;
+        self.unfenced(&p, "adopt")?;
+        if namespace != self.namespace() {
+            return Err(Refusal::new(
+                RefusalCode::NamespaceMismatch,
+                "namespace",
+                format!("this namespace is {}", self.namespace()),
+            )
+            .into());
+        }
+        if epoch != claim.epoch {
+            return Err(Refusal::new(
+                RefusalCode::EpochMismatch,
+                "epoch",
+                format!("the claim was made in epoch {}", claim.epoch),
+            )
+            .into());
+        }
+        if *digest != claim.manifest_digest {
+            return Err(Refusal::new(RefusalCode::DigestMismatch, "manifest_digest", "not the claimed manifest").into());
+        }
+        if *layout != p.layout {
+            return Err(Refusal::new(
+                RefusalCode::LayoutMismatch,
+                "layout",
+                format!("the publication's layout is {:?}", p.layout),
+            )
+            .into());
+        }
+        if p.phase != Phase::Claimed {
+            return Err(Refusal::new(
+                RefusalCode::WrongState,
+                "publication",
+                format!("publication {} is {:?}", p.id, p.phase),
+            )
+            .into());
+        }
+        if let Some(c) = &p.claim
+            && self.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
+        {
+            return Err(Refusal::new(
+                RefusalCode::LeaseExpired,
+                "lease_ms",
+                "the lease expired; the bytes stay retained until reclaimed",
+            )
+            .into());
+        }
+        if let Some(key) = r.reservation_key {
+            let own = self.reservations.as_ref().map(|(_, k)| *k);
+            if !r.direct || key == 0 || Some(key) == own {
+                return Err(Refusal::new(
+                    RefusalCode::BadRequest,
+                    "reservation_key",
+                    format!(
+                        "reservation_key {key:#x}: only a direct reader names one, it is not 0, and not the owner's own key"
+                    ),
+                )
+                .into());
+            }
+        }
+        let p = self.store.adopt(p.id, r.direct, r.reservation_key)?;
+        let nonce = self.signer.restore_nonce(&claim.signature);
+        self.lock_served().insert(p.id, (claim.signature.clone(), Default::default()));
+        let mut e = Event::new("adopt").claim(claim);
+        if r.direct {
+            e = e.detail("direct: the reader reads the shared namespace itself; a restart does not fence it");
+        }
+        e.nonce = Some(nonce.clone());
+        self.note(who, e);
+        let manifest = p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest"))?;
+        Ok(Manifest { restore_nonce: Some(nonce), ..manifest })
+    }
+
+    fn lock_served(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Served>> {
+        self.served.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records chunks the data plane loaded for `claim` (chunk, crc32c as
+    /// served): what its ack may acknowledge.
+    pub fn note_served(&self, claim: &Receipt, chunks: &[(u32, u32)]) {
+        let mut served = self.lock_served();
+        let entry = served.entry(claim.publication).or_insert_with(|| (claim.signature.clone(), Default::default()));
+        if entry.0 != claim.signature {
+            *entry = (claim.signature.clone(), Default::default());
+        }
+        entry.1.extend(chunks.iter().copied());
+    }
+
+    /// Checks that `claim` may load now: adopted, lease running.
+    pub fn authorize_load(&self, who: &Caller, claim: &Receipt) -> Result<Manifest, ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "load")?;
+        self.unfenced(&p, "load")?;
+        if p.phase != Phase::Adopted {
+            return Err(Refusal::new(
+                RefusalCode::WrongState,
+                "publication",
+                format!("load needs an ADOPTED publication; it is {:?}", p.phase),
+            )
+            .into());
+        }
+        if let Some(c) = &p.claim
+            && self.now_unix_ms() > c.claimed_unix_ms.saturating_add(c.lease_ms)
+        {
+            return Err(Refusal::new(RefusalCode::LeaseExpired, "lease_ms", "the lease expired").into());
+        }
+        p.manifest.ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest").into())
+    }
+
+    /// A reader that read chunks itself from its own view of the shared
+    /// namespace reports them: each must be a chunk of the manifest read with
+    /// its stored crc32c (else `restore_mismatch`, and nothing is recorded);
+    /// then they count as loaded for this claim's ack.
+    pub fn loaded(&self, who: &Caller, claim: &Receipt, chunks: &[(u32, u32)]) -> Result<(), ProtocolError> {
+        let manifest = self.authorize_load(who, claim)?;
+        if chunks.is_empty() {
+            return Err(Refusal::new(RefusalCode::BadRequest, "chunks", "no chunks reported").into());
+        }
+        for &(index, crc) in chunks {
+            let Some(m) = manifest.chunks.get(index as usize) else {
+                return Err(Refusal::new(
+                    RefusalCode::BadRequest,
+                    "chunks",
+                    format!("publication {} has chunks 0..{}, not {index}", claim.publication, manifest.chunks.len()),
+                )
+                .into());
+            };
+            if crc != m.crc32c {
+                return Err(Refusal::new(
+                    RefusalCode::RestoreMismatch,
+                    "chunks",
+                    format!(
+                        "chunk {index} was read as crc32c {crc:#010x}, stored {:#010x}: the reader's view of the namespace is not the stored bytes (another namespace, a stale cache, or a bad read); nothing was recorded",
+                        m.crc32c
+                    ),
+                )
+                .into());
+            }
+        }
+        self.note_served(claim, chunks);
+        for &(index, crc) in chunks {
+            let mut e = Event::new("loaded").claim(claim).chunk(index).detail("read by the reader itself");
+            e.crc32c = Some(crc);
+            self.note(who, e);
+        }
+        Ok(())
+    }
+
+    /// Step 7: the reader restored every chunk (its digest must match); the slots free.
+    pub fn ack(&self, who: &Caller, claim: &Receipt, restore: &str) -> Result<(), ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "ack")?;
+        self.unfenced(&p, "ack")?;
+        if p.phase != Phase::Adopted {
+            return Err(Refusal::new(
+                RefusalCode::WrongState,
+                "publication",
+                format!("ack needs an ADOPTED publication; it is {:?}", p.phase),
+            )
+            .into());
+        }
+        let manifest =
+            p.manifest.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest"))?;
+        let served = self.lock_served().get(&p.id).filter(|(sig, _)| *sig == claim.signature).map(|(_, c)| c.clone());
+        let served = served.unwrap_or_default();
+        let unserved: Vec<u32> = (0..manifest.chunks.len() as u32).filter(|c| !served.contains_key(c)).collect();
+        if !unserved.is_empty() {
+            return Err(Refusal::new(
+                RefusalCode::NotLoaded,
+                "restore_digest",
+                format!(
+                    "publication {}: chunks {unserved:?} were never loaded through the data plane for this claim (since it was adopted, or since the daemon restarted); load every chunk, then ack",
+                    p.id
+                ),
+            )
+            .into());
+        }
+        let crcs: Vec<u32> = served.values().copied().collect();
+        let expected = restore_digest(&self.signer.restore_nonce(&claim.signature), &crcs);
+        if restore != expected {
+            return Err(Refusal::new(
+                RefusalCode::RestoreMismatch,
+                "restore_digest",
+                "not the digest of this claim's nonce and the chunks it loaded: the restored bytes are not the ones served",
+            )
+            .into());
+        }
+        self.store.ack(p.id, restore)?;
+        self.lock_served().remove(&p.id);
+        let mut e = Event::new("ack").claim(claim);
+        e.digest = Some(restore.to_owned());
+        self.note(who, e);
+        Ok(())
+    }
+
+    /// A failed or uncertain claimed read: the publication is RETAINED with its bytes.
+    pub fn fail(&self, who: &Caller, claim: &Receipt, reason: &str) -> Result<(), ProtocolError> {
+        bounded("reason", reason, MAX_REASON_BYTES)?;
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        Self::check_claimant(who, &p, "fail")?;
+        self.store.fail(p.id, reason)?;
+        self.lock_served().remove(&p.id);
+        self.note(who, Event::new("fail").claim(claim).detail(reason));
+        Ok(())
+    }
+
+    /// Why the claim on `p` is fenced, if it is: its session was closed, or
+    /// it was made in an earlier epoch (the daemon restarted since) and its
+    /// reader loads through the daemon. A *direct* reader — one that adopted
+    /// to read the shared namespace itself, from another host — is not
+    /// stopped by this daemon's restart: it may still be reading the slots,
+    /// so only closing its session fences it (the operator's word that its
+    /// host is stopped or cut off from the namespace).
+    fn fenced(&self, p: &Publication) -> Option<String> {
+        let c = p.claim.as_ref()?;
+        let key = (c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default(), c.session.clone());
+        if self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+            return Some(format!("its session {} was closed", c.session));
+        }
+        let epoch = self.store.epoch();
+        (c.epoch < epoch && !c.direct)
+            .then(|| format!("it was made in epoch {}, and the daemon is in epoch {epoch} now", c.epoch))
+    }
+
+    /// Refuses a step of a fenced claim.
+    fn unfenced(&self, p: &Publication, step: &str) -> Result<(), Refusal> {
+        match self.fenced(p) {
+            Some(why) => Err(Refusal::new(
+                RefusalCode::Fenced,
+                "session",
+                format!(
+                    "publication {}: the claim is fenced ({why}): it cannot {step}; only a reclaim frees the publication",
+                    p.id
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Frees a claimed/retained publication only once its reader is fenced:
+    /// its session closed, or its claim made in an earlier daemon epoch.
+    /// Its claimant, its owner or an admin may reclaim.
+    pub fn reclaim(&self, who: &Caller, claim: &Receipt) -> Result<(), ProtocolError> {
+        let p = self.check(claim, ReceiptKind::Claim)?;
+        let c = p.claim.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotClaimed, "publication", "no claim"))?;
+        if Self::check_claimant(who, &p, "reclaim").is_err() {
+            who.require_owner(p.owner.as_ref(), &format!("publication {}", p.id)).map_err(|_| {
+                Refusal::new(
+                    RefusalCode::NotOwner,
+                    "caller",
+                    format!(
+                        "reclaim: the claim on publication {} is {}'s and the publication {}'s; {who} is neither (nor an admin)",
+                        p.id,
+                        c.claimant.as_ref().map_or("nobody's", |o| o.principal.as_str()),
+                        p.owner.as_ref().map_or("nobody", |o| o.principal.as_str()),
+                    ),
+                )
+            })?;
+        }
+        if self.fenced(&p).is_none() {
+            let why = if c.direct {
+                format!(
+                    "the reader of publication {} reads the shared namespace itself (adopted direct), so a daemon restart does not fence it: stop its host or cut it off from the namespace, then close its session (POST /storage-pd/session/close)",
+                    p.id
+                )
+            } else {
+                "the reader is not fenced: close its session (POST /storage-pd/session/close) or restart the daemon first"
+                    .to_owned()
+            };
+            return Err(Refusal::new(RefusalCode::NotFenced, "session", why).into());
+        }
+        self.store.reclaim(p.id)?;
+        self.lock_served().remove(&p.id);
+        self.note(who, Event::new("reclaim").claim(claim));
+        Ok(())
+    }
+
+    /// Fences the reader session of `claim`, a claim receipt proving the
+    /// caller holds a claim of that session: every claim of the session
+    /// becomes reclaimable and may no longer read.
+    /// Only the session's claimant (or an admin) closes it.
+    pub fn close_session(&self, who: &Caller, claim: &Receipt) -> Result<(), ProtocolError> {
+        who.require(Role::Reader, "close-session")?;
+        self.signer.verify(claim)?;
+        if claim.kind != ReceiptKind::Claim {
+            return Err(Refusal::new(
+                RefusalCode::WrongReceipt,
+                "receipt",
+                "closing a session takes a claim receipt of that session, not a READY receipt",
+            )
+            .into());
+        }
+        let Some(session) = claim.session.clone() else {
+            return Err(Refusal::new(RefusalCode::BadRequest, "receipt", "the claim receipt names no session").into());
+        };
+        // The session is its claimant's: the live claim says whose; a claim
+        // already gone leaves only the caller's own session of that name.
+        let live = self.store.publication(claim.publication).and_then(|p| p.claim);
+        let claimant = live.as_ref().filter(|c| c.session == session).and_then(|c| c.claimant.clone());
+        if let Some(o) = &claimant {
+            who.require_owner(Some(o), &format!("session {session}"))?;
+        }
+        let principal = claimant.map_or_else(|| who.principal.clone(), |o| o.principal);
+        // A direct reader's host is cut off at the target before its session
+        // counts as closed: if the preempt fails, nothing is fenced.
+        let key = live.as_ref().filter(|c| c.session == session && c.direct).and_then(|c| c.reservation_key);
+        let detail = match (key, &self.reservations) {
+            (Some(key), Some((r, own))) => {
+                r.preempt(*own, key).map_err(|e| {
+                    Refusal::new(
+                        RefusalCode::FenceFailed,
+                        "session",
+                        format!(
+                            "session {session} stays open: its host's reservation key could not be preempted ({e}); its slots stay taken"
+                        ),
+                    )
+                })?;
+                format!("{session}; its host's reservation key {key:#x} preempted at the target")
+            }
+            (Some(key), None) => format!(
+                "{session}; its host registered key {key:#x}, but this owner holds no reservation (serve --reservation-key): the host is not cut off by the target"
+            ),
+            (None, _) => session.clone(),
+        };
+        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert((principal, session));
+        self.note(who, Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(detail));
+        Ok(())
+    }
+}

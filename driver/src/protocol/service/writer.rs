@@ -1,0 +1,233 @@
+//! The writer's steps: prepare (admission, quotas, a retry of the same
+//! request), publish, abort and cancel, the reaper of idle and orphaned
+//! prepares; and the unread release and lookup of READY publications.
+
+use super::*;
+
+impl Service {
+    /// Step 1: admits a request and records its PREPARE (waits for capacity up to the admission timeout).
+    pub fn prepare(
+        &self,
+        who: &Caller,
+        req_id: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        writer: &str,
+    ) -> Result<Prepared, ProtocolError> {
+        self.prepare_with(who, req_id, layout, total_chunks, writer, None, &CancelToken::new())
+    }
+
+    /// [`prepare`](Self::prepare) waiting at most `timeout` (bounded by the
+    /// daemon's admission timeout), giving up when `cancel` is set. A repeat
+    /// of a PREPARED request (same chunks, layout, writer, owner) answers the same.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_with(
+        &self,
+        who: &Caller,
+        req_id: &str,
+        layout: &Layout,
+        total_chunks: u32,
+        writer: &str,
+        timeout: Option<Duration>,
+        cancel: &CancelToken,
+    ) -> Result<Prepared, ProtocolError> {
+        bounded("req_id", req_id, MAX_NAME_BYTES)?;
+        bounded("writer_id", writer, MAX_NAME_BYTES)?;
+        for (field, value) in [
+            ("layout.model_id", &layout.model_id),
+            ("layout.dtype", &layout.dtype),
+            ("layout.kv_format", &layout.kv_format),
+        ] {
+            bounded(field, value, MAX_NAME_BYTES)?;
+        }
+        who.require(Role::Writer, "prepare")?;
+        let owner = who.owner();
+        let quota = self.quota_for_prepare(who, total_chunks);
+        self.policy.take(who, quota)?;
+        let timeout = timeout.unwrap_or(Duration::MAX);
+        self.lock_preparing().insert(req_id.to_owned(), who.principal.clone());
+        let prepared = self.store.prepare_with(req_id, writer, owner.as_ref(), layout, total_chunks, timeout, cancel);
+        self.lock_preparing().remove(req_id);
+        self.policy.give(who, quota);
+        let p = prepared?;
+        let detail = if p.repeated {
+            format!("writer {writer}; a repeat of the same request: the same publication")
+        } else {
+            format!("writer {writer}")
+        };
+        self.note(who, Event::new("prepare").req(req_id).publication(p.publication).detail(detail));
+        let writer_token = self.signer.writer_token(p.publication, req_id);
+        Ok(Prepared {
+            publication: p.publication,
+            writer_token,
+            namespace: self.namespace().into(),
+            epoch: self.store.epoch(),
+        })
+    }
+
+    fn lock_preparing(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.preparing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What a prepare of `chunks` by `who` takes from its tenant's quota: the
+    /// tenant's live holdings are counted only when it has a quota to compare.
+    fn quota_for_prepare(&self, who: &Caller, chunks: u32) -> Resource {
+        let q = who.tenant.as_deref().map(|t| self.policy.quota(t)).unwrap_or_default();
+        let (mut held, mut outstanding) = (0, 0);
+        if q.slots.is_some() || q.prepares.is_some() {
+            for p in self.store.publications() {
+                if p.owner.as_ref().is_some_and(|o| Some(o.tenant.as_str()) == who.tenant.as_deref()) {
+                    held += p.slots.len() as u64;
+                    outstanding += usize::from(p.phase == Phase::Prepared);
+                }
+            }
+        }
+        Resource::Prepare { slots: chunks as u64, held, outstanding }
+    }
+
+    /// Step 3: READY; returns the signed receipt and the manifest.
+    pub fn publish(
+        &self,
+        who: &Caller,
+        publication: u64,
+        writer_token: &str,
+        first_token: Option<u32>,
+    ) -> Result<Published, ProtocolError> {
+        self.check_writer(who, publication, writer_token)?;
+        let manifest = self.store.publish(publication, first_token)?;
+        let p = self.live(publication)?;
+        let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
+        let mut e = Event::new("publish").req(&receipt.req_id).publication(publication).receipt(&receipt.signature);
+        e.chunks = Some(manifest.chunks.len() as u32);
+        e.crcs = Some(manifest.chunks.iter().map(|c| c.crc32c).collect());
+        e.token = manifest.first_token;
+        self.note(who, e);
+        Ok(Published { receipt, manifest })
+    }
+
+    /// Frees a READY publication that was never claimed.
+    pub fn release(&self, who: &Caller, ready: &Receipt) -> Result<(), ProtocolError> {
+        who.require(Role::Writer, "release")?;
+        let p = self.check(ready, ReceiptKind::Ready)?;
+        who.require_owner(p.owner.as_ref(), &format!("publication {}", p.id))?;
+        if p.phase != Phase::Ready {
+            return Err(Refusal::new(
+                RefusalCode::AlreadyClaimed,
+                "publication",
+                format!("publication {} is {:?}: only unread READY can be released", p.id, p.phase),
+            )
+            .into());
+        }
+        self.store.release(p.id)?;
+        self.note(who, Event::new("release").req(&ready.req_id).publication(p.id).receipt(&ready.signature));
+        Ok(())
+    }
+
+    /// The READY receipt of each request in `req_ids`, freshly signed, or
+    /// `None` where there is none the caller may use: no live publication of
+    /// that request, not READY (still being written, or already claimed), or
+    /// one the caller may neither claim (a reader of a tenant its owner lets
+    /// read) nor release (its owner). A reader that knows only the request's
+    /// name — an LMCache key — finds the receipt to claim with; it learns
+    /// nothing `publications` would not show it.
+    pub fn lookup(&self, who: &Caller, req_ids: &[String]) -> Result<Vec<Option<Receipt>>, ProtocolError> {
+        who.require(Role::Any, "lookup")?;
+        if req_ids.len() > MAX_LOOKUP {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "req_ids",
+                format!("lookup names {} requests; at most {MAX_LOOKUP} at a time", req_ids.len()),
+            )
+            .into());
+        }
+        for r in req_ids {
+            bounded("req_ids", r, MAX_NAME_BYTES)?;
+        }
+        let usable = |p: &Publication| {
+            let Some(owner) = &p.owner else { return true };
+            who.roles.admin || (who.roles.writer && who.is(owner)) || (who.roles.reader && self.may_read(who, owner))
+        };
+        let epoch = self.store.epoch();
+        req_ids
+            .iter()
+            .map(|r| match self.store.publication_of(r) {
+                Some(p) if p.phase == Phase::Ready && usable(&p) => {
+                    self.receipt(ReceiptKind::Ready, &p, epoch).map(Some).map_err(Into::into)
+                }
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Rolls back a publication that is not READY yet.
+    pub fn abort(&self, who: &Caller, publication: u64, writer_token: &str) -> Result<AbortOutcome, ProtocolError> {
+        who.require(Role::Writer, "abort")?;
+        if self.store.publication(publication).is_none() {
+            return Ok(AbortOutcome::NotFound);
+        }
+        self.check_writer(who, publication, writer_token)?;
+        let outcome = self.store.abort(publication)?;
+        self.note(who, Event::new("abort").publication(publication).detail(format!("{outcome:?}")));
+        Ok(outcome)
+    }
+
+    /// Aborts PREPARED publications idle for `idle`, or orphaned for
+    /// `orphan_grace` ([`Store::reap_idle`]), each recorded on the timeline;
+    /// returns how many.
+    pub fn reap_idle(&self, idle: Duration, orphan_grace: Duration) -> usize {
+        let reaped = self.store.reap_idle(idle, orphan_grace);
+        for r in &reaped {
+            let why = if r.orphaned {
+                format!(
+                    "orphaned: its prepare's answer never reached the client, and no store batch came within {} ms",
+                    orphan_grace.as_millis()
+                )
+            } else {
+                format!("idle: no store batch for {} ms", idle.as_millis())
+            };
+            self.note(&Caller::in_process(), Event::new("abort").req(&r.req_id).publication(r.publication).detail(why));
+        }
+        reaped.len()
+    }
+
+    /// Cancels request `req_id` ([`Store::cancel_request`]): a waiting
+    /// prepare is refused, a PREPARED publication rolled back. Idempotent.
+    pub fn cancel(&self, who: &Caller, req_id: &str) -> Result<CancelOutcome, ProtocolError> {
+        who.require(Role::Writer, "cancel")?;
+        bounded("req_id", req_id, MAX_NAME_BYTES)?;
+        // Only whoever asked for the request (or an admin) gives it up.
+        if let Some(p) = self.store.publication_of(req_id) {
+            who.require_owner(p.owner.as_ref(), &format!("request {req_id}"))?;
+        } else if let Some(principal) = self.lock_preparing().get(req_id)
+            && *principal != who.principal
+            && !who.roles.admin
+        {
+            return Err(Refusal::new(
+                RefusalCode::NotOwner,
+                "caller",
+                format!("request {req_id} is being prepared by {principal}; {who} is not it (nor an admin)"),
+            )
+            .into());
+        }
+        let outcome = self.store.cancel_request(req_id)?;
+        let mut e = Event::new("cancel").req(req_id).detail(format!("{outcome:?}"));
+        if let CancelOutcome::Aborted { publication, .. } | CancelOutcome::Pending { publication } = outcome {
+            e = e.publication(publication);
+        }
+        self.note(who, e);
+        Ok(outcome)
+    }
+
+    /// A PREPARED publication whose prepare's answer never reached its client:
+    /// rolled back after the orphan grace unless a store batch comes.
+    pub fn orphan(&self, publication: u64, req_id: &str) {
+        self.store.orphan(publication);
+        self.note(
+            &Caller::in_process(),
+            Event::new("orphaned")
+                .req(req_id)
+                .publication(publication)
+                .detail("the client went away before the prepare's answer reached it"),
+        );
+    }
+}

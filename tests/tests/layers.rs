@@ -1,0 +1,203 @@
+//! The code's layers, checked from its source: no import loop between the
+//! folders of `driver/src` (and of `engine/src`, `client/src`), none between
+//! the files of one folder, and the size rules (no file of `driver/src` over
+//! 600 lines).
+//!
+//! A reference is any `crate::a::…` path (in a `use` or inline) and, inside a
+//! folder, any `super::b::…` or `use super::{b, …}`; doc comments and tests
+//! (`#[cfg(test)] mod tests`, or a `tests.rs` file) are left out, since
+//! neither is a dependency of the code.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// Who references whom: a node and the nodes it names.
+type Graph = BTreeMap<String, BTreeSet<String>>;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf()
+}
+
+/// Every `.rs` file under `dir`, recursively.
+fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("reading {}: {e}", d.display())).flatten() {
+            let p = entry.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|e| e == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The code of a file without comments and without its unit tests.
+fn code(text: &str) -> String {
+    let body = match text.find("#[cfg(test)]\nmod tests") {
+        Some(at) => &text[..at],
+        None => text,
+    };
+    body.lines().filter(|l| !l.trim_start().starts_with("//")).collect::<Vec<_>>().join("\n")
+}
+
+/// The identifiers that follow `prefix` in `code` (`crate::` → `store`, …),
+/// including each name of a braced group (`super::{a, b::C}` → `a`, `b`).
+fn names_after(code: &str, prefix: &str) -> BTreeSet<String> {
+    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+    let mut out = BTreeSet::new();
+    let mut rest = code;
+    while let Some(at) = rest.find(prefix) {
+        let before = rest[..at].chars().last();
+        rest = &rest[at + prefix.len()..];
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+            continue; // `pdstor_client::crate::` never happens; `foo::super::` is not ours
+        }
+        if let Some(group) = rest.strip_prefix('{') {
+            let end = group.find('}').unwrap_or(group.len());
+            for part in group[..end].split(',') {
+                let name = ident(part.trim());
+                if !name.is_empty() {
+                    out.insert(name);
+                }
+            }
+        } else {
+            let name = ident(rest);
+            if !name.is_empty() {
+                out.insert(name);
+            }
+        }
+    }
+    out
+}
+
+/// A cycle in `graph`, if there is one (a path that comes back to its start).
+fn cycles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    fn walk(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+        found: &mut Vec<Vec<String>>,
+    ) {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(node.to_owned());
+            found.push(cycle);
+            return;
+        }
+        if done.contains(node) {
+            return;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            walk(next, graph, path, done, found);
+        }
+        path.pop();
+        done.insert(node.to_owned());
+    }
+    let mut found = Vec::new();
+    let mut done = BTreeSet::new();
+    for node in graph.keys() {
+        walk(node, graph, &mut Vec::new(), &mut done, &mut found);
+    }
+    found
+}
+
+/// The module a file is: `store/state.rs` → (`store`, `state`); `store/mod.rs`
+/// → (`store`, `mod`); `units.rs` → (`units`, `mod`).
+fn module_of(src: &Path, file: &Path) -> (String, String) {
+    let rel = file.strip_prefix(src).expect("a file under src");
+    let parts: Vec<String> = rel.iter().map(|p| p.to_string_lossy().trim_end_matches(".rs").to_owned()).collect();
+    match parts.as_slice() {
+        [single] => (single.clone(), "mod".to_owned()),
+        [folder, file, ..] => (folder.clone(), file.clone()),
+        [] => unreachable!("a file has a name"),
+    }
+}
+
+/// The folder graph and the per-folder file graphs of one crate's `src`.
+fn graphs(src: &Path) -> (Graph, BTreeMap<String, Graph>) {
+    let mut folders: Graph = BTreeMap::new();
+    let mut files: BTreeMap<String, Graph> = BTreeMap::new();
+    let top: BTreeSet<String> = rust_files(src).iter().map(|f| module_of(src, f).0).collect();
+    for file in rust_files(src) {
+        let (folder, name) = module_of(src, &file);
+        if folder == "lib" || folder == "main" {
+            continue; // the crate root declares and re-exports every module
+        }
+        if file.file_name().is_some_and(|n| n == "tests.rs") {
+            continue; // a module's unit tests, in a file of their own
+        }
+        let text = code(&std::fs::read_to_string(&file).expect("reading a source file"));
+        let used = names_after(&text, "crate::");
+        let edges = folders.entry(folder.clone()).or_default();
+        for m in used.iter().filter(|m| top.contains(*m) && **m != folder) {
+            edges.insert(m.clone());
+        }
+        if name == "mod" {
+            continue; // a folder's mod.rs declares its files and may re-export them
+        }
+        let siblings: BTreeSet<String> = names_after(&text, "super::")
+            .into_iter()
+            .chain(names_after(&text, &format!("crate::{folder}::")))
+            .filter(|s| *s != name)
+            .collect();
+        files.entry(folder).or_default().entry(name).or_default().extend(siblings);
+    }
+    // A sibling reference names a file only if that file exists.
+    for graph in files.values_mut() {
+        let known: BTreeSet<String> = graph.keys().cloned().collect();
+        for edges in graph.values_mut() {
+            edges.retain(|e| known.contains(e));
+        }
+    }
+    (folders, files)
+}
+
+#[test]
+fn no_import_loops_between_or_inside_folders() {
+    let mut problems = Vec::new();
+    for krate in ["driver", "engine", "client"] {
+        let src = root().join(krate).join("src");
+        let (folders, files) = graphs(&src);
+        for c in cycles(&folders) {
+            problems.push(format!("{krate}/src folders: {}", c.join(" → ")));
+        }
+        for (folder, graph) in &files {
+            for c in cycles(graph) {
+                problems.push(format!("{krate}/src/{folder}: {}", c.join(" → ")));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "import loops:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_loop_finder_finds_a_loop() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [
+        ("api".to_owned(), ["protocol".to_owned()].into()),
+        ("protocol".to_owned(), ["timeline".to_owned()].into()),
+        ("timeline".to_owned(), ["protocol".to_owned()].into()),
+    ]
+    .into();
+    assert_eq!(cycles(&graph), vec![vec!["protocol".to_owned(), "timeline".to_owned(), "protocol".to_owned()]]);
+    let used = names_after("use super::{error::X, state};\nlet a = crate::store::Store::new();", "super::");
+    assert_eq!(used, ["error".to_owned(), "state".to_owned()].into());
+}
+
+#[test]
+fn no_file_in_driver_src_is_over_600_lines() {
+    let long: Vec<String> = rust_files(&root().join("driver/src"))
+        .into_iter()
+        .filter_map(|f| {
+            let lines = std::fs::read_to_string(&f).ok()?.lines().count();
+            (lines > 600).then(|| format!("{} ({lines} lines)", f.strip_prefix(root()).unwrap_or(&f).display()))
+        })
+        .collect();
+    assert!(long.is_empty(), "files over 600 lines: {}", long.join(", "));
+}
