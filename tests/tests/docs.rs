@@ -46,7 +46,7 @@ fn check_generated(rel: &str, generated: &str) {
 fn sources() -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut stack: Vec<PathBuf> =
-        ["driver", "engine", "ebpf", "tests", "vmtest", "xtask", "python"].iter().map(|d| root().join(d)).collect();
+        ["driver", "engine", "client", "ebpf", "tests", "vmtest", "xtask", "python"].iter().map(|d| root().join(d)).collect();
     while let Some(dir) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
         for entry in entries.flatten() {
