@@ -80,7 +80,7 @@ pub fn peer_uid(stream: &impl std::os::fd::AsFd) -> std::io::Result<u32> {
 /// Refuses a daemon socket served by anyone but root, this user, or
 /// `PDSTOR_DAEMON_UID` (`SO_PEERCRED`): a request, a receipt or a buffer is
 /// never handed to whoever squats a socket path.
-pub fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), String> {
+pub(crate) fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), String> {
     let peer = peer_uid(stream).map_err(|e| format!("asking who serves {}: {e}", path.display()))?;
     let me = nix::unistd::geteuid().as_raw();
     let expected: Option<u32> = std::env::var("PDSTOR_DAEMON_UID").ok().and_then(|v| v.parse().ok());

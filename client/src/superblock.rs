@@ -26,7 +26,7 @@ pub const FORMAT_VERSION: u32 = 1;
 pub const SUPERBLOCK_BYTES: usize = 4096;
 
 /// The namespace's root (DESIGN §3): its geometry, journal, epoch and receipt key. Two copies, A at 0 and B after the journal.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Superblock {
     /// The on-media format version.
     pub version: u32,
@@ -101,6 +101,27 @@ pub enum SuperblockError {
         /// Where copy B ends, the earliest slot 0 may start.
         data_floor: u64,
     },
+}
+
+/// Every field but the receipt key, which no log or error may carry.
+impl std::fmt::Debug for Superblock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Superblock")
+            .field("version", &self.version)
+            .field("generation", &self.generation)
+            .field("uuid", &self.uuid)
+            .field("epoch", &self.epoch)
+            .field("block_size", &self.block_size)
+            .field("slot_size", &self.slot_size)
+            .field("slot_count", &self.slot_count)
+            .field("data_offset", &self.data_offset)
+            .field("journal_half", &self.journal_half)
+            .field("active_half", &self.active_half)
+            .field("journal_start_seq", &self.journal_start_seq)
+            .field("hmac_key_id", &self.hmac_key_id)
+            .field("created_unix", &self.created_unix)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Superblock {
@@ -271,6 +292,8 @@ mod tests {
         let text = e.to_string();
         assert!(text.contains("data at 4096 (must be at or after 139264"), "{text}");
         assert!(!text.contains("hmac_key") && !text.contains("9, 9, 9"), "the receipt key leaked: {text}");
+        let debug = format!("{sb:?}");
+        assert!(debug.contains("data_offset: 4096") && !debug.contains("9, 9, 9"), "the receipt key leaked: {debug}");
     }
 
     #[test]

@@ -45,8 +45,10 @@ fn check_generated(rel: &str, generated: &str) {
 /// Every source file under the repository's code folders.
 fn sources() -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let mut stack: Vec<PathBuf> =
-        ["driver", "engine", "client", "ebpf", "tests", "vmtest", "xtask", "python"].iter().map(|d| root().join(d)).collect();
+    let mut stack: Vec<PathBuf> = ["driver", "engine", "client", "ebpf", "tests", "vmtest", "xtask", "python"]
+        .iter()
+        .map(|d| root().join(d))
+        .collect();
     while let Some(dir) = stack.pop() {
         let Ok(entries) = std::fs::read_dir(&dir) else { continue };
         for entry in entries.flatten() {
