@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use pdstor_engine::io::TargetOffset;
 
 /// The KV layout a reader must match exactly (DESIGN §1).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Layout {
     /// The model's id (e.g. its name and revision).
@@ -38,13 +39,16 @@ impl std::fmt::Display for SlotIndex {
 }
 
 /// One stored chunk of a publication.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkEntry {
     /// The chunk's index.
     pub index: u32,
     /// Its slot.
+    #[cfg_attr(feature = "openapi", schema(value_type = u32))]
     pub slot: SlotIndex,
     /// Where on the target its bytes start.
+    #[cfg_attr(feature = "openapi", schema(value_type = u64))]
     pub offset: TargetOffset,
     /// Its length in bytes.
     pub len: u64,
@@ -53,6 +57,7 @@ pub struct ChunkEntry {
 }
 
 /// What a READY publication offers its reader.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Manifest {
     /// The publication.

@@ -8,6 +8,7 @@ use sha2::{Digest, Sha256};
 use crate::layout::Manifest;
 
 /// What a receipt attests.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ReceiptKind {
@@ -19,6 +20,7 @@ pub enum ReceiptKind {
 
 /// A daemon-signed statement about a publication. Field order is the
 /// canonical encoding that the signature covers.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Receipt {
     /// READY or claim.

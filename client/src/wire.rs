@@ -7,6 +7,7 @@ use crate::layout::{Layout, Manifest};
 use crate::receipt::Receipt;
 
 /// `POST /storage-pd/prepare`: reserve a request's chunks.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PrepareRequest {
     /// The serving engine's request id.
@@ -24,6 +25,7 @@ pub struct PrepareRequest {
 }
 
 /// `POST /storage-pd/cancel`: give up a request, waiting or PREPARED.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CancelRequest {
     /// The request to cancel.
@@ -31,6 +33,7 @@ pub struct CancelRequest {
 }
 
 /// `POST /storage-pd/publish`: make a fully stored publication READY.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PublishRequest {
     /// The PREPARED publication.
@@ -42,6 +45,7 @@ pub struct PublishRequest {
 }
 
 /// `POST /storage-pd/claim`: bind one reader and session to a READY publication.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ClaimRequest {
     /// The READY receipt.
@@ -55,6 +59,7 @@ pub struct ClaimRequest {
 }
 
 /// A signed receipt, as `claim` answers.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReceiptResponse {
     /// The receipt.
@@ -62,6 +67,7 @@ pub struct ReceiptResponse {
 }
 
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AckRequest {
     /// The claim receipt.
@@ -75,6 +81,7 @@ pub struct AckRequest {
 /// what it read; the daemon checks each crc32c against the stored one and
 /// counts the chunks as loaded for the claim. Payload bytes never cross the
 /// control plane: only their checksums do.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LoadedRequest {
     /// The claim receipt.
@@ -86,6 +93,7 @@ pub struct LoadedRequest {
 /// `GET /storage-pd/namespace`: what the owner serves, so that a reader on
 /// another host can prove its own view of the shared namespace is the same
 /// one before it reads anything from it.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NamespaceInfo {
     /// The pdstor namespace (its superblock's UUID; receipts name it).
@@ -106,6 +114,7 @@ pub struct NamespaceInfo {
 }
 
 /// One chunk a reader loaded itself.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadedChunk {
     /// The chunk's index in the manifest.
@@ -115,6 +124,7 @@ pub struct LoadedChunk {
 }
 
 /// `POST /storage-pd/lookup`: the READY receipts of requests known by name.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LookupRequest {
     /// The request ids (at most 4096).
@@ -123,6 +133,7 @@ pub struct LookupRequest {
 
 /// What `lookup` answers: one entry per request asked, in order — its READY
 /// receipt, or `null` where there is none the caller may claim or release.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LookupResponse {
     /// The receipts.
@@ -130,6 +141,7 @@ pub struct LookupResponse {
 }
 
 /// A request that carries only a receipt (`release`, `reclaim`).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReceiptOnly {
     /// The receipt.
@@ -137,6 +149,7 @@ pub struct ReceiptOnly {
 }
 
 /// `POST /storage-pd/abort`: roll back a publication that is not READY.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AbortRequest {
     /// The publication.
@@ -146,6 +159,7 @@ pub struct AbortRequest {
 }
 
 /// What `abort` did.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AbortResponse {
     /// `aborted`, `pending` (batches in flight) or `not_found`.
@@ -155,6 +169,7 @@ pub struct AbortResponse {
 }
 
 /// `POST /storage-pd/fail`: a failed or uncertain claimed read; the publication is RETAINED.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FailRequest {
     /// The claim receipt.
@@ -165,6 +180,7 @@ pub struct FailRequest {
 
 /// `POST /storage-pd/session/close`: fence a reader session, proven by a
 /// claim receipt of that session.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SessionCloseRequest {
     /// A claim receipt whose session is the one to fence.
@@ -172,13 +188,42 @@ pub struct SessionCloseRequest {
 }
 
 /// A step that answers nothing but success.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Done {
     /// Always `true`.
     pub ok: bool,
 }
 
+/// `GET /readyz` while the store accepts changes with journal headroom.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Readiness {
+    /// Always true here: a daemon that is not ready answers 503 with an error.
+    pub ready: bool,
+    /// Bytes of the active journal half in use.
+    pub journal_used: u64,
+    /// Bytes in one journal half (not ready above three quarters of it).
+    pub journal_half: u64,
+    /// The namespace's epoch: a restart advances it.
+    pub epoch: u64,
+    /// Whether the eBPF probes are attached (`serve --provenance`).
+    pub provenance: ProbesState,
+}
+
+/// Whether the daemon's eBPF probes are attached.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProbesState {
+    /// `serve --provenance`: every payload's path is judged from the kernel.
+    Attached,
+    /// No probes: the data plane reports what it asked for.
+    Off,
+}
+
 /// Every refusal and failure: HTTP status, a stable code, the offending field.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema), schema(as = Error))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// The HTTP status, from the code.
@@ -207,6 +252,7 @@ impl std::fmt::Display for ErrorBody {
 impl std::error::Error for ErrorBody {}
 
 /// A publication as listed by `GET /storage-pd/publications`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PublicationInfo {
     /// The publication's number.
@@ -228,6 +274,7 @@ pub struct PublicationInfo {
 
 /// One chunk's place on the target: its slot and the bytes there. `len` and
 /// `crc32c` are absent until the chunk is stored.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Extent {
     /// The chunk's index.
@@ -346,6 +393,7 @@ pub struct DataResponse {
 }
 
 /// What `prepare` answers: the publication and the namespace it lives in.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Prepared {
     /// The PREPARED publication.
@@ -360,6 +408,7 @@ pub struct Prepared {
 }
 
 /// `POST /storage-pd/adopt`: the claimed reader confirms what it will read.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AdoptRequest {
     /// The claim receipt.
@@ -403,6 +452,7 @@ impl AdoptRequest {
 }
 
 /// A READY publication: its signed receipt and its manifest.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Published {
     /// The READY receipt.
@@ -412,6 +462,7 @@ pub struct Published {
 }
 
 /// What `cancel` did for a request id.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum CancelOutcome {

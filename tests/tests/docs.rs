@@ -202,8 +202,8 @@ fn type_of(prop: &Value) -> String {
         Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join(" or "),
         _ => "any".to_owned(),
     };
-    match (t.as_str(), prop.get("items")) {
-        ("array", Some(items)) => format!("array of {}", type_of(items)),
+    match prop.get("items") {
+        Some(items) if t.contains("array") => t.replacen("array", &format!("array of {}", type_of(items)), 1),
         _ => match prop.get("enum").and_then(Value::as_array) {
             Some(values) => {
                 let v: Vec<String> = values.iter().map(|v| format!("`{}`", v.as_str().unwrap_or("?"))).collect();
@@ -218,10 +218,27 @@ fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace('\n', " ")
 }
 
+/// A schema's fields as a table (or its type, for one that has none).
+fn fields(md: &mut String, schema: &Value) {
+    let required: BTreeSet<&str> =
+        schema.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
+    match schema.get("properties").and_then(Value::as_object) {
+        Some(props) => {
+            md.push_str("| field | type | required | meaning |\n|---|---|---|---|\n");
+            for (field, prop) in props {
+                let meaning = prop.get("description").and_then(Value::as_str).unwrap_or("");
+                let req = if required.contains(field.as_str()) { "yes" } else { "" };
+                md.push_str(&format!("| `{field}` | {} | {req} | {} |\n", cell(&type_of(prop)), cell(meaning)));
+            }
+        }
+        None => md.push_str(&format!("{}\n", type_of(schema))),
+    }
+}
+
 fn http_reference(doc: &Value) -> String {
     let mut md = String::from(
         "# HTTP API\n\n\
-         <!-- Generated from driver/openapi.json by tests/tests/docs.rs: `cargo xtask docs --write` rewrites it, \
+         <!-- Generated from the OpenAPI document (driver/src/api/openapi.rs) by tests/tests/docs.rs: `cargo xtask docs --write` rewrites it, \
          and the test fails while it differs. Do not edit by hand. -->\n\n\
          The daemon serves this OpenAPI document at `/openapi.json`. Every refusal is an [Error](#error) \
          (`{status, code, field, message}`) and changes nothing; the [protocol chapter](protocol.md) says \
@@ -252,26 +269,29 @@ fn http_reference(doc: &Value) -> String {
         if let Some(d) = schema.get("description").and_then(Value::as_str) {
             md.push_str(&format!("{d}\n\n"));
         }
-        let required: BTreeSet<&str> =
-            schema.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str).collect();
-        match schema.get("properties").and_then(Value::as_object) {
-            Some(props) => {
-                md.push_str("| field | type | required | meaning |\n|---|---|---|---|\n");
-                for (field, prop) in props {
-                    let meaning = prop.get("description").and_then(Value::as_str).unwrap_or("");
-                    let req = if required.contains(field.as_str()) { "yes" } else { "" };
-                    md.push_str(&format!("| `{field}` | {} | {req} | {} |\n", cell(&type_of(prop)), cell(meaning)));
+        match schema.get("oneOf").and_then(Value::as_array) {
+            Some(variants) if schema.get("properties").is_none() => {
+                md.push_str("One of:\n");
+                for variant in variants {
+                    let what = variant.get("description").and_then(Value::as_str).unwrap_or("");
+                    md.push_str(&format!("\n{what}\n\n"));
+                    fields(&mut md, variant);
                 }
             }
-            None => md.push_str(&format!("{}\n", type_of(schema))),
+            _ => fields(&mut md, schema),
         }
     }
     md
 }
 
 #[test]
+fn the_checked_in_openapi_document_is_the_generated_one() {
+    check_generated("driver/openapi.json", &pdstor::api::openapi::document_text());
+}
+
+#[test]
 fn the_http_reference_is_the_openapi_document() {
-    let doc: Value = serde_json::from_str(&read("driver/openapi.json")).expect("driver/openapi.json is JSON");
+    let doc = pdstor::api::openapi::document();
     let md = http_reference(&doc);
     for route in ["/storage-pd/prepare", "/storage-pd/ack", "/storage-pd/lookup", "/healthz"] {
         assert!(md.contains(route), "the HTTP reference has no {route}");

@@ -20,7 +20,8 @@ pub const MDBOOK_VERSION: &str = "0.5.4";
 #[derive(clap::Args)]
 pub struct DocsArgs {
     /// Rewrite the generated references (docs/cli-reference.md from the binary's --help,
-    /// docs/http-reference.md from driver/openapi.json) before building.
+    /// driver/openapi.json and docs/http-reference.md from the
+    /// wire types, via driver/src/api/openapi.rs) before building.
     #[arg(long)]
     write: bool,
 }

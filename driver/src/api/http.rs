@@ -26,9 +26,6 @@ use crate::protocol::service::{Prepared, ProtocolError, Service};
 use crate::protocol::{Refusal, RefusalCode};
 use crate::store::AbortOutcome;
 
-/// The OpenAPI document, kept in the repository beside the crate.
-pub const OPENAPI: &str = include_str!("../../openapi.json");
-
 /// What every control-plane handler shares.
 pub struct AppState {
     /// The protocol over the store.
@@ -72,13 +69,13 @@ async fn readyz(State(s): State<Shared>) -> Response {
     match why {
         None => json_response(
             StatusCode::OK,
-            &serde_json::json!({
-                "ready": true,
-                "journal_used": used,
-                "journal_half": half,
-                "epoch": store.epoch(),
-                "provenance": if s.provenance { "attached" } else { "off" },
-            }),
+            &Readiness {
+                ready: true,
+                journal_used: used,
+                journal_half: half,
+                epoch: store.epoch(),
+                provenance: if s.provenance { ProbesState::Attached } else { ProbesState::Off },
+            },
         ),
         Some(message) => {
             json_response(StatusCode::SERVICE_UNAVAILABLE, &ErrorBody::new(RefusalCode::DaemonNotReady, "", message))
@@ -344,12 +341,18 @@ async fn prepare(State(s): State<Shared>, Extension(who): Extension<Caller>, b: 
 type S = State<Shared>;
 type E = Extension<Caller>;
 
-/// The control plane's routes (see `openapi.json`).
+/// The OpenAPI document, generated once.
+fn openapi_text() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(super::openapi::document_text)
+}
+
+/// The control plane's routes: each is a row of [`super::openapi::ROUTES`].
 pub fn router(state: Shared) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], OPENAPI) }))
+        .route("/openapi.json", get(|| async { ([(header::CONTENT_TYPE, "application/json")], openapi_text()) }))
         .route(
             "/metrics",
             get(|State(s): S, Extension(w): E| async move {

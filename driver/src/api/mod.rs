@@ -10,6 +10,7 @@ pub mod http;
 pub mod hygiene;
 mod listen;
 pub mod metrics;
+pub mod openapi;
 pub mod tls;
 pub use pdstor_client::wire;
 

@@ -448,6 +448,7 @@ fn minor(dev: u64) -> u32 {
 /// `eui`), where it says: how a reader on another host proves that its view
 /// of a shared namespace is the owner's. Identifiers that are all zeros (not
 /// assigned) are left out; files have none.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct DeviceIds {
     /// The namespace UUID.

@@ -1,0 +1,503 @@
+//! The control plane's OpenAPI document, generated, not kept by hand: every
+//! schema is derived from the wire type the daemon and the client share
+//! (`utoipa::ToSchema` on `pdstor_client::wire`), every route is a row of
+//! [`ROUTES`], whose request and answer name those types. The daemon serves
+//! it at `/openapi.json`; `driver/openapi.json` is the same document checked
+//! in (a test fails while it differs), and `docs/http-reference.md` is
+//! rendered from it.
+
+use std::borrow::Cow;
+
+use serde_json::{Map, Value, json};
+use utoipa::ToSchema;
+
+use super::wire::*;
+use crate::store::{ChunkEntry, Layout, Manifest};
+use pdstor_client::receipt::{Receipt, ReceiptKind};
+use pdstor_engine::io::DeviceIds;
+
+/// The HTTP method of a route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    /// GET: reads.
+    Get,
+    /// POST: a protocol step, its request a JSON body.
+    Post,
+}
+
+impl Method {
+    /// As OpenAPI spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Get => "get",
+            Method::Post => "post",
+        }
+    }
+}
+
+/// What a route answers with 200.
+#[derive(Debug, Clone, Copy)]
+pub enum Body {
+    /// One JSON value of the named schema.
+    Json(fn() -> Cow<'static, str>),
+    /// A JSON array of the named schema.
+    JsonArray(fn() -> Cow<'static, str>),
+    /// Plain text.
+    Text,
+    /// This document.
+    Document,
+}
+
+/// A query parameter.
+#[derive(Debug, Clone, Copy)]
+pub struct Param {
+    /// Its name.
+    pub name: &'static str,
+    /// What it selects.
+    pub description: &'static str,
+    /// The values it takes.
+    pub values: &'static [&'static str],
+}
+
+/// One route of the control plane.
+#[derive(Debug, Clone, Copy)]
+pub struct Route {
+    /// GET or POST.
+    pub method: Method,
+    /// Where.
+    pub path: &'static str,
+    /// What it does, in a line.
+    pub summary: &'static str,
+    /// Its query parameters.
+    pub params: &'static [Param],
+    /// The JSON request body's schema, for the routes that take one.
+    pub request: Option<fn() -> Cow<'static, str>>,
+    /// 200: what it means, and its body.
+    pub ok: (&'static str, Body),
+    /// Every other status it answers, with an [`ErrorBody`], and when.
+    pub refusals: &'static [(u16, &'static str)],
+}
+
+const MALFORMED: (u16, &str) = (400, "malformed request");
+const UNAUTHENTICATED: (u16, &str) = (401, "unauthenticated: the caller proved no identity");
+const FORBIDDEN: (u16, &str) = (403, "forbidden (the caller's role or tenant may not) or not_owner");
+const SIGNED: (u16, &str) = (
+    403,
+    "bad signature; forbidden (the caller's role or tenant may not) or not_owner (another identity's publication, \
+     claim or session)",
+);
+const UNKNOWN: (u16, &str) = (404, "unknown publication");
+const BODY_TIMEOUT: (u16, &str) = (408, "the request body did not arrive within --body-timeout-ms (body_timeout)");
+const CONFLICT: (u16, &str) = (409, "refused: wrong state or a field that does not match");
+const TOO_LARGE: (u16, &str) = (
+    413,
+    "the request body is over --max-body (body_too_large), or a journal record would be too large \
+     (record_too_large)",
+);
+const QUOTA: (u16, &str) = (429, "quota_exceeded: the caller's tenant holds all its quota allows");
+const STORE_FAILED: (u16, &str) = (503, "store failed: restart the daemon");
+
+/// A step on a receipt: every refusal a signed step can meet.
+const RECEIPT_STEP: &[(u16, &str)] =
+    &[MALFORMED, UNAUTHENTICATED, SIGNED, UNKNOWN, BODY_TIMEOUT, CONFLICT, TOO_LARGE, QUOTA, STORE_FAILED];
+/// A step on a receipt that may already be acknowledged.
+const ACKED_STEP: &[(u16, &str)] = &[
+    MALFORMED,
+    UNAUTHENTICATED,
+    SIGNED,
+    (404, "already acknowledged or unknown"),
+    BODY_TIMEOUT,
+    CONFLICT,
+    TOO_LARGE,
+    QUOTA,
+    STORE_FAILED,
+];
+/// A read of the daemon's state.
+const READ: &[(u16, &str)] = &[UNAUTHENTICATED, FORBIDDEN, QUOTA];
+
+/// Every route the daemon serves (`api::http::router` builds the same list;
+/// a test checks the two agree and that each answers).
+pub const ROUTES: &[Route] = &[
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/prepare",
+        summary: "Step 1: admission; reserves every chunk slot or waits (bounded)",
+        params: &[],
+        request: Some(PrepareRequest::name),
+        ok: ("done", Body::Json(Prepared::name)),
+        refusals: &[
+            MALFORMED,
+            UNAUTHENTICATED,
+            FORBIDDEN,
+            BODY_TIMEOUT,
+            CONFLICT,
+            (413, "larger than the whole store"),
+            QUOTA,
+            (503, "admission timeout; too_many_prepares: --max-prepares prepares are already handled or waiting"),
+        ],
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/publish",
+        summary: "Step 3: READY after the payload and the PUBLISH record are durable",
+        params: &[],
+        request: Some(PublishRequest::name),
+        ok: ("done", Body::Json(Published::name)),
+        refusals: &[
+            MALFORMED,
+            UNAUTHENTICATED,
+            FORBIDDEN,
+            UNKNOWN,
+            BODY_TIMEOUT,
+            CONFLICT,
+            TOO_LARGE,
+            QUOTA,
+            STORE_FAILED,
+        ],
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/claim",
+        summary: "Step 4: bind exactly one reader and session",
+        params: &[],
+        request: Some(ClaimRequest::name),
+        ok: ("done", Body::Json(ReceiptResponse::name)),
+        refusals: &[
+            MALFORMED,
+            UNAUTHENTICATED,
+            (
+                403,
+                "bad signature or other namespace; forbidden (the caller's role or tenant may not) or not_owner \
+                 (another identity's publication, claim or session)",
+            ),
+            UNKNOWN,
+            BODY_TIMEOUT,
+            CONFLICT,
+            TOO_LARGE,
+            QUOTA,
+            STORE_FAILED,
+        ],
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/adopt",
+        summary: "Step 5: every field must match; returns the manifest",
+        params: &[],
+        request: Some(AdoptRequest::name),
+        ok: ("done", Body::Json(Manifest::name)),
+        refusals: RECEIPT_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/loaded",
+        summary: "A reader that read chunks itself from its own view of the shared namespace reports their crc32c \
+                  (never payload); each must match the stored one (else restore_mismatch, nothing recorded), then \
+                  they count as loaded for the claim's ack",
+        params: &[],
+        request: Some(LoadedRequest::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: ACKED_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/ack",
+        summary: "Step 7: frees the slots once every chunk was loaded for this claim and the digest binds its nonce; \
+                  a second ACK is refused",
+        params: &[],
+        request: Some(AckRequest::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: ACKED_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/release",
+        summary: "Exact unread release of a READY, never-claimed publication",
+        params: &[],
+        request: Some(ReceiptOnly::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: RECEIPT_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/lookup",
+        summary: "The READY receipts of requests known by name (null where none this caller may claim or release)",
+        params: &[],
+        request: Some(LookupRequest::name),
+        ok: ("one receipt or null per request, in order", Body::Json(LookupResponse::name)),
+        refusals: &[
+            MALFORMED,
+            UNAUTHENTICATED,
+            (403, "forbidden: the caller has no role"),
+            BODY_TIMEOUT,
+            CONFLICT,
+            TOO_LARGE,
+            QUOTA,
+            STORE_FAILED,
+        ],
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/abort",
+        summary: "Roll back a publication before READY",
+        params: &[],
+        request: Some(AbortRequest::name),
+        ok: ("done", Body::Json(AbortResponse::name)),
+        refusals: &[
+            MALFORMED,
+            UNAUTHENTICATED,
+            FORBIDDEN,
+            (404, "refused: no such publication (never prepared, or already acknowledged, released or aborted)"),
+            BODY_TIMEOUT,
+            CONFLICT,
+            TOO_LARGE,
+            QUOTA,
+            STORE_FAILED,
+        ],
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/cancel",
+        summary: "Give up a request by its id: refuse its waiting prepare, or roll back its PREPARED publication \
+                  (idempotent)",
+        params: &[],
+        request: Some(CancelRequest::name),
+        ok: ("done", Body::Json(CancelOutcome::name)),
+        refusals: &[
+            MALFORMED,
+            UNAUTHENTICATED,
+            FORBIDDEN,
+            (409, "the request is READY or later: release it instead"),
+            TOO_LARGE,
+            QUOTA,
+            STORE_FAILED,
+        ],
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/fail",
+        summary: "A failed or uncertain read: RETAINED, bytes kept",
+        params: &[],
+        request: Some(FailRequest::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: RECEIPT_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/reclaim",
+        summary: "Free a claimed/retained publication once its reader is fenced",
+        params: &[],
+        request: Some(ReceiptOnly::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: RECEIPT_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/session/close",
+        summary: "Fence a reader session",
+        params: &[],
+        request: Some(SessionCloseRequest::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: &[MALFORMED, UNAUTHENTICATED, FORBIDDEN, BODY_TIMEOUT, TOO_LARGE, QUOTA],
+    },
+    Route {
+        method: Method::Get,
+        path: "/storage-pd/publications",
+        summary: "Live publications",
+        params: &[
+            Param {
+                name: "state",
+                description: "only publications in this state",
+                values: &["PREPARED", "READY", "CLAIMED", "ADOPTED", "RETAINED", "ABORTING"],
+            },
+            Param {
+                name: "verbose",
+                description: "1 or true: list each chunk's extent on the target",
+                values: &["1", "true"],
+            },
+        ],
+        request: None,
+        ok: ("list", Body::JsonArray(PublicationInfo::name)),
+        refusals: READ,
+    },
+    Route {
+        method: Method::Get,
+        path: "/storage-pd/namespace",
+        summary: "The namespace the owner serves (its superblock's UUID, epoch, slots) and its device's NVMe namespace \
+                  identifiers (uuid, nguid, eui64, where it has them): what a reader on another host checks its own \
+                  view of the shared namespace against before it reads",
+        params: &[],
+        request: None,
+        ok: ("the namespace", Body::Json(NamespaceInfo::name)),
+        refusals: READ,
+    },
+    Route {
+        method: Method::Get,
+        path: "/healthz",
+        summary: "Liveness: 200 while the daemon can do its job; 503 once the store has failed (a restart replays the \
+                  journal)",
+        params: &[],
+        request: None,
+        ok: ("ok", Body::Text),
+        refusals: &[(503, "the store failed and refuses every change (code store_failed)")],
+    },
+    Route {
+        method: Method::Get,
+        path: "/readyz",
+        summary: "Readiness: the store accepts changes and the journal has headroom",
+        params: &[],
+        request: None,
+        ok: ("ready", Body::Json(Readiness::name)),
+        refusals: &[(503, "not ready, and why (code not_ready)")],
+    },
+    Route {
+        method: Method::Get,
+        path: "/metrics",
+        summary: "Prometheus metrics (an admin's: the counters span every tenant)",
+        params: &[],
+        request: None,
+        ok: ("text exposition", Body::Text),
+        refusals: READ,
+    },
+    Route {
+        method: Method::Get,
+        path: "/openapi.json",
+        summary: "This document",
+        params: &[],
+        request: None,
+        ok: ("the OpenAPI 3.1 document", Body::Document),
+        refusals: &[],
+    },
+];
+
+/// The schemas the routes name, each derived from its Rust type.
+fn schemas() -> Map<String, Value> {
+    let mut out = Map::new();
+    macro_rules! add {
+        ($($t:ty),* $(,)?) => {$(
+            out.insert(<$t as ToSchema>::name().into_owned(), json_of(&<$t as utoipa::PartialSchema>::schema()));
+        )*};
+    }
+    add!(
+        ErrorBody,
+        Receipt,
+        ReceiptKind,
+        Layout,
+        ChunkEntry,
+        Manifest,
+        PrepareRequest,
+        Prepared,
+        PublishRequest,
+        Published,
+        ClaimRequest,
+        ReceiptResponse,
+        AdoptRequest,
+        LoadedRequest,
+        LoadedChunk,
+        AckRequest,
+        ReceiptOnly,
+        LookupRequest,
+        LookupResponse,
+        AbortRequest,
+        AbortResponse,
+        CancelRequest,
+        CancelOutcome,
+        FailRequest,
+        SessionCloseRequest,
+        Done,
+        PublicationInfo,
+        Extent,
+        NamespaceInfo,
+        DeviceIds,
+        Readiness,
+        ProbesState,
+    );
+    out
+}
+
+fn json_of<T: serde::Serialize>(value: &T) -> Value {
+    // The schema types serialize to JSON by construction: a failure here is a
+    // bug in utoipa, not a condition to recover from.
+    serde_json::to_value(value).unwrap_or_else(|e| json!({ "description": format!("unserializable schema: {e}") }))
+}
+
+fn schema_ref(name: &str) -> Value {
+    json!({ "$ref": format!("#/components/schemas/{name}") })
+}
+
+fn json_content(schema: Value) -> Value {
+    json!({ "application/json": { "schema": schema } })
+}
+
+fn operation(route: &Route) -> Value {
+    let mut op = Map::new();
+    op.insert("summary".into(), route.summary.into());
+    if !route.params.is_empty() {
+        let params: Vec<Value> = route
+            .params
+            .iter()
+            .map(|p| {
+                json!({"name": p.name, "in": "query", "required": false, "description": p.description,
+                       "schema": {"type": "string", "enum": p.values}})
+            })
+            .collect();
+        op.insert("parameters".into(), params.into());
+    }
+    if let Some(request) = route.request {
+        op.insert("requestBody".into(), json!({ "required": true, "content": json_content(schema_ref(&request())) }));
+    }
+    let (what, body) = route.ok;
+    let content = match body {
+        Body::Json(name) => json_content(schema_ref(&name())),
+        Body::JsonArray(name) => json_content(json!({ "type": "array", "items": schema_ref(&name()) })),
+        Body::Text => json!({ "text/plain": { "schema": { "type": "string" } } }),
+        Body::Document => json_content(json!({ "type": "object" })),
+    };
+    let mut responses = Map::new();
+    responses.insert("200".into(), json!({ "description": what, "content": content }));
+    for (status, when) in route.refusals {
+        responses.insert(
+            status.to_string(),
+            json!({ "description": when, "content": json_content(schema_ref(&ErrorBody::name())) }),
+        );
+    }
+    op.insert("responses".into(), responses.into());
+    op.into()
+}
+
+/// The whole document.
+pub fn document() -> Value {
+    let mut paths = Map::new();
+    for route in ROUTES {
+        let item = paths.entry(route.path).or_insert_with(|| json!({}));
+        if let Some(item) = item.as_object_mut() {
+            item.insert(route.method.as_str().into(), operation(route));
+        }
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "pdstor control plane",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "The storage-PD handoff protocol (DESIGN §4). Payload bytes never cross this API: they \
+                move on the data plane (Unix socket, SCM_RIGHTS). Every request is made by an identity: a Unix \
+                peer's uid (SO_PEERCRED), mapped to a tenant and roles by `serve --config`; refusals for who the \
+                caller is are 401 unauthenticated, 403 forbidden and 403 not_owner. Generated from the wire types \
+                (driver/src/api/openapi.rs).",
+        },
+        "servers": [{
+            "url": "http://localhost",
+            "description": "The daemon's Unix socket (default /run/pdstor/control.sock; `pdstor serve --listen \
+                unix:PATH`): the caller is identified by SO_PEERCRED. Plaintext TCP (`--listen host:port \
+                --insecure-tcp`) identifies no one.",
+        }],
+        "paths": paths,
+        "components": { "schemas": schemas() },
+    })
+}
+
+/// The document as the daemon serves it and `driver/openapi.json` holds it.
+pub fn document_text() -> String {
+    let mut text = serde_json::to_string_pretty(&document()).unwrap_or_default();
+    text.push('\n');
+    text
+}
