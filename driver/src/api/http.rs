@@ -366,6 +366,15 @@ pub fn router(state: Shared) -> Router {
         .route("/storage-pd/publications", get(publications))
         .route("/storage-pd/namespace", get(namespace))
         .route("/storage-pd/prepare", post(prepare))
+        .merge(steps())
+        .with_state(state)
+        .layer(axum::middleware::map_response(json_errors))
+}
+
+/// The protocol's steps after prepare: each a JSON body in, a
+/// [`Service`] call, a JSON answer or refusal out.
+fn steps() -> Router<Shared> {
+    Router::new()
         .route(
             "/storage-pd/cancel",
             post(|State(s): S, Extension(w): E, b: Body| {
@@ -462,8 +471,6 @@ pub fn router(state: Shared) -> Router {
                 })
             }),
         )
-        .with_state(state)
-        .layer(axum::middleware::map_response(json_errors))
 }
 
 /// `GET /storage-pd/publications`: a tenant sees only its own; an admin all.

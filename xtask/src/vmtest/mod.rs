@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 use pdstor_vmtest_spec::{
-    DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, MULTI_GUEST_SUITES, Outcome, READER_ADDR,
+    DISKS, DiskRole, DiskSpec, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, MULTI_GUEST_SUITES, Outcome, READER_ADDR,
     STORAGE_ADDR, SUITES, TestResult, suite_exists,
 };
 use xshell::{Shell, cmd};
@@ -206,6 +206,63 @@ pub fn kernel_cmd(sh: &Shell, cmd_: &KernelCmd) -> Result<()> {
 
 pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     let started = Instant::now();
+    let (suites, topology) = chosen_suites(args)?;
+    let roles = chosen_disks(args)?;
+    let pb = spinner("building the guest /init (static)");
+    let init = build_guest(sh)?;
+    pb.set_message("fetching the guest kernel");
+    let kernel = guest_kernel(sh, args, &pb)?;
+    pb.set_message("assembling the initramfs");
+    let dir = crate::project_root().join("target/vmtest/run");
+    let _ = std::fs::remove_dir_all(&dir);
+    sh.create_dir(&dir)?;
+    let initrd = dir.join("initramfs.cpio");
+    let size = build_initramfs(sh, &kernel, &init, &suites, &roles, &initrd)?;
+    pb.set_message(format!("initramfs {} MiB; creating disks", size >> 20));
+    let disks = create_disks(&dir)?;
+    if topology {
+        pb.finish_and_clear();
+        let accel = if args.accel == "kvm" { Accel::Kvm } else { Accel::Tcg };
+        return run_topology(&kernel.vmlinuz, &initrd, disks, &dir, Duration::from_secs(args.timeout), accel, started);
+    }
+    let vm = Vm {
+        netdev: None,
+        abort: None,
+        kill_marker: None,
+        kernel: &kernel.vmlinuz,
+        initrd: &initrd,
+        disks,
+        dir: &dir,
+        // The guest's ground truth for which kernel it runs: a series kernel
+        // must have dmabuf_fixed, Debian's must refuse it.
+        extra_append: [
+            args.append.clone().unwrap_or_default(),
+            if args.kernel_series.is_some() { "pdstor.rw_dmabuf=1".into() } else { String::new() },
+        ]
+        .join(" ")
+        .trim()
+        .to_owned(),
+    };
+    let run = boot(&vm, args, &pb)?;
+    pb.finish_and_clear();
+    let verdict = report(&run, started.elapsed());
+    if !args.keep {
+        for (_, img) in &vm.disks {
+            let _ = std::fs::remove_file(img);
+        }
+    }
+    println!(
+        "logs: {} (console), {} (results), {}",
+        run.console_file.display(),
+        run.results_file.display(),
+        dir.join("qemu.stderr").display()
+    );
+    verdict
+}
+
+/// The suites asked for (all but the multi-guest ones by default), and
+/// whether they are the topology, which boots guests of its own.
+fn chosen_suites(args: &VmtestArgs) -> Result<(Vec<String>, bool)> {
     let suites: Vec<String> = if args.suites.is_empty() || args.suites.iter().any(|s| s == "all") {
         SUITES
             .iter()
@@ -227,6 +284,11 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
             );
         }
     }
+    Ok((suites, topology))
+}
+
+/// The disks' roles asked for with --fs (every one by default).
+fn chosen_disks(args: &VmtestArgs) -> Result<Vec<DiskRole>> {
     let roles: Vec<DiskRole> = if args.fs.is_empty() {
         DISKS.iter().map(|d| d.role).collect()
     } else {
@@ -241,10 +303,12 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
             })
             .collect::<Result<_>>()?
     };
+    Ok(roles)
+}
 
-    let pb = spinner("building the guest /init (static)");
-    let init = build_guest(sh)?;
-    pb.set_message("fetching the guest kernel");
+/// The guest's kernel: a given bzImage, the series kernel (built or reused),
+/// or Debian's.
+fn guest_kernel(sh: &Shell, args: &VmtestArgs, pb: &ProgressBar) -> Result<kernel::Kernel> {
     let kernel = match (&args.kernel, &args.kernel_series) {
         (Some(path), _) => kernel::Kernel {
             package: "(given)".into(),
@@ -270,13 +334,11 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     if args.kernel_series.is_none() {
         kernel::check(&kernel, &fragment("pd-storage.config"))?;
     }
-    pb.set_message("assembling the initramfs");
-    let dir = crate::project_root().join("target/vmtest/run");
-    let _ = std::fs::remove_dir_all(&dir);
-    sh.create_dir(&dir)?;
-    let initrd = dir.join("initramfs.cpio");
-    let size = build_initramfs(sh, &kernel, &init, &suites, &roles, &initrd)?;
-    pb.set_message(format!("initramfs {} MiB; creating disks", size >> 20));
+    Ok(kernel)
+}
+
+/// One sparse image per disk the guest gets.
+fn create_disks(dir: &Path) -> Result<Vec<(DiskSpec, PathBuf)>> {
     let mut disks = Vec::new();
     for spec in DISKS {
         let img = dir.join(format!("{}.img", spec.role));
@@ -285,29 +347,12 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
             .with_context(|| format!("creating {}", img.display()))?;
         disks.push((spec, img));
     }
-    if topology {
-        pb.finish_and_clear();
-        let accel = if args.accel == "kvm" { Accel::Kvm } else { Accel::Tcg };
-        return run_topology(&kernel.vmlinuz, &initrd, disks, &dir, Duration::from_secs(args.timeout), accel, started);
-    }
-    let vm = Vm {
-        netdev: None,
-        abort: None,
-        kill_marker: None,
-        kernel: &kernel.vmlinuz,
-        initrd: &initrd,
-        disks,
-        dir: &dir,
-        // The guest's ground truth for which kernel it runs: a series kernel
-        // must have dmabuf_fixed, Debian's must refuse it.
-        extra_append: [
-            args.append.clone().unwrap_or_default(),
-            if args.kernel_series.is_some() { "pdstor.rw_dmabuf=1".into() } else { String::new() },
-        ]
-        .join(" ")
-        .trim()
-        .to_owned(),
-    };
+    Ok(disks)
+}
+
+/// Boots the guest with the accelerator asked for (auto: KVM if it boots,
+/// else TCG) and runs its suites.
+fn boot(vm: &Vm, args: &VmtestArgs, pb: &ProgressBar) -> Result<qemu::VmRun> {
     let timeout = Duration::from_secs(args.timeout);
     let progress = |s: &str| pb.set_message(format!("guest: {s}"));
     let run = match args.accel.as_str() {
@@ -342,33 +387,15 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
         }
         other => bail!("--accel {other:?}: use tcg, kvm or auto"),
     };
-    // A panic before /init printed its boot marker happened in the kernel's
-    // own early boot under emulation (seen once under TCG with swiotlb=force,
-    // in an initcall): nothing of pdstor had run. Boot once more, and say so;
-    // a second panic fails the run.
-    let early_panic = |r: &qemu::VmRun| {
-        !r.booted && std::fs::read_to_string(&r.console_file).is_ok_and(|c| c.contains("Kernel panic"))
-    };
-    let run = if early_panic(&run) {
+    // Nothing of pdstor ran before an early-boot panic: boot once more, and
+    // say so; a second panic fails the run.
+    let run = if panicked_in_early_boot(&run) {
         pb.println("vmtest: the guest kernel panicked during early boot, before /init ran; booting it once more");
         vm.run(run.accel, timeout, None, &progress)?
     } else {
         run
     };
-    pb.finish_and_clear();
-    let verdict = report(&run, started.elapsed());
-    if !args.keep {
-        for (_, img) in &vm.disks {
-            let _ = std::fs::remove_file(img);
-        }
-    }
-    println!(
-        "logs: {} (console), {} (results), {}",
-        run.console_file.display(),
-        run.results_file.display(),
-        dir.join("qemu.stderr").display()
-    );
-    verdict
+    Ok(run)
 }
 
 fn build_guest(sh: &Shell) -> Result<PathBuf> {
@@ -497,9 +524,7 @@ fn run_topology(
     // (seen under TCG on a loaded host), boots once more, as a single guest does.
     let boot = |vm: &Vm, name: &str| -> Result<qemu::VmRun> {
         let r = vm.run(accel, timeout, None, |p| println!("  {name}: {p}"))?;
-        let early_panic =
-            !r.booted && std::fs::read_to_string(&r.console_file).is_ok_and(|c| c.contains("Kernel panic"));
-        if early_panic {
+        if panicked_in_early_boot(&r) {
             println!("  {name}: the kernel panicked during early boot, before /init ran; booting it once more");
             return vm.run(accel, timeout, None, |p| println!("  {name}: {p}"));
         }
@@ -509,12 +534,7 @@ fn run_topology(
         let st = s.spawn(|| -> Result<(qemu::VmRun, Option<qemu::VmRun>)> {
             let first = boot(&storage, "storage")?;
             // Its power cut: booted again on the same disks, resuming at the test that asked.
-            let resume = first
-                .kill_line
-                .as_deref()
-                .and_then(|l| l.split(pdstor_vmtest_spec::POWER_CUT_ME).nth(1))
-                .map(|t| t.trim().to_owned());
-            let reborn = match resume {
+            let reborn = match resume_point(&first) {
                 Some(test) => {
                     println!("  storage: power cut, as it asked; booting it again at {test}");
                     let vm = Vm {
@@ -543,15 +563,44 @@ fn run_topology(
     });
     let (srun, reborn) = srun.map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))??;
     let rrun = rrun.map_err(|_| anyhow::anyhow!("the reader guest's thread panicked"))??;
+    report_topology(&srun, reborn.as_ref(), &rrun, [&sdir, &reborn_dir, &rdir], started)
+}
+
+/// Where a storage guest that asked for its power cut resumes: the test
+/// named after the marker on its kill line.
+fn resume_point(first: &qemu::VmRun) -> Option<String> {
+    first
+        .kill_line
+        .as_deref()
+        .and_then(|l| l.split(pdstor_vmtest_spec::POWER_CUT_ME).nth(1))
+        .map(|t| t.trim().to_owned())
+}
+
+/// A panic before /init printed its boot marker: the kernel's own early boot
+/// under emulation (seen under TCG with swiotlb=force and on a loaded host,
+/// in an initcall), before anything of pdstor ran.
+fn panicked_in_early_boot(r: &qemu::VmRun) -> bool {
+    !r.booted && std::fs::read_to_string(&r.console_file).is_ok_and(|c| c.contains("Kernel panic"))
+}
+
+/// The three guests' reports (storage, storage booted again, reader) and
+/// where their consoles are.
+fn report_topology(
+    srun: &qemu::VmRun,
+    reborn: Option<&qemu::VmRun>,
+    rrun: &qemu::VmRun,
+    [sdir, reborn_dir, rdir]: [&PathBuf; 3],
+    started: Instant,
+) -> Result<()> {
     println!("\nstorage guest:");
-    let mut s = report(&srun, started.elapsed());
-    if let Some(reborn) = &reborn {
+    let mut s = report(srun, started.elapsed());
+    if let Some(reborn) = reborn {
         println!("\nstorage guest, booted again after its power cut:");
         s = s.and(report(reborn, started.elapsed()));
     }
     println!("\nreader guest:");
-    let r = report(&rrun, started.elapsed());
-    for (name, d) in [("storage", &sdir), ("storage booted again", &reborn_dir), ("reader", &rdir)] {
+    let r = report(rrun, started.elapsed());
+    for (name, d) in [("storage", sdir), ("storage booted again", reborn_dir), ("reader", rdir)] {
         println!("logs ({name}): {}", d.join("console.log").display());
     }
     s.and(r)
