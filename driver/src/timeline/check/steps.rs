@@ -201,31 +201,7 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
             p.loaded.clear();
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
         }
-        ("decode_start", _) => {
-            let n = p.publish.as_ref().map_or(0, |x| x.chunks);
-            let missing: Vec<u32> = (0..n).filter(|c| !p.loaded.contains(c)).collect();
-            if p.adopt.is_none() {
-                v.add(line, "causality", format!("{who}: decode before adopt"));
-            } else if !missing.is_empty() {
-                v.add(line, "causality", format!("{who}: decode started with chunks {missing:?} not loaded"));
-            }
-            let published = p.publish.as_ref().and_then(|x| x.token);
-            if e.token.is_some() && published.is_some() && e.token != published {
-                let m = format!(
-                    "{who}: decode starts from token {}, the publication's is {}",
-                    e.token.map_or_else(|| "none".into(), |t| t.to_string()),
-                    published.map_or_else(|| "none".into(), |t| t.to_string())
-                );
-                v.add(line, "token_mismatch", m);
-            }
-            same_reader(v, line, who, p, e);
-            p.loaded.clear();
-            p.decoded = true;
-            // Each decode records its own continuation before the ack.
-            p.continued = false;
-            p.decoders.insert(e.node.clone());
-            same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
-        }
+        ("decode_start", _) => decode_start(v, line, who, p, e),
         ("restored", _) => {
             let n = p.publish.as_ref().map_or(0, |x| x.chunks);
             let missing: Vec<u32> = (0..n).filter(|c| !p.served.contains_key(c)).collect();
@@ -242,37 +218,7 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
             }
             p.continued = true;
         }
-        ("loaded", true) => {
-            // A reader that read the chunk itself, from the shared namespace:
-            // the daemon checked its crc32c; it counts as loaded.
-            let chunk = e.chunk.unwrap_or(u32::MAX);
-            if p.adopt.is_none() {
-                v.add(line, "causality", format!("{who}: chunk {chunk} reported loaded before adopt"));
-            }
-            let n = p.publish.as_ref().map_or(0, |x| x.chunks);
-            if chunk >= n {
-                v.add(
-                    line,
-                    "unknown_chunk",
-                    format!("{who}: chunk {chunk} reported loaded, the manifest has chunks 0..{n}"),
-                );
-            }
-            if let Some(s) = p.stored.get(&chunk)
-                && e.crc32c.is_some()
-                && s.crc.is_some()
-                && e.crc32c != s.crc
-            {
-                let m = format!(
-                    "{who}: chunk {chunk} reported loaded with crc32c {}, stored {}",
-                    hex32(e.crc32c),
-                    hex32(s.crc)
-                );
-                v.add(line, "load_mismatch", m);
-            }
-            same_reader(v, line, who, p, e);
-            p.loaded.insert(chunk);
-            p.served.insert(chunk, e.crc32c);
-        }
+        ("loaded", true) => reported_loaded(v, line, who, p, e),
         ("ack", true) => daemon_ack(v, line, who, p, e),
         ("ack", false) => {
             if p.ack.is_none() {
@@ -292,6 +238,61 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
         }
         _ => {}
     }
+}
+
+/// A decode starts: after adopt, with every chunk loaded, from the
+/// publication's first token; the next continuation belongs to it.
+fn decode_start(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
+    let n = p.publish.as_ref().map_or(0, |x| x.chunks);
+    let missing: Vec<u32> = (0..n).filter(|c| !p.loaded.contains(c)).collect();
+    if p.adopt.is_none() {
+        v.add(line, "causality", format!("{who}: decode before adopt"));
+    } else if !missing.is_empty() {
+        v.add(line, "causality", format!("{who}: decode started with chunks {missing:?} not loaded"));
+    }
+    let published = p.publish.as_ref().and_then(|x| x.token);
+    if e.token.is_some() && published.is_some() && e.token != published {
+        let m = format!(
+            "{who}: decode starts from token {}, the publication's is {}",
+            e.token.map_or_else(|| "none".into(), |t| t.to_string()),
+            published.map_or_else(|| "none".into(), |t| t.to_string())
+        );
+        v.add(line, "token_mismatch", m);
+    }
+    same_reader(v, line, who, p, e);
+    p.loaded.clear();
+    p.decoded = true;
+    // Each decode records its own continuation before the ack.
+    p.continued = false;
+    p.decoders.insert(e.node.clone());
+    same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+}
+
+/// The daemon recorded a chunk a reader read itself from the shared
+/// namespace (it checked its crc32c): it counts as loaded.
+fn reported_loaded(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event) {
+    // A reader that read the chunk itself, from the shared namespace:
+    // the daemon checked its crc32c; it counts as loaded.
+    let chunk = e.chunk.unwrap_or(u32::MAX);
+    if p.adopt.is_none() {
+        v.add(line, "causality", format!("{who}: chunk {chunk} reported loaded before adopt"));
+    }
+    let n = p.publish.as_ref().map_or(0, |x| x.chunks);
+    if chunk >= n {
+        v.add(line, "unknown_chunk", format!("{who}: chunk {chunk} reported loaded, the manifest has chunks 0..{n}"));
+    }
+    if let Some(s) = p.stored.get(&chunk)
+        && e.crc32c.is_some()
+        && s.crc.is_some()
+        && e.crc32c != s.crc
+    {
+        let m =
+            format!("{who}: chunk {chunk} reported loaded with crc32c {}, stored {}", hex32(e.crc32c), hex32(s.crc));
+        v.add(line, "load_mismatch", m);
+    }
+    same_reader(v, line, who, p, e);
+    p.loaded.insert(chunk);
+    p.served.insert(chunk, e.crc32c);
 }
 
 /// The daemon's ack: once, after the reader restored every chunk it loaded
