@@ -9,6 +9,11 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
+use super::error::WorkerError;
+use super::storage::{Inspect, Storage};
+use super::worker::JOURNAL_BLOCK;
+use crate::io::{Completion, Engine, IoError, IoRequest, Op};
+
 /// Kills the device after `writes` more writes (payload, journal or superblock).
 #[derive(Debug)]
 pub struct FaultPlan {
@@ -75,7 +80,7 @@ impl FaultPlan {
     }
 
     /// Before a write: remember what it overwrites.
-    pub(super) fn before_write(&self, offset: u64, len: u64) {
+    fn before_write(&self, offset: u64, len: u64) {
         if let Some(mut c) = self.cache() {
             let before = Self::read_now_file(&c.file, offset, len);
             c.unflushed.push((offset, before, Vec::new()));
@@ -84,7 +89,7 @@ impl FaultPlan {
 
     /// After the writes since the last [`before_write`](Self::before_write)s
     /// completed: remember what they wrote.
-    pub(super) fn after_writes(&self) {
+    fn after_writes(&self) {
         if let Some(mut c) = self.cache() {
             let c = &mut *c;
             for (offset, before, after) in c.unflushed.iter_mut().filter(|w| w.2.is_empty()) {
@@ -102,7 +107,7 @@ impl FaultPlan {
     }
 
     /// A flush completed: the cache is empty.
-    pub(super) fn flushed(&self) {
+    fn flushed(&self) {
         if let Some(mut c) = self.cache() {
             c.unflushed.clear();
         }
@@ -157,7 +162,7 @@ impl FaultPlan {
         self.dead.load(Ordering::SeqCst)
     }
     /// Whether the next write may proceed: `Ok(true)` whole, `Ok(false)` torn.
-    pub(super) fn admit_write(&self) -> Result<bool, ()> {
+    fn admit_write(&self) -> Result<bool, ()> {
         if self.is_dead() {
             return Err(());
         }
@@ -169,6 +174,84 @@ impl FaultPlan {
     }
 }
 
-pub(super) fn dead_device() -> std::io::Error {
+fn dead_device() -> std::io::Error {
     std::io::Error::other("device failed (fault injection)")
+}
+
+/// The error of a write or read the faulty device refused.
+fn refused(r: &IoRequest) -> IoError {
+    IoError::Transfer { transfer: r.transfer, op: r.op, offset: r.target_offset.0, len: r.len, source: dead_device() }
+}
+
+/// A dead device's faults: once it has died, every write, read and flush
+/// fails; the write that kills it may be torn (metadata) or refused whole
+/// (payload); its writes and flushes feed the simulated write cache.
+impl Storage for FaultPlan {
+    fn payload(
+        &self,
+        engine: &mut Engine,
+        commands: &[IoRequest],
+        inspect: Inspect,
+    ) -> Result<Vec<Completion>, IoError> {
+        let admitted: Vec<bool> = commands
+            .iter()
+            .map(|c| if c.op == Op::Write { self.admit_write() == Ok(true) } else { !self.is_dead() })
+            .collect();
+        let index: Vec<usize> = (0..commands.len()).filter(|&i| admitted[i]).collect();
+        let run: Vec<IoRequest> = index.iter().map(|&i| commands[i]).collect();
+        for w in run.iter().filter(|r| r.op == Op::Write) {
+            self.before_write(w.target_offset.0, w.len);
+        }
+        let done = engine.execute_inspect(&run, |i, c, b| inspect(index[i], c, b));
+        self.after_writes();
+        let mut done = done?.into_iter();
+        let out = commands
+            .iter()
+            .zip(&admitted)
+            .map(|(c, &ok)| {
+                match ok {
+                    true => done.next(),
+                    false => None,
+                }
+                .unwrap_or_else(|| Completion {
+                    transfer: c.transfer,
+                    op: c.op,
+                    path: c.path,
+                    bytes: 0,
+                    latency: std::time::Duration::ZERO,
+                    result: Err(refused(c)),
+                })
+            })
+            .collect();
+        Ok(out)
+    }
+
+    fn write(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError> {
+        match self.admit_write() {
+            Ok(true) => {}
+            Ok(false) => {
+                // Torn: the first half (whole blocks) reaches the media.
+                let len = request.len;
+                let half = (len / 2) - (len / 2) % JOURNAL_BLOCK.min(len);
+                if half > 0 {
+                    let _ = engine.execute_all(&[IoRequest { len: half, ..request }]);
+                }
+                return Err(refused(&IoRequest { len: 0, ..request }));
+            }
+            Err(()) => return Err(refused(&IoRequest { len: 0, ..request })),
+        }
+        self.before_write(request.target_offset.0, request.len);
+        let r = engine.execute_all(&[request]).map(drop);
+        self.after_writes();
+        r
+    }
+
+    fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError> {
+        if self.is_dead() {
+            return Err(WorkerError::DeviceDead);
+        }
+        engine.flush().map_err(|source| WorkerError::Flush { source })?;
+        self.flushed();
+        Ok(())
+    }
 }

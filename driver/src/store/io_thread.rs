@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
 use super::error::{StoreError, WorkerError};
-use super::fault::FaultPlan;
+use super::storage::Storage;
 use super::superblock::{self, Superblock};
 use super::worker::{CommitReply, Job, PayloadCounters, PayloadResults, Worker};
 use crate::buffer::Buffer;
@@ -56,7 +56,7 @@ impl IoThread {
         target: Target,
         queue_depth: u32,
         merge_bytes: u64,
-        fault: Option<Arc<FaultPlan>>,
+        storage: Arc<dyn Storage>,
     ) -> Result<(IoThread, Opened), StoreError> {
         let target_kind = target.kind();
         let (tx, rx) = channel::<Job>();
@@ -65,7 +65,7 @@ impl IoThread {
         let handle = std::thread::Builder::new()
             .name("pdstor-store-io".into())
             .spawn(move || {
-                let opened = Self::open_on_thread(&path, target, queue_depth, merge_bytes, fault);
+                let opened = Self::open_on_thread(&path, target, queue_depth, merge_bytes, storage);
                 let worker = match opened {
                     Ok((worker, opened)) => {
                         let _ = otx.send(Ok((opened, worker.dmabuf_rw(), worker.counters())));
@@ -103,9 +103,9 @@ impl IoThread {
         target: Target,
         queue_depth: u32,
         merge_bytes: u64,
-        fault: Option<Arc<FaultPlan>>,
+        storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Opened), StoreError> {
-        let (mut worker, a, b) = Worker::open(target, queue_depth, merge_bytes, fault)?;
+        let (mut worker, a, b) = Worker::open(target, queue_depth, merge_bytes, storage)?;
         let (superblock, note) = superblock::choose(Superblock::decode(&a), Superblock::decode(&b))
             .map_err(|source| StoreError::Superblock { path: path.into(), source })?;
         let journal = worker.load_journal(&superblock)?;

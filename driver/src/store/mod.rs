@@ -31,6 +31,7 @@ pub mod publication;
 mod recovery;
 pub mod state;
 pub use pdstor_client::superblock;
+mod storage;
 mod transitions;
 mod verifier;
 mod worker;
@@ -219,7 +220,12 @@ impl Store {
     /// slots, bumps and persists the epoch.
     pub fn open(path: &Path, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
         let target = Target::open(path, &TargetOptions { create_len: None, allocate: true, read_only: false })?;
-        let (io, opened) = IoThread::start(path, target, opts.queue_depth, opts.merge_bytes, opts.fault.clone())?;
+        // The device itself, or the faulty one the simulation and crash tests give.
+        let storage: Arc<dyn storage::Storage> = match opts.fault.clone() {
+            Some(plan) => plan,
+            None => Arc::new(storage::Media),
+        };
+        let (io, opened) = IoThread::start(path, target, opts.queue_depth, opts.merge_bytes, storage)?;
         let replayed = recovery::replay(path, &opened)?;
         io.resume(replayed.journal_end)?;
         let sb = opened.superblock;

@@ -4,8 +4,9 @@
 //! gets to one is served by a single "flush payload → write journal tail →
 //! flush" sequence, so concurrent publishers share flushes.
 //!
-//! Every device write and flush first asks the [`FaultPlan`], if there is one
-//! (`super::fault`).
+//! Every payload batch, metadata write and flush goes through the
+//! [`Storage`] it was opened on: the device itself, or a simulated faulty one
+//! (`super::storage`).
 
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
@@ -18,10 +19,13 @@ use crate::io::{
 
 use super::coalesce::{Run, coalesce};
 use super::error::WorkerError;
-use super::fault::{FaultPlan, dead_device};
+use super::storage::Storage;
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
 pub(crate) use super::verifier::PayloadResults;
 use super::verifier::{Verifier, crc_of};
+
+/// A chunk's checksum taken as its command completed, if one was.
+type EarlyCrc = Option<Result<Option<u32>, IoError>>;
 
 /// Journal writes are whole 4 KiB blocks (every target here accepts that).
 pub const JOURNAL_BLOCK: u64 = 4096;
@@ -88,7 +92,7 @@ pub(crate) struct Worker {
     end: u64,
     durable_end: u64,
     payload_dirty: bool,
-    fault: Option<Arc<FaultPlan>>,
+    storage: Arc<dyn Storage>,
     verifier: Verifier,
     /// Back-to-back chunks up to this many bytes are one command ([`coalesce`]).
     merge_bytes: u64,
@@ -104,7 +108,7 @@ impl Worker {
         target: Target,
         queue_depth: u32,
         merge_bytes: u64,
-        fault: Option<Arc<FaultPlan>>,
+        storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
         let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })?;
         let a = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64)?;
@@ -137,7 +141,7 @@ impl Worker {
                 end: 0,
                 durable_end: 0,
                 payload_dirty: false,
-                fault,
+                storage,
                 verifier: Verifier::default(),
                 merge_bytes,
                 counters: Arc::default(),
@@ -268,13 +272,7 @@ impl Worker {
     }
 
     fn flush(&mut self) -> Result<(), WorkerError> {
-        if self.fault.as_ref().is_some_and(|f| f.is_dead()) {
-            return Err(WorkerError::DeviceDead);
-        }
-        self.engine.flush().map_err(|source| WorkerError::Flush { source })?;
-        if let Some(f) = &self.fault {
-            f.flushed();
-        }
+        self.storage.flush(&mut self.engine)?;
         self.flushes += 1;
         Ok(())
     }
@@ -347,7 +345,7 @@ impl Worker {
         result
     }
 
-    /// A write that the fault plan may refuse or tear.
+    /// A metadata write, through the storage.
     fn write_guarded(
         &mut self,
         buffer: BufferId,
@@ -355,38 +353,7 @@ impl Worker {
         target_offset: u64,
         len: u64,
     ) -> Result<(), IoError> {
-        let mut len = len;
-        if let Some(f) = &self.fault {
-            match f.admit_write() {
-                Ok(true) => {}
-                Ok(false) => {
-                    // Torn: the first half (whole blocks) reaches the media.
-                    let half = (len / 2) - (len / 2) % JOURNAL_BLOCK.min(len);
-                    if half > 0 {
-                        let _ = self.io_one(Op::Write, buffer, buffer_offset, target_offset, half);
-                    }
-                    len = 0;
-                }
-                Err(()) => len = 0,
-            }
-        }
-        if len == 0 {
-            return Err(IoError::Transfer {
-                transfer: TransferId(0),
-                op: Op::Write,
-                offset: target_offset,
-                len,
-                source: dead_device(),
-            });
-        }
-        if let Some(f) = &self.fault {
-            f.before_write(target_offset, len);
-        }
-        let r = self.io_one(Op::Write, buffer, buffer_offset, target_offset, len);
-        if let Some(f) = &self.fault {
-            f.after_writes();
-        }
-        r
+        self.storage.write(&mut self.engine, request(Op::Write, buffer, buffer_offset, target_offset, len))
     }
 
     fn io_one(
@@ -397,108 +364,24 @@ impl Worker {
         target_offset: u64,
         len: u64,
     ) -> Result<(), IoError> {
-        let req = IoRequest {
-            transfer: TransferId(0),
-            op,
-            path: PayloadPath::HostFixed,
-            buffer,
-            buffer_offset: BufferOffset(buffer_offset),
-            target_offset: TargetOffset(target_offset),
-            len,
-        };
-        self.engine.execute_all(&[req]).map(|_| ())
+        self.engine.execute_all(&[request(op, buffer, buffer_offset, target_offset, len)]).map(|_| ())
     }
 
     fn payload(&mut self, requests: &[IoRequest]) -> PayloadReply {
-        let mut allowed = Vec::with_capacity(requests.len());
-        let mut refused = vec![false; requests.len()];
-        for (i, r) in requests.iter().enumerate() {
-            let ok = match (&self.fault, r.op) {
-                (Some(f), Op::Write) => f.admit_write() == Ok(true),
-                (Some(f), _) => !f.is_dead(),
-                (None, _) => true,
-            };
-            if ok {
-                allowed.push(*r);
-            } else {
-                refused[i] = true;
-            }
-        }
-        // Checksums of host memory are taken as each request completes, while
-        // the rest of the batch is in flight. A DMA-BUF's wait for the end:
-        // its SYNC-bracketed CPU access must not fall inside another transfer.
-        if let Some(f) = &self.fault {
-            for r in allowed.iter().filter(|r| r.op == Op::Write) {
-                f.before_write(r.target_offset.0, r.len);
-            }
-        }
         // Back-to-back small chunks go to the device as one command each run
         // (`coalesce`); each chunk keeps its own checksum and result.
-        let runs = coalesce(&allowed, self.merge_bytes);
+        let runs = coalesce(requests, self.merge_bytes);
         let submitted: Vec<IoRequest> = runs.iter().map(|run| run.request).collect();
-        self.counters.chunks.fetch_add(allowed.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.counters.chunks.fetch_add(requests.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.counters.commands.fetch_add(submitted.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        let mut early: Vec<Option<Result<Option<u32>, IoError>>> = (0..allowed.len()).map(|_| None).collect();
-        // The large requests of a batch are checksummed on the verifier
-        // thread, on another core, while this thread keeps the ring full;
-        // the rest here, where a hand-off costs more than the checksum.
-        let shared: Vec<Option<Arc<Buffer>>> = submitted
-            .iter()
-            .map(|r| {
-                (submitted.len() > 1 && r.len >= Verifier::MIN_LEN)
-                    .then(|| self.engine.shared_buffer(r.buffer).ok())
-                    .flatten()
-                    .filter(|b| b.is_mapped() && b.dmabuf().is_none())
-            })
-            .collect();
-        let Worker { engine, verifier, .. } = self;
-        let mut handed = 0usize;
-        let done = engine.execute_inspect(&submitted, |i, c, buffer| {
-            if let (Ok(()), Some(b)) = (&c.result, buffer)
-                && b.dmabuf().is_none()
-            {
-                let parts = runs[i].parts.clone();
-                match &shared[i] {
-                    Some(b) if verifier.submit(parts.start, Arc::clone(b), allowed[parts.clone()].to_vec()) => {
-                        handed += 1
-                    }
-                    _ => {
-                        for k in parts {
-                            early[k] = Some(crc_of(b, &allowed[k]));
-                        }
-                    }
-                }
-            }
-        });
-        // Every hand-off is collected before anything returns, so no result
-        // is left for a later batch. One the verifier never answered (it
-        // died) is checksummed below, here.
-        for _ in 0..handed {
-            let Some((first, crcs)) = verifier.result() else { break };
-            for (k, crc) in (first..).zip(crcs) {
-                early[k] = Some(crc);
-            }
-        }
+        let (done, early) = self.execute_checksummed(requests, &runs, &submitted);
         let done = done?;
-        if let Some(f) = &self.fault {
-            f.after_writes();
-        }
         if requests.iter().any(|r| r.op == Op::Write) {
             self.payload_dirty = true;
         }
-        let mut done = split_runs(&runs, &allowed, done).into_iter().zip(early);
+        let mut done = split_runs(&runs, requests, done).into_iter().zip(early);
         let mut out = Vec::with_capacity(requests.len());
-        for (i, r) in requests.iter().enumerate() {
-            if refused[i] {
-                out.push(Err(IoError::Transfer {
-                    transfer: r.transfer,
-                    op: r.op,
-                    offset: r.target_offset.0,
-                    len: r.len,
-                    source: dead_device(),
-                }));
-                continue;
-            }
+        for r in requests {
             let Some((Some(result), early)) = done.next() else {
                 out.push(Err(IoError::ShortTransfer {
                     transfer: r.transfer,
@@ -514,6 +397,61 @@ impl Worker {
             }));
         }
         Ok(out)
+    }
+
+    /// Runs the commands, checksumming each chunk as its command completes:
+    /// host memory while the rest of the batch is in flight (a DMA-BUF waits
+    /// for the end: its SYNC-bracketed CPU access must not fall inside
+    /// another transfer). Answers the completions and, per chunk, its early
+    /// checksum where one was taken.
+    fn execute_checksummed(
+        &mut self,
+        requests: &[IoRequest],
+        runs: &[Run],
+        submitted: &[IoRequest],
+    ) -> (Result<Vec<Completion>, IoError>, Vec<EarlyCrc>) {
+        let mut early: Vec<EarlyCrc> = (0..requests.len()).map(|_| None).collect();
+        // The large requests of a batch are checksummed on the verifier
+        // thread, on another core, while this thread keeps the ring full;
+        // the rest here, where a hand-off costs more than the checksum.
+        let shared: Vec<Option<Arc<Buffer>>> = submitted
+            .iter()
+            .map(|r| {
+                (submitted.len() > 1 && r.len >= Verifier::MIN_LEN)
+                    .then(|| self.engine.shared_buffer(r.buffer).ok())
+                    .flatten()
+                    .filter(|b| b.is_mapped() && b.dmabuf().is_none())
+            })
+            .collect();
+        let Worker { engine, verifier, storage, .. } = self;
+        let mut handed = 0usize;
+        let done = storage.payload(engine, submitted, &mut |i, c, buffer| {
+            if let (Ok(()), Some(b)) = (&c.result, buffer)
+                && b.dmabuf().is_none()
+            {
+                let parts = runs[i].parts.clone();
+                match &shared[i] {
+                    Some(b) if verifier.submit(parts.start, Arc::clone(b), requests[parts.clone()].to_vec()) => {
+                        handed += 1
+                    }
+                    _ => {
+                        for k in parts {
+                            early[k] = Some(crc_of(b, &requests[k]));
+                        }
+                    }
+                }
+            }
+        });
+        // Every hand-off is collected before anything returns, so no result
+        // is left for a later batch. One the verifier never answered (it
+        // died) is checksummed by the caller.
+        for _ in 0..handed {
+            let Some((first, crcs)) = verifier.result() else { break };
+            for (k, crc) in (first..).zip(crcs) {
+                early[k] = Some(crc);
+            }
+        }
+        (done, early)
     }
 
     /// crc32c of the request's buffer range, in place in the mapping (a
@@ -532,6 +470,19 @@ impl Worker {
 
     pub(super) fn dmabuf_rw(&self) -> crate::io::DmabufRw {
         self.engine.dmabuf_rw().clone()
+    }
+}
+
+/// One request on the host path: how the worker's metadata moves.
+fn request(op: Op, buffer: BufferId, buffer_offset: u64, target_offset: u64, len: u64) -> IoRequest {
+    IoRequest {
+        transfer: TransferId(0),
+        op,
+        path: PayloadPath::HostFixed,
+        buffer,
+        buffer_offset: BufferOffset(buffer_offset),
+        target_offset: TargetOffset(target_offset),
+        len,
     }
 }
 

@@ -1,0 +1,58 @@
+//! The device beneath the store's I/O thread, as the worker sees it: every
+//! payload batch, metadata write and flush goes through a [`Storage`].
+//! [`Media`] is the device itself, the engine with nothing added: the
+//! production worker has no fault branches. `FaultPlan` is a faulty,
+//! simulated device (it dies after a number of writes, tears the write that
+//! kills it, keeps a volatile write cache that a power loss throws away),
+//! used by the simulation and the crash tests through the same seam
+//! (`super::fault`).
+
+use crate::buffer::Buffer;
+use crate::io::{Completion, Engine, IoError, IoRequest};
+
+use super::error::WorkerError;
+
+/// Called as each command of a batch completes: its index in the batch, its
+/// completion, its buffer.
+pub(crate) type Inspect<'a> = &'a mut dyn FnMut(usize, &Completion, Option<&Buffer>);
+
+/// What the worker asks of the device.
+pub(crate) trait Storage: Send + Sync {
+    /// Runs a batch of payload commands on `engine`: one completion per
+    /// command, in batch order, or the error of a batch that could not run.
+    fn payload(
+        &self,
+        engine: &mut Engine,
+        commands: &[IoRequest],
+        inspect: Inspect,
+    ) -> Result<Vec<Completion>, IoError>;
+
+    /// One metadata write: journal blocks, a superblock copy.
+    fn write(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError>;
+
+    /// Makes every completed write durable.
+    fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError>;
+}
+
+/// The device itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Media;
+
+impl Storage for Media {
+    fn payload(
+        &self,
+        engine: &mut Engine,
+        commands: &[IoRequest],
+        inspect: Inspect,
+    ) -> Result<Vec<Completion>, IoError> {
+        engine.execute_inspect(commands, inspect)
+    }
+
+    fn write(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError> {
+        engine.execute_all(&[request]).map(drop)
+    }
+
+    fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError> {
+        engine.flush().map_err(|source| WorkerError::Flush { source })
+    }
+}
