@@ -127,6 +127,59 @@ fn verifier_reason() -> String {
     format!("; the verifier refused program {prog}:\n    {}", tail.join("\n    "))
 }
 
+/// Whether block requests can be charged by bio identity here, and what is
+/// lost where a needed kernel symbol is missing.
+fn block_identity(syms: &crate::kallsyms::Addresses) -> ProgramStatus {
+    let missing = syms.missing();
+    ProgramStatus {
+        name: BLOCK_IDENTITY,
+        attached: syms.bio_identity(),
+        detail: if missing.is_empty() {
+            "block requests are charged to the transfers whose bios they carry, whichever task issues them".into()
+        } else {
+            let mut costs = Vec::new();
+            if !syms.bio_identity() {
+                costs.push(
+                    "bios are charged to the thread that queues them, and a request another task issues \
+                     is unverifiable",
+                );
+            }
+            if syms.get("nvme_uring_cmd_end_io") == 0 {
+                costs.push("passthrough requests are charged to the thread that issues them");
+            }
+            if syms.bio_identity() && syms.get("bio_chain_endio") == 0 {
+                costs.push("a split bio whose queueing the kernel ran no program for is nobody's");
+            }
+            format!("not in /proc/kallsyms: {}; {}", missing.join(", "), costs.join("; "))
+        },
+    }
+}
+
+/// Loads the programs, falling back where this kernel cannot load a kind:
+/// where fentry programs cannot be loaded (no trampolines, a lockdown that
+/// forbids them), the kprobes do the same work; where the tp_btf tracepoint
+/// programs cannot, the classic tracepoints do. `variants` ends as loaded.
+fn load_with_fallbacks(
+    tgid: u32,
+    syms: &crate::kallsyms::Addresses,
+    bio_flag_dmabuf_map: u32,
+    has_iomap: bool,
+    variants: &mut Variants,
+    skip: SkipRuns,
+) -> Result<ProvenanceSkel<'static>, ProbeError> {
+    loop {
+        match load(tgid, syms, bio_flag_dmabuf_map, has_iomap, variants, skip) {
+            Ok(skel) => return Ok(skel),
+            Err(_) if !variants.fentry.is_empty() => variants.fentry.clear(),
+            Err(_) if variants.io_uring_btf || variants.filemap_btf => {
+                variants.io_uring_btf = false;
+                variants.filemap_btf = false;
+            }
+            Err(e) => return Err(ProbeError::Load(format!("{e}{}", verifier_reason()))),
+        }
+    }
+}
+
 /// Opens and loads the programs of `variants` for process `tgid`.
 fn load(
     tgid: u32,
@@ -202,20 +255,7 @@ impl Probes {
             complete_args: kernel.complete_args,
             filemap_btf: kernel.filemap_btf,
         };
-        // Where fentry programs cannot be loaded (no trampolines, a lockdown
-        // that forbids them), the kprobes do the same work; where the tp_btf
-        // tracepoint programs cannot, the classic tracepoints do.
-        let skel = loop {
-            match load(tgid, &syms, kernel.bio_flag_dmabuf_map, has_iomap, &variants, skip) {
-                Ok(skel) => break skel,
-                Err(_) if !variants.fentry.is_empty() => variants.fentry.clear(),
-                Err(_) if variants.io_uring_btf || variants.filemap_btf => {
-                    variants.io_uring_btf = false;
-                    variants.filemap_btf = false;
-                }
-                Err(e) => return Err(ProbeError::Load(format!("{e}{}", verifier_reason()))),
-            }
-        };
+        let skel = load_with_fallbacks(tgid, &syms, kernel.bio_flag_dmabuf_map, has_iomap, &mut variants, skip)?;
         let mut links = Vec::new();
         let mut status = Vec::new();
         let mut try_attach = |name: &'static str, r: libbpf_rs::Result<Link>| match r {
@@ -259,29 +299,7 @@ impl Probes {
         if !required.is_empty() {
             return Err(ProbeError::Attach(required));
         }
-        let missing = syms.missing();
-        status.push(ProgramStatus {
-            name: BLOCK_IDENTITY,
-            attached: syms.bio_identity(),
-            detail: if missing.is_empty() {
-                "block requests are charged to the transfers whose bios they carry, whichever task issues them".into()
-            } else {
-                let mut costs = Vec::new();
-                if !syms.bio_identity() {
-                    costs.push(
-                        "bios are charged to the thread that queues them, and a request another task issues \
-                         is unverifiable",
-                    );
-                }
-                if syms.get("nvme_uring_cmd_end_io") == 0 {
-                    costs.push("passthrough requests are charged to the thread that issues them");
-                }
-                if syms.bio_identity() && syms.get("bio_chain_endio") == 0 {
-                    costs.push("a split bio whose queueing the kernel ran no program for is nobody's");
-                }
-                format!("not in /proc/kallsyms: {}; {}", missing.join(", "), costs.join("; "))
-            },
-        });
+        status.push(block_identity(&syms));
         let p = &skel.progs;
         let (st, ln) = (&mut status, &mut links);
         for hook in &HOOKS {

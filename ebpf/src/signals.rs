@@ -158,79 +158,8 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
         return Verdict::Fallback("dmabuf-cpu-access".into());
     }
     match declared {
-        Declared::DmabufFixed => {
-            // The device must have DMAed into the DMA-BUF: a fixed op, block
-            // requests issued, and (where the kprobe attaches) no CPU access.
-            if s.fixed_ops == 0 {
-                return Verdict::Fallback("not-fixed".into());
-            }
-            if !a.dmabuf_cpu {
-                return Verdict::Unverifiable("the dma_buf_begin_cpu_access hook".into());
-            }
-            // Positive evidence of the DMA-token path: bios built on the
-            // DMA-BUF's own DMA mapping (seen built), or requests seen
-            // carrying such bios. Its absence is a fallback only where this
-            // transfer's requests were seen: a run the kernel skipped of
-            // the one hook is no evidence of pinned pages.
-            if !a.dmabuf_token {
-                return Verdict::Unverifiable("the bio_dmabuf_map_set hook".into());
-            }
-            if s.dmabuf_token_bios == 0 && s.dmabuf_token_rqs == 0 {
-                return if s.requests_seen() {
-                    Verdict::Fallback("not-dma-token".into())
-                } else if target != TargetClass::BlockDevice {
-                    Verdict::Fallback("dmabuf_fixed needs a raw block device target".into())
-                } else {
-                    no_request_seen(a)
-                };
-            }
-            // The mapping those bios use may have been bounced when it was
-            // made, in an earlier transfer: the device then DMAs to bounce
-            // pages, never to the DMA-BUF.
-            if s.dmabuf_bounced_bios > 0 {
-                return Verdict::Fallback("swiotlb-bounce".into());
-            }
-            if !a.dmabuf_map || !a.swiotlb {
-                return Verdict::Unverifiable("the nvme_dmabuf_token_map/swiotlb_tbl_map_single hooks".into());
-            }
-            match target {
-                TargetClass::BlockDevice if s.requests_seen() => Verdict::Native,
-                TargetClass::BlockDevice if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
-                TargetClass::BlockDevice => no_request_seen(a),
-                _ => Verdict::Fallback("dmabuf_fixed needs a raw block device target".into()),
-            }
-        }
-        Declared::HostFixed => {
-            if target == TargetClass::NvmePassthrough || s.uring_cmds > 0 {
-                // The tracepoint does not carry uring_cmd_flags: the kprobe tells.
-                // Seen importing the registered buffer, or seen as a
-                // request whose command asked for it (two programs).
-                if s.cmd_fixed_imports > 0 || s.cmd_fixed_rqs > 0 {
-                    return Verdict::Native;
-                }
-                if !a.cmd_fixed {
-                    return Verdict::Unverifiable("the io_uring_cmd_import_fixed hook".into());
-                }
-                return if s.requests_seen() { Verdict::Fallback("not-fixed".into()) } else { no_request_seen(a) };
-            }
-            if s.fixed_ops == 0 {
-                return Verdict::Fallback("not-fixed".into());
-            }
-            match target {
-                TargetClass::File if s.dio_user > 0 => Verdict::Fallback("user-buffer".into()),
-                TargetClass::File if s.dio_bvec > 0 => Verdict::Native,
-                TargetClass::File if !a.iomap_dio => Verdict::Unverifiable("iomap_dio_rw_begin".into()),
-                // Its bios were made by iomap direct I/O (bio identity), but
-                // the kernel ran no iomap_dio_rw_begin program for it.
-                TargetClass::File if s.bios > 0 => {
-                    Verdict::Unverifiable("direct-I/O bios seen, but not their iterator (iomap_dio_rw_begin)".into())
-                }
-                TargetClass::File => Verdict::Fallback("no-direct-io".into()),
-                _ if s.requests_seen() => Verdict::Native,
-                _ if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
-                _ => no_request_seen(a),
-            }
-        }
+        Declared::DmabufFixed => judge_dmabuf_fixed(target, s, a),
+        Declared::HostFixed => judge_host_fixed(target, s, a),
         Declared::Host => {
             if s.fixed_ops > 0 || s.cmd_fixed_imports > 0 {
                 return Verdict::Fallback("declared host, submitted fixed".into());
@@ -244,6 +173,84 @@ pub fn judge(declared: Declared, target: TargetClass, s: &Signals, a: &Attached)
                 Verdict::Unverifiable("no direct-I/O signal for this transfer".into())
             }
         }
+    }
+}
+
+/// A transfer declared `dmabuf_fixed`: the device must have DMAed into the
+/// DMA-BUF: a fixed op, block requests issued, and (where the kprobe
+/// attaches) no CPU access.
+fn judge_dmabuf_fixed(target: TargetClass, s: &Signals, a: &Attached) -> Verdict {
+    if s.fixed_ops == 0 {
+        return Verdict::Fallback("not-fixed".into());
+    }
+    if !a.dmabuf_cpu {
+        return Verdict::Unverifiable("the dma_buf_begin_cpu_access hook".into());
+    }
+    // Positive evidence of the DMA-token path: bios built on the
+    // DMA-BUF's own DMA mapping (seen built), or requests seen
+    // carrying such bios. Its absence is a fallback only where this
+    // transfer's requests were seen: a run the kernel skipped of
+    // the one hook is no evidence of pinned pages.
+    if !a.dmabuf_token {
+        return Verdict::Unverifiable("the bio_dmabuf_map_set hook".into());
+    }
+    if s.dmabuf_token_bios == 0 && s.dmabuf_token_rqs == 0 {
+        return if s.requests_seen() {
+            Verdict::Fallback("not-dma-token".into())
+        } else if target != TargetClass::BlockDevice {
+            Verdict::Fallback("dmabuf_fixed needs a raw block device target".into())
+        } else {
+            no_request_seen(a)
+        };
+    }
+    // The mapping those bios use may have been bounced when it was
+    // made, in an earlier transfer: the device then DMAs to bounce
+    // pages, never to the DMA-BUF.
+    if s.dmabuf_bounced_bios > 0 {
+        return Verdict::Fallback("swiotlb-bounce".into());
+    }
+    if !a.dmabuf_map || !a.swiotlb {
+        return Verdict::Unverifiable("the nvme_dmabuf_token_map/swiotlb_tbl_map_single hooks".into());
+    }
+    match target {
+        TargetClass::BlockDevice if s.requests_seen() => Verdict::Native,
+        TargetClass::BlockDevice if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
+        TargetClass::BlockDevice => no_request_seen(a),
+        _ => Verdict::Fallback("dmabuf_fixed needs a raw block device target".into()),
+    }
+}
+
+/// A transfer declared `host_fixed`: a registered buffer, by a fixed op or a
+/// passthrough command that imported it, and direct I/O on a file.
+fn judge_host_fixed(target: TargetClass, s: &Signals, a: &Attached) -> Verdict {
+    if target == TargetClass::NvmePassthrough || s.uring_cmds > 0 {
+        // The tracepoint does not carry uring_cmd_flags: the kprobe tells.
+        // Seen importing the registered buffer, or seen as a
+        // request whose command asked for it (two programs).
+        if s.cmd_fixed_imports > 0 || s.cmd_fixed_rqs > 0 {
+            return Verdict::Native;
+        }
+        if !a.cmd_fixed {
+            return Verdict::Unverifiable("the io_uring_cmd_import_fixed hook".into());
+        }
+        return if s.requests_seen() { Verdict::Fallback("not-fixed".into()) } else { no_request_seen(a) };
+    }
+    if s.fixed_ops == 0 {
+        return Verdict::Fallback("not-fixed".into());
+    }
+    match target {
+        TargetClass::File if s.dio_user > 0 => Verdict::Fallback("user-buffer".into()),
+        TargetClass::File if s.dio_bvec > 0 => Verdict::Native,
+        TargetClass::File if !a.iomap_dio => Verdict::Unverifiable("iomap_dio_rw_begin".into()),
+        // Its bios were made by iomap direct I/O (bio identity), but
+        // the kernel ran no iomap_dio_rw_begin program for it.
+        TargetClass::File if s.bios > 0 => {
+            Verdict::Unverifiable("direct-I/O bios seen, but not their iterator (iomap_dio_rw_begin)".into())
+        }
+        TargetClass::File => Verdict::Fallback("no-direct-io".into()),
+        _ if s.requests_seen() => Verdict::Native,
+        _ if !a.block => Verdict::Unverifiable("block_rq_issue".into()),
+        _ => no_request_seen(a),
     }
 }
 

@@ -1,7 +1,7 @@
 //! The code's layers, checked from its source: no import loop between the
 //! folders of `driver/src` (and of `engine/src`, `client/src`), none between
 //! the files of one folder, and the size rules (no file of `driver/src` over
-//! 600 lines).
+//! 600 lines, no function outside tests over 100 in any crate's `src`).
 //!
 //! A reference is any `crate::a::…` path (in a `use` or inline) and, inside a
 //! folder, any `super::b::…` or `use super::{b, …}`; doc comments and tests
@@ -200,4 +200,85 @@ fn no_file_in_driver_src_is_over_600_lines() {
         })
         .collect();
     assert!(long.is_empty(), "files over 600 lines: {}", long.join(", "));
+}
+
+/// Functions longer than `limit` lines in `text` (unit tests left out): a
+/// function runs from its `fn` line to the first line that closes it at its
+/// own indentation. Answers (name, first line, lines).
+fn long_functions(text: &str, limit: usize) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = code_lines(text);
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let indent = &line[..line.len() - trimmed.len()];
+        let Some(at) = trimmed.find("fn ") else { continue };
+        // Only a definition: `fn`, after nothing but qualifiers.
+        let head = &trimmed[..at];
+        if !head
+            .split_whitespace()
+            .all(|w| matches!(w, "pub" | "pub(crate)" | "pub(super)" | "const" | "async" | "unsafe"))
+        {
+            continue;
+        }
+        let name: String = trimmed[at + 3..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        // A declaration without a body (a trait's) ends at its `;`.
+        let Some(open) = lines[i..].iter().position(|l| l.trim_end().ends_with('{') || l.trim_end().ends_with(';'))
+        else {
+            continue;
+        };
+        if lines[i + open].trim_end().ends_with(';') {
+            continue;
+        }
+        // A one-line function.
+        if trimmed.contains('{') && trimmed.matches('{').count() == trimmed.matches('}').count() {
+            continue;
+        }
+        let close = format!("{indent}}}");
+        let Some(len) = lines[i + open..].iter().position(|l| l.trim_end() == close) else { continue };
+        let total = open + len + 1;
+        if total > limit {
+            out.push((name, i + 1, total));
+        }
+    }
+    out
+}
+
+/// A file's lines up to its unit tests (`#[cfg(test)] mod …`).
+fn code_lines(text: &str) -> Vec<&str> {
+    let lines: Vec<&str> = text.lines().collect();
+    let end = lines
+        .windows(2)
+        .position(|w| w[0].starts_with("#[cfg(test)]") && w[1].trim_start().starts_with("mod "))
+        .unwrap_or(lines.len());
+    lines[..end].to_vec()
+}
+
+#[test]
+fn no_function_outside_tests_is_over_100_lines() {
+    let mut long = Vec::new();
+    for dir in ["driver/src", "engine/src", "client/src", "ebpf/src", "vmtest/src", "vmtest/spec/src", "xtask/src"] {
+        for f in rust_files(&root().join(dir)) {
+            if f.file_name().is_some_and(|n| n == "tests.rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&f).unwrap();
+            for (name, line, lines) in long_functions(&text, 100) {
+                long.push(format!("{}:{line} {name} ({lines} lines)", f.strip_prefix(root()).unwrap_or(&f).display()));
+            }
+        }
+    }
+    assert!(long.is_empty(), "functions over 100 lines: {}", long.join(", "));
+}
+
+#[test]
+fn the_length_check_measures_a_function() {
+    let mut text = String::from("impl A {\n    pub fn long(&self) -> u32 {\n");
+    for _ in 0..100 {
+        text.push_str("        let _x = 1;\n");
+    }
+    text.push_str("        0\n    }\n\n    fn short() {}\n    fn decl();\n}\n");
+    assert_eq!(long_functions(&text, 100), [("long".to_owned(), 2, 103)]);
+    assert!(long_functions(&text, 103).is_empty());
+    let tests = format!("fn a() {{}}\n#[cfg(test)]\nmod tests {{\n{text}}}\n");
+    assert!(long_functions(&tests, 100).is_empty(), "unit tests are left out");
 }

@@ -123,46 +123,32 @@ fn handoff(
     Ok(steps)
 }
 
-/// Runs the handoff bench against a running daemon.
-pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> {
-    let chunks = cfg.bytes.div_ceil(cfg.chunk) as u32;
-    let mut w = Writer::new(&cfg.server, &cfg.data_socket, cfg.chunk, chunks)?;
-    let payload: Vec<u8> = (0..chunks as u64)
-        .flat_map(|i| crate::payload::chunk(7, i, cfg.chunk as usize))
-        .take(cfg.bytes as usize)
-        .collect();
-    w.buffer().write_at(0, &payload).map_err(|e| ClientError::Data(e.to_string()))?;
-    let mut r = Reader::new(&cfg.server, &cfg.data_socket)?;
-    r.set_verify(cfg.verify);
-    let run_id = crate::protocol::now_unix_ms();
-    // Warm-up: first-touch of the reader's buffer pages is not the protocol's cost.
-    handoff(&mut w, &mut r, &format!("bench-{run_id}-warm"), cfg.bytes, cfg.chunk)?;
-    let mut round_steps_us: Vec<BTreeMap<String, u64>> = Vec::new();
-    let mut seconds = Vec::new();
-    for i in 0..cfg.rounds {
-        let t = Instant::now();
-        let steps = handoff(&mut w, &mut r, &format!("bench-{run_id}-{i}"), cfg.bytes, cfg.chunk)?;
-        seconds.push(t.elapsed().as_secs_f64());
-        round_steps_us.push(steps.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
-    }
-    // The load path alone: one adopted handoff loaded again and again.
+/// The load path alone: one adopted handoff loaded `cfg.reloads` times;
+/// each load's seconds.
+fn reloads(cfg: &HandoffBenchConfig, w: &mut Writer, r: &mut Reader, run_id: u64) -> Result<Vec<f64>, ClientError> {
     let mut reload_seconds = Vec::new();
-    if cfg.reloads > 0 {
-        let req = format!("bench-{run_id}-reload");
-        let published = w.put_in_place(&req, &layout(), cfg.bytes, store_batch(cfg.chunk), Some(1))?;
-        let claim = r.client.claim(&published.receipt, "bench-reader", &req, 60_000)?;
-        let manifest = r.adopt(&claim, &layout())?;
-        let mut last = None;
-        for _ in 0..cfg.reloads {
-            let t = Instant::now();
-            last = Some(r.load(&claim, manifest.clone())?);
-            reload_seconds.push(t.elapsed().as_secs_f64());
-        }
-        if let Some(restored) = last {
-            r.client.ack(&claim, &restored.restore_digest)?;
-        }
+    let req = format!("bench-{run_id}-reload");
+    let published = w.put_in_place(&req, &layout(), cfg.bytes, store_batch(cfg.chunk), Some(1))?;
+    let claim = r.client.claim(&published.receipt, "bench-reader", &req, 60_000)?;
+    let manifest = r.adopt(&claim, &layout())?;
+    let mut last = None;
+    for _ in 0..cfg.reloads {
+        let t = Instant::now();
+        last = Some(r.load(&claim, manifest.clone())?);
+        reload_seconds.push(t.elapsed().as_secs_f64());
     }
-    // Control-plane latency: small handoffs, each step timed on its own.
+    if let Some(restored) = last {
+        r.client.ack(&claim, &restored.restore_digest)?;
+    }
+    Ok(reload_seconds)
+}
+
+/// Control-plane latency: `cfg.latency_samples` small handoffs, each step
+/// timed on its own.
+fn step_latencies(
+    cfg: &HandoffBenchConfig,
+    run_id: u64,
+) -> Result<BTreeMap<&'static str, Histogram<u64>>, ClientError> {
     let steps = ["prepare", "store (data plane)", "publish", "claim", "adopt", "load (data plane)", "ack"];
     let mut hist: BTreeMap<&'static str, Histogram<u64>> = BTreeMap::new();
     for k in steps {
@@ -203,6 +189,33 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
             }
         }
     }
+    Ok(hist)
+}
+
+/// Runs the handoff bench against a running daemon.
+pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> {
+    let chunks = cfg.bytes.div_ceil(cfg.chunk) as u32;
+    let mut w = Writer::new(&cfg.server, &cfg.data_socket, cfg.chunk, chunks)?;
+    let payload: Vec<u8> = (0..chunks as u64)
+        .flat_map(|i| crate::payload::chunk(7, i, cfg.chunk as usize))
+        .take(cfg.bytes as usize)
+        .collect();
+    w.buffer().write_at(0, &payload).map_err(|e| ClientError::Data(e.to_string()))?;
+    let mut r = Reader::new(&cfg.server, &cfg.data_socket)?;
+    r.set_verify(cfg.verify);
+    let run_id = crate::protocol::now_unix_ms();
+    // Warm-up: first-touch of the reader's buffer pages is not the protocol's cost.
+    handoff(&mut w, &mut r, &format!("bench-{run_id}-warm"), cfg.bytes, cfg.chunk)?;
+    let mut round_steps_us: Vec<BTreeMap<String, u64>> = Vec::new();
+    let mut seconds = Vec::new();
+    for i in 0..cfg.rounds {
+        let t = Instant::now();
+        let steps = handoff(&mut w, &mut r, &format!("bench-{run_id}-{i}"), cfg.bytes, cfg.chunk)?;
+        seconds.push(t.elapsed().as_secs_f64());
+        round_steps_us.push(steps.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
+    }
+    let reload_seconds = if cfg.reloads > 0 { reloads(cfg, &mut w, &mut r, run_id)? } else { Vec::new() };
+    let hist = step_latencies(cfg, run_id)?;
     let median = median_of(&seconds);
     let reload_median_seconds = (!reload_seconds.is_empty()).then(|| median_of(&reload_seconds));
     Ok(HandoffBenchReport {
