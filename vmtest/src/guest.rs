@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 use nix::mount::{MsFlags, mount, umount};
 
 use crate::{
-    BOOT_MARKER, DISKS, DiskRole, FINISHED_TEST, GUEST_CONFIG_PATH, GuestConfig, Outcome, RESULT_PORT_NAME, TestResult,
-    suites,
+    BOOT_MARKER, DISKS, DiskRole, FINISHED_TEST, Failure, GUEST_CONFIG_PATH, GuestConfig, Outcome, RESULT_PORT_NAME,
+    TestResult, suites,
 };
 
 /// One NVMe namespace in the guest.
@@ -42,8 +42,11 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn disk(&self, role: DiskRole) -> Result<&GuestDisk, String> {
-        self.disks.get(&role).ok_or_else(|| format!("no {role} disk was found in the guest"))
+    /// A disk the test needs: a setup failure if the guest has none.
+    pub fn disk(&self, role: DiskRole) -> Result<&GuestDisk, Failure> {
+        self.disks
+            .get(&role)
+            .ok_or_else(|| Failure::Setup { message: format!("no {role} disk was found in the guest") })
     }
 }
 
@@ -78,21 +81,23 @@ pub fn console(line: &str) {
     println!("{line}");
 }
 
-/// Runs a tool and returns its stdout, or an error with its stderr.
-pub fn sh(program: &str, args: &[&str]) -> Result<String, String> {
+/// Runs a tool and returns its stdout, or a [`Failure::Command`] with its
+/// stderr.
+pub fn sh(program: &str, args: &[&str]) -> Result<String, Failure> {
+    let command = format!("{program} {}", args.join(" "));
     let out = Command::new(program)
         .args(args)
         .env("PATH", "/sbin:/bin:/usr/sbin:/usr/bin")
         .output()
-        .map_err(|e| format!("running {program}: {e}"))?;
+        .map_err(|e| Failure::Command { command: command.clone(), detail: format!("could not run it: {e}") })?;
     if !out.status.success() {
-        return Err(format!(
-            "{program} {} exited with {}: {}{}",
-            args.join(" "),
+        let detail = format!(
+            "exited with {}: {}{}",
             out.status,
             String::from_utf8_lossy(&out.stderr).trim(),
             String::from_utf8_lossy(&out.stdout).trim()
-        ));
+        );
+        return Err(Failure::Command { command, detail });
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -108,7 +113,7 @@ pub fn main() -> ! {
         disk: None,
         outcome: match outcome {
             Ok(()) => Outcome::Pass,
-            Err(e) => Outcome::Fail(e),
+            Err(message) => Outcome::Fail(Failure::Setup { message }),
         },
         millis: started.elapsed().as_millis() as u64,
     };
@@ -165,7 +170,7 @@ fn run(port: &mut Option<File>) -> Result<(), String> {
             let t = Instant::now();
             let outcome = match test.disk {
                 Some(d) if !cfg.disks.contains(&d) => Outcome::Skip(format!("--fs leaves out the {d} disk")),
-                _ => (test.run)(&ctx),
+                _ => suites::outcome((test.run)(&ctx)),
             };
             let result = TestResult {
                 suite: suite.name.into(),

@@ -166,9 +166,52 @@ pub fn disk_by_serial(sysfs_serial: &str) -> Option<&'static DiskSpec> {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase", tag = "status", content = "detail")]
 pub enum Outcome {
+    /// Everything it checks held.
     Pass,
-    Fail(String),
+    /// It ran, and this is how it failed.
+    Fail(Failure),
+    /// It cannot run here: what it needs, and what runs it.
     Skip(String),
+}
+
+/// How a test failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Failure {
+    /// A property the test checks did not hold: what it expected, what it saw.
+    Check { message: String },
+    /// A program the test runs (pdstor, nvme, mkfs, …) could not start or
+    /// exited with an error.
+    Command { command: String, detail: String },
+    /// The guest could not set up what its tests need (filesystems, modules,
+    /// the network, its configuration): no test result can be trusted.
+    Setup { message: String },
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Check { message } => f.write_str(message),
+            Failure::Command { command, detail } => write!(f, "{command}: {detail}"),
+            Failure::Setup { message } => write!(f, "guest setup: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// A check's message as a failure (what most failing tests report).
+impl From<String> for Failure {
+    fn from(message: String) -> Failure {
+        Failure::Check { message }
+    }
+}
+
+/// A failure as text, for the helpers that still speak in strings.
+impl From<Failure> for String {
+    fn from(f: Failure) -> String {
+        f.to_string()
+    }
 }
 
 /// One line of `vmtest.result`: a JSON object per test.
@@ -206,11 +249,23 @@ mod tests {
             suite: "io".into(),
             test: "host_fixed_xfs".into(),
             disk: Some(DiskRole::Xfs),
-            outcome: Outcome::Fail("chunk 3 differs at byte 17".into()),
+            outcome: Outcome::Fail(Failure::Check { message: "chunk 3 differs at byte 17".into() }),
             millis: 12,
         };
         let line = serde_json::to_string(&r).expect("a result record encodes");
         assert!(!line.contains('\n'));
         assert_eq!(serde_json::from_str::<TestResult>(&line).expect("a result line decodes"), r);
+        assert!(line.contains(r#""outcome":{"status":"fail","detail":{"kind":"check","message""#), "{line}");
+        let skip = TestResult { outcome: Outcome::Skip("needs the series kernel".into()), ..r };
+        let line = serde_json::to_string(&skip).expect("a result record encodes");
+        assert!(line.contains(r#""outcome":{"status":"skip","detail":"needs the series kernel"}"#), "{line}");
+    }
+
+    #[test]
+    fn a_failure_says_its_kind() {
+        let c = Failure::Command { command: "nvme connect".into(), detail: "exited with 1: no route".into() };
+        assert_eq!(c.to_string(), "nvme connect: exited with 1: no route");
+        assert_eq!(Failure::from("bytes differ".to_owned()), Failure::Check { message: "bytes differ".into() });
+        assert!(Failure::Setup { message: "no /proc".into() }.to_string().starts_with("guest setup: "));
     }
 }

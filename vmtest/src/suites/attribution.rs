@@ -12,12 +12,12 @@ use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, Tr
 use pdstor::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, Probes, Signals, TargetClass, Verdict, judge};
 
-use super::outcome;
+use super::{Checked, skip};
+use crate::DiskRole;
 use crate::guest::Ctx;
-use crate::{DiskRole, Outcome};
 
 /// The scsi_debug disk the module made at boot, as `sdX`.
-fn scsi_debug_disk() -> Result<String, String> {
+fn scsi_debug_disk() -> Checked<String> {
     let found = std::fs::read_dir("/sys/block").ok().and_then(|dir| {
         dir.flatten().find_map(|e| {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -28,14 +28,14 @@ fn scsi_debug_disk() -> Result<String, String> {
     match found {
         Some(disk) => Ok(disk),
         None if crate::guest::expects_rw_dmabuf() => {
-            Err("SKIP: the series kernel is built without scsi_debug (Debian's kernel runs this)".into())
+            Err(skip("the series kernel is built without scsi_debug (Debian's kernel runs this)"))
         }
         None => Err("no scsi_debug disk: the module was loaded at boot and should have made one".into()),
     }
 }
 
-fn write(path: &Path, value: &str) -> Result<(), String> {
-    std::fs::write(path, value).map_err(|e| format!("writing {value} to {}: {e}", path.display()))
+fn write(path: &Path, value: &str) -> Checked {
+    Ok(std::fs::write(path, value).map_err(|e| format!("writing {value} to {}: {e}", path.display()))?)
 }
 
 /// Sets a sysfs value and puts the old one back when dropped.
@@ -45,7 +45,7 @@ struct Setting {
 }
 
 impl Setting {
-    fn set(path: impl Into<PathBuf>, value: &str) -> Result<Setting, String> {
+    fn set(path: impl Into<PathBuf>, value: &str) -> Checked<Setting> {
         let path = path.into();
         let old = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         // A scheduler file lists all with the current one in brackets.
@@ -64,7 +64,7 @@ impl Drop for Setting {
 
 /// `count` host_fixed writes of `len` bytes in one batch through the engine
 /// on `device`, transfer ids from `first`; their signals.
-fn fixed_writes(probes: &Probes, device: &Path, first: u64, count: u64, len: u64) -> Result<Vec<Signals>, String> {
+fn fixed_writes(probes: &Probes, device: &Path, first: u64, count: u64, len: u64) -> Checked<Vec<Signals>> {
     let target = Target::open(device, &TargetOptions::default()).map_err(|e| e.to_string())?;
     let mut engine = Engine::new(target, EngineOptions::default()).map_err(|e| e.to_string())?;
     let id =
@@ -82,13 +82,13 @@ fn fixed_writes(probes: &Probes, device: &Path, first: u64, count: u64, len: u64
         .collect();
     engine.execute_all(&requests).map_err(|e| e.to_string())?;
     (first..first + count)
-        .map(|t| probes.signals(t).map_err(|e| e.to_string())?.ok_or(format!("no signals for transfer {t}")))
+        .map(|t| Ok(probes.signals(t).map_err(|e| e.to_string())?.ok_or(format!("no signals for transfer {t}"))?))
         .collect()
 }
 
 /// Each transfer native on a block device, its requests all completed, its
 /// bytes exactly `len`; else the list of those that are not.
-fn exactly_native(probes: &Probes, first: u64, all: &[Signals], len: u64) -> Result<(), String> {
+fn exactly_native(probes: &Probes, first: u64, all: &[Signals], len: u64) -> Checked {
     let a = probes.attached();
     let wrong: Vec<String> = all
         .iter()
@@ -99,7 +99,7 @@ fn exactly_native(probes: &Probes, first: u64, all: &[Signals], len: u64) -> Res
             (v != Verdict::Native || !exact).then(|| format!("transfer {t}: {v}, {s:?}"))
         })
         .collect();
-    if wrong.is_empty() { Ok(()) } else { Err(format!("{wrong:#?}")) }
+    if wrong.is_empty() { Ok(()) } else { Err(format!("{wrong:#?}").into()) }
 }
 
 /// Eight 64 KiB host_fixed writes in one batch on the scsi_debug disk,
@@ -107,20 +107,18 @@ fn exactly_native(probes: &Probes, first: u64, all: &[Signals], len: u64) -> Res
 /// absolute) in force: `happened` must count the scenario in some transfer's
 /// signals (else the test tested nothing, and says `nothing`), and every
 /// transfer must be native with exactly its own requests.
-fn scsi_debug_batch(settings: &[(&str, &str)], first: u64, happened: fn(&Signals) -> u64, nothing: &str) -> Outcome {
-    outcome((|| {
-        let disk = scsi_debug_disk()?;
-        let sys = Path::new("/sys/block").join(&disk);
-        let _kept: Vec<Setting> =
-            settings.iter().map(|(path, value)| Setting::set(sys.join(path), value)).collect::<Result<_, _>>()?;
-        let probes = crate::suites::probes::attach()?;
-        const LEN: u64 = 64 << 10;
-        let all = fixed_writes(&probes, &Path::new("/dev").join(&disk), first, 8, LEN)?;
-        if all.iter().map(happened).sum::<u64>() == 0 {
-            return Err(format!("{nothing}, so this tested nothing: {all:#?}"));
-        }
-        exactly_native(&probes, first, &all, LEN)
-    })())
+fn scsi_debug_batch(settings: &[(&str, &str)], first: u64, happened: fn(&Signals) -> u64, nothing: &str) -> Checked {
+    let disk = scsi_debug_disk()?;
+    let sys = Path::new("/sys/block").join(&disk);
+    let _kept: Vec<Setting> =
+        settings.iter().map(|(path, value)| Setting::set(sys.join(path), value)).collect::<Result<_, _>>()?;
+    let probes = crate::suites::probes::attach()?;
+    const LEN: u64 = 64 << 10;
+    let all = fixed_writes(&probes, &Path::new("/dev").join(&disk), first, 8, LEN)?;
+    if all.iter().map(happened).sum::<u64>() == 0 {
+        return Err(format!("{nothing}, so this tested nothing: {all:#?}").into());
+    }
+    exactly_native(&probes, first, &all, LEN)
 }
 
 /// Queue depth 1 and scsi_debug's delayed completions: every request of a
@@ -128,7 +126,7 @@ fn scsi_debug_batch(settings: &[(&str, &str)], first: u64, happened: fn(&Signals
 /// from a kworker when that one completes. Each transfer must still be
 /// native with its own requests (on the programs that charged a request to
 /// the issuing thread, 7 of 8 were unverifiable).
-pub fn kworker_dispatch(_: &Ctx) -> Outcome {
+pub fn kworker_dispatch(_: &Ctx) -> Checked {
     scsi_debug_batch(
         &[("device/queue_depth", "1")],
         530,
@@ -141,7 +139,7 @@ pub fn kworker_dispatch(_: &Ctx) -> Outcome {
 /// (`SDEBUG_OPT_HOST_BUSY`): the SCSI midlayer hands the request back,
 /// blk-mq requeues it and dispatches the same request again. It is one
 /// request: issued once, completed once, its bytes once.
-pub fn requeue(_: &Ctx) -> Outcome {
+pub fn requeue(_: &Ctx) -> Checked {
     scsi_debug_batch(
         &[("/sys/bus/pseudo/drivers/scsi_debug/every_nth", "3"), ("/sys/bus/pseudo/drivers/scsi_debug/opts", "0x8000")],
         540,
@@ -154,49 +152,47 @@ pub fn requeue(_: &Ctx) -> Outcome {
 /// 8 submitters at queue depth 64, a CPU hog, 1,000 writes and 1,000 reads
 /// of 128 KiB, each split into four requests at a 32 KiB limit; every
 /// transfer judged as at depth 1, nothing lost, nothing double-counted.
-pub fn under_load(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let dev = ctx.disk(DiskRole::Raw)?.block.clone();
-        let name = dev.file_name().ok_or("a /dev path")?.to_string_lossy().into_owned();
-        let _limit = Setting::set(Path::new("/sys/block").join(name).join("queue/max_sectors_kb"), "32")?;
-        let probes = crate::suites::probes::attach()?;
-        let opts = pdstor::harness::probe_load::LoadOptions {
-            target: dev,
-            // Past what the other probes tests write (64 and 96 MiB).
-            offset: 256 << 20,
-            threads: 8,
-            per_thread: 125,
-            depth: 64,
-            len: 128 << 10,
-            hog: true,
-            first_id: 600_000,
-        };
-        let report = pdstor::harness::probe_load::run(&probes, &opts)?;
-        println!("probe load on the NVMe namespace: {report:?}");
-        if report.reference == "native" && report.clean() {
-            return Ok(());
-        }
-        // The kernel did not run the probes for some events (see "Runs the
-        // kernel skips" in the header of provenance.bpf.c): the byte and
-        // completion counts of a transfer may then fall short, but every
-        // verdict must still be the reference one (each rests on more than
-        // one program) and no transfer may carry someone else's bytes.
-        let skipped = report.probe_runs_skipped > 0;
-        if report.reference == "native" && skipped && report.other_verdict == 0 && report.excess_bytes == 0 {
-            println!(
-                "every verdict held while the kernel skipped {} runs of the probes ({:?}); {} transfers were seen \
-                 with fewer bytes than they moved",
-                report.probe_runs_skipped, report.skipped_by_program, report.wrong_bytes
-            );
-            return Ok(());
-        }
-        if report.reference == "native" && skipped && report.only_evidence_missing() {
-            return Err(format!(
-                "SKIP: the kernel skipped {} runs of the probes under this load ({:?}), and {} of {} transfers \
-                 lack the evidence for a verdict (none carries wrong evidence)",
-                report.probe_runs_skipped, report.skipped_by_program, report.unverifiable, report.transfers
-            ));
-        }
-        Err(format!("{report:#?}"))
-    })())
+pub fn under_load(ctx: &Ctx) -> Checked {
+    let dev = ctx.disk(DiskRole::Raw)?.block.clone();
+    let name = dev.file_name().ok_or("a /dev path")?.to_string_lossy().into_owned();
+    let _limit = Setting::set(Path::new("/sys/block").join(name).join("queue/max_sectors_kb"), "32")?;
+    let probes = crate::suites::probes::attach()?;
+    let opts = pdstor::harness::probe_load::LoadOptions {
+        target: dev,
+        // Past what the other probes tests write (64 and 96 MiB).
+        offset: 256 << 20,
+        threads: 8,
+        per_thread: 125,
+        depth: 64,
+        len: 128 << 10,
+        hog: true,
+        first_id: 600_000,
+    };
+    let report = pdstor::harness::probe_load::run(&probes, &opts)?;
+    println!("probe load on the NVMe namespace: {report:?}");
+    if report.reference == "native" && report.clean() {
+        return Ok(());
+    }
+    // The kernel did not run the probes for some events (see "Runs the
+    // kernel skips" in the header of provenance.bpf.c): the byte and
+    // completion counts of a transfer may then fall short, but every
+    // verdict must still be the reference one (each rests on more than
+    // one program) and no transfer may carry someone else's bytes.
+    let skipped = report.probe_runs_skipped > 0;
+    if report.reference == "native" && skipped && report.other_verdict == 0 && report.excess_bytes == 0 {
+        println!(
+            "every verdict held while the kernel skipped {} runs of the probes ({:?}); {} transfers were seen \
+             with fewer bytes than they moved",
+            report.probe_runs_skipped, report.skipped_by_program, report.wrong_bytes
+        );
+        return Ok(());
+    }
+    if report.reference == "native" && skipped && report.only_evidence_missing() {
+        return Err(skip(format!(
+            "the kernel skipped {} runs of the probes under this load ({:?}), and {} of {} transfers lack the \
+             evidence for a verdict (none carries wrong evidence)",
+            report.probe_runs_skipped, report.skipped_by_program, report.unverifiable, report.transfers
+        )));
+    }
+    Err(format!("{report:#?}").into())
 }

@@ -11,9 +11,9 @@ use std::path::Path;
 use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId};
 use pdstor::{Buffer, PayloadPath, payload};
 
-use super::{Suite, Test, outcome};
+use super::{Checked, Suite, Test};
 use crate::guest::{Ctx, sh};
-use crate::{DiskRole, NVME_MDTS, Outcome};
+use crate::{DiskRole, NVME_MDTS};
 
 /// 1 MiB + 64 KiB: three commands under a 512 KiB MDTS, the last one short.
 const CHUNK: u64 = (1 << 20) + (64 << 10);
@@ -72,58 +72,50 @@ enum Independent {
     NvmeRead { lba: u64, max_bytes: u64 },
 }
 
-fn fs_file(ctx: &Ctx, role: DiskRole, path: PayloadPath) -> Outcome {
-    outcome((|| {
-        let mount = ctx.disk(role)?.mount.clone().ok_or("filesystem not mounted")?;
-        let file = mount.join(format!("kv-{path}.img"));
-        round_trip(&file, Some(FILE_BYTES), path, 0, Independent::Dd, TargetKind::File)
-    })())
+fn fs_file(ctx: &Ctx, role: DiskRole, path: PayloadPath) -> Checked {
+    let mount = ctx.disk(role)?.mount.clone().ok_or("filesystem not mounted")?;
+    let file = mount.join(format!("kv-{path}.img"));
+    round_trip(&file, Some(FILE_BYTES), path, 0, Independent::Dd, TargetKind::File)
 }
 
-fn raw_block(ctx: &Ctx, path: PayloadPath, base: u64) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(DiskRole::Raw)?;
-        round_trip(&disk.block, None, path, base, Independent::Dd, TargetKind::BlockDevice)
-    })())
+fn raw_block(ctx: &Ctx, path: PayloadPath, base: u64) -> Checked {
+    let disk = ctx.disk(DiskRole::Raw)?;
+    round_trip(&disk.block, None, path, base, Independent::Dd, TargetKind::BlockDevice)
 }
 
-fn passthrough(ctx: &Ctx, path: PayloadPath, base: u64) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(DiskRole::Raw)?;
-        let g = open(&disk.generic, None)?.geometry().to_owned();
-        let reader = Independent::NvmeRead { lba: g.logical_block as u64, max_bytes: g.max_transfer as u64 };
-        round_trip(&disk.generic, None, path, base, reader, TargetKind::NvmeGeneric)
-    })())
+fn passthrough(ctx: &Ctx, path: PayloadPath, base: u64) -> Checked {
+    let disk = ctx.disk(DiskRole::Raw)?;
+    let g = open(&disk.generic, None)?.geometry().to_owned();
+    let reader = Independent::NvmeRead { lba: g.logical_block as u64, max_bytes: g.max_transfer as u64 };
+    round_trip(&disk.generic, None, path, base, reader, TargetKind::NvmeGeneric)
 }
 
 /// The passthrough target reports what QEMU was told: 4 KiB LBAs, nsid 1, and
 /// MDTS 7 (512 KiB) as the per-command limit — so CHUNK needs splitting.
-fn passthrough_geometry(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(DiskRole::Raw)?;
-        let engine = open(&disk.generic, None)?;
-        let g = engine.geometry();
-        let mdts = 4096u32 << NVME_MDTS;
-        if engine.target().kind() != TargetKind::NvmeGeneric {
-            return Err(format!("{} opened as {:?}", disk.generic.display(), engine.target().kind()));
-        }
-        if g.logical_block != 4096 || g.nsid != Some(1) || g.max_transfer != mdts {
-            return Err(format!("geometry {g:?}: want 4096-byte LBAs, nsid 1, max_transfer {mdts}"));
-        }
-        if CHUNK <= g.max_transfer as u64 {
-            return Err(format!(
-                "CHUNK {CHUNK} does not exceed MDTS {}: the split path is not exercised",
-                g.max_transfer
-            ));
-        }
-        Ok(())
-    })())
+fn passthrough_geometry(ctx: &Ctx) -> Checked {
+    let disk = ctx.disk(DiskRole::Raw)?;
+    let engine = open(&disk.generic, None)?;
+    let g = engine.geometry();
+    let mdts = 4096u32 << NVME_MDTS;
+    if engine.target().kind() != TargetKind::NvmeGeneric {
+        return Err(format!("{} opened as {:?}", disk.generic.display(), engine.target().kind()).into());
+    }
+    if g.logical_block != 4096 || g.nsid != Some(1) || g.max_transfer != mdts {
+        return Err(format!("geometry {g:?}: want 4096-byte LBAs, nsid 1, max_transfer {mdts}").into());
+    }
+    if CHUNK <= g.max_transfer as u64 {
+        return Err(
+            format!("CHUNK {CHUNK} does not exceed MDTS {}: the split path is not exercised", g.max_transfer).into()
+        );
+    }
+    Ok(())
 }
 
-fn open(path: &Path, create: Option<u64>) -> Result<Engine, String> {
+fn open(path: &Path, create: Option<u64>) -> Checked<Engine> {
     let t =
         Target::open(path, &TargetOptions { create_len: create, ..Default::default() }).map_err(|e| e.to_string())?;
-    Engine::new(t, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() }).map_err(|e| e.to_string())
+    Ok(Engine::new(t, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() })
+        .map_err(|e| e.to_string())?)
 }
 
 fn round_trip(
@@ -133,11 +125,11 @@ fn round_trip(
     base: u64,
     independent: Independent,
     kind: TargetKind,
-) -> Result<(), String> {
+) -> Checked {
     let seed = base ^ path as u64 ^ 0x5eed;
     let mut engine = open(target, create)?;
     if engine.target().kind() != kind {
-        return Err(format!("{} opened as {:?}, expected {kind:?}", target.display(), engine.target().kind()));
+        return Err(format!("{} opened as {:?}, expected {kind:?}", target.display(), engine.target().kind()).into());
     }
     let buffer = Buffer::memfd("vmtest", (CHUNK * CHUNKS) as usize).map_err(|e| e.to_string())?;
     let id = match path {
@@ -171,7 +163,7 @@ fn round_trip(
     for i in 0..CHUNKS {
         engine.buffer(id).map_err(|e| e.to_string())?.read_at(i * CHUNK, &mut got).map_err(|e| e.to_string())?;
         if let Some(at) = payload::first_difference(&payload::chunk(seed, i, CHUNK as usize), &got) {
-            return Err(format!("chunk {i} read through the engine differs at byte {at}"));
+            return Err(format!("chunk {i} read through the engine differs at byte {at}").into());
         }
     }
     drop(engine);
@@ -182,14 +174,14 @@ fn round_trip(
             Independent::NvmeRead { lba, max_bytes } => nvme_read(target, offset, CHUNK, lba, max_bytes)?,
         };
         if let Some(at) = payload::first_difference(&payload::chunk(seed, i, CHUNK as usize), &bytes) {
-            return Err(format!("chunk {i} read independently differs at byte {at} (of {})", bytes.len()));
+            return Err(format!("chunk {i} read independently differs at byte {at} (of {})", bytes.len()).into());
         }
     }
     Ok(())
 }
 
 /// `dd iflag=direct` (busybox), a reader that shares no code with pdstor.
-pub(crate) fn dd_direct(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, String> {
+pub(crate) fn dd_direct(path: &Path, offset: u64, len: u64) -> Checked<Vec<u8>> {
     let out = "/tmp/vmtest/dd.out";
     sh(
         "dd",
@@ -202,11 +194,11 @@ pub(crate) fn dd_direct(path: &Path, offset: u64, len: u64) -> Result<Vec<u8>, S
             &format!("count={len}"),
         ],
     )?;
-    std::fs::read(out).map_err(|e| format!("reading {out}: {e}"))
+    Ok(std::fs::read(out).map_err(|e| format!("reading {out}: {e}"))?)
 }
 
 /// `nvme read` on the generic device, in pieces no larger than MDTS.
-pub(crate) fn nvme_read(dev: &Path, offset: u64, len: u64, lba: u64, max_bytes: u64) -> Result<Vec<u8>, String> {
+pub(crate) fn nvme_read(dev: &Path, offset: u64, len: u64, lba: u64, max_bytes: u64) -> Checked<Vec<u8>> {
     let mut all = Vec::with_capacity(len as usize);
     let piece_file = "/tmp/vmtest/nvme.out";
     let mut done = 0;
@@ -230,25 +222,23 @@ pub(crate) fn nvme_read(dev: &Path, offset: u64, len: u64, lba: u64, max_bytes: 
     Ok(all)
 }
 
-fn fsck(ctx: &Ctx, role: DiskRole) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(role)?;
-        let mount = disk.mount.clone().ok_or("filesystem not mounted")?;
-        nix::mount::umount(mount.as_path()).map_err(|e| format!("unmounting {}: {e}", mount.display()))?;
-        let dev = disk.block.to_string_lossy().into_owned();
-        let checked = match role {
-            DiskRole::Xfs => sh("xfs_repair", &["-n", &dev]),
-            _ => sh("e2fsck", &["-fn", &dev]),
-        };
-        let fstype = if role == DiskRole::Xfs { "xfs" } else { "ext4" };
-        nix::mount::mount(
-            Some(disk.block.as_path()),
-            mount.as_path(),
-            Some(fstype),
-            nix::mount::MsFlags::empty(),
-            None::<&str>,
-        )
-        .map_err(|e| format!("remounting {dev}: {e}"))?;
-        checked.map(|_| ())
-    })())
+fn fsck(ctx: &Ctx, role: DiskRole) -> Checked {
+    let disk = ctx.disk(role)?;
+    let mount = disk.mount.clone().ok_or("filesystem not mounted")?;
+    nix::mount::umount(mount.as_path()).map_err(|e| format!("unmounting {}: {e}", mount.display()))?;
+    let dev = disk.block.to_string_lossy().into_owned();
+    let checked = match role {
+        DiskRole::Xfs => sh("xfs_repair", &["-n", &dev]),
+        _ => sh("e2fsck", &["-fn", &dev]),
+    };
+    let fstype = if role == DiskRole::Xfs { "xfs" } else { "ext4" };
+    nix::mount::mount(
+        Some(disk.block.as_path()),
+        mount.as_path(),
+        Some(fstype),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| format!("remounting {dev}: {e}"))?;
+    Ok(checked.map(|_| ())?)
 }

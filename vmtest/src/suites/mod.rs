@@ -12,13 +12,58 @@ mod swiotlb;
 mod topology;
 
 use crate::guest::Ctx;
-use crate::{DiskRole, Outcome};
+use crate::{DiskRole, Failure, Outcome};
 
 /// One test: a name, the disk it exercises, and the function that runs it.
 pub struct Test {
     pub name: &'static str,
     pub disk: Option<DiskRole>,
-    pub run: fn(&Ctx) -> Outcome,
+    pub run: fn(&Ctx) -> Checked,
+}
+
+/// Why a test did not pass: it cannot run here, or it failed.
+#[derive(Debug)]
+pub enum Stop {
+    /// What it needs that this guest lacks, and what runs it.
+    Skip(String),
+    /// How it failed.
+    Fail(Failure),
+}
+
+impl std::fmt::Display for Stop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stop::Skip(reason) => write!(f, "skipped: {reason}"),
+            Stop::Fail(failure) => failure.fmt(f),
+        }
+    }
+}
+
+/// What a test (and a helper that may skip it) answers.
+pub type Checked<T = ()> = Result<T, Stop>;
+
+/// The test cannot run here: `reason` says what it needs and what runs it.
+pub fn skip(reason: impl Into<String>) -> Stop {
+    Stop::Skip(reason.into())
+}
+
+impl From<Failure> for Stop {
+    fn from(f: Failure) -> Stop {
+        Stop::Fail(f)
+    }
+}
+
+/// A check that did not hold, in words.
+impl From<String> for Stop {
+    fn from(message: String) -> Stop {
+        Stop::Fail(Failure::Check { message })
+    }
+}
+
+impl From<&str> for Stop {
+    fn from(message: &str) -> Stop {
+        Stop::Fail(Failure::Check { message: message.to_owned() })
+    }
 }
 
 /// A suite: its name (one of [`crate::SUITES`], which says what it proves) and its tests.
@@ -44,12 +89,12 @@ pub fn find(name: &str) -> Option<&'static Suite> {
     SUITES.iter().find(|s| s.name == name)
 }
 
-/// Turns a test body's `Result` into an outcome.
-pub(crate) fn outcome(r: Result<(), String>) -> Outcome {
+/// A test's answer as the outcome the host reads.
+pub(crate) fn outcome(r: Checked) -> Outcome {
     match r {
         Ok(()) => Outcome::Pass,
-        Err(e) if e.starts_with("SKIP: ") => Outcome::Skip(e.trim_start_matches("SKIP: ").into()),
-        Err(e) => Outcome::Fail(e),
+        Err(Stop::Skip(reason)) => Outcome::Skip(reason),
+        Err(Stop::Fail(f)) => Outcome::Fail(f),
     }
 }
 
@@ -66,6 +111,28 @@ mod tests {
             }
         }
         assert!(find("io").is_some() && find("nope").is_none());
+    }
+
+    #[test]
+    fn a_skip_is_a_skip_and_a_failure_keeps_its_kind() {
+        assert_eq!(outcome(Ok(())), Outcome::Pass);
+        assert_eq!(outcome(Err(skip("needs the series kernel"))), Outcome::Skip("needs the series kernel".into()));
+        // A message that merely starts like a skip is a failure.
+        let looks_like_one = ["SKIP", ": not really"].concat();
+        let f = outcome(Err(looks_like_one.clone().into()));
+        assert_eq!(f, Outcome::Fail(Failure::Check { message: looks_like_one }));
+        let c = Failure::Command { command: "mkfs.xfs /dev/nvme0n1".into(), detail: "exited with 1".into() };
+        assert_eq!(outcome(Err(c.clone().into())), Outcome::Fail(c));
+    }
+
+    /// Skips are `skip(reason)`, never a string that starts with SKIP and a colon.
+    #[test]
+    fn no_suite_skips_by_a_string_prefix() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/suites");
+        for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap();
+            assert!(!text.contains(&format!("\"{}: ", "SKIP")), "{} skips by a string prefix", entry.path().display());
+        }
     }
 
     #[test]

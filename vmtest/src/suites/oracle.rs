@@ -8,9 +8,9 @@
 
 use std::path::Path;
 
-use super::{Suite, Test, outcome};
+use super::{Checked, Suite, Test, skip};
+use crate::DiskRole;
 use crate::guest::{Ctx, sh};
-use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "oracle",
@@ -22,7 +22,7 @@ pub const SUITE: Suite = Suite {
 
 /// `pdstor qualify --short --chunk-tokens 8 <args> --out <out>`, run to its
 /// end: its report, or why it failed (with its qualify.md).
-fn run_qualify(args: &[&str], out: &Path) -> Result<serde_json::Value, String> {
+fn run_qualify(args: &[&str], out: &Path) -> Checked<serde_json::Value> {
     let run = std::process::Command::new("/bin/pdstor")
         .args(["qualify", "--short", "--chunk-tokens", "8"])
         .args(args)
@@ -40,7 +40,8 @@ fn run_qualify(args: &[&str], out: &Path) -> Result<serde_json::Value, String> {
             "pdstor qualify {args:?} failed ({:?}):\n{md}{}",
             run.status.code(),
             violating_lines(&report, &out.join("timeline.jsonl"))
-        ));
+        )
+        .into());
     }
     Ok(report)
 }
@@ -69,52 +70,48 @@ fn violating_lines(report: &serde_json::Value, timeline: &Path) -> String {
     s
 }
 
-fn qualify(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(DiskRole::Raw)?;
-        let out = Path::new("/tmp/vmtest/qualify");
-        let (generic, block) = (disk.generic.to_string_lossy(), disk.block.to_string_lossy());
-        let report = run_qualify(&["--target", &generic, "--corrupt-via", &block], out)?;
-        let cases = report["cases"].as_array().map_or(0, Vec::len);
-        let controls = report["controls"].as_array().map_or(0, Vec::len);
-        if cases != 3 || controls != 7 {
-            return Err(format!("expected 3 cases and 7 controls, got {cases} and {controls}"));
-        }
-        // The checker, run on its own, agrees; and the default requirement
-        // (dmabuf_fixed) rejects this host_fixed run.
-        let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
-        sh("/bin/pdstor", &["timeline", "check", &timeline, "--require-path", "host_fixed"])?;
-        if sh("/bin/pdstor", &["timeline", "check", &timeline]).is_ok() {
-            return Err("the timeline passed the default dmabuf_fixed requirement".into());
-        }
-        let svg = std::fs::read_to_string(out.join("timeline.svg")).map_err(|e| format!("timeline.svg: {e}"))?;
-        if !svg.contains("<svg") || !svg.contains(">daemon-e") {
-            return Err("timeline.svg is not a rendered timeline".into());
-        }
-        Ok(())
-    })())
+fn qualify(ctx: &Ctx) -> Checked {
+    let disk = ctx.disk(DiskRole::Raw)?;
+    let out = Path::new("/tmp/vmtest/qualify");
+    let (generic, block) = (disk.generic.to_string_lossy(), disk.block.to_string_lossy());
+    let report = run_qualify(&["--target", &generic, "--corrupt-via", &block], out)?;
+    let cases = report["cases"].as_array().map_or(0, Vec::len);
+    let controls = report["controls"].as_array().map_or(0, Vec::len);
+    if cases != 3 || controls != 7 {
+        return Err(format!("expected 3 cases and 7 controls, got {cases} and {controls}").into());
+    }
+    // The checker, run on its own, agrees; and the default requirement
+    // (dmabuf_fixed) rejects this host_fixed run.
+    let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
+    sh("/bin/pdstor", &["timeline", "check", &timeline, "--require-path", "host_fixed"])?;
+    if sh("/bin/pdstor", &["timeline", "check", &timeline]).is_ok() {
+        return Err("the timeline passed the default dmabuf_fixed requirement".into());
+    }
+    let svg = std::fs::read_to_string(out.join("timeline.svg")).map_err(|e| format!("timeline.svg: {e}"))?;
+    if !svg.contains("<svg") || !svg.contains(">daemon-e") {
+        return Err("timeline.svg is not a rendered timeline".into());
+    }
+    Ok(())
 }
 
 /// The series kernel: the same profile with every payload on `dmabuf_fixed`
 /// (udmabuf buffers on the raw namespace), and its timeline passing the
 /// checker's default requirement, `dmabuf_fixed`.
-fn qualify_dmabuf_fixed(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        if !crate::guest::expects_rw_dmabuf() {
-            return Err("SKIP: Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)".into());
-        }
-        let disk = ctx.disk(DiskRole::Raw)?;
-        let out = Path::new("/tmp/vmtest/qualify-dmabuf");
-        let block = disk.block.to_string_lossy();
-        run_qualify(&["--path", "dmabuf_fixed", "--target", &block, "--corrupt-via", &block], out)?;
-        let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
-        // The default requirement is dmabuf_fixed, native.
-        sh("/bin/pdstor", &["timeline", "check", &timeline])?;
-        if sh("/bin/pdstor", &["timeline", "check", &timeline, "--require-path", "host_fixed"]).is_ok() {
-            return Err("a dmabuf_fixed timeline passed --require-path host_fixed".into());
-        }
-        // Every causal lie told about it is caught.
-        sh("/bin/pdstor", &["timeline", "mutate", &timeline])?;
-        Ok(())
-    })())
+fn qualify_dmabuf_fixed(ctx: &Ctx) -> Checked {
+    if !crate::guest::expects_rw_dmabuf() {
+        return Err(skip("Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)"));
+    }
+    let disk = ctx.disk(DiskRole::Raw)?;
+    let out = Path::new("/tmp/vmtest/qualify-dmabuf");
+    let block = disk.block.to_string_lossy();
+    run_qualify(&["--path", "dmabuf_fixed", "--target", &block, "--corrupt-via", &block], out)?;
+    let timeline = out.join("timeline.jsonl").to_string_lossy().into_owned();
+    // The default requirement is dmabuf_fixed, native.
+    sh("/bin/pdstor", &["timeline", "check", &timeline])?;
+    if sh("/bin/pdstor", &["timeline", "check", &timeline, "--require-path", "host_fixed"]).is_ok() {
+        return Err("a dmabuf_fixed timeline passed --require-path host_fixed".into());
+    }
+    // Every causal lie told about it is caught.
+    sh("/bin/pdstor", &["timeline", "mutate", &timeline])?;
+    Ok(())
 }

@@ -14,9 +14,9 @@ use std::path::Path;
 use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
 use pdstor::{Buffer, PayloadPath};
 
-use super::{Suite, Test, attribution, outcome};
+use super::{Checked, Suite, Test, attribution};
+use crate::DiskRole;
 use crate::guest::Ctx;
-use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "probes",
@@ -53,8 +53,8 @@ pub const SUITE: Suite = Suite {
     ],
 };
 
-pub(crate) fn attach() -> Result<pdstor_probes::Probes, String> {
-    pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())
+pub(crate) fn attach() -> Checked<pdstor_probes::Probes> {
+    Ok(pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())?)
 }
 
 /// Programs on functions only the rw-dmabuf series adds (named by their
@@ -66,7 +66,7 @@ const SERIES_ONLY: [&str; 3] =
 /// skip for another process's bpf() syscall: tp_btf for the tracepoints,
 /// fentry and fexit for the function hooks (see "Runs the kernel skips" in
 /// the header of provenance.bpf.c). A fallback there is a regression.
-fn skip_proof_kinds(status: &[pdstor_probes::ProgramStatus]) -> Result<(), String> {
+fn skip_proof_kinds(status: &[pdstor_probes::ProgramStatus]) -> Checked {
     let weak: Vec<String> = status
         .iter()
         .filter(|s| s.attached)
@@ -78,32 +78,30 @@ fn skip_proof_kinds(status: &[pdstor_probes::ProgramStatus]) -> Result<(), Strin
         })
         .map(|s| format!("{}: {}", s.name, s.detail))
         .collect();
-    if weak.is_empty() { Ok(()) } else { Err(format!("programs attached in a kind the kernel skips: {weak:?}")) }
+    if weak.is_empty() { Ok(()) } else { Err(format!("programs attached in a kind the kernel skips: {weak:?}").into()) }
 }
 
-fn every_program_attaches(_: &Ctx) -> Outcome {
-    outcome((|| {
-        let p = attach()?;
-        let missing: Vec<String> = p
-            .status()
-            .iter()
-            .filter(|s| !s.attached && !s.detail.starts_with("not built yet"))
-            // The DMA-token functions exist only on a kernel with the rw-dmabuf series.
-            .filter(|s| !SERIES_ONLY.contains(&s.name) || crate::guest::expects_rw_dmabuf())
-            .map(|s| format!("{}: {}", s.name, s.detail))
+fn every_program_attaches(_: &Ctx) -> Checked {
+    let p = attach()?;
+    let missing: Vec<String> = p
+        .status()
+        .iter()
+        .filter(|s| !s.attached && !s.detail.starts_with("not built yet"))
+        // The DMA-token functions exist only on a kernel with the rw-dmabuf series.
+        .filter(|s| !SERIES_ONLY.contains(&s.name) || crate::guest::expects_rw_dmabuf())
+        .map(|s| format!("{}: {}", s.name, s.detail))
+        .collect();
+    if !missing.is_empty() {
+        // For a post-mortem: what the kernel calls the series' functions.
+        let syms: Vec<String> = std::fs::read_to_string("/proc/kallsyms")
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("dmabuf_token_map") || l.contains("dmabuf_create_map"))
+            .map(str::to_owned)
             .collect();
-        if !missing.is_empty() {
-            // For a post-mortem: what the kernel calls the series' functions.
-            let syms: Vec<String> = std::fs::read_to_string("/proc/kallsyms")
-                .unwrap_or_default()
-                .lines()
-                .filter(|l| l.contains("dmabuf_token_map") || l.contains("dmabuf_create_map"))
-                .map(str::to_owned)
-                .collect();
-            return Err(format!("programs that did not attach in the guest: {missing:?} (kallsyms: {syms:?})"));
-        }
-        skip_proof_kinds(p.status())
-    })())
+        return Err(format!("programs that did not attach in the guest: {missing:?} (kallsyms: {syms:?})").into());
+    }
+    skip_proof_kinds(p.status())
 }
 
 /// One `host_fixed` write of 1 MiB + 64 KiB through the engine, judged.
@@ -113,7 +111,7 @@ pub(crate) fn fixed_write_verdict(
     class: pdstor_probes::TargetClass,
     path: PayloadPath,
     transfer: u64,
-) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
+) -> Checked<(pdstor_probes::Verdict, pdstor_probes::Signals)> {
     write_verdict_skipping(target, create, class, path, transfer, pdstor_probes::SkipRuns::default())
 }
 
@@ -125,7 +123,7 @@ fn write_verdict_skipping(
     path: PayloadPath,
     transfer: u64,
     skip: pdstor_probes::SkipRuns,
-) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
+) -> Checked<(pdstor_probes::Verdict, pdstor_probes::Signals)> {
     let probes = pdstor_probes::Probes::attach_skipping(std::process::id(), skip).map_err(|e| e.to_string())?;
     let t =
         Target::open(target, &TargetOptions { create_len: create, ..Default::default() }).map_err(|e| e.to_string())?;
@@ -151,39 +149,32 @@ fn write_verdict_skipping(
     Ok((pdstor_probes::judge(pdstor_probes::Declared::HostFixed, class, &s, &probes.attached()), s))
 }
 
-pub(crate) fn expect(
-    v: (pdstor_probes::Verdict, pdstor_probes::Signals),
-    want: pdstor_probes::Verdict,
-) -> Result<(), String> {
+pub(crate) fn expect(v: (pdstor_probes::Verdict, pdstor_probes::Signals), want: pdstor_probes::Verdict) -> Checked {
     if v.0 != want {
-        return Err(format!("verdict {} where {want} was expected; signals {:?}", v.0, v.1));
+        return Err(format!("verdict {} where {want} was expected; signals {:?}", v.0, v.1).into());
     }
     Ok(())
 }
 
-fn native_on_fs(ctx: &Ctx, role: DiskRole) -> Outcome {
-    outcome((|| {
-        let mount = ctx.disk(role)?.mount.clone().ok_or("not mounted")?;
-        let v = fixed_write_verdict(
-            &mount.join("probe.img"),
-            Some(128 << 20),
-            pdstor_probes::TargetClass::File,
-            PayloadPath::HostFixed,
-            501,
-        )?;
-        expect(v, pdstor_probes::Verdict::Native)
-    })())
+fn native_on_fs(ctx: &Ctx, role: DiskRole) -> Checked {
+    let mount = ctx.disk(role)?.mount.clone().ok_or("not mounted")?;
+    let v = fixed_write_verdict(
+        &mount.join("probe.img"),
+        Some(128 << 20),
+        pdstor_probes::TargetClass::File,
+        PayloadPath::HostFixed,
+        501,
+    )?;
+    expect(v, pdstor_probes::Verdict::Native)
 }
 
-fn native_on_raw_block(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let dev = ctx.disk(DiskRole::Raw)?.block.clone();
-        let v = fixed_write_verdict(&dev, None, pdstor_probes::TargetClass::BlockDevice, PayloadPath::HostFixed, 502)?;
-        if v.1.rq_issued == 0 || !v.1.requests_all_completed() || v.1.rq_errors != 0 {
-            return Err(format!("block requests issued and completed disagree: {:?}", v.1));
-        }
-        expect(v, pdstor_probes::Verdict::Native)
-    })())
+fn native_on_raw_block(ctx: &Ctx) -> Checked {
+    let dev = ctx.disk(DiskRole::Raw)?.block.clone();
+    let v = fixed_write_verdict(&dev, None, pdstor_probes::TargetClass::BlockDevice, PayloadPath::HostFixed, 502)?;
+    if v.1.rq_issued == 0 || !v.1.requests_all_completed() || v.1.rq_errors != 0 {
+        return Err(format!("block requests issued and completed disagree: {:?}", v.1).into());
+    }
+    expect(v, pdstor_probes::Verdict::Native)
 }
 
 /// A 7.x kernel skips runs of the programs under load (see the header of
@@ -194,82 +185,64 @@ fn native_on_raw_block(ctx: &Ctx) -> Outcome {
 /// passthrough whose buffer import no program saw is known by its command's
 /// IORING_URING_CMD_FIXED. Control: a passthrough on a plain buffer, the
 /// import hook skipped, is still `not-fixed`.
-fn second_witness(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(DiskRole::Raw)?;
-        let skip = |submit, bio_queue, rq_issue, hooks| pdstor_probes::SkipRuns {
-            submit,
-            bio_queue,
-            rq_issue,
-            hooks,
-            // With completions seen, a request whose issue was skipped is seen
-            // completing: the NVMe command is the witness tested here.
-            rq_complete: rq_issue,
-        };
-        let block = pdstor_probes::TargetClass::BlockDevice;
-        let (v, s) = write_verdict_skipping(
-            &disk.block,
-            None,
-            block,
-            PayloadPath::HostFixed,
-            521,
-            skip(true, true, true, false),
-        )?;
-        if s.rq_issued != 0 || s.nvme_cmds == 0 || s.fixed_ops != 1 {
-            return Err(format!("expected no issue seen, its NVMe commands seen, the fixed op adopted: {s:?}"));
-        }
-        expect((v, s), pdstor_probes::Verdict::Native)?;
-        let pt = pdstor_probes::TargetClass::NvmePassthrough;
-        let (v, s) = write_verdict_skipping(
-            &disk.generic,
-            None,
-            pt,
-            PayloadPath::HostFixed,
-            522,
-            skip(true, false, false, true),
-        )?;
-        if s.cmd_fixed_imports != 0 || s.cmd_fixed_rqs == 0 {
-            return Err(format!("expected no import seen, the fixed command seen on its requests: {s:?}"));
-        }
-        expect((v, s), pdstor_probes::Verdict::Native)?;
-        expect(
-            write_verdict_skipping(&disk.generic, None, pt, PayloadPath::Host, 523, skip(false, false, false, true))?,
-            pdstor_probes::Verdict::Fallback("not-fixed".into()),
-        )
-    })())
+fn second_witness(ctx: &Ctx) -> Checked {
+    let disk = ctx.disk(DiskRole::Raw)?;
+    let skip = |submit, bio_queue, rq_issue, hooks| pdstor_probes::SkipRuns {
+        submit,
+        bio_queue,
+        rq_issue,
+        hooks,
+        // With completions seen, a request whose issue was skipped is seen
+        // completing: the NVMe command is the witness tested here.
+        rq_complete: rq_issue,
+    };
+    let block = pdstor_probes::TargetClass::BlockDevice;
+    let (v, s) =
+        write_verdict_skipping(&disk.block, None, block, PayloadPath::HostFixed, 521, skip(true, true, true, false))?;
+    if s.rq_issued != 0 || s.nvme_cmds == 0 || s.fixed_ops != 1 {
+        return Err(format!("expected no issue seen, its NVMe commands seen, the fixed op adopted: {s:?}").into());
+    }
+    expect((v, s), pdstor_probes::Verdict::Native)?;
+    let pt = pdstor_probes::TargetClass::NvmePassthrough;
+    let (v, s) =
+        write_verdict_skipping(&disk.generic, None, pt, PayloadPath::HostFixed, 522, skip(true, false, false, true))?;
+    if s.cmd_fixed_imports != 0 || s.cmd_fixed_rqs == 0 {
+        return Err(format!("expected no import seen, the fixed command seen on its requests: {s:?}").into());
+    }
+    expect((v, s), pdstor_probes::Verdict::Native)?;
+    expect(
+        write_verdict_skipping(&disk.generic, None, pt, PayloadPath::Host, 523, skip(false, false, false, true))?,
+        pdstor_probes::Verdict::Fallback("not-fixed".into()),
+    )
 }
 
-fn passthrough_verdicts(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let ng = ctx.disk(DiskRole::Raw)?.generic.clone();
-        let class = pdstor_probes::TargetClass::NvmePassthrough;
-        let fixed = fixed_write_verdict(&ng, None, class, PayloadPath::HostFixed, 503)?;
-        // The device saw exactly the request: 1 MiB + 64 KiB in 4 KiB blocks,
-        // as three commands (MDTS 512 KiB).
-        if fixed.1.nvme_blocks * 4096 != (1 << 20) + (64 << 10) || fixed.1.nvme_cmds != 3 {
-            return Err(format!(
-                "nvme_setup_cmd saw {} commands of {} blocks in all: {:?}",
-                fixed.1.nvme_cmds, fixed.1.nvme_blocks, fixed.1
-            ));
-        }
-        expect(fixed, pdstor_probes::Verdict::Native)?;
-        // Negative control: the same passthrough without a registered buffer.
-        expect(
-            fixed_write_verdict(&ng, None, class, PayloadPath::Host, 504)?,
-            pdstor_probes::Verdict::Fallback("not-fixed".into()),
-        )?;
-        // Negative control: a deliberately misaligned buffer, which the engine
-        // refuses, submitted by hand: the block layer copies it through bounce pages.
-        expect(misaligned_passthrough(&ng, 507)?, pdstor_probes::Verdict::Fallback("bounce".into()))
-    })())
+fn passthrough_verdicts(ctx: &Ctx) -> Checked {
+    let ng = ctx.disk(DiskRole::Raw)?.generic.clone();
+    let class = pdstor_probes::TargetClass::NvmePassthrough;
+    let fixed = fixed_write_verdict(&ng, None, class, PayloadPath::HostFixed, 503)?;
+    // The device saw exactly the request: 1 MiB + 64 KiB in 4 KiB blocks,
+    // as three commands (MDTS 512 KiB).
+    if fixed.1.nvme_blocks * 4096 != (1 << 20) + (64 << 10) || fixed.1.nvme_cmds != 3 {
+        return Err(format!(
+            "nvme_setup_cmd saw {} commands of {} blocks in all: {:?}",
+            fixed.1.nvme_cmds, fixed.1.nvme_blocks, fixed.1
+        )
+        .into());
+    }
+    expect(fixed, pdstor_probes::Verdict::Native)?;
+    // Negative control: the same passthrough without a registered buffer.
+    expect(
+        fixed_write_verdict(&ng, None, class, PayloadPath::Host, 504)?,
+        pdstor_probes::Verdict::Fallback("not-fixed".into()),
+    )?;
+    // Negative control: a deliberately misaligned buffer, which the engine
+    // refuses, submitted by hand: the block layer copies it through bounce pages.
+    expect(misaligned_passthrough(&ng, 507)?, pdstor_probes::Verdict::Fallback("bounce".into()))
 }
 
 /// One 4 KiB NVMe Write from a buffer one byte off alignment, by raw
 /// `URING_CMD`, judged as a `host` transfer.
-fn misaligned_passthrough(
-    ng: &Path,
-    transfer: u64,
-) -> Result<(pdstor_probes::Verdict, pdstor_probes::Signals), String> {
+fn misaligned_passthrough(ng: &Path, transfer: u64) -> Checked<(pdstor_probes::Verdict, pdstor_probes::Signals)> {
     use pdstor::io::nvme;
     let probes = attach()?;
     let file =
@@ -289,7 +262,7 @@ fn misaligned_passthrough(
     ring.submit_and_wait(1).map_err(|e| e.to_string())?;
     let res = ring.completion().next().map(|c| c.result()).ok_or("no completion")?;
     if res != 0 {
-        return Err(format!("the misaligned passthrough write failed: {res}"));
+        return Err(format!("the misaligned passthrough write failed: {res}").into());
     }
     let s = probes.signals(transfer).map_err(|e| e.to_string())?.ok_or("no signals for the misaligned write")?;
     let v = pdstor_probes::judge(
@@ -301,133 +274,122 @@ fn misaligned_passthrough(
     Ok((v, s))
 }
 
-fn page_cache_control(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        use std::os::fd::AsRawFd;
-        let probes = attach()?;
-        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
-        let file = std::fs::File::create(mount.join("buffered.img")).map_err(|e| e.to_string())?;
-        let data = vec![0x5au8; 1 << 20];
-        let mut ring = io_uring::IoUring::new(4).map_err(|e| e.to_string())?;
-        let sqe = io_uring::opcode::Write::new(io_uring::types::Fd(file.as_raw_fd()), data.as_ptr(), data.len() as u32)
-            .build()
-            .user_data(505 << 16);
-        // SAFETY: `data` outlives the submission, which completes before it drops.
-        unsafe { ring.submission().push(&sqe) }.map_err(|_| "submission queue full".to_string())?;
-        ring.submit_and_wait(1).map_err(|e| e.to_string())?;
-        let s = probes.signals(505).map_err(|e| e.to_string())?.ok_or("no signals for the buffered write")?;
-        let v = pdstor_probes::judge(
-            pdstor_probes::Declared::HostFixed,
-            pdstor_probes::TargetClass::File,
-            &s,
-            &probes.attached(),
-        );
-        expect((v, s), pdstor_probes::Verdict::Fallback("page-cache".into()))
-    })())
+fn page_cache_control(ctx: &Ctx) -> Checked {
+    use std::os::fd::AsRawFd;
+    let probes = attach()?;
+    let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
+    let file = std::fs::File::create(mount.join("buffered.img")).map_err(|e| e.to_string())?;
+    let data = vec![0x5au8; 1 << 20];
+    let mut ring = io_uring::IoUring::new(4).map_err(|e| e.to_string())?;
+    let sqe = io_uring::opcode::Write::new(io_uring::types::Fd(file.as_raw_fd()), data.as_ptr(), data.len() as u32)
+        .build()
+        .user_data(505 << 16);
+    // SAFETY: `data` outlives the submission, which completes before it drops.
+    unsafe { ring.submission().push(&sqe) }.map_err(|_| "submission queue full".to_string())?;
+    ring.submit_and_wait(1).map_err(|e| e.to_string())?;
+    let s = probes.signals(505).map_err(|e| e.to_string())?.ok_or("no signals for the buffered write")?;
+    let v = pdstor_probes::judge(
+        pdstor_probes::Declared::HostFixed,
+        pdstor_probes::TargetClass::File,
+        &s,
+        &probes.attached(),
+    );
+    expect((v, s), pdstor_probes::Verdict::Fallback("page-cache".into()))
 }
 
-fn bpftool_dump(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let dir = Path::new(pdstor_probes::PIN_DIR);
-        let _ = pdstor_probes::detach_pinned(dir);
-        let mut probes = attach()?;
-        probes.pin(dir).map_err(|e| e.to_string())?;
-        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
-        let t =
-            Target::open(&mount.join("pin.img"), &TargetOptions { create_len: Some(8 << 20), ..Default::default() })
-                .map_err(|e| e.to_string())?;
-        let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
-        let id = engine.register(Buffer::host(1 << 20).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
-        let req = IoRequest {
-            transfer: TransferId(506),
-            op: Op::Write,
-            path: PayloadPath::HostFixed,
-            buffer: id,
-            buffer_offset: pdstor::io::BufferOffset(0),
-            target_offset: pdstor::io::TargetOffset(0),
-            len: 1 << 20,
-        };
-        engine.execute_all(&[req]).map_err(|e| e.to_string())?;
-        let out =
-            crate::guest::sh("bpftool", &["--json", "map", "dump", "pinned", &dir.join("signals").to_string_lossy()]);
-        let links = crate::guest::sh("bpftool", &["--json", "link", "show"]);
-        let _ = pdstor_probes::detach_pinned(dir);
-        let rows: serde_json::Value = serde_json::from_str(&out?).map_err(|e| format!("bpftool JSON: {e}"))?;
-        let row = rows
-            .as_array()
-            .and_then(|a| a.iter().find(|r| r["formatted"]["key"]["transfer"] == 506 || r["key"]["transfer"] == 506))
-            .ok_or_else(|| format!("bpftool shows no entry named transfer 506: {rows}"))?;
-        let value = if row["formatted"].is_object() { &row["formatted"]["value"] } else { &row["value"] };
-        if value["fixed_ops"] != 1 || value["dio_bvec"].as_u64().unwrap_or(0) == 0 {
-            return Err(format!("bpftool's fields disagree: {value}"));
-        }
-        let links: serde_json::Value = serde_json::from_str(&links?).map_err(|e| format!("bpftool link JSON: {e}"))?;
-        if links.as_array().is_none_or(|l| l.len() < 5) {
-            return Err(format!("bpftool link show lists too few links: {links}"));
-        }
-        Ok(())
-    })())
+fn bpftool_dump(ctx: &Ctx) -> Checked {
+    let dir = Path::new(pdstor_probes::PIN_DIR);
+    let _ = pdstor_probes::detach_pinned(dir);
+    let mut probes = attach()?;
+    probes.pin(dir).map_err(|e| e.to_string())?;
+    let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
+    let t = Target::open(&mount.join("pin.img"), &TargetOptions { create_len: Some(8 << 20), ..Default::default() })
+        .map_err(|e| e.to_string())?;
+    let mut engine = Engine::new(t, EngineOptions::default()).map_err(|e| e.to_string())?;
+    let id = engine.register(Buffer::host(1 << 20).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let req = IoRequest {
+        transfer: TransferId(506),
+        op: Op::Write,
+        path: PayloadPath::HostFixed,
+        buffer: id,
+        buffer_offset: pdstor::io::BufferOffset(0),
+        target_offset: pdstor::io::TargetOffset(0),
+        len: 1 << 20,
+    };
+    engine.execute_all(&[req]).map_err(|e| e.to_string())?;
+    let out = crate::guest::sh("bpftool", &["--json", "map", "dump", "pinned", &dir.join("signals").to_string_lossy()]);
+    let links = crate::guest::sh("bpftool", &["--json", "link", "show"]);
+    let _ = pdstor_probes::detach_pinned(dir);
+    let rows: serde_json::Value = serde_json::from_str(&out?).map_err(|e| format!("bpftool JSON: {e}"))?;
+    let row = rows
+        .as_array()
+        .and_then(|a| a.iter().find(|r| r["formatted"]["key"]["transfer"] == 506 || r["key"]["transfer"] == 506))
+        .ok_or_else(|| format!("bpftool shows no entry named transfer 506: {rows}"))?;
+    let value = if row["formatted"].is_object() { &row["formatted"]["value"] } else { &row["value"] };
+    if value["fixed_ops"] != 1 || value["dio_bvec"].as_u64().unwrap_or(0) == 0 {
+        return Err(format!("bpftool's fields disagree: {value}").into());
+    }
+    let links: serde_json::Value = serde_json::from_str(&links?).map_err(|e| format!("bpftool link JSON: {e}"))?;
+    if links.as_array().is_none_or(|l| l.len() < 5) {
+        return Err(format!("bpftool link show lists too few links: {links}").into());
+    }
+    Ok(())
 }
 
 /// BTF for the kernel and for NVMe: the module's own BTF on Debian's kernel
 /// (NVMe is a module there), vmlinux's on a kernel with NVMe built in.
-fn btf_present(_: &Ctx) -> Outcome {
-    outcome((|| {
-        let vmlinux = std::fs::read("/sys/kernel/btf/vmlinux").map_err(|e| format!("/sys/kernel/btf/vmlinux: {e}"))?;
-        if vmlinux.is_empty() {
-            return Err("/sys/kernel/btf/vmlinux is empty".into());
-        }
-        let modular = std::fs::read_to_string("/proc/modules").is_ok_and(|m| m.lines().any(|l| l.starts_with("nvme ")));
-        if modular {
-            for f in ["/sys/kernel/btf/nvme", "/sys/kernel/btf/nvme_core"] {
-                let len = std::fs::metadata(f).map_err(|e| format!("{f}: {e}"))?.len();
-                if len == 0 {
-                    return Err(format!("{f} is empty"));
-                }
+fn btf_present(_: &Ctx) -> Checked {
+    let vmlinux = std::fs::read("/sys/kernel/btf/vmlinux").map_err(|e| format!("/sys/kernel/btf/vmlinux: {e}"))?;
+    if vmlinux.is_empty() {
+        return Err("/sys/kernel/btf/vmlinux is empty".into());
+    }
+    let modular = std::fs::read_to_string("/proc/modules").is_ok_and(|m| m.lines().any(|l| l.starts_with("nvme ")));
+    if modular {
+        for f in ["/sys/kernel/btf/nvme", "/sys/kernel/btf/nvme_core"] {
+            let len = std::fs::metadata(f).map_err(|e| format!("{f}: {e}"))?.len();
+            if len == 0 {
+                return Err(format!("{f} is empty").into());
             }
-        } else if !vmlinux.windows(b"nvme_queue\0".len()).any(|w| w == b"nvme_queue\0") {
-            // Built in: the driver's types are in vmlinux's BTF string table.
-            return Err("NVMe is built in, but vmlinux's BTF names no nvme_queue type".into());
         }
-        Ok(())
-    })())
+    } else if !vmlinux.windows(b"nvme_queue\0".len()).any(|w| w == b"nvme_queue\0") {
+        // Built in: the driver's types are in vmlinux's BTF string table.
+        return Err("NVMe is built in, but vmlinux's BTF names no nvme_queue type".into());
+    }
+    Ok(())
 }
 
-fn tracepoint_counts(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let raw = ctx.disk(DiskRole::Raw)?.block.clone();
-        let id_file = "/sys/kernel/tracing/events/block/block_rq_issue/id";
-        let tp_id: u64 = std::fs::read_to_string(id_file)
-            .map_err(|e| format!("{id_file}: {e}"))?
-            .trim()
-            .parse()
-            .map_err(|e| format!("{id_file}: {e}"))?;
-        let map = sys::array_map_u64()?;
-        let prog = sys::load_counter(&map)?;
-        // A tracepoint's programs hang off the tracepoint itself, so one
-        // attachment (through CPU 0's event) sees hits on every CPU; a second
-        // attachment of the same program is refused with EEXIST.
-        let events = sys::attach_tracepoint(&prog, tp_id, 0)?;
-        let before = sys::read_counter(&map)?;
-        super::io::dd_direct(&raw, 0, 1 << 20)?;
-        let after = sys::read_counter(&map)?;
-        drop(events);
-        // 1 MiB in 64 KiB direct reads is at least 16 requests.
-        if after < before + 16 {
-            return Err(format!("block_rq_issue counted {} requests for a 1 MiB direct read", after - before));
-        }
-        let pin = "/sys/fs/bpf/pdstor-vmtest-counter";
-        sys::pin(&prog, pin)?;
-        // bpftool, not our own code, must see the pinned program as a tracepoint program.
-        let shown = crate::guest::sh("bpftool", &["--json", "prog", "show", "pinned", pin]);
-        let _ = std::fs::remove_file(pin);
-        let shown: serde_json::Value =
-            serde_json::from_str(&shown?).map_err(|e| format!("bpftool --json output: {e}"))?;
-        if shown["type"] != "tracepoint" {
-            return Err(format!("bpftool shows the pinned program as {}", shown["type"]));
-        }
-        Ok(())
-    })())
+fn tracepoint_counts(ctx: &Ctx) -> Checked {
+    let raw = ctx.disk(DiskRole::Raw)?.block.clone();
+    let id_file = "/sys/kernel/tracing/events/block/block_rq_issue/id";
+    let tp_id: u64 = std::fs::read_to_string(id_file)
+        .map_err(|e| format!("{id_file}: {e}"))?
+        .trim()
+        .parse()
+        .map_err(|e| format!("{id_file}: {e}"))?;
+    let map = sys::array_map_u64()?;
+    let prog = sys::load_counter(&map)?;
+    // A tracepoint's programs hang off the tracepoint itself, so one
+    // attachment (through CPU 0's event) sees hits on every CPU; a second
+    // attachment of the same program is refused with EEXIST.
+    let events = sys::attach_tracepoint(&prog, tp_id, 0)?;
+    let before = sys::read_counter(&map)?;
+    super::io::dd_direct(&raw, 0, 1 << 20)?;
+    let after = sys::read_counter(&map)?;
+    drop(events);
+    // 1 MiB in 64 KiB direct reads is at least 16 requests.
+    if after < before + 16 {
+        return Err(format!("block_rq_issue counted {} requests for a 1 MiB direct read", after - before).into());
+    }
+    let pin = "/sys/fs/bpf/pdstor-vmtest-counter";
+    sys::pin(&prog, pin)?;
+    // bpftool, not our own code, must see the pinned program as a tracepoint program.
+    let shown = crate::guest::sh("bpftool", &["--json", "prog", "show", "pinned", pin]);
+    let _ = std::fs::remove_file(pin);
+    let shown: serde_json::Value = serde_json::from_str(&shown?).map_err(|e| format!("bpftool --json output: {e}"))?;
+    if shown["type"] != "tracepoint" {
+        return Err(format!("bpftool shows the pinned program as {}", shown["type"]).into());
+    }
+    Ok(())
 }
 
 mod sys {
@@ -459,12 +421,12 @@ mod sys {
         a[at..at + 8].copy_from_slice(&v.to_ne_bytes());
     }
 
-    fn bpf(cmd: i64, attr: &mut Attr, what: &str) -> Result<i64, String> {
+    fn bpf(cmd: i64, attr: &mut Attr, what: &str) -> Checked<i64> {
         // SAFETY: `attr` is a writable, zero-initialised prefix of `union
         // bpf_attr` whose pointer fields point at memory alive for the call.
         let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len()) };
         if rc < 0 {
-            return Err(format!("bpf({what}): {}", std::io::Error::last_os_error()));
+            return Err(format!("bpf({what}): {}", std::io::Error::last_os_error()).into());
         }
         Ok(rc)
     }
@@ -474,7 +436,7 @@ mod sys {
         unsafe { OwnedFd::from_raw_fd(raw as i32) }
     }
 
-    pub fn array_map_u64() -> Result<OwnedFd, String> {
+    pub fn array_map_u64() -> Checked<OwnedFd> {
         let mut a: Attr = [0; 128];
         put32(&mut a, 0, BPF_MAP_TYPE_ARRAY);
         put32(&mut a, 4, 4); // key_size
@@ -494,7 +456,7 @@ mod sys {
     }
 
     /// `counter[0] += 1` on every event.
-    pub fn load_counter(map: &OwnedFd) -> Result<OwnedFd, String> {
+    pub fn load_counter(map: &OwnedFd) -> Checked<OwnedFd> {
         let prog: Vec<[u8; 8]> = vec![
             insn(0x18, 1, 1, 0, map.as_raw_fd()), // r1 = map (ld_imm64, BPF_PSEUDO_MAP_FD)
             insn(0, 0, 0, 0, 0),
@@ -519,13 +481,13 @@ mod sys {
         put32(&mut a, 24, 1); // log_level
         put32(&mut a, 28, log.len() as u32);
         put64(&mut a, 32, log.as_mut_ptr() as u64);
-        bpf(BPF_PROG_LOAD, &mut a, "PROG_LOAD").map(fd).map_err(|e| {
+        Ok(bpf(BPF_PROG_LOAD, &mut a, "PROG_LOAD").map(fd).map_err(|e| {
             let end = log.iter().position(|b| *b == 0).unwrap_or(log.len());
             format!("{e}; verifier: {}", String::from_utf8_lossy(&log[..end]))
-        })
+        })?)
     }
 
-    pub fn read_counter(map: &OwnedFd) -> Result<u64, String> {
+    pub fn read_counter(map: &OwnedFd) -> Checked<u64> {
         let key = 0u32;
         let mut value = 0u64;
         let mut a: Attr = [0; 128];
@@ -536,7 +498,7 @@ mod sys {
         Ok(value)
     }
 
-    pub fn attach_tracepoint(prog: &OwnedFd, tp_id: u64, cpu: i32) -> Result<OwnedFd, String> {
+    pub fn attach_tracepoint(prog: &OwnedFd, tp_id: u64, cpu: i32) -> Checked<OwnedFd> {
         // struct perf_event_attr: type, size, config, sample_period; the rest 0.
         let mut a = [0u8; 128];
         put32(&mut a, 0, PERF_TYPE_TRACEPOINT);
@@ -547,7 +509,9 @@ mod sys {
         // it declares; pid -1 with a cpu counts every task on that CPU.
         let rc = unsafe { libc::syscall(libc::SYS_perf_event_open, a.as_ptr(), -1, cpu, -1, PERF_FLAG_FD_CLOEXEC) };
         if rc < 0 {
-            return Err(format!("perf_event_open(tracepoint {tp_id}, cpu {cpu}): {}", std::io::Error::last_os_error()));
+            return Err(
+                format!("perf_event_open(tracepoint {tp_id}, cpu {cpu}): {}", std::io::Error::last_os_error()).into()
+            );
         }
         let ev = fd(rc);
         // SAFETY: both ioctls take an int argument (the program fd, or none).
@@ -555,12 +519,14 @@ mod sys {
         // SAFETY: as above.
         let on = unsafe { libc::ioctl(ev.as_raw_fd(), PERF_EVENT_IOC_ENABLE as _, 0) };
         if set != 0 || on != 0 {
-            return Err(format!("attaching the program to tracepoint {tp_id}: {}", std::io::Error::last_os_error()));
+            return Err(
+                format!("attaching the program to tracepoint {tp_id}: {}", std::io::Error::last_os_error()).into()
+            );
         }
         Ok(ev)
     }
 
-    pub fn pin(prog: &OwnedFd, path: &str) -> Result<(), String> {
+    pub fn pin(prog: &OwnedFd, path: &str) -> Checked {
         let c = std::ffi::CString::new(path).map_err(|e| e.to_string())?;
         let mut a: Attr = [0; 128];
         put64(&mut a, 0, c.as_ptr() as u64);

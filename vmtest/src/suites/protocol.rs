@@ -7,9 +7,9 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{Suite, Test, outcome};
+use super::{Checked, Suite, Test};
+use crate::DiskRole;
 use crate::guest::{Ctx, sh};
-use crate::{DiskRole, Outcome};
 
 pub const SUITE: Suite = Suite {
     name: "protocol",
@@ -42,13 +42,13 @@ impl Drop for Daemon {
     }
 }
 
-fn serve(target: &Path) -> Result<Daemon, String> {
+fn serve(target: &Path) -> Checked<Daemon> {
     serve_with(target, &[])
 }
 
 /// Starts `pdstor serve` on `target` with `extra` arguments and waits for its
 /// data and control sockets.
-pub(crate) fn serve_with(target: &Path, extra: &[&str]) -> Result<Daemon, String> {
+pub(crate) fn serve_with(target: &Path, extra: &[&str]) -> Checked<Daemon> {
     let _ = std::fs::remove_file(SOCKET);
     let log = std::fs::File::create("/tmp/vmtest/serve.log").map_err(|e| e.to_string())?;
     let child = Command::new("/bin/pdstor")
@@ -65,14 +65,14 @@ pub(crate) fn serve_with(target: &Path, extra: &[&str]) -> Result<Daemon, String
     while !Path::new(SOCKET).exists() || !Path::new(CONTROL).exists() {
         if Instant::now() > deadline {
             let log = std::fs::read_to_string("/tmp/vmtest/serve.log").unwrap_or_default();
-            return Err(format!("pdstor serve did not come up: {log}"));
+            return Err(format!("pdstor serve did not come up: {log}").into());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     Ok(d)
 }
 
-fn handoff(target: &Path, format_args: &[&str]) -> Result<(), String> {
+fn handoff(target: &Path, format_args: &[&str]) -> Checked {
     let t = target.to_string_lossy().into_owned();
     let mut args = vec!["format", "--force", "--journal", "1M", "--chunk-slot", "1M", "--target", &t];
     args.extend_from_slice(format_args);
@@ -83,34 +83,30 @@ fn handoff(target: &Path, format_args: &[&str]) -> Result<(), String> {
         &["handoff", "--bytes", "24M", "--chunk-size", "1M", "--server", SERVER, "--data-socket", SOCKET],
     )?;
     if !out.contains("restored byte for byte") {
-        return Err(format!("handoff did not verify: {out}"));
+        return Err(format!("handoff did not verify: {out}").into());
     }
     let left = sh("/bin/pdstor", &["publications", "--server", SERVER])?;
     if left.trim() != "[]" {
-        return Err(format!("publications left after the ack: {left}"));
+        return Err(format!("publications left after the ack: {left}").into());
     }
     drop(daemon);
     // The namespace reopens cleanly after the daemon's shutdown.
     let inspect = sh("/bin/pdstor", &["inspect", "--target", &t])?;
     if !inspect.contains("\"journal_stop\": null") {
-        return Err(format!("the journal did not close cleanly: {inspect}"));
+        return Err(format!("the journal did not close cleanly: {inspect}").into());
     }
     Ok(())
 }
 
-fn passthrough(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let disk = ctx.disk(DiskRole::Raw)?;
-        handoff(&disk.generic, &[])
-    })())
+fn passthrough(ctx: &Ctx) -> Checked {
+    let disk = ctx.disk(DiskRole::Raw)?;
+    handoff(&disk.generic, &[])
 }
 
-fn xfs(ctx: &Ctx) -> Outcome {
-    outcome((|| {
-        let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("XFS not mounted")?;
-        let img = mount.join("pdstor-ns.img");
-        let r = handoff(&img, &["--size", "128M"]);
-        let _ = std::fs::remove_file(&img);
-        r
-    })())
+fn xfs(ctx: &Ctx) -> Checked {
+    let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("XFS not mounted")?;
+    let img = mount.join("pdstor-ns.img");
+    let r = handoff(&img, &["--size", "128M"]);
+    let _ = std::fs::remove_file(&img);
+    r
 }

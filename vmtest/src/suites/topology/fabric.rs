@@ -1,0 +1,169 @@
+//! The NVMe/TCP fabric: exporting namespaces with the kernel's target
+//! (nvmet, through configfs), allowing hosts, and connecting from the
+//! reader host with the kernel's initiator.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::guest::{Ctx, sh};
+use crate::suites::Checked;
+use crate::{DiskRole, NVME_TCP_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR};
+
+use super::*;
+
+pub(super) fn write(path: &Path, value: &str) -> Checked {
+    Ok(std::fs::write(path, value).map_err(|e| format!("writing {value:?} to {}: {e}", path.display()))?)
+}
+
+/// Namespace 3: a small file-backed namespace on the ext4 disk, small
+/// enough for a writer to fill every free slot of it in seconds.
+pub(super) fn small_namespace(ctx: &Ctx) -> Checked<PathBuf> {
+    Ok(ctx.disk(DiskRole::Ext4)?.mount.as_ref().ok_or("the ext4 disk is not mounted")?.join("topology-small.img"))
+}
+
+/// Exports the raw disk (1), the faulty one (2) and the small namespace (3).
+pub(super) fn export_all(ctx: &Ctx, hosts: Option<&[&str]>) -> Checked {
+    let (raw, faulty) = (ctx.disk(DiskRole::Raw)?.block.clone(), ctx.disk(DiskRole::Faulty)?.block.clone());
+    export(&[raw.as_path(), faulty.as_path(), small_namespace(ctx)?.as_path()], hosts)
+}
+
+/// Exports `devices` as namespaces 1, 2, … of [`SHARED_NQN`] on NVMe/TCP at
+/// the storage address: to `hosts` only, or (None) to any host (the network
+/// is private to the test). Each namespace has a fixed UUID, which every host
+/// that reaches it over the fabric sees.
+pub(super) fn export(devices: &[&Path], hosts: Option<&[&str]>) -> Checked {
+    let cfs = Path::new("/sys/kernel/config");
+    if !cfs.join("nvmet").exists() {
+        sh("mount", &["-t", "configfs", "configfs", "/sys/kernel/config"])?;
+    }
+    let nvmet = cfs.join("nvmet");
+    if !nvmet.exists() {
+        return Err("no /sys/kernel/config/nvmet: the nvmet module is not loaded".into());
+    }
+    let subsys = nvmet.join("subsystems").join(SHARED_NQN);
+    if subsys.exists() {
+        return Ok(());
+    }
+    let mk = |p: &PathBuf| std::fs::create_dir_all(p).map_err(|e| format!("creating {}: {e}", p.display()));
+    mk(&subsys)?;
+    match hosts {
+        None => write(&subsys.join("attr_allow_any_host"), "1")?,
+        Some(hosts) => {
+            for h in hosts {
+                allow_host(h)?;
+            }
+        }
+    }
+    write(&subsys.join("attr_serial"), SHARED_SERIAL)?;
+    for (i, device) in devices.iter().enumerate() {
+        let ns = subsys.join(format!("namespaces/{}", i + 1));
+        mk(&ns)?;
+        write(&ns.join("device_path"), &device.to_string_lossy())?;
+        // QEMU's emulated NVMe reports no namespace identifiers to Linux
+        // (its controller is quirked NVME_QUIRK_BOGUS_NID), so the target
+        // gives each namespace a fixed UUID, as an array names its own.
+        write(&ns.join("device_uuid"), &format!("5d5e1000-0000-4000-8000-{:012x}", i + 1))?;
+        // Persistent reservations, where this kernel's target has them (set
+        // before the namespace is enabled).
+        if ns.join("resv_enable").exists() {
+            write(&ns.join("resv_enable"), "1")?;
+        }
+        write(&ns.join("enable"), "1")?;
+    }
+    let port = nvmet.join("ports/1");
+    mk(&port)?;
+    write(&port.join("addr_trtype"), "tcp")?;
+    write(&port.join("addr_adrfam"), "ipv4")?;
+    write(&port.join("addr_traddr"), STORAGE_ADDR)?;
+    write(&port.join("addr_trsvcid"), &NVME_TCP_PORT.to_string())?;
+    let link = port.join("subsystems").join(SHARED_NQN);
+    std::os::unix::fs::symlink(&subsys, &link).map_err(|e| format!("linking {}: {e}", link.display()))?;
+    Ok(())
+}
+
+/// Connects the reader host to the storage guest's target, retrying while it boots.
+pub(super) fn connect() -> Checked {
+    connect_as(READER_HOSTNQN, READER_HOSTID)
+}
+
+/// Connects this guest to the shared subsystem as the host `hostnqn`. An
+/// explicit host identity: a bare guest has no /etc/nvme/hostnqn, and
+/// nvme-cli's made-up NQN and host id disagree.
+pub(super) fn connect_as(hostnqn: &str, hostid: &str) -> Checked {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let port = NVME_TCP_PORT.to_string();
+    loop {
+        let args = [
+            "connect",
+            "-t",
+            "tcp",
+            "-a",
+            STORAGE_ADDR,
+            "-s",
+            &port,
+            "-n",
+            SHARED_NQN,
+            "--hostnqn",
+            hostnqn,
+            "--hostid",
+            hostid,
+        ];
+        match sh("nvme", &args) {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() > deadline => return Err(format!("nvme connect for 180 s: {e}").into()),
+            Err(_) => std::thread::sleep(Duration::from_secs(2)),
+        }
+    }
+}
+
+/// The fabric namespace 1.
+pub(super) fn fabric_namespace() -> Checked<PathBuf> {
+    fabric_namespace_n(1)
+}
+
+/// Namespace `n` of the shared subsystem, as this host sees it over the
+/// fabric: the block device whose subsystem is [`SHARED_NQN`] and whose NSID
+/// is `n` (device names number namespaces in the order they were found, and
+/// the storage guest has local NVMe namespaces of NSID 1 too).
+pub(super) fn fabric_namespace_n(n: u32) -> Checked<PathBuf> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let blocks: Vec<String> = std::fs::read_dir("/sys/block")
+            .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        let attr = |b: &String, a: &str| std::fs::read_to_string(format!("/sys/block/{b}/{a}")).ok();
+        let found = blocks.iter().find(|b| {
+            b.starts_with("nvme")
+                && attr(b, "device/subsysnqn").is_some_and(|s| s.trim() == SHARED_NQN)
+                && attr(b, "nsid").is_some_and(|s| s.trim() == n.to_string())
+        });
+        if let Some(b) = found {
+            let dev = PathBuf::from("/dev").join(b);
+            if dev.exists() {
+                return Ok(dev);
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("no namespace {n} of {SHARED_NQN} within 20 s (block devices: {blocks:?})").into());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Whether this kernel's NVMe target does persistent reservations (Debian's
+/// 6.12 nvmet does not: it has no `resv_enable`; the series kernel, 7.2, does).
+/// Both guests boot the same kernel, so both sides answer alike.
+pub(super) fn nvmet_has_reservations() -> bool {
+    std::fs::read_to_string("/proc/kallsyms").is_ok_and(|k| k.contains(" nvmet_parse_pr_cmd"))
+}
+
+/// Lets host `hostnqn` connect to the shared subsystem (exported to named hosts).
+pub(super) fn allow_host(hostnqn: &str) -> Checked {
+    let nvmet = Path::new("/sys/kernel/config/nvmet");
+    let host = nvmet.join("hosts").join(hostnqn);
+    if !host.exists() {
+        std::fs::create_dir_all(&host).map_err(|e| format!("creating {}: {e}", host.display()))?;
+    }
+    let link = nvmet.join("subsystems").join(SHARED_NQN).join("allowed_hosts").join(hostnqn);
+    Ok(std::os::unix::fs::symlink(&host, &link).map_err(|e| format!("allowing {hostnqn}: {e}"))?)
+}
