@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
 use super::error::WorkerError;
-use super::storage::{Inspect, Storage};
+use super::storage::{Inspect, Media, Storage};
 use super::worker::JOURNAL_BLOCK;
 use crate::io::{Completion, Engine, IoError, IoRequest, Op};
 
@@ -202,7 +202,7 @@ impl Storage for FaultPlan {
         for w in run.iter().filter(|r| r.op == Op::Write) {
             self.before_write(w.target_offset.0, w.len);
         }
-        let done = engine.execute_inspect(&run, |i, c, b| inspect(index[i], c, b));
+        let done = Media.payload(engine, &run, &mut |i, c, b| inspect(index[i], c, b));
         self.after_writes();
         let mut done = done?.into_iter();
         let out = commands
@@ -241,7 +241,7 @@ impl Storage for FaultPlan {
             Err(()) => return Err(refused(&IoRequest { len: 0, ..request })),
         }
         self.before_write(request.target_offset.0, request.len);
-        let r = engine.execute_all(&[request]).map(drop);
+        let r = Media.write(engine, request);
         self.after_writes();
         r
     }
@@ -250,7 +250,7 @@ impl Storage for FaultPlan {
         if self.is_dead() {
             return Err(WorkerError::DeviceDead);
         }
-        engine.flush().map_err(|source| WorkerError::Flush { source })?;
+        Media.flush(engine)?;
         self.flushed();
         Ok(())
     }

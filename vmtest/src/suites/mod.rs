@@ -21,6 +21,19 @@ pub struct Test {
     pub run: fn(&Ctx) -> Checked,
 }
 
+/// The KV layout the suites' handoffs store under `model_id`.
+pub(crate) fn test_layout(model_id: &str) -> pdstor::store::Layout {
+    pdstor::store::Layout {
+        model_id: model_id.into(),
+        dtype: "bf16".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        chunk_tokens: 256,
+        kv_format: "pdstor-test".into(),
+    }
+}
+
 /// Why a test did not pass: it cannot run here, or it failed.
 #[derive(Debug)]
 pub enum Stop {

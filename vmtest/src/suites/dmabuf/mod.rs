@@ -67,15 +67,7 @@ fn e<E: std::fmt::Display>(what: &str) -> impl FnOnce(E) -> String + '_ {
 }
 
 fn layout() -> Layout {
-    Layout {
-        model_id: "vmtest-dmabuf".into(),
-        dtype: "bf16".into(),
-        layers: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        chunk_tokens: 256,
-        kv_format: "pdstor-test".into(),
-    }
+    crate::suites::test_layout("vmtest-dmabuf")
 }
 
 /// crc32c of the device's first 64 MiB (superblock, journal and the first

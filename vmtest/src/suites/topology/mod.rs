@@ -60,15 +60,7 @@ pub const SUITE: Suite = Suite {
 const CONTROL: &str = "10.77.0.1:7078";
 
 fn kv_layout() -> pdstor::store::Layout {
-    pdstor::store::Layout {
-        model_id: "vmtest-topology".into(),
-        dtype: "bf16".into(),
-        layers: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        chunk_tokens: 256,
-        kv_format: "pdstor-test".into(),
-    }
+    crate::suites::test_layout("vmtest-topology")
 }
 
 /// The writer host's NVMe identity (the storage guest's own connection).
