@@ -144,13 +144,14 @@ mod tests {
         let mut dirs = vec![std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/src/suites"))];
         let mut files = 0;
         while let Some(dir) = dirs.pop() {
-            for entry in std::fs::read_dir(dir).unwrap().flatten() {
+            for entry in std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("reading {}: {e}", dir.display())).flatten()
+            {
                 let path = entry.path();
                 if path.is_dir() {
                     dirs.push(path);
                     continue;
                 }
-                let text = std::fs::read_to_string(&path).unwrap();
+                let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
                 assert!(!text.contains(&format!("\"{}: ", "SKIP")), "{} skips by a string prefix", path.display());
                 files += 1;
             }
