@@ -283,7 +283,37 @@ impl Client {
     }
     /// `claim`: binds `reader` and `session` to a READY publication; returns the claim receipt.
     pub fn claim(&self, ready: &Receipt, reader: &str, session: &str, lease_ms: u64) -> Result<Receipt, ClientError> {
-        let r = ClaimRequest { receipt: ready.clone(), reader_id: reader.into(), session_id: session.into(), lease_ms };
+        self.claim_request(ready, reader, session, lease_ms, None)
+    }
+    /// `claim` naming the layout this reader will adopt with: a publication
+    /// stored with another layout is refused `layout_mismatch` and stays
+    /// READY for a reader that can restore it (a plain `claim` would take it
+    /// and leave it RETAINED when `adopt` refuses the layout).
+    pub fn claim_for(
+        &self,
+        ready: &Receipt,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+        layout: &Layout,
+    ) -> Result<Receipt, ClientError> {
+        self.claim_request(ready, reader, session, lease_ms, Some(layout.clone()))
+    }
+    fn claim_request(
+        &self,
+        ready: &Receipt,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+        layout: Option<Layout>,
+    ) -> Result<Receipt, ClientError> {
+        let r = ClaimRequest {
+            receipt: ready.clone(),
+            reader_id: reader.into(),
+            session_id: session.into(),
+            lease_ms,
+            layout,
+        };
         self.post::<_, ReceiptResponse>("/storage-pd/claim", &r).map(|r| r.receipt)
     }
     /// `adopt`: the claimed reader confirms what it reads; returns the manifest.

@@ -56,6 +56,11 @@ pub struct ClaimRequest {
     pub session_id: String,
     /// How long the claim is leased, in ms (expiry never frees claimed bytes).
     pub lease_ms: u64,
+    /// The layout this reader will adopt with. When given, a publication
+    /// stored with another layout is refused `layout_mismatch` before it is
+    /// claimed, so it stays READY for a reader that can restore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<Layout>,
 }
 
 /// A signed receipt, as `claim` answers.

@@ -611,7 +611,7 @@ impl Sim {
         let lease = 50 + self.rng.below(2000);
         let claim = self
             .svc()
-            .claim(&me(), &receipt, "reader", &format!("s{}", self.session), lease)
+            .claim(&me(), &receipt, "reader", &format!("s{}", self.session), lease, None)
             .map_err(|e| format!("claim {id}: {e}"))?;
         self.note(format!("claim {id} session s{} lease {lease} ms", self.session));
         let m = self.reqs.get_mut(&id).ok_or("model lost the request")?;

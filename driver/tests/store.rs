@@ -190,6 +190,48 @@ fn publications_survive_reopen_and_epochs_advance() {
     assert_eq!(s.stats().reserved, 0);
 }
 
+/// Eviction under pressure (an operator's opt-in): only READY publications
+/// nobody claimed, only those the policy accepts, oldest first, only as many
+/// as the shortfall needs — and each release is durable.
+#[test]
+fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 6);
+    let (s, _) = open(&path);
+    let b = shared(&s, 1);
+    let owner = |tenant: &str| store::Owner { tenant: tenant.into(), principal: format!("uid:{}", tenant.len()) };
+    let put_as = |req: &str, tenant: &str| {
+        let cancel = pdstor::admission::CancelToken::new();
+        let p = s.prepare_with(req, "writer", Some(&owner(tenant)), &layout(), 1, Duration::from_secs(1), &cancel);
+        let id = p.unwrap().publication;
+        assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
+        s.publish(id, None).unwrap();
+        id
+    };
+    fill(&b, 3, 1);
+    let a0 = put_as("a-0", "a");
+    let b0 = put_as("b-0", "b");
+    let a1 = put_as("a-1", "a");
+    let a2 = put_as("a-2", "a");
+    let a3 = put_as("a-3", "a");
+    s.claim(a2, "r", "s", 60_000, 0, None).unwrap();
+    let of_a = |o: Option<&store::Owner>| o.is_some_and(|o| o.tenant == "a");
+    let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| e.publication).collect::<Vec<_>>();
+
+    assert_eq!(ids(s.evict_unread(1, &of_a).unwrap()), Vec::<u64>::new(), "one slot is free: nothing is short");
+    assert_eq!(ids(s.evict_unread(2, &of_a).unwrap()), vec![a0], "one short: the oldest of tenant a");
+    assert_eq!(ids(s.evict_unread(4, &of_a).unwrap()), vec![a1, a3], "never b's, never the claimed a-2");
+    assert_eq!(ids(s.evict_unread(6, &of_a).unwrap()), Vec::<u64>::new(), "nothing left that may go");
+    assert_eq!(s.stats().evicted, 3);
+    assert_eq!(s.accounting().unwrap().free, 4, "the evicted slots are free for prepares");
+    drop(s);
+
+    let (s, _) = open(&path);
+    let left: Vec<(u64, Phase)> = s.publications().iter().map(|p| (p.id, p.phase)).collect();
+    assert_eq!(left, vec![(b0, Phase::Ready), (a2, Phase::Claimed)], "the releases were durable");
+    s.check().unwrap();
+}
+
 #[test]
 fn lmcache_two_requests_of_8_in_a_buffer_of_10_do_not_deadlock() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

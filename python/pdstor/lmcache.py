@@ -30,14 +30,18 @@ How LMCache's operations map onto pdstor's protocol:
   ``pdstor.VerifyFailed``) through LMCache's ``get``/``batched_get`` — never a
   silent miss — and the publication stays RETAINED, its bytes kept.
 * **remove**: an exact unread release of a READY publication.
-* **pin / unpin**: publications are never evicted (only released or
-  consumed), so pinning is a containment check.
+* **pin / unpin**: a containment check. pdstor evicts nothing unless the
+  operator opted in (``pdstor serve --evict-unread``, or ``evict_unread`` for
+  the tenant); then it may release a key nobody has claimed, pinned or not,
+  and a get that finds its key gone is a miss (counted ``get_missed``).
 
 Layouts: a publication's pdstor layout is LMCache's KV geometry — model name,
 dtype, layers, KV heads, head size, tokens per chunk (``chunk_size``) and the
 memory format (``kv_format`` = ``lmcache/KV_2LTD``, or ``lmcache/KV_MLA_FMT``).
-A reader configured with another geometry is refused at adopt
-(``pdstor.LayoutMismatch``), raised from ``get``. A last, partial chunk of a
+A reader configured with another geometry is refused when it claims
+(``pdstor.LayoutMismatch``, raised from ``get`` and logged): nothing is
+claimed, and the publication stays READY for a reader with the writer's
+geometry. A last, partial chunk of a
 prompt keeps the layout; its token count is its stored length over the bytes
 per token.
 
@@ -47,6 +51,14 @@ gets, default 8), ``pdstor.lease_ms`` (default 60000),
 ``pdstor.admission_timeout_ms`` (how long a put waits for free slots,
 default 5000; a put that cannot be admitted is dropped and logged, as LMCache
 drops puts a full backend refuses).
+
+Failing loudly: at start-up the backend checks both planes — the control
+socket answers (``pdstor.server``) and the data socket takes its staging
+buffer (``pdstor.data_socket``) — and raises after an ERROR through
+LMCache's logger that names the setting to fix (LMCache then runs without the
+backend, so that line is the one to look for). Afterwards every dropped put
+and failed get is logged (WARNING / ERROR, with the cause) and counted:
+``stats()`` answers the counts.
 """
 
 from __future__ import annotations
@@ -55,6 +67,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -68,7 +81,12 @@ try:  # LMCache is needed only to load this module as its plugin.
 except ImportError as e:  # pragma: no cover - exercised only without LMCache
     raise ImportError(f"pdstor.lmcache needs LMCache (pip install lmcache): {e}") from e
 
-logger = logging.getLogger("pdstor.lmcache")
+try:  # LMCache's own logger, so the plugin's lines land where LMCache's do.
+    from lmcache.logging import init_logger
+
+    logger = init_logger("pdstor.lmcache")
+except ImportError:  # pragma: no cover - an LMCache without lmcache.logging
+    logger = logging.getLogger("pdstor.lmcache")
 
 _PAGE = 4096
 
@@ -147,10 +165,9 @@ class PdstorBackend(StoragePluginInterface):
         full = self._bytes_per_token * metadata.chunk_size
         self._metadata = metadata
 
-        control = pdstor.Client(self._server, self._data_socket)
-        control.healthz()  # fail at start, loudly, if the daemon is not there
-        self._slot = int(control.namespace()["slot_size"])
         self._staging = _Staging(threads, -(-full // _PAGE) * _PAGE)
+        self._slot = self._check_planes()
+        self.failures: Counter[str] = Counter()
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdstor-lmcache")
         self._lock = threading.Lock()
@@ -160,6 +177,46 @@ class PdstorBackend(StoragePluginInterface):
 
     def __str__(self) -> str:
         return "PdstorBackend"
+
+    def _check_planes(self) -> int:
+        """Start-up: the control plane answers and the data plane takes the
+        staging buffer, or an ERROR names the setting and this raises (LMCache
+        then runs without the backend). Returns the namespace's slot size."""
+        try:
+            control = pdstor.Client(self._server, self._data_socket)
+            control.healthz()
+            slot = int(control.namespace()["slot_size"])
+        except pdstor.Error as e:
+            logger.error(
+                "pdstor: no daemon answers on pdstor.server = %s (%s); LMCache will run WITHOUT the pdstor "
+                "backend and store nothing there. Start `pdstor serve` or fix pdstor.server in extra_config.",
+                self._server,
+                e,
+            )
+            raise
+        try:
+            control.register(self._staging.buffer)
+        except pdstor.Error as e:
+            logger.error(
+                "pdstor: the daemon at %s answers, but its data socket pdstor.data_socket = %s does not take a "
+                "buffer (%s); LMCache will run WITHOUT the pdstor backend. Set pdstor.data_socket to the "
+                "--data-socket of that `pdstor serve`.",
+                self._server,
+                self._data_socket,
+                e,
+            )
+            raise
+        return slot
+
+    def stats(self) -> dict[str, int]:
+        """What went wrong since start-up, counted: ``put_dropped`` (a put
+        not stored, logged at WARNING), ``get_failed`` (a get that raised,
+        logged at ERROR) and ``get_missed`` (a key evicted or released between
+        its lookup and its get: a miss, logged at WARNING) and
+        ``get_discarded`` (a key a non-blocking get restored after such a
+        miss in its batch, which LMCache does not take)."""
+        with self._lock:
+            return {k: self.failures[k] for k in ("put_dropped", "get_failed", "get_missed", "get_discarded")}
 
     # --- per-thread connections -------------------------------------------------
 
@@ -229,7 +286,9 @@ class PdstorBackend(StoragePluginInterface):
         except pdstor.Error as e:
             # LMCache's contract for puts: a put the backend cannot take is
             # dropped, and the key is simply not stored. Say so.
-            logger.warning("pdstor: put %s not stored: %s", name, e)
+            with self._lock:
+                self.failures["put_dropped"] += 1
+            logger.warning("pdstor: put %s dropped, not stored: %s", name, e)
             raise
         finally:
             self._staging.release(offset)
@@ -282,7 +341,15 @@ class PdstorBackend(StoragePluginInterface):
     def _get_one(self, name: str, receipt: pdstor.Receipt):
         offset = self._staging.acquire()
         try:
-            manifest = self._conn().reader.get(receipt, self._layout, self._staging.buffer, offset, self._lease_ms)
+            try:
+                manifest = self._conn().reader.get(receipt, self._layout, self._staging.buffer, offset, self._lease_ms)
+            except pdstor.UnknownPublication as e:
+                # Released or evicted (`serve --evict-unread`) since it was
+                # looked up: nothing was claimed, and it is a miss.
+                with self._lock:
+                    self.failures["get_missed"] += 1
+                logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, e)
+                return None
             size = sum(c["len"] for c in manifest["chunks"])
             tokens, rest = divmod(size, self._bytes_per_token)
             if rest or tokens == 0 or tokens > self._metadata.chunk_size:
@@ -314,9 +381,13 @@ class PdstorBackend(StoragePluginInterface):
                 objs.append(f.result())
             except BaseException as e:  # every get completes before one raises
                 failure = failure or e
+                with self._lock:
+                    self.failures["get_failed"] += 1
+                logger.error("pdstor: get failed: %s", e)
         if failure is not None:
             for o in objs:
-                o.ref_count_down()
+                if o is not None:
+                    o.ref_count_down()
             raise failure
         return [*objs, *([None] * (len(keys) - len(objs)))]
 
@@ -326,7 +397,16 @@ class PdstorBackend(StoragePluginInterface):
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any], transfer_spec: Any = None) -> list[Any]:
         del lookup_id, transfer_spec
         got = await asyncio.to_thread(self.batched_get_blocking, keys)
-        return [o for o in got if o is not None]
+        # LMCache takes the hits before the first miss. A key restored after a
+        # miss (one evicted since its lookup) was consumed here: dropped, said.
+        hits = next((i for i, o in enumerate(got) if o is None), len(got))
+        for o in got[hits:]:
+            if o is not None:
+                o.ref_count_down()
+                with self._lock:
+                    self.failures["get_discarded"] += 1
+                logger.warning("pdstor: a key restored after a miss in the same batch was discarded")
+        return got[:hits]
 
     # --- remove, allocator, close -------------------------------------------------
 

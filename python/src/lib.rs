@@ -726,13 +726,27 @@ impl Reader {
     }
 
     /// Binds this reader and session to a READY publication for `lease_ms`;
-    /// returns the claim receipt.
-    #[pyo3(signature = (ready, lease_ms = 60_000))]
-    fn claim(&self, py: Python<'_>, ready: PyRef<'_, Receipt>, lease_ms: u64) -> PyResult<Receipt> {
+    /// returns the claim receipt. With `layout` (the one this reader will
+    /// adopt with), a publication stored with another layout is refused
+    /// (`pdstor.LayoutMismatch`) before it is claimed and stays READY for a
+    /// reader that can restore it.
+    #[pyo3(signature = (ready, lease_ms = 60_000, layout = None))]
+    fn claim(
+        &self,
+        py: Python<'_>,
+        ready: PyRef<'_, Receipt>,
+        lease_ms: u64,
+        layout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Receipt> {
+        let layout = layout.map(layout_from).transpose()?;
         let (c, r) = (self.conn.clone(), ready.inner.clone());
         let (reader, session) = (self.reader_id.clone(), self.session.clone());
-        let claim =
-            py.detach(move || c.control.claim(&r, &reader, &session, lease_ms)).map_err(|e| to_py(py, e.into()))?;
+        let claim = py
+            .detach(move || match &layout {
+                Some(layout) => c.control.claim_for(&r, &reader, &session, lease_ms, layout),
+                None => c.control.claim(&r, &reader, &session, lease_ms),
+            })
+            .map_err(|e| to_py(py, e.into()))?;
         Ok(Receipt { inner: claim })
     }
 
@@ -821,8 +835,9 @@ impl Reader {
     }
 
     /// claim → adopt → load every chunk into `buffer` from `offset`, one
-    /// after another → verify → ack, in one call; returns the manifest. Once
-    /// claimed, any failure — adopt refused, a load or verification failed —
+    /// after another → verify → ack, in one call; returns the manifest. The
+    /// claim names `layout`: a publication stored with another is refused
+    /// (`pdstor.LayoutMismatch`) and stays READY. Once claimed, any failure — adopt refused, a load or verification failed —
     /// reports `fail` (the publication stays RETAINED) and raises: never a
     /// partial or silent result.
     #[pyo3(signature = (ready, layout, buffer, offset = 0, lease_ms = 60_000))]
@@ -841,7 +856,7 @@ impl Reader {
         let verify = self.verify;
         let manifest = py
             .detach(move || -> Result<Manifest, ClientError> {
-                let claim = c.control.claim(&r, &reader, &session, lease_ms)?;
+                let claim = c.control.claim_for(&r, &reader, &session, lease_ms, &layout)?;
                 let loaded = (|| -> Result<_, ClientError> {
                     let manifest = c.control.adopt_claim(&claim, &layout)?;
                     let mut at = offset;

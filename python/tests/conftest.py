@@ -28,19 +28,19 @@ def pdstor_bin() -> str:
 class Daemon(_Daemon):
     """The package's test daemon, on the workspace's binary."""
 
-    def __init__(self, dir: Path, target: Path):
-        super().__init__(pdstor_bin(), dir, target, ["--admission-timeout-ms", "2000"])
+    def __init__(self, dir: Path, target: Path, extra: list[str] | None = None):
+        super().__init__(pdstor_bin(), dir, target, ["--admission-timeout-ms", "2000", *(extra or [])])
 
 
 def format_target(path: Path, size: str, slot: str) -> None:
     _format(pdstor_bin(), path, slot=slot, size=size)
 
 
-def serve(tmp_path: Path, size: str, slot: str):
-    """A started daemon on a new `size` file with `slot`-byte slots."""
+def serve(tmp_path: Path, size: str, slot: str, extra: list[str] | None = None):
+    """A started daemon on a new `size` file with `slot`-byte slots (`extra`: more `serve` flags)."""
     target = tmp_path / "target.img"
     format_target(target, size, slot)
-    d = Daemon(tmp_path, target)
+    d = Daemon(tmp_path, target, extra)
     d.start()
     return d
 

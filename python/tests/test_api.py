@@ -72,7 +72,11 @@ def test_the_steps_one_by_one(daemon: Daemon):
     assert (found.publication, found.manifest_digest) == (ready.publication, ready.manifest_digest)
 
     r = pdstor.Reader(client, "decode-1")
-    claim = r.claim(ready, lease_ms=30_000)
+    # A claim naming another layout is refused before it claims: still READY.
+    with pytest.raises(pdstor.LayoutMismatch):
+        r.claim(ready, layout=dict(LAYOUT, head_dim=128))
+    assert [p["state"] for p in client.publications()] == ["READY"]
+    claim = r.claim(ready, lease_ms=30_000, layout=LAYOUT)
     assert claim.kind == "CLAIM" and claim.reader == "decode-1" and claim.session == r.session
     with pytest.raises(pdstor.AlreadyClaimed):
         pdstor.Reader(client, "decode-2").claim(ready)

@@ -6,6 +6,7 @@ chunk) through a live `pdstor serve`."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -203,13 +204,95 @@ def test_a_daemon_restart_between_put_and_get_keeps_the_data(sm_factory, big_dae
         obj.ref_count_down()
 
 
-def test_a_reader_with_another_layout_is_refused(sm_factory, big_daemon: Daemon):
+def test_a_reader_with_another_layout_leaves_it_for_the_right_one(sm_factory, big_daemon: Daemon):
     put(sm_factory(), [40])
-    # Same bytes per token, another geometry (4 KV heads of 128): refused at adopt.
+    # Same bytes per token, another geometry (4 KV heads of 128): refused
+    # when it claims, so nothing is claimed and the key stays READY.
     other = sm_factory(kv_shape=(16, 2, 256, 4, 128))
     with pytest.raises(pdstor.LayoutMismatch):
         retrieve(other, [key(40)])
-    assert [p["state"] for p in big_daemon.client().publications()] == ["RETAINED"]
+    assert [p["state"] for p in big_daemon.client().publications()] == ["READY"]
+    stats = other.storage_backends["pdstor"].stats()
+    assert stats == {"put_dropped": 0, "get_failed": 1, "get_missed": 0, "get_discarded": 0}
+    # The decoder configured like the writer still restores it, byte for byte.
+    (obj,) = retrieve(sm_factory(), [key(40)])
+    assert torch.equal(obj.tensor, kv(40))
+    obj.ref_count_down()
+    assert big_daemon.client().publications() == []
+
+
+def test_keys_nobody_reads_make_room_where_the_operator_opted_in(tmp_path: Path):
+    """`serve --evict-unread`: a cache of 4 chunks takes 6 puts (the oldest
+    unread keys go), and a reader that looked a key up before it went sees a
+    miss, counted — never an error, never a dropped put."""
+    d = serve(tmp_path, "35M", "8M", ["--evict-unread"])  # 4 slots of 8 MiB
+    made: list[StorageManager] = []
+    try:
+        prefill = manager(config_file(tmp_path, d))
+        decode = manager(config_file(tmp_path, d))
+        made += [prefill, decode]
+        for i in range(4):
+            put(prefill, [i])
+        reader = decode.storage_backends["pdstor"]
+        assert reader.batched_contains([key(0)]) == 1  # the decoder holds key 0's receipt now
+        for i in (4, 5):
+            put(prefill, [i])
+        assert prefill.storage_backends["pdstor"].stats()["put_dropped"] == 0
+        ready = sorted(p["req_id"] for p in d.client().publications())
+        assert ready == sorted(key(i).to_string() for i in range(2, 6)), "the two oldest went"
+        assert reader.batched_get_blocking([key(0)]) == [None]
+        assert reader.stats()["get_missed"] == 1
+        (obj,) = retrieve(decode, [key(5)])
+        assert torch.equal(obj.tensor, kv(5))
+        obj.ref_count_down()
+        assert len(d.client().publications()) == 3, "key 5 was consumed; keys 2-4 wait"
+    finally:
+        for sm in made:
+            sm.close()
+        d.stop()
+
+
+class _Records(logging.Handler):
+    """Every record the plugin's logger emits (LMCache's loggers do not
+    propagate to the root logger that pytest's caplog watches)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_wrong_data_socket_fails_loudly_at_start_up(tmp_path: Path, big_daemon: Daemon):
+    from pdstor.lmcache import PdstorBackend
+
+    cfg_path = config_file(tmp_path, big_daemon)
+    cfg_path.write_text(cfg_path.read_text().replace(big_daemon.data_socket, f"{tmp_path}/not-the-data.sock"))
+    seen = _Records()
+    log = logging.getLogger("pdstor.lmcache")
+    log.addHandler(seen)
+    try:
+        # Directly: the plugin refuses to start.
+        cfg = LMCacheEngineConfig.from_file(str(cfg_path))
+        md = LMCacheMetadata(MODEL, 1, 1, 0, 0, torch.bfloat16, KV_SHAPE)
+        with pytest.raises(pdstor.Error):
+            PdstorBackend(config=cfg, metadata=md, local_cpu_backend=object())
+        # Through LMCache: its StorageManager catches that and runs without
+        # the backend; the ERROR line says so and names the setting.
+        sm = StorageManager(cfg, md, EventManager())
+        try:
+            assert "pdstor" not in sm.storage_backends
+        finally:
+            sm.close()
+    finally:
+        log.removeHandler(seen)
+    errors = [r.getMessage() for r in seen.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2, errors
+    for message in errors:
+        assert "pdstor.data_socket" in message and "not-the-data.sock" in message, message
+        assert "WITHOUT the pdstor backend" in message, message
+    big_daemon.client().healthz()
 
 
 def test_bad_configuration_gives_python_exceptions(tmp_path: Path, big_daemon: Daemon):

@@ -228,3 +228,93 @@ fn the_daemon_answers_after_a_client_vanished_mid_wait() {
     assert_eq!(c.cancel("hog").unwrap(), CancelOutcome::Aborted { publication: 1, slots: 2 });
     all_returned(&c, 2);
 }
+
+/// Keys nobody reads must not fill the store for good — where the operator
+/// opted in (`serve --evict-unread`): a prepare that finds too few free
+/// slots releases the oldest READY publications nobody claimed, as many as
+/// it needs, each an exact unread release on the timeline and counted. A
+/// claimed one is never touched; without the flag nothing is.
+#[test]
+fn unread_publications_make_room_only_where_the_operator_opted_in() {
+    let put = |d: &Daemon, req: &str, seed: u64| {
+        let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+        w.put(req, &layout(), &pdstor::payload::chunk(seed, 0, SLOT as usize), 1, None).unwrap()
+    };
+    let states = |c: &Client| -> Vec<(String, String)> {
+        c.publications(None, false).unwrap().into_iter().map(|p| (p.req_id, p.state)).collect()
+    };
+    let owned = |v: &[(&str, &str)]| v.iter().map(|(r, s)| (r.to_string(), s.to_string())).collect::<Vec<_>>();
+
+    // Not opted in: a full store makes the prepare wait and time out; nothing is evicted.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 2, SLOT);
+    let c = Client::new(&d.server);
+    put(&d, "keep-0", 1);
+    put(&d, "keep-1", 2);
+    assert_eq!(refusal(c.prepare_request(&request("new", 1, Some(100)))).1, "admission_timeout");
+    assert_eq!(states(&c), owned(&[("keep-0", "READY"), ("keep-1", "READY")]));
+    assert_eq!(metric(&c, "pdstor_evicted_total"), 0);
+
+    // Opted in.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let timeline = dir.path().join("timeline.jsonl");
+    let d = Daemon::start_with(&target, dir.path(), &["--evict-unread", "--timeline", timeline.to_str().unwrap()]);
+    let c = Client::new(&d.server);
+    let read = put(&d, "u-0", 10);
+    for (i, req) in ["u-1", "u-2", "u-3"].iter().enumerate() {
+        put(&d, req, 11 + i as u64);
+    }
+    c.claim(&read.receipt, "decode-0", "s", 60_000).unwrap();
+    c.prepare_request(&request("n-1", 1, Some(2_000))).unwrap();
+    assert_eq!(
+        states(&c),
+        owned(&[("u-0", "CLAIMED"), ("u-2", "READY"), ("u-3", "READY"), ("n-1", "PREPARED")]),
+        "one slot short: the oldest unread went, no more"
+    );
+    c.prepare_request(&request("n-2", 2, Some(2_000))).unwrap();
+    assert_eq!(states(&c), owned(&[("u-0", "CLAIMED"), ("n-1", "PREPARED"), ("n-2", "PREPARED")]));
+    // Nothing unread is left: a prepare waits, as without the flag.
+    assert_eq!(refusal(c.prepare_request(&request("n-3", 1, Some(100)))).1, "admission_timeout");
+    assert_eq!(states(&c)[0], ("u-0".to_string(), "CLAIMED".to_string()), "a claimed publication is never evicted");
+    assert_eq!(metric(&c, "pdstor_evicted_total"), 3);
+    assert_eq!(metric(&c, "pdstor_invariant_violations_total"), 0);
+
+    // A prepare that came when nothing was READY waits; the next publish
+    // gives it room (the pressure is still there when something evictable appears).
+    let waiter = {
+        let server = d.server.clone();
+        thread::spawn(move || Client::new(&server).prepare_request(&request("n-4", 1, Some(10_000))))
+    };
+    until("n-4 waits", || metric(&c, "pdstor_admission_waiting") == 1);
+    // A retry of n-1's prepare answers its publication and writer token again.
+    let n1 = c.prepare_request(&request("n-1", 1, None)).unwrap();
+    let token = n1.writer_token;
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("evict", SLOT as usize).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk = DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
+    data.store(n1.publication, &token, vec![chunk], true, 1).unwrap();
+    c.publish(n1.publication, &token, None).unwrap();
+    waiter.join().unwrap().expect("the publish made room for the waiting prepare");
+    assert_eq!(
+        states(&c),
+        owned(&[("u-0", "CLAIMED"), ("n-2", "PREPARED"), ("n-4", "PREPARED")]),
+        "n-1, READY and unread, made room"
+    );
+    assert_eq!(metric(&c, "pdstor_evicted_total"), 4);
+
+    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let events: Vec<_> = lines.iter().map(|(_, e)| e.clone().unwrap()).collect();
+    let evicted: Vec<&str> =
+        events.iter().filter(|e| e.event == "evict").map(|e| e.req_id.as_deref().unwrap_or("?")).collect();
+    assert_eq!(evicted, ["u-1", "u-2", "u-3", "n-1"]);
+    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let evict_lines: Vec<usize> =
+        lines.iter().filter(|(_, e)| e.as_ref().is_ok_and(|e| e.event == "evict")).map(|(l, _)| *l).collect();
+    assert!(
+        report.violations.iter().all(|v| !evict_lines.contains(&v.line)),
+        "the checker accepts the evictions: {:#?}",
+        report.violations
+    );
+}

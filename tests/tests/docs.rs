@@ -214,6 +214,13 @@ fn type_of(prop: &Value) -> String {
     }
 }
 
+/// A field's description: its own, or (an optional reference, `oneOf` null
+/// or the type) the one its variant carries.
+fn description(prop: &Value) -> &str {
+    let variants = prop.get("oneOf").and_then(Value::as_array).into_iter().flatten();
+    std::iter::once(prop).chain(variants).find_map(|p| p.get("description").and_then(Value::as_str)).unwrap_or("")
+}
+
 fn cell(text: &str) -> String {
     text.replace('|', "\\|").replace('\n', " ")
 }
@@ -226,7 +233,7 @@ fn fields(md: &mut String, schema: &Value) {
         Some(props) => {
             md.push_str("| field | type | required | meaning |\n|---|---|---|---|\n");
             for (field, prop) in props {
-                let meaning = prop.get("description").and_then(Value::as_str).unwrap_or("");
+                let meaning = description(prop);
                 let req = if required.contains(field.as_str()) { "yes" } else { "" };
                 md.push_str(&format!("| `{field}` | {} | {req} | {} |\n", cell(&type_of(prop)), cell(meaning)));
             }

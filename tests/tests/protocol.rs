@@ -140,8 +140,16 @@ fn the_refusal_matrix_leaves_state_unchanged() {
     assert_eq!(code(Client::new(&other.server).claim(&ready, "r", "s", 60_000)).1, "namespace_mismatch");
     assert_eq!(state(&c, id).as_deref(), Some("READY"));
 
-    // Claim once; a second claim is refused.
-    let claim = c.claim(&ready, "decode-0", "sess-1", 60_000).unwrap();
+    // A reader that names another layout is refused before it claims: the
+    // publication stays READY for the reader that can restore it.
+    let mut other_layout = layout();
+    other_layout.head_dim = 128;
+    let (status, code_name, field) = code(c.claim_for(&ready, "decode-wrong", "sess-0", 60_000, &other_layout));
+    assert_eq!((status, code_name.as_str(), field.as_str()), (409, "layout_mismatch", "layout"));
+    assert_eq!(state(&c, id).as_deref(), Some("READY"), "a mismatched reader strands nothing");
+
+    // Claim once (naming the right layout); a second claim is refused.
+    let claim = c.claim_for(&ready, "decode-0", "sess-1", 60_000, &layout()).unwrap();
     assert_eq!(code(c.claim(&ready, "decode-1", "sess-2", 60_000)).1, "already_claimed");
     // Release after claim, ack before adopt.
     assert_eq!(code(c.release(&ready)).1, "already_claimed");

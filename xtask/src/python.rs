@@ -1,8 +1,9 @@
 //! `cargo xtask python`: the Python package (`python/`) in a virtual
 //! environment with the real LMCache, as its users install it — `pip install
-//! lmcache==0.5.6` (which brings torch from PyPI), then `pip install
-//! ./python` — and its tests: the API against a live daemon, and the LMCache
-//! plugin loaded by LMCache's own configuration.
+//! lmcache==0.5.6` (which brings torch from PyPI), then `pip install` of the
+//! package's wheel (`cargo xtask python --wheel` builds it: one abi3 wheel for
+//! CPython 3.11 and later) — and its tests: the API against a live daemon,
+//! and the LMCache plugin loaded by LMCache's own configuration.
 //!
 //! The environment is several GB (torch pulls CUDA's runtime wheels even on a
 //! CPU machine), so it is made once per requirement set and interpreter and
@@ -33,6 +34,10 @@ pub struct PythonArgs {
     /// Only make (or find) the environment and install the package; print its path.
     #[arg(long)]
     pub env_only: bool,
+    /// Only build the wheel users install (`pip install pdstor-*.whl`) into target/wheels/ and
+    /// print its path.
+    #[arg(long, conflicts_with = "env_only")]
+    pub wheel: bool,
     /// pytest arguments (default: the whole of python/tests).
     #[arg(trailing_var_arg = true)]
     pub pytest: Vec<String>,
@@ -101,16 +106,52 @@ pub fn venv(sh: &Shell) -> Result<PathBuf> {
     Ok(venv)
 }
 
-/// `pip install ./python` into `venv`, exactly as a user installs it (pip
-/// builds the wheel with maturin, in release).
-pub fn install(sh: &Shell, venv: &Path) -> Result<()> {
+/// Builds the package's wheel with the environment's maturin, in release,
+/// into `target/wheels/` (emptied of older pdstor wheels first); answers its path.
+pub fn wheel(sh: &Shell, venv: &Path) -> Result<PathBuf> {
     let started = Instant::now();
-    let pip = venv.join("bin/pip");
-    let package = project_root().join("python");
-    pip_env(cmd!(sh, "{pip} install --quiet --force-reinstall --no-deps {package}"))
+    let out = project_root().join("target/wheels");
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    for old in wheels_in(&out)? {
+        std::fs::remove_file(&old).with_context(|| format!("removing the old wheel {}", old.display()))?;
+    }
+    let (maturin, python) = (venv.join("bin/maturin"), venv.join("bin/python"));
+    let manifest = project_root().join("python/Cargo.toml");
+    println!("python: building the wheel (maturin, release; the first build takes a few minutes)");
+    cmd!(sh, "{maturin} build --release --quiet --manifest-path {manifest} --interpreter {python} --out {out}")
+        .env("CARGO_TARGET_DIR", project_root().join("target/python"))
         .run()
-        .context("pip install ./python failed (the build output is above)")?;
-    println!("python: pip install ./python in {:.0} s", started.elapsed().as_secs_f64());
+        .context("maturin build of python/ failed (its output is above)")?;
+    let built = wheels_in(&out)?;
+    let [wheel] = built.as_slice() else {
+        bail!("maturin build left {} pdstor wheels in {}, not one: {built:?}", built.len(), out.display());
+    };
+    println!("python: built {} in {:.0} s", wheel.display(), started.elapsed().as_secs_f64());
+    Ok(wheel.clone())
+}
+
+/// The pdstor wheels in `dir`.
+fn wheels_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let path = entry.with_context(|| format!("reading {}", dir.display()))?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.starts_with("pdstor-") && name.ends_with(".whl") {
+            found.push(path);
+        }
+    }
+    Ok(found)
+}
+
+/// Builds the wheel and `pip install`s it into `venv`, exactly as a user
+/// installs it.
+pub fn install(sh: &Shell, venv: &Path) -> Result<()> {
+    let wheel = wheel(sh, venv)?;
+    let pip = venv.join("bin/pip");
+    pip_env(cmd!(sh, "{pip} install --quiet --force-reinstall --no-deps {wheel}"))
+        .run()
+        .with_context(|| format!("pip install {} failed (its output is above)", wheel.display()))?;
+    println!("python: pip install {}", wheel.display());
     Ok(())
 }
 
@@ -129,6 +170,10 @@ pub fn clippy(sh: &Shell, venv: &Path) -> Result<()> {
 
 pub fn run(sh: &Shell, args: &PythonArgs) -> Result<()> {
     let venv = venv(sh)?;
+    if args.wheel {
+        println!("{}", wheel(sh, &venv)?.display());
+        return Ok(());
+    }
     install(sh, &venv)?;
     if args.env_only {
         println!("{}", venv.display());

@@ -19,6 +19,7 @@
 //!
 //! [tenant.team-a]
 //! readers_from = ["team-b"]    # other tenants whose readers may claim team-a's publications
+//! evict_unread = true          # under capacity pressure, release its READY publications nobody claimed, oldest first
 //! [tenant.team-a.quota]
 //! slots = 4096
 //! pinned_bytes = "16G"
@@ -83,6 +84,8 @@ struct PrincipalFile {
 struct TenantFile {
     #[serde(default)]
     readers_from: Vec<String>,
+    #[serde(default)]
+    evict_unread: bool,
     #[serde(default)]
     quota: QuotaFile,
 }
@@ -160,7 +163,8 @@ impl Config {
                 connections: q.connections,
                 prepares: q.prepares,
             };
-            policy.tenants.insert(name.clone(), Tenant { readers_from: t.readers_from.clone(), quota });
+            let tenant = Tenant { readers_from: t.readers_from.clone(), quota, evict_unread: t.evict_unread };
+            policy.tenants.insert(name.clone(), tenant);
         }
         for (i, p) in file.principal.iter().enumerate() {
             let at = format!("principal #{} (tenant {})", i + 1, p.tenant);
@@ -237,6 +241,8 @@ mod tests {
         let q = c.policy.quota("team-a");
         assert_eq!((q.slots, q.pinned_bytes, q.prepares), (Some(4096), Some(16 << 30), Some(32)));
         assert!(c.policy.may_read("team-a", "team-b"));
+        assert!(c.policy.evicts_unread(Some("team-a")) && c.policy.any_evicts());
+        assert!(!c.policy.evicts_unread(Some("team-b")) && !c.policy.evicts_unread(None), "opted in per tenant");
         assert_eq!(c.policy.plaintext.as_ref().map(|p| p.roles.reader), Some(true));
     }
 

@@ -391,7 +391,7 @@ fn steps() -> Router<Shared> {
             "/storage-pd/claim",
             post(|State(s): S, Extension(w): E, b: Body| {
                 step(s, w, b, |svc, w, r: ClaimRequest| {
-                    svc.claim(w, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms)
+                    svc.claim(w, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, r.layout.as_ref())
                         .map(|receipt| ReceiptResponse { receipt })
                 })
             }),

@@ -181,6 +181,11 @@ fn slot_gauges(out: &mut String, store: &Store) {
         "# HELP pdstor_rollbacks_total PREPARED publications rolled back (abort, cancel, violation, failed batch, reaper).\n# TYPE pdstor_rollbacks_total counter"
     );
     let _ = writeln!(out, "pdstor_rollbacks_total {}", st.rollbacks);
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_evicted_total READY publications nobody claimed, released to make room for a prepare (tenants that opted in).\n# TYPE pdstor_evicted_total counter"
+    );
+    let _ = writeln!(out, "pdstor_evicted_total {}", st.evicted);
 }
 
 /// A publication's phase as the API and `/metrics` name it.

@@ -106,6 +106,11 @@ pub struct ServeArgs {
     /// (verdicts are per chunk).
     #[arg(long, default_value = "1M", value_parser = pdstor::units::parse_size)]
     merge: u64,
+    /// Under capacity pressure, release the oldest READY publications nobody has claimed (exact
+    /// unread releases, journaled, counted, on the timeline) of tenant `default` — without a
+    /// config, everyone's. A config opts in other tenants (`evict_unread = true`).
+    #[arg(long)]
+    evict_unread: bool,
     /// Longest a prepare waits for capacity, in ms (a prepare's own timeout_ms is capped at it);
     /// then it is refused with 503.
     #[arg(long, default_value_t = 30_000)]
@@ -134,10 +139,14 @@ impl ServeArgs {
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
             .with_writer(std::io::stderr)
             .init();
-        let config = match &self.config {
+        let mut config = match &self.config {
             Some(path) => pdstor::api::config::Config::load(path)?,
             None => pdstor::api::config::Config::local(),
         };
+        if self.evict_unread {
+            let default = pdstor::protocol::identity::DEFAULT_TENANT.to_owned();
+            config.policy.tenants.entry(default).or_default().evict_unread = true;
+        }
         pdstor::api::serve(pdstor::api::ServeConfig {
             target: self.target,
             listen: match self.listen_unix {

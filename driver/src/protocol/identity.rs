@@ -266,6 +266,9 @@ pub struct Tenant {
     pub readers_from: Vec<String>,
     /// What it may hold.
     pub quota: Quota,
+    /// Its READY publications nobody has claimed may be released, oldest
+    /// first, when a prepare finds too few free slots (the operator opts in).
+    pub evict_unread: bool,
 }
 
 /// Who is who: principals, tenants and their quotas. Built from
@@ -374,6 +377,17 @@ impl Policy {
             || self.tenants.get(owner_tenant).is_some_and(|t| t.readers_from.iter().any(|r| r == reader_tenant))
     }
 
+    /// Whether `tenant`'s unread publications may be evicted under capacity
+    /// pressure (a publication with no owner counts as [`DEFAULT_TENANT`]'s).
+    pub fn evicts_unread(&self, tenant: Option<&str>) -> bool {
+        self.tenants.get(tenant.unwrap_or(DEFAULT_TENANT)).is_some_and(|t| t.evict_unread)
+    }
+
+    /// Whether any tenant opted into eviction.
+    pub fn any_evicts(&self) -> bool {
+        self.tenants.values().any(|t| t.evict_unread)
+    }
+
     /// `tenant`'s quota (no limits for a tenant the config does not list).
     pub fn quota(&self, tenant: &str) -> Quota {
         self.tenants.get(tenant).map(|t| t.quota).unwrap_or_default()
@@ -474,7 +488,11 @@ mod tests {
         });
         p.tenants.insert(
             "a".into(),
-            Tenant { readers_from: vec!["b".into()], quota: Quota { connections: Some(1), ..Default::default() } },
+            Tenant {
+                readers_from: vec!["b".into()],
+                quota: Quota { connections: Some(1), ..Default::default() },
+                evict_unread: false,
+            },
         );
         p
     }

@@ -23,6 +23,7 @@ mod admit;
 mod batch;
 mod coalesce;
 mod error;
+mod evict;
 mod fault;
 mod format;
 mod io_thread;
@@ -48,6 +49,7 @@ use crate::io::{BufferId, DmabufRw, PayloadPath, Target, TargetKind, TargetOptio
 pub use admit::{Accounting, CancelOutcome, Prepared, Reaped};
 pub use batch::{BatchOutcome, ChunkDest, ChunkSource, StoreBatch};
 pub use error::{Invariant, StateError, StoreError, WorkerError};
+pub use evict::Evicted;
 pub use fault::{FaultPlan, PowerLoss};
 pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, signature_of};
 pub use journal::Record;
@@ -151,6 +153,8 @@ struct Live {
     violations: u64,
     /// PREPARED publications rolled back, since open.
     rollbacks: u64,
+    /// Unread READY publications evicted under capacity pressure, since open.
+    evicted: u64,
 }
 
 /// What `abort` did.
@@ -193,6 +197,8 @@ pub struct StoreStats {
     pub violations: u64,
     /// PREPARED publications rolled back.
     pub rollbacks: u64,
+    /// Unread READY publications evicted under capacity pressure.
+    pub evicted: u64,
     /// Payload chunks stored and loaded.
     pub payload_chunks: u64,
     /// Device commands they went in: fewer than the chunks where back-to-back
@@ -242,6 +248,7 @@ impl Store {
                 loading: HashMap::new(),
                 violations: 0,
                 rollbacks: 0,
+                evicted: 0,
             }),
             admission: ReservationManager::with_clock(sb.slot_count, opts.wait_clock.clone()),
             io,
@@ -461,6 +468,7 @@ impl Store {
             admission: self.admission.stats().counters,
             violations: live.violations,
             rollbacks: live.rollbacks,
+            evicted: live.evicted,
             payload_chunks,
             payload_commands,
         }

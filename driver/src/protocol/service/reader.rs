@@ -20,6 +20,7 @@ impl Service {
         reader: &str,
         session: &str,
         lease_ms: u64,
+        layout: Option<&Layout>,
     ) -> Result<Receipt, ProtocolError> {
         who.require(Role::Reader, "claim")?;
         let p = self.check(ready, ReceiptKind::Ready)?;
@@ -49,6 +50,19 @@ impl Service {
                 RefusalCode::BadRequest,
                 "reader_id",
                 "reader_id and session_id must not be empty",
+            )
+            .into());
+        }
+        if let Some(layout) = layout
+            && *layout != p.layout
+        {
+            return Err(Refusal::new(
+                RefusalCode::LayoutMismatch,
+                "layout",
+                format!(
+                    "claim: publication {} was stored with layout {:?}, not this reader's {layout:?}; nothing was claimed and it stays READY for a reader with its layout (configure this reader with the writer's model, dtype and chunking)",
+                    p.id, p.layout
+                ),
             )
             .into());
         }

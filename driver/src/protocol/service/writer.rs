@@ -45,6 +45,10 @@ impl Service {
         let quota = self.quota_for_prepare(who, total_chunks);
         self.policy.take(who, quota)?;
         let timeout = timeout.unwrap_or(Duration::MAX);
+        if let Err(e) = self.evict_for(who, Some(req_id), total_chunks) {
+            self.policy.give(who, quota);
+            return Err(e);
+        }
         self.lock_preparing().insert(req_id.to_owned(), who.principal.clone());
         let prepared = self.store.prepare_with(req_id, writer, owner.as_ref(), layout, total_chunks, timeout, cancel);
         self.lock_preparing().remove(req_id);
@@ -63,6 +67,32 @@ impl Service {
             namespace: self.namespace().into(),
             epoch: self.store.epoch(),
         })
+    }
+
+    /// Under capacity pressure, makes room for a new prepare of `chunks`
+    /// (`req_id`), and for the prepares already waiting, by evicting unread
+    /// READY publications of the tenants that opted in (none opted in:
+    /// nothing to do). It runs when a prepare comes and when a publication
+    /// becomes READY — the two moments demand or something evictable appears.
+    /// A retry of a PREPARED request needs no room.
+    fn evict_for(&self, who: &Caller, req_id: Option<&str>, chunks: u32) -> Result<(), ProtocolError> {
+        if !self.policy.any_evicts() || req_id.is_some_and(|r| self.store.publication_of(r).is_some()) {
+            return Ok(());
+        }
+        let for_whom = req_id.map_or_else(|| "the waiting prepares".to_owned(), str::to_owned);
+        let evictable = |owner: Option<&Owner>| self.policy.evicts_unread(owner.map(|o| o.tenant.as_str()));
+        for e in self.store.evict_unread(chunks as u64, &evictable)? {
+            let tenant = e.owner.as_ref().map_or(crate::protocol::identity::DEFAULT_TENANT, |o| o.tenant.as_str());
+            tracing::info!(
+                "evicted unread publication {} ({}, tenant {tenant}, {} slots) to make room for {for_whom}",
+                e.publication,
+                e.req_id,
+                e.slots
+            );
+            let detail = format!("unread, tenant {tenant}, {} slots, to make room for {for_whom}", e.slots);
+            self.note(who, Event::new("evict").req(&e.req_id).publication(e.publication).detail(detail));
+        }
+        Ok(())
     }
 
     fn lock_preparing(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
@@ -102,6 +132,11 @@ impl Service {
         e.crcs = Some(manifest.chunks.iter().map(|c| c.crc32c).collect());
         e.token = manifest.first_token;
         self.note(who, e);
+        // A new READY publication is something waiting prepares may be given
+        // room from. The publish stands whatever the eviction does.
+        if let Err(err) = self.evict_for(who, None, 0) {
+            tracing::warn!("after publishing {publication}: evicting for the waiting prepares failed: {err}");
+        }
         Ok(Published { receipt, manifest })
     }
 

@@ -229,12 +229,9 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
             }
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
         }
-        ("release", true) if p.claim.is_some() => {
-            v.add(
-                line,
-                "causality",
-                format!("{who}: released after its claim (line {:?})", p.claim.as_ref().map(|c| c.line)),
-            );
+        ("release" | "evict", true) if p.claim.is_some() => {
+            let claim = p.claim.as_ref().map(|c| c.line);
+            v.add(line, "causality", format!("{who}: {} after its claim (line {claim:?})", e.event));
         }
         _ => {}
     }

@@ -1,0 +1,83 @@
+//! Eviction of unread publications under capacity pressure (DESIGN §5): when
+//! a prepare finds too few free slots, READY publications nobody has claimed,
+//! of tenants whose operator opted in, are released — oldest first (by
+//! publication id, the order of their prepares) — until the prepare and the
+//! prepares waiting before it fit. Each is an exact unread release: a RELEASE
+//! record, journaled and committed before its slots can be prepared again. A
+//! claimed, adopted or failed publication is never touched.
+
+use super::error::StoreError;
+use super::{Owner, Phase, Record, SlotIndex, Store};
+
+/// One publication an eviction released.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evicted {
+    /// The publication.
+    pub publication: u64,
+    /// Its request.
+    pub req_id: String,
+    /// The slots it gave back.
+    pub slots: u64,
+    /// Who published it.
+    pub owner: Option<Owner>,
+}
+
+impl Store {
+    /// Makes room for a prepare of `needed` slots: if what is free does not
+    /// cover it and the slots the waiting prepares ask for, releases READY,
+    /// never-claimed publications `evictable` accepts (by owner), oldest
+    /// first, until it does or none is left. Answers what it released (none
+    /// when nothing was short); the releases are durable when it returns.
+    pub fn evict_unread(
+        &self,
+        needed: u64,
+        evictable: &dyn Fn(Option<&Owner>) -> bool,
+    ) -> Result<Vec<Evicted>, StoreError> {
+        let mut evicted = Vec::new();
+        let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
+        {
+            let mut live = self.lock_live();
+            let st = self.admission.stats();
+            let free = st.capacity.saturating_sub(st.reserved);
+            let mut short = needed.saturating_add(st.waiting_slots).saturating_sub(free);
+            if short == 0 {
+                return Ok(evicted);
+            }
+            let oldest_first: Vec<u64> = live
+                .state
+                .pubs
+                .values()
+                .filter(|p| p.phase == Phase::Ready && p.claim.is_none() && evictable(p.owner.as_ref()))
+                .map(|p| p.id)
+                .collect();
+            for id in oldest_first {
+                if short == 0 {
+                    break;
+                }
+                let Some(p) = live.state.pubs.get(&id) else { continue };
+                let (req, slots, owner) = (p.req_id.clone(), p.slots.clone(), p.owner.clone());
+                self.log(&mut live, Record::Release { publication: id })?;
+                live.batches.remove(&id);
+                live.quarantine.extend(&slots);
+                live.evicted += 1;
+                short = short.saturating_sub(slots.len() as u64);
+                evicted.push(Evicted { publication: id, req_id: req.clone(), slots: slots.len() as u64, owner });
+                freeing.push((req, slots));
+            }
+        }
+        if freeing.is_empty() {
+            return Ok(evicted);
+        }
+        // One commit for them all; the slots stay quarantined until it is durable.
+        let committed = self.commit();
+        let mut live = self.lock_live();
+        for s in freeing.iter().flat_map(|(_, slots)| slots) {
+            live.quarantine.remove(s);
+        }
+        drop(live);
+        for (req, _) in &freeing {
+            self.admission.release(req);
+        }
+        committed.map(|_| evicted)
+    }
+}
