@@ -100,8 +100,8 @@ pub(crate) fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), Str
 
 /// How the client reaches the control plane.
 enum Transport {
-    /// `unix:/run/pdstor/control.sock`.
-    Unix(std::path::PathBuf),
+    /// `unix:/run/pdstor/control.sock`, its connections kept alive.
+    Unix(http1::UnixPool),
     /// `https://host:port`: mutual TLS (or why its files could not be read).
     Tls { host: String, port: u16, config: Result<std::sync::Arc<rustls::ClientConfig>, String> },
     /// `http://host:port` (a daemon run with `--insecure-tcp`).
@@ -143,7 +143,7 @@ impl Client {
     pub fn new(base: &str) -> Client {
         let base = base.trim_end_matches('/').to_owned();
         let transport = if let Some(path) = base.strip_prefix("unix:") {
-            Transport::Unix(path.trim_start_matches("//").into())
+            Transport::Unix(http1::UnixPool::new(path.trim_start_matches("//").into()))
         } else if let Some(rest) = base.strip_prefix("https://") {
             match host_port(rest) {
                 Ok((host, port)) => Transport::Tls { host, port, config: tls_from_env() },
@@ -181,8 +181,8 @@ impl Client {
         let url = format!("{}{path}", self.base);
         let transport = |message: String| ClientError::Transport { url: url.clone(), message };
         match &self.transport {
-            Transport::Unix(socket) => {
-                let a = http1::unix(socket, method, path, json.as_deref()).map_err(transport)?;
+            Transport::Unix(pool) => {
+                let a = pool.request(method, path, json.as_deref()).map_err(transport)?;
                 Ok((a.status, a.body))
             }
             Transport::Tls { host, port, config } => {

@@ -1055,3 +1055,36 @@ fn get_direct_restores_acks_and_records_its_reads() {
         Command::new(pdstor_bin()).args(["timeline", "merge"]).arg(&reader_tl).arg(&owner_tl).output().unwrap();
     assert!(merged.status.success(), "{}", String::from_utf8_lossy(&merged.stderr));
 }
+
+/// A client keeps its control connection alive: many steps, one connection
+/// (each used to cost an accept, a credential check and a task on the
+/// daemon). A connection the daemon closed meanwhile — idle past its header
+/// timeout, or the daemon restarted — is replaced without the caller seeing
+/// it.
+#[test]
+fn a_client_keeps_its_control_connection_alive_and_outlives_the_daemon_closing_it() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let mut d = Daemon::start_with(&target, dir.path(), &["--header-timeout-ms", "200"]);
+    let c = Client::new(&d.server);
+    let counters =
+        |c: &Client| (metric(c, "pdstor_control_connections_total"), metric(c, "pdstor_control_requests_total"));
+    let (connections, requests) = counters(&c);
+    let names = vec!["nobody".to_owned()];
+    for _ in 0..40 {
+        assert_eq!(c.lookup(&names).unwrap(), vec![None]);
+    }
+    assert_eq!(counters(&c), (connections, requests + 40), "40 steps and the metrics reads on one connection");
+
+    // The daemon closes the idle connection after its 200 ms header timeout
+    // (the wait leaves it far more than that, however loaded the machine).
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert_eq!(c.lookup(&names).unwrap(), vec![None]);
+    assert_eq!(counters(&c).0, connections + 1, "one new connection for the closed one");
+
+    // A restarted daemon: the pooled connection is dead, the client reconnects.
+    d.restart();
+    assert_eq!(c.lookup(&names).unwrap(), vec![None]);
+    let p = put(&d, "after-restart", 5, 1);
+    assert_eq!(state(&c, p.receipt.publication).as_deref(), Some("READY"));
+}

@@ -141,6 +141,15 @@ fn over_capacity(max: usize) -> Vec<u8> {
     last_word("503 Service Unavailable", &body)
 }
 
+/// Control-plane connections accepted since start (`/metrics`): with clients
+/// that keep their connections alive, far fewer than the requests.
+static ACCEPTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Control-plane connections accepted since the daemon started.
+pub fn accepted_connections() -> u64 {
+    ACCEPTED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open
 /// requests finish (up to `drain` long).
 pub async fn serve<L: Accept>(
@@ -174,6 +183,7 @@ pub async fn serve<L: Accept>(
             }
             continue;
         };
+        ACCEPTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pending = listener.establish(raw, policy.clone());
         let (policy, app, watcher) = (policy.clone(), app.clone(), graceful.watcher());
         tokio::spawn(async move {

@@ -83,6 +83,16 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
     let _ = writeln!(out, "pdstor_invariant_violations_total {}", metrics.invariant_violations.load(Ordering::Relaxed));
     let _ = writeln!(
         out,
+        "# HELP pdstor_control_requests_total Protocol steps the control plane handled.\n# TYPE pdstor_control_requests_total counter"
+    );
+    let _ = writeln!(out, "pdstor_control_requests_total {}", metrics.requests.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "# HELP pdstor_control_connections_total Control-plane connections accepted (clients keep theirs alive across requests).\n# TYPE pdstor_control_connections_total counter"
+    );
+    let _ = writeln!(out, "pdstor_control_connections_total {}", super::listen::accepted_connections());
+    let _ = writeln!(
+        out,
         "# HELP pdstor_payload_bytes_total Payload bytes moved, by path.\n# TYPE pdstor_payload_bytes_total counter"
     );
     let _ = writeln!(out, "pdstor_payload_bytes_total{{path=\"host\"}} {}", metrics.bytes_host.load(Ordering::Relaxed));
