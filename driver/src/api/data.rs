@@ -426,6 +426,9 @@ impl Conn {
         crcs: &[Option<u32>],
         bytes: impl Fn(&DataChunk) -> u64,
     ) {
+        if let Some(first) = chunks.first() {
+            self.metrics.transfer(event, &self.path_of(first).to_string(), took);
+        }
         let Some(t) = self.service.timeline() else { return };
         for (i, c) in chunks.iter().enumerate() {
             let e = crate::timeline::Event::new(event);

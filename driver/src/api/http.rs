@@ -367,8 +367,24 @@ pub fn router(state: Shared) -> Router {
         .route("/storage-pd/namespace", get(namespace))
         .route("/storage-pd/prepare", post(prepare))
         .merge(steps())
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), timed))
         .with_state(state)
         .layer(axum::middleware::map_response(json_errors))
+}
+
+/// Times each routed request into `pdstor_step_seconds`, labelled by its
+/// route (`/storage-pd/claim` → `claim`).
+async fn timed(
+    State(s): S,
+    path: axum::extract::MatchedPath,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let started = std::time::Instant::now();
+    let answer = next.run(req).await;
+    let route = path.as_str();
+    s.metrics.step(route.strip_prefix("/storage-pd/").unwrap_or(route.trim_start_matches('/')), started.elapsed());
+    answer
 }
 
 /// The protocol's steps after prepare: each a JSON body in, a

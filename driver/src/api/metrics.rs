@@ -1,4 +1,6 @@
-//! The daemon's counters and their Prometheus text exposition (`/metrics`).
+//! The daemon's counters, latency histograms and their exposition
+//! (`/metrics`, OpenMetrics text built with `prometheus-client`; every
+//! family keeps the name it had when the text was written by hand).
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -6,6 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 
 use crate::store::{Phase, Store};
 
@@ -28,6 +37,8 @@ pub struct Metrics {
     pub verdicts: Mutex<BTreeMap<(String, String), u64>>,
     /// Times the slot accounting did not reconcile (each also logged).
     pub invariant_violations: AtomicU64,
+    /// Latency histograms of steps and transfers.
+    pub latencies: Latencies,
 }
 
 impl Metrics {
@@ -61,141 +72,217 @@ impl Metrics {
     }
 }
 
-/// Prometheus text exposition.
+/// A family of histograms by one label set.
+type Histograms = Family<Vec<(&'static str, String)>, Histogram, fn() -> Histogram>;
+
+/// Latency buckets: 50 µs to ~1.6 s, doubling.
+fn latency_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(50e-6, 2.0, 16))
+}
+
+/// The daemon's latency histograms, kept across scrapes.
+#[derive(Debug)]
+pub struct Latencies {
+    /// Control-plane steps, by step (`prepare`, `claim`, … `metrics`).
+    steps: Histograms,
+    /// Data-plane transfers (one request's chunks), by op and payload path.
+    transfers: Histograms,
+}
+
+impl Default for Latencies {
+    fn default() -> Latencies {
+        Latencies {
+            steps: Family::new_with_constructor(latency_buckets),
+            transfers: Family::new_with_constructor(latency_buckets),
+        }
+    }
+}
+
+impl Metrics {
+    /// Observes how long a control-plane step took.
+    pub fn step(&self, step: &str, took: std::time::Duration) {
+        self.latencies.steps.get_or_create(&vec![("step", step.to_owned())]).observe(took.as_secs_f64());
+    }
+
+    /// Observes how long a data-plane transfer (`store` or `load`) on `path` took.
+    pub fn transfer(&self, op: &str, path: &str, took: std::time::Duration) {
+        let labels = vec![("op", op.to_owned()), ("path", path.to_owned())];
+        self.latencies.transfers.get_or_create(&labels).observe(took.as_secs_f64());
+    }
+}
+
+/// A registry being filled for one scrape.
+struct Scrape(Registry);
+
+/// A help text as the encoder wants it: it ends each with a period itself.
+fn help(text: &str) -> &str {
+    text.trim_end_matches('.')
+}
+
+impl Scrape {
+    fn gauge(&mut self, name: &str, text: &str, v: u64) {
+        let g = Gauge::<i64>::default();
+        g.set(i64::try_from(v).unwrap_or(i64::MAX));
+        self.0.register(name, help(text), g);
+    }
+
+    fn gauges<'a>(
+        &mut self,
+        name: &str,
+        text: &str,
+        label: &'static str,
+        values: impl IntoIterator<Item = (&'a str, u64)>,
+    ) {
+        let f = Family::<Vec<(&'static str, String)>, Gauge<i64>>::default();
+        for (l, v) in values {
+            f.get_or_create(&vec![(label, l.to_owned())]).set(i64::try_from(v).unwrap_or(i64::MAX));
+        }
+        self.0.register(name, help(text), f);
+    }
+
+    /// A counter: `name` without `_total`, which the encoding appends.
+    fn counter(&mut self, name: &str, text: &str, v: u64) {
+        let c = Counter::<u64>::default();
+        c.inc_by(v);
+        self.0.register(name, help(text), c);
+    }
+
+    fn counters(
+        &mut self,
+        name: &str,
+        text: &str,
+        values: impl IntoIterator<Item = (Vec<(&'static str, String)>, u64)>,
+    ) {
+        let f = Family::<Vec<(&'static str, String)>, Counter<u64>>::default();
+        for (labels, v) in values {
+            f.get_or_create(&labels).inc_by(v);
+        }
+        self.0.register(name, help(text), f);
+    }
+}
+
+/// The exposition (OpenMetrics text, built with `prometheus-client`).
 pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
-    use std::fmt::Write;
-    let st = store.stats();
+    let mut m = Scrape(Registry::default());
     let mut by_state: BTreeMap<&'static str, u64> =
         ["PREPARED", "READY", "CLAIMED", "ADOPTED", "RETAINED", "ABORTING"].into_iter().map(|k| (k, 0)).collect();
     for p in store.publications() {
         *by_state.entry(phase_name(p.phase)).or_default() += 1;
     }
+    m.gauges("pdstor_publications", "Live publications by state.", "state", by_state);
+    slot_gauges(&mut m, store);
+    m.counter(
+        "pdstor_invariant_violations",
+        "Times the slot accounting did not reconcile after a step (each logged; a bug).",
+        metrics.invariant_violations.load(Ordering::Relaxed),
+    );
+    m.counter(
+        "pdstor_control_requests",
+        "Protocol steps the control plane handled.",
+        metrics.requests.load(Ordering::Relaxed),
+    );
+    m.counter(
+        "pdstor_control_connections",
+        "Control-plane connections accepted (clients keep theirs alive across requests).",
+        super::listen::accepted_connections(),
+    );
+    let bytes = [
+        ("host", &metrics.bytes_host),
+        ("host_fixed", &metrics.bytes_host_fixed),
+        ("dmabuf_fixed", &metrics.bytes_dmabuf_fixed),
+    ];
+    let by_path = bytes.map(|(p, n)| (vec![("path", p.to_owned())], n.load(Ordering::Relaxed)));
+    m.counters("pdstor_payload_bytes", "Payload bytes moved, by path.", by_path);
+    m.counter(
+        "pdstor_dmabuf_cpu_accesses",
+        "CPU accesses the daemon made to DMA-BUF memory (checksums), each bracketed by DMA_BUF_IOCTL_SYNC.",
+        crate::buffer::dmabuf::cpu_accesses(),
+    );
+    m.counter(
+        "pdstor_prepared_reaped",
+        "PREPARED publications aborted after --prepare-idle-timeout-ms with no store batch.",
+        metrics.reaped.load(Ordering::Relaxed),
+    );
+    let errors: Vec<_> = lock(&metrics.errors).iter().map(|(c, n)| (vec![("code", c.clone())], *n)).collect();
+    m.counters("pdstor_errors", "Refusals and failures by code.", errors);
+    let verdicts: Vec<_> = lock(&metrics.verdicts)
+        .iter()
+        .map(|((path, kind), n)| (vec![("path", path.clone()), ("verdict", kind.clone())], *n))
+        .collect();
+    m.counters("pdstor_verdicts", "Observed payload provenance (pdstor serve --provenance).", verdicts);
+    let st = store.stats();
+    m.counter("pdstor_payload_chunks", "Payload chunks stored and loaded.", st.payload_chunks);
+    m.counter(
+        "pdstor_payload_commands",
+        "Device commands the payload chunks went in (fewer where back-to-back small chunks were merged, serve --merge).",
+        st.payload_commands,
+    );
+    m.counter("pdstor_flushes", "Device flushes.", st.flushes);
+    m.gauge("pdstor_epoch", "Daemon epoch.", store.epoch());
+    m.0.register(
+        "pdstor_step_seconds",
+        "Control-plane steps, from the request to the answer, by step",
+        metrics.latencies.steps.clone(),
+    );
+    m.0.register(
+        "pdstor_transfer_seconds",
+        "Data-plane transfers (one request's chunks), from the request to the answer, by op and payload path",
+        metrics.latencies.transfers.clone(),
+    );
     let mut out = String::new();
-    let _ = writeln!(out, "# HELP pdstor_publications Live publications by state.\n# TYPE pdstor_publications gauge");
-    for (k, v) in &by_state {
-        let _ = writeln!(out, "pdstor_publications{{state=\"{k}\"}} {v}");
+    if let Err(e) = encode(&mut out, &m.0) {
+        return (axum::http::StatusCode::INTERNAL_SERVER_ERROR, format!("encoding the metrics failed: {e}\n"))
+            .into_response();
     }
-    slot_gauges(&mut out, store);
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_invariant_violations_total Times the slot accounting did not reconcile after a step (each logged; a bug).\n# TYPE pdstor_invariant_violations_total counter"
-    );
-    let _ = writeln!(out, "pdstor_invariant_violations_total {}", metrics.invariant_violations.load(Ordering::Relaxed));
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_control_requests_total Protocol steps the control plane handled.\n# TYPE pdstor_control_requests_total counter"
-    );
-    let _ = writeln!(out, "pdstor_control_requests_total {}", metrics.requests.load(Ordering::Relaxed));
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_control_connections_total Control-plane connections accepted (clients keep theirs alive across requests).\n# TYPE pdstor_control_connections_total counter"
-    );
-    let _ = writeln!(out, "pdstor_control_connections_total {}", super::listen::accepted_connections());
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_payload_bytes_total Payload bytes moved, by path.\n# TYPE pdstor_payload_bytes_total counter"
-    );
-    let _ = writeln!(out, "pdstor_payload_bytes_total{{path=\"host\"}} {}", metrics.bytes_host.load(Ordering::Relaxed));
-    let _ = writeln!(
-        out,
-        "pdstor_payload_bytes_total{{path=\"host_fixed\"}} {}",
-        metrics.bytes_host_fixed.load(Ordering::Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "pdstor_payload_bytes_total{{path=\"dmabuf_fixed\"}} {}",
-        metrics.bytes_dmabuf_fixed.load(Ordering::Relaxed)
-    );
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_dmabuf_cpu_accesses_total CPU accesses the daemon made to DMA-BUF memory (checksums), each bracketed by DMA_BUF_IOCTL_SYNC.\n# TYPE pdstor_dmabuf_cpu_accesses_total counter"
-    );
-    let _ = writeln!(out, "pdstor_dmabuf_cpu_accesses_total {}", crate::buffer::dmabuf::cpu_accesses());
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_prepared_reaped_total PREPARED publications aborted after --prepare-idle-timeout-ms with no store batch.\n# TYPE pdstor_prepared_reaped_total counter"
-    );
-    let _ = writeln!(out, "pdstor_prepared_reaped_total {}", metrics.reaped.load(Ordering::Relaxed));
-    let _ =
-        writeln!(out, "# HELP pdstor_errors_total Refusals and failures by code.\n# TYPE pdstor_errors_total counter");
-    for (code, n) in metrics.errors.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let _ = writeln!(out, "pdstor_errors_total{{code=\"{code}\"}} {n}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_verdicts_total Observed payload provenance (pdstor serve --provenance).\n# TYPE pdstor_verdicts_total counter"
-    );
-    for ((path, kind), n) in metrics.verdicts.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-        let _ = writeln!(out, "pdstor_verdicts_total{{path=\"{path}\",verdict=\"{kind}\"}} {n}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_payload_chunks_total Payload chunks stored and loaded.\n# TYPE pdstor_payload_chunks_total counter\npdstor_payload_chunks_total {}",
-        st.payload_chunks
-    );
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_payload_commands_total Device commands the payload chunks went in (fewer where back-to-back small chunks were merged, serve --merge).\n# TYPE pdstor_payload_commands_total counter\npdstor_payload_commands_total {}",
-        st.payload_commands
-    );
-    let _ = writeln!(out, "# HELP pdstor_flushes_total Device flushes.\n# TYPE pdstor_flushes_total counter");
-    let _ = writeln!(out, "pdstor_flushes_total {}", st.flushes);
-    let _ =
-        writeln!(out, "# HELP pdstor_epoch Daemon epoch.\n# TYPE pdstor_epoch gauge\npdstor_epoch {}", store.epoch());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], out).into_response()
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Where the slots are (they reconcile: `free + used + reserved ==
 /// capacity`), and admission's gauges and counters.
-fn slot_gauges(out: &mut String, store: &Store) {
-    use std::fmt::Write;
+fn slot_gauges(m: &mut Scrape, store: &Store) {
     let a = store.accounting().unwrap_or_else(|_| store.accounting_unchecked());
     let st = store.stats();
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_slots Data slots by use: free (a prepare can take it), used (owned by a publication), reserved (admitted but owned by no publication yet, or freed by a record not yet durable). free + used + reserved = capacity.\n# TYPE pdstor_slots gauge"
+    m.gauges(
+        "pdstor_slots",
+        "Data slots by use: free (a prepare can take it), used (owned by a publication), reserved (admitted but owned by no publication yet, or freed by a record not yet durable). free + used + reserved = capacity.",
+        "kind",
+        [("free", a.free), ("reserved", a.reserved), ("used", a.used)],
     );
-    let _ = writeln!(out, "pdstor_slots{{kind=\"free\"}} {}", a.free);
-    let _ = writeln!(out, "pdstor_slots{{kind=\"reserved\"}} {}", a.reserved);
-    let _ = writeln!(out, "pdstor_slots{{kind=\"used\"}} {}", a.used);
-    let _ = writeln!(out, "# HELP pdstor_slots_capacity Data slots in all.\n# TYPE pdstor_slots_capacity gauge");
-    let _ = writeln!(out, "pdstor_slots_capacity {}", a.capacity);
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_slots_total_reserved Slots admission holds: used + reserved (LMCache's total_reserved).\n# TYPE pdstor_slots_total_reserved gauge"
+    m.gauge("pdstor_slots_capacity", "Data slots in all.", a.capacity);
+    m.gauge(
+        "pdstor_slots_total_reserved",
+        "Slots admission holds: used + reserved (LMCache's total_reserved).",
+        a.total_reserved(),
     );
-    let _ = writeln!(out, "pdstor_slots_total_reserved {}", a.total_reserved());
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_admission_waiting Prepares waiting for capacity.\n# TYPE pdstor_admission_waiting gauge"
-    );
-    let _ = writeln!(out, "pdstor_admission_waiting {}", a.waiting);
+    m.gauge("pdstor_admission_waiting", "Prepares waiting for capacity.", a.waiting as u64);
     let c = st.admission;
     for (name, help, v) in [
-        ("admissions", "Prepares admitted (at once or after a wait)", c.admitted),
-        ("waits", "Admissions that waited for capacity", c.waits),
-        ("timeouts", "Waiting prepares that gave up at their timeout", c.timeouts),
-        ("cancels", "Waiting prepares cancelled by request id or by their client going away", c.cancelled),
+        ("admissions", "Prepares admitted (at once or after a wait).", c.admitted),
+        ("waits", "Admissions that waited for capacity.", c.waits),
+        ("timeouts", "Waiting prepares that gave up at their timeout.", c.timeouts),
+        ("cancels", "Waiting prepares cancelled by request id or by their client going away.", c.cancelled),
     ] {
-        let _ =
-            writeln!(out, "# HELP pdstor_admission_{name}_total {help}.\n# TYPE pdstor_admission_{name}_total counter");
-        let _ = writeln!(out, "pdstor_admission_{name}_total {v}");
+        m.counter(&format!("pdstor_admission_{name}"), help, v);
     }
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_protocol_violations_total Store batches that broke the protocol (the request was rolled back).\n# TYPE pdstor_protocol_violations_total counter"
+    m.counter(
+        "pdstor_protocol_violations",
+        "Store batches that broke the protocol (the request was rolled back).",
+        st.violations,
     );
-    let _ = writeln!(out, "pdstor_protocol_violations_total {}", st.violations);
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_rollbacks_total PREPARED publications rolled back (abort, cancel, violation, failed batch, reaper).\n# TYPE pdstor_rollbacks_total counter"
+    m.counter(
+        "pdstor_rollbacks",
+        "PREPARED publications rolled back (abort, cancel, violation, failed batch, reaper).",
+        st.rollbacks,
     );
-    let _ = writeln!(out, "pdstor_rollbacks_total {}", st.rollbacks);
-    let _ = writeln!(
-        out,
-        "# HELP pdstor_evicted_total READY publications nobody claimed, released to make room for a prepare (tenants that opted in).\n# TYPE pdstor_evicted_total counter"
+    m.counter(
+        "pdstor_evicted",
+        "READY publications nobody claimed, released to make room for a prepare (tenants that opted in).",
+        st.evicted,
     );
-    let _ = writeln!(out, "pdstor_evicted_total {}", st.evicted);
 }
 
 /// A publication's phase as the API and `/metrics` name it.

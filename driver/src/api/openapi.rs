@@ -44,6 +44,8 @@ pub enum Body {
     JsonArray(fn() -> Cow<'static, str>),
     /// Plain text.
     Text,
+    /// OpenMetrics text (`/metrics`).
+    Metrics,
     /// This document.
     Document,
 }
@@ -352,10 +354,10 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: Method::Get,
         path: "/metrics",
-        summary: "Prometheus metrics (an admin's: the counters span every tenant)",
+        summary: "Prometheus metrics, OpenMetrics text: gauges, counters, and latency histograms of each step and transfer (an admin's: they span every tenant)",
         params: &[],
         request: None,
-        ok: ("text exposition", Body::Text),
+        ok: ("OpenMetrics text exposition", Body::Metrics),
         refusals: READ,
     },
     Route {
@@ -450,6 +452,7 @@ fn operation(route: &Route) -> Value {
         Body::Json(name) => json_content(schema_ref(&name())),
         Body::JsonArray(name) => json_content(json!({ "type": "array", "items": schema_ref(&name()) })),
         Body::Text => json!({ "text/plain": { "schema": { "type": "string" } } }),
+        Body::Metrics => json!({ "application/openmetrics-text": { "schema": { "type": "string" } } }),
         Body::Document => json_content(json!({ "type": "object" })),
     };
     let mut responses = Map::new();
