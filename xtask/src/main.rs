@@ -321,7 +321,7 @@ fn ci(sh: &Shell) -> Result<()> {
         print!("{skips}");
     }
     tested.context("tests failed")?;
-    step("cargo xtask python (pip install ./python in a venv with LMCache 0.5.6 from PyPI; its tests)");
+    step("cargo xtask python (the wheel built and pip-installed in a venv with LMCache 0.5.6 from PyPI; its tests)");
     let venv = python::venv(sh)?;
     python::clippy(sh, &venv)?;
     python::install(sh, &venv)?;
