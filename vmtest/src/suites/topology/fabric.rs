@@ -23,15 +23,20 @@ pub(super) fn small_namespace(ctx: &Ctx) -> Checked<PathBuf> {
 
 /// Exports the raw disk (1), the faulty one (2) and the small namespace (3).
 pub(super) fn export_all(ctx: &Ctx, hosts: Option<&[&str]>) -> Checked {
-    let (raw, faulty) = (ctx.disk(DiskRole::Raw)?.block.clone(), ctx.disk(DiskRole::Faulty)?.block.clone());
-    export(&[raw.as_path(), faulty.as_path(), small_namespace(ctx)?.as_path()], hosts)
+    export_all_on(ctx, hosts, 1, STORAGE_ADDR)
 }
 
-/// Exports `devices` as namespaces 1, 2, … of [`SHARED_NQN`] on NVMe/TCP at
-/// the storage address: to `hosts` only, or (None) to any host (the network
-/// is private to the test). Each namespace has a fixed UUID, which every host
-/// that reaches it over the fabric sees.
-pub(super) fn export(devices: &[&Path], hosts: Option<&[&str]>) -> Checked {
+/// [`export_all`] on port `port_id`, listening on `traddr` only.
+pub(super) fn export_all_on(ctx: &Ctx, hosts: Option<&[&str]>, port_id: u32, traddr: &str) -> Checked {
+    let (raw, faulty) = (ctx.disk(DiskRole::Raw)?.block.clone(), ctx.disk(DiskRole::Faulty)?.block.clone());
+    export_on(&[raw.as_path(), faulty.as_path(), small_namespace(ctx)?.as_path()], hosts, port_id, traddr)
+}
+
+/// Exports `devices` as namespaces 1, 2, … of [`SHARED_NQN`] on NVMe/TCP,
+/// port `port_id` listening on `traddr`: to `hosts` only, or (None) to any
+/// host (the network is private to the test). Each namespace has a fixed
+/// UUID, which every host that reaches it over the fabric sees.
+pub(super) fn export_on(devices: &[&Path], hosts: Option<&[&str]>, port_id: u32, traddr: &str) -> Checked {
     let cfs = Path::new("/sys/kernel/config");
     if !cfs.join("nvmet").exists() {
         sh("mount", &["-t", "configfs", "configfs", "/sys/kernel/config"])?;
@@ -70,13 +75,22 @@ pub(super) fn export(devices: &[&Path], hosts: Option<&[&str]>) -> Checked {
         }
         write(&ns.join("enable"), "1")?;
     }
-    let port = nvmet.join("ports/1");
-    mk(&port)?;
+    open_port(port_id, traddr)
+}
+
+/// Opens NVMe/TCP port `id` on `traddr` to the shared subsystem: until it
+/// is open, a host that reaches for that address has its connection
+/// refused, which it retries (a connect the target rejects, for a host it
+/// does not allow, is final: the host fails its queued I/O).
+pub(super) fn open_port(id: u32, traddr: &str) -> Checked {
+    let nvmet = Path::new("/sys/kernel/config/nvmet");
+    let port = nvmet.join(format!("ports/{id}"));
+    std::fs::create_dir_all(&port).map_err(|e| format!("creating {}: {e}", port.display()))?;
     write(&port.join("addr_trtype"), "tcp")?;
     write(&port.join("addr_adrfam"), "ipv4")?;
-    write(&port.join("addr_traddr"), STORAGE_ADDR)?;
+    write(&port.join("addr_traddr"), traddr)?;
     write(&port.join("addr_trsvcid"), &NVME_TCP_PORT.to_string())?;
-    let link = port.join("subsystems").join(SHARED_NQN);
+    let (subsys, link) = (nvmet.join("subsystems").join(SHARED_NQN), port.join("subsystems").join(SHARED_NQN));
     std::os::unix::fs::symlink(&subsys, &link).map_err(|e| format!("linking {}: {e}", link.display()))?;
     Ok(())
 }
@@ -90,6 +104,11 @@ pub(super) fn connect() -> Checked {
 /// explicit host identity: a bare guest has no /etc/nvme/hostnqn, and
 /// nvme-cli's made-up NQN and host id disagree.
 pub(super) fn connect_as(hostnqn: &str, hostid: &str) -> Checked {
+    connect_at(hostnqn, hostid, STORAGE_ADDR)
+}
+
+/// [`connect_as`] to the target at `traddr`.
+pub(super) fn connect_at(hostnqn: &str, hostid: &str, traddr: &str) -> Checked {
     let deadline = Instant::now() + Duration::from_secs(180);
     let port = NVME_TCP_PORT.to_string();
     loop {
@@ -98,7 +117,7 @@ pub(super) fn connect_as(hostnqn: &str, hostid: &str) -> Checked {
             "-t",
             "tcp",
             "-a",
-            STORAGE_ADDR,
+            traddr,
             "-s",
             &port,
             "-n",

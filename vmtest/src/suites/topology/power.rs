@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::guest::{Ctx, cmdline, console, sh};
 use crate::suites::Checked;
-use crate::{POWER_CUT_ME, SHARED_NQN};
+use crate::{POWER_CUT_ME, SHARED_NQN, STORAGE_ADDR};
 
 use super::*;
 
@@ -23,12 +23,15 @@ pub(super) const REBORN_PORT: u16 = 7083;
 
 pub(super) const POWER_CHUNKS: u32 = 16;
 
+/// The storage guest's own address for its own connection to its target.
+const LOOPBACK: &str = "127.0.0.1";
+
 /// The writer host (with the target: it is the storage guest) loses power
 /// while a reader host is mid-load: the reader has claimed, adopted and read
 /// half, and has a read of the other half in flight (`dd`, outside pdstor)
 /// when QEMU is killed. The guest boots again on the same disks; its target
-/// comes back exporting to the writer host alone, so the reader host's queued
-/// read cannot complete yet; the daemon recovers (a new epoch) with the claim
+/// comes back on loopback alone (the writer host's own connection), so the
+/// reader host's queued read cannot complete yet; the daemon recovers (a new epoch) with the claim
 /// still ADOPTED — a reclaim is refused `not_fenced` — and a writer takes
 /// every free slot admission gives it. Only then is the reader host let back
 /// in: its in-flight read completes with the writer's bytes, its pdstor load
@@ -64,9 +67,13 @@ pub(super) fn power_owner_before() -> Checked {
 
 pub(super) fn power_owner_after(ctx: &Ctx) -> Checked {
     use pdstor::client::Client;
-    // The target again, to the writer host alone for now.
-    export_all(ctx, Some(&[WRITER_HOSTNQN]))?;
-    connect_as(WRITER_HOSTNQN, WRITER_HOSTID)?;
+    // The target again, reachable from this host alone for now: its port
+    // listens on loopback, so the reader host's reconnects are refused and
+    // retried. (Exporting to the writer's host NQN alone raced: a reconnect
+    // that came then was rejected for good — "not allowed", DNR — and the
+    // reader's kernel failed the queued read.)
+    export_all_on(ctx, None, 2, LOOPBACK)?;
+    connect_at(WRITER_HOSTNQN, WRITER_HOSTID, LOOPBACK)?;
     let dev = fabric_namespace_n(3)?;
     let _daemon = start_owner(&dev, "/tmp/vmtest/topology-serve-power-again.log")?;
     let server = format!("http://{CONTROL}");
@@ -87,7 +94,7 @@ pub(super) fn power_owner_after(ctx: &Ctx) -> Checked {
             "pdstor-vminit: topology owner after its power cut: the reader's publication is ADOPTED, {} fillers took every free slot; letting the reader host back in",
             fillers.len()
         ));
-        allow_host(READER_HOSTNQN)?;
+        open_port(1, STORAGE_ADDR)?;
         peer.send("allowed")?;
         match peer.recv()?.as_str() {
             "acked" => {}
