@@ -7,7 +7,7 @@
 //! claimed, adopted or failed publication is never touched.
 
 use super::error::StoreError;
-use super::{Owner, Phase, Record, SlotIndex, Store};
+use super::{Owner, Phase, SlotIndex, Store};
 
 /// One publication an eviction released.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -54,11 +54,8 @@ impl Store {
                 if short == 0 {
                     break;
                 }
-                let Some(p) = live.state.pubs.get(&id) else { continue };
-                let (req, slots, owner) = (p.req_id.clone(), p.slots.clone(), p.owner.clone());
-                self.log(&mut live, Record::Release { publication: id })?;
-                live.batches.remove(&id);
-                live.quarantine.extend(&slots);
+                let owner = live.state.pubs.get(&id).and_then(|p| p.owner.clone());
+                let (req, slots) = self.release_locked(&mut live, id)?;
                 live.evicted += 1;
                 short = short.saturating_sub(slots.len() as u64);
                 evicted.push(Evicted { publication: id, req_id: req.clone(), slots: slots.len() as u64, owner });
@@ -69,15 +66,7 @@ impl Store {
             return Ok(evicted);
         }
         // One commit for them all; the slots stay quarantined until it is durable.
-        let committed = self.commit();
-        let mut live = self.lock_live();
-        for s in freeing.iter().flat_map(|(_, slots)| slots) {
-            live.quarantine.remove(s);
-        }
-        drop(live);
-        for (req, _) in &freeing {
-            self.admission.release(req);
-        }
-        committed.map(|_| evicted)
+        let freed: Vec<(&str, &[SlotIndex])> = freeing.iter().map(|(r, s)| (r.as_str(), s.as_slice())).collect();
+        self.free_when_durable(&freed).map(|()| evicted)
     }
 }

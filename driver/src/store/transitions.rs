@@ -33,27 +33,37 @@ impl Store {
     pub fn release(&self, id: u64) -> Result<(), StoreError> {
         let (req, slots) = {
             let mut live = self.lock_live();
-            let p =
-                in_phase(&live.state, id, &[Phase::Ready], "only a READY, never-claimed publication can be released")?;
-            let (req, slots) = (p.req_id.clone(), p.slots.clone());
-            self.log(&mut live, Record::Release { publication: id })?;
-            live.batches.remove(&id);
-            live.quarantine.extend(&slots);
-            (req, slots)
+            self.release_locked(&mut live, id)?
         };
-        self.free_when_durable(&req, &slots)
+        self.free_when_durable(&[(&req, &slots)])
+    }
+
+    /// Under the lock: journals the RELEASE of the READY publication `id`
+    /// (refused in any other phase) and quarantines its slots until the
+    /// record is durable ([`free_when_durable`](Self::free_when_durable)).
+    /// Answers its request and slots.
+    pub(super) fn release_locked(&self, live: &mut Live, id: u64) -> Result<(String, Vec<SlotIndex>), StoreError> {
+        let p = in_phase(&live.state, id, &[Phase::Ready], "only a READY, never-claimed publication can be released")?;
+        let (req, slots) = (p.req_id.clone(), p.slots.clone());
+        self.log(live, Record::Release { publication: id })?;
+        live.batches.remove(&id);
+        live.quarantine.extend(&slots);
+        Ok((req, slots))
     }
 
     /// Commits (sharing the flush with whoever else is committing), then
-    /// lets `slots` be prepared again and gives `req`'s reservation back.
-    fn free_when_durable(&self, req: &str, slots: &[SlotIndex]) -> Result<(), StoreError> {
+    /// lets each freed set of slots be prepared again and gives its
+    /// request's reservation back.
+    pub(super) fn free_when_durable(&self, freed: &[(&str, &[SlotIndex])]) -> Result<(), StoreError> {
         let committed = self.commit();
         let mut live = self.lock_live();
-        for s in slots {
+        for s in freed.iter().flat_map(|(_, slots)| slots.iter()) {
             live.quarantine.remove(s);
         }
         drop(live);
-        self.admission.release(req);
+        for (req, _) in freed {
+            self.admission.release(req);
+        }
         committed.map(drop)
     }
 
@@ -94,7 +104,7 @@ impl Store {
             p
         };
         if frees {
-            self.free_when_durable(&before.req_id, &before.slots)?;
+            self.free_when_durable(&[(&before.req_id, &before.slots)])?;
         } else if durable == Durable::BeforeReturn {
             self.commit()?;
         }
