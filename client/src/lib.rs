@@ -34,6 +34,7 @@ pub mod timeline;
 pub mod tls;
 pub mod wire;
 
+mod batch;
 mod http1;
 mod remote;
 
@@ -42,6 +43,7 @@ use crate::layout::{Layout, Manifest};
 use crate::receipt::{Receipt, manifest_digest, restore_digest};
 use crate::wire::*;
 
+pub use batch::Outcomes;
 pub use remote::{Judge, RemoteReader};
 
 /// What a client call failed on.

@@ -232,6 +232,50 @@ fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() 
     s.check().unwrap();
 }
 
+/// Inside `with_one_commit` (a batch of protocol steps), publishes and
+/// releases journal their records and the commit waits for the scope's end:
+/// one commit for all, the released slots out of reach of prepares until
+/// then, and every record durable after it (a reopen finds them).
+#[test]
+fn one_commit_for_a_run_of_transitions_and_freed_slots_wait_for_it() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 6);
+    let (s, _) = open(&path);
+    let b = shared(&s, 1);
+    fill(&b, 5, 1);
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let id = s.prepare(&format!("r-{i}"), "w", &layout(), 1).unwrap();
+        assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
+        ids.push(id);
+    }
+    let commits = |s: &Store| s.stats().commit_groups;
+    let before = commits(&s);
+    let ((), published) = s.with_one_commit(|| {
+        for &id in &ids {
+            s.publish(id, None).unwrap();
+        }
+        assert_eq!(commits(&s), before, "no commit inside the scope");
+    });
+    published.unwrap();
+    assert_eq!(commits(&s) - before, 1, "one commit for four publishes");
+
+    let free = s.accounting().unwrap().free;
+    let ((), released) = s.with_one_commit(|| {
+        s.release(ids[0]).unwrap();
+        s.release(ids[1]).unwrap();
+        assert_eq!(s.accounting().unwrap().free, free, "released slots stay quarantined until the commit");
+    });
+    released.unwrap();
+    assert_eq!(s.accounting().unwrap().free, free + 2, "free once durable");
+    drop(s);
+
+    let (s, _) = open(&path);
+    let left: Vec<(u64, Phase)> = s.publications().iter().map(|p| (p.id, p.phase)).collect();
+    assert_eq!(left, vec![(ids[2], Phase::Ready), (ids[3], Phase::Ready)], "every record of both scopes durable");
+    s.check().unwrap();
+}
+
 #[test]
 fn lmcache_two_requests_of_8_in_a_buffer_of_10_do_not_deadlock() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -19,12 +19,12 @@ use serde::de::DeserializeOwned;
 
 use super::error::from_protocol;
 use super::metrics::{Metrics, exposition, phase_name};
+use super::steps::{Answer, names, run_batch, take};
 use super::wire::*;
 use crate::admission::CancelToken;
+use crate::protocol::RefusalCode;
 use crate::protocol::identity::{Caller, Role};
 use crate::protocol::service::{Prepared, ProtocolError, Service};
-use crate::protocol::{Refusal, RefusalCode};
-use crate::store::AbortOutcome;
 
 /// What every control-plane handler shares.
 pub struct AppState {
@@ -222,20 +222,10 @@ where
         Ok(Ok(resp)) => json_response(StatusCode::OK, &resp),
         Ok(Err(e)) => {
             let refusal = from_protocol(&e);
-            if matches!(&e, ProtocolError::Refused(r) if r.code.is_identity()) {
-                tracing::warn!(by = %who.audit(), code = %refusal.code, message = %refusal.message, "refused for who the caller is");
-            }
-            if let Some(timeline) = state.service.timeline() {
-                // Only a refusal needs to know what it was about: the body is
-                // read a second time here, never on the way to a step.
-                let names = Names::of(&body);
-                let mut e = crate::timeline::Event::new("refused")
-                    .detail(format!("{} ({}): {}", refusal.code, refusal.field, refusal.message))
-                    .by(who.audit());
-                e.publication = names.publication;
-                e.req_id = names.req_id;
-                timeline.emit(e);
-            }
+            // Only a refusal needs to know what it was about: the body is
+            // read a second time here, never on the way to a step.
+            let names = Names::of(&body);
+            note_refusal(&state.service, &who, names.publication, names.req_id, &refusal);
             error_response(&state, refusal)
         }
         Err(join) => {
@@ -244,25 +234,52 @@ where
     }
 }
 
-/// Where a prepare handled on a blocking thread stands, shared with the
-/// handler's future. When the client goes away, hyper drops that future; its
-/// [`Abandon`] guard then cancels a prepare still waiting for capacity, or
-/// orphans the publication whose answer will never be delivered (the reaper
-/// rolls it back after `--prepare-orphan-grace-ms` unless a batch comes).
-#[derive(Debug, Default)]
-struct PrepareWatch {
-    state: Mutex<Watch>,
-    token: CancelToken,
+/// A refused step, seen: a refusal for who the caller is is logged, and every
+/// refusal is a `refused` event on the timeline with what it was about.
+pub(super) fn note_refusal(
+    service: &Service,
+    who: &Caller,
+    publication: Option<u64>,
+    req_id: Option<String>,
+    refusal: &ErrorBody,
+) {
+    if RefusalCode::parse(&refusal.code).is_some_and(|c| c.is_identity()) {
+        tracing::warn!(by = %who.audit(), code = %refusal.code, message = %refusal.message, "refused for who the caller is");
+    }
+    if let Some(timeline) = service.timeline() {
+        let mut e = crate::timeline::Event::new("refused")
+            .detail(format!("{} ({}): {}", refusal.code, refusal.field, refusal.message))
+            .by(who.audit());
+        e.publication = publication;
+        e.req_id = req_id;
+        timeline.emit(e);
+    }
 }
 
+/// Where the prepares of one request (a `prepare`, or a batch's) handled
+/// on a blocking thread stand, shared with the handler's future. When the
+/// client goes away, hyper drops that future; its [`Abandon`] guard then
+/// cancels a prepare still waiting for capacity (and any after it), and
+/// orphans each publication whose answer will never be delivered (the reaper
+/// rolls it back after `--prepare-orphan-grace-ms` unless a batch comes).
 #[derive(Debug, Default)]
+pub(super) struct PrepareWatch {
+    state: Mutex<Watch>,
+    pub(super) token: CancelToken,
+}
+
+#[derive(Debug)]
 enum Watch {
-    #[default]
-    Running,
-    /// The handler's future was dropped while the prepare ran.
+    /// Still to be answered: each publication prepared so far, and its request.
+    Running(Vec<(u64, String)>),
+    /// The handler's future was dropped while the prepares ran.
     Abandoned,
-    /// The prepare ended: its publication and request, if it prepared one.
-    Done(Option<(u64, String)>),
+}
+
+impl Default for Watch {
+    fn default() -> Watch {
+        Watch::Running(Vec::new())
+    }
 }
 
 impl PrepareWatch {
@@ -270,22 +287,21 @@ impl PrepareWatch {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Called on the blocking thread when the prepare returns.
-    fn finish(&self, service: &Service, req_id: &str, result: &Result<Prepared, ProtocolError>) {
-        let mut w = self.lock();
-        match (&*w, result) {
+    /// Called on the blocking thread as a prepare makes a publication.
+    pub(super) fn prepared(&self, service: &Service, req_id: &str, p: &Prepared) {
+        match &mut *self.lock() {
             // Nobody will read this answer: give the publication the grace.
-            (Watch::Abandoned, Ok(p)) => service.orphan(p.publication, req_id),
-            _ => *w = Watch::Done(result.as_ref().ok().map(|p| (p.publication, req_id.to_owned()))),
+            Watch::Abandoned => service.orphan(p.publication, req_id),
+            Watch::Running(made) => made.push((p.publication, req_id.to_owned())),
         }
     }
 }
 
 /// Dropped with the handler's future; `delivered` once its answer is built.
-struct Abandon {
-    watch: Arc<PrepareWatch>,
-    service: Arc<Service>,
-    delivered: bool,
+pub(super) struct Abandon {
+    pub(super) watch: Arc<PrepareWatch>,
+    pub(super) service: Arc<Service>,
+    pub(super) delivered: bool,
 }
 
 impl Drop for Abandon {
@@ -294,18 +310,13 @@ impl Drop for Abandon {
             return;
         }
         let mut w = self.watch.lock();
-        match std::mem::take(&mut *w) {
-            Watch::Running => {
-                *w = Watch::Abandoned;
-                self.watch.token.cancel();
-                drop(w);
-                self.service.store().wake_waiters();
-            }
-            Watch::Done(Some((publication, req))) => {
-                drop(w);
+        if let Watch::Running(made) = std::mem::replace(&mut *w, Watch::Abandoned) {
+            self.watch.token.cancel();
+            drop(w);
+            self.service.store().wake_waiters();
+            for (publication, req) in made {
                 self.service.orphan(publication, &req);
             }
-            Watch::Done(None) | Watch::Abandoned => {}
         }
     }
 }
@@ -315,27 +326,30 @@ impl Drop for Abandon {
 /// client that goes away while it waits cancels its wait.
 async fn prepare(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Body) -> Response {
     let Some(_slot) = PrepareSlot::take(&s) else {
-        let max = s.limits.max_prepares;
-        return error_response(
-            &s,
-            ErrorBody::new(
-                RefusalCode::TooManyPrepares,
-                "req_id",
-                format!("{max} prepares are already being handled or waiting: retry later"),
-            ),
-        );
+        return error_response(&s, too_many_prepares(&s));
     };
     let watch = Arc::new(PrepareWatch::default());
     let mut guard = Abandon { watch: watch.clone(), service: s.service.clone(), delivered: false };
     let resp = step(s, who, b, move |svc, who, r: PrepareRequest| {
-        let timeout = r.timeout_ms.map(std::time::Duration::from_millis);
-        let result = svc.prepare_with(who, &r.req_id, &r.layout, r.total_chunks, &r.writer, timeout, &watch.token);
-        watch.finish(svc, &r.req_id, &result);
-        result
+        let step = BatchStep::Prepare(r);
+        let answer = take(svc, who, &step, &watch.token);
+        if let (BatchStep::Prepare(r), Ok(Answer::Prepared(p))) = (&step, &answer) {
+            watch.prepared(svc, &r.req_id, p);
+        }
+        answer
     })
     .await;
     guard.delivered = true;
     resp
+}
+
+fn too_many_prepares(s: &AppState) -> ErrorBody {
+    let max = s.limits.max_prepares;
+    ErrorBody::new(
+        RefusalCode::TooManyPrepares,
+        "req_id",
+        format!("{max} prepares are already being handled or waiting: retry later"),
+    )
 }
 
 type S = State<Shared>;
@@ -393,51 +407,22 @@ fn steps() -> Router<Shared> {
     Router::new()
         .route(
             "/storage-pd/cancel",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: CancelRequest| svc.cancel(w, &r.req_id))
-            }),
+            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Cancel))),
         )
         .route(
             "/storage-pd/publish",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: PublishRequest| svc.publish(w, r.publication, &r.writer_token, r.first_token))
-            }),
+            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Publish))),
         )
-        .route(
-            "/storage-pd/claim",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: ClaimRequest| {
-                    svc.claim(w, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, r.layout.as_ref())
-                        .map(|receipt| ReceiptResponse { receipt })
-                })
-            }),
-        )
-        .route(
-            "/storage-pd/adopt",
-            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, |svc, w, r: AdoptRequest| svc.adopt(w, &r))),
-        )
-        .route(
-            "/storage-pd/ack",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: AckRequest| {
-                    svc.ack(w, &r.receipt, &r.restore_digest).map(|_| Done { ok: true })
-                })
-            }),
-        )
+        .route("/storage-pd/claim", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Claim))))
+        .route("/storage-pd/adopt", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Adopt))))
+        .route("/storage-pd/ack", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Ack))))
         .route(
             "/storage-pd/loaded",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: LoadedRequest| {
-                    let chunks: Vec<(u32, u32)> = r.chunks.iter().map(|c| (c.index, c.crc32c)).collect();
-                    svc.loaded(w, &r.receipt, &chunks).map(|_| Done { ok: true })
-                })
-            }),
+            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Loaded))),
         )
         .route(
             "/storage-pd/release",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: ReceiptOnly| svc.release(w, &r.receipt).map(|_| Done { ok: true }))
-            }),
+            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Release))),
         )
         .route(
             "/storage-pd/lookup",
@@ -447,32 +432,8 @@ fn steps() -> Router<Shared> {
                 })
             }),
         )
-        .route(
-            "/storage-pd/abort",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: AbortRequest| match svc.abort(w, r.publication, &r.writer_token)? {
-                    AbortOutcome::Aborted { slots } => Ok(AbortResponse { outcome: "aborted".into(), slots }),
-                    AbortOutcome::Pending => Ok(AbortResponse { outcome: "pending".into(), slots: 0 }),
-                    // Nothing to abort is a refusal, like any other step on an unknown publication.
-                    AbortOutcome::NotFound => Err(Refusal::new(
-                        RefusalCode::UnknownPublication,
-                        "publication",
-                        format!(
-                            "publication {} does not exist: never prepared, or already acknowledged, released or \
-                             aborted (see GET /storage-pd/publications)",
-                            r.publication
-                        ),
-                    )
-                    .into()),
-                })
-            }),
-        )
-        .route(
-            "/storage-pd/fail",
-            post(|State(s): S, Extension(w): E, b: Body| {
-                step(s, w, b, |svc, w, r: FailRequest| svc.fail(w, &r.receipt, &r.reason).map(|_| Done { ok: true }))
-            }),
-        )
+        .route("/storage-pd/abort", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Abort))))
+        .route("/storage-pd/fail", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Fail))))
         .route(
             "/storage-pd/reclaim",
             post(|State(s): S, Extension(w): E, b: Body| {
@@ -487,6 +448,63 @@ fn steps() -> Router<Shared> {
                 })
             }),
         )
+        .route("/storage-pd/batch", post(batch))
+}
+
+/// One step's route: its body is the step ([`take`] says what it does).
+fn one<R>(wrap: fn(R) -> BatchStep) -> impl FnOnce(&Service, &Caller, R) -> Result<Answer, ProtocolError> + Send {
+    move |svc, who, r| take(svc, who, &wrap(r), &CancelToken::new())
+}
+
+/// `POST /storage-pd/batch`: many steps in one round trip (see
+/// [`super::steps`]). A batch that prepares takes one of the
+/// `--max-prepares` places, as a prepare does; a client that goes away has
+/// its waiting prepare cancelled and what it prepared orphaned.
+async fn batch(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Body) -> Response {
+    let body = match read_body(&s, b).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut resp = error_response(&s, e);
+            resp.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            return resp;
+        }
+    };
+    let r: BatchRequest = match parse(&body) {
+        Ok(r) => r,
+        Err(e) => return error_response(&s, e),
+    };
+    if r.steps.len() > MAX_BATCH_STEPS {
+        let message = format!("the batch has {} steps; at most {MAX_BATCH_STEPS} are taken at once", r.steps.len());
+        return error_response(&s, ErrorBody::new(RefusalCode::BadRequest, "steps", message));
+    }
+    let _slot = if r.steps.iter().any(|st| matches!(st, BatchStep::Prepare(_))) {
+        match PrepareSlot::take(&s) {
+            Some(slot) => Some(slot),
+            None => return error_response(&s, too_many_prepares(&s)),
+        }
+    } else {
+        None
+    };
+    let watch = Arc::new(PrepareWatch::default());
+    let mut guard = Abandon { watch: watch.clone(), service: s.service.clone(), delivered: false };
+    let (service, metrics, caller) = (s.service.clone(), s.metrics.clone(), who);
+    let ran = tokio::task::spawn_blocking(move || {
+        let prepared = |req: &str, p: &Prepared| watch.prepared(&service, req, p);
+        let refused = |st: &BatchStep, e: &ErrorBody| {
+            metrics.error(&e.code);
+            let (publication, req_id) = names(st);
+            note_refusal(&service, &caller, publication, req_id, e);
+        };
+        let results = run_batch(&service, &caller, r.steps, &watch.token, &prepared, &refused);
+        metrics.reconcile(service.store());
+        BatchResponse { results }
+    })
+    .await;
+    guard.delivered = true;
+    match ran {
+        Ok(answer) => json_response(StatusCode::OK, &answer),
+        Err(join) => error_response(&s, ErrorBody::new(RefusalCode::Internal, "", format!("handler panicked: {join}"))),
+    }
 }
 
 /// `GET /storage-pd/publications`: a tenant sees only its own; an admin all.

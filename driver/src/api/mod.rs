@@ -11,6 +11,7 @@ pub mod hygiene;
 mod listen;
 pub mod metrics;
 pub mod openapi;
+pub mod steps;
 pub mod tls;
 pub use pdstor_client::wire;
 

@@ -258,6 +258,23 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: Method::Post,
+        path: "/storage-pd/batch",
+        summary: "Many steps (prepare, publish, claim, adopt, loaded, ack, fail, release, abort, cancel) in one \
+                  round trip, run in order, each answering what its own route would (status, then body or error): \
+                  one refused does not stop the rest; consecutive steps of one kind that commit share one commit",
+        params: &[],
+        request: Some(BatchRequest::name),
+        ok: ("one result per step, in order", Body::Json(BatchResponse::name)),
+        refusals: &[
+            (400, "malformed body, or more than 1024 steps"),
+            UNAUTHENTICATED,
+            BODY_TIMEOUT,
+            TOO_LARGE,
+            (429, "too_many_prepares: the batch prepares and every prepare place is taken"),
+        ],
+    },
+    Route {
+        method: Method::Post,
         path: "/storage-pd/cancel",
         summary: "Give up a request by its id: refuse its waiting prepare, or roll back its PREPARED publication \
                   (idempotent)",
@@ -404,6 +421,10 @@ fn schemas() -> Map<String, Value> {
         CancelRequest,
         CancelOutcome,
         FailRequest,
+        BatchStep,
+        BatchRequest,
+        BatchResult,
+        BatchResponse,
         SessionCloseRequest,
         Done,
         PublicationInfo,

@@ -10,7 +10,8 @@
 //! Where each part lives: `format` (a fresh namespace), `recovery` (replay
 //! and the new epoch), `batch` (store batches, publish, load: validate →
 //! submit → settle), `transitions` (release, claim, adopt, ack, fail,
-//! reclaim), `state` and `journal` (the records and what they describe),
+//! reclaim), `scope` (one commit for a batch of them), `state` and
+//! `journal` (the records and what they describe),
 //! `io_thread` (the one door to the I/O thread), `worker` (that thread),
 //! `fault` (fault injection), `error` (every error, typed).
 //!
@@ -30,6 +31,7 @@ mod io_thread;
 pub mod journal;
 pub mod publication;
 mod recovery;
+mod scope;
 pub mod state;
 pub use pdstor_client::superblock;
 mod storage;
@@ -298,7 +300,12 @@ impl Store {
 
     /// Makes every queued record durable (group commit), and checkpoints the
     /// journal when its half is over half full.
+    /// Inside [`with_one_commit`](Self::with_one_commit), only noted: the
+    /// scope commits once at its end.
     pub fn commit(&self) -> Result<CommitInfo, StoreError> {
+        if let Some(last) = self.defer_commit() {
+            return Ok(last);
+        }
         let info = self.io.commit()?.map_err(|e| self.mark_failed(e))?;
         *self.last_commit.lock().unwrap_or_else(|p| p.into_inner()) = info;
         if info.journal_used > info.journal_half / 2 {

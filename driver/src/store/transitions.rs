@@ -54,7 +54,12 @@ impl Store {
     /// Commits (sharing the flush with whoever else is committing), then
     /// lets each freed set of slots be prepared again and gives its
     /// request's reservation back.
+    /// Inside [`with_one_commit`](Self::with_one_commit), the scope does
+    /// this for every set it freed, at its end.
     pub(super) fn free_when_durable(&self, freed: &[(&str, &[SlotIndex])]) -> Result<(), StoreError> {
+        if self.defer_free(freed) {
+            return Ok(());
+        }
         let committed = self.commit();
         let mut live = self.lock_live();
         for s in freed.iter().flat_map(|(_, slots)| slots.iter()) {

@@ -1,0 +1,161 @@
+//! Every protocol step once its body is parsed: which [`Service`] call it is
+//! and what it answers. Each step's own route and `POST /storage-pd/batch`
+//! both take steps through [`take`], so a step means the same either way.
+//!
+//! A batch runs its steps in order on one blocking thread, each on its own:
+//! one refused does not stop the rest, and each answers what its own route
+//! would have (status, body or error). Consecutive steps of one kind that
+//! commit (publish, claim, adopt, ack, fail, release, abort) share one
+//! commit ([`Store::with_one_commit`](crate::store::Store::with_one_commit)):
+//! none of them is answered before its record is durable, and if that commit
+//! fails every step of the run answers the failure. Prepares and cancels run
+//! outside any such run: a prepare may wait for slots an earlier step freed.
+
+use serde::Serialize;
+
+use super::error::{from_protocol, from_store};
+use super::wire::{AbortResponse, BatchResult, BatchStep, CancelOutcome, Done, ErrorBody, Published, ReceiptResponse};
+use crate::admission::CancelToken;
+use crate::protocol::identity::Caller;
+use crate::protocol::service::{Prepared, ProtocolError, Service};
+use crate::protocol::{Refusal, RefusalCode};
+use crate::store::{AbortOutcome, Manifest};
+
+/// What a step answers, serialized as its own route's body.
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Answer {
+    /// `prepare`.
+    Prepared(Prepared),
+    /// `publish`.
+    Published(Published),
+    /// `claim`.
+    Receipt(ReceiptResponse),
+    /// `adopt`.
+    Manifest(Manifest),
+    /// `loaded`, `ack`, `fail`, `release`.
+    Done(Done),
+    /// `abort`.
+    Aborted(AbortResponse),
+    /// `cancel`.
+    Cancelled(CancelOutcome),
+}
+
+const DONE: Answer = Answer::Done(Done { ok: true });
+
+/// Takes one step for `who`. A prepare waits for capacity until its
+/// timeout or until `cancel` fires (its client went away).
+pub fn take(svc: &Service, who: &Caller, step: &BatchStep, cancel: &CancelToken) -> Result<Answer, ProtocolError> {
+    match step {
+        BatchStep::Prepare(r) => {
+            let timeout = r.timeout_ms.map(std::time::Duration::from_millis);
+            svc.prepare_with(who, &r.req_id, &r.layout, r.total_chunks, &r.writer, timeout, cancel)
+                .map(Answer::Prepared)
+        }
+        BatchStep::Publish(r) => svc.publish(who, r.publication, &r.writer_token, r.first_token).map(Answer::Published),
+        BatchStep::Claim(r) => svc
+            .claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, r.layout.as_ref())
+            .map(|receipt| Answer::Receipt(ReceiptResponse { receipt })),
+        BatchStep::Adopt(r) => svc.adopt(who, r).map(Answer::Manifest),
+        BatchStep::Loaded(r) => {
+            let chunks: Vec<(u32, u32)> = r.chunks.iter().map(|c| (c.index, c.crc32c)).collect();
+            svc.loaded(who, &r.receipt, &chunks).map(|()| DONE)
+        }
+        BatchStep::Ack(r) => svc.ack(who, &r.receipt, &r.restore_digest).map(|()| DONE),
+        BatchStep::Fail(r) => svc.fail(who, &r.receipt, &r.reason).map(|()| DONE),
+        BatchStep::Release(r) => svc.release(who, &r.receipt).map(|()| DONE),
+        BatchStep::Abort(r) => match svc.abort(who, r.publication, &r.writer_token)? {
+            AbortOutcome::Aborted { slots } => Ok(Answer::Aborted(AbortResponse { outcome: "aborted".into(), slots })),
+            AbortOutcome::Pending => Ok(Answer::Aborted(AbortResponse { outcome: "pending".into(), slots: 0 })),
+            // Nothing to abort is a refusal, like any other step on an unknown publication.
+            AbortOutcome::NotFound => Err(Refusal::new(
+                RefusalCode::UnknownPublication,
+                "publication",
+                format!(
+                    "publication {} does not exist: never prepared, or already acknowledged, released or \
+                     aborted (see GET /storage-pd/publications)",
+                    r.publication
+                ),
+            )
+            .into()),
+        },
+        BatchStep::Cancel(r) => svc.cancel(who, &r.req_id).map(Answer::Cancelled),
+    }
+}
+
+/// What a step was about, for the timeline's `refused` event: its
+/// publication and request, where its body names them.
+pub fn names(step: &BatchStep) -> (Option<u64>, Option<String>) {
+    let of = |r: &crate::protocol::Receipt| (Some(r.publication), Some(r.req_id.clone()));
+    match step {
+        BatchStep::Prepare(r) => (None, Some(r.req_id.clone())),
+        BatchStep::Cancel(r) => (None, Some(r.req_id.clone())),
+        BatchStep::Publish(r) => (Some(r.publication), None),
+        BatchStep::Abort(r) => (Some(r.publication), None),
+        BatchStep::Claim(r) => of(&r.receipt),
+        BatchStep::Adopt(r) => of(&r.receipt),
+        BatchStep::Loaded(r) => of(&r.receipt),
+        BatchStep::Ack(r) => of(&r.receipt),
+        BatchStep::Fail(r) => of(&r.receipt),
+        BatchStep::Release(r) => of(&r.receipt),
+    }
+}
+
+/// Runs a batch's steps (see the module): one result per step, in order.
+/// `prepared` is told of each publication a prepare made, as it is made (so
+/// a client that went away has it orphaned); `refused` of each refusal.
+pub fn run_batch(
+    svc: &Service,
+    who: &Caller,
+    steps: Vec<BatchStep>,
+    cancel: &CancelToken,
+    prepared: &dyn Fn(&str, &Prepared),
+    refused: &dyn Fn(&BatchStep, &ErrorBody),
+) -> Vec<BatchResult> {
+    let one = |step: &BatchStep| -> BatchResult {
+        let answer = take(svc, who, step, cancel);
+        if let (BatchStep::Prepare(r), Ok(Answer::Prepared(p))) = (step, &answer) {
+            prepared(&r.req_id, p);
+        }
+        match answer {
+            Ok(a) => match serde_json::to_value(a) {
+                Ok(v) => BatchResult { status: 200, ok: Some(v), error: None },
+                Err(e) => failed(ErrorBody::new(RefusalCode::Internal, "", format!("encoding the answer: {e}"))),
+            },
+            Err(e) => {
+                let body = from_protocol(&e);
+                refused(step, &body);
+                failed(body)
+            }
+        }
+    };
+    let mut results = Vec::with_capacity(steps.len());
+    let mut steps = steps.into_iter().peekable();
+    while let Some(first) = steps.next() {
+        let kind = std::mem::discriminant(&first);
+        let mut run = vec![first];
+        while let Some(next) = steps.next_if(|s| std::mem::discriminant(s) == kind) {
+            run.push(next);
+        }
+        if matches!(run[0], BatchStep::Prepare(_) | BatchStep::Cancel(_)) {
+            results.extend(run.iter().map(one));
+            continue;
+        }
+        let (mut taken, committed): (Vec<BatchResult>, _) =
+            svc.store().with_one_commit(|| run.iter().map(one).collect());
+        if let Err(e) = committed {
+            // Nothing the run did is durable: every step of it failed.
+            let body = from_store(&e);
+            for (r, step) in taken.iter_mut().zip(&run).filter(|(r, _)| r.error.is_none()) {
+                refused(step, &body);
+                *r = failed(body.clone());
+            }
+        }
+        results.append(&mut taken);
+    }
+    results
+}
+
+fn failed(body: ErrorBody) -> BatchResult {
+    BatchResult { status: body.status, ok: None, error: Some(body) }
+}

@@ -1,0 +1,204 @@
+//! `POST /storage-pd/batch` on a real `pdstor serve`: every step of many
+//! publications, a round trip per step kind, each step answering on its own
+//! (a refused one changes nothing and stops nothing), and one commit for a
+//! run of steps that commit.
+
+use pdstor::Buffer;
+use pdstor::api::wire::{AdoptRequest, BatchStep, ClaimRequest, DataChunk, PrepareRequest};
+use pdstor::client::{Client, ClientError, DataConn, Reader};
+use pdstor::io::PayloadPath;
+use pdstor::payload;
+use pdstor::store::Layout;
+use pdstor_tests::Daemon;
+
+const SLOT: u64 = 1 << 20;
+const N: usize = 8;
+
+fn layout() -> Layout {
+    Layout {
+        model_id: "batch".into(),
+        dtype: "bf16".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        chunk_tokens: 256,
+        kv_format: "pdstor-batch".into(),
+    }
+}
+
+/// A sample from the daemon's `/metrics`: the line that starts with `series`.
+fn sample(c: &Client, series: &str) -> u64 {
+    let m = c.metrics().unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .map_or(0, |v| v.parse::<f64>().unwrap() as u64)
+}
+
+fn steps_of(c: &Client, step: &str) -> u64 {
+    sample(c, &format!("pdstor_step_seconds_count{{step=\"{step}\"}}"))
+}
+
+fn refusal<T: std::fmt::Debug>(r: &Result<T, ClientError>) -> (u16, &str) {
+    match r {
+        Err(ClientError::Api(e)) => (e.status, e.code.as_str()),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// One HTTP/1.1 POST over the control socket; the status and the JSON body.
+fn exchange(socket: &std::path::Path, path: &str, body: &str) -> (u16, serde_json::Value) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: pdstor\r\nConnection: close\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{answer}"));
+    let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}")))
+}
+
+fn state(c: &Client, publication: u64) -> Option<String> {
+    let list = c.publications(None, false).unwrap();
+    list.into_iter().find(|p| p.publication == publication).map(|p| p.state)
+}
+
+#[test]
+fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answers_on_its_own() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 32, SLOT);
+    let c = Client::new(&d.server);
+
+    // Prepare N requests and, last, one larger than the namespace: N
+    // prepared, that one refused, in one round trip.
+    let mut asks: Vec<PrepareRequest> = (0..N)
+        .map(|i| PrepareRequest {
+            req_id: format!("batch-{i}"),
+            layout: layout(),
+            total_chunks: 1,
+            writer: "prefill".into(),
+            timeout_ms: None,
+        })
+        .collect();
+    asks.push(PrepareRequest { req_id: "too-large".into(), total_chunks: 64, ..asks[3].clone() });
+    let (batches0, prepares0) = (steps_of(&c, "batch"), steps_of(&c, "prepare"));
+    let prepared = c.prepare_many(asks).unwrap();
+    assert_eq!(steps_of(&c, "batch") - batches0, 1, "one round trip");
+    assert_eq!(steps_of(&c, "prepare"), prepares0, "no prepare went on its own");
+    assert_eq!(prepared.len(), N + 1);
+    assert_eq!(refusal(&prepared[N]).1, "too_large");
+    let prepared: Vec<_> = prepared.into_iter().take(N).map(Result::unwrap).collect();
+
+    // Each chunk through the data plane, from one shared buffer.
+    let buffer = Buffer::memfd("batch-writer", (N as u64 * SLOT) as usize).unwrap();
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let id = data.register_for(&buffer, PayloadPath::HostFixed).unwrap();
+    for (i, p) in prepared.iter().enumerate() {
+        let offset = i as u64 * SLOT;
+        buffer.write_at(offset, &payload::chunk(40 + i as u64, 0, SLOT as usize)).unwrap();
+        let chunk = DataChunk { index: 0, buffer: id, offset, len: SLOT, crc32c: None };
+        data.store(p.publication, &p.writer_token, vec![chunk], true, 1).unwrap();
+    }
+
+    // Publish all in one round trip; one commit flushes them together
+    // (a publish alone takes two flushes: the payload, then its record).
+    let flushes0 = sample(&c, "pdstor_flushes_total");
+    let tokens: Vec<_> = prepared.iter().map(|p| (p, Some(7))).collect();
+    let published: Vec<_> = c.publish_many(&tokens).unwrap().into_iter().map(Result::unwrap).collect();
+    let flushes = sample(&c, "pdstor_flushes_total") - flushes0;
+    assert!(flushes <= 2, "{N} publishes in one batch took {flushes} flushes");
+    for p in &published {
+        assert_eq!(state(&c, p.receipt.publication).as_deref(), Some("READY"));
+    }
+
+    // Claim all, one with another layout: refused before it claims, still READY.
+    let mut other = layout();
+    other.head_dim = 128;
+    let claims: Vec<ClaimRequest> = published
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ClaimRequest {
+            receipt: p.receipt.clone(),
+            reader_id: "decode-0".into(),
+            session_id: "s-batch".into(),
+            lease_ms: 60_000,
+            layout: Some(if i == 5 { other.clone() } else { layout() }),
+        })
+        .collect();
+    let claimed = c.claim_many(claims).unwrap();
+    assert_eq!(refusal(&claimed[5]), (409, "layout_mismatch"));
+    assert_eq!(state(&c, published[5].receipt.publication).as_deref(), Some("READY"));
+    let claimed: Vec<_> = claimed.into_iter().enumerate().filter(|(i, _)| *i != 5).map(|(_, r)| r.unwrap()).collect();
+
+    // Adopt all in one round trip; load each and check it byte for byte.
+    let adopts = claimed.iter().map(|cl| AdoptRequest::of_claim(cl, layout())).collect();
+    let manifests: Vec<_> = c.adopt_many(adopts).unwrap().into_iter().map(Result::unwrap).collect();
+    let mut reader = Reader::new(&d.server, &d.data_socket).unwrap();
+    let mut digests = Vec::new();
+    for (cl, m) in claimed.iter().zip(manifests) {
+        assert_eq!(m.first_token, Some(7));
+        let restored = reader.load(cl, m).unwrap();
+        let seed = 40 + published.iter().position(|p| p.receipt.publication == cl.publication).unwrap() as u64;
+        assert!(reader.restored_bytes(SLOT).unwrap() == payload::chunk(seed, 0, SLOT as usize), "byte for byte");
+        digests.push(restored.restore_digest);
+    }
+
+    // Ack all, one with a wrong digest: that one is refused and stays
+    // ADOPTED; the others are consumed, their slots free, in one commit.
+    digests[2] = "0".repeat(64);
+    let acks: Vec<_> = claimed.iter().zip(&digests).map(|(cl, dg)| (cl, dg.as_str())).collect();
+    let acked = c.ack_many(&acks).unwrap();
+    assert_eq!(refusal(&acked[2]), (409, "restore_mismatch"));
+    for (i, (r, cl)) in acked.iter().zip(&claimed).enumerate() {
+        if i != 2 {
+            assert!(r.is_ok(), "ack {i}: {r:?}");
+            assert_eq!(state(&c, cl.publication), None, "acknowledged: gone");
+        }
+    }
+    assert_eq!(state(&c, claimed[2].publication).as_deref(), Some("ADOPTED"));
+
+    // Release the unread one in a batch with a step that names nothing: the
+    // release is taken, the other refused.
+    let released = c
+        .batch(vec![
+            BatchStep::Release(pdstor::api::wire::ReceiptOnly { receipt: published[5].receipt.clone() }),
+            BatchStep::Cancel(pdstor::api::wire::CancelRequest { req_id: "never-prepared".into() }),
+        ])
+        .unwrap();
+    assert!(released[0].is_ok(), "{:?}", released[0]);
+    assert_eq!(released[1].as_ref().unwrap()["outcome"], "none");
+    assert_eq!(state(&c, published[5].receipt.publication), None);
+}
+
+#[test]
+fn a_batch_over_the_limit_is_refused_whole_and_changes_nothing() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    let step = |i: usize| {
+        BatchStep::Prepare(PrepareRequest {
+            req_id: format!("over-{i}"),
+            layout: layout(),
+            total_chunks: 1,
+            writer: "prefill".into(),
+            timeout_ms: Some(0),
+        })
+    };
+    let body = serde_json::json!({ "steps": (0..1025).map(step).collect::<Vec<_>>() }).to_string();
+    let (status, answer) = exchange(&d.control_socket(), "/storage-pd/batch", &body);
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["code"], "bad_request");
+    assert_eq!(answer["field"], "steps");
+    assert!(c.publications(None, false).unwrap().is_empty(), "nothing prepared");
+    // The client splits what is over the limit into batches the daemon takes.
+    let outcomes = c.batch((0..1025).map(step).collect()).unwrap();
+    assert_eq!(outcomes.len(), 1025);
+    assert!(outcomes[..8].iter().all(Result::is_ok), "8 slots: the first 8 prepared");
+    assert_eq!(refusal(&outcomes[8]).1, "admission_timeout");
+}
