@@ -38,6 +38,8 @@ mod storage;
 mod transitions;
 mod verifier;
 mod worker;
+#[cfg(test)]
+mod worker_tests;
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};

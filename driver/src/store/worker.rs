@@ -195,7 +195,15 @@ impl Worker {
             // its Commit only after its payload I/O and records were queued, so
             // serving it later still covers them (and maybe more).
             let mut commits: Vec<Sender<CommitReply>> = Vec::new();
+            // Payload jobs queued back to back (stores and loads of several
+            // connections at once) go to the device as one submission.
+            let mut io: Vec<(Vec<IoRequest>, Sender<PayloadReply>)> = Vec::new();
             for job in std::mem::take(&mut pending) {
+                if let Job::Io(requests, reply) = job {
+                    io.push((requests, reply));
+                    continue;
+                }
+                self.payload_together(std::mem::take(&mut io));
                 match job {
                     Job::Commit(reply) => commits.push(reply),
                     Job::Stop => {
@@ -210,8 +218,43 @@ impl Worker {
                     other => self.handle(other),
                 }
             }
+            self.payload_together(io);
             self.finish_commits(&mut commits);
         }
+    }
+
+    /// Runs the payload jobs as one submission and answers each its own
+    /// results. Should that submission fail as a whole (one job's request
+    /// refused before anything ran, say), each job runs again alone, so one
+    /// client's bad request fails only its own job: a write or read done
+    /// twice moves the same bytes to the same place.
+    fn payload_together(&mut self, jobs: Vec<(Vec<IoRequest>, Sender<PayloadReply>)>) {
+        if jobs.len() < 2 {
+            for (requests, reply) in jobs {
+                let _ = reply.send(self.payload(&requests));
+            }
+            return;
+        }
+        let all: Vec<IoRequest> = jobs.iter().flat_map(|(r, _)| r.iter().copied()).collect();
+        match self.payload(&all) {
+            Ok(results) => {
+                let mut results = results.into_iter();
+                for (requests, reply) in jobs {
+                    let _ = reply.send(Ok(results.by_ref().take(requests.len()).collect()));
+                }
+            }
+            Err(_) => {
+                for (requests, reply) in jobs {
+                    let _ = reply.send(self.payload(&requests));
+                }
+            }
+        }
+    }
+
+    /// Holds `buffer` for `host_fixed`, as a `Register` job does.
+    #[cfg(test)]
+    pub(super) fn register_for_test(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
+        self.engine.register(buffer)
     }
 
     fn finish_commits(&mut self, commits: &mut Vec<Sender<CommitReply>>) {
