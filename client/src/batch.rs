@@ -11,7 +11,8 @@ use crate::wire::{
     AckRequest, AdoptRequest, BatchRequest, BatchResponse, BatchStep, ClaimRequest, Done, MAX_BATCH_STEPS,
     PrepareRequest, Prepared, PublishRequest, Published, ReceiptOnly, ReceiptResponse,
 };
-use crate::{Client, ClientError, Receipt};
+use crate::wire::{DataChunk, DataRequest, DataResponse, MAX_DATA_MANY};
+use crate::{Client, ClientError, DataConn, Receipt};
 
 /// One outcome per step of a batch, in order.
 pub type Outcomes<T> = Vec<Result<T, ClientError>>;
@@ -123,5 +124,67 @@ impl Client {
         let steps = ready.iter().map(|r| BatchStep::Release(ReceiptOnly { receipt: (*r).clone() })).collect();
         let answers: Outcomes<Done> = self.batch_of(steps)?;
         Ok(answers.into_iter().map(|r| r.map(drop)).collect())
+    }
+}
+
+/// One store batch of a prepared publication, for [`DataConn::store_many`].
+#[derive(Debug, Clone)]
+pub struct StoreItem<'a> {
+    /// The prepared publication (its writer's token goes with the batch).
+    pub prepared: &'a Prepared,
+    /// The chunks and where their bytes are.
+    pub chunks: Vec<DataChunk>,
+    /// The writer sends no batch of this publication after this one.
+    pub is_last_batch: bool,
+    /// The publication's total, as prepared.
+    pub total_chunks: u32,
+}
+
+impl DataConn {
+    /// Sends `requests` (stores and loads) in as few `many` frames as
+    /// [`MAX_DATA_MANY`] allows; one outcome per request, in order. The outer
+    /// error is the socket's or a refusal of a whole frame.
+    pub fn many(&mut self, requests: Vec<DataRequest>) -> Result<Outcomes<DataResponse>, ClientError> {
+        let mut out = Vec::with_capacity(requests.len());
+        let mut requests = requests.into_iter().peekable();
+        while requests.peek().is_some() {
+            let part: Vec<DataRequest> = requests.by_ref().take(MAX_DATA_MANY).collect();
+            let asked = part.len();
+            let answer = self.call(&DataRequest::Many { requests: part }, &[])?;
+            if answer.many.len() != asked {
+                return Err(ClientError::Data(format!(
+                    "{asked} requests sent in a many frame, {} answered",
+                    answer.many.len()
+                )));
+            }
+            out.extend(answer.many.into_iter().map(|r| match r.error {
+                Some(e) => Err(ClientError::Api(e)),
+                None => Ok(r),
+            }));
+        }
+        Ok(out)
+    }
+
+    /// A store batch of each of many prepared publications in one frame:
+    /// their writes reach the device together.
+    pub fn store_many(&mut self, items: Vec<StoreItem<'_>>) -> Result<Outcomes<DataResponse>, ClientError> {
+        let requests = items
+            .into_iter()
+            .map(|i| DataRequest::Store {
+                publication: i.prepared.publication,
+                writer_token: i.prepared.writer_token.clone(),
+                chunks: i.chunks,
+                is_last_batch: i.is_last_batch,
+                total_chunks: i.total_chunks,
+            })
+            .collect();
+        self.many(requests)
+    }
+
+    /// Loads of each of many adopted claims in one frame: their reads reach
+    /// the device together.
+    pub fn load_many(&mut self, loads: Vec<(&Receipt, Vec<DataChunk>)>) -> Result<Outcomes<DataResponse>, ClientError> {
+        let requests = loads.into_iter().map(|(r, chunks)| DataRequest::Load { receipt: r.clone(), chunks }).collect();
+        self.many(requests)
     }
 }

@@ -43,7 +43,7 @@ use crate::layout::{Layout, Manifest};
 use crate::receipt::{Receipt, manifest_digest, restore_digest};
 use crate::wire::*;
 
-pub use batch::Outcomes;
+pub use batch::{Outcomes, StoreItem};
 pub use remote::{Judge, RemoteReader};
 
 /// What a client call failed on.

@@ -345,7 +345,18 @@ pub enum DataRequest {
         /// The chunks and where to put them.
         chunks: Vec<DataChunk>,
     },
+    /// Store and load requests of many publications in one frame, at most
+    /// [`MAX_DATA_MANY`]: the I/O of consecutive stores (or loads) goes to
+    /// the device as one submission. Answered in `many`, one response per
+    /// request, in order, each what the request alone would have answered.
+    Many {
+        /// The requests: `store` or `load` each.
+        requests: Vec<DataRequest>,
+    },
 }
+
+/// The most requests one data-plane `many` frame may carry.
+pub const MAX_DATA_MANY: usize = 1024;
 
 /// One chunk of a data-plane store or load.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -395,6 +406,9 @@ pub struct DataResponse {
     pub verdicts: Vec<String>,
     /// Why the request failed.
     pub error: Option<ErrorBody>,
+    /// `many`: the response to each of its requests, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub many: Vec<DataResponse>,
 }
 
 /// What `prepare` answers: the publication and the namespace it lives in.

@@ -1,11 +1,12 @@
-//! `POST /storage-pd/batch` on a real `pdstor serve`: every step of many
-//! publications, a round trip per step kind, each step answering on its own
+//! `POST /storage-pd/batch` and the data plane's `many` on a real `pdstor
+//! serve`: every step of many publications, a round trip per step kind, each step answering on its own
 //! (a refused one changes nothing and stops nothing), and one commit for a
 //! run of steps that commit.
 
 use pdstor::Buffer;
-use pdstor::api::wire::{AdoptRequest, BatchStep, ClaimRequest, DataChunk, PrepareRequest};
-use pdstor::client::{Client, ClientError, DataConn, Reader};
+use pdstor::api::wire::{AdoptRequest, BatchStep, ClaimRequest, DataChunk, PrepareRequest, Prepared};
+use pdstor::client::receipt::restore_digest;
+use pdstor::client::{Client, ClientError, DataConn, StoreItem};
 use pdstor::io::PayloadPath;
 use pdstor::payload;
 use pdstor::store::Layout;
@@ -95,16 +96,33 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
     assert_eq!(refusal(&prepared[N]).1, "too_large");
     let prepared: Vec<_> = prepared.into_iter().take(N).map(Result::unwrap).collect();
 
-    // Each chunk through the data plane, from one shared buffer.
+    // Every publication's chunk in one data-plane frame, from one shared
+    // buffer: their writes reach the device as one submission. A store with
+    // a wrong writer token among them is refused alone.
     let buffer = Buffer::memfd("batch-writer", (N as u64 * SLOT) as usize).unwrap();
     let mut data = DataConn::connect(&d.data_socket).unwrap();
     let id = data.register_for(&buffer, PayloadPath::HostFixed).unwrap();
-    for (i, p) in prepared.iter().enumerate() {
-        let offset = i as u64 * SLOT;
-        buffer.write_at(offset, &payload::chunk(40 + i as u64, 0, SLOT as usize)).unwrap();
-        let chunk = DataChunk { index: 0, buffer: id, offset, len: SLOT, crc32c: None };
-        data.store(p.publication, &p.writer_token, vec![chunk], true, 1).unwrap();
+    let chunk_at = |i: usize| DataChunk { index: 0, buffer: id, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
+    for i in 0..N {
+        buffer.write_at(i as u64 * SLOT, &payload::chunk(40 + i as u64, 0, SLOT as usize)).unwrap();
     }
+    let forged = Prepared { writer_token: "f".repeat(64), ..prepared[1].clone() };
+    let mut items: Vec<StoreItem<'_>> = prepared
+        .iter()
+        .enumerate()
+        .map(|(i, p)| StoreItem { prepared: p, chunks: vec![chunk_at(i)], is_last_batch: true, total_chunks: 1 })
+        .collect();
+    items.insert(2, StoreItem { prepared: &forged, chunks: vec![chunk_at(1)], is_last_batch: true, total_chunks: 1 });
+    let (chunks0, submissions0) =
+        (sample(&c, "pdstor_payload_chunks_total"), sample(&c, "pdstor_payload_submissions_total"));
+    let stored = data.store_many(items).unwrap();
+    assert_eq!(stored.len(), N + 1);
+    assert_eq!(refusal(&stored[2]).1, "not_owner", "the forged token");
+    for (i, s) in stored.iter().enumerate().filter(|(i, _)| *i != 2) {
+        assert_eq!(s.as_ref().unwrap().publishable, Some(true), "store {i}");
+    }
+    assert_eq!(sample(&c, "pdstor_payload_chunks_total") - chunks0, N as u64, "each chunk written once");
+    assert_eq!(sample(&c, "pdstor_payload_submissions_total") - submissions0, 1, "in one submission");
 
     // Publish all in one round trip; one commit flushes them together
     // (a publish alone takes two flushes: the payload, then its record).
@@ -139,14 +157,30 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
     // Adopt all in one round trip; load each and check it byte for byte.
     let adopts = claimed.iter().map(|cl| AdoptRequest::of_claim(cl, layout())).collect();
     let manifests: Vec<_> = c.adopt_many(adopts).unwrap().into_iter().map(Result::unwrap).collect();
-    let mut reader = Reader::new(&d.server, &d.data_socket).unwrap();
+    // Every claim's chunk in one data-plane frame into one buffer, checked
+    // byte for byte; the digest each ack takes, from the crc32c served.
+    let into = Buffer::memfd("batch-reader", (N as u64 * SLOT) as usize).unwrap();
+    let into_id = data.register_for(&into, PayloadPath::HostFixed).unwrap();
+    let loads = claimed
+        .iter()
+        .enumerate()
+        .map(|(i, cl)| {
+            (cl, vec![DataChunk { index: 0, buffer: into_id, offset: i as u64 * SLOT, len: 0, crc32c: None }])
+        })
+        .collect();
+    let submissions0 = sample(&c, "pdstor_payload_submissions_total");
+    let loaded = data.load_many(loads).unwrap();
+    assert_eq!(sample(&c, "pdstor_payload_submissions_total") - submissions0, 1, "read in one submission");
     let mut digests = Vec::new();
-    for (cl, m) in claimed.iter().zip(manifests) {
+    for (i, ((cl, m), l)) in claimed.iter().zip(&manifests).zip(loaded).enumerate() {
         assert_eq!(m.first_token, Some(7));
-        let restored = reader.load(cl, m).unwrap();
+        let l = l.unwrap();
+        assert_eq!(l.crc32c, vec![m.chunks[0].crc32c], "the daemon read back what was stored");
         let seed = 40 + published.iter().position(|p| p.receipt.publication == cl.publication).unwrap() as u64;
-        assert!(reader.restored_bytes(SLOT).unwrap() == payload::chunk(seed, 0, SLOT as usize), "byte for byte");
-        digests.push(restored.restore_digest);
+        let mut got = vec![0u8; SLOT as usize];
+        into.read_at(i as u64 * SLOT, &mut got).unwrap();
+        assert!(got == payload::chunk(seed, 0, SLOT as usize), "byte for byte");
+        digests.push(restore_digest(m.restore_nonce.as_deref().unwrap(), &l.crc32c));
     }
 
     // Ack all, one with a wrong digest: that one is refused and stays

@@ -34,6 +34,9 @@ pub enum DataError {
         /// The client's buffer id.
         buffer: u32,
     },
+    /// A `many` frame the data plane cannot take as asked.
+    #[error("{0}")]
+    BadMany(String),
     /// A `register` of 0 bytes.
     #[error("a buffer of 0 bytes holds nothing: give its length")]
     ZeroLength,
@@ -109,6 +112,7 @@ impl DataError {
             DataError::TooManyConnections { .. } => (RefusalCode::TooManyConnections, ""),
             DataError::FrameTooLarge { .. } => (RefusalCode::FrameTooLarge, "frame"),
             DataError::BadFrame(_) => (RefusalCode::BadRequest, "frame"),
+            DataError::BadMany(_) => (RefusalCode::BadRequest, "requests"),
             DataError::UnknownBuffer { .. } => (RefusalCode::UnknownBuffer, "buffer"),
             DataError::ZeroLength | DataError::MapMemfd(_) | DataError::DmabufSize { .. } => {
                 (RefusalCode::BadBuffer, "len")

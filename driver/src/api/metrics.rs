@@ -217,6 +217,12 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
         "Device commands the payload chunks went in (fewer where back-to-back small chunks were merged, serve --merge).",
         st.payload_commands,
     );
+    m.counter(
+        "pdstor_payload_submissions",
+        "Submissions to the device the payload commands went in (fewer where requests of many publications, or of \
+         several connections at once, were run together).",
+        st.payload_submissions,
+    );
     m.counter("pdstor_flushes", "Device flushes.", st.flushes);
     m.gauge("pdstor_epoch", "Daemon epoch.", store.epoch());
     m.0.register(

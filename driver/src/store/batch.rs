@@ -91,7 +91,7 @@ pub struct ChunkDest {
 }
 
 /// One load in flight; its end wakes a reclaim or ack waiting for it.
-struct Loading<'a> {
+pub(super) struct Loading<'a> {
     store: &'a Store,
     id: u64,
 }
@@ -185,7 +185,7 @@ impl Store {
     /// Checks `batch` against its publication; claims its chunk indexes and
     /// counts it in flight. Returns the writes to submit. A protocol
     /// violation rolls the request back; any other refusal changes nothing.
-    fn validate_batch(&self, batch: &StoreBatch) -> Result<Vec<IoRequest>, StoreError> {
+    pub(super) fn validate_batch(&self, batch: &StoreBatch) -> Result<Vec<IoRequest>, StoreError> {
         let id = batch.publication;
         let mut guard = self.lock_live();
         let live = &mut *guard;
@@ -228,7 +228,7 @@ impl Store {
     /// Ends an in-flight batch with what its writes did: journals each
     /// chunk's ALLOC, or rolls the whole request back on any failure (or
     /// finishes an abort that waited for this batch).
-    fn settle_batch(
+    pub(super) fn settle_batch(
         &self,
         batch: &StoreBatch,
         io: Result<PayloadResults, StoreError>,
@@ -342,6 +342,20 @@ impl Store {
     /// Returns each chunk's crc32c as read, or `None` where the buffer is
     /// memory this process cannot map (the reader must verify those itself).
     pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<Option<u32>>, StoreError> {
+        let (manifest, _loading, requests) = self.begin_load(id, dests)?;
+        // The I/O thread computes each read chunk's crc32c from the bytes it landed.
+        let results = self.io.payload(requests)?;
+        finish_load(id, &manifest, dests, results)
+    }
+
+    /// The first half of a load: the publication's manifest, the count of
+    /// loads in flight taken (dropping the guard gives it back), and the
+    /// reads to submit.
+    pub(super) fn begin_load(
+        &self,
+        id: u64,
+        dests: &[ChunkDest],
+    ) -> Result<(Manifest, Loading<'_>, Vec<IoRequest>), StoreError> {
         let manifest = {
             let mut live = self.lock_live();
             let p = live.state.pubs.get(&id).ok_or(StoreError::UnknownPublication(id))?;
@@ -355,7 +369,7 @@ impl Store {
             *live.loading.entry(id).or_default() += 1;
             m
         };
-        let _loading = Loading { store: self, id };
+        let loading = Loading { store: self, id };
         let mut requests = Vec::with_capacity(dests.len());
         for d in dests {
             let c = manifest.chunks.get(d.index as usize).ok_or(StoreError::NoSuchChunk {
@@ -373,25 +387,34 @@ impl Store {
                 len: c.len,
             });
         }
-        // The I/O thread computes each read chunk's crc32c from the bytes it landed.
-        let results = self.io.payload(requests)?;
-        let mut crcs = Vec::with_capacity(dests.len());
-        for (d, r) in dests.iter().zip(results) {
-            let c = manifest.chunks[d.index as usize];
-            let crc = r.map_err(|e| StoreError::Load { publication: id, chunk: d.index, what: e.to_string() })?;
-            let Some(crc) = crc else {
-                crcs.push(None);
-                continue;
-            };
-            if crc != c.crc32c {
-                return Err(StoreError::Load {
-                    publication: id,
-                    chunk: d.index,
-                    what: format!("checksum mismatch: stored {:#010x}, read {crc:#010x}", c.crc32c),
-                });
-            }
-            crcs.push(Some(crc));
-        }
-        Ok(crcs)
+        Ok((manifest, loading, requests))
     }
+}
+
+/// The second half of a load: each chunk's result checked against the
+/// manifest's crc32c.
+pub(super) fn finish_load(
+    id: u64,
+    manifest: &Manifest,
+    dests: &[ChunkDest],
+    results: PayloadResults,
+) -> Result<Vec<Option<u32>>, StoreError> {
+    let mut crcs = Vec::with_capacity(dests.len());
+    for (d, r) in dests.iter().zip(results) {
+        let c = manifest.chunks[d.index as usize];
+        let crc = r.map_err(|e| StoreError::Load { publication: id, chunk: d.index, what: e.to_string() })?;
+        let Some(crc) = crc else {
+            crcs.push(None);
+            continue;
+        };
+        if crc != c.crc32c {
+            return Err(StoreError::Load {
+                publication: id,
+                chunk: d.index,
+                what: format!("checksum mismatch: stored {:#010x}, read {crc:#010x}", c.crc32c),
+            });
+        }
+        crcs.push(Some(crc));
+    }
+    Ok(crcs)
 }

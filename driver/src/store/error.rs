@@ -492,4 +492,7 @@ pub enum Invariant {
     /// A publication counts every chunk stored but lacks an entry.
     #[error("publication {0} counts all chunks but lacks an entry")]
     MissingEntry(u64),
+    /// The I/O of many publications run together answered none for this one.
+    #[error("the I/O submitted together for many publications answered none for publication {0}")]
+    MissingResult(u64),
 }

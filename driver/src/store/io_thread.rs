@@ -176,10 +176,12 @@ impl IoThread {
         Ok(self.ask(|reply| Job::Io(requests, reply))??)
     }
 
-    /// Payload chunks moved so far, and the device commands they took.
-    pub fn payload_counts(&self) -> (u64, u64) {
+    /// Payload chunks moved so far, the device commands they took and the
+    /// submissions those went in.
+    pub fn payload_counts(&self) -> (u64, u64, u64) {
         use std::sync::atomic::Ordering::Relaxed;
-        (self.counters.chunks.load(Relaxed), self.counters.commands.load(Relaxed))
+        let c = &self.counters;
+        (c.chunks.load(Relaxed), c.commands.load(Relaxed), c.submissions.load(Relaxed))
     }
 
     /// What kind of target the thread drives.

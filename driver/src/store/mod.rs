@@ -29,6 +29,7 @@ mod fault;
 mod format;
 mod io_thread;
 pub mod journal;
+mod many;
 pub mod publication;
 mod recovery;
 mod scope;
@@ -208,6 +209,10 @@ pub struct StoreStats {
     /// Device commands they went in: fewer than the chunks where back-to-back
     /// small chunks were merged (`StoreOptions::merge_bytes`).
     pub payload_commands: u64,
+    /// Submissions those commands went in: fewer than the requests where
+    /// many were run together (`Store::store_batches`, `Store::load_many`,
+    /// or jobs of several connections queued at once).
+    pub payload_submissions: u64,
 }
 
 /// A formatted target, open: the journal, the state it rebuilt, admission,
@@ -464,7 +469,7 @@ impl Store {
     pub fn stats(&self) -> StoreStats {
         let live = self.lock_live();
         let c = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
-        let (payload_chunks, payload_commands) = self.io.payload_counts();
+        let (payload_chunks, payload_commands, payload_submissions) = self.io.payload_counts();
         StoreStats {
             slots: live.state.slot_count(),
             free_slots: live.state.free_slots(),
@@ -480,6 +485,7 @@ impl Store {
             evicted: live.evicted,
             payload_chunks,
             payload_commands,
+            payload_submissions,
         }
     }
 

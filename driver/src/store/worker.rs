@@ -62,13 +62,15 @@ pub(crate) enum Job {
     Stop,
 }
 
-/// Payload chunks the I/O thread moved and the device commands it moved them
-/// in (fewer where back-to-back chunks were merged, [`coalesce`]). Shared
-/// with the store, which reports them.
+/// Payload chunks the I/O thread moved, the device commands it moved them
+/// in (fewer where back-to-back chunks were merged, [`coalesce`]) and the
+/// submissions those went in (fewer where jobs queued together were run
+/// together). Shared with the store, which reports them.
 #[derive(Debug, Default)]
 pub(crate) struct PayloadCounters {
     pub chunks: std::sync::atomic::AtomicU64,
     pub commands: std::sync::atomic::AtomicU64,
+    pub submissions: std::sync::atomic::AtomicU64,
 }
 
 /// What the last commit left: journal use and how often the device was flushed.
@@ -417,6 +419,7 @@ impl Worker {
         let submitted: Vec<IoRequest> = runs.iter().map(|run| run.request).collect();
         self.counters.chunks.fetch_add(requests.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.counters.commands.fetch_add(submitted.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.counters.submissions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (done, early) = self.execute_checksummed(requests, &runs, &submitted);
         let done = done?;
         if requests.iter().any(|r| r.op == Op::Write) {

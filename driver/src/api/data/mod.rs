@@ -27,7 +27,9 @@ use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
 use crate::protocol::Receipt;
 use crate::protocol::identity::{Caller, Resource, Role};
 use crate::protocol::service::{ProtocolError, Service};
-use crate::store::{ChunkDest, ChunkSource, Phase, StoreBatch};
+use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Manifest, Phase, StoreBatch, StoreError};
+
+mod many;
 pub use pdstor_client::frame::{read_frame, write_frame};
 
 /// Provenance checking for the data plane (`pdstor serve --provenance`).
@@ -151,6 +153,15 @@ struct Conn {
     stored_into: HashSet<u64>,
 }
 
+/// The publication a request is about, for a refusal's timeline event.
+fn about_of(req: &DataRequest) -> Option<u64> {
+    match req {
+        DataRequest::Store { publication, .. } => Some(*publication),
+        DataRequest::Load { receipt, .. } => Some(receipt.publication),
+        _ => None,
+    }
+}
+
 /// Answers `e` on a connection about to be closed, best effort: the client
 /// learns why it is being hung up on.
 fn last_word(stream: &mut UnixStream, e: ErrorBody) {
@@ -177,35 +188,37 @@ impl Conn {
             let mut about = None;
             let resp = match serde_json::from_slice::<DataRequest>(&body) {
                 Ok(req) => {
-                    about = match &req {
-                        DataRequest::Store { publication, .. } => Some(*publication),
-                        DataRequest::Load { receipt, .. } => Some(receipt.publication),
-                        _ => None,
-                    };
+                    about = about_of(&req);
                     self.handle(req, fds)
                 }
                 Err(e) => Err(DataError::BadFrame(e)),
             };
             self.metrics.reconcile(self.service.store());
-            let resp = resp.unwrap_or_else(|e| {
-                let e = e.body();
-                self.metrics.error(&e.code);
-                if crate::protocol::RefusalCode::parse(&e.code).is_some_and(|c| c.is_identity()) {
-                    let by = self.caller.audit();
-                    tracing::warn!(by = %by, code = %e.code, message = %e.message, "refused for who the caller is");
-                    let mut refused = crate::timeline::Event::new("refused")
-                        .detail(format!("{} ({}): {}", e.code, e.field, e.message))
-                        .by(by);
-                    refused.publication = about;
-                    crate::timeline::emit(self.service.timeline(), refused);
-                }
-                DataResponse { ok: false, error: Some(e), ..Default::default() }
-            });
+            let resp = self.answer(resp, about);
             let Ok(bytes) = serde_json::to_vec(&resp) else { return };
             if write_frame(&mut stream, &bytes, &[]).is_err() {
                 return;
             }
         }
+    }
+
+    /// A request's answer; a failure counted, and one for who the caller is
+    /// logged and put on the timeline with the publication it was about.
+    fn answer(&self, resp: Result<DataResponse, DataError>, about: Option<u64>) -> DataResponse {
+        resp.unwrap_or_else(|e| {
+            let e = e.body();
+            self.metrics.error(&e.code);
+            if crate::protocol::RefusalCode::parse(&e.code).is_some_and(|c| c.is_identity()) {
+                let by = self.caller.audit();
+                tracing::warn!(by = %by, code = %e.code, message = %e.message, "refused for who the caller is");
+                let mut refused = crate::timeline::Event::new("refused")
+                    .detail(format!("{} ({}): {}", e.code, e.field, e.message))
+                    .by(by);
+                refused.publication = about;
+                crate::timeline::emit(self.service.timeline(), refused);
+            }
+            DataResponse { ok: false, error: Some(e), ..Default::default() }
+        })
     }
 
     fn buffer(&self, c: &DataChunk) -> Result<BufferId, DataError> {
@@ -267,6 +280,11 @@ impl Conn {
                 self.store(publication, &writer_token, &chunks, is_last_batch, total_chunks)
             }
             DataRequest::Load { receipt, chunks } => self.load(&receipt, &chunks),
+            DataRequest::Many { requests } if fds.is_empty() => self.many(requests),
+            DataRequest::Many { .. } => Err(DataError::BadMany(format!(
+                "a many frame carries no fds ({} came): register each buffer with its own frame",
+                fds.len()
+            ))),
         }
     }
 
@@ -316,10 +334,24 @@ impl Conn {
         is_last_batch: bool,
         total_chunks: u32,
     ) -> Result<DataResponse, DataError> {
-        // Only its writer stores into a publication; and only then does this
-        // connection's going away abort it.
+        let batch = self.store_begin(publication, writer_token, chunks, is_last_batch, total_chunks)?;
+        let started = std::time::Instant::now();
+        let out = self.service.store().store_batch(&batch);
+        self.store_end(publication, chunks, out, started.elapsed())
+    }
+
+    /// A store batch checked and made ready to run: only its writer stores
+    /// into a publication, and only then does this connection's going away
+    /// abort it.
+    fn store_begin(
+        &mut self,
+        publication: u64,
+        writer_token: &str,
+        chunks: &[DataChunk],
+        is_last_batch: bool,
+        total_chunks: u32,
+    ) -> Result<StoreBatch, DataError> {
         self.service.check_writer(&self.caller, publication, writer_token).map_err(ProtocolError::from)?;
-        let store = self.service.store().clone();
         let mut sources = Vec::with_capacity(chunks.len());
         for c in chunks {
             sources.push(ChunkSource {
@@ -331,22 +363,31 @@ impl Conn {
             });
         }
         self.stored_into.insert(publication);
-        let started = std::time::Instant::now();
-        let out = store
-            .store_batch(&StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
-            .map_err(|e| {
-                let e = DataError::from(e);
-                self.note_failure("store_failed", publication, &e);
-                e
-            })?;
-        let took = started.elapsed();
+        Ok(StoreBatch { publication, chunks: sources, is_last_batch, total_chunks })
+    }
+
+    /// What a store batch that ran answers: its bytes counted, its verdicts
+    /// judged (a required native path not taken aborts the publication), its
+    /// transfers on the timeline.
+    fn store_end(
+        &self,
+        publication: u64,
+        chunks: &[DataChunk],
+        out: Result<BatchOutcome, StoreError>,
+        took: std::time::Duration,
+    ) -> Result<DataResponse, DataError> {
+        let out = out.map_err(|e| {
+            let e = DataError::from(e);
+            self.note_failure("store_failed", publication, &e);
+            e
+        })?;
         for c in chunks {
             self.count_bytes(self.path_of(c), c.len);
         }
         let verdicts = match self.verdicts(publication, chunks) {
             Ok(v) => v,
             Err(e) => {
-                let _ = store.abort(publication);
+                let _ = self.service.store().abort(publication);
                 self.note_failure("store_failed", publication, &e);
                 return Err(e);
             }
@@ -366,18 +407,38 @@ impl Conn {
 
     /// Loads chunks of a claimed, adopted publication into registered buffers.
     fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<DataResponse, DataError> {
+        let (manifest, dests) = self.load_begin(receipt, chunks)?;
+        let started = std::time::Instant::now();
+        let crcs = self.service.store().load(manifest.publication, &dests);
+        self.load_end(receipt, &manifest, chunks, crcs, started.elapsed())
+    }
+
+    /// A load authorized (the claim adopted, its reader this caller, not
+    /// fenced) and its destinations resolved.
+    fn load_begin(&self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<(Manifest, Vec<ChunkDest>), DataError> {
         let manifest = self.service.authorize_load(&self.caller, receipt)?;
         let mut dests = Vec::with_capacity(chunks.len());
         for c in chunks {
             dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });
         }
-        let started = std::time::Instant::now();
-        let crcs = self.service.store().load(manifest.publication, &dests).map_err(|e| {
+        Ok((manifest, dests))
+    }
+
+    /// What a load that ran answers; what it served is what its claim may
+    /// acknowledge.
+    fn load_end(
+        &self,
+        receipt: &Receipt,
+        manifest: &Manifest,
+        chunks: &[DataChunk],
+        crcs: Result<Vec<Option<u32>>, StoreError>,
+        took: std::time::Duration,
+    ) -> Result<DataResponse, DataError> {
+        let crcs = crcs.map_err(|e| {
             let e = DataError::from(e);
             self.note_failure("load_failed", manifest.publication, &e);
             e
         })?;
-        let took = started.elapsed();
         for c in chunks {
             if let Some(m) = manifest.chunks.get(c.index as usize) {
                 self.count_bytes(self.path_of(c), m.len);

@@ -1,0 +1,113 @@
+//! `many`: the store and load requests of many publications in one frame.
+//! Consecutive stores run as one [`Store::store_batches`] and consecutive
+//! loads as one [`Store::load_many`], so their I/O reaches the device as one
+//! submission; each request is checked, judged and answered exactly as it
+//! would be alone, in order, and one refused stops none of the others.
+//!
+//! [`Store::store_batches`]: crate::store::Store::store_batches
+//! [`Store::load_many`]: crate::store::Store::load_many
+
+use super::{Conn, DataError, DataResponse, about_of};
+use crate::api::wire::{DataChunk, DataRequest, MAX_DATA_MANY};
+use crate::protocol::Receipt;
+
+impl Conn {
+    pub(super) fn many(&mut self, requests: Vec<DataRequest>) -> Result<DataResponse, DataError> {
+        if requests.len() > MAX_DATA_MANY {
+            return Err(DataError::BadMany(format!(
+                "a many frame carries {} requests; at most {MAX_DATA_MANY}: send the rest in another",
+                requests.len()
+            )));
+        }
+        let mut answers = Vec::with_capacity(requests.len());
+        let mut requests = requests.into_iter().peekable();
+        while let Some(first) = requests.next() {
+            let kind = std::mem::discriminant(&first);
+            let mut run = vec![first];
+            while let Some(next) = requests.next_if(|r| std::mem::discriminant(r) == kind) {
+                run.push(next);
+            }
+            let abouts: Vec<Option<u64>> = run.iter().map(about_of).collect();
+            let results = match &run[0] {
+                DataRequest::Store { .. } => self.stores(run),
+                DataRequest::Load { .. } => self.loads(run),
+                _ => run
+                    .iter()
+                    .map(|_| {
+                        Err(DataError::BadMany(
+                            "a many frame carries store and load requests only: register (with its fds) or nest \
+                             many in a frame of its own"
+                                .into(),
+                        ))
+                    })
+                    .collect(),
+            };
+            answers.extend(results.into_iter().zip(abouts).map(|(r, about)| self.answer(r, about)));
+        }
+        Ok(DataResponse { ok: true, many: answers, ..Default::default() })
+    }
+
+    /// Store batches of many publications, their writes submitted together.
+    fn stores(&mut self, run: Vec<DataRequest>) -> Vec<Result<DataResponse, DataError>> {
+        let mut begun = Vec::with_capacity(run.len());
+        let mut chunks_of: Vec<(u64, Vec<DataChunk>)> = Vec::with_capacity(run.len());
+        for r in run {
+            match r {
+                DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks } => {
+                    begun.push(self.store_begin(publication, &writer_token, &chunks, is_last_batch, total_chunks));
+                    chunks_of.push((publication, chunks));
+                }
+                _ => {
+                    begun.push(Err(DataError::BadMany("not a store among stores".into())));
+                    chunks_of.push((0, Vec::new()));
+                }
+            }
+        }
+        let batches: Vec<_> = begun.iter().filter_map(|b| b.as_ref().ok().cloned()).collect();
+        let started = std::time::Instant::now();
+        let mut outcomes = self.service.store().store_batches(&batches).into_iter();
+        let took = started.elapsed();
+        begun
+            .into_iter()
+            .zip(chunks_of)
+            .map(|(b, (publication, chunks))| {
+                b?;
+                let out = outcomes.next().ok_or_else(|| DataError::BadMany("a store answered nothing".into()))?;
+                self.store_end(publication, &chunks, out, took)
+            })
+            .collect()
+    }
+
+    /// Loads of many claims, their reads submitted together.
+    fn loads(&mut self, run: Vec<DataRequest>) -> Vec<Result<DataResponse, DataError>> {
+        let mut begun = Vec::with_capacity(run.len());
+        let mut asked: Vec<(Option<Receipt>, Vec<DataChunk>)> = Vec::with_capacity(run.len());
+        for r in run {
+            match r {
+                DataRequest::Load { receipt, chunks } => {
+                    begun.push(self.load_begin(&receipt, &chunks));
+                    asked.push((Some(receipt), chunks));
+                }
+                _ => {
+                    begun.push(Err(DataError::BadMany("not a load among loads".into())));
+                    asked.push((None, Vec::new()));
+                }
+            }
+        }
+        let loads: Vec<_> =
+            begun.iter().filter_map(|b| b.as_ref().ok().map(|(m, dests)| (m.publication, dests.clone()))).collect();
+        let started = std::time::Instant::now();
+        let mut read = self.service.store().load_many(&loads).into_iter();
+        let took = started.elapsed();
+        begun
+            .into_iter()
+            .zip(asked)
+            .map(|(b, (receipt, chunks))| {
+                let (manifest, _) = b?;
+                let receipt = receipt.ok_or_else(|| DataError::BadMany("a load without its receipt".into()))?;
+                let crcs = read.next().ok_or_else(|| DataError::BadMany("a load answered nothing".into()))?;
+                self.load_end(&receipt, &manifest, &chunks, crcs, took)
+            })
+            .collect()
+    }
+}
