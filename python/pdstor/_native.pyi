@@ -3,7 +3,9 @@
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from typing_extensions import Buffer as _BufferLike  # collections.abc.Buffer from Python 3.12
+from typing_extensions import Buffer as _BufferLike
+
+from pdstor.errors import Error  # collections.abc.Buffer from Python 3.12
 
 Layout = dict[str, Any]
 """model_id: str, dtype: str, layers, kv_heads, head_dim, chunk_tokens: int, kv_format: str"""
@@ -56,6 +58,7 @@ class Client:
         self, server: str = "unix:/run/pdstor/control.sock", data_socket: str = "/run/pdstor/data.sock"
     ) -> None: ...
     def healthz(self) -> None: ...
+    def metrics(self) -> str: ...
     def register(self, buffer: Buffer) -> None: ...
     def namespace(self) -> dict[str, Any]: ...
     def publications(self, state: str | None = None, verbose: bool = False) -> list[dict[str, Any]]: ...
@@ -82,6 +85,13 @@ class Writer:
         first_token: int | None = None,
         timeout_ms: int | None = None,
     ) -> Receipt: ...
+    def put_many(
+        self,
+        items: Sequence[tuple[str, Sequence[tuple[Buffer, int, int]]]],
+        layout: Layout,
+        first_token: int | None = None,
+        timeout_ms: int | None = None,
+    ) -> list[Receipt | Error]: ...
 
 class Reader:
     """The decode side: claim → adopt → load (verified in place) → ack, or get.
@@ -103,6 +113,9 @@ class Reader:
     def get(
         self, ready: Receipt, layout: Layout, buffer: Buffer, offset: int = 0, lease_ms: int = 60000
     ) -> dict[str, Any]: ...
+    def get_many(
+        self, items: Sequence[tuple[Receipt, Buffer, int]], layout: Layout, lease_ms: int = 60000
+    ) -> list[dict[str, Any] | Error]: ...
 
 def refusal_codes() -> list[tuple[str, int]]: ...
 def version() -> str: ...

@@ -20,6 +20,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+mod many;
+
 /// What a binding call failed on, before it becomes a Python exception.
 enum Failure {
     /// The client library's error (daemon refusal, transport, data plane, verification).
@@ -390,6 +392,13 @@ impl Client {
         py.detach(move || c.control.healthz()).map_err(|e| to_py(py, e.into()))
     }
 
+    /// The daemon's `/metrics` (OpenMetrics text; an admin's: the daemon's
+    /// own user, or a token with the admin role).
+    fn metrics(&self, py: Python<'_>) -> PyResult<String> {
+        let c = self.conn.clone();
+        py.detach(move || c.control.metrics()).map_err(|e| to_py(py, e.into()))
+    }
+
     /// Shares `buffer` with the daemon now (otherwise the first store or load
     /// into it does). A connection may share a bounded number of buffers
     /// (the daemon's `--max-buffers-per-connection`): use a few large ones.
@@ -649,6 +658,52 @@ impl Writer {
         });
         r.map(|p| Receipt { inner: p.receipt }).map_err(|e| to_py(py, e.into()))
     }
+
+    /// Puts many requests at once: `items` is a list of `(req_id, chunks)`,
+    /// `chunks` a list of `(buffer, offset, length)`, chunk 0 first. Three
+    /// round trips whatever their number — one `prepare` batch, one
+    /// data-plane frame of stores (one device submission), one `publish`
+    /// batch (one commit). Answers one entry per item, in order: its READY
+    /// `Receipt`, or the `pdstor.Error` it failed with (nothing of it is
+    /// left prepared); one item's failure never raises.
+    #[pyo3(signature = (items, layout, first_token = None, timeout_ms = None))]
+    fn put_many<'py>(
+        &self,
+        py: Python<'py>,
+        items: &Bound<'py, PyAny>,
+        layout: &Bound<'py, PyAny>,
+        first_token: Option<u32>,
+        timeout_ms: Option<u64>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        if self.current.is_some() {
+            return Err(to_py(py, Failure::Usage("put_many: a publication is still open on this writer".into())));
+        }
+        let layout = layout_from(layout)?;
+        let mut list = Vec::new();
+        for item in items.try_iter()? {
+            let item = item?;
+            let bad = || {
+                PyTypeError::new_err(format!(
+                    "put_many: an item is (req_id: str, chunks: list of (buffer, offset, length)), not {}",
+                    item.repr().map(|r| r.to_string()).unwrap_or_default()
+                ))
+            };
+            let (req_id, chunks): (String, Bound<'py, PyAny>) = item.extract().map_err(|_| bad())?;
+            let mut places = Vec::new();
+            for c in chunks.try_iter()? {
+                let (buffer, offset, len): (PyRef<'_, Buffer>, u64, u64) = c?.extract().map_err(|_| bad())?;
+                places.push((BufferRef::from(&*buffer), offset, len));
+            }
+            list.push(many::PutItem { req_id, chunks: places });
+        }
+        let (c, writer) = (self.conn.clone(), self.writer_id.clone());
+        let done = py
+            .detach(move || many::put_many(&c, &writer, &layout, list, first_token, timeout_ms))
+            .map_err(|e| to_py(py, e.into()))?;
+        done.into_iter()
+            .map(|r| entry(py, r, |receipt| Ok(Bound::new(py, Receipt { inner: receipt })?.into_any())))
+            .collect()
+    }
 }
 
 /// What a reader verified of one adopted claim.
@@ -890,6 +945,60 @@ impl Reader {
             })
             .map_err(|e| to_py(py, e.into()))?;
         manifest_dict(py, &manifest)
+    }
+
+    /// Gets many READY publications at once: `items` is a list of
+    /// `(ready, buffer, offset)`, each publication's chunks landing one after
+    /// another from `offset`. Four round trips whatever their number — one
+    /// `claim` batch (each naming `layout`), one `adopt` batch, one
+    /// data-plane frame of loads (one device submission; every chunk checked
+    /// against its manifest as `get` checks it), one `ack` batch. Answers
+    /// one entry per item, in order: its manifest (a dict), or the
+    /// `pdstor.Error` it failed with — a publication claimed and then failed
+    /// is reported failed (RETAINED, its bytes kept); one item's failure
+    /// never raises.
+    #[pyo3(signature = (items, layout, lease_ms = 60_000))]
+    fn get_many<'py>(
+        &self,
+        py: Python<'py>,
+        items: &Bound<'py, PyAny>,
+        layout: &Bound<'py, PyAny>,
+        lease_ms: u64,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let layout = layout_from(layout)?;
+        let mut list = Vec::new();
+        for item in items.try_iter()? {
+            let item = item?;
+            let (ready, buffer, offset): (PyRef<'_, Receipt>, PyRef<'_, Buffer>, u64) =
+                item.extract().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "get_many: an item is (ready: pdstor.Receipt, buffer: pdstor.Buffer, offset: int), not {}",
+                        item.repr().map(|r| r.to_string()).unwrap_or_default()
+                    ))
+                })?;
+            list.push(many::GetItem { ready: ready.inner.clone(), buffer: BufferRef::from(&*buffer), offset });
+        }
+        let (c, reader, session, verify) =
+            (self.conn.clone(), self.reader_id.clone(), self.session.clone(), self.verify);
+        let done = py
+            .detach(move || {
+                let who = many::Getter { reader: &reader, session: &session, layout: &layout, lease_ms, verify };
+                many::get_many(&c, &who, list)
+            })
+            .map_err(|e| to_py(py, e.into()))?;
+        done.into_iter().map(|r| entry(py, r, |m| manifest_dict(py, &m))).collect()
+    }
+}
+
+/// One entry of a `*_many` answer: the value, or the exception it failed with.
+fn entry<'py, T>(
+    py: Python<'py>,
+    r: Result<T, ClientError>,
+    ok: impl FnOnce(T) -> PyResult<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match r {
+        Ok(v) => ok(v),
+        Err(e) => Ok(to_py(py, e.into()).into_value(py).into_bound(py).into_any()),
     }
 }
 

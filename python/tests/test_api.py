@@ -40,6 +40,53 @@ def test_put_then_get_restores_every_byte(daemon: Daemon):
     assert client.lookup(["req-1"]) == [None]
 
 
+def metric(client: pdstor.Client, series: str) -> int:
+    """A sample of the daemon's `/metrics`: the line that starts with `series`."""
+    for line in client.metrics().splitlines():
+        if line.startswith(series + " "):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+def test_many_at_once_each_answering_on_its_own(daemon: Daemon):
+    """put_many: one prepare batch, one data-plane frame, one publish batch;
+    get_many: one claim, one adopt, one frame of loads, one ack. One item
+    refused in each answers its own error; the rest are restored byte for
+    byte, and what was taken is given back."""
+    client = daemon.client()
+    n = 6
+    src, dst = pdstor.Buffer(n * MIB), pdstor.Buffer(n * MIB)
+    data = [pattern(MIB, 100 + i) for i in range(n)]
+    for i, d in enumerate(data):
+        src.write(i * MIB, d)
+    items = [(f"many-{i}", [(src, i * MIB, MIB)]) for i in range(n)]
+    # A chunk beyond its buffer: refused before anything is sent for it.
+    items.insert(3, ("many-bad", [(src, n * MIB, MIB)]))
+    batches = metric(client, 'pdstor_step_seconds_count{step="batch"}')
+    out = pdstor.Writer(client, "prefill-0").put_many(items, LAYOUT, first_token=11)
+    assert metric(client, 'pdstor_step_seconds_count{step="batch"}') - batches == 3, "prepare, abort, publish"
+    assert isinstance(out[3], pdstor.Error), out[3]
+    receipts = [r for i, r in enumerate(out) if i != 3]
+    assert all(isinstance(r, pdstor.Receipt) and r.kind == "READY" for r in receipts), out
+    assert sorted(p["req_id"] for p in client.publications()) == [f"many-{i}" for i in range(n)], "nothing left of the bad one"
+
+    other = dict(LAYOUT, head_dim=LAYOUT["head_dim"] * 2)
+    reader = pdstor.Reader(client, "decode-0")
+    # One claimed with another layout is refused and stays READY.
+    (wrong,) = reader.get_many([(receipts[4], dst, 0)], other)
+    assert isinstance(wrong, pdstor.LayoutMismatch), wrong
+    batches = metric(client, 'pdstor_step_seconds_count{step="batch"}')
+    got = reader.get_many([(r, dst, i * MIB) for i, r in enumerate(receipts)], LAYOUT)
+    assert metric(client, 'pdstor_step_seconds_count{step="batch"}') - batches == 3, "claim, adopt, ack"
+    for i, m in enumerate(got):
+        assert isinstance(m, dict) and m["first_token"] == 11, m
+        assert dst.read(i * MIB, MIB) == data[i], f"item {i} byte for byte"
+    assert client.publications() == [], "every one acknowledged"
+    # Gone by now: each answers unknown_publication, nothing raises.
+    again = reader.get_many([(receipts[0], dst, 0)], LAYOUT)
+    assert isinstance(again[0], pdstor.UnknownPublication), again
+
+
 def test_numpy_and_memoryview_see_the_buffer_itself(daemon: Daemon):
     buf = pdstor.Buffer(MIB)
     view = np.frombuffer(buf, dtype=np.uint16)

@@ -1,0 +1,298 @@
+//! Many publications at once, in a constant number of round trips whatever
+//! their number: a put of many requests is one `prepare` batch, one
+//! data-plane `many` frame of stores and one `publish` batch (one commit); a
+//! get of many READY receipts is one `claim` batch, one `adopt` batch, one
+//! `many` frame of loads (each chunk checked against its manifest as for
+//! one get) and one `ack` batch. Each item answers on its own: one refused
+//! or failed item leaves the others alone, and what it had taken is given
+//! back in the same few round trips (aborted before READY, `fail`ed —
+//! RETAINED — once claimed).
+
+use pdstor_client::layout::{Layout, Manifest};
+use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
+use pdstor_client::wire::{
+    AbortRequest, AdoptRequest, BatchStep, ClaimRequest, DataChunk, FailRequest, PrepareRequest, Prepared,
+};
+use pdstor_client::{ClientError, LoadChecks, Outcomes, StoreItem, Verify};
+
+use super::{BufferRef, Conn, lock};
+
+/// One request to put: its id and its chunks, `(buffer, offset, length)`
+/// each, chunk 0 first.
+pub(crate) struct PutItem {
+    pub req_id: String,
+    pub chunks: Vec<(BufferRef, u64, u64)>,
+}
+
+/// One READY publication to get, and where its chunks go: one after another
+/// from `offset` of `buffer`.
+pub(crate) struct GetItem {
+    pub ready: RustReceipt,
+    pub buffer: BufferRef,
+    pub offset: u64,
+}
+
+/// What a reader asks of every item of a get.
+pub(crate) struct Getter<'a> {
+    pub reader: &'a str,
+    pub session: &'a str,
+    pub layout: &'a Layout,
+    pub lease_ms: u64,
+    pub verify: Verify,
+}
+
+/// Puts every item: its READY receipt, or why it is not stored (then
+/// nothing of it is left prepared).
+pub(crate) fn put_many(
+    conn: &Conn,
+    writer: &str,
+    layout: &Layout,
+    items: Vec<PutItem>,
+    first_token: Option<u32>,
+    timeout_ms: Option<u64>,
+) -> Result<Outcomes<RustReceipt>, ClientError> {
+    let asks = items
+        .iter()
+        .map(|i| PrepareRequest {
+            req_id: i.req_id.clone(),
+            layout: layout.clone(),
+            total_chunks: i.chunks.len() as u32,
+            writer: writer.into(),
+            timeout_ms,
+        })
+        .collect();
+    let mut outcomes: Vec<Result<Option<Prepared>, ClientError>> =
+        conn.control.prepare_many(asks)?.into_iter().map(|r| r.map(Some)).collect();
+
+    // Every prepared item's chunks in one data-plane frame.
+    let stored = {
+        let mut data = lock(&conn.data);
+        let mut asked = Vec::new();
+        let mut refused = Vec::new();
+        for (i, (item, outcome)) in items.iter().zip(&outcomes).enumerate() {
+            let Ok(Some(p)) = outcome else { continue };
+            let chunks = item
+                .chunks
+                .iter()
+                .enumerate()
+                .map(|(index, (b, offset, len))| {
+                    b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+                    let buffer = data.id_of(b)?;
+                    Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c: None })
+                })
+                .collect::<Result<Vec<_>, ClientError>>();
+            match chunks {
+                Ok(chunks) => {
+                    let total_chunks = chunks.len() as u32;
+                    asked.push(StoreItem { prepared: p, chunks, is_last_batch: true, total_chunks });
+                }
+                Err(e) => refused.push((i, e)),
+            }
+        }
+        let answers = if asked.is_empty() { Vec::new() } else { data.with(|d| d.store_many(asked))? };
+        // An item refused here answers its own error where its store would have.
+        let mut answers = answers.into_iter();
+        let mut refused = refused.into_iter().peekable();
+        let mut stored = Vec::new();
+        for (i, outcome) in outcomes.iter().enumerate() {
+            if !matches!(outcome, Ok(Some(_))) {
+                continue;
+            }
+            match refused.next_if(|(at, _)| *at == i) {
+                Some((_, e)) => stored.push(Err(e)),
+                None => stored
+                    .push(answers.next().unwrap_or_else(|| Err(ClientError::Data("store answered no result".into())))),
+            }
+        }
+        stored
+    };
+    let mut stored = stored.into_iter();
+    let mut give_back = Vec::new();
+    for outcome in outcomes.iter_mut() {
+        let Ok(Some(p)) = outcome else { continue };
+        match stored.next() {
+            Some(Ok(s)) if s.publishable == Some(true) => {}
+            other => {
+                give_back.push(BatchStep::Abort(AbortRequest {
+                    publication: p.publication,
+                    writer_token: p.writer_token.clone(),
+                }));
+                *outcome = Err(match other {
+                    Some(Err(e)) => e,
+                    _ => ClientError::Data(format!("publication {}: stored, but not every chunk", p.publication)),
+                });
+            }
+        }
+    }
+
+    // Every stored item published in one batch (one commit).
+    let ready: Vec<(&Prepared, Option<u32>)> =
+        outcomes.iter().filter_map(|o| o.as_ref().ok().and_then(Option::as_ref)).map(|p| (p, first_token)).collect();
+    let mut published = if ready.is_empty() { Vec::new() } else { conn.control.publish_many(&ready)? }.into_iter();
+    let mut out = Vec::with_capacity(outcomes.len());
+    for outcome in outcomes {
+        out.push(match outcome {
+            Ok(Some(p)) => match published.next() {
+                Some(Ok(r)) => Ok(r.receipt),
+                Some(Err(e)) => {
+                    give_back.push(BatchStep::Abort(AbortRequest {
+                        publication: p.publication,
+                        writer_token: p.writer_token,
+                    }));
+                    Err(e)
+                }
+                None => Err(ClientError::Data("publish answered no result".into())),
+            },
+            Ok(None) => Err(ClientError::Data("no publication".into())),
+            Err(e) => Err(e),
+        });
+    }
+    if !give_back.is_empty() {
+        // Best effort: what a refusal already rolled back answers
+        // unknown_publication, and the reaper takes what this misses.
+        let _ = conn.control.batch(give_back);
+    }
+    Ok(out)
+}
+
+/// Where one item of a get stands.
+enum Got {
+    /// Refused or failed; `claim` if it had been claimed.
+    Failed { claim: Option<RustReceipt>, error: ClientError },
+    /// Claimed and adopted: its manifest.
+    Adopted { claim: RustReceipt, manifest: Manifest },
+    /// Every chunk loaded and verified: the digest its ack takes.
+    Restored { claim: RustReceipt, manifest: Manifest, digest: String },
+}
+
+/// Gets every item: its manifest once every chunk is restored, verified and
+/// acknowledged, or why not (an item claimed and then failed is RETAINED).
+pub(crate) fn get_many(conn: &Conn, who: &Getter<'_>, items: Vec<GetItem>) -> Result<Outcomes<Manifest>, ClientError> {
+    let claims = items
+        .iter()
+        .map(|i| ClaimRequest {
+            receipt: i.ready.clone(),
+            reader_id: who.reader.into(),
+            session_id: who.session.into(),
+            lease_ms: who.lease_ms,
+            layout: Some(who.layout.clone()),
+        })
+        .collect();
+    let claimed = conn.control.claim_many(claims)?;
+    let adopts: Vec<AdoptRequest> =
+        claimed.iter().filter_map(|c| c.as_ref().ok()).map(|c| AdoptRequest::of_claim(c, who.layout.clone())).collect();
+    let mut adopted = if adopts.is_empty() { Vec::new() } else { conn.control.adopt_many(adopts)? }.into_iter();
+    let mut got: Vec<Got> = claimed
+        .into_iter()
+        .map(|c| match c {
+            Ok(claim) => match adopted.next() {
+                Some(Ok(manifest)) => Got::Adopted { claim, manifest },
+                Some(Err(error)) => Got::Failed { claim: Some(claim), error },
+                None => Got::Failed { claim: Some(claim), error: ClientError::Data("adopt answered no result".into()) },
+            },
+            Err(error) => Got::Failed { claim: None, error },
+        })
+        .collect();
+    load_all(conn, who.verify, &items, &mut got)?;
+
+    // What was claimed and then failed is reported failed (RETAINED, its
+    // bytes kept for a retry), all in one batch.
+    let fails: Vec<BatchStep> = got
+        .iter()
+        .filter_map(|g| match g {
+            Got::Failed { claim: Some(c), error } => {
+                Some(BatchStep::Fail(FailRequest { receipt: c.clone(), reason: error.to_string() }))
+            }
+            _ => None,
+        })
+        .collect();
+    if !fails.is_empty() {
+        conn.control.batch(fails)?;
+    }
+    // Every restored item acknowledged in one batch (one commit).
+    let acks: Vec<(&RustReceipt, &str)> = got
+        .iter()
+        .filter_map(|g| match g {
+            Got::Restored { claim, digest, .. } => Some((claim, digest.as_str())),
+            _ => None,
+        })
+        .collect();
+    let mut acked = if acks.is_empty() { Vec::new() } else { conn.control.ack_many(&acks)? }.into_iter();
+    Ok(got
+        .into_iter()
+        .map(|g| match g {
+            Got::Restored { manifest, .. } => match acked.next() {
+                Some(Ok(())) => Ok(manifest),
+                Some(Err(e)) => Err(e),
+                None => Err(ClientError::Data("ack answered no result".into())),
+            },
+            Got::Failed { error, .. } => Err(error),
+            Got::Adopted { .. } => Err(ClientError::Data("adopted but never loaded".into())),
+        })
+        .collect())
+}
+
+/// Loads every adopted item's chunks in one data-plane frame, each checked
+/// against its manifest as a single get checks it: an item restored becomes
+/// `Restored`, one that failed `Failed`.
+fn load_all(conn: &Conn, verify: Verify, items: &[GetItem], got: &mut [Got]) -> Result<(), ClientError> {
+    let mut data = lock(&conn.data);
+    let mut asked: Vec<(usize, Vec<DataChunk>)> = Vec::new();
+    for (i, item) in items.iter().enumerate() {
+        let Got::Adopted { claim, manifest } = &got[i] else { continue };
+        let mut at = item.offset;
+        let chunks = manifest
+            .chunks
+            .iter()
+            .map(|c| {
+                item.buffer.inner.check_range(at, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+                let chunk =
+                    DataChunk { index: c.index, buffer: data.id_of(&item.buffer)?, offset: at, len: 0, crc32c: None };
+                at += c.len;
+                Ok(chunk)
+            })
+            .collect::<Result<Vec<_>, ClientError>>();
+        match chunks {
+            Ok(chunks) => asked.push((i, chunks)),
+            Err(error) => got[i] = Got::Failed { claim: Some(claim.clone()), error },
+        }
+    }
+    if asked.is_empty() {
+        return Ok(());
+    }
+    let loads: Vec<(&RustReceipt, Vec<DataChunk>)> = asked
+        .iter()
+        .filter_map(|(i, chunks)| match &got[*i] {
+            Got::Adopted { claim, .. } => Some((claim, chunks.clone())),
+            _ => None,
+        })
+        .collect();
+    let answers = data.with(|d| d.load_many(loads))?;
+    drop(data);
+    for ((i, chunks), answer) in asked.into_iter().zip(answers) {
+        let Got::Adopted { claim, manifest } =
+            std::mem::replace(&mut got[i], Got::Failed { claim: None, error: ClientError::Data("replaced".into()) })
+        else {
+            continue;
+        };
+        let checked = answer.and_then(|a| {
+            let requested: Vec<u32> = chunks.iter().map(|c| c.index).collect();
+            let checks = LoadChecks::new(verify, &requested, &a);
+            chunks
+                .iter()
+                .map(|c| {
+                    let entry = manifest.chunks[c.index as usize];
+                    checks.check(c.index, &items[i].buffer.inner, c.offset, entry.len, entry.crc32c)
+                })
+                .collect::<Result<Vec<u32>, ClientError>>()
+        });
+        got[i] = match checked {
+            Ok(crcs) => {
+                let digest = restore_digest(manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
+                Got::Restored { claim, manifest, digest }
+            }
+            Err(error) => Got::Failed { claim: Some(claim), error },
+        };
+    }
+    Ok(())
+}
