@@ -129,8 +129,35 @@ pub fn build_pdstor(sh: &Shell) -> Result<PathBuf> {
     Ok(project_root().join("target/release/pdstor"))
 }
 
+/// Each step begun so far, and when: `cargo xtask ci` reports where its time went.
+static STEPS: std::sync::Mutex<Vec<(String, std::time::Instant)>> = std::sync::Mutex::new(Vec::new());
+
 fn step(what: &str) {
     println!("\n==> {what}");
+    if let Ok(mut steps) = STEPS.lock() {
+        steps.push((what.to_owned(), std::time::Instant::now()));
+    }
+}
+
+/// The seconds each step took, longest first, with the share of the whole: printed at the
+/// end of a CI run, passed or failed, so a slow step is seen before it meets the limit.
+fn print_step_times() {
+    let Ok(steps) = STEPS.lock() else { return };
+    let now = std::time::Instant::now();
+    let mut spans: Vec<(&str, f64)> = steps
+        .iter()
+        .enumerate()
+        .map(|(i, (what, at))| {
+            let end = steps.get(i + 1).map_or(now, |(_, next)| *next);
+            (what.split(" (").next().unwrap_or(what), end.duration_since(*at).as_secs_f64())
+        })
+        .collect();
+    let total: f64 = spans.iter().map(|(_, s)| s).sum();
+    spans.sort_by(|a, b| b.1.total_cmp(&a.1));
+    println!("\n==> where the time went ({total:.0} s)");
+    for (what, secs) in spans {
+        println!("{secs:>7.0} s  {:>3.0} %  {what}", 100.0 * secs / total.max(1.0));
+    }
 }
 
 /// The main job: a writer process hands a KV set to a reader process through
@@ -287,6 +314,12 @@ fn print_demo_summary(summary: &Path, timeline: &Path, svg: &Path, target: &Path
 }
 
 fn ci(sh: &Shell) -> Result<()> {
+    let outcome = ci_steps(sh);
+    print_step_times();
+    outcome
+}
+
+fn ci_steps(sh: &Shell) -> Result<()> {
     let started = std::time::Instant::now();
     step("cargo fmt --check");
     cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
@@ -334,10 +367,10 @@ fn ci(sh: &Shell) -> Result<()> {
     vmtest::run(sh, &vmtest::VmtestArgs::topology())?;
     match vmtest::series::ci_series() {
         Ok(dir) => {
-            step(&format!(
-                "cargo xtask vmtest --kernel-series {} (Debian linux-source-7.2 + the rw-dmabuf series; built once, then cached)",
-                dir.display()
-            ));
+            step("cargo xtask kernel build (Debian linux-source-7.2 + the rw-dmabuf series; built once, then cached)");
+            let jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
+            vmtest::series::build(sh, &dir, vmtest::series::DEFAULT_SOURCE, jobs)?;
+            step(&format!("cargo xtask vmtest --kernel-series {} (the series kernel built above)", dir.display()));
             vmtest::run(sh, &vmtest::VmtestArgs::series(dir.clone()))?;
             step("cargo xtask vmtest --kernel-series … --suite swiotlb --append swiotlb=force");
             vmtest::run(sh, &vmtest::VmtestArgs::series_swiotlb_forced(dir.clone()))?;

@@ -91,8 +91,8 @@ pub enum KernelCmd {
         #[arg(long, default_value_t = std::thread::available_parallelism().map_or(2, |n| n.get()))]
         jobs: usize,
     },
-    /// Configure a source tree as `kernel build` does: x86_64_defconfig, every fragment forced
-    /// built in (a --kernel guest gets no modules), BTF, unused subsystems off.
+    /// Configure a source tree as `kernel build` does: allnoconfig with kernel-config/series-base.config
+    /// and every fragment forced built in (a --kernel guest gets no modules), BTF.
     Defconfig {
         #[arg(long)]
         src: PathBuf,
