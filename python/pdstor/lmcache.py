@@ -17,14 +17,18 @@ How LMCache's operations map onto pdstor's protocol:
   are copied into a staging buffer the daemon shares, stored as one pdstor
   chunk per ``slot_size`` bytes (one, for a chunk that fits a slot), flushed and
   published: the key is stored only once it is READY, durable on the device.
-  The READY receipt is kept, keyed by the LMCache key.
+  The READY receipt is kept, keyed by the LMCache key. A batch of keys goes
+  in groups of up to ``pdstor.batch_keys``, each group in three round trips
+  whatever its size (``Writer.put_many``: one prepare batch, one data-plane
+  frame of stores, one publish batch and one commit), groups in parallel.
 * **contains**: a key this process published, or whose READY receipt the
   daemon hands out by name (``lookup``: the decode process finds what the
   prefill process stored). A key already claimed by a reader is not contained.
 * **get** (``batched_get_blocking`` / ``batched_get_non_blocking``): claim →
   adopt (the layout is checked) → load into the staging buffer, each chunk's
   crc32c taken in place there and checked against the manifest → ack → copy into a memory object of the
-  local CPU allocator. pdstor is a *handoff*: a restored key is consumed (its
+  local CPU allocator; a group of keys in four round trips
+  (``Reader.get_many``: claim, adopt, one frame of loads, ack). pdstor is a *handoff*: a restored key is consumed (its
   slots free); LMCache keeps its own copy in ``LocalCPUBackend``. Strict: a
   load that fails or does not verify raises (``pdstor.LoadFailed``,
   ``pdstor.VerifyFailed``) through LMCache's ``get``/``batched_get`` — never a
@@ -46,8 +50,11 @@ prompt keeps the layout; its token count is its stored length over the bytes
 per token.
 
 Further ``extra_config`` keys: ``pdstor.reader_id`` / ``pdstor.writer_id``
-(default: ``lmcache-<worker id>``), ``pdstor.io_threads`` (parallel puts and
-gets, default 8), ``pdstor.lease_ms`` (default 60000),
+(default: ``lmcache-<worker id>``), ``pdstor.io_threads`` (groups of puts and
+gets in parallel, default 8), ``pdstor.batch_keys`` (keys per group, default
+32), ``pdstor.staging_mib`` (the staging buffer the daemon shares: enough for
+every thread's group within this many MiB, at least one chunk per thread;
+default 256), ``pdstor.lease_ms`` (default 60000),
 ``pdstor.admission_timeout_ms`` (how long a put waits for free slots,
 default 5000; a put that cannot be admitted is dropped and logged, as LMCache
 drops puts a full backend refuses).
@@ -65,7 +72,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -97,20 +103,31 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 class _Staging:
     """One memfd the daemon shares, cut into regions of one full chunk each;
-    a put or get holds a region while its bytes are in flight."""
+    a group of puts or gets holds one region per key while its bytes are in
+    flight, taken all at once (so two groups never wait on each other)."""
 
     def __init__(self, regions: int, region_bytes: int):
+        self.regions = regions
         self.region_bytes = region_bytes
         self.buffer = pdstor.Buffer(regions * region_bytes, "pdstor-lmcache")
-        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for i in range(regions):
-            self._free.put(i)
+        self._free = list(range(regions))
+        self._changed = threading.Condition()
 
-    def acquire(self) -> int:
-        return self._free.get() * self.region_bytes
+    def acquire(self, n: int) -> list[int]:
+        """The offsets of `n` regions (at most all of them), once free."""
+        with self._changed:
+            self._changed.wait_for(lambda: len(self._free) >= n)
+            taken, self._free = self._free[:n], self._free[n:]
+        return [i * self.region_bytes for i in taken]
 
-    def release(self, offset: int) -> None:
-        self._free.put(offset // self.region_bytes)
+    def release(self, offsets: list[int]) -> None:
+        with self._changed:
+            self._free.extend(o // self.region_bytes for o in offsets)
+            self._changed.notify_all()
+
+
+def _groups(items: list, size: int) -> list[list]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 class PdstorBackend(StoragePluginInterface):
@@ -147,6 +164,10 @@ class PdstorBackend(StoragePluginInterface):
         threads = int(extra.get("pdstor.io_threads", 8))
         if threads < 1:
             raise ValueError(f"pdstor.io_threads must be at least 1, not {threads}")
+        batch_keys = int(extra.get("pdstor.batch_keys", 32))
+        if batch_keys < 1:
+            raise ValueError(f"pdstor.batch_keys must be at least 1, not {batch_keys}")
+        staging_mib = int(extra.get("pdstor.staging_mib", 256))
 
         self._dtype = metadata.kv_dtype
         self._fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
@@ -165,7 +186,12 @@ class PdstorBackend(StoragePluginInterface):
         full = self._bytes_per_token * metadata.chunk_size
         self._metadata = metadata
 
-        self._staging = _Staging(threads, -(-full // _PAGE) * _PAGE)
+        region = -(-full // _PAGE) * _PAGE
+        # Enough staging for every thread to move a group at once, within
+        # pdstor.staging_mib (at least one region per thread).
+        regions = max(threads, min(threads * batch_keys, (staging_mib << 20) // region))
+        self._group = max(1, min(batch_keys, regions // threads))
+        self._staging = _Staging(regions, region)
         self._slot = self._check_planes()
         self.failures: Counter[str] = Counter()
         self._local = threading.local()
@@ -247,7 +273,7 @@ class PdstorBackend(StoragePluginInterface):
         on_complete_callback: Optional[Callable[[Any], None]] = None,
     ) -> Optional[List[Future]]:
         del transfer_spec
-        futures: list[Future] = []
+        accepted: list[tuple[Any, str, Any]] = []
         for key, obj in zip(keys, objs, strict=True):
             name = key.to_string()
             with self._lock:
@@ -255,50 +281,68 @@ class PdstorBackend(StoragePluginInterface):
                     continue
                 self._put_tasks.add(name)
             obj.ref_count_up()
-            futures.append(self._pool.submit(self._put_one, key, name, obj, on_complete_callback))
+            accepted.append((key, name, obj))
+        futures = [
+            self._pool.submit(self._put_group, group, on_complete_callback) for group in _groups(accepted, self._group)
+        ]
         return futures or None
 
-    def _put_one(self, key, name: str, obj, on_complete: Optional[Callable[[Any], None]]) -> None:
-        offset = self._staging.acquire()
+    def _dropped(self, name: str, why: Exception) -> None:
+        # LMCache's contract for puts: a put the backend cannot take is
+        # dropped, and the key is simply not stored. Say so.
+        with self._lock:
+            self.failures["put_dropped"] += 1
+        logger.warning("pdstor: put %s dropped, not stored: %s", name, why)
+
+    def _put_group(self, group: list[tuple[Any, str, Any]], on_complete: Optional[Callable[[Any], None]]) -> None:
+        """A group of puts in three round trips (``Writer.put_many``)."""
+        offsets = self._staging.acquire(len(group))
+        stored: list[Any] = []
         try:
-            size = obj.get_size()
-            if obj.get_memory_format() != self._fmt:
-                raise pdstor.UsageError(
-                    f"put {name}: memory format {obj.get_memory_format().name}, this backend stores "
-                    f"{self._fmt.name} (the layout a reader adopts)"
-                )
-            if size > self._staging.region_bytes:
-                raise pdstor.UsageError(f"put {name}: {size} bytes is more than a full chunk ({self._staging.region_bytes})")
+            items, sent = [], []
+            for (key, name, obj), offset in zip(group, offsets):
+                try:
+                    size = obj.get_size()
+                    if obj.get_memory_format() != self._fmt:
+                        raise pdstor.UsageError(
+                            f"put {name}: memory format {obj.get_memory_format().name}, this backend stores "
+                            f"{self._fmt.name} (the layout a reader adopts)"
+                        )
+                    if size > self._staging.region_bytes:
+                        raise pdstor.UsageError(
+                            f"put {name}: {size} bytes is more than a full chunk ({self._staging.region_bytes})"
+                        )
+                    self._staging.buffer.write(offset, obj.byte_array)
+                    items.append((name, self._chunks(offset, size)))
+                    sent.append(key)
+                except pdstor.Error as e:
+                    self._dropped(name, e)
+                finally:
+                    obj.ref_count_down()
             try:
-                self._staging.buffer.write(offset, obj.byte_array)
-            finally:
-                obj.ref_count_down()
-            receipt = self._conn().writer.put(
-                name,
-                self._layout,
-                self._chunks(offset, size),
-                timeout_ms=self._admission_timeout_ms,
-            )
-            with self._lock:
-                self._ready[name] = receipt
-        except pdstor.DuplicateRequest:
-            logger.debug("put %s: already published", name)
-        except pdstor.Error as e:
-            # LMCache's contract for puts: a put the backend cannot take is
-            # dropped, and the key is simply not stored. Say so.
-            with self._lock:
-                self.failures["put_dropped"] += 1
-            logger.warning("pdstor: put %s dropped, not stored: %s", name, e)
-            raise
+                answers = self._conn().writer.put_many(items, self._layout, timeout_ms=self._admission_timeout_ms)
+            except pdstor.Error as e:
+                answers = [e] * len(items)
+            for key, (name, _), answer in zip(sent, items, answers):
+                if isinstance(answer, pdstor.Receipt):
+                    with self._lock:
+                        self._ready[name] = answer
+                    stored.append(key)
+                elif isinstance(answer, pdstor.DuplicateRequest):
+                    logger.debug("put %s: already published", name)
+                else:
+                    self._dropped(name, answer)
         finally:
-            self._staging.release(offset)
+            self._staging.release(offsets)
             with self._lock:
-                self._put_tasks.discard(name)
+                for _, name, _ in group:
+                    self._put_tasks.discard(name)
         if on_complete is not None:
-            try:
-                on_complete(key)
-            except Exception as e:  # LMCache's own callbacks: logged, as its backends do
-                logger.warning("on_complete_callback failed for %s: %s", name, e)
+            for key in stored:
+                try:
+                    on_complete(key)
+                except Exception as e:  # LMCache's own callbacks: logged, as its backends do
+                    logger.warning("on_complete_callback failed for %s: %s", key.to_string(), e)
 
     # --- contains -----------------------------------------------------------------
 
@@ -338,52 +382,76 @@ class PdstorBackend(StoragePluginInterface):
 
     # --- get ----------------------------------------------------------------------
 
-    def _get_one(self, name: str, receipt: pdstor.Receipt):
-        offset = self._staging.acquire()
+    def _restored(self, name: str, manifest: dict, offset: int):
+        """A memory object of LMCache's CPU allocator with the restored bytes."""
+        size = sum(c["len"] for c in manifest["chunks"])
+        tokens, rest = divmod(size, self._bytes_per_token)
+        if rest or tokens == 0 or tokens > self._metadata.chunk_size:
+            raise pdstor.LoadFailed(
+                f"get {name}: {size} stored bytes are not a whole number of tokens "
+                f"({self._bytes_per_token} bytes each, at most {self._metadata.chunk_size})"
+            )
+        obj = self.local_cpu_backend.allocate(self._metadata.get_shapes(tokens)[0], self._dtype, self._fmt)
+        if obj is None:
+            raise pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for {size} bytes")
         try:
+            self._staging.buffer.read_into(offset, obj.byte_array)
+        except BaseException:
+            obj.ref_count_down()
+            raise
+        return obj
+
+    def _get_group(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
+        """A group of gets in four round trips (``Reader.get_many``): per key
+        its memory object, None for a miss, or the exception it failed with."""
+        offsets = self._staging.acquire(len(group))
+        try:
+            items = [(receipt, self._staging.buffer, offset) for (_, receipt), offset in zip(group, offsets)]
             try:
-                manifest = self._conn().reader.get(receipt, self._layout, self._staging.buffer, offset, self._lease_ms)
-            except pdstor.UnknownPublication as e:
-                # Released or evicted (`serve --evict-unread`) since it was
-                # looked up: nothing was claimed, and it is a miss.
-                with self._lock:
-                    self.failures["get_missed"] += 1
-                logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, e)
-                return None
-            size = sum(c["len"] for c in manifest["chunks"])
-            tokens, rest = divmod(size, self._bytes_per_token)
-            if rest or tokens == 0 or tokens > self._metadata.chunk_size:
-                raise pdstor.LoadFailed(
-                    f"get {name}: {size} stored bytes are not a whole number of tokens "
-                    f"({self._bytes_per_token} bytes each, at most {self._metadata.chunk_size})"
-                )
-            obj = self.local_cpu_backend.allocate(self._metadata.get_shapes(tokens)[0], self._dtype, self._fmt)
-            if obj is None:
-                raise pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for {size} bytes")
-            try:
-                self._staging.buffer.read_into(offset, obj.byte_array)
-            except BaseException:
-                obj.ref_count_down()
-                raise
-            return obj
+                answers = self._conn().reader.get_many(items, self._layout, self._lease_ms)
+            except pdstor.Error as e:
+                answers = [e] * len(group)
+            out: list[Any] = []
+            for (name, _), offset, answer in zip(group, offsets, answers):
+                if isinstance(answer, pdstor.UnknownPublication):
+                    # Released or evicted (`serve --evict-unread`) since it was
+                    # looked up: nothing was claimed, and it is a miss.
+                    with self._lock:
+                        self.failures["get_missed"] += 1
+                    logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, answer)
+                    out.append(None)
+                elif isinstance(answer, BaseException):
+                    out.append(answer)
+                else:
+                    try:
+                        out.append(self._restored(name, answer, offset))
+                    except pdstor.Error as e:
+                        out.append(e)
+            return out
         finally:
-            self._staging.release(offset)
+            self._staging.release(offsets)
             with self._lock:
-                self._ready.pop(name, None)
+                for name, _ in group:
+                    self._ready.pop(name, None)
 
     def batched_get_blocking(self, keys: List[Any]) -> List[Optional[Any]]:
         names = [k.to_string() for k in keys]
         receipts = self._receipts(names, True)
-        futures = [self._pool.submit(self._get_one, n, r) for n, r in zip(names, receipts)]
+        futures = [self._pool.submit(self._get_group, g) for g in _groups(list(zip(names, receipts)), self._group)]
         objs, failure = [], None
         for f in futures:
             try:
-                objs.append(f.result())
-            except BaseException as e:  # every get completes before one raises
-                failure = failure or e
-                with self._lock:
-                    self.failures["get_failed"] += 1
-                logger.error("pdstor: get failed: %s", e)
+                got = f.result()
+            except BaseException as e:  # the group as a whole
+                got = [e]
+            for o in got:
+                if isinstance(o, BaseException):
+                    failure = failure or o
+                    with self._lock:
+                        self.failures["get_failed"] += 1
+                    logger.error("pdstor: get failed: %s", o)
+                else:
+                    objs.append(o)
         if failure is not None:
             for o in objs:
                 if o is not None:

@@ -121,15 +121,31 @@ def sm_factory(tmp_path: Path, big_daemon: Daemon):
         sm.close()
 
 
+def steps(d: Daemon, step: str) -> int:
+    """Control-plane requests of one route the daemon answered so far."""
+    series = f'pdstor_step_seconds_count{{step="{step}"}} '
+    line = next((l for l in d.client().metrics().splitlines() if l.startswith(series)), None)
+    return 0 if line is None else int(float(line.split()[-1]))
+
+
 def test_lmcache_stores_and_retrieves_through_pdstor(sm_factory, big_daemon: Daemon):
     sm = sm_factory()
+    batches = steps(big_daemon, "batch")
     put(sm, [0, 1, 2, 3])
+    # LMCache's batch of four keys: one prepare batch and one publish batch,
+    # no step on its own.
+    assert steps(big_daemon, "batch") - batches == 2
+    assert steps(big_daemon, "prepare") == steps(big_daemon, "publish") == 0
     # Each key is a READY publication of one 8 MiB chunk, durable before it counts.
     pubs = big_daemon.client().publications("READY")
     assert sorted(p["req_id"] for p in pubs) == sorted(key(i).to_string() for i in range(4))
     assert all(p["chunks"] == 1 for p in pubs)
     assert sm.batched_contains([key(i) for i in range(5)])[0] == 4
+    batches = steps(big_daemon, "batch")
     got = retrieve(sm, [key(i) for i in range(4)])
+    # And its get: one claim, one adopt and one ack batch.
+    assert steps(big_daemon, "batch") - batches == 3
+    assert steps(big_daemon, "claim") == steps(big_daemon, "ack") == 0
     for i, obj in enumerate(got):
         assert obj is not None and torch.equal(obj.tensor, kv(i)), f"chunk {i} differs"
         obj.ref_count_down()
