@@ -6,10 +6,12 @@ chunk) through a live `pdstor serve`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -217,6 +219,40 @@ def test_a_daemon_restart_between_put_and_get_keeps_the_data(sm_factory, big_dae
     got = retrieve(sm, [key(30), key(31)])
     for i, obj in zip((30, 31), got):
         assert torch.equal(obj.tensor, kv(i))
+        obj.ref_count_down()
+
+
+def test_a_non_blocking_get_leaves_lmcache_s_event_loop_running(sm_factory, big_daemon: Daemon):
+    """LMCache prefetches with batched_get_non_blocking on its event loop:
+    the loads run off the loop, which keeps serving other work meanwhile.
+    Made deterministic by holding every staging region, so that the get
+    cannot finish until a coroutine on that same loop gives them back."""
+    sm = sm_factory()
+    put(sm, [50, 51, 52])
+    backend = sm.storage_backends["pdstor"]
+    staging = backend._staging
+    held = staging.acquire(staging.regions)
+    given_back = threading.Event()
+
+    def watchdog() -> None:  # never hang: give them back if the loop cannot
+        if not given_back.wait(30):
+            staging.release(held)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+
+    async def prefetch():
+        task = asyncio.ensure_future(backend.batched_get_non_blocking("lookup-0", [key(50), key(51), key(52)]))
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+            assert not task.done(), "the get finished while its staging was held: it cannot have loaded"
+        staging.release(held)
+        given_back.set()
+        return await task
+
+    got = asyncio.run(prefetch())
+    assert given_back.is_set(), "the event loop was blocked until the watchdog gave the staging back"
+    for i, obj in zip((50, 51, 52), got):
+        assert torch.equal(obj.tensor, kv(i)), f"chunk {i}"
         obj.ref_count_down()
 
 
