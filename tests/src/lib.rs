@@ -265,3 +265,24 @@ impl Drop for LoopDevice {
         let _ = Command::new("losetup").arg("-d").arg(&self.path).status();
     }
 }
+
+/// One HTTP/1.1 exchange over a Unix socket (`Connection: close`): the
+/// status and the body, as the daemon sent them.
+pub fn http_exchange(socket: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let body = body.unwrap_or("");
+    let kind = if body.is_empty() { String::new() } else { "Content-Type: application/json\r\n".to_owned() };
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: pdstor\r\nConnection: close\r\n{kind}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).unwrap();
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{answer}"));
+    let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    (status, body)
+}

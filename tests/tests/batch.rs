@@ -48,20 +48,7 @@ fn refusal<T: std::fmt::Debug>(r: &Result<T, ClientError>) -> (u16, &str) {
 
 /// One HTTP/1.1 POST over the control socket; the status and the JSON body.
 fn exchange(socket: &std::path::Path, path: &str, body: &str) -> (u16, serde_json::Value) {
-    use std::io::{Read, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: pdstor\r\nConnection: close\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = Vec::new();
-    s.read_to_end(&mut answer).unwrap();
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{answer}"));
-    let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
+    let (status, body) = pdstor_tests::http_exchange(socket, "POST", path, Some(body));
     (status, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}")))
 }
 

@@ -3,8 +3,6 @@
 //! is served, by the real daemon over its real Unix socket.
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use pdstor::api::openapi::{ROUTES, document_text};
@@ -12,21 +10,7 @@ use pdstor_tests::Daemon;
 
 /// One HTTP/1.1 exchange; the status and the body.
 fn exchange(socket: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let mut s = UnixStream::connect(socket).unwrap();
-    let body = body.unwrap_or("");
-    let kind = if body.is_empty() { String::new() } else { "Content-Type: application/json\r\n".to_owned() };
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: pdstor\r\nConnection: close\r\n{kind}Content-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = Vec::new();
-    s.read_to_end(&mut answer).unwrap();
-    let answer = String::from_utf8_lossy(&answer).into_owned();
-    let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{answer}"));
-    let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
-    (status, body)
+    pdstor_tests::http_exchange(socket, method, path, body)
 }
 
 /// `(method, path)` of every `.route("…", get(…)|post(…))` in the router's source.

@@ -188,6 +188,26 @@ async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ErrorBody> {
     }
 }
 
+/// Counts a control-plane request, reads its body within the limits and
+/// parses it; or the refusal to answer.
+async fn read_request<Req: DeserializeOwned>(state: &AppState, body: Body) -> Result<(Bytes, Req), Response> {
+    state.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let body = match read_body(state, body).await {
+        Ok(b) => b,
+        Err(e) => {
+            // The rest of the body is never read, so this connection cannot
+            // carry another request: say so, or a pooling client reuses it.
+            let mut resp = error_response(state, e);
+            resp.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+            return Err(resp);
+        }
+    };
+    match parse(&body) {
+        Ok(r) => Ok((body, r)),
+        Err(e) => Err(error_response(state, e)),
+    }
+}
+
 /// Reads and parses the body, runs `f` for `who` on a blocking thread, and
 /// maps the outcome. A refusal is recorded on the timeline with its caller.
 async fn step<Req, Resp, F>(state: Shared, who: Caller, body: Body, f: F) -> Response
@@ -196,20 +216,9 @@ where
     Resp: Serialize + Send + 'static,
     F: FnOnce(&Service, &Caller, Req) -> Result<Resp, ProtocolError> + Send + 'static,
 {
-    state.metrics.requests.fetch_add(1, Ordering::Relaxed);
-    let body = match read_body(&state, body).await {
-        Ok(b) => b,
-        Err(e) => {
-            // The rest of the body is never read, so this connection cannot
-            // carry another request: say so, or a pooling client reuses it.
-            let mut resp = error_response(&state, e);
-            resp.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
-            return resp;
-        }
-    };
-    let req: Req = match parse(&body) {
-        Ok(r) => r,
-        Err(e) => return error_response(&state, e),
+    let (body, req): (Bytes, Req) = match read_request(&state, body).await {
+        Ok(read) => read,
+        Err(refused) => return refused,
     };
     let (service, metrics, caller) = (state.service.clone(), state.metrics.clone(), who.clone());
     let stepped = tokio::task::spawn_blocking(move || {
@@ -461,17 +470,9 @@ fn one<R>(wrap: fn(R) -> BatchStep) -> impl FnOnce(&Service, &Caller, R) -> Resu
 /// `--max-prepares` places, as a prepare does; a client that goes away has
 /// its waiting prepare cancelled and what it prepared orphaned.
 async fn batch(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Body) -> Response {
-    let body = match read_body(&s, b).await {
-        Ok(b) => b,
-        Err(e) => {
-            let mut resp = error_response(&s, e);
-            resp.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
-            return resp;
-        }
-    };
-    let r: BatchRequest = match parse(&body) {
-        Ok(r) => r,
-        Err(e) => return error_response(&s, e),
+    let r: BatchRequest = match read_request(&s, b).await {
+        Ok((_, r)) => r,
+        Err(refused) => return refused,
     };
     if r.steps.len() > MAX_BATCH_STEPS {
         let message = format!("the batch has {} steps; at most {MAX_BATCH_STEPS} are taken at once", r.steps.len());
