@@ -92,18 +92,7 @@ impl Client {
         Ok(answers
             .into_iter()
             .zip(digests)
-            .map(|(r, digest)| {
-                r.and_then(|m| {
-                    if crate::receipt::manifest_digest(&m) == digest {
-                        Ok(m)
-                    } else {
-                        Err(ClientError::Verify {
-                            chunk: 0,
-                            what: "the adopted manifest is not the one claimed".into(),
-                        })
-                    }
-                })
-            })
+            .map(|(r, digest)| r.and_then(|m| crate::the_one_claimed(m, &digest)))
             .collect())
     }
 

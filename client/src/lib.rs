@@ -73,6 +73,14 @@ pub enum ClientError {
     },
 }
 
+/// `manifest` if it is the one a claim receipt names by `digest`.
+fn the_one_claimed(manifest: Manifest, digest: &str) -> Result<Manifest, ClientError> {
+    if manifest_digest(&manifest) != digest {
+        return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
+    }
+    Ok(manifest)
+}
+
 /// The uid serving a connected Unix socket (`SO_PEERCRED`).
 pub fn peer_uid(stream: &impl std::os::fd::AsFd) -> std::io::Result<u32> {
     use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
@@ -328,10 +336,7 @@ impl Client {
     /// answered is the one claimed.
     pub fn adopt_claim(&self, claim: &Receipt, layout: &Layout) -> Result<Manifest, ClientError> {
         let manifest = self.adopt(&AdoptRequest::of_claim(claim, layout.clone()))?;
-        if manifest_digest(&manifest) != claim.manifest_digest {
-            return Err(ClientError::Verify { chunk: 0, what: "the adopted manifest is not the one claimed".into() });
-        }
-        Ok(manifest)
+        the_one_claimed(manifest, &claim.manifest_digest)
     }
 
     /// `ack`: the restore is done; the slots free.
