@@ -23,6 +23,7 @@ use std::path::Path;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+pub use pdstor_engine::buffer::BufferKind;
 pub use pdstor_engine::{Buffer, PayloadPath};
 
 pub mod code;
@@ -409,6 +410,10 @@ pub struct DataConn {
     stream: UnixStream,
 }
 
+/// The largest buffer io_uring registers as one fixed buffer (the kernel
+/// refuses more than 1 GiB per entry): a larger one moves on `host`.
+pub const FIXED_BUFFER_MAX: u64 = 1 << 30;
+
 impl DataConn {
     /// Connects to the daemon's data socket at `path`.
     ///
@@ -435,18 +440,21 @@ impl DataConn {
         }
     }
 
-    /// Shares a memfd buffer with the daemon for `host_fixed`; returns its id
-    /// on this connection.
+    /// Shares a buffer with the daemon for `host_fixed` — or, for one larger
+    /// than io_uring registers ([`FIXED_BUFFER_MAX`], a whole LMCache pool
+    /// say), for `host`; returns its id on this connection.
     pub fn register(&mut self, buffer: &Buffer) -> Result<u32, ClientError> {
-        self.register_for(buffer, PayloadPath::HostFixed)
+        let path = if buffer.len() as u64 > FIXED_BUFFER_MAX { PayloadPath::Host } else { PayloadPath::HostFixed };
+        self.register_for(buffer, path)
     }
 
     /// Shares a buffer with the daemon for `path`: a memfd buffer sends its
-    /// memfd; a DMA-BUF sends the DMA-BUF and, for a udmabuf, the memfd behind
+    /// memfd, a shm file buffer its file; a DMA-BUF sends the DMA-BUF and, for a udmabuf, the memfd behind
     /// it (so host paths can map it). The daemon refuses, holding nothing, if
     /// the path cannot take the buffer.
     pub fn register_for(&mut self, buffer: &Buffer, path: PayloadPath) -> Result<u32, ClientError> {
         let (kind, fds) = match (buffer.dmabuf(), buffer.memfd_fd()) {
+            (None, Some(m)) if buffer.kind() == BufferKind::ShmFile => (SharedKind::Shm, vec![m.as_raw_fd()]),
             (Some(d), backing) => {
                 let mut fds = vec![d.fd().as_raw_fd()];
                 fds.extend(backing.map(|m| m.as_raw_fd()));

@@ -306,6 +306,12 @@ pub enum SharedKind {
     /// One or two fds: a DMA-BUF, then optionally the memfd behind it (a
     /// udmabuf's), through which the daemon maps the memory for host paths.
     Dmabuf,
+    /// One fd: a shared-memory file its owner can still shrink (a POSIX
+    /// shared-memory object in `/dev/shm`, such as LMCache's CPU pool with
+    /// `shm_name`, or an unsealed memfd). The daemon maps it for its I/O and
+    /// reads or writes its bytes itself only through the file, so a
+    /// truncation fails a transfer rather than the daemon.
+    Shm,
 }
 
 /// Data-plane requests: one JSON frame each (`u32` little-endian length, then

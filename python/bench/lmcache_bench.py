@@ -167,6 +167,9 @@ def measure_shape(a, shape_name, shape, size, n, source, daemon: Daemon, dir, di
             "pdstor.server": daemon.server,
             "pdstor.data_socket": daemon.data_socket,
             "pdstor.io_threads": 8,
+            # LMCache's CPU pool in shared memory: the daemon moves bytes
+            # straight to and from its memory objects.
+            "shm_name": f"pdstor-bench-{os.getpid()}",
         }, {"storage_plugins": ["pdstor"]}),
         "raw_block": manager(dir, "raw_block", shape, {
             "storage_plugin.raw_block.module_path": "lmcache.v1.storage_backend.plugins.rust_raw_block_backend",

@@ -1,7 +1,8 @@
 """Type stubs of pdstor._native (the PyO3 module built from python/src/lib.rs)."""
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal, overload
 
 from typing_extensions import Buffer as _BufferLike
 
@@ -17,6 +18,11 @@ class Buffer:
     with no copy."""
 
     def __init__(self, size: int, name: str = "pdstor") -> None: ...
+    @staticmethod
+    def shared_file(path: str | os.PathLike[str], size: int | None = None) -> Buffer:
+        """This process's own shared-memory file (/dev/shm/<name>, LMCache's
+        pool with shm_name) as a buffer, no copy; the daemon reaches it
+        through the file, so shrinking it fails a transfer, not the daemon."""
     def __len__(self) -> int: ...
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def write(self, offset: int, data: _BufferLike) -> None:
@@ -113,9 +119,20 @@ class Reader:
     def get(
         self, ready: Receipt, layout: Layout, buffer: Buffer, offset: int = 0, lease_ms: int = 60000
     ) -> dict[str, Any]: ...
+    @overload
     def get_many(
         self, items: Sequence[tuple[Receipt, Buffer, int]], layout: Layout, lease_ms: int = 60000
     ) -> list[dict[str, Any] | Error]: ...
+    @overload
+    def get_many(
+        self,
+        items: Sequence[Receipt],
+        layout: Layout,
+        lease_ms: int = 60000,
+        *,
+        place: Callable[[dict[str, Any]], tuple[Buffer, int]],
+    ) -> list[dict[str, Any] | Error]:
+        """With place: each adopted item goes where place(manifest) says."""
 
 def refusal_codes() -> list[tuple[str, int]]: ...
 def version() -> str: ...

@@ -8,13 +8,26 @@ Load it the way LMCache loads any storage plugin, from its configuration::
       storage_plugin.pdstor.class_name: PdstorBackend
       pdstor.server: unix:/run/pdstor/control.sock
       pdstor.data_socket: /run/pdstor/data.sock
+      shm_name: lmcache-pdstor      # LMCache's own key: its CPU pool in /dev/shm
+
+With ``shm_name`` LMCache allocates its CPU pool — where its memory objects
+live — in a shared-memory file, and the plugin shares that file with the
+daemon: the daemon moves each object's bytes straight between the device and
+LMCache's memory, with no staging copy either way. Without it every put and
+get is copied through a staging buffer (said once at start-up, at INFO). The
+daemon maps the pool per connection and reads or writes it itself only
+through the file (so LMCache shrinking it fails a transfer, never the
+daemon); a pool over 1 GiB moves on the ``host`` path (io_uring registers at
+most 1 GiB per buffer), and the daemon's ``--max-pinned-per-connection``
+must be at least the pool's size.
 
 How LMCache's operations map onto pdstor's protocol:
 
 * **put** (``batched_submit_put_task``): each LMCache key — one chunk of
   ``chunk_size`` (256) tokens of every layer — becomes one publication whose
   request id is the key's string (``CacheEngineKey.to_string()``). Its bytes
-  are copied into a staging buffer the daemon shares, stored as one pdstor
+  are read by the daemon in place in LMCache's shared pool (or copied into a
+  staging buffer the daemon shares, without ``shm_name``), stored as one pdstor
   chunk per ``slot_size`` bytes (one, for a chunk that fits a slot), flushed and
   published: the key is stored only once it is READY, durable on the device.
   The READY receipt is kept, keyed by the LMCache key. A batch of keys goes
@@ -25,10 +38,13 @@ How LMCache's operations map onto pdstor's protocol:
   daemon hands out by name (``lookup``: the decode process finds what the
   prefill process stored). A key already claimed by a reader is not contained.
 * **get** (``batched_get_blocking`` / ``batched_get_non_blocking``): claim →
-  adopt (the layout is checked) → load into the staging buffer, each chunk's
-  crc32c taken in place there and checked against the manifest → ack → copy into a memory object of the
-  local CPU allocator; a group of keys in four round trips
-  (``Reader.get_many``: claim, adopt, one frame of loads, ack). pdstor is a *handoff*: a restored key is consumed (its
+  adopt (the layout is checked; the manifest gives the size) → a memory
+  object allocated from LMCache's CPU allocator → load straight into it (or
+  into the staging buffer, then copied, without ``shm_name``), each chunk's
+  crc32c taken in place and checked against the manifest → ack; a group of
+  keys in four round trips (``Reader.get_many``: claim, adopt, one frame of
+  loads, ack). An object LMCache cannot allocate fails its key before
+  anything is loaded: the publication stays RETAINED. pdstor is a *handoff*: a restored key is consumed (its
   slots free); LMCache keeps its own copy in ``LocalCPUBackend``. Strict: a
   load that fails or does not verify raises (``pdstor.LoadFailed``,
   ``pdstor.VerifyFailed``) through LMCache's ``get``/``batched_get`` — never a
@@ -126,6 +142,37 @@ class _Staging:
             self._changed.notify_all()
 
 
+class _SharedPool:
+    """LMCache's CPU pool when it lives in shared memory (``shm_name`` in
+    ``extra_config``): the daemon maps that file once per connection and
+    moves each memory object's bytes straight to and from the device — no
+    staging copy."""
+
+    def __init__(self, path: str, base: int, size: int):
+        self.buffer = pdstor.Buffer.shared_file(path, size)
+        self.base = base
+        self.size = size
+
+    @staticmethod
+    def of(local_cpu_backend) -> Optional["_SharedPool"]:
+        allocator = getattr(local_cpu_backend, "memory_allocator", None)
+        name = getattr(allocator, "shm_name", None)
+        pool = getattr(allocator, "buffer", None)
+        if not name or not isinstance(pool, torch.Tensor) or pool.numel() == 0:
+            return None
+        path = f"/dev/shm/{name.lstrip('/')}"
+        try:
+            return _SharedPool(path, pool.data_ptr(), pool.numel() * pool.element_size())
+        except (OSError, ValueError) as e:
+            logger.warning("pdstor: LMCache's pool %s cannot be shared with the daemon (%s): staging instead", path, e)
+            return None
+
+    def offset_of(self, obj) -> Optional[int]:
+        """Where `obj`'s bytes start in the pool, or None if they are not in it."""
+        at = obj.tensor.data_ptr() - self.base
+        return at if 0 <= at and at + obj.get_physical_size() <= self.size else None
+
+
 def _groups(items: list, size: int) -> list[list]:
     return [items[i : i + size] for i in range(0, len(items), size)]
 
@@ -187,15 +234,26 @@ class PdstorBackend(StoragePluginInterface):
         self._metadata = metadata
 
         region = -(-full // _PAGE) * _PAGE
+        self._pool = _SharedPool.of(local_cpu_backend)
+        if self._pool is not None:
+            # The daemon moves bytes straight to and from LMCache's memory
+            # objects; staging only for an object outside the pool (rare).
+            staging_mib = min(staging_mib, max(1, (threads * region) >> 20))
         # Enough staging for every thread to move a group at once, within
         # pdstor.staging_mib (at least one region per thread).
         regions = max(threads, min(threads * batch_keys, (staging_mib << 20) // region))
-        self._group = max(1, min(batch_keys, regions // threads))
+        self._group = batch_keys if self._pool is not None else max(1, min(batch_keys, regions // threads))
         self._staging = _Staging(regions, region)
         self._slot = self._check_planes()
+        if self._pool is None:
+            logger.info(
+                "pdstor: LMCache's CPU pool is not shared memory, so every put and get is copied through a "
+                "staging buffer; set extra_config shm_name (e.g. lmcache-pdstor) to let the daemon move bytes "
+                "straight to and from LMCache's memory objects"
+            )
         self.failures: Counter[str] = Counter()
         self._local = threading.local()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdstor-lmcache")
+        self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdstor-lmcache")
         self._lock = threading.Lock()
         self._ready: dict[str, pdstor.Receipt] = {}
         self._put_tasks: set[str] = set()
@@ -222,11 +280,14 @@ class PdstorBackend(StoragePluginInterface):
             raise
         try:
             control.register(self._staging.buffer)
+            if self._pool is not None:
+                control.register(self._pool.buffer)
         except pdstor.Error as e:
             logger.error(
                 "pdstor: the daemon at %s answers, but its data socket pdstor.data_socket = %s does not take a "
                 "buffer (%s); LMCache will run WITHOUT the pdstor backend. Set pdstor.data_socket to the "
-                "--data-socket of that `pdstor serve`.",
+                "--data-socket of that `pdstor serve` (and, for LMCache's shared pool, give that daemon a "
+                "--max-pinned-per-connection of at least max_local_cpu_size).",
                 self._server,
                 self._data_socket,
                 e,
@@ -254,10 +315,9 @@ class PdstorBackend(StoragePluginInterface):
             t.reader = pdstor.Reader(t.client, self._reader_id)
         return t
 
-    def _chunks(self, offset: int, size: int) -> list[tuple[pdstor.Buffer, int, int]]:
-        """The staging bytes of one object, one pdstor chunk per slot."""
-        buf = self._staging.buffer
-        return [(buf, offset + at, min(self._slot, size - at)) for at in range(0, size, self._slot)]
+    def _chunks(self, buffer: pdstor.Buffer, offset: int, size: int) -> list[tuple[pdstor.Buffer, int, int]]:
+        """One object's bytes at `offset` of `buffer`, one pdstor chunk per slot."""
+        return [(buffer, offset + at, min(self._slot, size - at)) for at in range(0, size, self._slot)]
 
     # --- put ----------------------------------------------------------------------
 
@@ -283,7 +343,7 @@ class PdstorBackend(StoragePluginInterface):
             obj.ref_count_up()
             accepted.append((key, name, obj))
         futures = [
-            self._pool.submit(self._put_group, group, on_complete_callback) for group in _groups(accepted, self._group)
+            self._threads.submit(self._put_group, group, on_complete_callback) for group in _groups(accepted, self._group)
         ]
         return futures or None
 
@@ -295,12 +355,18 @@ class PdstorBackend(StoragePluginInterface):
         logger.warning("pdstor: put %s dropped, not stored: %s", name, why)
 
     def _put_group(self, group: list[tuple[Any, str, Any]], on_complete: Optional[Callable[[Any], None]]) -> None:
-        """A group of puts in three round trips (``Writer.put_many``)."""
-        offsets = self._staging.acquire(len(group))
+        """A group of puts in three round trips (``Writer.put_many``): the
+        daemon reads each object in place in LMCache's shared pool, or from
+        a staging copy of it."""
+        places = [self._pool.offset_of(obj) if self._pool is not None else None for _, _, obj in group]
+        # Every staging region the group needs, taken at once (at most all).
+        offsets = self._staging.acquire(min(self._staging.regions, sum(at is None for at in places)))
+        free = iter(offsets)
+        in_place: list[Any] = []  # objects the daemon reads in place: held until stored
         stored: list[Any] = []
         try:
             items, sent = [], []
-            for (key, name, obj), offset in zip(group, offsets):
+            for (key, name, obj), at in zip(group, places):
                 try:
                     size = obj.get_size()
                     if obj.get_memory_format() != self._fmt:
@@ -312,13 +378,22 @@ class PdstorBackend(StoragePluginInterface):
                         raise pdstor.UsageError(
                             f"put {name}: {size} bytes is more than a full chunk ({self._staging.region_bytes})"
                         )
-                    self._staging.buffer.write(offset, obj.byte_array)
-                    items.append((name, self._chunks(offset, size)))
+                    if at is not None:
+                        items.append((name, self._chunks(self._pool.buffer, at, size)))
+                        in_place.append(obj)
+                        obj = None
+                    else:
+                        offset = next(free, None)
+                        if offset is None:
+                            raise pdstor.UsageError(f"put {name}: every staging region is taken (pdstor.staging_mib)")
+                        self._staging.buffer.write(offset, obj.byte_array)
+                        items.append((name, self._chunks(self._staging.buffer, offset, size)))
                     sent.append(key)
                 except pdstor.Error as e:
                     self._dropped(name, e)
                 finally:
-                    obj.ref_count_down()
+                    if obj is not None:
+                        obj.ref_count_down()
             try:
                 answers = self._conn().writer.put_many(items, self._layout, timeout_ms=self._admission_timeout_ms)
             except pdstor.Error as e:
@@ -333,6 +408,8 @@ class PdstorBackend(StoragePluginInterface):
                 else:
                     self._dropped(name, answer)
         finally:
+            for obj in in_place:
+                obj.ref_count_down()
             self._staging.release(offsets)
             with self._lock:
                 for _, name, _ in group:
@@ -382,8 +459,8 @@ class PdstorBackend(StoragePluginInterface):
 
     # --- get ----------------------------------------------------------------------
 
-    def _restored(self, name: str, manifest: dict, offset: int):
-        """A memory object of LMCache's CPU allocator with the restored bytes."""
+    def _allocate(self, name: str, manifest: dict):
+        """A memory object of LMCache's CPU allocator for a publication's bytes."""
         size = sum(c["len"] for c in manifest["chunks"])
         tokens, rest = divmod(size, self._bytes_per_token)
         if rest or tokens == 0 or tokens > self._metadata.chunk_size:
@@ -394,16 +471,63 @@ class PdstorBackend(StoragePluginInterface):
         obj = self.local_cpu_backend.allocate(self._metadata.get_shapes(tokens)[0], self._dtype, self._fmt)
         if obj is None:
             raise pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for {size} bytes")
-        try:
-            self._staging.buffer.read_into(offset, obj.byte_array)
-        except BaseException:
-            obj.ref_count_down()
-            raise
         return obj
+
+    def _missed(self, name: str, why: Exception) -> None:
+        # Released or evicted (`serve --evict-unread`) since it was looked
+        # up: nothing was claimed, and it is a miss.
+        with self._lock:
+            self.failures["get_missed"] += 1
+        logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, why)
 
     def _get_group(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
         """A group of gets in four round trips (``Reader.get_many``): per key
         its memory object, None for a miss, or the exception it failed with."""
+        try:
+            return self._get_in_place(group) if self._pool is not None else self._get_staged(group)
+        finally:
+            with self._lock:
+                for name, _ in group:
+                    self._ready.pop(name, None)
+
+    def _get_in_place(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
+        """Each publication loaded straight into a memory object allocated
+        in LMCache's shared pool once its adopted manifest gives its size."""
+        names = {receipt.publication: name for name, receipt in group}
+        objs: dict[int, Any] = {}
+
+        def place(manifest: dict) -> tuple[pdstor.Buffer, int]:
+            publication = manifest["publication"]
+            obj = self._allocate(names[publication], manifest)
+            objs[publication] = obj
+            at = self._pool.offset_of(obj)
+            if at is None:
+                raise pdstor.LoadFailed(f"get {names[publication]}: LMCache allocated outside its shared pool")
+            return self._pool.buffer, at
+
+        try:
+            answers = self._conn().reader.get_many([r for _, r in group], self._layout, self._lease_ms, place=place)
+        except pdstor.Error as e:
+            answers = [e] * len(group)
+        out: list[Any] = []
+        for (name, receipt), answer in zip(group, answers):
+            obj = objs.pop(receipt.publication, None)
+            if isinstance(answer, BaseException):
+                if obj is not None:
+                    obj.ref_count_down()
+                if isinstance(answer, pdstor.UnknownPublication):
+                    self._missed(name, answer)
+                    answer = None
+            else:
+                answer = obj
+            out.append(answer)
+        for obj in objs.values():
+            obj.ref_count_down()
+        return out
+
+    def _get_staged(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
+        """Each publication loaded into a staging region, then copied into a
+        memory object of LMCache's allocator."""
         offsets = self._staging.acquire(len(group))
         try:
             items = [(receipt, self._staging.buffer, offset) for (_, receipt), offset in zip(group, offsets)]
@@ -414,30 +538,30 @@ class PdstorBackend(StoragePluginInterface):
             out: list[Any] = []
             for (name, _), offset, answer in zip(group, offsets, answers):
                 if isinstance(answer, pdstor.UnknownPublication):
-                    # Released or evicted (`serve --evict-unread`) since it was
-                    # looked up: nothing was claimed, and it is a miss.
-                    with self._lock:
-                        self.failures["get_missed"] += 1
-                    logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, answer)
+                    self._missed(name, answer)
                     out.append(None)
                 elif isinstance(answer, BaseException):
                     out.append(answer)
                 else:
                     try:
-                        out.append(self._restored(name, answer, offset))
+                        obj = self._allocate(name, answer)
                     except pdstor.Error as e:
                         out.append(e)
+                        continue
+                    try:
+                        self._staging.buffer.read_into(offset, obj.byte_array)
+                    except BaseException:
+                        obj.ref_count_down()
+                        raise
+                    out.append(obj)
             return out
         finally:
             self._staging.release(offsets)
-            with self._lock:
-                for name, _ in group:
-                    self._ready.pop(name, None)
 
     def batched_get_blocking(self, keys: List[Any]) -> List[Optional[Any]]:
         names = [k.to_string() for k in keys]
         receipts = self._receipts(names, True)
-        futures = [self._pool.submit(self._get_group, g) for g in _groups(list(zip(names, receipts)), self._group)]
+        futures = [self._threads.submit(self._get_group, g) for g in _groups(list(zip(names, receipts)), self._group)]
         objs, failure = [], None
         for f in futures:
             try:
@@ -499,4 +623,4 @@ class PdstorBackend(StoragePluginInterface):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=True)
+        self._threads.shutdown(wait=True)

@@ -139,12 +139,32 @@ impl Buffer {
         Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
     }
 
+    /// This process's own shared-memory file (`/dev/shm/<name>`, the pool
+    /// LMCache allocates its memory objects from when its config sets
+    /// `shm_name`) as a buffer: the first `size` bytes (default: the whole
+    /// file), no copy. The daemon then moves payload straight between the
+    /// device and that memory. It maps the file for its I/O and reads or
+    /// writes it itself only through the file, so shrinking the file fails
+    /// a transfer, never the daemon. The file must be on tmpfs.
+    #[staticmethod]
+    #[pyo3(signature = (path, size = None))]
+    fn shared_file(path: std::path::PathBuf, size: Option<usize>) -> PyResult<Self> {
+        let what = |e: &dyn std::fmt::Display| PyValueError::new_err(format!("Buffer.shared_file({}): {e}", path.display()));
+        let file = std::fs::File::options().read(true).write(true).open(&path).map_err(|e| what(&e))?;
+        let len = match size {
+            Some(n) => n,
+            None => usize::try_from(file.metadata().map_err(|e| what(&e))?.len()).map_err(|e| what(&e))?,
+        };
+        let b = pdstor_client::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
+        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
+    }
+
     fn __len__(&self) -> usize {
         self.inner.len()
     }
 
     fn __repr__(&self) -> String {
-        format!("pdstor.Buffer({} bytes, memfd)", self.inner.len())
+        format!("pdstor.Buffer({} bytes, {})", self.inner.len(), self.inner.kind())
     }
 
     /// Copies `data` (any object with the buffer protocol: bytes, a numpy
@@ -957,18 +977,36 @@ impl Reader {
     /// `pdstor.Error` it failed with — a publication claimed and then failed
     /// is reported failed (RETAINED, its bytes kept); one item's failure
     /// never raises.
-    #[pyo3(signature = (items, layout, lease_ms = 60_000))]
+    ///
+    /// With `place`, `items` is a list of READY receipts, and where each
+    /// goes is decided once its manifest is known (its size, say):
+    /// `place(manifest)` answers `(buffer, offset)`, called after the adopt
+    /// batch for every adopted item; one that raises fails that item only
+    /// (RETAINED, nothing loaded).
+    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None))]
     fn get_many<'py>(
         &self,
         py: Python<'py>,
         items: &Bound<'py, PyAny>,
         layout: &Bound<'py, PyAny>,
         lease_ms: u64,
+        place: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let layout = layout_from(layout)?;
-        let mut list = Vec::new();
+        let mut readies = Vec::new();
+        let mut places = Vec::new();
         for item in items.try_iter()? {
             let item = item?;
+            if place.is_some() {
+                let ready: PyRef<'_, Receipt> = item.extract().map_err(|_| {
+                    PyTypeError::new_err(format!(
+                        "get_many with place: an item is a pdstor.Receipt (READY), not {}",
+                        item.repr().map(|r| r.to_string()).unwrap_or_default()
+                    ))
+                })?;
+                readies.push(ready.inner.clone());
+                continue;
+            }
             let (ready, buffer, offset): (PyRef<'_, Receipt>, PyRef<'_, Buffer>, u64) =
                 item.extract().map_err(|_| {
                     PyTypeError::new_err(format!(
@@ -976,17 +1014,33 @@ impl Reader {
                         item.repr().map(|r| r.to_string()).unwrap_or_default()
                     ))
                 })?;
-            list.push(many::GetItem { ready: ready.inner.clone(), buffer: BufferRef::from(&*buffer), offset });
+            readies.push(ready.inner.clone());
+            places.push(Ok(many::Place { buffer: BufferRef::from(&*buffer), offset }));
         }
         let (c, reader, session, verify) =
             (self.conn.clone(), self.reader_id.clone(), self.session.clone(), self.verify);
-        let done = py
-            .detach(move || {
-                let who = many::Getter { reader: &reader, session: &session, layout: &layout, lease_ms, verify };
-                many::get_many(&c, &who, list)
-            })
-            .map_err(|e| to_py(py, e.into()))?;
+        let who = many::Getter { reader: &reader, session: &session, layout: &layout, lease_ms };
+        let got = py.detach(|| many::adopt_many(&c, &who, &readies)).map_err(|e| to_py(py, e.into()))?;
+        if let Some(place) = place {
+            places = got.iter().map(|g| place_of(py, place, g)).collect();
+        }
+        let done = py.detach(move || many::restore_many(&c, verify, places, got)).map_err(|e| to_py(py, e.into()))?;
         done.into_iter().map(|r| entry(py, r, |m| manifest_dict(py, &m))).collect()
+    }
+}
+
+/// Where `place` puts an adopted item (`place(manifest) -> (buffer,
+/// offset)`); an item not adopted goes nowhere.
+fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result<many::Place, ClientError> {
+    let many::Got::Adopted { manifest, .. } = got else {
+        return Err(ClientError::Data("not adopted".into()));
+    };
+    let answer = manifest_dict(py, manifest)
+        .and_then(|m| place.call1((m,)))
+        .and_then(|a| a.extract::<(PyRef<'_, Buffer>, u64)>().map(|(b, offset)| (BufferRef::from(&*b), offset)));
+    match answer {
+        Ok((buffer, offset)) => Ok(many::Place { buffer, offset }),
+        Err(e) => Err(ClientError::Data(format!("get_many: place(manifest) gave no (buffer, offset): {e}"))),
     }
 }
 

@@ -8,6 +8,7 @@
 //! back in the same few round trips (aborted before READY, `fail`ed —
 //! RETAINED — once claimed).
 
+use pdstor_client::BufferKind;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{
@@ -24,21 +25,12 @@ pub(crate) struct PutItem {
     pub chunks: Vec<(BufferRef, u64, u64)>,
 }
 
-/// One READY publication to get, and where its chunks go: one after another
-/// from `offset` of `buffer`.
-pub(crate) struct GetItem {
-    pub ready: RustReceipt,
-    pub buffer: BufferRef,
-    pub offset: u64,
-}
-
 /// What a reader asks of every item of a get.
 pub(crate) struct Getter<'a> {
     pub reader: &'a str,
     pub session: &'a str,
     pub layout: &'a Layout,
     pub lease_ms: u64,
-    pub verify: Verify,
 }
 
 /// Puts every item: its READY receipt, or why it is not stored (then
@@ -78,7 +70,14 @@ pub(crate) fn put_many(
                 .map(|(index, (b, offset, len))| {
                     b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
                     let buffer = data.id_of(b)?;
-                    Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c: None })
+                    // The daemon does not read a shm file in place (its owner,
+                    // this process, may shrink it): the writer checksums it.
+                    let crc32c = if b.inner.kind() == BufferKind::ShmFile {
+                        Some(b.inner.crc32c(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?)
+                    } else {
+                        None
+                    };
+                    Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c })
                 })
                 .collect::<Result<Vec<_>, ClientError>>();
             match chunks {
@@ -156,7 +155,7 @@ pub(crate) fn put_many(
 }
 
 /// Where one item of a get stands.
-enum Got {
+pub(crate) enum Got {
     /// Refused or failed; `claim` if it had been claimed.
     Failed { claim: Option<RustReceipt>, error: ClientError },
     /// Claimed and adopted: its manifest.
@@ -165,13 +164,22 @@ enum Got {
     Restored { claim: RustReceipt, manifest: Manifest, digest: String },
 }
 
-/// Gets every item: its manifest once every chunk is restored, verified and
-/// acknowledged, or why not (an item claimed and then failed is RETAINED).
-pub(crate) fn get_many(conn: &Conn, who: &Getter<'_>, items: Vec<GetItem>) -> Result<Outcomes<Manifest>, ClientError> {
-    let claims = items
+/// Where an adopted item's chunks go: one after another from `offset` of
+/// `buffer`.
+pub(crate) struct Place {
+    pub buffer: BufferRef,
+    pub offset: u64,
+}
+
+/// The first half of a get of many: every READY receipt claimed (each
+/// naming the layout) and adopted, in two round trips — each item `Adopted`
+/// (its manifest says how many bytes it holds, so the caller can place
+/// them) or `Failed`.
+pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) -> Result<Vec<Got>, ClientError> {
+    let claims = readies
         .iter()
-        .map(|i| ClaimRequest {
-            receipt: i.ready.clone(),
+        .map(|ready| ClaimRequest {
+            receipt: ready.clone(),
             reader_id: who.reader.into(),
             session_id: who.session.into(),
             lease_ms: who.lease_ms,
@@ -182,7 +190,7 @@ pub(crate) fn get_many(conn: &Conn, who: &Getter<'_>, items: Vec<GetItem>) -> Re
     let adopts: Vec<AdoptRequest> =
         claimed.iter().filter_map(|c| c.as_ref().ok()).map(|c| AdoptRequest::of_claim(c, who.layout.clone())).collect();
     let mut adopted = if adopts.is_empty() { Vec::new() } else { conn.control.adopt_many(adopts)? }.into_iter();
-    let mut got: Vec<Got> = claimed
+    Ok(claimed
         .into_iter()
         .map(|c| match c {
             Ok(claim) => match adopted.next() {
@@ -192,8 +200,32 @@ pub(crate) fn get_many(conn: &Conn, who: &Getter<'_>, items: Vec<GetItem>) -> Re
             },
             Err(error) => Got::Failed { claim: None, error },
         })
-        .collect();
-    load_all(conn, who.verify, &items, &mut got)?;
+        .collect())
+}
+
+/// The second half: every adopted item loaded to its place in one
+/// data-plane frame (each chunk checked against its manifest), what failed
+/// after its claim reported failed (RETAINED, its bytes kept), what was
+/// restored acknowledged — two or three round trips. `places[i]` is where
+/// item `i` goes, or why it has nowhere to go (then it fails, RETAINED).
+pub(crate) fn restore_many(
+    conn: &Conn,
+    verify: Verify,
+    places: Vec<Result<Place, ClientError>>,
+    mut got: Vec<Got>,
+) -> Result<Outcomes<Manifest>, ClientError> {
+    let mut placed = Vec::with_capacity(got.len());
+    for (g, place) in got.iter_mut().zip(places) {
+        match (place, &*g) {
+            (Ok(p), _) => placed.push(Some(p)),
+            (Err(error), Got::Adopted { claim, .. }) => {
+                *g = Got::Failed { claim: Some(claim.clone()), error };
+                placed.push(None);
+            }
+            (Err(_), _) => placed.push(None),
+        }
+    }
+    load_all(conn, verify, &placed, &mut got)?;
 
     // What was claimed and then failed is reported failed (RETAINED, its
     // bytes kept for a retry), all in one batch.
@@ -235,19 +267,19 @@ pub(crate) fn get_many(conn: &Conn, who: &Getter<'_>, items: Vec<GetItem>) -> Re
 /// Loads every adopted item's chunks in one data-plane frame, each checked
 /// against its manifest as a single get checks it: an item restored becomes
 /// `Restored`, one that failed `Failed`.
-fn load_all(conn: &Conn, verify: Verify, items: &[GetItem], got: &mut [Got]) -> Result<(), ClientError> {
+fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Got]) -> Result<(), ClientError> {
     let mut data = lock(&conn.data);
     let mut asked: Vec<(usize, Vec<DataChunk>)> = Vec::new();
-    for (i, item) in items.iter().enumerate() {
-        let Got::Adopted { claim, manifest } = &got[i] else { continue };
-        let mut at = item.offset;
+    for (i, place) in places.iter().enumerate() {
+        let (Got::Adopted { claim, manifest }, Some(place)) = (&got[i], place) else { continue };
+        let mut at = place.offset;
         let chunks = manifest
             .chunks
             .iter()
             .map(|c| {
-                item.buffer.inner.check_range(at, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+                place.buffer.inner.check_range(at, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
                 let chunk =
-                    DataChunk { index: c.index, buffer: data.id_of(&item.buffer)?, offset: at, len: 0, crc32c: None };
+                    DataChunk { index: c.index, buffer: data.id_of(&place.buffer)?, offset: at, len: 0, crc32c: None };
                 at += c.len;
                 Ok(chunk)
             })
@@ -270,6 +302,7 @@ fn load_all(conn: &Conn, verify: Verify, items: &[GetItem], got: &mut [Got]) -> 
     let answers = data.with(|d| d.load_many(loads))?;
     drop(data);
     for ((i, chunks), answer) in asked.into_iter().zip(answers) {
+        let Some(place) = &places[i] else { continue };
         let Got::Adopted { claim, manifest } =
             std::mem::replace(&mut got[i], Got::Failed { claim: None, error: ClientError::Data("replaced".into()) })
         else {
@@ -282,7 +315,7 @@ fn load_all(conn: &Conn, verify: Verify, items: &[GetItem], got: &mut [Got]) -> 
                 .iter()
                 .map(|c| {
                     let entry = manifest.chunks[c.index as usize];
-                    checks.check(c.index, &items[i].buffer.inner, c.offset, entry.len, entry.crc32c)
+                    checks.check(c.index, &place.buffer.inner, c.offset, entry.len, entry.crc32c)
                 })
                 .collect::<Result<Vec<u32>, ClientError>>()
         });

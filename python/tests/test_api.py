@@ -87,6 +87,51 @@ def test_many_at_once_each_answering_on_its_own(daemon: Daemon):
     assert isinstance(again[0], pdstor.UnknownPublication), again
 
 
+def test_a_shared_memory_file_is_moved_in_place_and_gets_are_placed_by_size(daemon: Daemon):
+    """Buffer.shared_file: this process's own /dev/shm file (LMCache's pool
+    with shm_name), which the daemon moves bytes to and from without a copy;
+    get_many(place=…) puts each publication where place(manifest) says, once
+    its size is known — and one that place refuses stays RETAINED."""
+    path = f"/dev/shm/pdstor-test-api-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.truncate(8 * MIB)
+    try:
+        pool = pdstor.Buffer.shared_file(path)
+        assert len(pool) == 8 * MIB and "shm file" in repr(pool)
+        data = [pattern((i + 1) * MIB, 300 + i) for i in range(3)]
+        at = 0
+        items = []
+        for i, d in enumerate(data):
+            pool.write(at, d)
+            items.append((f"shm-{i}", [(pool, at + k * MIB, MIB) for k in range(i + 1)]))
+            at += len(d)
+        client = daemon.client()
+        receipts = pdstor.Writer(client, "prefill-0").put_many(items, LAYOUT)
+        assert all(isinstance(r, pdstor.Receipt) for r in receipts), receipts
+        pool.write(0, bytes(6 * MIB))  # nothing left of the sources
+
+        asked: list[int] = []
+
+        def place(manifest: dict) -> tuple[pdstor.Buffer, int]:
+            size = sum(c["len"] for c in manifest["chunks"])
+            asked.append(size)
+            if size == 2 * MIB:
+                raise MemoryError("no room for this one")
+            return pool, (size // MIB - 1) * 2 * MIB
+
+        got = pdstor.Reader(client, "decode-0").get_many(receipts, LAYOUT, place=place)
+        assert sorted(asked) == [MIB, 2 * MIB, 3 * MIB], "place learns each size from the manifest"
+        assert isinstance(got[0], dict) and pool.read(0, MIB) == data[0]
+        assert isinstance(got[2], dict) and pool.read(4 * MIB, 3 * MIB) == data[2]
+        assert isinstance(got[1], pdstor.Error) and "no room for this one" in str(got[1]), got[1]
+        states = {p["req_id"]: p["state"] for p in client.publications()}
+        assert states == {"shm-1": "RETAINED"}, states
+        with pytest.raises(ValueError, match="not tmpfs"):
+            pdstor.Buffer.shared_file(__file__)
+    finally:
+        os.unlink(path)
+
+
 def test_numpy_and_memoryview_see_the_buffer_itself(daemon: Daemon):
     buf = pdstor.Buffer(MIB)
     view = np.frombuffer(buf, dtype=np.uint16)

@@ -33,9 +33,16 @@ MODEL = "meta-llama/Llama-3.2-1B"
 KV_SHAPE = (16, 2, 256, 8, 64)  # layers, K/V, tokens, KV heads, head size
 
 
-def config_file(dir: Path, d: Daemon) -> Path:
-    """The YAML an LMCache user writes to load the plugin."""
-    path = dir / "lmcache.yaml"
+_POOLS = iter(range(1 << 30))
+
+
+def config_file(dir: Path, d: Daemon, shm: bool = True) -> Path:
+    """The YAML an LMCache user writes to load the plugin: LMCache's CPU pool
+    in shared memory (`shm_name`, a name of its own) so that the daemon
+    moves bytes straight to and from its memory objects, or (`shm=False`)
+    not, so that they go through the plugin's staging buffer."""
+    path = dir / f"lmcache-{next(_POOLS)}.yaml"
+    pool = f'  shm_name: "pdstor-test-{os.getpid()}-{next(_POOLS)}"\n' if shm else ""
     path.write_text(
         f"""chunk_size: 256
 local_cpu: false
@@ -47,7 +54,7 @@ extra_config:
   pdstor.server: "{d.server}"
   pdstor.data_socket: "{d.data_socket}"
   pdstor.io_threads: 4
-"""
+{pool}"""
     )
     return path
 
@@ -113,8 +120,8 @@ def big_daemon(tmp_path: Path):
 def sm_factory(tmp_path: Path, big_daemon: Daemon):
     made: list[StorageManager] = []
 
-    def make(kv_shape=KV_SHAPE) -> StorageManager:
-        sm = manager(config_file(tmp_path, big_daemon), kv_shape)
+    def make(kv_shape=KV_SHAPE, shm: bool = True) -> StorageManager:
+        sm = manager(config_file(tmp_path, big_daemon, shm), kv_shape)
         made.append(sm)
         return sm
 
@@ -130,8 +137,14 @@ def steps(d: Daemon, step: str) -> int:
     return 0 if line is None else int(float(line.split()[-1]))
 
 
-def test_lmcache_stores_and_retrieves_through_pdstor(sm_factory, big_daemon: Daemon):
-    sm = sm_factory()
+@pytest.mark.parametrize("shm", [True, False], ids=["shared-pool", "staging"])
+def test_lmcache_stores_and_retrieves_through_pdstor(sm_factory, big_daemon: Daemon, shm: bool):
+    sm = sm_factory(shm=shm)
+    # With shm_name the daemon reaches LMCache's own pool; without, staging.
+    pool = sm.storage_backends["pdstor"]._pool
+    assert (pool is not None) == shm
+    if shm:
+        assert pool.size == sm.storage_backends["LocalCPUBackend"].memory_allocator.size
     batches = steps(big_daemon, "batch")
     put(sm, [0, 1, 2, 3])
     # LMCache's batch of four keys: one prepare batch and one publish batch,
@@ -225,9 +238,10 @@ def test_a_daemon_restart_between_put_and_get_keeps_the_data(sm_factory, big_dae
 def test_a_non_blocking_get_leaves_lmcache_s_event_loop_running(sm_factory, big_daemon: Daemon):
     """LMCache prefetches with batched_get_non_blocking on its event loop:
     the loads run off the loop, which keeps serving other work meanwhile.
-    Made deterministic by holding every staging region, so that the get
-    cannot finish until a coroutine on that same loop gives them back."""
-    sm = sm_factory()
+    Made deterministic by holding every staging region (of a plugin that
+    stages: no shm_name), so that the get cannot finish until a coroutine
+    on that same loop gives them back."""
+    sm = sm_factory(shm=False)
     put(sm, [50, 51, 52])
     backend = sm.storage_backends["pdstor"]
     staging = backend._staging

@@ -311,3 +311,71 @@ fn the_data_plane_bounds_connections_buffers_and_idle_prepares() {
     // Its reservation came back: all 8 slots can be prepared again.
     c.prepare("all", &layout(), 8, "w").unwrap();
 }
+
+/// A shared-memory file its owner can still shrink (LMCache's CPU pool in
+/// /dev/shm, here an unsealed memfd: both are tmpfs files) is taken as a
+/// `shm` buffer: the daemon moves payload to and from it but never reads it
+/// through its mapping — the writer declares each chunk's crc32c, a load's
+/// chunks come back `unverified` for the reader to check — so when the
+/// owner shrinks it, transfers fail and the daemon stays up. A file that is
+/// not on tmpfs is refused.
+#[test]
+fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
+    use pdstor::api::wire::AdoptRequest;
+    use pdstor::client::{Buffer, PayloadPath};
+
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let shm = memfd("pool", 4 * SLOT, false);
+    let pool = Buffer::from_shm_file(shm.try_clone().unwrap(), (4 * SLOT) as usize, true).unwrap();
+    let kv = pdstor::payload::chunk(9, 0, SLOT as usize);
+    pool.write_at(0, &kv).unwrap();
+
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let id = data.register(&pool).expect("a shm file is a buffer");
+    let c = Client::new(&d.server);
+    let store = |data: &mut DataConn, req: &str, crc32c| {
+        let p = c.prepare(req, &layout(), 1, "w").unwrap();
+        let chunk = DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c };
+        data.store(p.publication, &p.writer_token, vec![chunk], true, 1).map(|r| (p, r))
+    };
+    // The daemon does not read it in place: without the writer's checksum, no store.
+    match store(&mut data, "no-crc", None) {
+        Err(ClientError::Api(e)) => assert!(e.message.contains("gave no crc32c"), "{e}"),
+        other => panic!("a store from a shm file without a crc32c: {other:?}"),
+    }
+    let crc = pool.crc32c(0, SLOT as usize).unwrap();
+    let (p, stored) = store(&mut data, "shm", Some(crc)).unwrap();
+    assert_eq!(stored.publishable, Some(true));
+    let ready = c.publish(p.publication, &p.writer_token, None).unwrap().receipt;
+    let claim = c.claim(&ready, "r", "s", 60_000).unwrap();
+    let manifest = c.adopt(&AdoptRequest::of_claim(&claim, layout())).unwrap();
+    assert_eq!(manifest.chunks[0].crc32c, crc, "the declared checksum is the stored one");
+    let loaded =
+        data.load(&claim, vec![DataChunk { index: 0, buffer: id, offset: SLOT, len: 0, crc32c: None }]).unwrap();
+    assert_eq!(loaded.unverified, vec![0], "the reader checks what the daemon did not read");
+    let mut back = vec![0u8; SLOT as usize];
+    pool.read_at(SLOT, &mut back).unwrap();
+    assert!(back == kv, "the restored bytes differ from the stored ones");
+
+    // The owner shrinks the file under a host-path registration (no pinned
+    // pages): the next transfers fail, the daemon answers and serves others.
+    let host = data.register_for(&pool, PayloadPath::Host).unwrap();
+    std::fs::File::from(shm).set_len(0).unwrap();
+    let p = c.prepare("shrunk", &layout(), 1, "w").unwrap();
+    let chunk = DataChunk { index: 0, buffer: host, offset: 0, len: SLOT, crc32c: Some(crc) };
+    let r = data.store(p.publication, &p.writer_token, vec![chunk], true, 1);
+    assert!(r.is_err(), "a store from a shrunk shm file: {r:?}");
+    c.healthz().expect("the daemon is up");
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    w.put("after", &layout(), &kv, 1, None).unwrap();
+
+    // Only tmpfs files are shm files.
+    let file =
+        std::fs::File::options().read(true).write(true).create(true).truncate(true).open(dir.path().join("f")).unwrap();
+    file.set_len(SLOT).unwrap();
+    let e = raw(&d, serde_json::json!({"op": "register", "len": SLOT, "kind": "shm"}), &[file.as_raw_fd()])
+        .error
+        .expect("a file on disk was accepted as a shm buffer");
+    assert!(e.message.contains("not tmpfs"), "{e}");
+}

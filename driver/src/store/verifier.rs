@@ -88,9 +88,12 @@ impl Drop for VerifierThread {
 }
 
 /// crc32c of `r`'s range of `b`, in place in the daemon's mapping of it
-/// (see [`Worker::crc`]).
+/// (see [`Worker::crc`]); `None` for memory the daemon does not read — a
+/// DMA-BUF it cannot map, a shm file its owner may shrink — whose
+/// checksums come from the client (a store's declared crc32c; a load's
+/// chunks answered `unverified`, which the reader checks itself).
 pub(super) fn crc_of(b: &Buffer, r: &IoRequest) -> Result<Option<u32>, IoError> {
-    if !b.is_mapped() {
+    if !b.checksummed_in_place() {
         return Ok(None);
     }
     b.crc32c(r.buffer_offset.0, r.len as usize).map(Some).map_err(|what| IoError::Buffer { transfer: r.transfer, what })

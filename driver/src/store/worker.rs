@@ -466,7 +466,7 @@ impl Worker {
                 (submitted.len() > 1 && r.len >= Verifier::MIN_LEN)
                     .then(|| self.engine.shared_buffer(r.buffer).ok())
                     .flatten()
-                    .filter(|b| b.is_mapped() && b.dmabuf().is_none())
+                    .filter(|b| b.checksummed_in_place() && b.dmabuf().is_none())
             })
             .collect();
         let Worker { engine, verifier, storage, .. } = self;

@@ -73,9 +73,8 @@ pub enum BufferError {
         /// The DMA-BUF's exporter.
         exporter: String,
     },
-    /// A shared buffer that its owner could shrink under the daemon (a
-    /// fault on every later access through the mapping), or not a memfd.
-    /// A received fd that is not a memfd sealed against shrinking (nor a DMA-BUF).
+    /// A received fd that is not a memfd sealed against shrinking (nor a
+    /// DMA-BUF): its owner could shrink it under the mapping.
     #[error(
         "the received fd is {what}: only a memfd sealed against shrinking is accepted (memfd_create with MFD_ALLOW_SEALING, then fcntl(F_ADD_SEALS, F_SEAL_SHRINK)), or a DMA-BUF"
     )]
@@ -83,6 +82,42 @@ pub enum BufferError {
         /// What it is instead.
         what: String,
     },
+    /// Not a shared-memory file (or one smaller than asked).
+    #[error(transparent)]
+    NotShmFile(#[from] NotShmFile),
+    /// Reading or writing a shm file buffer through its file failed (it was
+    /// shrunk under the range, say).
+    #[error(
+        "{op} {count} bytes at {offset} of the shm file buffer failed: {source} (did its owner shrink or close the file?)"
+    )]
+    ShmFileIo {
+        /// `reading` or `writing`.
+        op: &'static str,
+        /// Where.
+        offset: u64,
+        /// How many bytes.
+        count: usize,
+        /// The kernel's error, or a short transfer.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The CPU view of a buffer this process reaches only through its file.
+    #[error(
+        "a shm file buffer is not touched through its mapping (its owner may shrink the file): use read_at, write_at or crc32c"
+    )]
+    FileAccessOnly,
+}
+
+/// An fd offered as a shared-memory file that is not one.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the fd is {what}: a shm file buffer must be a file on tmpfs (a POSIX shared-memory object in /dev/shm, or a memfd) of at least {len} bytes"
+)]
+pub struct NotShmFile {
+    /// What it is instead.
+    pub what: String,
+    /// The length asked for.
+    pub len: usize,
 }
 
 /// Where a buffer's memory comes from.
@@ -94,6 +129,12 @@ pub enum BufferKind {
     Memfd,
     /// A DMA-BUF (udmabuf, DMA heap, GPU memory).
     DmaBuf,
+    /// A shared-memory file its owner can still shrink (a POSIX `shm_open`
+    /// object in `/dev/shm`, an unsealed memfd): LMCache's CPU pool with
+    /// `shm_name`. Mapped for the kernel's I/O only; this process reads and
+    /// writes its bytes through the file (`pread`/`pwrite`), never through
+    /// the mapping, so a truncation fails an access instead of faulting.
+    ShmFile,
 }
 
 impl std::fmt::Display for BufferKind {
@@ -102,6 +143,7 @@ impl std::fmt::Display for BufferKind {
             BufferKind::Host => "host",
             BufferKind::Memfd => "memfd",
             BufferKind::DmaBuf => "dmabuf",
+            BufferKind::ShmFile => "shm file",
         })
     }
 }
@@ -116,6 +158,10 @@ pub struct Buffer {
     dmabuf: Option<dmabuf::DmaBuf>,
     /// Length when there is no mapping (the DMA-BUF's size).
     len: usize,
+    /// The CPU reaches the bytes through `memfd` (`pread`/`pwrite`) only,
+    /// never through `region`: a [`BufferKind::ShmFile`] received from
+    /// another process.
+    file_access_only: bool,
 }
 
 impl Buffer {
@@ -126,7 +172,14 @@ impl Buffer {
         }
         let region = MmapRegion::new(len).map_err(|source| BufferError::Map { kind: BufferKind::Host, len, source })?;
         advise_huge_pages(&region);
-        Ok(Buffer { region: Some(region), kind: BufferKind::Host, memfd: None, dmabuf: None, len })
+        Ok(Buffer {
+            region: Some(region),
+            kind: BufferKind::Host,
+            memfd: None,
+            dmabuf: None,
+            len,
+            file_access_only: false,
+        })
     }
 
     /// A new memfd of `len` bytes, mapped shared.
@@ -182,7 +235,46 @@ impl Buffer {
             file.try_clone().map_err(|source| BufferError::Memfd { name: "<dup>".into(), len, source })?;
         let region = MmapRegion::from_file(FileOffset::new(mapping_file, 0), len)
             .map_err(|source| BufferError::Map { kind: BufferKind::Memfd, len, source })?;
-        Ok(Buffer { region: Some(region), kind: BufferKind::Memfd, memfd: Some(file), dmabuf: None, len })
+        Ok(Buffer {
+            region: Some(region),
+            kind: BufferKind::Memfd,
+            memfd: Some(file),
+            dmabuf: None,
+            len,
+            file_access_only: false,
+        })
+    }
+
+    /// Maps the first `len` bytes of a shared-memory file that its owner
+    /// can still shrink — a POSIX shared-memory object (`/dev/shm/<name>`,
+    /// LMCache's CPU pool with `shm_name`) or an unsealed memfd: any file on
+    /// tmpfs, checked with `fstatfs`. It is mapped for the kernel's I/O (an
+    /// io_uring registration pins its pages; a transfer into a range the
+    /// owner cut off fails with `EFAULT`). With `owner` (this process made
+    /// the file and keeps it whole) the CPU may use the mapping too;
+    /// otherwise every CPU access goes through the file, so that a
+    /// truncation by the owner fails that access instead of raising SIGBUS.
+    pub fn from_shm_file(fd: OwnedFd, len: usize, owner: bool) -> Result<Self, BufferError> {
+        if len == 0 {
+            return Err(BufferError::ZeroLength);
+        }
+        let refuse = |what: String| BufferError::NotShmFile(NotShmFile { what, len });
+        let fs = nix::sys::statfs::fstatfs(&fd).map_err(|e| refuse(format!("unreadable (fstatfs: {e})")))?;
+        if fs.filesystem_type() != nix::sys::statfs::TMPFS_MAGIC {
+            return Err(refuse(format!("on a filesystem of type {:#x}, not tmpfs", fs.filesystem_type().0)));
+        }
+        let file = File::from(fd);
+        let meta = file.metadata().map_err(|e| refuse(format!("unreadable (fstat: {e})")))?;
+        if !meta.is_file() {
+            return Err(refuse("not a regular file".into()));
+        }
+        if meta.len() < len as u64 {
+            return Err(refuse(format!("{} bytes long", meta.len())));
+        }
+        let mut b = Self::map_memfd(file, len)?;
+        b.kind = BufferKind::ShmFile;
+        b.file_access_only = !owner;
+        Ok(b)
     }
 
     /// A new udmabuf of `len` bytes, mapped through its memfd (so it can also
@@ -219,7 +311,7 @@ impl Buffer {
                 .ok()
                 .and_then(|fd| MmapRegion::from_file(FileOffset::new(File::from(fd), 0), len).ok()),
         };
-        Ok(Buffer { region, kind: BufferKind::DmaBuf, memfd: None, dmabuf: Some(buf), len })
+        Ok(Buffer { region, kind: BufferKind::DmaBuf, memfd: None, dmabuf: Some(buf), len, file_access_only: false })
     }
 
     /// Its length in bytes.
@@ -237,7 +329,7 @@ impl Buffer {
         self.kind
     }
 
-    /// The memfd behind a shared buffer, to pass to another process.
+    /// The memfd (or shm file) behind a shared buffer, to pass to another process.
     pub fn memfd_fd(&self) -> Option<BorrowedFd<'_>> {
         self.memfd.as_ref().map(|f| f.as_fd())
     }
@@ -251,6 +343,13 @@ impl Buffer {
     /// them for `host`/`host_fixed`).
     pub fn is_mapped(&self) -> bool {
         self.region.is_some()
+    }
+
+    /// Whether this process may checksum the bytes in place, through its
+    /// mapping: not a DMA-BUF it cannot map, nor a shm file its owner may
+    /// shrink (whose checksums therefore come from the side that owns it).
+    pub fn checksummed_in_place(&self) -> bool {
+        self.region.is_some() && !self.file_access_only
     }
 
     /// Start address of the CPU mapping, for the kernel (io_uring SQEs,
@@ -275,6 +374,9 @@ impl Buffer {
     /// A bounds-checked volatile view of `count` bytes at `offset`.
     pub fn slice(&self, offset: u64, count: usize) -> Result<VolatileSlice<'_>, BufferError> {
         self.check_range(offset, count)?;
+        if self.file_access_only {
+            return Err(BufferError::FileAccessOnly);
+        }
         let oob = || BufferError::OutOfBounds { offset, count, len: self.len() };
         let offset = usize::try_from(offset).map_err(|_| oob())?;
         self.region()?.get_slice(offset, count).map_err(|_| oob())
@@ -283,6 +385,11 @@ impl Buffer {
     /// Copies `src` into the buffer at `offset` (a DMA-BUF's access is
     /// bracketed with `DMA_BUF_IOCTL_SYNC` and counted).
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), BufferError> {
+        if let Some(file) = self.through_file() {
+            self.check_range(offset, src.len())?;
+            let io = |source| BufferError::ShmFileIo { op: "writing", offset, count: src.len(), source };
+            return std::os::unix::fs::FileExt::write_all_at(file, src, offset).map_err(io);
+        }
         let slice = self.slice(offset, src.len())?;
         let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Write)).transpose()?;
         slice.copy_from(src);
@@ -294,6 +401,9 @@ impl Buffer {
     /// are shared with the daemon, which writes them only during a load this
     /// process asked for.
     pub fn as_mut_ptr(&self) -> Result<*mut u8, BufferError> {
+        if self.file_access_only {
+            return Err(BufferError::FileAccessOnly);
+        }
         Ok(self.region()?.as_ptr())
     }
 
@@ -311,6 +421,9 @@ impl Buffer {
     /// twice as long in memmove as in crc32c).
     pub fn crc32c(&self, offset: u64, count: usize) -> Result<u32, BufferError> {
         self.check_range(offset, count)?;
+        if let Some(file) = self.through_file() {
+            return crc32c_of_file(file, offset, count);
+        }
         let base = self.as_mut_ptr()?;
         let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Read)).transpose()?;
         // SAFETY: `offset..offset + count` lies within the mapping
@@ -326,11 +439,44 @@ impl Buffer {
     /// Copies `dst.len()` bytes at `offset` out of the buffer (bracketed and
     /// counted for a DMA-BUF).
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), BufferError> {
+        if let Some(file) = self.through_file() {
+            self.check_range(offset, dst.len())?;
+            let count = dst.len();
+            let io = |source| BufferError::ShmFileIo { op: "reading", offset, count, source };
+            return std::os::unix::fs::FileExt::read_exact_at(file, dst, offset).map_err(io);
+        }
         let slice = self.slice(offset, dst.len())?;
         let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Read)).transpose()?;
         slice.copy_to(dst);
         Ok(())
     }
+}
+
+impl Buffer {
+    /// The file a [`BufferKind::ShmFile`] from another process is reached
+    /// through, if this is one.
+    fn through_file(&self) -> Option<&File> {
+        if self.file_access_only { self.memfd.as_ref() } else { None }
+    }
+}
+
+/// crc32c of `count` bytes at `offset` of `file`, read through the file in
+/// blocks that stay in the cache (one pass over the bytes from memory, as in
+/// place; never a fault if the owner shrank the file: a short read fails).
+fn crc32c_of_file(file: &File, offset: u64, count: usize) -> Result<u32, BufferError> {
+    const BLOCK: usize = 256 << 10;
+    let mut block = vec![0u8; BLOCK.min(count)];
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    let mut done = 0usize;
+    while done < count {
+        let n = BLOCK.min(count - done);
+        let at = offset + done as u64;
+        std::os::unix::fs::FileExt::read_exact_at(file, &mut block[..n], at)
+            .map_err(|source| BufferError::ShmFileIo { op: "reading", offset: at, count: n, source })?;
+        digest.update(&block[..n]);
+        done += n;
+    }
+    Ok(digest.finalize() as u32)
 }
 
 /// CRC-32C (Castagnoli, the iSCSI polynomial) of payload bytes, with
@@ -406,5 +552,63 @@ mod tests {
         let a = Buffer::memfd("small", 4096).unwrap();
         let dup = a.memfd_fd().unwrap().try_clone_to_owned().unwrap();
         assert!(matches!(Buffer::from_memfd(dup, 8192), Err(BufferError::OutOfBounds { .. })));
+    }
+
+    /// An unsealed memfd: what a /dev/shm object is to the kernel (both are
+    /// tmpfs files), made here without needing /dev/shm mounted.
+    fn unsealed_shm(len: usize) -> OwnedFd {
+        let fd = nix::sys::memfd::memfd_create("shm-test", nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+        File::from(fd.try_clone().unwrap()).set_len(len as u64).unwrap();
+        fd
+    }
+
+    #[test]
+    fn a_received_shm_file_is_reached_through_its_file_and_survives_a_truncation() {
+        let len = 3 * (256 << 10) + 4096;
+        let fd = unsealed_shm(len);
+        let owner = Buffer::from_shm_file(fd.try_clone().unwrap(), len, true).unwrap();
+        let received = Buffer::from_shm_file(fd.try_clone().unwrap(), len, false).unwrap();
+        assert_eq!(received.kind(), BufferKind::ShmFile);
+        assert_eq!(received.addr().unwrap() % 4096, 0, "mapped for the kernel's I/O");
+        let mut bytes: Vec<u8> = (0..len).map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[1]).collect();
+        owner.write_at(0, &bytes).unwrap();
+        for (off, n) in [(0, 1), (5, 256 << 10), (4096, len - 4096), (0, len)] {
+            assert_eq!(received.crc32c(off as u64, n).unwrap(), crc32c::crc32c(&bytes[off..off + n]), "{off}+{n}");
+        }
+        received.write_at(8, b"decode").unwrap();
+        let mut out = [0u8; 6];
+        owner.read_at(8, &mut out).unwrap();
+        assert_eq!(&out, b"decode");
+        bytes[8..14].copy_from_slice(b"decode");
+        assert!(matches!(received.slice(0, 1), Err(BufferError::FileAccessOnly)));
+        assert!(matches!(received.as_mut_ptr(), Err(BufferError::FileAccessOnly)));
+
+        // The owner shrinks the file: every access of the received buffer
+        // past the new end fails with an error, none faults.
+        File::from(fd).set_len(4096).unwrap();
+        let err = received.crc32c(0, len).unwrap_err();
+        assert!(err.to_string().contains("did its owner shrink"), "{err}");
+        assert!(received.read_at(8192, &mut out).is_err());
+        assert_eq!(received.crc32c(0, 4096).unwrap(), crc32c::crc32c(&bytes[..4096]), "what is left still reads");
+    }
+
+    #[test]
+    fn only_tmpfs_files_of_the_size_asked_are_shm_files() {
+        let small = unsealed_shm(4096);
+        let err = Buffer::from_shm_file(small, 8192, false).unwrap_err();
+        assert!(err.to_string().contains("4096 bytes long"), "{err}");
+        let dir = std::env::current_dir().unwrap();
+        let on_disk = tempfile_in(&dir);
+        let err = Buffer::from_shm_file(on_disk, 4096, false).unwrap_err();
+        assert!(matches!(err, BufferError::NotShmFile(_)) || dir.starts_with("/dev/shm"), "{err}");
+    }
+
+    /// An unlinked 4096-byte file in `dir`.
+    fn tempfile_in(dir: &std::path::Path) -> OwnedFd {
+        let path = dir.join(format!(".shm-test-{}", std::process::id()));
+        let f = File::options().create(true).truncate(true).read(true).write(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f.set_len(4096).unwrap();
+        f.into()
     }
 }

@@ -249,6 +249,7 @@ impl Conn {
         let expected = match kind {
             SharedKind::Memfd => "1 fd (the memfd)",
             SharedKind::Dmabuf => "1 or 2 fds (the DMA-BUF, then optionally its backing memfd)",
+            SharedKind::Shm => "1 fd (the shared-memory file)",
         };
         let bad_fds = |got: usize| DataError::Fds { kind, expected, got };
         match kind {
@@ -258,6 +259,13 @@ impl Conn {
                 }
                 let fd = fds.remove(0);
                 Buffer::from_memfd(fd, len as usize).map_err(DataError::MapMemfd)
+            }
+            SharedKind::Shm => {
+                if fds.len() != 1 {
+                    return Err(bad_fds(fds.len()));
+                }
+                // Its owner may shrink it: reached through the file only.
+                Buffer::from_shm_file(fds.remove(0), len as usize, false).map_err(DataError::MapMemfd)
             }
             SharedKind::Dmabuf => {
                 if fds.is_empty() || fds.len() > 2 {
