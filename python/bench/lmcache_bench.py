@@ -6,17 +6,25 @@ backends in one process and one run, rounds alternating:
               O_DIRECT, queue depth 256, fixed buffers from its allocator)
   local_disk  LMCache's LocalDiskBackend (O_DIRECT) on a filesystem
 
-Each backend gets its own device of the same kind (`cargo xtask bench
---lmcache` makes three zram devices, memory speed, so software overhead
-shows). Every restored chunk is compared with what was stored, outside the
-timing. Prints a table and writes JSON with medians and the ratios
-pdstor/raw_block and pdstor/local_disk (throughput: > 1 means pdstor is
-faster).
+Each backend gets its own target of the same kind (`cargo xtask bench
+--lmcache` runs it on three zram devices, memory speed, so software overhead
+shows, and on files of the root filesystem). Every restored chunk is
+compared with what was stored, outside the timing. Prints a table and writes
+JSON with medians and the ratios pdstor/raw_block and pdstor/local_disk
+(throughput: > 1 means pdstor is faster), and the CPU each spent per GiB
+moved: the benchmark process's (LMCache, the plugin or the backend, their
+I/O threads) plus, for pdstor, the daemon's — both sides of the handoff.
+
+pdstor's plugin runs as its documentation recommends: LMCache's CPU pool in
+shared memory (`shm_name`), so that the daemon moves bytes straight to and
+from LMCache's memory objects.
 
 What each side guarantees when its put returns: pdstor — every chunk's
-crc32c checked as it lands, flushed to the device, then the publication is
-READY with a signed receipt, and a get verifies each chunk's crc32c in the
-reader and consumes the publication (exactly one reader); raw_block — bytes
+crc32c taken by the writer in LMCache's memory and recorded, the chunks
+flushed to the device, then the publication is READY with a signed receipt;
+a get verifies each chunk's crc32c in the reader's memory object against
+the manifest before it acknowledges, and consumes the publication (exactly
+one reader); raw_block — bytes
 written with O_DIRECT, index in memory (checkpointed periodically), no flush,
 no checksum; local_disk — a file written with O_DIRECT, no flush, no
 checksum.
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import statistics
 import sys
 import tempfile
@@ -50,15 +59,51 @@ SHAPES = {
 }
 
 
+def parse_size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
+
+
+def is_device(path: str) -> bool:
+    return os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
+
+
+def make_file(path: str, size: str) -> None:
+    """A target file of `size`, every block written once (zeros) and synced:
+    no round pays the filesystem's first allocation of its extents."""
+    block = bytes(8 << 20)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a target only its owner reads (`pdstor serve` insists)
+    with os.fdopen(fd, "wb") as f:
+        for _ in range(parse_size(size) // len(block)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def target_bytes(path: str) -> int:
+    if is_device(path):
+        return int(Path(f"/sys/class/block/{Path(path).name}/size").read_text()) * 512
+    return os.path.getsize(path)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def chunk_bytes(shape) -> int:
     layers, kv, tokens, heads, dim = shape
     return layers * kv * tokens * heads * dim * 2
 
 
-def start_pdstor(binary: str, device: str, slot: int, dir: Path) -> Daemon:
-    """`pdstor format` + `pdstor serve` on the device, sockets in `dir`."""
-    format_target(binary, device, slot=slot, journal="16M")
-    d = Daemon(binary, dir, device, ["--qd", "128"])
+def start_pdstor(binary: str, target: str, slot: int, dir: Path, file_size: str) -> Daemon:
+    """`pdstor format` + `pdstor serve` on the target, sockets in `dir`."""
+    if not is_device(target):
+        make_file(target, file_size)
+    format_target(binary, target, slot=slot, journal="16M", size=None if is_device(target) else file_size)
+    d = Daemon(binary, dir, target, ["--qd", "128"])
     d.start()
     return d
 
@@ -91,25 +136,29 @@ def backend_of(sm: StorageManager):
     return name, sm.storage_backends[name]
 
 
-def one_round(sm: StorageManager, source: list[torch.Tensor], tag: str) -> tuple[float, float]:
+def one_round(sm: StorageManager, source: list[torch.Tensor], tag: str, others: list[int]) -> tuple[float, ...]:
+    """Put then get of every chunk of `source`: the seconds each took and the
+    CPU seconds spent meanwhile by this process and the processes `others`."""
     name, backend = backend_of(sm)
+    def cpu() -> float:
+        return time.process_time() + sum(cpu_s(p) for p in others)
     keys = [CacheEngineKey(MODEL, 1, 0, hash((tag, i)) & (2**63 - 1), torch.bfloat16) for i in range(len(source))]
     objs = []
     for t in source:
         o = sm.allocate(t.shape, torch.bfloat16)
         o.tensor.copy_(t)
         objs.append(o)
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), cpu()
     sm.batched_put(keys, objs)
     while any(backend.exists_in_put_tasks(k) for k in keys):
         time.sleep(0.0002)
-    put_s = time.perf_counter() - start
+    put_s, put_cpu = time.perf_counter() - start, cpu() - cpu0
     if backend.batched_contains(keys) != len(keys):
         raise RuntimeError(f"{name}: only {backend.batched_contains(keys)} of {len(keys)} chunks stored")
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), cpu()
     mapping = sm.get_block_mapping([(k, i * 256, (i + 1) * 256) for i, k in enumerate(keys)])
     got = sm.batched_get(keys, location=name) if list(mapping) == [name] else []
-    get_s = time.perf_counter() - start
+    get_s, get_cpu = time.perf_counter() - start, cpu() - cpu0
     if len(got) != len(keys) or any(o is None for o in got):
         raise RuntimeError(f"{name}: get returned {sum(o is not None for o in got)} of {len(keys)} chunks")
     for i, (o, t) in enumerate(zip(got, source)):
@@ -118,14 +167,16 @@ def one_round(sm: StorageManager, source: list[torch.Tensor], tag: str) -> tuple
         o.ref_count_down()
     if name != "pdstor":  # pdstor's get consumed its publications; the others keep theirs
         backend.batched_remove(keys)
-    return put_s, get_s
+    return put_s, get_s, put_cpu, get_cpu
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pdstor-bin", required=True)
-    ap.add_argument("--pdstor-device", required=True)
-    ap.add_argument("--raw-block-device", required=True)
+    ap.add_argument("--pdstor-device", required=True, help="a block device, or a file (made --file-size)")
+    ap.add_argument("--raw-block-device", required=True, help="a block device, or a file (made --file-size)")
+    ap.add_argument("--file-size", default="1G", help="size of each target that is a file, not a device")
+    ap.add_argument("--label", default="zram", help="what the targets are (zram, file)")
     ap.add_argument("--disk-dir", required=True, help="a directory on a filesystem for local_disk")
     ap.add_argument("--bytes", type=int, default=256 << 20, help="bytes per round per backend")
     ap.add_argument("--rounds", type=int, default=5)
@@ -133,6 +184,8 @@ def main() -> int:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
 
+    if not is_device(a.raw_block_device):
+        make_file(a.raw_block_device, a.file_size)
     results = {}
     for shape_name in a.shapes.split(","):
         shape = SHAPES[shape_name]
@@ -143,8 +196,8 @@ def main() -> int:
             torch.randn((2, shape[0], 256, shape[3] * shape[4]), generator=g).to(torch.bfloat16) for _ in range(n)
         ]
         dir = Path(tempfile.mkdtemp(prefix="pdstor-lmcache-bench-"))
-        daemon = start_pdstor(a.pdstor_bin, a.pdstor_device, size, dir)
-        raw_dev_bytes = int(Path(f"/sys/class/block/{Path(a.raw_block_device).name}/size").read_text()) * 512
+        daemon = start_pdstor(a.pdstor_bin, a.pdstor_device, size, dir, a.file_size)
+        raw_dev_bytes = target_bytes(a.raw_block_device)
         disk = Path(a.disk_dir) / shape_name
         disk.mkdir(parents=True, exist_ok=True)
         sms: dict[str, StorageManager] = {}
@@ -195,25 +248,36 @@ def measure_shape(a, shape_name, shape, size, n, source, daemon: Daemon, dir, di
         if len(sm.storage_backends) != 2:
             raise RuntimeError(f"{name}: LMCache did not create the backend: {list(sm.storage_backends)}")
     samples = {name: {"put": [], "get": []} for name in sms}
+    cpu = {name: {"put": [], "get": []} for name in sms}
+    others = {"pdstor": [daemon.proc.pid], "raw_block": [], "local_disk": []}
     order = list(sms)
-    one_round(sms["pdstor"], source[:2], "warm-pdstor")
-    one_round(sms["raw_block"], source[:2], "warm-raw")
-    one_round(sms["local_disk"], source[:2], "warm-disk")
+    for name in order:  # a warm-up round each
+        one_round(sms[name], source[:2], f"warm-{name}", others[name])
+    gib = n * size / 2**30
     for r in range(a.rounds):
         for name in order:
-            put_s, get_s = one_round(sms[name], source, f"{shape_name}-{name}-{r}")
-            samples[name]["put"].append(n * size / put_s / 2**30)
-            samples[name]["get"].append(n * size / get_s / 2**30)
+            put_s, get_s, put_cpu, get_cpu = one_round(sms[name], source, f"{shape_name}-{name}-{r}", others[name])
+            samples[name]["put"].append(gib / put_s)
+            samples[name]["get"].append(gib / get_s)
+            cpu[name]["put"].append(put_cpu / gib)
+            cpu[name]["get"].append(get_cpu / gib)
         order = order[1:] + order[:1]  # alternate who goes first
     med = {name: {op: statistics.median(v) for op, v in s.items()} for name, s in samples.items()}
+    cpu_med = {name: {op: statistics.median(v) for op, v in s.items()} for name, s in cpu.items()}
     return {
+        "target": a.label,
         "chunk_bytes": size,
         "chunks_per_round": n,
         "rounds": a.rounds,
         "gib_per_s": med,
+        "cpu_s_per_gib": cpu_med,
         "samples": samples,
         "ratio": {
             f"pdstor/{peer}": {op: med["pdstor"][op] / med[peer][op] for op in ("put", "get")}
+            for peer in ("raw_block", "local_disk")
+        },
+        "cpu_ratio": {
+            f"pdstor/{peer}": {op: cpu_med["pdstor"][op] / cpu_med[peer][op] for op in ("put", "get")}
             for peer in ("raw_block", "local_disk")
         },
     }
@@ -230,6 +294,15 @@ def write_report(a, results: dict) -> None:
                 f"  {r['ratio']['pdstor/raw_block'][op]:>16.2f}  {r['ratio']['pdstor/local_disk'][op]:>17.2f}"
             )
     print("(GiB/s, medians of alternating rounds; ratios > 1: pdstor faster)")
+    print(f"\n{'chunk':>8} {'op':>4} {'pdstor':>8} {'raw_block':>10} {'local_disk':>11}  pdstor/raw_block  (CPU s per GiB)")
+    for shape_name, r in results.items():
+        for op in ("put", "get"):
+            c = r["cpu_s_per_gib"]
+            print(
+                f"{shape_name:>8} {op:>4} {c['pdstor'][op]:>8.3f} {c['raw_block'][op]:>10.3f} {c['local_disk'][op]:>11.3f}"
+                f"  {r['cpu_ratio']['pdstor/raw_block'][op]:>16.2f}"
+            )
+    print(f"(on {a.label}; CPU: this process + pdstor's daemon; ratios < 1: pdstor spends less)")
 
 
 if __name__ == "__main__":

@@ -31,9 +31,10 @@ pub struct BenchArgs {
     #[arg(long, default_value = "host_fixed")]
     path: String,
     /// Instead: put and get through LMCache's StorageManager with pdstor's
-    /// plugin, LMCache's raw_block (io_uring) and its local_disk, each on its own
-    /// zram device, alternating rounds; prints pdstor/raw_block and
-    /// pdstor/local_disk (root; the venv of `cargo xtask python`).
+    /// plugin, LMCache's raw_block (io_uring) and its local_disk, each on a
+    /// target of its own (zram devices, or files), alternating rounds; prints
+    /// pdstor/raw_block and pdstor/local_disk, and each one's CPU per GiB
+    /// (root for zram; the venv of `cargo xtask python`).
     #[arg(long)]
     lmcache: bool,
     /// Instead: only pdstor's handoff (`bench-handoff`) against LMCache's
@@ -280,37 +281,70 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// pdstor's LMCache plugin against LMCache's own raw_block and local_disk
-/// backends (python/bench/lmcache_bench.py), each on its own zram device:
-/// pdstor's namespace and raw_block's raw device, and ext4 for local_disk.
+/// backends (python/bench/lmcache_bench.py), on each of `--targets`: three
+/// zram devices (pdstor's namespace, raw_block's raw device, ext4 for
+/// local_disk), or two files and a directory on the root filesystem.
 fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
-    if !crate::deps::is_root(sh) {
-        bail!("bench --lmcache makes zram devices and mounts one: run it as root");
-    }
     let venv = crate::python::venv(sh)?;
     crate::python::install(sh, &venv)?;
-    // local_disk's filesystem holds every round: LMCache 0.5.6's remove() does
-    // not give back the space its admission counts (zram allocates lazily).
-    let (ours, raw, disk) = (Zram::new(sh, &args.size)?, Zram::new(sh, &args.size)?, Zram::new(sh, "8G")?);
-    let disk_dev = &disk.device;
-    cmd!(sh, "mkfs.ext4 -q -F {disk_dev}").run().context("mkfs.ext4 on the local_disk zram")?;
-    let mnt = out_dir.join("lmcache-disk");
-    sh.create_dir(&mnt)?;
-    cmd!(sh, "mount {disk_dev} {mnt}").run().context("mounting the local_disk zram")?;
     let python = venv.join("bin/python");
     let script = crate::project_root().join("python/bench/lmcache_bench.py");
-    let json = out_dir.join("lmcache-report.json");
     let rounds = args.rounds.max(5).to_string();
-    let (a, b) = (&ours.device, &raw.device);
-    let ran = cmd!(
-        sh,
-        "{python} {script} --pdstor-bin {pdstor} --pdstor-device {a} --raw-block-device {b} --disk-dir {mnt} --rounds {rounds} --json {json}"
-    )
-    .run()
-    .context("the LMCache benchmark failed (see above)");
-    let _ = cmd!(sh, "umount {mnt}").run();
-    drop((ours, raw, disk));
-    ran?;
-    println!("\nreport: {}", json.display());
+    let size = &args.size;
+    let latency = crate::project_root().join("python/bench/lmcache_latency.py");
+    for t in &args.targets {
+        let json = out_dir.join(format!("lmcache-report-{t}.json"));
+        let latency_json = out_dir.join(format!("lmcache-latency-{t}.json"));
+        // Throughput against LMCache's own backends, then pdstor's per-key
+        // latency between two processes on the same kind of target.
+        let run = |a: &Path, b: &Path, disk: &Path| {
+            cmd!(
+                sh,
+                "{python} {script} --pdstor-bin {pdstor} --pdstor-device {a} --raw-block-device {b} --disk-dir {disk} --file-size {size} --label {t} --rounds {rounds} --json {json}"
+            )
+            .run()
+            .context("the LMCache benchmark failed (see above)")?;
+            cmd!(
+                sh,
+                "{python} {latency} --pdstor-bin {pdstor} --pdstor-device {a} --file-size {size} --label {t} --json {latency_json}"
+            )
+            .run()
+            .context("the LMCache cross-process latency benchmark failed (see above)")
+        };
+        match t.as_str() {
+            "file" => {
+                let (a, b) = (out_dir.join("lmcache-pdstor.img"), out_dir.join("lmcache-raw-block.img"));
+                let disk = out_dir.join("lmcache-file-disk");
+                sh.create_dir(&disk)?;
+                let ran = run(&a, &b, &disk);
+                let _ = std::fs::remove_file(&a);
+                let _ = std::fs::remove_file(&b);
+                let _ = std::fs::remove_dir_all(&disk);
+                ran?;
+            }
+            "zram" => {
+                if !crate::deps::is_root(sh) {
+                    println!("SKIP: LMCache on zram: making zram devices and mounting one needs root");
+                    continue;
+                }
+                // local_disk's filesystem holds every round: LMCache 0.5.6's
+                // remove() does not give back the space its admission counts
+                // (zram allocates lazily).
+                let (ours, raw, disk) = (Zram::new(sh, size)?, Zram::new(sh, size)?, Zram::new(sh, "8G")?);
+                let disk_dev = &disk.device;
+                cmd!(sh, "mkfs.ext4 -q -F {disk_dev}").run().context("mkfs.ext4 on the local_disk zram")?;
+                let mnt = out_dir.join("lmcache-disk");
+                sh.create_dir(&mnt)?;
+                cmd!(sh, "mount {disk_dev} {mnt}").run().context("mounting the local_disk zram")?;
+                let ran = run(&ours.device, &raw.device, &mnt);
+                let _ = cmd!(sh, "umount {mnt}").run();
+                drop((ours, raw, disk));
+                ran?;
+            }
+            other => bail!("unknown bench target {other:?}: expected file or zram"),
+        }
+        println!("\nreports: {} {}", json.display(), latency_json.display());
+    }
     Ok(())
 }
 
