@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from pdstor.testing import Daemon, format_target
+from raw_block_bench import is_device, parse_size
 
 MODEL = "meta-llama/Llama-3.2-1B"
 SHAPES = {
@@ -57,15 +57,6 @@ SHAPES = {
     "8MiB": (16, 2, 256, 8, 64),
     "512KiB": (1, 2, 256, 8, 64),
 }
-
-
-def parse_size(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
-
-
-def is_device(path: str) -> bool:
-    return os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
 
 
 def make_file(path: str, size: str) -> None:
@@ -285,25 +276,21 @@ def measure_shape(a, shape_name, shape, size, n, source, daemon: Daemon, dir, di
 
 def write_report(a, results: dict) -> None:
     Path(a.json).write_text(json.dumps(results, indent=2))
-    print(f"\n{'chunk':>8} {'op':>4} {'pdstor':>8} {'raw_block':>10} {'local_disk':>11}  pdstor/raw_block  pdstor/local_disk")
-    for shape_name, r in results.items():
-        for op in ("put", "get"):
-            g = r["gib_per_s"]
-            print(
-                f"{shape_name:>8} {op:>4} {g['pdstor'][op]:>8.2f} {g['raw_block'][op]:>10.2f} {g['local_disk'][op]:>11.2f}"
-                f"  {r['ratio']['pdstor/raw_block'][op]:>16.2f}  {r['ratio']['pdstor/local_disk'][op]:>17.2f}"
-            )
+    table(results, "gib_per_s", "ratio", "{:.2f}", ["pdstor/raw_block", "pdstor/local_disk"])
     print("(GiB/s, medians of alternating rounds; ratios > 1: pdstor faster)")
-    print(f"\n{'chunk':>8} {'op':>4} {'pdstor':>8} {'raw_block':>10} {'local_disk':>11}  pdstor/raw_block  (CPU s per GiB)")
+    table(results, "cpu_s_per_gib", "cpu_ratio", "{:.3f}", ["pdstor/raw_block"])
+    print(f"(CPU s per GiB, on {a.label}: this process + pdstor's daemon; ratios < 1: pdstor spends less)")
+
+
+def table(results: dict, values: str, ratios: str, fmt: str, peers: list[str]) -> None:
+    """One row per chunk size and op: each backend's median, then the ratios."""
+    names = ("pdstor", "raw_block", "local_disk")
+    print("\n" + " ".join([f"{'chunk':>8} {'op':>4}", *(f"{n:>10}" for n in names), *(f"{p:>18}" for p in peers)]))
     for shape_name, r in results.items():
         for op in ("put", "get"):
-            c = r["cpu_s_per_gib"]
-            print(
-                f"{shape_name:>8} {op:>4} {c['pdstor'][op]:>8.3f} {c['raw_block'][op]:>10.3f} {c['local_disk'][op]:>11.3f}"
-                f"  {r['cpu_ratio']['pdstor/raw_block'][op]:>16.2f}"
-            )
-    print(f"(on {a.label}; CPU: this process + pdstor's daemon; ratios < 1: pdstor spends less)")
-
+            cells = [f"{fmt.format(r[values][n][op]):>10}" for n in names]
+            cells += [f"{r[ratios][p][op]:>18.2f}" for p in peers]
+            print(" ".join([f"{shape_name:>8} {op:>4}", *cells]))
 
 if __name__ == "__main__":
     sys.exit(main())
