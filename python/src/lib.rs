@@ -149,7 +149,8 @@ impl Buffer {
     #[staticmethod]
     #[pyo3(signature = (path, size = None))]
     fn shared_file(path: std::path::PathBuf, size: Option<usize>) -> PyResult<Self> {
-        let what = |e: &dyn std::fmt::Display| PyValueError::new_err(format!("Buffer.shared_file({}): {e}", path.display()));
+        let what =
+            |e: &dyn std::fmt::Display| PyValueError::new_err(format!("Buffer.shared_file({}): {e}", path.display()));
         let file = std::fs::File::options().read(true).write(true).open(&path).map_err(|e| what(&e))?;
         let len = match size {
             Some(n) => n,
