@@ -138,6 +138,9 @@ impl ServeArgs {
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
             .with_writer(std::io::stderr)
+            // Colours for a terminal only: a log file (journald, a test's
+            // serve.log) gets plain lines, and the daemon skips their escapes.
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init();
         let mut config = match &self.config {
             Some(path) => pdstor::api::config::Config::load(path)?,
