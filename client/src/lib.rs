@@ -410,10 +410,6 @@ pub struct DataConn {
     stream: UnixStream,
 }
 
-/// The largest buffer io_uring registers as one fixed buffer (the kernel
-/// refuses more than 1 GiB per entry): a larger one moves on `host`.
-pub const FIXED_BUFFER_MAX: u64 = 1 << 30;
-
 impl DataConn {
     /// Connects to the daemon's data socket at `path`.
     ///
@@ -440,12 +436,11 @@ impl DataConn {
         }
     }
 
-    /// Shares a buffer with the daemon for `host_fixed` — or, for one larger
-    /// than io_uring registers ([`FIXED_BUFFER_MAX`], a whole LMCache pool
-    /// say), for `host`; returns its id on this connection.
+    /// Shares a buffer with the daemon for `host_fixed`; returns its id on
+    /// this connection. One over 1 GiB (a whole LMCache pool, say) is
+    /// registered in 1 GiB windows, each a table entry of the daemon's.
     pub fn register(&mut self, buffer: &Buffer) -> Result<u32, ClientError> {
-        let path = if buffer.len() as u64 > FIXED_BUFFER_MAX { PayloadPath::Host } else { PayloadPath::HostFixed };
-        self.register_for(buffer, path)
+        self.register_for(buffer, PayloadPath::HostFixed)
     }
 
     /// Shares a buffer with the daemon for `path`: a memfd buffer sends its

@@ -132,6 +132,43 @@ def test_a_shared_memory_file_is_moved_in_place_and_gets_are_placed_by_size(daem
         os.unlink(path)
 
 
+def test_a_shared_file_over_one_gib_moves_on_host_fixed_in_windows_and_across_their_edge(daemon: Daemon):
+    """A shared file over 1 GiB (LMCache's pool, 2 GB in the docs' YAML) is
+    registered in 1 GiB windows: a chunk in each window moves on host_fixed
+    into the right window's bytes, and one straddling the edge moves too."""
+    GIB = 1 << 30
+    path = f"/dev/shm/pdstor-test-windows-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.truncate(2 * GIB + MIB)
+    try:
+        pool = pdstor.Buffer.shared_file(path)
+        places = [4096, GIB + 2 * MIB, 2 * GIB, GIB - 4096]  # the last one straddles the edge
+        data = [pattern(MIB, 400 + i) for i in range(len(places))]
+        for at, d in zip(places, data):
+            pool.write(at, d)
+        client = daemon.client()
+        items = [(f"window-{i}", [(pool, at, MIB)]) for i, at in enumerate(places)]
+        receipts = pdstor.Writer(client, "prefill-0").put_many(items, LAYOUT)
+        assert all(isinstance(r, pdstor.Receipt) for r in receipts), receipts
+        for at in places:
+            pool.write(at, bytes(MIB))
+        got = pdstor.Reader(client, "decode-0").get_many(
+            [(r, pool, at) for r, at in zip(receipts, places)], LAYOUT
+        )
+        assert all(isinstance(g, dict) for g in got), got
+        for at, d in zip(places, data):
+            assert pool.read(at, MIB) == d, f"the chunk at {at} came back"
+        moved = {
+            line.split()[0]: float(line.split()[1])
+            for line in client.metrics().splitlines()
+            if line.startswith("pdstor_transfer_seconds_count")
+        }
+        assert moved.get('pdstor_transfer_seconds_count{op="load",path="host_fixed"}') == len(places), moved
+        assert not any('path="host"' in k for k in moved), moved
+    finally:
+        os.unlink(path)
+
+
 def test_numpy_and_memoryview_see_the_buffer_itself(daemon: Daemon):
     buf = pdstor.Buffer(MIB)
     view = np.frombuffer(buf, dtype=np.uint16)

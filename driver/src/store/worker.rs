@@ -30,6 +30,11 @@ type EarlyCrc = Option<Result<Option<u32>, IoError>>;
 /// Journal writes are whole 4 KiB blocks (every target here accepts that).
 pub const JOURNAL_BLOCK: u64 = 4096;
 
+/// Entries in the engine's registered-buffer table, shared by every
+/// connection's buffers: one per buffer, one per GiB of a larger one
+/// (io_uring allows 16,384; an empty entry costs the kernel a pointer).
+const BUFFER_TABLE: u32 = 1024;
+
 /// What every committer of one group commit is told: shared, since one
 /// outcome answers them all.
 pub(crate) type CommitReply = Result<CommitInfo, Arc<WorkerError>>;
@@ -112,7 +117,8 @@ impl Worker {
         merge_bytes: u64,
         storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
-        let mut engine = Engine::new(target, EngineOptions { queue_depth, buffer_slots: 64, ..Default::default() })?;
+        let mut engine =
+            Engine::new(target, EngineOptions { queue_depth, buffer_slots: BUFFER_TABLE, ..Default::default() })?;
         let a = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64)?;
         let capacity = engine.geometry().capacity;
         // Copy B sits after the journal, whose size copy A gives. If A is

@@ -40,9 +40,8 @@ impl Engine {
             )),
             Err(e) => DmabufRw::Missing(format!("the capability probe failed unexpectedly: {e}")),
             Ok(()) => {
-                // SAFETY: an empty iovec clears the slot the probe touched.
-                let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-                let _ = unsafe { self.update_buffer_table(last as u32, &[empty]) };
+                // Clears the slot the probe touched.
+                let _ = self.clear_entry(last as u32);
                 DmabufRw::Missing("the kernel accepted an invalid DMA-BUF fd; not trusting it".into())
             }
         }
@@ -119,8 +118,7 @@ impl Engine {
             len: buffer.len(),
             source,
         })?;
-        self.slots[id.0 as usize] =
-            Some(Slot { buffer: std::sync::Arc::new(buffer), registered: Registration::DmaBuf });
+        self.slots[id.0 as usize] = Some(Slot::held(buffer, Registration::DmaBuf));
         Ok(id)
     }
 }

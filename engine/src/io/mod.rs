@@ -28,6 +28,7 @@ mod request;
 mod ring;
 mod sys;
 mod target;
+mod windows;
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -66,11 +67,24 @@ pub struct EngineOptions {
     /// ([`EngineStats::resubmitted`] counts them). Files and block devices;
     /// passthrough has no such flag.
     pub nowait_first: bool,
+    /// Bytes of a buffer's mapping per registered-buffer table entry, at
+    /// most [`FIXED_WINDOW_MAX`] (io_uring's limit per entry): a larger
+    /// mapping is registered as several windows, one entry each.
+    pub fixed_window: usize,
 }
+
+/// The most bytes io_uring registers in one buffer table entry (1 GiB).
+pub const FIXED_WINDOW_MAX: usize = 1 << 30;
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { queue_depth: 32, buffer_slots: 64, max_transfer: None, nowait_first: false }
+        EngineOptions {
+            queue_depth: 32,
+            buffer_slots: 64,
+            max_transfer: None,
+            nowait_first: false,
+            fixed_window: FIXED_WINDOW_MAX,
+        }
     }
 }
 
@@ -125,6 +139,11 @@ pub(super) struct Slot {
     /// as the last holder.
     pub(super) buffer: Arc<Buffer>,
     pub(super) registered: Registration,
+    /// A registered mapping over one window: the table entries of its
+    /// windows after the first (which is the slot's own entry), and the
+    /// window's size ([`windows`]).
+    pub(super) windows: Vec<u32>,
+    pub(super) window: usize,
 }
 
 /// The io_uring payload engine over one target.
@@ -137,6 +156,9 @@ pub struct Engine {
     target: Target,
     ring: Ring,
     slots: Vec<Option<Slot>>,
+    /// Table entries that hold a window of another slot's buffer.
+    window_entries: Vec<bool>,
+    fixed_window: usize,
     queue_depth: u32,
     nowait_first: bool,
     stats: EngineStats,
@@ -201,6 +223,8 @@ impl Engine {
             target,
             ring,
             slots: (0..opts.buffer_slots).map(|_| None).collect(),
+            window_entries: vec![false; opts.buffer_slots as usize],
+            fixed_window: opts.fixed_window.clamp(4096, FIXED_WINDOW_MAX),
             queue_depth,
             nowait_first: opts.nowait_first,
             stats: EngineStats::default(),
@@ -243,32 +267,29 @@ impl Engine {
             // SAFETY: a trial registration of `buffer`'s live mapping, cleared
             // right after; no I/O uses the slot in between.
             let trial = unsafe { self.update_buffer_table(id.0, &[iov]) };
-            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-            // SAFETY: an empty iovec clears the slot.
-            let _ = unsafe { self.update_buffer_table(id.0, &[empty]) };
+            let _ = self.clear_entry(id.0);
             trial.map_err(|source| IoError::DmabufNotPinnable { exporter: d.exporter().to_owned(), source })?;
         }
-        self.slots[id.0 as usize] = Some(Slot { buffer: Arc::new(buffer), registered: Registration::None });
+        self.slots[id.0 as usize] = Some(Slot::held(buffer, Registration::None));
         Ok(id)
     }
 
     /// Holds `buffer` and registers it with io_uring, for the `host_fixed` path
-    /// (it remains usable on `host` too).
+    /// (it remains usable on `host` too). A mapping over the engine's
+    /// window (1 GiB by default) takes one table entry per window.
     pub fn register(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
         let id = self.free_slot()?;
         let addr = buffer.addr().map_err(|what| IoError::BufferUnusable { buffer: id, what })?;
-        let iov = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: buffer.len() };
-        // SAFETY: the iovec describes `buffer`'s mapping, which the engine owns in
-        // `slots` from here until `remove` unregisters it (or the ring is dropped
-        // first, since `ring` is declared before `slots`).
-        let res = unsafe { self.update_buffer_table(id.0, &[iov]) };
-        res.map_err(|source| match buffer.dmabuf() {
-            Some(d) if buffer.memfd_fd().is_none() => {
+        let windows = self.register_windows(id, addr, buffer.len()).map_err(|e| match (e, buffer.dmabuf()) {
+            (windows::Failed::Os(source), Some(d)) if buffer.memfd_fd().is_none() => {
                 IoError::DmabufNotPinnable { exporter: d.exporter().to_owned(), source }
             }
-            _ => IoError::Register { buffer: id, len: buffer.len(), source },
+            (windows::Failed::Os(source), _) => IoError::Register { buffer: id, len: buffer.len(), source },
+            (windows::Failed::Engine(e), _) => e,
         })?;
-        self.slots[id.0 as usize] = Some(Slot { buffer: Arc::new(buffer), registered: Registration::Host });
+        let window = self.fixed_window;
+        self.slots[id.0 as usize] =
+            Some(Slot { buffer: Arc::new(buffer), registered: Registration::Host, windows, window });
         Ok(id)
     }
 
@@ -276,15 +297,12 @@ impl Engine {
     pub fn remove(&mut self, id: BufferId) -> Result<Arc<Buffer>, IoError> {
         let slot = self.slots.get_mut(id.0 as usize).and_then(Option::take).ok_or(IoError::UnknownBuffer(id))?;
         if slot.registered != Registration::None {
-            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-            // SAFETY: an empty iovec clears the table entry; no I/O is in flight
-            // because `execute` completes everything before returning.
-            let res = unsafe { self.update_buffer_table(id.0, &[empty]) };
-            if let Err(source) = res {
+            if let Err(source) = self.clear_entry(id.0) {
                 let len = slot.buffer.len();
                 self.slots[id.0 as usize] = Some(slot);
                 return Err(IoError::Register { buffer: id, len, source });
             }
+            self.clear_windows(&slot.windows);
         }
         Ok(slot.buffer)
     }
@@ -521,7 +539,8 @@ impl Engine {
     fn free_slot(&self) -> Result<BufferId, IoError> {
         self.slots
             .iter()
-            .position(Option::is_none)
+            .zip(&self.window_entries)
+            .position(|(slot, window)| slot.is_none() && !window)
             .map(|i| BufferId(i as u32))
             .ok_or(IoError::BufferTableFull { slots: self.slots.len() as u32 })
     }

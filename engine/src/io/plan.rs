@@ -37,7 +37,7 @@ pub(super) fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Re
     let index = r.buffer.0 as u16;
     let (buf_index, addr) = match (r.path, slot.registered) {
         (PayloadPath::Host, _) => (None, mapped()?),
-        (PayloadPath::HostFixed, Registration::Host) => (Some(index), mapped()?),
+        (PayloadPath::HostFixed, Registration::Host) => (slot.fixed_index(index, r.buffer_offset.0, r.len), mapped()?),
         (PayloadPath::HostFixed, _) => {
             return Err(IoError::PathUnavailable {
                 transfer: t,
