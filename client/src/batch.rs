@@ -5,6 +5,7 @@
 //! the rest, and each outcome is what the step's own route would have said.
 
 use serde::de::DeserializeOwned;
+use serde_json::value::RawValue;
 
 use crate::layout::Manifest;
 use crate::wire::{
@@ -22,6 +23,11 @@ impl Client {
     /// (one, up to that many). The outer error is the transport's or a
     /// refusal of a whole batch; each step's own refusal is its outcome.
     pub fn batch(&self, steps: Vec<BatchStep>) -> Result<Outcomes<serde_json::Value>, ClientError> {
+        self.batch_of(steps)
+    }
+
+    /// [`batch`](Self::batch), each answer as the daemon wrote it.
+    fn batch_raw(&self, steps: Vec<BatchStep>) -> Result<Outcomes<Box<RawValue>>, ClientError> {
         let mut out = Vec::with_capacity(steps.len());
         let mut steps = steps.into_iter().peekable();
         while steps.peek().is_some() {
@@ -46,11 +52,11 @@ impl Client {
     /// [`batch`](Self::batch), each answer read as `T`.
     fn batch_of<T: DeserializeOwned>(&self, steps: Vec<BatchStep>) -> Result<Outcomes<T>, ClientError> {
         Ok(self
-            .batch(steps)?
+            .batch_raw(steps)?
             .into_iter()
             .map(|r| {
                 r.and_then(|v| {
-                    serde_json::from_value(v).map_err(|e| ClientError::Data(format!("a batch step's answer: {e}")))
+                    serde_json::from_str(v.get()).map_err(|e| ClientError::Data(format!("a batch step's answer: {e}")))
                 })
             })
             .collect())

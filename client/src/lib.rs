@@ -38,6 +38,7 @@ pub mod wire;
 mod batch;
 mod http1;
 mod remote;
+mod step_de;
 
 use crate::frame::{read_frame, write_frame};
 use crate::layout::{Layout, Manifest};

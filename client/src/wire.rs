@@ -514,8 +514,9 @@ pub const MAX_BATCH_STEPS: usize = 1024;
 
 /// One step of `POST /storage-pd/batch`: the body its own route takes,
 /// tagged with the step's name (`{"step": "claim", "receipt": …}`).
+// Read by hand (`step_de`): without buffering when the tag comes first.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize)]
 #[serde(tag = "step", rename_all = "snake_case")]
 pub enum BatchStep {
     /// `prepare`.
@@ -573,10 +574,12 @@ pub struct BatchRequest {
 pub struct BatchResult {
     /// The HTTP status its own route would have answered.
     pub status: u16,
-    /// The step's answer, when it was taken (`status` 200).
+    /// The step's answer, when it was taken (`status` 200): what its own
+    /// route answers.
+    // Carried as the daemon wrote it: encoded once, read once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
-    pub ok: Option<serde_json::Value>,
+    pub ok: Option<Box<serde_json::value::RawValue>>,
     /// Why it was refused or failed, when it was not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorBody>,

@@ -12,7 +12,7 @@ use pdstor_client::BufferKind;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{
-    AbortRequest, AdoptRequest, BatchStep, ClaimRequest, DataChunk, FailRequest, PrepareRequest, Prepared,
+    AbortRequest, AdoptRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
 };
 use pdstor_client::{ClientError, LoadChecks, Outcomes, StoreItem, Verify};
 
@@ -301,24 +301,53 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
         .collect();
     let answers = data.with(|d| d.load_many(loads))?;
     drop(data);
+    // Each item's chunks checked against its manifest; where this reader
+    // checksums them itself (memory the daemon does not map), on as many
+    // threads as the machine has, so a group's loads are not followed by
+    // one thread's crc32c of every byte.
+    let mut jobs: Vec<(usize, Vec<DataChunk>, DataResponse)> = Vec::with_capacity(asked.len());
+    let mut refused: Vec<(usize, Result<Vec<u32>, ClientError>)> = Vec::new();
     for ((i, chunks), answer) in asked.into_iter().zip(answers) {
-        let Some(place) = &places[i] else { continue };
+        match answer {
+            Ok(a) => jobs.push((i, chunks, a)),
+            Err(error) => refused.push((i, Err(error))),
+        }
+    }
+    let check = |(i, chunks, answer): &(usize, Vec<DataChunk>, DataResponse)| {
+        let (Some(place), Got::Adopted { manifest, .. }) = (&places[*i], &got[*i]) else {
+            return Err(ClientError::Data("an item loaded was not adopted".into()));
+        };
+        let requested: Vec<u32> = chunks.iter().map(|c| c.index).collect();
+        let checks = LoadChecks::new(verify, &requested, answer);
+        chunks
+            .iter()
+            .map(|c| {
+                let entry = manifest.chunks[c.index as usize];
+                checks.check(c.index, &place.buffer.inner, c.offset, entry.len, entry.crc32c)
+            })
+            .collect::<Result<Vec<u32>, ClientError>>()
+    };
+    // Threads pay off only for bytes this reader checksums itself.
+    let local_bytes: u64 = jobs
+        .iter()
+        .map(|(i, chunks, a)| match &got[*i] {
+            Got::Adopted { manifest, .. } => chunks
+                .iter()
+                .filter(|c| matches!(verify, Verify::Local) || a.unverified.contains(&c.index))
+                .map(|c| manifest.chunks.get(c.index as usize).map_or(0, |e| e.len))
+                .sum(),
+            _ => 0,
+        })
+        .sum();
+    let checked = in_parallel(&jobs, &check, local_bytes >= PARALLEL_CHECK_BYTES);
+    let outcomes: Vec<(usize, Result<Vec<u32>, ClientError>)> =
+        jobs.into_iter().map(|(i, _, _)| i).zip(checked).chain(refused).collect();
+    for (i, checked) in outcomes {
         let Got::Adopted { claim, manifest } =
             std::mem::replace(&mut got[i], Got::Failed { claim: None, error: ClientError::Data("replaced".into()) })
         else {
             continue;
         };
-        let checked = answer.and_then(|a| {
-            let requested: Vec<u32> = chunks.iter().map(|c| c.index).collect();
-            let checks = LoadChecks::new(verify, &requested, &a);
-            chunks
-                .iter()
-                .map(|c| {
-                    let entry = manifest.chunks[c.index as usize];
-                    checks.check(c.index, &place.buffer.inner, c.offset, entry.len, entry.crc32c)
-                })
-                .collect::<Result<Vec<u32>, ClientError>>()
-        });
         got[i] = match checked {
             Ok(crcs) => {
                 let digest = restore_digest(manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
@@ -328,4 +357,23 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
         };
     }
     Ok(())
+}
+
+/// A group's bytes to checksum here from which its checks are spread over
+/// threads (below it, a thread costs more than it saves).
+const PARALLEL_CHECK_BYTES: u64 = 8 << 20;
+
+/// `f` of each item, in order: on this thread unless `parallel`, else split
+/// in contiguous parts over the machine's threads (at most 8).
+fn in_parallel<T: Sync, R: Send>(items: &[T], f: &(impl Fn(&T) -> R + Sync), parallel: bool) -> Vec<R> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    if !parallel || threads < 2 || items.len() < 2 {
+        return items.iter().map(f).collect();
+    }
+    let per = items.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> =
+            items.chunks(per).map(|part| s.spawn(move || part.iter().map(f).collect::<Vec<R>>())).collect();
+        parts.into_iter().flat_map(|p| p.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))).collect()
+    })
 }

@@ -496,7 +496,8 @@ async fn batch(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Bo
             let (publication, req_id) = names(st);
             note_refusal(&service, &caller, publication, req_id, e);
         };
-        let results = run_batch(&service, &caller, r.steps, &watch.token, &prepared, &refused);
+        // One write for the batch's audit lines.
+        let results = super::log::gathered(|| run_batch(&service, &caller, r.steps, &watch.token, &prepared, &refused));
         metrics.reconcile(service.store());
         BatchResponse { results }
     })

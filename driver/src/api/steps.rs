@@ -118,7 +118,7 @@ pub fn run_batch(
             prepared(&r.req_id, p);
         }
         match answer {
-            Ok(a) => match serde_json::to_value(a) {
+            Ok(a) => match serde_json::value::to_raw_value(&a) {
                 Ok(v) => BatchResult { status: 200, ok: Some(v), error: None },
                 Err(e) => failed(ErrorBody::new(RefusalCode::Internal, "", format!("encoding the answer: {e}"))),
             },

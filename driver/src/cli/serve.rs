@@ -137,7 +137,7 @@ impl ServeArgs {
     pub fn run(self) -> anyhow::Result<()> {
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-            .with_writer(std::io::stderr)
+            .with_writer(pdstor::api::log::LogWriter)
             // Colours for a terminal only: a log file (journald, a test's
             // serve.log) gets plain lines, and the daemon skips their escapes.
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -30,9 +30,18 @@ pub(super) struct Opened {
     pub journal: Vec<u8>,
 }
 
+/// The way to the thread: its job channel, and the records appended since
+/// the last job was sent. Appends are carried with the next job (a commit,
+/// at the latest) as one, instead of waking the thread once per record; the
+/// thread sees every job and every record in the order they were asked for.
+struct Jobs {
+    tx: Sender<Job>,
+    appended: Vec<u8>,
+}
+
 /// The handle on a running I/O thread.
 pub(super) struct IoThread {
-    jobs: Mutex<Sender<Job>>,
+    jobs: Mutex<Jobs>,
     handle: Mutex<Option<JoinHandle<()>>>,
     /// The path each held buffer was registered for.
     paths: Mutex<HashMap<BufferId, PayloadPath>>,
@@ -87,7 +96,7 @@ impl IoThread {
             .map_err(|e| StoreError::from(WorkerError::Spawn(e)))?;
         let (opened, dmabuf_rw, counters) = orx.recv().map_err(|_| WorkerError::ExitedDuringOpen)??;
         let io = IoThread {
-            jobs: Mutex::new(tx),
+            jobs: Mutex::new(Jobs { tx, appended: Vec::new() }),
             handle: Mutex::new(Some(handle)),
             paths: Mutex::new(HashMap::new()),
             target_kind,
@@ -117,8 +126,15 @@ impl IoThread {
         self.send(Job::Resume { journal_end })
     }
 
+    /// Sends `job`, after the records appended since the last one.
     fn send(&self, job: Job) -> Result<(), StoreError> {
-        lock(&self.jobs).send(job).map_err(|_| StoreError::from(WorkerError::Gone))
+        let mut jobs = lock(&self.jobs);
+        let gone = |_| StoreError::from(WorkerError::Gone);
+        if !jobs.appended.is_empty() {
+            let frames = std::mem::take(&mut jobs.appended);
+            jobs.tx.send(Job::Append(frames)).map_err(gone)?;
+        }
+        jobs.tx.send(job).map_err(gone)
     }
 
     /// Sends the job `make` builds around a reply channel and waits for the
@@ -129,9 +145,10 @@ impl IoThread {
         rx.recv().map_err(|_| StoreError::from(WorkerError::Gone))
     }
 
-    /// Queues an encoded record for the journal image (durable at the next commit).
-    pub fn append(&self, frame: Vec<u8>) -> Result<(), StoreError> {
-        self.send(Job::Append(frame))
+    /// Queues an encoded record for the journal image (durable at the next
+    /// commit); it reaches the thread with the next job sent.
+    pub fn append(&self, frame: &[u8]) {
+        lock(&self.jobs).appended.extend_from_slice(frame);
     }
 
     /// A group commit: the outer error is a thread that is gone, the inner

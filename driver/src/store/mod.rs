@@ -302,7 +302,8 @@ impl Store {
         }
         live.next_seq += 1;
         live.journal_end += frame.len() as u64;
-        self.io.append(frame)
+        self.io.append(&frame);
+        Ok(())
     }
 
     /// Makes every queued record durable (group commit), and checkpoints the

@@ -50,7 +50,41 @@ pub struct Publication {
     /// The identity that prepared it (`None` in journals older than identities).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<Owner>,
+    /// Its manifest's digest, kept beside the manifest in memory only.
+    #[serde(skip)]
+    pub digest: DigestCache,
 }
+
+impl Publication {
+    /// The digest of its manifest (which every receipt of it names), once
+    /// READY: taken when the manifest was recorded, not per step.
+    pub fn manifest_digest(&self) -> Option<String> {
+        match (&self.digest.0, &self.manifest) {
+            (Some(d), _) => Some(d.clone()),
+            (None, m) => m.as_ref().map(pdstor_client::receipt::manifest_digest),
+        }
+    }
+
+    /// Records `manifest` and its digest.
+    pub fn set_manifest(&mut self, manifest: Manifest) {
+        self.digest = DigestCache(Some(pdstor_client::receipt::manifest_digest(&manifest)));
+        self.manifest = Some(manifest);
+    }
+}
+
+/// A value derived from the publication's manifest, kept so that it is
+/// computed once. It adds nothing to what a publication is: two publications
+/// with the same fields are equal whatever their caches hold.
+#[derive(Debug, Clone, Default)]
+pub struct DigestCache(Option<String>);
+
+impl PartialEq for DigestCache {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for DigestCache {}
 
 /// The identity a publication or claim is bound to: the tenant and the
 /// principal the daemon proved (`uid:1000`, `cert:prefill-0`).

@@ -131,7 +131,7 @@ impl State {
             Record::Publish { publication, manifest } => {
                 let p = self.for_record(*publication, "published", &[Phase::Prepared])?;
                 p.phase = Phase::Ready;
-                p.manifest = Some(manifest.clone());
+                p.set_manifest(manifest.clone());
             }
             Record::Claim { publication, reader, session, lease_ms, epoch, claimed_unix_ms, claimant } => {
                 let p = self.for_record(*publication, "claimed", &[Phase::Ready])?;
@@ -174,7 +174,11 @@ impl State {
                 fresh.epoch = self.epoch;
                 for p in publications {
                     fresh.take_slots(p.id, &p.slots)?;
-                    fresh.pubs.insert(p.id, p.clone());
+                    let mut p = p.clone();
+                    if let Some(m) = p.manifest.take() {
+                        p.set_manifest(m);
+                    }
+                    fresh.pubs.insert(p.id, p);
                 }
                 fresh.next_publication = *next_publication;
                 *self = fresh;
@@ -212,6 +216,7 @@ impl State {
             manifest: None,
             claim: None,
             owner: None,
+            digest: Default::default(),
         };
         self.pubs.insert(publication, p);
         self.next_publication = self.next_publication.max(publication + 1);

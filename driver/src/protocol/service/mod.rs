@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use super::identity::{Caller, Policy, Resource, Role};
-use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock, manifest_digest};
+use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock};
 use std::time::Duration;
 
 use crate::admission::CancelToken;
@@ -198,7 +198,7 @@ impl Service {
     }
 
     fn digest_of(p: &Publication) -> Result<String, Refusal> {
-        p.manifest.as_ref().map(manifest_digest).ok_or_else(|| {
+        p.manifest_digest().ok_or_else(|| {
             Refusal::new(
                 RefusalCode::NotReady,
                 "publication",
