@@ -23,7 +23,7 @@ Every blocking call releases the GIL. Refusals raise the classes of
 from __future__ import annotations
 
 from . import errors
-from ._native import Buffer, Client, Reader, Receipt, Writer, refusal_codes
+from ._native import Buffer, Client, Reader, Receipt, Timeline, Writer, refusal_codes
 from ._native import version as _native_version
 from .errors import *  # noqa: F401,F403  (one exception class per refusal code)
 
@@ -53,4 +53,4 @@ def layout(
     }
 
 
-__all__ = ["Buffer", "Client", "Reader", "Receipt", "Writer", "errors", "layout", "refusal_codes", *errors.__all__]
+__all__ = ["Buffer", "Client", "Reader", "Receipt", "Timeline", "Writer", "errors", "layout", "refusal_codes", *errors.__all__]

@@ -82,6 +82,12 @@ class Writer:
     def store(self, chunks: Iterable[tuple[int, Buffer, int, int]], last: bool = False) -> None: ...
     def publish(self, first_token: int | None = None) -> Receipt: ...
     def abort(self) -> str: ...
+    def handoff(self) -> str:
+        """The open publication as a token for Writer.resume in another
+        process of the same engine; it carries the writer's secret token."""
+    @staticmethod
+    def resume(client: Client, handoff: str, writer_id: str = "python") -> Writer:
+        """A writer holding the publication another writer handed off."""
     def put(
         self,
         req_id: str,
@@ -133,6 +139,26 @@ class Reader:
         place: Callable[[dict[str, Any]], tuple[Buffer, int]],
     ) -> list[dict[str, Any] | Error]:
         """With place: each adopted item goes where place(manifest) says."""
+
+class Timeline:
+    """This process's lines of the causal timeline (`pdstor timeline check`
+    reads them beside the daemon's): appended to `path` as `node`."""
+
+    def __init__(self, path: str | os.PathLike[str], node: str) -> None: ...
+    @property
+    def node(self) -> str: ...
+    def emit(
+        self,
+        event: str,
+        *,
+        receipt: Receipt | None = None,
+        req_id: str | None = None,
+        publication: int | None = None,
+        token: int | None = None,
+        tokens: Sequence[int] | None = None,
+        detail: str | None = None,
+    ) -> int:
+        """Appends one line; answers its seq."""
 
 def refusal_codes() -> list[tuple[str, int]]: ...
 def version() -> str: ...

@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 mod many;
+mod timeline;
 
 /// What a binding call failed on, before it becomes a Python exception.
 enum Failure {
@@ -623,6 +624,43 @@ impl Writer {
         self.current.as_ref().map(|(p, _)| p.publication)
     }
 
+    /// The open publication as a token another process of the same engine
+    /// (a serving engine's worker, when this writer is its scheduler) hands
+    /// to [`Writer.resume`] to store into it. It carries the writer's secret
+    /// token: whoever holds it may store, publish and abort this
+    /// publication, so it travels only inside one trust domain, never to a
+    /// reader.
+    fn handoff(&self, py: Python<'_>) -> PyResult<String> {
+        let Some((p, total)) = &self.current else {
+            return Err(to_py(
+                py,
+                Failure::Usage("handoff: nothing prepared on this writer: call prepare() first".into()),
+            ));
+        };
+        let v = serde_json::json!({ "prepared": p, "total_chunks": total });
+        Ok(v.to_string())
+    }
+
+    /// A writer on `client` holding the publication another writer prepared
+    /// and handed off ([`Writer.handoff`]): its stores, publish and abort
+    /// carry that publication's token. The daemon still checks the token
+    /// and the publication's state on every step.
+    #[staticmethod]
+    #[pyo3(signature = (client, handoff, writer_id = "python"))]
+    fn resume(client: PyRef<'_, Client>, handoff: &str, writer_id: &str) -> PyResult<Self> {
+        let bad = |e: String| {
+            PyValueError::new_err(format!(
+                "Writer.resume: not a Writer.handoff() token ({e}): pass exactly what handoff() returned"
+            ))
+        };
+        let mut v: serde_json::Value = serde_json::from_str(handoff).map_err(|e| bad(e.to_string()))?;
+        let total = v.get("total_chunks").and_then(serde_json::Value::as_u64).and_then(|t| u32::try_from(t).ok());
+        let total = total.ok_or_else(|| bad("no total_chunks".into()))?;
+        let prepared: Prepared =
+            serde_json::from_value(v["prepared"].take()).map_err(|e| bad(format!("prepared: {e}")))?;
+        Ok(Writer { conn: client.conn.clone(), writer_id: writer_id.into(), current: Some((prepared, total)) })
+    }
+
     /// prepare → store (`batch` chunks per request) → publish, in one call:
     /// `chunks` is a list of `(buffer, offset, length)`, chunk 0 first.
     /// Anything refused on the way aborts the publication and raises.
@@ -1076,6 +1114,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_class::<Writer>()?;
     m.add_class::<Reader>()?;
+    m.add_class::<timeline::Timeline>()?;
     m.add_function(wrap_pyfunction!(refusal_codes, m)?)?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     Ok(())

@@ -5,6 +5,7 @@ between two Python processes checked byte for byte outside pdstor."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pickle
 import subprocess
@@ -218,6 +219,65 @@ def test_the_steps_one_by_one(daemon: Daemon):
     r.load(claim, [(0, out, 0)])
     r.ack(claim)
     assert out.read(0, 2 * MIB) == buf.read(0, 2 * MIB)
+
+
+def test_a_prepared_publication_is_handed_to_another_process_that_stores_it(daemon: Daemon):
+    """A serving engine's scheduler prepares and publishes; its worker, another
+    process, stores: the handoff token carries the publication, and the
+    daemon still checks every step. A worker that goes away before the
+    publish takes its unpublished stores with it: the publication is aborted."""
+    client = daemon.client()
+    w = pdstor.Writer(client, "sched")
+    with pytest.raises(pdstor.UsageError, match="nothing prepared"):
+        w.handoff()
+    worker = f"""
+import sys, pdstor
+client = pdstor.Client({daemon.server!r}, {daemon.data_socket!r})
+for token in sys.stdin:
+    w = pdstor.Writer.resume(client, token, "worker")
+    buf = pdstor.Buffer({2 * MIB})
+    buf.write(0, bytes(range(256)) * {2 * MIB // 256})
+    w.store([(0, buf, 0, {MIB}), (1, buf, {MIB}, {MIB})], last=True)
+    print(w.publication, flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        pub = w.prepare("req-handoff", LAYOUT, total_chunks=2, timeout_ms=1000)
+        proc.stdin.write(w.handoff() + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == str(pub)
+        ready = w.publish(first_token=3)
+        got = pdstor.Buffer(2 * MIB)
+        manifest = pdstor.Reader(client).get(ready, LAYOUT, got)
+        assert manifest["first_token"] == 3 and got.read(0, 2 * MIB) == bytes(range(256)) * (2 * MIB // 256)
+
+        pub = w.prepare("req-handoff-gone", LAYOUT, total_chunks=2, timeout_ms=1000)
+        proc.stdin.write(w.handoff() + "\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == str(pub)
+    finally:
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    # The worker is gone with the publication unpublished: aborted, its slots free.
+    for _ in range(100):
+        if client.publications() == []:
+            break
+        time.sleep(0.05)
+    assert client.publications() == []
+    with pytest.raises(pdstor.UnknownPublication):
+        w.publish()
+
+    # A token altered, or not a token at all, is refused where it is used.
+    with pytest.raises(ValueError, match="not a Writer.handoff"):
+        pdstor.Writer.resume(client, "{}")
+    w2 = pdstor.Writer(client)
+    w2.prepare("req-handoff-2", LAYOUT, total_chunks=1, timeout_ms=1000)
+    forged = json.loads(w2.handoff())
+    forged["prepared"]["writer_token"] = "0" * len(forged["prepared"]["writer_token"])
+    buf = pdstor.Buffer(MIB)
+    with pytest.raises(pdstor.NotOwner):
+        pdstor.Writer.resume(client, json.dumps(forged)).store([(0, buf, 0, MIB)], last=True)
+    assert w2.abort() == "aborted"
 
 
 def test_receipts_travel_as_json_and_pickle(daemon: Daemon):
