@@ -1,9 +1,10 @@
 //! `cargo xtask python`: the Python package (`python/`) in a virtual
-//! environment with the real LMCache, as its users install it — `pip install
-//! lmcache==0.5.6` (which brings torch from PyPI), then `pip install` of the
-//! package's wheel (`cargo xtask python --wheel` builds it: one abi3 wheel for
+//! environment with the real vLLM and LMCache, as their users install them —
+//! `pip install vllm==0.33.0 lmcache==0.5.6` (which bring torch from PyPI),
+//! then `pip install` of the package's wheel (`cargo xtask python --wheel` builds it: one abi3 wheel for
 //! CPython 3.11 and later) — and its tests: the API against a live daemon,
-//! and the LMCache plugin loaded by LMCache's own configuration.
+//! the LMCache plugin loaded by LMCache's own configuration, and the vLLM
+//! connector driven by vLLM's own scheduler.
 //!
 //! The environment is several GB (torch pulls CUDA's runtime wheels even on a
 //! CPU machine), so it is made once per requirement set and interpreter and
@@ -17,13 +18,14 @@ use xshell::{Shell, cmd};
 
 use crate::project_root;
 
-/// What the environment holds besides pdstor: LMCache as its users install
-/// it; the native engine of its raw_block backend (the benchmark's peer: a
-/// separate wheel, published only as release candidates); NIXL (the
-/// small-chunk benchmark's peer: its POSIX backend runs on the CPU); the test
-/// and build tools.
-pub const REQUIREMENTS: &str =
-    "lmcache==0.5.6\nlmcache-rust-raw-block-io==0.5.7rc2\nnixl-cu12==1.5.1\nnumpy\npytest\nmaturin>=1.9,<2\npatchelf\n";
+/// What the environment holds besides pdstor: vLLM (the `pdstor.vllm`
+/// connector's tests drive its real scheduler; it pins torch 2.14, which
+/// LMCache accepts) and LMCache as their users install them; the native
+/// engine of LMCache's raw_block backend (the benchmark's peer: a separate
+/// wheel, published only as release candidates); NIXL (the small-chunk
+/// benchmark's peer: its POSIX backend runs on the CPU); the test and build
+/// tools.
+pub const REQUIREMENTS: &str = "vllm==0.33.0\nlmcache==0.5.6\nlmcache-rust-raw-block-io==0.5.7rc2\nnixl-cu12==1.5.1\nnumpy\npytest\nmaturin>=1.9,<2\npatchelf\n";
 
 /// The marker written once the environment is complete: a half-made one
 /// (an interrupted pip) is made again, never used.

@@ -1,0 +1,188 @@
+"""Storage P/D for vLLM: ``PdstorConnector``, a ``KVConnectorBase_V1`` that
+hands a request's KV cache from a prefill engine to a decode engine through
+``pdstor serve``, running the ownership protocol per request.
+
+Loaded by vLLM's own configuration::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "PdstorConnector",
+        "kv_connector_module_path": "pdstor.vllm", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"server": "unix:/run/pdstor/control.sock",
+                                      "data_socket": "/run/pdstor/data.sock"}}'
+
+The prefill engine (``kv_producer``) answers each request with
+``kv_transfer_params = {"pdstor": {"receipt", "req", "prompt_tokens",
+"first_token"}}``; a proxy sends the prompt with that first token appended,
+and those params, to the decode engine (``kv_consumer``), which claims,
+adopts, loads, verifies and acknowledges before it decodes. A handoff that
+cannot be restored fails the request through vLLM's load-error path
+(``kv_load_failure_policy``, default ``"fail"``). See docs/vllm.md.
+
+``kv_connector_extra_config``:
+
+- ``server``, ``data_socket``: the daemon's sockets (defaults
+  ``unix:/run/pdstor/control.sock``, ``/run/pdstor/data.sock``); checked
+  when the engine starts — a daemon that does not answer fails the start;
+- ``writer_id``, ``reader_id``: recorded with publications and claims
+  (default ``vllm``);
+- ``lease_ms``: a claim's lease (default 60000);
+- ``admission_timeout_s``: how long a request waits for room to be stored
+  before it is prefilled without a handoff (its params then carry
+  ``error``; default 30);
+- ``staging_bytes``: the worker's registered staging buffer (default 64 MiB);
+- ``model_identity``: names the weights instead of vLLM's config hash (a
+  checkpoint digest, say);
+- ``timeline``: a file this engine appends its timeline lines to (node
+  ``vllm-scheduler-<engine_id>`` / ``vllm-worker-<engine_id>``): schedule,
+  the publish, claim and ack echoes, restored, the decode's continuation —
+  beside the daemon's ``--timeline``, ``pdstor timeline check`` verifies the
+  run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+import pdstor
+
+from ._identity import UnsupportedEngine, engine_layout
+from ._meta import PdstorMetadata
+from ._scheduler import PARAMS, SchedulerSide
+from ._worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("pdstor.vllm")
+
+__all__ = ["PARAMS", "PdstorConnector", "UnsupportedEngine"]
+
+
+@dataclass(frozen=True)
+class Config:
+    server: str = "unix:/run/pdstor/control.sock"
+    data_socket: str = "/run/pdstor/data.sock"
+    writer_id: str = "vllm"
+    reader_id: str = "vllm"
+    lease_ms: int = 60_000
+    admission_timeout_s: float = 30.0
+    staging_bytes: int = 64 << 20
+    timeline: str | None = None
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any]) -> Config:
+        known = set(Config.__dataclass_fields__) | {"model_identity"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"pdstor.vllm: unknown kv_connector_extra_config keys {unknown}; it takes {sorted(known)}"
+            )
+        fields = {k: v for k, v in extra.items() if k in Config.__dataclass_fields__}
+        return Config(**fields)
+
+
+class PdstorConnector(KVConnectorBase_V1):
+    """vLLM's connector for pdstor: the scheduler role decides and owns
+    (prepare, publish, claim), the worker role moves and verifies bytes
+    (store, adopt, load, ack)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.cfg = Config.from_extra(dict(ktc.kv_connector_extra_config or {}))
+        self.layout, self.shape = engine_layout(vllm_config, kv_cache_config, dict(ktc.kv_connector_extra_config or {}))
+        self.client = pdstor.Client(self.cfg.server, self.cfg.data_socket)
+        try:
+            self.client.healthz()
+        except pdstor.Error as e:
+            raise RuntimeError(
+                f"pdstor.vllm: the daemon at {self.cfg.server} does not answer ({e}): start `pdstor serve` "
+                "there, or set kv_connector_extra_config.server to its control socket"
+            ) from e
+        engine_id = str(ktc.engine_id)
+        roles = (bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer))
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        timeline = pdstor.Timeline(self.cfg.timeline, f"vllm-{half}-{engine_id}") if self.cfg.timeline else None
+        if role == KVConnectorRole.SCHEDULER:
+            self._sched = SchedulerSide(self.client, self.layout, self.shape, self.cfg, engine_id, roles, timeline)
+        else:
+            group = kv_cache_config.kv_cache_groups[0]
+            self._worker = WorkerSide(
+                self.client,
+                self.layout,
+                self.shape,
+                self.cfg,
+                engine_id,
+                list(group.layer_names),
+                group.kv_cache_spec.dtype,
+                timeline,
+            )
+        log.info("pdstor.vllm: %s role on %s, layout %s", role.name, self.cfg.server, self.layout)
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._sched is None:
+            raise RuntimeError("pdstor.vllm: a scheduler-role call on the worker-role connector")
+        return self._sched
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("pdstor.vllm: a worker-role call on the scheduler-role connector")
+        return self._worker
+
+    # -- worker role ----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdstorMetadata)
+        self.worker_side.load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # start_load_kv restores every layer before the forward pass starts.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # The blocks are copied once the step's forward pass is done
+        # (wait_for_save), all layers at once, from the registered caches.
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdstorMetadata)
+        self.worker_side.save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.worker_side.finished(finished_req_ids)
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.take_invalid()
+
+    # -- scheduler role -------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.match(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.finished(request, block_ids)

@@ -1,0 +1,374 @@
+"""The connector's scheduler half: which requests are handed over, and the
+protocol steps that decide ownership — prepare, publish, claim — while the
+worker half moves the bytes.
+
+Producer: a request is prepared when the scheduler first considers it (its
+chunks from its prompt; a full store waits at admission by being asked
+again next step, up to ``admission_timeout_s``, never by blocking the
+scheduler); each step hands the worker the blocks its prompt completed;
+``request_finished`` publishes READY with the first output token and returns
+the READY receipt in ``kv_transfer_params``. An aborted request's
+publication is aborted; a preempted one's too, and it is prepared anew when
+it is scheduled again.
+
+Consumer: a request whose ``kv_transfer_params`` carry a handoff advertises
+the producer's prompt tokens as external; after allocation it is claimed
+for this engine's reader and session with this engine's layout. Whatever
+goes wrong — no receipt, a forged one, another model, the producer's token
+missing from the prompt, a refused claim — still advertises the tokens, so
+the worker reports the blocks through vLLM's load-error path
+(``kv_load_failure_policy``): the request fails under ``"fail"`` and is
+recomputed (and counted) under ``"recompute"``, never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pdstor
+
+from ._format import Shape, prompt_digest
+from ._meta import LoadSpec, PdstorMetadata, SaveSpec
+
+log = logging.getLogger("pdstor.vllm")
+
+PARAMS = "pdstor"
+"""The key of pdstor's entry in a request's ``kv_transfer_params``."""
+
+
+@dataclass
+class _Pub:
+    """A request this engine prefills for another: its open publication."""
+
+    writer: pdstor.Writer
+    handoff: str
+    name: str
+    prompt_tokens: int
+    digest: bytes
+    total: int
+    block_ids: list[int] = field(default_factory=list)
+    next_chunk: int = 0
+
+
+@dataclass
+class _Plan:
+    """A handed-over request this engine decodes, between its match and its claim."""
+
+    prompt_tokens: int
+    digest: bytes
+    expect_token: int
+    local_tokens: int
+    ready: pdstor.Receipt | None
+    error: str | None
+
+
+@dataclass
+class Counters:
+    """What this scheduler half did, for the operator and the tests."""
+
+    prepared: int = 0
+    published: int = 0
+    aborted: int = 0
+    admission_waits: int = 0
+    claimed: int = 0
+    load_refused: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        client: pdstor.Client,
+        layout: dict,
+        shape: Shape,
+        cfg: Any,
+        engine_id: str,
+        roles: tuple[bool, bool],
+        timeline: pdstor.Timeline | None,
+    ):
+        self.client = client
+        self.timeline = timeline
+        self.layout = layout
+        self.shape = shape
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.producer, self.consumer = roles
+        self.reader = pdstor.Reader(client, cfg.reader_id, session=f"vllm-{engine_id}")
+        self.pubs: dict[str, _Pub] = {}
+        # Preempted requests prepared anew and not scheduled since: their
+        # publication is the one to store, whatever the step reports.
+        self.fresh: set[str] = set()
+        self.attempts: dict[str, int] = {}
+        self.waiting_since: dict[str, float] = {}
+        self.store_failed: dict[str, str] = {}
+        self.plans: dict[str, _Plan] = {}
+        self.consumed: set[str] = set()
+        self.pending_loads: list[LoadSpec] = []
+        self.counters = Counters()
+        # Decode requests restored from a publication: request id -> (its name, the producer token).
+        self.handed: dict[str, tuple[str, int]] = {}
+
+    def note(self, event: str, **fields: Any) -> None:
+        if self.timeline is not None:
+            self.timeline.emit(event, **fields)
+
+    # -- matching -----------------------------------------------------------
+
+    def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = (request.kv_transfer_params or {}).get(PARAMS)
+        if params is not None and self.consumer:
+            # Handed over — or the producer said it could not be (an
+            # "error" entry): a strict consumer fails that like any miss.
+            return self._match_load(request, num_computed_tokens, params)
+        if self._stores(request):
+            return self._admit(request)
+        return 0, False
+
+    def _stores(self, request: Any) -> bool:
+        if not self.producer:
+            return False
+        if not self.consumer:
+            return True
+        return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+
+    def _admit(self, request: Any) -> tuple[int | None, bool]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if rid in self.pubs:
+            if request.status != RequestStatus.PREEMPTED or rid in self.fresh:
+                return 0, False
+            # Preempted and resumed before a step reported it: the stored
+            # chunks are gone from the paged cache's point of view.
+            self._abort(rid, "preempted: it is prepared anew and stored again")
+        if rid in self.store_failed:
+            return 0, False
+        prompt = list(request.prompt_token_ids or [])
+        total = self.shape.chunks_for(len(prompt))
+        attempt = self.attempts.get(rid, 0)
+        name = f"vllm-{self.engine_id}-{rid}" + (f"-{attempt}" if attempt else "")
+        writer = pdstor.Writer(self.client, self.cfg.writer_id)
+        try:
+            writer.prepare(name, self.layout, total, timeout_ms=0)
+        except pdstor.AdmissionTimeout as e:
+            first = self.waiting_since.setdefault(rid, time.monotonic())
+            self.counters.admission_waits += 1
+            if time.monotonic() - first < self.cfg.admission_timeout_s:
+                return None, False
+            self.store_failed[rid] = (
+                f"no room for {total} chunks within admission_timeout_s={self.cfg.admission_timeout_s}: {e}"
+            )
+            log.error("pdstor.vllm: request %s is not handed over: %s", rid, self.store_failed[rid])
+            return 0, False
+        except pdstor.Error as e:
+            self.store_failed[rid] = f"prepare refused: {e}"
+            log.error("pdstor.vllm: request %s is not handed over: %s", rid, self.store_failed[rid])
+            return 0, False
+        self.waiting_since.pop(rid, None)
+        self.attempts[rid] = attempt + 1
+        self.counters.prepared += 1
+        self.pubs[rid] = _Pub(writer, writer.handoff(), name, len(prompt), prompt_digest(prompt), total)
+        if request.status == RequestStatus.PREEMPTED:
+            self.fresh.add(rid)
+        detail = f"prefill {rid}: {len(prompt)} tokens, {total} chunks"
+        self.note("schedule", req_id=name, publication=writer.publication, detail=detail)
+        return 0, False
+
+    def _match_load(self, request: Any, num_computed_tokens: int, params: dict) -> tuple[int | None, bool]:
+        rid = request.request_id
+        if rid in self.consumed:
+            # Restored and acknowledged before a preemption: vLLM recomputes
+            # or finds its own prefix cache; the publication is gone.
+            return 0, False
+        plan = self.plans.get(rid)
+        if plan is None:
+            plan = self._plan(request, params)
+            self.plans[rid] = plan
+        plan.local_tokens = num_computed_tokens
+        return max(plan.prompt_tokens - num_computed_tokens, 0), False
+
+    def _plan(self, request: Any, params: dict) -> _Plan:
+        prompt = list(request.prompt_token_ids or [])
+        tokens, token = params.get("prompt_tokens"), params.get("first_token")
+        error = params.get("error")
+        if error is not None:
+            error = f"the producer did not hand this request over: {error}"
+        elif not isinstance(tokens, int) or not 0 < tokens < len(prompt):
+            error = (
+                f"kv_transfer_params.pdstor.prompt_tokens={tokens!r} does not fit this prompt of {len(prompt)} tokens"
+            )
+        elif prompt[tokens] != token:
+            error = (
+                f"the prompt does not carry the producer's first token {token!r} at position {tokens} "
+                f"(found {prompt[tokens]}): send the prompt with the prefill's token appended"
+            )
+        if error is not None:
+            tokens = max(len(prompt) - 1, 0)
+            return _Plan(tokens, prompt_digest(prompt[:tokens]), -1, 0, None, error)
+        ready, error = self._ready(params)
+        return _Plan(tokens, prompt_digest(prompt[:tokens]), token, 0, ready, error)
+
+    def _ready(self, params: dict) -> tuple[pdstor.Receipt | None, str | None]:
+        text = params.get("receipt")
+        if text is not None:
+            try:
+                return pdstor.Receipt.from_json(text), None
+            except (ValueError, TypeError) as e:
+                return None, f"kv_transfer_params.pdstor.receipt is not a receipt: {e}"
+        name = params.get("req")
+        if not isinstance(name, str):
+            return None, "kv_transfer_params.pdstor has neither a receipt nor a request name (req)"
+        try:
+            [found] = self.client.lookup([name])
+        except pdstor.Error as e:
+            return None, f"lookup of {name!r} refused: {e}"
+        if found is None:
+            return None, f"no READY publication is named {name!r}"
+        return found, None
+
+    def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        plan = self.plans.pop(rid, None)
+        if plan is None:
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        bs = self.shape.block_tokens
+        first = plan.local_tokens // bs
+        last = -(-(plan.local_tokens + num_external_tokens) // bs)
+        fill = [(i, block_ids[i]) for i in range(first, min(last, len(block_ids)))]
+        claim = None
+        error = plan.error
+        if error is None and plan.ready is not None:
+            try:
+                claim = self.reader.claim(plan.ready, lease_ms=self.cfg.lease_ms, layout=self.layout)
+                self.counters.claimed += 1
+                self.note("claim", receipt=claim)
+                self.handed[rid] = (claim.req_id, plan.expect_token)
+            except pdstor.Error as e:
+                error = f"claim refused: {e}"
+        if error is not None:
+            self.counters.load_refused += 1
+            log.error("pdstor.vllm: request %s: its handed-over KV cannot be loaded: %s", rid, error)
+            if not fill:
+                log.error("pdstor.vllm: request %s: every prompt token was in the local prefix cache", rid)
+        self.consumed.add(rid)
+        self.pending_loads.append(
+            LoadSpec(
+                req_id=rid,
+                claim=claim.to_json() if claim is not None else None,
+                error=error,
+                prompt_tokens=plan.prompt_tokens,
+                digest=plan.digest,
+                expect_token=plan.expect_token,
+                fill=fill,
+            )
+        )
+
+    # -- each step ----------------------------------------------------------
+
+    def build_meta(self, so: Any) -> PdstorMetadata:
+        meta = PdstorMetadata()
+        for rid in so.preempted_req_ids or ():
+            if rid not in self.fresh:
+                self._abort(rid, "preempted: it will be prepared anew and stored again")
+        for new in so.scheduled_new_reqs:
+            self.fresh.discard(new.req_id)
+            pub = self.pubs.get(new.req_id)
+            if pub is not None:
+                pub.block_ids = list(new.block_ids[0])
+                self._plan_saves(meta, new.req_id, pub, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            self.fresh.discard(rid)
+            pub = self.pubs.get(rid)
+            if pub is None:
+                continue
+            added = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                pub.block_ids = list(added[0]) if added else []
+            elif added:
+                pub.block_ids.extend(added[0])
+            self._plan_saves(meta, rid, pub, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
+        meta.loads, self.pending_loads = self.pending_loads, []
+        return meta
+
+    def _plan_saves(self, meta: PdstorMetadata, rid: str, pub: _Pub, computed: int) -> None:
+        computed = min(computed, pub.prompt_tokens)
+        done = pub.total if computed >= pub.prompt_tokens else computed // self.shape.block_tokens
+        if done <= pub.next_chunk:
+            return
+        chunks = [(i, pub.block_ids[i]) for i in range(pub.next_chunk, done)]
+        meta.saves.append(
+            SaveSpec(
+                req_id=rid,
+                handoff=pub.handoff,
+                prompt_tokens=pub.prompt_tokens,
+                digest=pub.digest,
+                chunks=chunks,
+                last=done == pub.total,
+            )
+        )
+        pub.next_chunk = done
+
+    def _abort(self, rid: str, why: str) -> str | None:
+        pub = self.pubs.pop(rid, None)
+        if pub is None:
+            return None
+        try:
+            outcome = pub.writer.abort()
+        except pdstor.Error as e:
+            outcome = f"abort refused: {e}"
+        self.counters.aborted += 1
+        log.info("pdstor.vllm: request %s (%s) %s: publication %s", rid, pub.name, why, outcome)
+        return outcome
+
+    # -- the end ------------------------------------------------------------
+
+    def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        self.plans.pop(rid, None)
+        self.consumed.discard(rid)
+        handed = self.handed.pop(rid, None)
+        if handed is not None and request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            # The whole generation from the handoff: the producer's token, then this decode's.
+            name, token = handed
+            self.note("continuation", req_id=name, tokens=[token, *request.output_token_ids])
+        self.waiting_since.pop(rid, None)
+        self.attempts.pop(rid, None)
+        self.fresh.discard(rid)
+        failed = self.store_failed.pop(rid, None)
+        pub = self.pubs.get(rid)
+        if pub is None:
+            return False, ({PARAMS: {"error": failed}} if failed else None)
+        status = request.status
+        outputs = list(request.output_token_ids or [])
+        if status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR) or not outputs:
+            outcome = self._abort(rid, f"finished {status.name} before it was handed over")
+            return False, {PARAMS: {"error": f"request {status.name}: publication {pub.name} {outcome}"}}
+        if pub.next_chunk < pub.total:
+            outcome = self._abort(rid, f"finished with {pub.next_chunk}/{pub.total} chunks stored")
+            return False, {PARAMS: {"error": f"only {pub.next_chunk}/{pub.total} chunks stored: {outcome}"}}
+        self.pubs.pop(rid, None)
+        try:
+            ready = pub.writer.publish(first_token=outputs[0])
+        except pdstor.Error as e:
+            try:
+                pub.writer.abort()
+            except pdstor.Error:
+                pass
+            log.error("pdstor.vllm: request %s: publish of %s refused: %s", rid, pub.name, e)
+            return False, {PARAMS: {"error": f"publish refused: {e}"}}
+        self.counters.published += 1
+        self.note("publish", receipt=ready)
+        return False, {
+            PARAMS: {
+                "receipt": ready.to_json(),
+                "req": pub.name,
+                "prompt_tokens": pub.prompt_tokens,
+                "first_token": outputs[0],
+            }
+        }

@@ -1,0 +1,200 @@
+"""The connector's worker half: the bytes. Stores each step's completed
+blocks from vLLM's paged cache, and restores handed-over requests into it:
+adopt, load every chunk (each checked against the manifest's crc32c and its
+own header), copy into the allocated blocks, then ack. Anything that fails
+reports the request's blocks through ``get_block_ids_with_load_errors`` and
+the claim as failed (the publication RETAINED, its bytes kept) — the engine
+is never left to decode from blocks that were not restored.
+
+vLLM's KV cache here is memory torch allocated, which the daemon cannot map:
+the blocks go through one registered staging buffer (a memfd the daemon
+reads and writes in place, ``host_fixed``), one copy each way. On a GPU the
+route without that copy is DMA-BUF (`docs/gpu-qual.md`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+import pdstor
+
+from ._format import Shape, check_header, header
+from ._meta import LoadSpec, PdstorMetadata, SaveSpec
+
+log = logging.getLogger("pdstor.vllm")
+
+
+class LoadRefused(Exception):
+    """A handed-over request that cannot be restored, and why."""
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        client: pdstor.Client,
+        layout: dict,
+        shape: Shape,
+        cfg: Any,
+        engine_id: str,
+        layer_names: list[str],
+        dtype: torch.dtype,
+        timeline: pdstor.Timeline | None,
+    ):
+        self.client = client
+        self.timeline = timeline
+        self.layout = layout
+        self.shape = shape
+        self.cfg = cfg
+        self.layer_names = layer_names
+        self.dtype = dtype
+        self.reader = pdstor.Reader(client, cfg.reader_id, session=f"vllm-{engine_id}", verify="daemon")
+        self.layers: list[torch.Tensor] = []
+        self.staging: pdstor.Buffer | None = None
+        self.slots = 0
+        # Request id -> (the handoff token of its open publication, its writer):
+        # a preempted request's next publication comes with a new token.
+        self.writers: dict[str, tuple[str, pdstor.Writer]] = {}
+        self.invalid: set[int] = set()
+        # Request id -> (the handoff token whose stores failed, why).
+        self.failed_saves: dict[str, tuple[str, str]] = {}
+        self.restored = 0
+        self.failed_loads = 0
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        missing = [n for n in self.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"pdstor.vllm: the engine registered no KV cache for layers {missing}")
+        page = (self.shape.heads, self.shape.block_tokens, self.shape.content)
+        layers = []
+        for name in self.layer_names:
+            t = kv_caches[name]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape[1:]) != page or t.dtype != self.dtype:
+                got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"pdstor.vllm: layer {name}'s KV cache is {got}; it reads vLLM's per-layer view "
+                    f"[blocks, {page[0]}, {page[1]}, {page[2]}] of {self.dtype}"
+                )
+            layers.append(t)
+        self.layers = layers
+        self.slots = max(1, self.cfg.staging_bytes // self.shape.chunk_bytes)
+        self.staging = pdstor.Buffer(self.slots * self.shape.chunk_bytes, "pdstor-vllm-staging")
+        # Registered now: a data socket that does not answer fails the
+        # engine's start, not its first request.
+        self.client.register(self.staging)
+        self.bytes = torch.frombuffer(self.staging, dtype=torch.uint8)
+
+    def _page(self, slot: int, layer: int) -> torch.Tensor:
+        at = slot * self.shape.chunk_bytes + self.shape.page_offset(layer)
+        s = self.shape
+        return self.bytes[at : at + s.page_bytes].view(self.dtype).view(s.heads, s.block_tokens, s.content)
+
+    # -- saving ---------------------------------------------------------------
+
+    def save(self, meta: PdstorMetadata) -> None:
+        for spec in meta.saves:
+            try:
+                self._save_one(spec)
+            except Exception as e:  # noqa: BLE001 - reported; the scheduler's publish is refused
+                self.writers.pop(spec.req_id, None)
+                self.failed_saves[spec.req_id] = (spec.handoff, str(e))
+                log.error("pdstor.vllm: storing request %s failed (its publication is rolled back): %s", spec.req_id, e)
+
+    def _save_one(self, spec: SaveSpec) -> None:
+        failed = self.failed_saves.get(spec.req_id)
+        if failed is not None and failed[0] == spec.handoff:
+            return
+        held = self.writers.get(spec.req_id)
+        if held is None or held[0] != spec.handoff:
+            held = (spec.handoff, pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id))
+            self.writers[spec.req_id] = held
+        w = held[1]
+        for start in range(0, len(spec.chunks), self.slots):
+            batch = spec.chunks[start : start + self.slots]
+            stores = []
+            for slot, (index, block) in enumerate(batch):
+                at = slot * self.shape.chunk_bytes
+                self.staging.write(at, header(self.shape, index, spec.prompt_tokens, spec.digest))
+                for layer, kv in enumerate(self.layers):
+                    self._page(slot, layer).copy_(kv[block])
+                stores.append((index, self.staging, at, self.shape.chunk_bytes))
+            final = spec.last and start + len(batch) == len(spec.chunks)
+            w.store(stores, last=final)
+        if spec.last:
+            self.writers.pop(spec.req_id, None)
+
+    # -- loading --------------------------------------------------------------
+
+    def load(self, meta: PdstorMetadata) -> None:
+        for spec in meta.loads:
+            try:
+                self._load_one(spec)
+                self.restored += 1
+            except Exception as e:  # noqa: BLE001 - every failure goes to vLLM's load-error path
+                self.failed_loads += 1
+                blocks = [b for _, b in spec.fill]
+                self.invalid.update(blocks)
+                log.error(
+                    "pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e
+                )
+
+    def _load_one(self, spec: LoadSpec) -> None:
+        if spec.error is not None:
+            raise LoadRefused(spec.error)
+        if spec.claim is None:
+            raise LoadRefused("no claim")
+        claim = pdstor.Receipt.from_json(spec.claim)
+        try:
+            self._restore(claim, spec)
+        except Exception as e:
+            # RETAINED: the bytes kept and never reused until reclaimed.
+            try:
+                self.reader.fail(claim, str(e).encode()[:1000].decode(errors="ignore"))
+            except pdstor.Error as f:
+                log.error("pdstor.vllm: reporting request %s's failed restore was refused: %s", spec.req_id, f)
+            raise
+
+    def _restore(self, claim: pdstor.Receipt, spec: LoadSpec) -> None:
+        manifest = self.reader.adopt(claim, self.layout)
+        if manifest.get("first_token") != spec.expect_token:
+            raise LoadRefused(
+                f"the publication's first token is {manifest.get('first_token')}, "
+                f"the prompt carries {spec.expect_token}"
+            )
+        chunks = sorted(c["index"] for c in manifest["chunks"])
+        expected = self.shape.chunks_for(spec.prompt_tokens)
+        if chunks != list(range(expected)):
+            raise LoadRefused(
+                f"the publication holds chunks {chunks}; a prompt of {spec.prompt_tokens} tokens needs 0..{expected - 1}"
+            )
+        fill = dict(spec.fill)
+        for start in range(0, expected, self.slots):
+            batch = list(range(start, min(start + self.slots, expected)))
+            places = [(index, self.staging, slot * self.shape.chunk_bytes) for slot, index in enumerate(batch)]
+            self.reader.load(claim, places)
+            for slot, index in enumerate(batch):
+                raw = self.staging.read(slot * self.shape.chunk_bytes, 128)
+                why = check_header(raw, self.shape, index, spec.prompt_tokens, spec.digest)
+                if why is not None:
+                    raise LoadRefused(why)
+                block = fill.get(index)
+                if block is None:
+                    continue
+                for layer, kv in enumerate(self.layers):
+                    kv[block].copy_(self._page(slot, layer))
+        if self.timeline is not None:
+            self.timeline.emit("restored", receipt=claim)
+        self.reader.ack(claim)
+        if self.timeline is not None:
+            self.timeline.emit("ack", receipt=claim)
+
+    def take_invalid(self) -> set[int]:
+        out, self.invalid = self.invalid, set()
+        return out
+
+    def finished(self, req_ids: set[str]) -> None:
+        for rid in req_ids:
+            self.writers.pop(rid, None)
+            self.failed_saves.pop(rid, None)

@@ -1,0 +1,276 @@
+"""vLLM's real scheduler and a real worker-role connector, with a stand-in
+for the model runner: the engine around ``pdstor.vllm.PdstorConnector`` in
+its tests, as vLLM's own connector tests build it (their harness needs the
+hub; a local tiny-Llama ``config.json`` replaces it: no weights, no
+tokenizer).
+
+The stand-in "forward pass" writes, for every token a step computes, the
+KV that token would have — a function of the token id, its position, the
+layer and the element (:func:`expected_page`) — into the request's paged
+blocks; so a restored block can be checked byte for byte against what the
+prompt alone says, without pdstor."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+LAYERS = 2
+KV_HEADS = 2
+HEAD_DIM = 16
+EOS = 2
+DTYPE = torch.bfloat16
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": KV_HEADS * 2 * HEAD_DIM,
+    "intermediate_size": 128,
+    "num_attention_heads": KV_HEADS * 2,
+    "num_key_value_heads": KV_HEADS,
+    "num_hidden_layers": LAYERS,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": EOS,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+_none_hash = False
+
+
+def tiny_model(dir: Path, **overrides: Any) -> Path:
+    """A tiny Llama's config.json in `dir` (no weights: the scheduler needs none)."""
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "config.json").write_text(json.dumps({**TINY_LLAMA, **overrides}))
+    return dir
+
+
+def engine_config(
+    model: Path,
+    daemon: Any,
+    role: str,
+    engine_id: str,
+    *,
+    block: int = 16,
+    batched: int = 64,
+    seqs: int = 8,
+    policy: str = "fail",
+    extra: dict[str, Any] | None = None,
+) -> VllmConfig:
+    mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", seed=0)
+    sc = SchedulerConfig(
+        max_num_seqs=seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=2048,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+    )
+    cc = CacheConfig(block_size=block, enable_prefix_caching=True)
+    cc.kv_cache_layout = "LBNHC"  # resolved by the engine core before connectors are made
+    ktc = KVTransferConfig(
+        kv_connector="PdstorConnector",
+        kv_connector_module_path="pdstor.vllm",
+        kv_role=role,
+        engine_id=engine_id,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config={"server": daemon.server, "data_socket": daemon.data_socket, **(extra or {})},
+    )
+    return VllmConfig(
+        model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=ktc, device_config=DeviceConfig("cpu")
+    )
+
+
+def expected_page(tokens: list[int], start: int, layer: int) -> torch.Tensor:
+    """The KV of `tokens` at positions start.. in `layer`, as [H, n, C] of bf16:
+    small integers (exact in bf16), different per token, position, layer,
+    head and element."""
+    n = len(tokens)
+    t = torch.tensor(tokens, dtype=torch.int64).view(1, n, 1)
+    pos = torch.arange(start, start + n, dtype=torch.int64).view(1, n, 1)
+    h = torch.arange(KV_HEADS, dtype=torch.int64).view(KV_HEADS, 1, 1)
+    c = torch.arange(2 * HEAD_DIM, dtype=torch.int64).view(1, 1, 2 * HEAD_DIM)
+    return ((t * 31 + pos * 7 + layer * 13 + h * 5 + c) % 241 - 120).to(DTYPE)
+
+
+def next_token(all_tokens: list[int]) -> int:
+    """The stand-in model's sampled token: a function of the sequence so far."""
+    return 3 + (sum(all_tokens) * 7 + len(all_tokens)) % 500
+
+
+@dataclass
+class Finished:
+    req_id: str
+    tokens: list[int]
+    reason: Any
+    params: dict[str, Any] | None
+
+
+@dataclass
+class Engine:
+    """One vLLM engine: its real Scheduler, a real worker-role connector and
+    the paged KV caches it registered; `step()` is one engine step."""
+
+    config: VllmConfig
+    num_blocks: int
+    scheduler: Scheduler = field(init=False)
+    worker: Any = field(init=False)
+    kv: dict[str, torch.Tensor] = field(init=False)
+    # request id -> tokens [0, n) whose restored KV was checked byte for byte
+    restored_checked: dict[str, int] = field(default_factory=dict)
+    finished: dict[str, Finished] = field(default_factory=dict)
+    generated: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> the (chunk, block) pairs its load filled
+    fills: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        global _none_hash
+        if not _none_hash:
+            init_none_hash(sha256)
+            _none_hash = True
+        block = self.config.cache_config.block_size
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        kcc = KVCacheConfig(
+            num_blocks=self.num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec(
+                    names, FullAttentionSpec(block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=DTYPE)
+                )
+            ],
+        )
+        self.config.cache_config.num_gpu_blocks = self.num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=kcc,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=block,
+            log_stats=True,
+        )
+        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kcc)
+        # vLLM's per-layer view [blocks, H, N, C]: K and V of a head side by side.
+        self.kv = {n: torch.zeros(self.num_blocks, KV_HEADS, block, 2 * HEAD_DIM, dtype=DTYPE) for n in names}
+        self.worker.register_kv_caches(self.kv)
+        self.names = names
+        self.block = block
+
+    @property
+    def connector(self) -> Any:
+        return self.scheduler.connector
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int, params: dict | None = None) -> Request:
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(self.block, sha256),
+        )
+        req.kv_transfer_params = params
+        self.scheduler.add_request(req)
+        return req
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def blocks_of(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def read_tokens(self, req_id: str, layer: int, start: int, end: int) -> torch.Tensor:
+        """The paged KV of positions [start, end) of a request, as [H, n, C]."""
+        blocks = self.blocks_of(req_id)
+        parts = []
+        for pos in range(start, end):
+            parts.append(self.kv[self.names[layer]][blocks[pos // self.block], :, pos % self.block, :])
+        return torch.stack(parts, dim=1)
+
+    def step(self) -> list[Any]:
+        so = self.scheduler.schedule()
+        w = self.worker
+        w.bind_connector_metadata(so.kv_connector_metadata)
+        w.start_load_kv(None)
+        loaded = {spec.req_id: spec for spec in so.kv_connector_metadata.loads}
+        self.fills.update({rid: spec.fill for rid, spec in loaded.items()})
+        invalid = w.get_block_ids_with_load_errors()
+        # Check what was restored before this step computes anything.
+        for new in so.scheduled_new_reqs:
+            spec = loaded.get(new.req_id)
+            if spec is None or spec.error is not None or not spec.fill:
+                continue
+            if any(b in invalid for _, b in spec.fill):
+                continue
+            req = self.scheduler.requests[new.req_id]
+            start, end = spec.fill[0][0] * self.block, spec.prompt_tokens
+            for layer in range(LAYERS):
+                got = self.read_tokens(new.req_id, layer, start, end)
+                want = expected_page(list(req.prompt_token_ids[start:end]), start, layer)
+                assert torch.equal(got, want), f"{new.req_id}: restored KV of layer {layer} differs"
+            self.restored_checked[new.req_id] = end
+        # The forward pass: the KV of every token computed this step.
+        starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        starts.update({rid: cached.num_computed_tokens[i] for i, rid in enumerate(cached.req_ids)})
+        sampled: dict[str, list[int]] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            start = starts[rid]
+            tokens = list(req.all_token_ids[start : start + n])
+            blocks = self.blocks_of(rid)
+            for layer, name in enumerate(self.names):
+                page = expected_page(tokens, start, layer)
+                for k in range(n):
+                    pos = start + k
+                    self.kv[name][blocks[pos // self.block], :, pos % self.block, :] = page[:, k, :]
+            done = start + n >= req.num_tokens
+            sampled[rid] = [next_token(list(req.all_token_ids))] if done else []
+        w.wait_for_save()
+        w.clear_connector_metadata()
+        req_ids = list(so.num_scheduled_tokens)
+        out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[sampled[r] for r in req_ids],
+            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+        )
+        results = []
+        for outputs in self.scheduler.update_from_output(so, out).values():
+            for o in outputs.outputs:
+                self.generated.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = Finished(
+                        o.request_id, self.generated[o.request_id], o.finish_reason, o.kv_transfer_params
+                    )
+                results.append(o)
+        return results
+
+    def run(self, max_steps: int = 500) -> None:
+        """Steps until nothing is waiting or running."""
+        for _ in range(max_steps):
+            if not self.scheduler.requests:
+                return
+            self.step()
+        raise AssertionError(f"still unfinished after {max_steps} steps: {list(self.scheduler.requests)}")
