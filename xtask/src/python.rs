@@ -29,7 +29,7 @@ pub const REQUIREMENTS: &str = "vllm==0.33.0\nlmcache==0.5.6\nlmcache-rust-raw-b
 
 /// The marker written once the environment is complete: a half-made one
 /// (an interrupted pip) is made again, never used.
-const COMPLETE: &str = ".pdstor-complete";
+pub(crate) const COMPLETE: &str = ".pdstor-complete";
 
 #[derive(clap::Args, Debug, Default)]
 pub struct PythonArgs {
@@ -48,7 +48,7 @@ pub struct PythonArgs {
 /// The environment for pip: the system's CA bundle where there is one (as
 /// Debian's own pip uses; a venv's pip otherwise trusts only its vendored
 /// certificates), and the package built into the workspace's `target/python`.
-fn pip_env(cmd: xshell::Cmd<'_>) -> xshell::Cmd<'_> {
+pub(crate) fn pip_env(cmd: xshell::Cmd<'_>) -> xshell::Cmd<'_> {
     let bundle = Path::new("/etc/ssl/certs/ca-certificates.crt");
     let cmd = cmd
         .env("PIP_DISABLE_PIP_VERSION_CHECK", "1")
@@ -59,7 +59,7 @@ fn pip_env(cmd: xshell::Cmd<'_>) -> xshell::Cmd<'_> {
 
 /// The interpreter the environment is made from: Debian's `/usr/bin/python3`
 /// (what `cargo xtask deps` installs), else `python3` on PATH.
-fn interpreter(sh: &Shell) -> Result<(String, String)> {
+pub(crate) fn interpreter(sh: &Shell) -> Result<(String, String)> {
     let python = if Path::new("/usr/bin/python3").exists() { "/usr/bin/python3".to_owned() } else { "python3".into() };
     let version = cmd!(sh, "{python} --version")
         .quiet()

@@ -40,6 +40,7 @@ cannot be restored fails the request through vLLM's load-error path
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,16 +76,18 @@ class Config:
     admission_timeout_s: float = 30.0
     staging_bytes: int = 64 << 20
     timeline: str | None = None
+    # kv_transfer_config.kv_load_failure_policy == "recompute" (set from it, not a key)
+    recompute: bool = False
 
     @staticmethod
     def from_extra(extra: dict[str, Any]) -> Config:
-        known = set(Config.__dataclass_fields__) | {"model_identity"}
+        known = (set(Config.__dataclass_fields__) - {"recompute"}) | {"model_identity"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
                 f"pdstor.vllm: unknown kv_connector_extra_config keys {unknown}; it takes {sorted(known)}"
             )
-        fields = {k: v for k, v in extra.items() if k in Config.__dataclass_fields__}
+        fields = {k: v for k, v in extra.items() if k in Config.__dataclass_fields__ and k != "recompute"}
         return Config(**fields)
 
 
@@ -96,7 +99,8 @@ class PdstorConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
-        self.cfg = Config.from_extra(dict(ktc.kv_connector_extra_config or {}))
+        cfg = Config.from_extra(dict(ktc.kv_connector_extra_config or {}))
+        self.cfg = dataclasses.replace(cfg, recompute=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute")
         self.layout, self.shape = engine_layout(vllm_config, kv_cache_config, dict(ktc.kv_connector_extra_config or {}))
         self.client = pdstor.Client(self.cfg.server, self.cfg.data_socket)
         try:

@@ -139,6 +139,11 @@ class WorkerSide:
                 log.error(
                     "pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e
                 )
+                if self.timeline is not None:
+                    # Named by vLLM's request id only: the publication may
+                    # already have ended (a duplicate, a release).
+                    event = "recompute" if self.cfg.recompute else "load_failed"
+                    self.timeline.emit(event, req_id=spec.req_id, detail=str(e))
 
     def _load_one(self, spec: LoadSpec) -> None:
         if spec.error is not None:
