@@ -53,6 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 import pdstor
 
+from ._context import Context
 from ._identity import UnsupportedEngine, engine_layout
 from ._meta import PdstorMetadata
 from ._scheduler import PARAMS, SchedulerSide
@@ -116,20 +117,12 @@ class PdstorConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         timeline = pdstor.Timeline(self.cfg.timeline, f"vllm-{half}-{engine_id}") if self.cfg.timeline else None
+        ctx = Context(self.client, self.layout, self.shape, self.cfg, engine_id, timeline)
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.client, self.layout, self.shape, self.cfg, engine_id, roles, timeline)
+            self._sched = SchedulerSide(ctx, roles)
         else:
             group = kv_cache_config.kv_cache_groups[0]
-            self._worker = WorkerSide(
-                self.client,
-                self.layout,
-                self.shape,
-                self.cfg,
-                engine_id,
-                list(group.layer_names),
-                group.kv_cache_spec.dtype,
-                timeline,
-            )
+            self._worker = WorkerSide(ctx, list(group.layer_names), group.kv_cache_spec.dtype)
         log.info("pdstor.vllm: %s role on %s, layout %s", role.name, self.cfg.server, self.layout)
 
     @property

@@ -30,7 +30,8 @@ from typing import Any
 
 import pdstor
 
-from ._format import Shape, prompt_digest
+from ._context import Context
+from ._format import prompt_digest
 from ._meta import LoadSpec, PdstorMetadata, SaveSpec
 
 log = logging.getLogger("pdstor.vllm")
@@ -78,24 +79,11 @@ class Counters:
 
 
 class SchedulerSide:
-    def __init__(
-        self,
-        client: pdstor.Client,
-        layout: dict,
-        shape: Shape,
-        cfg: Any,
-        engine_id: str,
-        roles: tuple[bool, bool],
-        timeline: pdstor.Timeline | None,
-    ):
-        self.client = client
-        self.timeline = timeline
-        self.layout = layout
-        self.shape = shape
-        self.cfg = cfg
-        self.engine_id = engine_id
+    def __init__(self, ctx: Context, roles: tuple[bool, bool]):
+        self.ctx = ctx
+        self.client, self.layout, self.shape, self.cfg = ctx.client, ctx.layout, ctx.shape, ctx.cfg
         self.producer, self.consumer = roles
-        self.reader = pdstor.Reader(client, cfg.reader_id, session=f"vllm-{engine_id}")
+        self.reader = pdstor.Reader(ctx.client, ctx.cfg.reader_id, session=ctx.session)
         self.pubs: dict[str, _Pub] = {}
         # Preempted requests prepared anew and not scheduled since: their
         # publication is the one to store, whatever the step reports.
@@ -110,9 +98,6 @@ class SchedulerSide:
         # Decode requests restored from a publication: request id -> (its name, the producer token).
         self.handed: dict[str, tuple[str, int]] = {}
 
-    def note(self, event: str, **fields: Any) -> None:
-        if self.timeline is not None:
-            self.timeline.emit(event, **fields)
 
     # -- matching -----------------------------------------------------------
 
@@ -148,7 +133,7 @@ class SchedulerSide:
         prompt = list(request.prompt_token_ids or [])
         total = self.shape.chunks_for(len(prompt))
         attempt = self.attempts.get(rid, 0)
-        name = f"vllm-{self.engine_id}-{rid}" + (f"-{attempt}" if attempt else "")
+        name = f"vllm-{self.ctx.engine_id}-{rid}" + (f"-{attempt}" if attempt else "")
         writer = pdstor.Writer(self.client, self.cfg.writer_id)
         try:
             writer.prepare(name, self.layout, total, timeout_ms=0)
@@ -173,7 +158,7 @@ class SchedulerSide:
         if request.status == RequestStatus.PREEMPTED:
             self.fresh.add(rid)
         detail = f"prefill {rid}: {len(prompt)} tokens, {total} chunks"
-        self.note("schedule", req_id=name, publication=writer.publication, detail=detail)
+        self.ctx.note("schedule", req_id=name, publication=writer.publication, detail=detail)
         return 0, False
 
     def _match_load(self, request: Any, num_computed_tokens: int, params: dict) -> tuple[int | None, bool]:
@@ -244,7 +229,7 @@ class SchedulerSide:
             try:
                 claim = self.reader.claim(plan.ready, lease_ms=self.cfg.lease_ms, layout=self.layout)
                 self.counters.claimed += 1
-                self.note("claim", receipt=claim)
+                self.ctx.note("claim", receipt=claim)
                 self.handed[rid] = (claim.req_id, plan.expect_token)
             except pdstor.Error as e:
                 error = f"claim refused: {e}"
@@ -336,7 +321,7 @@ class SchedulerSide:
         if handed is not None and request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
             # The whole generation from the handoff: the producer's token, then this decode's.
             name, token = handed
-            self.note("continuation", req_id=name, tokens=[token, *request.output_token_ids])
+            self.ctx.note("continuation", req_id=name, tokens=[token, *request.output_token_ids])
         self.waiting_since.pop(rid, None)
         self.attempts.pop(rid, None)
         self.fresh.discard(rid)
@@ -363,7 +348,7 @@ class SchedulerSide:
             log.error("pdstor.vllm: request %s: publish of %s refused: %s", rid, pub.name, e)
             return False, {PARAMS: {"error": f"publish refused: {e}"}}
         self.counters.published += 1
-        self.note("publish", receipt=ready)
+        self.ctx.note("publish", receipt=ready)
         return False, {
             PARAMS: {
                 "receipt": ready.to_json(),

@@ -15,13 +15,13 @@ route without that copy is DMA-BUF (`docs/gpu-qual.md`).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
 import pdstor
 
-from ._format import Shape, check_header, header
+from ._context import Context
+from ._format import check_header, header
 from ._meta import LoadSpec, PdstorMetadata, SaveSpec
 
 log = logging.getLogger("pdstor.vllm")
@@ -32,25 +32,12 @@ class LoadRefused(Exception):
 
 
 class WorkerSide:
-    def __init__(
-        self,
-        client: pdstor.Client,
-        layout: dict,
-        shape: Shape,
-        cfg: Any,
-        engine_id: str,
-        layer_names: list[str],
-        dtype: torch.dtype,
-        timeline: pdstor.Timeline | None,
-    ):
-        self.client = client
-        self.timeline = timeline
-        self.layout = layout
-        self.shape = shape
-        self.cfg = cfg
+    def __init__(self, ctx: Context, layer_names: list[str], dtype: torch.dtype):
+        self.ctx = ctx
+        self.client, self.layout, self.shape, self.cfg = ctx.client, ctx.layout, ctx.shape, ctx.cfg
         self.layer_names = layer_names
         self.dtype = dtype
-        self.reader = pdstor.Reader(client, cfg.reader_id, session=f"vllm-{engine_id}", verify="daemon")
+        self.reader = pdstor.Reader(ctx.client, ctx.cfg.reader_id, session=ctx.session, verify="daemon")
         self.layers: list[torch.Tensor] = []
         self.staging: pdstor.Buffer | None = None
         self.slots = 0
@@ -139,11 +126,10 @@ class WorkerSide:
                 log.error(
                     "pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e
                 )
-                if self.timeline is not None:
-                    # Named by vLLM's request id only: the publication may
-                    # already have ended (a duplicate, a release).
-                    event = "recompute" if self.cfg.recompute else "load_failed"
-                    self.timeline.emit(event, req_id=spec.req_id, detail=str(e))
+                # Named by vLLM's request id only: the publication may
+                # already have ended (a duplicate, a release).
+                event = "recompute" if self.cfg.recompute else "load_failed"
+                self.ctx.note(event, req_id=spec.req_id, detail=str(e))
 
     def _load_one(self, spec: LoadSpec) -> None:
         if spec.error is not None:
@@ -189,11 +175,9 @@ class WorkerSide:
                     continue
                 for layer, kv in enumerate(self.layers):
                     kv[block].copy_(self._page(slot, layer))
-        if self.timeline is not None:
-            self.timeline.emit("restored", receipt=claim)
+        self.ctx.note("restored", receipt=claim)
         self.reader.ack(claim)
-        if self.timeline is not None:
-            self.timeline.emit("ack", receipt=claim)
+        self.ctx.note("ack", receipt=claim)
 
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()
