@@ -54,6 +54,10 @@ TINY_LLAMA = {
 GROUPS = {"short": 20, "exact": 2 * BLOCK, "partial": 3 * BLOCK - 7}
 BUDGET = 16
 MAX_DELTA = 0.02
+# How long an engine may take to start, and to answer one batch (measured:
+# 25-45 s and under 20 s on a 2-core VM).
+START_S = 600
+GENERATE_S = 300
 
 
 def write_weights(model: Path, seed: int = 1234) -> str:
@@ -177,13 +181,24 @@ class Engine:
         self.proc = mp.get_context("spawn").Process(target=engine, args=(role, model, daemon, timeline, child))
         self.proc.start()
         self.conn = parent
-        kind, what = self.conn.recv()
+        kind, what = self._answer(START_S, "start")
         if kind != "ready":
             raise RuntimeError(f"the {self.name} engine did not start:\n{what}")
 
+    def _answer(self, timeout_s: float, what: str) -> tuple[str, Any]:
+        """The engine's next answer; an engine that dies or goes silent fails the run, never hangs it."""
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(1.0):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the {self.name} engine died (exit code {self.proc.exitcode}) during {what}")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise RuntimeError(f"the {self.name} engine did not answer {what} within {timeout_s:.0f} s")
+        return self.conn.recv()
+
     def generate(self, job: list[tuple[list[int], int, dict | None]]) -> tuple[str, Any]:
         self.conn.send(job)
-        return self.conn.recv()
+        return self._answer(GENERATE_S, "a generate")
 
     def stop(self) -> None:
         try:
