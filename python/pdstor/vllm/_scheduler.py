@@ -98,7 +98,6 @@ class SchedulerSide:
         # Decode requests restored from a publication: request id -> (its name, the producer token).
         self.handed: dict[str, tuple[str, int]] = {}
 
-
     # -- matching -----------------------------------------------------------
 
     def match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -125,8 +124,9 @@ class SchedulerSide:
         if rid in self.pubs:
             if request.status != RequestStatus.PREEMPTED or rid in self.fresh:
                 return 0, False
-            # Preempted and resumed before a step reported it: the stored
-            # chunks are gone from the paged cache's point of view.
+            # Preempted, and resumed in the same schedule() that preempted
+            # it (before build_meta saw it): its blocks were freed, it is
+            # recomputed from its first token, so it is stored anew.
             self._abort(rid, "preempted: it is prepared anew and stored again")
         if rid in self.store_failed:
             return 0, False
