@@ -21,7 +21,7 @@ import torch
 import pdstor
 
 from ._context import Context
-from ._format import check_header, header
+from ._format import HEADER_BYTES, check_header, header
 from ._meta import LoadSpec, PdstorMetadata, SaveSpec
 
 log = logging.getLogger("pdstor.vllm")
@@ -166,7 +166,7 @@ class WorkerSide:
             places = [(index, self.staging, slot * self.shape.chunk_bytes) for slot, index in enumerate(batch)]
             self.reader.load(claim, places)
             for slot, index in enumerate(batch):
-                raw = self.staging.read(slot * self.shape.chunk_bytes, 128)
+                raw = self.staging.read(slot * self.shape.chunk_bytes, HEADER_BYTES)
                 why = check_header(raw, self.shape, index, spec.prompt_tokens, spec.digest)
                 if why is not None:
                     raise LoadRefused(why)
