@@ -2,6 +2,8 @@
 //! `cargo test --workspace` built, a daemon running in its own process on a
 //! scratch target, and a reader of target bytes that is not pdstor.
 
+pub mod mallory;
+
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -155,8 +157,16 @@ impl Daemon {
 
     fn spawn(&mut self) {
         let log = std::fs::File::create(&self.log).expect("daemon log");
+        // 2 s of admission wait unless the test says otherwise.
+        let admission: &[&str] = if self.extra.iter().any(|a| a == "--admission-timeout-ms") {
+            &[]
+        } else {
+            &["--admission-timeout-ms", "2000"]
+        };
         let child = Command::new(pdstor_bin())
-            .args(["serve", "--admission-timeout-ms", "2000", "--listen", &self.addr, "--target"])
+            .arg("serve")
+            .args(admission)
+            .args(["--listen", &self.addr, "--target"])
             .arg(&self.target)
             .arg("--data-socket")
             .arg(&self.data_socket)

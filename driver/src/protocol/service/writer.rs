@@ -49,9 +49,21 @@ impl Service {
             self.policy.give(who, quota);
             return Err(e);
         }
-        self.lock_preparing().insert(req_id.to_owned(), who.principal.clone());
+        // The first prepare of an id being handled is the one recorded: a
+        // second (a retry, or another caller's, which the store refuses) never
+        // replaces nor removes that record, so it cannot make itself the one
+        // `cancel` lets give the first up.
+        let recorded = match self.lock_preparing().entry(req_id.to_owned()) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(who.principal.clone());
+                true
+            }
+            std::collections::hash_map::Entry::Occupied(_) => false,
+        };
         let prepared = self.store.prepare_with(req_id, writer, owner.as_ref(), layout, total_chunks, timeout, cancel);
-        self.lock_preparing().remove(req_id);
+        if recorded {
+            self.lock_preparing().remove(req_id);
+        }
         self.policy.give(who, quota);
         let p = prepared?;
         let detail = if p.repeated {
