@@ -382,6 +382,13 @@ impl Client {
     pub fn reclaim(&self, claim: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/reclaim", &ReceiptOnly { receipt: claim.clone() }).map(drop)
     }
+
+    /// `admin/reclaim`: an admin frees a claimed or retained publication by
+    /// number, fencing its claim's session first (no claim receipt needed).
+    pub fn reclaim_publication(&self, publication: u64, reason: &str) -> Result<(), ClientError> {
+        let body = OperatorReclaimRequest { publication, reason: reason.into() };
+        self.post::<_, Done>("/storage-pd/admin/reclaim", &body).map(drop)
+    }
     /// `session/close`: fences a reader session.
     pub fn close_session(&self, claim: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { receipt: claim.clone() }).map(drop)

@@ -153,6 +153,18 @@ pub struct ReceiptOnly {
     pub receipt: Receipt,
 }
 
+/// `POST /storage-pd/admin/reclaim`: an operator (admin) frees a claimed or
+/// retained publication by number, fencing its claim's session first — the
+/// way out for a claim whose receipt nobody holds.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OperatorReclaimRequest {
+    /// The publication.
+    pub publication: u64,
+    /// Why, journaled and on the timeline.
+    pub reason: String,
+}
+
 /// `POST /storage-pd/abort`: roll back a publication that is not READY.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -109,6 +109,12 @@ pub enum Attack {
         server: String,
         receipt: Receipt,
     },
+    /// An admin's reclaim by publication number.
+    OperatorReclaim {
+        server: String,
+        publication: u64,
+        reason: String,
+    },
     /// How many publications the attacker sees.
     List {
         server: String,
@@ -198,6 +204,9 @@ pub fn run(attack: Attack) -> Outcome {
         Attack::Ack { server, receipt } => Outcome::of(Client::new(&server).ack(&receipt, &"00".repeat(32))),
         Attack::CloseSession { server, receipt } => Outcome::of(Client::new(&server).close_session(&receipt)),
         Attack::Reclaim { server, receipt } => Outcome::of(Client::new(&server).reclaim(&receipt)),
+        Attack::OperatorReclaim { server, publication, reason } => {
+            Outcome::of(Client::new(&server).reclaim_publication(publication, &reason))
+        }
         Attack::List { server } => Outcome::of(Client::new(&server).publications(None, false).map(|l| l.len())),
         Attack::Lookup { server, reqs } => {
             Outcome::of(Client::new(&server).lookup(&reqs).map(|l| l.iter().flatten().count()))

@@ -8,8 +8,10 @@
 
 use std::time::{Duration, Instant};
 
-use pdstor::client::Client;
-use pdstor_tests::mallory::{Attack, Lab, as_mallory, layout, refused, unavailable};
+use pdstor::client::{Client, ClientError, Reader, Writer};
+use pdstor::protocol::Receipt;
+use pdstor_tests::mallory::{Attack, Lab, SLOT, as_mallory, layout, refused, unavailable};
+use pdstor_tests::{Daemon, pdstor_bin};
 
 /// The attacker's side: does nothing unless this binary was re-run with an attack.
 #[test]
@@ -69,4 +71,138 @@ fn a_refused_prepare_cannot_make_another_tenants_waiting_prepare_its_own() {
     let live = c.publications(None, false).expect("listing");
     let mine = live.iter().find(|l| l.publication == p.publication).expect("the victim's publication");
     assert_eq!((mine.req_id.as_str(), mine.state.as_str()), ("a-wait", "PREPARED"));
+}
+
+/// A READY publication of `chunks` chunks of [`SLOT`] bytes, stored and
+/// published by the victim; its payload comes back for byte checks.
+fn ready(d: &Daemon, req: &str, chunks: u32) -> (Receipt, Vec<u8>) {
+    let mut w = Writer::new(&d.server, &d.data_socket, SLOT, chunks).expect("a writer");
+    let kv: Vec<u8> = (0..chunks).flat_map(|i| pdstor::payload::chunk(7, u64::from(i), SLOT as usize)).collect();
+    (w.put(req, &layout(), &kv, chunks, Some(11)).expect("put").receipt, kv)
+}
+
+/// Finding 3, the answer lost on the way: the same reader and session
+/// claiming again get the same claim receipt (before the fix: `409
+/// already_claimed`, and the slots were held for good), and can then read.
+/// A claim by another session, or by another identity, is still refused.
+#[test]
+fn a_claim_whose_answer_was_lost_is_answered_again() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let timeline = dir.path().join("timeline.jsonl");
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let d = Daemon::start_with(&target, dir.path(), &["--timeline", timeline.to_str().expect("UTF-8")]);
+    let c = Client::new(&d.server);
+    let (receipt, kv) = ready(&d, "lost-answer", 2);
+    let first = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("the claim");
+    let again = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("the claim, repeated");
+    assert_eq!(again, first, "a repeated claim answers the same receipt");
+    for (reader, session, lease) in
+        [("reader-b", "session-a", 60_000), ("reader-a", "session-b", 60_000), ("reader-a", "session-a", 1_000)]
+    {
+        match c.claim(&receipt, reader, session, lease) {
+            Err(ClientError::Api(e)) => assert_eq!(e.code, "already_claimed", "{}", e.message),
+            other => panic!("a different claim ({reader}, {session}, {lease} ms) was answered: {other:?}"),
+        }
+    }
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
+    let restored = r.get(&again, &layout()).expect("the reader restores with the repeated answer");
+    assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv, "byte for byte");
+    c.ack(&again, &restored.restore_digest).expect("ack");
+    let lines = pdstor::timeline::read(&timeline).expect("the timeline");
+    assert!(
+        lines.iter().any(|(_, e)| e.as_ref().is_ok_and(|e| e.event == "claim_again")),
+        "no repeated claim on the timeline"
+    );
+    // The repeat is no second claim, and names the first's receipt (this
+    // reader writes no timeline of its own, and no probes judge the paths:
+    // the checker's other findings are not this test's).
+    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::Host);
+    let about_the_claim: Vec<_> = report
+        .violations
+        .iter()
+        .filter(|v| {
+            matches!(v.kind, "duplicate_claim" | "receipt_mismatch" | "reader_mismatch") || v.message.contains("claim")
+        })
+        .collect();
+    assert!(about_the_claim.is_empty(), "{about_the_claim:?}");
+}
+
+/// Finding 3, the daemon killed after the CLAIM committed: the repeated
+/// claim answers the claim's receipt (of the epoch before the kill), which
+/// adopt refuses as fenced and its holder reclaims — no operator needed.
+#[test]
+fn a_claim_lost_to_a_kill_is_answered_again_and_reclaimed_by_its_claimant() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let mut d = Daemon::start(&target, dir.path());
+    let (receipt, _) = ready(&d, "killed", 4);
+    let lost = Client::new(&d.server).claim(&receipt, "reader-a", "session-a", 60_000).expect("the claim");
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    let again = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("the claim, repeated after the kill");
+    assert_eq!(again, lost, "the same claim receipt");
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
+    match r.adopt(&again, &layout()) {
+        Err(ClientError::Api(e)) => assert_eq!(e.code, "fenced", "{}", e.message),
+        other => panic!("a claim of the epoch before the kill was adopted: {other:?}"),
+    }
+    c.reclaim(&again).expect("its claimant reclaims");
+    let all = c.prepare("after", &layout(), 4, "w").expect("every slot is free again");
+    c.abort(all.publication, &all.writer_token).expect("abort");
+}
+
+/// Finding 3, nobody holds the receipt: an admin reclaims by publication
+/// (another tenant may not), the claim's session is fenced, the reclaim is
+/// journaled (it survives a restart) and on the timeline.
+#[test]
+fn an_operator_reclaims_a_claim_nobody_holds_a_receipt_for() {
+    if let Some(why) = unavailable() {
+        return pdstor_tests::skip("an_operator_reclaims_a_claim_nobody_holds_a_receipt_for", &why);
+    }
+    let lab = Lab::with(4, "");
+    let timeline = lab.dir.path().join("timeline.jsonl");
+    let mut d = lab.daemon(&["--timeline", timeline.to_str().expect("UTF-8")]);
+    let c = Client::new(&d.server);
+    let (receipt, _) = ready(&d, "orphan-claim", 3);
+    let lost = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("the claim");
+    let id = lost.publication;
+    refused(
+        as_mallory(&Attack::OperatorReclaim { server: d.server.clone(), publication: id, reason: "mine now".into() }),
+        "forbidden",
+    );
+    assert_eq!(state(&c, id).as_deref(), Some("CLAIMED"), "the refused reclaim changed the claim");
+    match c.reclaim_publication(id, " ") {
+        Err(ClientError::Api(e)) => assert_eq!(e.code, "bad_request", "{}", e.message),
+        other => panic!("a reclaim without a reason went through: {other:?}"),
+    }
+    let out = std::process::Command::new(pdstor_bin())
+        .args(["reclaim", "--server", &d.server, "--publication", &id.to_string(), "--reason", "the reader host died"])
+        .output()
+        .expect("pdstor reclaim");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(state(&c, id), None, "the publication is gone");
+    // Its session is fenced: the claim receipt, found later, reads nothing.
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
+    assert!(r.adopt(&lost, &layout()).is_err(), "the reclaimed claim was adopted");
+    d.kill9_and_restart();
+    let c = Client::new(&d.server);
+    assert_eq!(state(&c, id), None, "the reclaim was not journaled: the publication is back after a restart");
+    let all = c.prepare("after", &layout(), 4, "w").expect("every slot is free again");
+    c.abort(all.publication, &all.writer_token).expect("abort");
+    let text = std::fs::read_to_string(&timeline).expect("the timeline");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("\"reclaim\"") && l.contains("by an operator") && l.contains("the reader host died")),
+        "no operator reclaim on the timeline:\n{text}"
+    );
+    // With the claim receipt's holder gone, an operator's word is the only way: the
+    // refusals name it.
+    match c.reclaim_publication(id, "again") {
+        Err(ClientError::Api(e)) => assert_eq!(e.code, "unknown_publication", "{}", e.message),
+        other => panic!("a second reclaim: {other:?}"),
+    }
+}
+
+fn state(c: &Client, publication: u64) -> Option<String> {
+    c.publications(None, false).expect("listing").into_iter().find(|p| p.publication == publication).map(|p| p.state)
 }

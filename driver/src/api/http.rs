@@ -450,6 +450,14 @@ fn steps() -> Router<Shared> {
             }),
         )
         .route(
+            "/storage-pd/admin/reclaim",
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: OperatorReclaimRequest| {
+                    svc.reclaim_by_operator(w, r.publication, &r.reason).map(|_| Done { ok: true })
+                })
+            }),
+        )
+        .route(
             "/storage-pd/session/close",
             post(|State(s): S, Extension(w): E, b: Body| {
                 step(s, w, b, |svc, w, r: SessionCloseRequest| {

@@ -293,17 +293,31 @@ impl FailArgs {
 }
 
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("which").required(true).args(["claim", "publication"])))]
 pub struct ReclaimArgs {
     #[command(flatten)]
     daemon: Server,
-    /// The claim receipt (a JSON file).
+    /// The claim receipt (a JSON file): its claimant, or the publication's owner, reclaims once
+    /// the reader is fenced.
     #[arg(long)]
-    claim: PathBuf,
+    claim: Option<PathBuf>,
+    /// An admin reclaims by publication number, without the claim receipt (its answer was lost):
+    /// the claim's session is closed first (a direct reader's host cut off), then it is freed.
+    #[arg(long, requires = "reason")]
+    publication: Option<u64>,
+    /// With --publication: why, journaled and on the timeline.
+    #[arg(long, requires = "publication")]
+    reason: Option<String>,
 }
 
 impl ReclaimArgs {
     pub fn run(self) -> anyhow::Result<()> {
-        Ok(Client::new(&self.daemon.server).reclaim(&read_json(&self.claim, "claim receipt")?)?)
+        let c = Client::new(&self.daemon.server);
+        match (&self.claim, self.publication, &self.reason) {
+            (Some(claim), _, _) => Ok(c.reclaim(&read_json(claim, "claim receipt")?)?),
+            (None, Some(publication), Some(reason)) => Ok(c.reclaim_publication(publication, reason)?),
+            _ => anyhow::bail!("pdstor reclaim: give --claim RECEIPT, or --publication N --reason WHY (an admin)"),
+        }
     }
 }
 

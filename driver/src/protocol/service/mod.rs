@@ -274,7 +274,9 @@ impl Service {
             reader: claim.map(|c| c.reader.clone()),
             session: claim.map(|c| c.session.clone()),
             lease_ms: claim.map(|c| c.lease_ms),
-            issued_unix_ms: self.now_unix_ms(),
+            // A claim receipt is the claim's: issued when it was made, so a
+            // repeated claim answers the very same receipt.
+            issued_unix_ms: claim.map_or_else(|| self.now_unix_ms(), |c| c.claimed_unix_ms),
             key_id: 0,
             signature: String::new(),
         }))

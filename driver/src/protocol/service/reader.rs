@@ -37,11 +37,22 @@ impl Service {
             )
             .into());
         }
+        if p.phase == Phase::Claimed
+            && let Some(receipt) = self.repeated_claim(who, &p, reader, session, lease_ms)?
+        {
+            return Ok(receipt);
+        }
         if p.phase != Phase::Ready {
+            let by = p.claim.as_ref().map_or_else(String::new, |c| {
+                format!(" by reader {} session {} with a {} ms lease", c.reader, c.session, c.lease_ms)
+            });
             return Err(Refusal::new(
                 RefusalCode::AlreadyClaimed,
                 "publication",
-                format!("publication {} is {:?}", p.id, p.phase),
+                format!(
+                    "publication {} is {:?}{by}: only an exact repeat of that claim (the same identity, reader, session and lease) is answered again",
+                    p.id, p.phase
+                ),
             )
             .into());
         }
@@ -82,6 +93,31 @@ impl Service {
         let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
         self.note(who, Event::new("claim").claim(&receipt).detail(format!("reader {reader} session {session}")));
         Ok(receipt)
+    }
+
+    /// A claim that repeats the live, not yet adopted claim on `p` exactly
+    /// (the same claimant, reader, session and lease): its answer was lost
+    /// (the connection dropped, or the daemon was killed, after the CLAIM
+    /// committed), so it gets the same claim receipt — as a repeated prepare
+    /// gets its publication — and changes nothing. A fenced claim's receipt
+    /// comes back too: adopt refuses it, and its holder may reclaim.
+    fn repeated_claim(
+        &self,
+        who: &Caller,
+        p: &Publication,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+    ) -> Result<Option<Receipt>, ProtocolError> {
+        let Some(c) = &p.claim else { return Ok(None) };
+        let claimant = who.owner();
+        if c.reader != reader || c.session != session || c.lease_ms != lease_ms || c.claimant != claimant {
+            return Ok(None);
+        }
+        let receipt = self.receipt(ReceiptKind::Claim, p, c.epoch)?;
+        let detail = format!("reader {reader} session {session}; a repeat of the same claim: the same claim receipt");
+        self.note(who, Event::new("claim_again").claim(&receipt).detail(detail));
+        Ok(Some(receipt))
     }
 
     /// Every field must match exactly; the manifest comes back.
@@ -305,7 +341,7 @@ impl Service {
     fn fenced(&self, p: &Publication) -> Option<String> {
         let c = p.claim.as_ref()?;
         let key = (c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default(), c.session.clone());
-        if self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).contains(&key) {
+        if self.lock_closed().contains(&key) {
             return Some(format!("its session {} was closed", c.session));
         }
         let epoch = self.store.epoch();
@@ -387,15 +423,27 @@ impl Service {
         // The session is its claimant's: the live claim says whose; a claim
         // already gone leaves only the caller's own session of that name.
         let live = self.store.publication(claim.publication).and_then(|p| p.claim);
-        let claimant = live.as_ref().filter(|c| c.session == session).and_then(|c| c.claimant.clone());
-        if let Some(o) = &claimant {
+        let live = live.filter(|c| c.session == session);
+        if let Some(o) = live.as_ref().and_then(|c| c.claimant.as_ref()) {
             who.require_owner(Some(o), &format!("session {session}"))?;
         }
-        let principal = claimant.map_or_else(|| who.principal.clone(), |o| o.principal);
-        // A direct reader's host is cut off at the target before its session
-        // counts as closed: if the preempt fails, nothing is fenced.
-        let key = live.as_ref().filter(|c| c.session == session && c.direct).and_then(|c| c.reservation_key);
-        let detail = match (key, &self.reservations) {
+        let detail = match &live {
+            Some(c) => self.fence_session(c)?,
+            None => {
+                self.lock_closed().insert((who.principal.clone(), session.clone()));
+                session
+            }
+        };
+        self.note(who, Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(detail));
+        Ok(())
+    }
+
+    /// Closes the session of claim `c` (its claimant's): a direct reader's
+    /// host is cut off at the target first — if that fails, nothing is
+    /// fenced. Returns what was done, for the timeline.
+    fn fence_session(&self, c: &crate::store::ClaimInfo) -> Result<String, Refusal> {
+        let session = &c.session;
+        let detail = match (c.reservation_key.filter(|_| c.direct), &self.reservations) {
             (Some(key), Some((r, own))) => {
                 r.preempt(*own, key).map_err(|e| {
                     Refusal::new(
@@ -413,8 +461,48 @@ impl Service {
             ),
             (None, _) => session.clone(),
         };
-        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner()).insert((principal, session));
-        self.note(who, Event::new("close_session").req(&claim.req_id).publication(claim.publication).detail(detail));
+        let principal = c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default();
+        self.lock_closed().insert((principal, session.clone()));
+        Ok(detail)
+    }
+
+    fn lock_closed(&self) -> std::sync::MutexGuard<'_, HashSet<(String, String)>> {
+        self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The operator's way out for a claim nobody holds a receipt for (the
+    /// claim committed, its answer was lost with the client or the daemon):
+    /// an admin fences the claim's session and reclaims `publication`, by
+    /// number. Journaled as a reclaim and on the timeline with `reason`.
+    pub fn reclaim_by_operator(&self, who: &Caller, publication: u64, reason: &str) -> Result<(), ProtocolError> {
+        who.require(Role::Admin, "an operator's reclaim by publication")?;
+        bounded("reason", reason, MAX_REASON_BYTES)?;
+        if reason.trim().is_empty() {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "reason",
+                "an operator's reclaim needs a reason: it is journaled and on the timeline",
+            )
+            .into());
+        }
+        let p = self.live(publication)?;
+        let Some(c) = p.claim.as_ref().filter(|_| matches!(p.phase, Phase::Claimed | Phase::Adopted | Phase::Retained))
+        else {
+            return Err(Refusal::new(
+                RefusalCode::NotClaimed,
+                "publication",
+                format!(
+                    "publication {publication} is {:?}: only a claimed or retained publication is reclaimed (release an unread READY one, abort or cancel a PREPARED one)",
+                    p.phase
+                ),
+            )
+            .into());
+        };
+        let fenced = self.fence_session(c)?;
+        self.store.reclaim(p.id)?;
+        self.lock_served().remove(&p.id);
+        let detail = format!("by an operator, without the claim receipt; session {fenced} closed; {reason}");
+        self.note(who, Event::new("reclaim").req(&p.req_id).publication(p.id).detail(detail));
         Ok(())
     }
 }

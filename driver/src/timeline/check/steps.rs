@@ -185,6 +185,13 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
             p.claim = Some(Claim { line, reader: e.reader.clone(), session: e.session.clone() });
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
         }
+        ("claim_again", true) => {
+            if p.claim.is_none() {
+                v.add(line, "causality", format!("{who}: a repeated claim answered, no claim recorded before it"));
+            }
+            same_reader(v, line, who, p, e);
+            same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+        }
         ("claim", false) => {
             if p.claim.is_none() {
                 v.add(line, "unrecorded_step", format!("{who}: {} echoes a claim the daemon never recorded", e.node));

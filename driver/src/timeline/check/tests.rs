@@ -105,3 +105,27 @@ fn every_mutation_of_the_example_is_caught_where_it_was_made() {
         );
     }
 }
+
+/// A claim answered again (its first answer was lost) is no second claim
+/// when it names the first's receipt; naming another, or coming with no
+/// claim before it, is reported.
+#[test]
+fn a_repeated_claim_is_the_same_claim() {
+    let t = mutate::example();
+    let at = t.iter().position(|e| e.event == "claim" && e.node.starts_with("daemon")).expect("the daemon's claim");
+    let again = |receipt: Option<String>| {
+        let mut t = t.clone();
+        let mut e = t[at].clone();
+        e.event = "claim_again".into();
+        e.receipt = receipt;
+        t.insert(at + 1, e);
+        mutate::renumbered(t)
+    };
+    let r = check(&lines(again(t[at].receipt.clone())), PayloadPath::HostFixed);
+    assert!(r.ok(), "{:#?}", r.violations);
+    only(again(Some("another".into())), "receipt_mismatch", at + 2);
+    let mut lone = again(t[at].receipt.clone());
+    lone.remove(at);
+    let r = check(&lines(mutate::renumbered(lone)), PayloadPath::HostFixed);
+    assert!(r.violations.iter().any(|v| v.kind == "causality" && v.line == at + 1), "{:#?}", r.violations);
+}
