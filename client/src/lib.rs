@@ -29,6 +29,7 @@ pub use pdstor_engine::{Buffer, PayloadPath};
 pub mod code;
 pub mod frame;
 pub mod layout;
+pub mod private;
 pub mod receipt;
 pub mod superblock;
 pub mod timeline;

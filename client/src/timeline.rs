@@ -168,9 +168,10 @@ struct Out {
 }
 
 impl Timeline {
-    /// Appends to `path` (created if missing) as `node`.
+    /// Appends to `path` (created 0600 if missing, narrowed to 0600 if ours) as `node`.
     pub fn open(path: &Path, node: &str) -> std::io::Result<Timeline> {
-        let f = File::options().create(true).append(true).open(path).map_err(|e| {
+        // 0600: a timeline holds receipt signatures, request ids and tenants.
+        let f = crate::private::open(path, true).map_err(|e| {
             std::io::Error::new(e.kind(), format!("opening timeline {} for appending: {e}", path.display()))
         })?;
         let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|b| b.trim().to_owned());

@@ -206,3 +206,42 @@ fn an_operator_reclaims_a_claim_nobody_holds_a_receipt_for() {
 fn state(c: &Client, publication: u64) -> Option<String> {
     c.publications(None, false).expect("listing").into_iter().find(|p| p.publication == publication).map(|p| p.state)
 }
+
+/// Finding 6: the daemon's timeline (receipt signatures, request ids,
+/// tenants) and a reader's restored bytes are the owner's alone, 0600
+/// under a umask of 022 (before: 0644).
+#[test]
+fn the_timeline_and_restored_bytes_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let timeline = dir.path().join("timeline.jsonl");
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let d = Daemon::start_with(&target, dir.path(), &["--timeline", timeline.to_str().expect("UTF-8")]);
+    let (receipt, _) = ready(&d, "private", 1);
+    let claim = Client::new(&d.server).claim(&receipt, "reader-a", "session-a", 60_000).expect("claim");
+    let claim_file = dir.path().join("claim.json");
+    std::fs::write(&claim_file, serde_json::to_vec(&claim).expect("a receipt")).expect("the receipt");
+    let layout_file = dir.path().join("layout.json");
+    std::fs::write(&layout_file, serde_json::to_vec(&layout()).expect("a layout")).expect("the layout");
+    let out_file = dir.path().join("restored.bin");
+    let client_timeline = dir.path().join("reader.jsonl");
+    let out = std::process::Command::new(pdstor_bin())
+        .args(["get", "--server", &d.server, "--data-socket"])
+        .arg(&d.data_socket)
+        .arg("--claim")
+        .arg(&claim_file)
+        .arg("--layout")
+        .arg(&layout_file)
+        .arg("--out")
+        .arg(&out_file)
+        .arg("--timeline")
+        .arg(&client_timeline)
+        .arg("--ack")
+        .output()
+        .expect("pdstor get");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for f in [&timeline, &out_file, &client_timeline] {
+        let mode = std::fs::metadata(f).expect("the file").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{} is {mode:o}", f.display());
+    }
+}

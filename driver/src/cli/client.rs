@@ -171,7 +171,7 @@ impl GetArgs {
         };
         let restore_seconds = started.elapsed().as_secs_f64();
         let out = &self.out;
-        std::fs::write(out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+        pdstor_client::private::write(out, &bytes).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
         let note = |event: &str| {
             if let Some(tl) = &tl {
                 tl.emit(Event::new(event).claim(&claim));

@@ -78,7 +78,7 @@ fn write_inputs(dir: &Path, a: &HandoffArgs) -> anyhow::Result<Vec<u8>> {
         .flat_map(|i| pdstor::payload::chunk(0x4b56, i, a.chunk_size as usize))
         .take(a.bytes as usize)
         .collect();
-    std::fs::write(dir.join("kv.bin"), &payload)?;
+    pdstor_client::private::write(&dir.join("kv.bin"), &payload)?;
     let layout = serde_json::json!({
         "model_id": "handoff-demo", "dtype": "bf16", "layers": 32, "kv_heads": 8,
         "head_dim": 128, "chunk_tokens": 256, "kv_format": "pdstor-demo"
@@ -99,7 +99,7 @@ fn writer(a: &HandoffArgs, dir: &Path, req: &str) -> anyhow::Result<(String, f64
     let t = Instant::now();
     let (ready, put_log) = pdstor(&args, a, true)?;
     let put_s = t.elapsed().as_secs_f64();
-    std::fs::write(dir.join("ready.json"), &ready)?;
+    pdstor_client::private::write(&dir.join("ready.json"), &ready)?;
     let store_s = put_seconds(&put_log).unwrap_or(put_s);
     println!(
         "writer: prepare → {} chunks stored from a {} buffer on {} → published READY in {store_s:.3} s ({:.0} MiB/s; the writer process took {put_s:.3} s with reading its input file)",
@@ -117,7 +117,7 @@ fn reader(a: &HandoffArgs, dir: &Path, req: &str) -> anyhow::Result<(serde_json:
     let s = |p: &str| dir.join(p).to_string_lossy().into_owned();
     let (claim, _) =
         pdstor(&["claim", "--receipt", &s("ready.json"), "--reader", "decode-0", "--session", req], a, false)?;
-    std::fs::write(dir.join("claim.json"), &claim)?;
+    pdstor_client::private::write(&dir.join("claim.json"), &claim)?;
     println!("reader: claimed for decode-0 / session {req}");
     let (claim, layout, out) = (s("claim.json"), s("layout.json"), s("restored.bin"));
     let mut args = vec!["get", "--claim", &claim, "--layout", &layout, "--out", &out, "--ack"];

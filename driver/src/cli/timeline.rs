@@ -118,7 +118,7 @@ fn merge(files: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<
     }
     match output {
         Some(out) => {
-            std::fs::write(out, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
+            pdstor_client::private::write(out, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", out.display()))?;
             eprintln!("{}: {} lines from {} timelines", out.display(), merged.len(), files.len());
         }
         None => print!("{text}"),
@@ -188,14 +188,15 @@ fn mutate(
                 text.push('\n');
             }
             let path = dir.join(format!("{}.jsonl", m.name));
-            std::fs::write(&path, text).map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+            pdstor_client::private::write(&path, text)
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
         }
         fates.push(Fate { mutant: m, caught });
     }
     let survived = fates.iter().filter(|f| f.caught.is_none()).count();
     if let Some(dir) = out {
         let path = dir.join("mutants.json");
-        std::fs::write(&path, serde_json::to_vec_pretty(&fates)?)
+        pdstor_client::private::write(&path, serde_json::to_vec_pretty(&fates)?)
             .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
     }
     if json {

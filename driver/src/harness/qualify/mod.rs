@@ -216,7 +216,7 @@ fn start_daemon(cfg: &QualifyConfig, timeline: &Path) -> anyhow::Result<Daemon> 
     let _ = std::fs::remove_file(&socket);
     let control = cfg.out.join("control.sock");
     let listen = format!("unix:{}", control.display());
-    let log = std::fs::File::create(cfg.out.join("serve.log"))?;
+    let log = pdstor_client::private::open(&cfg.out.join("serve.log"), false)?;
     let mut cmd = Command::new(exe);
     cmd.arg("serve").arg("--target").arg(&cfg.target).args(["--listen", &listen]).arg("--data-socket").arg(&socket);
     cmd.arg("--timeline").arg(timeline);
@@ -362,7 +362,7 @@ impl Run<'_> {
             requests,
         };
         let file = self.cfg.out.join(format!("reader-{}.json", self.next_reader));
-        std::fs::write(&file, serde_json::to_vec(&job)?)?;
+        pdstor_client::private::write(&file, serde_json::to_vec(&job)?)?;
         let exe = std::env::current_exe()?;
         let out = Command::new(exe).arg("qualify-reader").arg("--job").arg(&file).output()?;
         if !out.status.success() {
