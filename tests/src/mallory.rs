@@ -122,6 +122,11 @@ pub enum Attack {
     Metrics {
         server: String,
     },
+    /// Make `link` a symbolic link to `to`.
+    Symlink {
+        to: PathBuf,
+        link: PathBuf,
+    },
     /// Listen on `path` for `secs`; report connections and bytes received.
     Squat {
         path: PathBuf,
@@ -213,6 +218,7 @@ pub fn run(attack: Attack) -> Outcome {
         }
         Attack::Metrics { server } => Outcome::of(Client::new(&server).metrics()),
         Attack::Squat { path, secs } => squat(&path, secs),
+        Attack::Symlink { to, link } => io(std::os::unix::fs::symlink(to, link)),
     }
 }
 
@@ -266,8 +272,13 @@ pub fn unavailable() -> Option<String> {
 
 /// `setpriv` running what follows as uid 4002, group 4000, no other groups.
 pub fn as_uid_4002() -> Command {
+    as_uid(MALLORY)
+}
+
+/// `setpriv` running what follows as `uid`, group 4000, no other groups.
+pub fn as_uid(uid: u32) -> Command {
     let mut c = Command::new("setpriv");
-    c.args(["--reuid", &MALLORY.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"]);
+    c.args(["--reuid", &uid.to_string(), "--regid", &GROUP.to_string(), "--clear-groups"]);
     c
 }
 

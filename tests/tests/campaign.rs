@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use pdstor::client::{Client, ClientError, Reader, Writer};
 use pdstor::protocol::Receipt;
-use pdstor_tests::mallory::{Attack, Lab, SLOT, as_mallory, layout, refused, unavailable};
+use pdstor_tests::mallory::{Attack, Lab, MALLORY, SLOT, as_mallory, layout, refused, unavailable};
 use pdstor_tests::{Daemon, pdstor_bin};
 
 /// The attacker's side: does nothing unless this binary was re-run with an attack.
@@ -244,4 +244,83 @@ fn the_timeline_and_restored_bytes_are_private() {
         let mode = std::fs::metadata(f).expect("the file").permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "{} is {mode:o}", f.display());
     }
+}
+
+/// `pdstor serve` as `cmd` prepared it, expected to refuse to start: its
+/// stderr. One still running after 20 s started: it is killed, and that fails.
+fn refused_start(mut cmd: std::process::Command) -> String {
+    use std::io::Read;
+    let mut child =
+        cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped()).spawn().expect("pdstor serve");
+    let t = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("waiting for pdstor serve") {
+            break Some(status);
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child.stderr.take().expect("its stderr").read_to_string(&mut err).expect("reading its stderr");
+    assert!(status.is_some_and(|s| !s.success()), "the daemon started: {err}");
+    err
+}
+
+/// Finding 4: a socket directory root:4002 0770 (uid 4002 could rename
+/// `control.sock` away and bind its own) is refused at start, naming the
+/// group; nothing is bound in it.
+#[test]
+fn a_group_writable_socket_directory_is_refused() {
+    if let Some(why) = unavailable() {
+        return pdstor_tests::skip("a_group_writable_socket_directory_is_refused", &why);
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let lab = Lab::with(2, "");
+    let socks = lab.dir.path().join("sockets");
+    std::fs::create_dir(&socks).expect("mkdir");
+    std::os::unix::fs::chown(&socks, Some(0), Some(MALLORY)).expect("chown root:4002");
+    std::fs::set_permissions(&socks, std::fs::Permissions::from_mode(0o770)).expect("chmod 0770");
+    let mut serve = std::process::Command::new(pdstor_bin());
+    serve.arg("serve").arg("--target").arg(&lab.target);
+    serve.arg("--listen").arg(format!("unix:{}", socks.join("control.sock").display()));
+    serve.arg("--data-socket").arg(socks.join("data.sock"));
+    let err = refused_start(serve);
+    assert!(err.contains("is writable by group 4002") && err.contains("chmod go-w"), "{err}");
+    assert_eq!(std::fs::read_dir(&socks).expect("the directory").count(), 0, "something was bound there");
+}
+
+/// Finding 5: with no `XDG_RUNTIME_DIR`, uid 4002 makes uid 4001's fallback
+/// socket directory (`pdstor-4001` in the shared temporary directory) a
+/// symbolic link to the temporary directory itself; a uid-4001 daemon
+/// refuses it instead of serving its sockets there.
+#[test]
+fn a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory() {
+    if let Some(why) = unavailable() {
+        return pdstor_tests::skip("a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory", &why);
+    }
+    use std::os::unix::fs::PermissionsExt;
+    const VICTIM: u32 = 4001;
+    let lab = Lab::with(2, "");
+    std::os::unix::fs::chown(&lab.target, Some(VICTIM), None).expect("the target is uid 4001's");
+    let tmp = lab.dir.path().join("tmp");
+    std::fs::create_dir(&tmp).expect("mkdir");
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).expect("chmod 1777");
+    let link = tmp.join(format!("pdstor-{VICTIM}"));
+    let made = as_mallory(&Attack::Symlink { to: tmp.clone(), link: link.clone() });
+    assert!(made.ok, "uid 4002 could not plant the link: {}", made.detail);
+    let mut serve = pdstor_tests::mallory::as_uid(VICTIM);
+    serve.arg(pdstor_bin()).arg("serve").arg("--target").arg(&lab.target);
+    serve.env_remove("XDG_RUNTIME_DIR").env("TMPDIR", &tmp);
+    let err = refused_start(serve);
+    assert!(err.contains("is a symbolic link (to ") && err.contains(&link.display().to_string()), "{err}");
+    let sockets: Vec<_> = std::fs::read_dir(&tmp)
+        .expect("the temporary directory")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".sock"))
+        .collect();
+    assert!(sockets.is_empty(), "sockets were bound in the shared directory: {sockets:?}");
 }

@@ -64,37 +64,94 @@ pub fn bind_socket<T>(
 }
 
 /// Creates the directory a socket goes in when it does not exist (mode
-/// 0750), and refuses one that another user owns or can write to: whoever
-/// can write there can replace the socket.
-/// Answers whether it created the directory.
+/// 0750), and refuses one that whoever else could swap or write into:
+/// whoever can write there can replace the socket. The directory itself must
+/// not be a symbolic link (it is looked at with `O_NOFOLLOW`: a link another
+/// user made in a shared place would send the sockets where they chose); it,
+/// and every directory above it, must belong to this user or root and be
+/// writable by no one else — group included — unless sticky (`/tmp`: others
+/// cannot rename what is ours there). Answers whether it created the
+/// directory.
 pub fn socket_dir(socket: &Path) -> anyhow::Result<bool> {
     let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) else { return Ok(false) };
-    if !dir.exists() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o750)
-            .create(dir)
-            .with_context(|| format!("creating the socket directory {}", dir.display()))?;
-        return Ok(true);
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty() && p.exists()) {
+                safe_ancestors(parent, dir)?;
+            }
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o750)
+                .create(dir)
+                .with_context(|| format!("creating the socket directory {}", dir.display()))?;
+            // Made by us just now, unless someone raced us to the name: look again.
+            socket_dir_itself(dir)?;
+            return Ok(true);
+        }
+        Err(e) => return Err(e).with_context(|| format!("reading {}", dir.display())),
+        Ok(_) => {}
     }
-    let md = std::fs::metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    socket_dir_itself(dir)?;
+    safe_ancestors(dir, dir)?;
+    Ok(false)
+}
+
+/// The socket directory, opened with `O_NOFOLLOW`: a real directory of this
+/// user or root that no one else may write to.
+fn socket_dir_itself(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+        .open(dir)
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) || e.raw_os_error() == Some(libc::ENOTDIR) {
+                let to = std::fs::read_link(dir).map(|t| format!(" (to {})", t.display())).unwrap_or_default();
+                anyhow::anyhow!(
+                    "the socket directory {} is a symbolic link{to} or not a directory: whoever made it chooses where the sockets go; give a real directory of this user's",
+                    dir.display()
+                )
+            } else {
+                anyhow::Error::new(e).context(format!("opening the socket directory {}", dir.display()))
+            }
+        })?;
+    let md = f.metadata().with_context(|| format!("reading {}", dir.display()))?;
+    writable_only_by_us(dir, &md, "socket directory")
+}
+
+/// Every directory above `dir` (resolved), and `dir` itself, must be safe
+/// from other users: see [`socket_dir`]. `shown` names the socket directory.
+fn safe_ancestors(dir: &Path, shown: &Path) -> anyhow::Result<()> {
+    let real = std::fs::canonicalize(dir).with_context(|| format!("resolving {}", dir.display()))?;
+    for a in real.ancestors() {
+        let md = std::fs::metadata(a).with_context(|| format!("reading {}", a.display()))?;
+        writable_only_by_us(a, &md, &format!("directory above the socket directory {}", shown.display()))?;
+    }
+    Ok(())
+}
+
+/// Refuses a directory of another user (not root), or one that group or
+/// others can write to without the sticky bit.
+fn writable_only_by_us(dir: &Path, md: &std::fs::Metadata, what: &str) -> anyhow::Result<()> {
     let me = nix::unistd::geteuid().as_raw();
-    let sticky_shared = md.mode() & 0o1000 != 0; // /tmp and the like: others cannot replace our file
     if md.uid() != me && md.uid() != 0 {
         bail!(
-            "the socket directory {} belongs to uid {}, not to this daemon's uid {me}: another user could replace the socket; choose a directory of your own",
+            "the {what} {} belongs to uid {}, not to this daemon's uid {me} or root: that user could replace the socket; choose a directory of your own",
             dir.display(),
             md.uid()
         );
     }
-    if md.mode() & 0o002 != 0 && !sticky_shared {
+    let sticky = md.mode() & 0o1000 != 0; // /tmp and the like: others cannot replace our file
+    if md.mode() & 0o022 != 0 && !sticky {
+        let who = if md.mode() & 0o002 != 0 { "every user".to_owned() } else { format!("group {}", md.gid()) };
         bail!(
-            "the socket directory {} is writable by every user (mode {:o}) without the sticky bit: anyone could replace the socket; use a directory only this user can write",
+            "the {what} {} is writable by {who} (mode {:o}) without the sticky bit: they could replace the socket; `chmod go-w {}`, or use a directory only this user can write",
             dir.display(),
-            md.mode() & 0o7777
+            md.mode() & 0o7777,
+            dir.display()
         );
     }
-    Ok(false)
+    Ok(())
 }
 
 /// Makes `path` free for a new socket: a stale socket is removed; a live
@@ -223,6 +280,34 @@ mod tests {
         drop(_l);
         claim_socket_path(&sock).expect("a stale socket is replaced");
         assert!(!sock.exists());
+    }
+
+    /// Issue 34, findings 4 and 5: a group-writable socket directory, and
+    /// one that is a symbolic link (to a sticky shared directory), are
+    /// refused; a directory of ours is created or accepted.
+    #[test]
+    fn a_socket_directory_others_could_swap_is_refused() {
+        let base = tempfile::tempdir().expect("a temporary directory");
+        let ok = base.path().join("ours");
+        assert!(socket_dir(&ok.join("s.sock")).expect("created"));
+        assert!(!socket_dir(&ok.join("s.sock")).expect("accepted"));
+        std::fs::set_permissions(&ok, std::fs::Permissions::from_mode(0o770)).expect("chmod");
+        let e = format!("{:#}", socket_dir(&ok.join("s.sock")).unwrap_err());
+        assert!(e.contains("is writable by group") && e.contains("chmod go-w"), "{e}");
+        let shared = base.path().join("shared");
+        std::fs::create_dir(&shared).expect("mkdir");
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+        let link = base.path().join("link");
+        std::os::unix::fs::symlink(&shared, &link).expect("symlink");
+        let e = format!("{:#}", socket_dir(&link.join("s.sock")).unwrap_err());
+        assert!(e.contains("is a symbolic link (to "), "{e}");
+        // Below a directory others may write to (no sticky bit), even our own is not safe.
+        let open = base.path().join("open");
+        std::fs::create_dir(&open).expect("mkdir");
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let e = format!("{:#}", socket_dir(&open.join("mine").join("s.sock")).unwrap_err());
+        assert!(e.contains("directory above the socket directory") && e.contains("every user"), "{e}");
+        assert!(!open.join("mine").exists(), "a refusal created the directory");
     }
 
     #[test]
