@@ -149,6 +149,13 @@ codes! {
     MethodNotAllowed = "method_not_allowed" => 405,
     /// The request timed out.
     Timeout = "timeout" => 408,
+    /// The request could not be parsed as HTTP/1.1 (its request line or a
+    /// header, a conflicting or invalid Content-Length or Transfer-Encoding).
+    MalformedHttp = "malformed_http" => 400,
+    /// The request line is longer than the daemon reads.
+    UriTooLong = "uri_too_long" => 414,
+    /// The request's headers are more, or larger, than the daemon reads.
+    HeadersTooLarge = "headers_too_large" => 431,
     /// The request body is over `--max-body`.
     BodyTooLarge = "body_too_large" => 413,
     /// The request body did not arrive within `--body-timeout-ms`.

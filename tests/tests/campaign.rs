@@ -324,3 +324,74 @@ fn a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory() {
         .collect();
     assert!(sockets.is_empty(), "sockets were bound in the shared directory: {sockets:?}");
 }
+
+/// Writes `raw` to the control socket and reads the answer until the daemon
+/// closes: (status, body). A daemon that writes but keeps the connection
+/// open past 10 s fails.
+fn raw_exchange(socket: &std::path::Path, raw: &[u8]) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).expect("the control socket");
+    s.set_read_timeout(Some(Duration::from_secs(10))).expect("a read timeout");
+    // The daemon may answer and close before it read all of a large request.
+    let _ = s.write_all(raw);
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).expect("the daemon answers and closes");
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{answer:?}"));
+    (status, answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default())
+}
+
+/// Finding 7: what hyper refuses before any handler runs — two
+/// Content-Lengths, a Transfer-Encoding other than chunked, a negative or
+/// huge Content-Length, garbage, a header flood, a 1 MiB request line — is
+/// answered in the JSON error shape (before: an empty body), and nothing
+/// runs: the daemon serves the next caller as before.
+#[test]
+fn every_refusal_hyper_makes_itself_has_the_json_error_shape() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
+    let d = Daemon::start(&target, dir.path());
+    let prepare = r#"{"req_id":"smuggled","layout":{"model_id":"m","dtype":"bf16","layers":1,"kv_heads":1,"head_dim":64,"chunk_tokens":16,"kv_format":"x"},"total_chunks":1,"writer":"w"}"#;
+    let flood: String = (0..200).map(|i| format!("x-flood-{i}: y\r\n")).collect();
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "two Content-Lengths",
+            format!("POST /storage-pd/prepare HTTP/1.1\r\nHost: p\r\nContent-Length: {}\r\nContent-Length: 3\r\n\r\n{prepare}", prepare.len()).into_bytes(),
+            400,
+            "malformed_http",
+        ),
+        (
+            "an obfuscated Transfer-Encoding",
+            format!("POST /storage-pd/prepare HTTP/1.1\r\nHost: p\r\nTransfer-Encoding: chunked, identity\r\n\r\n{:x}\r\n{prepare}\r\n0\r\n\r\n", prepare.len()).into_bytes(),
+            400,
+            "malformed_http",
+        ),
+        ("a negative Content-Length", b"POST /storage-pd/prepare HTTP/1.1\r\nHost: p\r\nContent-Length: -1\r\n\r\n".to_vec(), 400, "malformed_http"),
+        (
+            "a huge Content-Length",
+            b"POST /storage-pd/prepare HTTP/1.1\r\nHost: p\r\nContent-Length: 99999999999999999999999\r\n\r\n".to_vec(),
+            400,
+            "malformed_http",
+        ),
+        ("garbage", b"\x16\x03\x01garbage\r\n\r\n".to_vec(), 400, "malformed_http"),
+        ("a header flood", format!("GET /healthz HTTP/1.1\r\nHost: p\r\n{flood}\r\n").into_bytes(), 431, "headers_too_large"),
+        (
+            "a 1 MiB request line",
+            format!("GET /{} HTTP/1.1\r\nHost: p\r\n\r\n", "a".repeat(1 << 20)).into_bytes(),
+            431,
+            "headers_too_large",
+        ),
+    ];
+    let socket = d.control_socket();
+    for (what, raw, status, code) in cases {
+        let (got, body) = raw_exchange(&socket, &raw);
+        assert_eq!(got, status, "{what}: {body}");
+        let e: pdstor::api::wire::ErrorBody = serde_json::from_str(&body)
+            .unwrap_or_else(|err| panic!("{what}: not the JSON error shape ({err}): {body:?}"));
+        assert_eq!((e.status, e.code.as_str()), (status, code), "{what}: {}", e.message);
+        assert!(!e.message.is_empty(), "{what}: no message");
+    }
+    let c = Client::new(&d.server);
+    assert!(c.publications(None, false).expect("listing").is_empty(), "a refused request prepared something");
+    c.healthz().expect("the daemon serves the next caller");
+}

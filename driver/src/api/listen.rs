@@ -1,7 +1,9 @@
 //! The control plane's accept loop: axum's router served by hyper with the
 //! limits `axum::serve` does not have: a cap on open connections (the next
-//! one is answered 503 in the JSON error shape and closed) and a timeout on
-//! request headers, which also closes a keep-alive connection left idle.
+//! one is answered 503 in the JSON error shape and closed), a timeout on
+//! request headers, which also closes a keep-alive connection left idle, and
+//! hyper's own answers to what it cannot parse in the JSON error shape too
+//! (`shaped`).
 //!
 //! Each connection's caller is resolved once, when it is accepted: a Unix
 //! peer by `SO_PEERCRED`, a TCP client by what its transport proved. Handlers
@@ -202,7 +204,7 @@ pub async fn serve<L: Accept>(
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_timeout)
-                .serve_connection(TokioIo::new(io), service);
+                .serve_connection(TokioIo::new(super::shaped::Shaped::new(io)), service);
             let _ = watcher.watch(conn).await;
         });
     }

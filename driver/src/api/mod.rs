@@ -12,6 +12,7 @@ mod listen;
 pub mod log;
 pub mod metrics;
 pub mod openapi;
+mod shaped;
 pub mod steps;
 pub mod tls;
 pub use pdstor_client::wire;
