@@ -13,10 +13,32 @@ pub const MAX_FRAME: usize = 16 << 20;
 
 /// Reads one frame, collecting any fds sent with it.
 pub fn read_frame(stream: &mut UnixStream) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
+    read_frame_by(stream, None)
+}
+
+/// Sets the read timeout to what is left until `deadline`; past it, a
+/// `TimedOut` error.
+fn time_left(stream: &UnixStream, deadline: Option<std::time::Instant>) -> std::io::Result<()> {
+    let Some(d) = deadline else { return Ok(()) };
+    let left = d.saturating_duration_since(std::time::Instant::now());
+    if left.is_zero() {
+        return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "the frame did not arrive whole in time"));
+    }
+    stream.set_read_timeout(Some(left))
+}
+
+/// [`read_frame`], all of whose bytes must arrive by `deadline` (a read
+/// that times out is `WouldBlock` or `TimedOut`): a peer that trickles a
+/// frame cannot hold the reader past it.
+pub fn read_frame_by(
+    stream: &mut UnixStream,
+    deadline: Option<std::time::Instant>,
+) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     let mut header = [0u8; 4];
     let mut got = 0;
     let mut fds = Vec::new();
     while got < 4 {
+        time_left(stream, deadline)?;
         // Room for the most descriptors one message can carry (SCM_MAX_FD):
         // a smaller buffer truncates the control data, and the descriptors
         // the kernel did install would then never be seen, or closed.
@@ -43,7 +65,16 @@ pub fn read_frame(stream: &mut UnixStream) -> std::io::Result<Option<(Vec<u8>, V
         ));
     }
     let mut body = vec![0u8; len];
-    stream.read_exact(&mut body)?;
+    let mut read = 0;
+    while read < len {
+        time_left(stream, deadline)?;
+        match stream.read(&mut body[read..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => read += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
     Ok(Some((body, fds)))
 }
 

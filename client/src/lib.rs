@@ -417,6 +417,11 @@ impl Client {
 /// A data-plane connection.
 pub struct DataConn {
     stream: UnixStream,
+    /// The socket, to connect again while nothing is registered.
+    path: std::path::PathBuf,
+    /// Whether a buffer was registered on this connection (the daemon closes
+    /// one holding none after `--data-idle-timeout-ms` without a request).
+    registered: bool,
 }
 
 impl DataConn {
@@ -429,12 +434,34 @@ impl DataConn {
             ClientError::Data(format!("connecting to {}: {e} (is `pdstor serve` running?)", path.display()))
         })?;
         trusted_daemon(&stream, path).map_err(ClientError::Data)?;
-        Ok(DataConn { stream })
+        Ok(DataConn { stream, path: path.into(), registered: false })
+    }
+
+    /// Whether the daemon hung up on this idle connection: with no request
+    /// outstanding, anything to read (its last word, or the end) says so.
+    fn hung_up(&self) -> bool {
+        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+        use std::os::fd::AsFd;
+        let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
     }
 
     fn call(&mut self, req: &DataRequest, fds: &[i32]) -> Result<DataResponse, ClientError> {
+        // Nothing registered, nothing lost: a connection the daemon closed as
+        // idle is replaced before the request goes out.
+        if !self.registered && self.hung_up() {
+            *self = DataConn::connect(&self.path)?;
+        }
         let body = serde_json::to_vec(req).map_err(|e| ClientError::Data(e.to_string()))?;
-        write_frame(&mut self.stream, &body, fds).map_err(|e| ClientError::Data(format!("sending: {e}")))?;
+        if let Err(e) = write_frame(&mut self.stream, &body, fds) {
+            // A daemon that hung up (over a limit, or this connection idle
+            // too long) says why first: that answer, if it came, is the error.
+            let _ = self.stream.set_read_timeout(Some(std::time::Duration::from_secs(1)));
+            let said = read_frame(&mut self.stream).ok().flatten();
+            let why = said.and_then(|(b, _)| serde_json::from_slice::<DataResponse>(&b).ok()).and_then(|r| r.error);
+            let _ = self.stream.set_read_timeout(None);
+            return Err(why.map_or_else(|| ClientError::Data(format!("sending: {e}")), ClientError::Api));
+        }
         let (resp, _) = read_frame(&mut self.stream)
             .map_err(|e| ClientError::Data(format!("receiving: {e}")))?
             .ok_or_else(|| ClientError::Data("the daemon closed the data socket".into()))?;
@@ -472,7 +499,9 @@ impl DataConn {
             }
         };
         let r = self.call(&DataRequest::Register { len: buffer.len() as u64, kind, path: Some(path) }, &fds)?;
-        r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))
+        let id = r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))?;
+        self.registered = true;
+        Ok(id)
     }
 
     /// One store batch from registered buffers, with the writer's token

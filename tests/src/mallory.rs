@@ -122,6 +122,13 @@ pub enum Attack {
     Metrics {
         server: String,
     },
+    /// Open up to `n` data-plane connections, register a buffer on each,
+    /// hold them for `secs`; report how many were accepted.
+    Hoard {
+        data: PathBuf,
+        n: usize,
+        secs: u64,
+    },
     /// Make `link` a symbolic link to `to`.
     Symlink {
         to: PathBuf,
@@ -219,7 +226,31 @@ pub fn run(attack: Attack) -> Outcome {
         Attack::Metrics { server } => Outcome::of(Client::new(&server).metrics()),
         Attack::Squat { path, secs } => squat(&path, secs),
         Attack::Symlink { to, link } => io(std::os::unix::fs::symlink(to, link)),
+        Attack::Hoard { data, n, secs } => hoard(&data, n, secs),
     }
+}
+
+/// Holds as many data connections, each with a buffer registered, as the
+/// daemon lets it; prints `HOARDING` once it has them all.
+fn hoard(data: &Path, n: usize, secs: u64) -> Outcome {
+    let buf = match pdstor::Buffer::memfd("hoard", 4096) {
+        Ok(b) => b,
+        Err(e) => return Outcome { ok: false, code: None, detail: e.to_string() },
+    };
+    let mut held = Vec::new();
+    let mut refusal = String::new();
+    for _ in 0..n {
+        match DataConn::connect(data).and_then(|mut c| c.register(&buf).map(|_| c)) {
+            Ok(c) => held.push(c),
+            Err(e) => {
+                refusal = e.to_string();
+                break;
+            }
+        }
+    }
+    println!("\nHOARDING {}", held.len());
+    std::thread::sleep(std::time::Duration::from_secs(secs));
+    Outcome { ok: true, code: None, detail: format!("{} held; then: {refusal}", held.len()) }
 }
 
 /// Listens where the victim expects the daemon; counts what arrives.

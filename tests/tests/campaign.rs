@@ -395,3 +395,92 @@ fn every_refusal_hyper_makes_itself_has_the_json_error_shape() {
     assert!(c.publications(None, false).expect("listing").is_empty(), "a refused request prepared something");
     c.healthz().expect("the daemon serves the next caller");
 }
+
+/// The daemon's thread count (`/proc/<pid>/status`).
+fn threads(d: &Daemon) -> usize {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.pid().expect("running"))).expect("its status");
+    status.lines().find_map(|l| l.strip_prefix("Threads:")).and_then(|n| n.trim().parse().ok()).expect("Threads:")
+}
+
+/// Finding 2, idle connections: 300 data connections that never send a
+/// request are closed after `--data-idle-timeout-ms`, each told why; the
+/// threads they held come back, and the plane serves again (before: held
+/// for good, and legitimate clients answered `too_many_connections`). A
+/// frame trickled in is cut off after `--body-timeout-ms`.
+#[test]
+fn idle_and_trickling_data_connections_are_closed_and_their_threads_come_back() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
+    let d = Daemon::start_with(&target, dir.path(), &["--data-idle-timeout-ms", "1500", "--body-timeout-ms", "1000"]);
+    until("the daemon settles", || threads(&d) > 0);
+    // A client that connects early and registers late is not hurt: its
+    // connection, closed as idle, is replaced (it held nothing).
+    let mut late = pdstor::client::DataConn::connect(&d.data_socket).expect("an early data connection");
+    std::thread::sleep(Duration::from_millis(100));
+    let baseline = threads(&d) - 1;
+    let mut idle: Vec<std::os::unix::net::UnixStream> =
+        (0..300).map(|_| std::os::unix::net::UnixStream::connect(&d.data_socket).expect("a data connection")).collect();
+    until("the daemon holds threads for them", || threads(&d) >= baseline + 200);
+    until("room again after the idle ones are closed", || threads(&d) <= baseline + 2);
+    // A frame's first two bytes, then nothing.
+    let mut trickle = std::os::unix::net::UnixStream::connect(&d.data_socket).expect("a data connection");
+    trickle.write_all(&[16, 0]).expect("two bytes of a length");
+    for s in idle.iter_mut().take(3) {
+        s.set_read_timeout(Some(Duration::from_secs(5))).expect("a read timeout");
+        let mut answer = Vec::new();
+        s.read_to_end(&mut answer).expect("closed by the daemon");
+        let text = String::from_utf8_lossy(&answer);
+        assert!(text.contains("data-idle-timeout-ms") || text.contains("too_many_connections"), "{text}");
+    }
+    trickle.set_read_timeout(Some(Duration::from_secs(5))).expect("a read timeout");
+    let mut answer = Vec::new();
+    trickle.read_to_end(&mut answer).expect("the trickler is closed");
+    assert!(String::from_utf8_lossy(&answer).contains("body_timeout"), "{}", String::from_utf8_lossy(&answer));
+    let buf = pdstor::Buffer::memfd("late", 4096).expect("a memfd");
+    late.register(&buf).expect("the late registration, on a connection the daemon closed as idle");
+    drop(late);
+    let (receipt, _) = ready(&d, "after-the-flood", 1);
+    assert_eq!(receipt.req_id, "after-the-flood");
+    drop(idle);
+    until("the daemon's threads are back to baseline", || threads(&d) <= baseline + 4);
+}
+
+/// Finding 2, shares: a tenant with no connection quota holds every data
+/// connection it can (each with a buffer, so none is idle); the other tenant
+/// still connects and hands off (before: all 24 were the first's, and the
+/// second was locked out).
+#[test]
+fn one_tenant_cannot_take_every_data_connection() {
+    if let Some(why) = unavailable() {
+        return pdstor_tests::skip("one_tenant_cannot_take_every_data_connection", &why);
+    }
+    use std::io::BufRead;
+    let lab = Lab::with(4, "");
+    let d = lab.daemon(&["--max-data-connections", "24"]);
+    let mut hoarder =
+        pdstor_tests::mallory::mallory_cmd(&Attack::Hoard { data: d.data_socket.clone(), n: 24, secs: 6 })
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("the hoarder");
+    let out = hoarder.stdout.take().expect("its stdout");
+    let mut lines = std::io::BufReader::new(out).lines();
+    let held: usize = loop {
+        let line = lines.next().expect("the hoarder reports").expect("a line");
+        if let Some(n) = line.strip_prefix("HOARDING ") {
+            break n.trim().parse().expect("a count");
+        }
+    };
+    assert_eq!(held, 16, "tenant mallory holds {held} of 24: the default tenant's share is 8");
+    let (receipt, kv) = ready(&d, "not-locked-out", 2);
+    let c = Client::new(&d.server);
+    let claim = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("claim");
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader connects beside the hoard");
+    let restored = r.get(&claim, &layout()).expect("restore");
+    assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv);
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    assert!(hoarder.wait().expect("the hoarder").success());
+    let report =
+        rest.iter().find_map(|l| l.split_once("ATTACK-OUTCOME ").map(|(_, o)| o.to_owned())).expect("a report");
+    assert!(report.contains("kept for the other tenants' guaranteed shares"), "{report}");
+}

@@ -115,6 +115,8 @@ pub struct Limits {
     pub max_prepares: usize,
     /// Data-plane connections open at once; the next is answered 503 and closed.
     pub max_data_connections: usize,
+    /// A data-plane connection holding no registered buffer is closed after this long without a request.
+    pub data_idle_timeout: Duration,
     /// Buffers one data-plane connection may register.
     pub max_buffers_per_connection: usize,
     /// Bytes of buffer memory one data-plane connection may have the daemon map.
@@ -135,6 +137,7 @@ impl Default for Limits {
             max_http_connections: 512,
             max_prepares: 64,
             max_data_connections: 256,
+            data_idle_timeout: Duration::from_secs(10),
             max_buffers_per_connection: 16,
             max_pinned_bytes_per_connection: 16 << 30,
             prepare_idle_timeout: Duration::from_secs(120),

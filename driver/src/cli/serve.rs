@@ -26,6 +26,10 @@ pub struct LimitArgs {
     /// Data-plane connections open at once; the next is answered 503 and closed.
     #[arg(long, default_value_t = 256)]
     max_data_connections: usize,
+    /// A data-plane connection holding no registered buffer is closed after this long (ms)
+    /// without a request (one holding buffers may stay idle: tenants' shares bound those).
+    #[arg(long, default_value_t = 10_000)]
+    data_idle_timeout_ms: u64,
     /// Buffers one data-plane connection may register.
     #[arg(long, default_value_t = 16)]
     max_buffers_per_connection: usize,
@@ -50,6 +54,7 @@ impl LimitArgs {
             max_http_connections: self.max_http_connections,
             max_prepares: self.max_prepares,
             max_data_connections: self.max_data_connections,
+            data_idle_timeout: Duration::from_millis(self.data_idle_timeout_ms),
             max_buffers_per_connection: self.max_buffers_per_connection,
             max_pinned_bytes_per_connection: self.max_pinned_per_connection,
             prepare_idle_timeout: Duration::from_millis(self.prepare_idle_timeout_ms),

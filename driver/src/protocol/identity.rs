@@ -383,6 +383,16 @@ impl Policy {
         self.tenants.get(tenant.unwrap_or(DEFAULT_TENANT)).is_some_and(|t| t.evict_unread)
     }
 
+    /// Every tenant the config names (by a principal or a tenant table),
+    /// and [`DEFAULT_TENANT`], the daemon's own.
+    pub fn tenant_names(&self) -> std::collections::BTreeSet<String> {
+        let mut names: std::collections::BTreeSet<String> = self.tenants.keys().cloned().collect();
+        names.extend(self.principals.iter().map(|p| p.tenant.clone()));
+        names.extend(self.plaintext.iter().map(|p| p.tenant.clone()));
+        names.insert(DEFAULT_TENANT.to_owned());
+        names
+    }
+
     /// Whether any tenant opted into eviction.
     pub fn any_evicts(&self) -> bool {
         self.tenants.values().any(|t| t.evict_unread)

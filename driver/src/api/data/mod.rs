@@ -29,7 +29,9 @@ use crate::protocol::identity::{Caller, Resource, Role};
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Manifest, Phase, StoreBatch, StoreError};
 
+mod idle;
 mod many;
+mod shares;
 pub use pdstor_client::frame::{read_frame, write_frame};
 
 /// Provenance checking for the data plane (`pdstor serve --provenance`).
@@ -64,41 +66,39 @@ impl DataPlane {
         let listener = super::hygiene::bind_socket(path, group, |p| UnixListener::bind(p))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
-        // One thread per connection, at most `max_data_connections` of them.
-        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        // One thread per connection, at most `max_data_connections` of them,
+        // shared among the config's tenants (`shares`).
+        let shares = shares::Shares::new(limits.max_data_connections, service.policy().tenant_names());
         let thread = std::thread::Builder::new().name("pdstor-data".into()).spawn(move || {
             for conn in listener.incoming() {
                 if stop2.load(Ordering::SeqCst) {
                     break;
                 }
                 let Ok(mut conn) = conn else { continue };
-                if open.fetch_add(1, Ordering::SeqCst) >= limits.max_data_connections {
-                    open.fetch_sub(1, Ordering::SeqCst);
-                    metrics.error("too_many_connections");
-                    let e = DataError::TooManyConnections { max: limits.max_data_connections }.body();
+                // Who is on the other end, proven by the kernel.
+                let Ok((uid, gid, pid)) = super::hygiene::peer_cred(&conn) else { continue };
+                let caller = service.policy().unix(uid, gid, pid);
+                let refuse = |conn: &mut UnixStream, e: ErrorBody| {
+                    metrics.error(&e.code);
                     let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
-                    last_word(&mut conn, e);
-                    continue;
-                }
-                // Who is on the other end, proven by the kernel; a tenant over
-                // its connection quota is told so and hung up on.
-                let caller = match super::hygiene::peer_cred(&conn) {
-                    Ok((uid, gid, pid)) => service.policy().unix(uid, gid, pid),
-                    Err(_) => {
-                        open.fetch_sub(1, Ordering::SeqCst);
+                    last_word(conn, e);
+                };
+                let key = caller.tenant.clone().unwrap_or_else(|| caller.principal.clone());
+                let share = match shares.take(&key) {
+                    Ok(share) => share,
+                    Err(why) => {
+                        refuse(&mut conn, ErrorBody::new(crate::protocol::RefusalCode::TooManyConnections, "", why));
                         continue;
                     }
                 };
+                // A tenant over its connection quota is told so and hung up on.
                 if let Err(r) = service.policy().take(&caller, Resource::Connection) {
-                    open.fetch_sub(1, Ordering::SeqCst);
-                    metrics.error(r.code.as_str());
-                    let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
-                    last_word(&mut conn, ErrorBody::new(r.code, r.field, r.message));
+                    refuse(&mut conn, ErrorBody::new(r.code, r.field, r.message));
                     continue;
                 }
-                let (service, metrics, provenance, still_open) =
-                    (service.clone(), metrics.clone(), provenance.clone(), open.clone());
+                let (service, metrics, provenance) = (service.clone(), metrics.clone(), provenance.clone());
                 let spawned = std::thread::Builder::new().name("pdstor-data-conn".into()).spawn(move || {
+                    let _share = share;
                     let mut c = Conn {
                         caller,
                         service,
@@ -112,10 +112,9 @@ impl DataPlane {
                     c.serve(conn);
                     c.cleanup();
                     c.service.policy().give(&c.caller, Resource::Connection);
-                    still_open.fetch_sub(1, Ordering::SeqCst);
                 });
-                if spawned.is_err() {
-                    open.fetch_sub(1, Ordering::SeqCst);
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "data plane: no thread for a new connection");
                 }
             }
         })?;
@@ -173,12 +172,31 @@ fn last_word(stream: &mut UnixStream, e: ErrorBody) {
 
 impl Conn {
     fn serve(&mut self, mut stream: UnixStream) {
+        // A client that does not read its answers holds no thread for long.
+        let _ = stream.set_write_timeout(Some(self.limits.body_timeout));
         loop {
-            let (body, fds) = match read_frame(&mut stream) {
+            if let Err(e) = self.wait_for_request(&stream) {
+                self.metrics.error(&e.code);
+                last_word(&mut stream, e);
+                return;
+            }
+            let deadline = std::time::Instant::now() + self.limits.body_timeout;
+            let (body, fds) = match pdstor_client::frame::read_frame_by(&mut stream, Some(deadline)) {
                 Ok(Some(f)) => f,
                 Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
                     // Say why before hanging up: the stream cannot be resynchronised.
                     let e = DataError::FrameTooLarge { what: e }.body();
+                    self.metrics.error(&e.code);
+                    last_word(&mut stream, e);
+                    return;
+                }
+                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    let ms = self.limits.body_timeout.as_millis();
+                    let e = ErrorBody::new(
+                        crate::protocol::RefusalCode::BodyTimeout,
+                        "frame",
+                        format!("a request frame did not arrive whole within {ms} ms (--body-timeout-ms): closed"),
+                    );
                     self.metrics.error(&e.code);
                     last_word(&mut stream, e);
                     return;
