@@ -484,3 +484,131 @@ fn one_tenant_cannot_take_every_data_connection() {
         rest.iter().find_map(|l| l.split_once("ATTACK-OUTCOME ").map(|(_, o)| o.to_owned())).expect("a report");
     assert!(report.contains("kept for the other tenants' guaranteed shares"), "{report}");
 }
+
+/// `umount` when dropped.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A metric's value, by its full name with labels, or 0 when absent.
+fn metric_or_zero(c: &Client, name: &str) -> u64 {
+    let text = c.metrics().expect("the metrics");
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Finding 8: the journal hits ENOSPC (the target's journal blocks are holes
+/// on a filesystem that fills up). Clients get `503 store_failed`; the log
+/// says why at ERROR when it happens (before: only at exit); the accounting
+/// check knows the store failed (before: an invariant violation counted on
+/// every request); after the space is back and a restart, what was
+/// acknowledged loads byte for byte.
+#[test]
+fn a_journal_enospc_is_said_when_it_happens_and_is_no_invariant_violation() {
+    journal_enospc("a_journal_enospc_is_said_when_it_happens_and_is_no_invariant_violation", false);
+}
+
+/// Finding 8 with the daemon's log on the same full filesystem: a log line
+/// that cannot be written is dropped and counted, and never fails the step
+/// it describes (before: the handler panicked, 500 `internal`).
+#[test]
+fn a_log_on_a_full_disk_fails_no_step() {
+    journal_enospc("a_log_on_a_full_disk_fails_no_step", true);
+}
+
+fn journal_enospc(test: &str, log_on_the_full_disk: bool) {
+    if !pdstor_tests::is_root() {
+        return pdstor_tests::skip(test, "needs root for a loop device and a mount");
+    }
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let lo = pdstor_tests::LoopDevice::attach(&dir.path().join("fs.img"), 48 << 20);
+    let mkfs = std::process::Command::new("mkfs.ext4").args(["-q", "-F", "-b", "4096"]).arg(&lo.path).output();
+    assert!(mkfs.expect("mkfs.ext4").status.success(), "mkfs.ext4 failed");
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).expect("mkdir");
+    let out = std::process::Command::new("mount").arg(&lo.path).arg(&mnt).output().expect("mount");
+    assert!(out.status.success(), "mount: {}", String::from_utf8_lossy(&out.stderr));
+    let _mounted = Mounted(mnt.clone());
+    // Formatted elsewhere, copied in with its zeros as holes: nothing of the
+    // journal or the slots is allocated until written.
+    let formatted = pdstor_tests::format_file(dir.path(), 8, SLOT);
+    let target = mnt.join("target.img");
+    let cp = std::process::Command::new("cp").arg("--sparse=always").arg(&formatted).arg(&target).status();
+    assert!(cp.expect("cp").success());
+    let mut d = Daemon::start(&target, if log_on_the_full_disk { &mnt } else { dir.path() });
+    let (acked, kv) = ready(&d, "before-the-disk-filled", 2);
+    // The daemon allocates its target when it opens it; holes come later
+    // (a thin device, a careless `fallocate --dig-holes`): every journal
+    // block past the records written so far, both halves, is punched out.
+    let (status, body) = pdstor_tests::http_exchange(&d.control_socket(), "GET", "/readyz", None);
+    assert_eq!(status, 200, "{body}");
+    let ready_z: serde_json::Value = serde_json::from_str(&body).expect("readyz's JSON");
+    let used = ready_z["journal_used"].as_u64().expect("journal_used");
+    let (journal, half) = (2 * 4096u64, 256u64 << 10);
+    let from = (journal + used).next_multiple_of(4096) + 4096;
+    let punch = std::process::Command::new("fallocate")
+        .args(["--punch-hole", "--offset", &from.to_string(), "--length", &(journal + 2 * half - from).to_string()])
+        .arg(&target)
+        .status();
+    assert!(punch.expect("fallocate").success(), "punching the journal's unwritten blocks");
+    // Fill the filesystem.
+    let fill = std::fs::File::create(mnt.join("fill")).expect("the filler");
+    let mut n = 0u64;
+    while std::os::unix::fs::FileExt::write_at(&fill, &[0xAA; 1 << 16], n).is_ok_and(|w| w > 0) {
+        n += 1 << 16;
+    }
+    while std::os::unix::fs::FileExt::write_at(&fill, &[0xAA; 512], n).is_ok_and(|w| w > 0) {
+        n += 512;
+    }
+    let _ = fill.sync_all();
+    let c = Client::new(&d.server);
+    let mut failure = None;
+    for i in 0..400 {
+        match c.prepare(&format!("after-{i}"), &layout(), 1, "w") {
+            Ok(p) => {
+                if let Err(e) = c.abort(p.publication, &p.writer_token) {
+                    failure = Some(e);
+                    break;
+                }
+            }
+            Err(e) => {
+                failure = Some(e);
+                break;
+            }
+        }
+    }
+    match failure {
+        Some(ClientError::Api(e)) => {
+            assert_eq!((e.status, e.code.as_str()), (503, "store_failed"), "{}", e.message);
+            assert!(e.message.contains("No space left on device"), "{}", e.message);
+        }
+        other => panic!("the journal never ran out of space: {other:?}"),
+    }
+    for i in 0..5 {
+        assert!(c.prepare(&format!("refused-{i}"), &layout(), 1, "w").is_err(), "a failed store took a change");
+    }
+    assert_eq!(metric_or_zero(&c, "pdstor_invariant_violations_total"), 0, "the failed store counted as a violation");
+    if log_on_the_full_disk {
+        assert!(metric_or_zero(&c, "pdstor_log_write_failures_total") > 0, "no log write failed on the full disk");
+    } else {
+        let log = std::fs::read_to_string(&d.log).expect("the daemon's log");
+        let said = log.lines().find(|l| l.contains("ERROR") && l.contains("the store failed")).unwrap_or_default();
+        assert!(said.contains("No space left on device"), "no ERROR line named the ENOSPC when it happened:\n{log}");
+    }
+    let _ = d.stop();
+    drop(fill);
+    std::fs::remove_file(mnt.join("fill")).expect("the space is given back");
+    d.restart();
+    let c = Client::new(&d.server);
+    let claim =
+        c.claim(&acked, "reader-a", "session-a", 60_000).expect("the acknowledged publication, after the restart");
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
+    let restored = r.get(&claim, &layout()).expect("restore");
+    assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv, "byte for byte");
+}

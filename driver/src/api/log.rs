@@ -11,6 +11,23 @@ thread_local! {
     static HELD: RefCell<Option<Vec<u8>>> = const { RefCell::new(None) };
 }
 
+/// Log writes that failed (standard error on a full disk, say): the lines
+/// are dropped — a log that cannot be written must not fail the step it
+/// describes — and counted (`pdstor_log_write_failures_total`).
+static FAILED_WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Log writes that failed since the daemon started.
+pub fn failed_writes() -> u64 {
+    FAILED_WRITES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Writes `lines` to standard error; a failure is counted, never raised.
+fn write_out(lines: &[u8]) {
+    if io::stderr().write_all(lines).is_err() {
+        FAILED_WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Runs `f` with this thread's log lines held, then writes them in one
 /// write (also if `f` panics). Inside another `gathered`, the outer one writes.
 pub fn gathered<T>(f: impl FnOnce() -> T) -> T {
@@ -24,8 +41,7 @@ pub fn gathered<T>(f: impl FnOnce() -> T) -> T {
             if let Some(lines) = HELD.with(|h| h.borrow_mut().take())
                 && !lines.is_empty()
             {
-                // Nowhere to report a failed write of the log itself.
-                let _ = io::stderr().write_all(&lines);
+                write_out(&lines);
             }
         }
     }
@@ -44,11 +60,15 @@ pub struct LogLine;
 impl Write for LogLine {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let held = HELD.with(|h| h.borrow_mut().as_mut().map(|lines| lines.extend_from_slice(buf)).is_some());
-        if held { Ok(buf.len()) } else { io::stderr().write(buf) }
+        if !held {
+            write_out(buf);
+        }
+        Ok(buf.len())
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        io::stderr().flush()
+        let _ = io::stderr().flush();
+        Ok(())
     }
 }
 

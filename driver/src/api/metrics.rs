@@ -58,6 +58,12 @@ impl Metrics {
     /// every slot); a failure is logged and counted (and a bug: debug builds
     /// stop on it).
     pub fn reconcile(&self, store: &Store) {
+        // A failed store's memory is ahead of its media (a step applied, its
+        // commit failed) and it refuses every change: its counts need not
+        // reconcile, and a restart rebuilds them from the journal.
+        if store.failed().is_some() {
+            return;
+        }
         let checked = if cfg!(debug_assertions) { store.accounting() } else { store.reconcile() };
         if let Err(e) = checked {
             self.invariant_violations.fetch_add(1, Ordering::Relaxed);
@@ -185,6 +191,11 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
         "pdstor_control_connections",
         "Control-plane connections accepted (clients keep theirs alive across requests).",
         super::listen::accepted_connections(),
+    );
+    m.counter(
+        "pdstor_log_write_failures",
+        "Log writes that failed (standard error on a full disk, say): those lines were dropped.",
+        super::log::failed_writes(),
     );
     let bytes = [
         ("host", &metrics.bytes_host),

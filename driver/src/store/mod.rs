@@ -325,7 +325,21 @@ impl Store {
     /// A commit that failed leaves memory ahead of the media: refuse changes.
     fn mark_failed(&self, why: Arc<WorkerError>) -> StoreError {
         let mut live = self.lock_live();
-        StoreError::Failed(live.failed.get_or_insert(why).clone())
+        self.failed_locked(&mut live, why)
+    }
+
+    /// Records the store's first failure — said once, at ERROR, when it
+    /// happens, not only when the daemon exits — and answers it.
+    fn failed_locked(&self, live: &mut Live, why: Arc<WorkerError>) -> StoreError {
+        let first = live.failed.get_or_insert_with(|| {
+            tracing::error!(
+                target = %self.path.display(),
+                error = %why,
+                "the store failed: what was acknowledged is durable, but memory is now ahead of the media, so every change is refused until the daemon restarts (recovery replays the journal); fix the cause first"
+            );
+            why
+        });
+        StoreError::Failed(first.clone())
     }
 
     fn write_superblock(&self, sb: Superblock) -> Result<(), StoreError> {
@@ -365,7 +379,7 @@ impl Store {
                 *self.lock_sb() = sb;
                 Ok(())
             }
-            Err(e) => Err(StoreError::Failed(live.failed.get_or_insert(Arc::new(e)).clone())),
+            Err(e) => Err(self.failed_locked(live, Arc::new(e))),
         }
     }
 
