@@ -141,6 +141,8 @@ codes! {
     FenceFailed = "fence_failed" => 502,
 
     // The control plane's own limits.
+    /// The target was removed or replaced under the running daemon (`/healthz`, `/readyz`).
+    TargetGone = "target_gone" => 503,
     /// The daemon cannot take changes now (`/readyz`).
     DaemonNotReady = "not_ready" => 503,
     /// No route at this path.

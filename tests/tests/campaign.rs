@@ -567,6 +567,15 @@ fn journal_enospc(test: &str, log_on_the_full_disk: bool) {
         n += 512;
     }
     let _ = fill.sync_all();
+    // Finding 9: a format that runs out of space leaves nothing behind.
+    let partial = mnt.join("new-target.img");
+    let out = std::process::Command::new(pdstor_bin())
+        .args(["format", "--size", "64M", "--chunk-slot", "1M", "--journal", "256k", "--target"])
+        .arg(&partial)
+        .output()
+        .expect("pdstor format");
+    assert!(!out.status.success(), "a format on a full disk succeeded");
+    assert!(!partial.exists(), "the failed format left {} behind", partial.display());
     let c = Client::new(&d.server);
     let mut failure = None;
     for i in 0..400 {
@@ -611,4 +620,66 @@ fn journal_enospc(test: &str, log_on_the_full_disk: bool) {
     let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
     let restored = r.get(&claim, &layout()).expect("restore");
     assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv, "byte for byte");
+}
+
+/// Finding 9: a target removed, then replaced, under the running daemon
+/// makes `/healthz` and `/readyz` answer 503 `target_gone`, saying which and
+/// what to do, and the log says it at ERROR (before: 200 until a restart).
+#[test]
+fn a_vanished_or_replaced_target_makes_the_daemon_unhealthy() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
+    let d = Daemon::start(&target, dir.path());
+    let socket = d.control_socket();
+    assert_eq!(pdstor_tests::http_exchange(&socket, "GET", "/healthz", None).0, 200);
+    let moved = dir.path().join("moved.img");
+    std::fs::rename(&target, &moved).expect("the target moved away");
+    for route in ["/healthz", "/readyz"] {
+        let (status, body) = pdstor_tests::http_exchange(&socket, "GET", route, None);
+        let e: pdstor::api::wire::ErrorBody = serde_json::from_str(&body).expect("the JSON error shape");
+        assert_eq!((status, e.code.as_str()), (503, "target_gone"), "{route}: {body}");
+        assert!(e.message.contains("was removed") && e.message.contains("put the target back"), "{}", e.message);
+    }
+    std::fs::write(&target, b"another file").expect("another file at the path");
+    let (status, body) = pdstor_tests::http_exchange(&socket, "GET", "/healthz", None);
+    assert!(status == 503 && body.contains("was replaced by another file"), "{status} {body}");
+    std::fs::remove_file(&target).expect("the other file goes");
+    std::fs::rename(&moved, &target).expect("the target is put back");
+    assert_eq!(pdstor_tests::http_exchange(&socket, "GET", "/healthz", None).0, 200, "healthy again");
+    let log = std::fs::read_to_string(&d.log).expect("the log");
+    assert!(log.lines().any(|l| l.contains("ERROR") && l.contains("was removed while the daemon serves it")), "{log}");
+}
+
+/// Finding 9: two chunks of one load placed on the same bytes of a buffer
+/// are refused up front, naming the overlap, and nothing is loaded (before:
+/// `500 load_failed … checksum mismatch`, pointing at the media); the claim
+/// then loads and acknowledges as usual.
+#[test]
+fn a_load_into_overlapping_places_names_the_overlap() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
+    let d = Daemon::start(&target, dir.path());
+    let (receipt, kv) = ready(&d, "overlap", 2);
+    let c = Client::new(&d.server);
+    let claim = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("claim");
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
+    let manifest = r.adopt(&claim, &layout()).expect("adopt");
+    let mut conn = pdstor::client::DataConn::connect(&d.data_socket).expect("a data connection");
+    let into = pdstor::Buffer::memfd("into", 2 * SLOT as usize).expect("a memfd");
+    let b = conn.register(&into).expect("register");
+    let at = |index: u32, offset: u64| pdstor::api::wire::DataChunk { index, buffer: b, offset, len: 0, crc32c: None };
+    for (what, chunks) in
+        [("the same offset", vec![at(0, 0), at(1, 0)]), ("half a chunk apart", vec![at(1, SLOT / 2), at(0, 0)])]
+    {
+        match conn.load(&claim, chunks) {
+            Err(ClientError::Api(e)) => {
+                assert_eq!((e.status, e.code.as_str()), (400, "bad_request"), "{what}: {}", e.message);
+                assert!(e.message.contains("would land on the same bytes of buffer"), "{what}: {}", e.message);
+            }
+            other => panic!("{what}: an overlapping load was answered {other:?}"),
+        }
+    }
+    let restored = r.load(&claim, manifest).expect("the claim loads as usual after the refusals");
+    assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv, "byte for byte");
+    c.ack(&claim, &restored.restore_digest).expect("ack");
 }

@@ -186,15 +186,12 @@ fn demo(sh: &Shell) -> Result<()> {
     // As root the daemon attaches the provenance probes, so every chunk's
     // timeline line carries the kernel's verdict on the path it took.
     let root = deps::is_root(sh);
-    step(&format!(
-        "start pdstor serve (control plane 127.0.0.1:7078, data plane on a Unix socket{})",
-        if root { ", provenance probes attached" } else { "; not root: no provenance probes" }
-    ));
+    let control = dir.join("control.sock");
+    step(&serve_banner(&control, &data_socket, root));
     let log_path = dir.join("serve.log");
     let log = std::fs::File::create(&log_path)?;
     let mut daemon = std::process::Command::new(&pdstor);
     daemon.arg("serve").arg("--target").arg(&target);
-    let control = dir.join("control.sock");
     let server = format!("unix:{}", control.display());
     daemon.args(["--listen", &server, "--data-socket"]).arg(&data_socket);
     daemon.arg("--timeline").arg(&timeline);
@@ -412,4 +409,26 @@ fn ci_steps(sh: &Shell) -> Result<()> {
         bail!("PDSTOR_CI_FORBID_SKIPS is set and {} tests were skipped", skips.lines().count());
     }
     Ok(())
+}
+
+/// What the demo says it starts: where it really serves, both planes on
+/// Unix sockets.
+fn serve_banner(control: &std::path::Path, data: &std::path::Path, root: bool) -> String {
+    format!(
+        "start pdstor serve (control plane on {}, data plane on {}{})",
+        control.display(),
+        data.display(),
+        if root { ", provenance probes attached" } else { "; not root: no provenance probes" }
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 34: the banner named a TCP address the daemon never served.
+    #[test]
+    fn the_demo_banner_names_the_sockets_it_serves() {
+        let b = super::serve_banner("/d/control.sock".as_ref(), "/d/data.sock".as_ref(), false);
+        assert!(b.contains("control plane on /d/control.sock") && b.contains("data plane on /d/data.sock"), "{b}");
+        assert!(!b.contains("127.0.0.1"), "{b}");
+    }
 }

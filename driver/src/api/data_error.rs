@@ -34,6 +34,20 @@ pub enum DataError {
         /// The client's buffer id.
         buffer: u32,
     },
+    /// Two chunks of one load land on overlapping bytes of one buffer.
+    #[error(
+        "chunks {first} and {second} of this load would land on the same bytes of buffer {buffer} (at offset {at}): each needs a place of its own; nothing was loaded"
+    )]
+    LoadOverlap {
+        /// The chunk placed first.
+        first: u32,
+        /// The chunk whose place overlaps it.
+        second: u32,
+        /// The client's buffer id.
+        buffer: u32,
+        /// Where the second starts.
+        at: u64,
+    },
     /// A `many` frame the data plane cannot take as asked.
     #[error("{0}")]
     BadMany(String),
@@ -113,6 +127,7 @@ impl DataError {
             DataError::FrameTooLarge { .. } => (RefusalCode::FrameTooLarge, "frame"),
             DataError::BadFrame(_) => (RefusalCode::BadRequest, "frame"),
             DataError::BadMany(_) => (RefusalCode::BadRequest, "requests"),
+            DataError::LoadOverlap { .. } => (RefusalCode::BadRequest, "chunks"),
             DataError::UnknownBuffer { .. } => (RefusalCode::UnknownBuffer, "buffer"),
             DataError::ZeroLength | DataError::MapMemfd(_) | DataError::DmabufSize { .. } => {
                 (RefusalCode::BadBuffer, "len")

@@ -41,9 +41,15 @@ pub struct AppState {
 }
 
 /// Liveness: 200 while the daemon can do its job; 503 once the store has
-/// failed, since only a restart (replaying the journal) recovers it.
+/// failed, since only a restart (replaying the journal) recovers it, or
+/// when its target is no longer at its path
+/// ([`Store::target_gone`](crate::store::Store::target_gone)).
 async fn healthz(State(s): State<Shared>) -> Response {
-    match s.service.store().failed() {
+    let store = s.service.store();
+    if let Some(why) = store.target_gone() {
+        return json_response(StatusCode::SERVICE_UNAVAILABLE, &ErrorBody::new(RefusalCode::TargetGone, "", why));
+    }
+    match store.failed() {
         None => (StatusCode::OK, "ok\n").into_response(),
         Some(why) => json_response(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -61,6 +67,9 @@ async fn healthz(State(s): State<Shared>) -> Response {
 async fn readyz(State(s): State<Shared>) -> Response {
     let store = s.service.store();
     let (used, half) = store.journal_usage();
+    if let Some(why) = store.target_gone() {
+        return json_response(StatusCode::SERVICE_UNAVAILABLE, &ErrorBody::new(RefusalCode::TargetGone, "", why));
+    }
     let why = match store.failed() {
         Some(f) => Some(format!("the store failed ({f}) and refuses every change")),
         None if used > half / 4 * 3 => Some(format!("the journal half is {used} of {half} bytes full")),

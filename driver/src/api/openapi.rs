@@ -378,7 +378,11 @@ pub const ROUTES: &[Route] = &[
         params: &[],
         request: None,
         ok: ("ok", Body::Text),
-        refusals: &[(503, "the store failed and refuses every change (code store_failed)")],
+        refusals: &[(
+            503,
+            "the store failed and refuses every change (code store_failed), or its target was removed or replaced \
+             under the daemon (code target_gone)",
+        )],
     },
     Route {
         method: Method::Get,
@@ -387,7 +391,10 @@ pub const ROUTES: &[Route] = &[
         params: &[],
         request: None,
         ok: ("ready", Body::Json(Readiness::name)),
-        refusals: &[(503, "not ready, and why (code not_ready)")],
+        refusals: &[(
+            503,
+            "not ready, and why (code not_ready); the target was removed or replaced (code target_gone)",
+        )],
     },
     Route {
         method: Method::Get,

@@ -411,7 +411,10 @@ pub(super) fn finish_load(
             return Err(StoreError::Load {
                 publication: id,
                 chunk: d.index,
-                what: format!("checksum mismatch: stored {:#010x}, read {crc:#010x}", c.crc32c),
+                what: format!(
+                    "checksum mismatch: stored {:#010x}, read {crc:#010x} (read back from the reader's buffer: the media, or something else writing those bytes of the buffer during the load — another load into the same memory, say)",
+                    c.crc32c
+                ),
             });
         }
         crcs.push(Some(crc));

@@ -96,8 +96,25 @@ fn now_unix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-/// Writes a fresh namespace: empty journal halves, then both superblock copies.
+/// Writes a fresh namespace: empty journal halves, then both superblock
+/// copies. A file it created for the purpose (`create_len`) is removed if
+/// formatting fails — a full disk, say — so no partial target is left.
 pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
+    let existed = std::fs::symlink_metadata(path).is_ok();
+    let formatted = format_in_place(path, opts);
+    if formatted.is_err() && !existed && opts.create_len.is_some() {
+        match std::fs::remove_file(path) {
+            Ok(()) => tracing::info!(target = %path.display(), "removed the partial target the failed format made"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                tracing::warn!(target = %path.display(), error = %e, "could not remove the partial target the failed format made")
+            }
+        }
+    }
+    formatted
+}
+
+fn format_in_place(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
     if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
         return Err(StoreError::SlotSize { slot_size: opts.slot_size });
     }

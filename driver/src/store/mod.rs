@@ -30,6 +30,7 @@ mod format;
 mod io_thread;
 pub mod journal;
 mod many;
+mod presence;
 pub mod publication;
 mod recovery;
 mod scope;
@@ -227,6 +228,8 @@ pub struct Store {
     last_commit: Mutex<CommitInfo>,
     /// Signalled when a load ends (see `Live::loading`).
     loads_done: std::sync::Condvar,
+    /// The target as opened: still at its path?
+    presence: presence::Presence,
 }
 
 impl Store {
@@ -265,6 +268,7 @@ impl Store {
             opts,
             last_commit: Mutex::new(CommitInfo::default()),
             loads_done: std::sync::Condvar::new(),
+            presence: presence::Presence::at(path),
         };
         let mut report = replayed.report;
         store.begin_epoch(&mut report)?;
@@ -413,6 +417,12 @@ impl Store {
     /// The target's kind.
     pub fn target_kind(&self) -> TargetKind {
         self.io.target_kind()
+    }
+
+    /// Why the target at the store's path is no longer the one it opened
+    /// (removed, or replaced by another file), if it is not.
+    pub fn target_gone(&self) -> Option<String> {
+        self.presence.gone(&self.path)
     }
 
     /// Why the store refuses changes, if a commit failed (restart recovers).

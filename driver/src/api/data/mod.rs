@@ -161,6 +161,22 @@ fn about_of(req: &DataRequest) -> Option<u64> {
     }
 }
 
+/// Refuses a load whose chunks would land on overlapping bytes of one
+/// buffer (each chunk's length is the manifest's): the last to finish would
+/// win, and the others would fail their checksums as if the media were bad.
+fn overlap(chunks: &[DataChunk], manifest: &Manifest) -> Result<(), DataError> {
+    let len = |c: &DataChunk| manifest.chunks.get(c.index as usize).map_or(0, |m| m.len);
+    let mut places: Vec<&DataChunk> = chunks.iter().filter(|c| len(c) > 0).collect();
+    places.sort_by_key(|c| (c.buffer, c.offset));
+    for w in places.windows(2) {
+        let (a, b) = (w[0], w[1]);
+        if a.buffer == b.buffer && a.offset.saturating_add(len(a)) > b.offset {
+            return Err(DataError::LoadOverlap { first: a.index, second: b.index, buffer: b.buffer, at: b.offset });
+        }
+    }
+    Ok(())
+}
+
 /// Answers `e` on a connection about to be closed, best effort: the client
 /// learns why it is being hung up on.
 fn last_word(stream: &mut UnixStream, e: ErrorBody) {
@@ -443,6 +459,7 @@ impl Conn {
     /// fenced) and its destinations resolved.
     fn load_begin(&self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<(Manifest, Vec<ChunkDest>), DataError> {
         let manifest = self.service.authorize_load(&self.caller, receipt)?;
+        overlap(chunks, &manifest)?;
         let mut dests = Vec::with_capacity(chunks.len());
         for c in chunks {
             dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });

@@ -1,0 +1,62 @@
+//! Whether the target the store opened is still the one at its path. The
+//! daemon holds it open, so a target removed (or replaced by another file)
+//! under it goes on working — until the daemon exits, when what it stored
+//! is gone with the descriptor, or a restart opens the other file. The
+//! health endpoints ask; the first time it is seen it is said at ERROR.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The device and inode the store opened at its path.
+#[derive(Debug)]
+pub(super) struct Presence {
+    opened: Option<(u64, u64)>,
+    said: AtomicBool,
+}
+
+impl Presence {
+    /// What is at `path` now, just after the store opened it.
+    pub(super) fn at(path: &Path) -> Presence {
+        Presence { opened: std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino())), said: AtomicBool::new(false) }
+    }
+
+    /// Why the target at `path` is not the one opened, if it is not.
+    pub(super) fn gone(&self, path: &Path) -> Option<String> {
+        let (dev, ino) = self.opened?;
+        let why = match std::fs::metadata(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "was removed",
+            Err(_) => return None,
+            Ok(m) if (m.dev(), m.ino()) != (dev, ino) => "was replaced by another file",
+            Ok(_) => return None,
+        };
+        let message = format!(
+            "the target {} {why} while the daemon serves it: what it stores lives only in the descriptor it holds until it exits, and a restart would not find it (or would open the other file); send no new work, put the target back at its path, then restart",
+            path.display()
+        );
+        if !self.said.swap(true, Ordering::Relaxed) {
+            tracing::error!("{message}");
+        }
+        Some(message)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_removed_or_replaced_target_is_seen() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("t.img");
+        std::fs::write(&t, b"x").unwrap();
+        // Held open, as the daemon holds its target: its inode is not reused.
+        let _held = std::fs::File::open(&t).unwrap();
+        let p = Presence::at(&t);
+        assert_eq!(p.gone(&t), None);
+        std::fs::remove_file(&t).unwrap();
+        assert!(p.gone(&t).unwrap().contains("was removed"));
+        std::fs::write(&t, b"y").unwrap();
+        assert!(p.gone(&t).unwrap().contains("was replaced by another file"));
+    }
+}
