@@ -129,6 +129,10 @@ pub enum Attack {
         n: usize,
         secs: u64,
     },
+    /// Create `path` as this uid's own file, mode 0666, empty.
+    Plant {
+        path: PathBuf,
+    },
     /// Make `link` a symbolic link to `to`.
     Symlink {
         to: PathBuf,
@@ -226,6 +230,9 @@ pub fn run(attack: Attack) -> Outcome {
         Attack::Metrics { server } => Outcome::of(Client::new(&server).metrics()),
         Attack::Squat { path, secs } => squat(&path, secs),
         Attack::Symlink { to, link } => io(std::os::unix::fs::symlink(to, link)),
+        Attack::Plant { path } => {
+            io(std::fs::File::create(&path).and_then(|f| f.set_permissions(std::fs::Permissions::from_mode(0o666))))
+        }
         Attack::Hoard { data, n, secs } => hoard(&data, n, secs),
     }
 }

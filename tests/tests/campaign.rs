@@ -683,3 +683,39 @@ fn a_load_into_overlapping_places_names_the_overlap() {
     assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv, "byte for byte");
     c.ack(&claim, &restored.restore_digest).expect("ack");
 }
+
+/// Past the list: a timeline path in a directory another user can write,
+/// got to first — its own world-writable file, or a link to a file it can
+/// read — would hand it every receipt signature the daemon writes. The
+/// daemon refuses both at start, writing nothing there.
+#[test]
+fn a_timeline_planted_by_another_user_is_refused() {
+    if let Some(why) = unavailable() {
+        return pdstor_tests::skip("a_timeline_planted_by_another_user_is_refused", &why);
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let lab = Lab::with(2, "");
+    // A directory uid 4002 controls (in a sticky shared one the kernel's
+    // protected_symlinks may refuse the link first; this is pdstor's own check).
+    let shared = lab.dir.path().join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::os::unix::fs::chown(&shared, Some(MALLORY), None).expect("chown");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).expect("chmod 0755");
+    let planted = shared.join("timeline.jsonl");
+    assert!(as_mallory(&Attack::Plant { path: planted.clone() }).ok, "uid 4002 could not plant its file");
+    let loot = shared.join("loot.jsonl");
+    assert!(as_mallory(&Attack::Plant { path: loot.clone() }).ok, "uid 4002 could not plant its file");
+    let linked = shared.join("linked.jsonl");
+    assert!(as_mallory(&Attack::Symlink { to: loot.clone(), link: linked.clone() }).ok, "no link");
+    for (path, says) in [(&planted, "belongs to uid 4002"), (&linked, "is a symbolic link")] {
+        let mut serve = std::process::Command::new(pdstor_bin());
+        serve.arg("serve").arg("--target").arg(&lab.target).arg("--timeline").arg(path);
+        serve.arg("--listen").arg(format!("unix:{}", lab.dir.path().join("c.sock").display()));
+        serve.arg("--data-socket").arg(lab.dir.path().join("d.sock"));
+        let err = refused_start(serve);
+        assert!(err.contains(says), "{}: {err}", path.display());
+    }
+    for f in [&planted, &loot] {
+        assert_eq!(std::fs::metadata(f).expect("the planted file").len(), 0, "{} was written to", f.display());
+    }
+}
