@@ -719,3 +719,93 @@ fn a_timeline_planted_by_another_user_is_refused() {
         assert_eq!(std::fs::metadata(f).expect("the planted file").len(), 0, "{} was written to", f.display());
     }
 }
+
+/// What the daemon holds: threads, descriptors, resident KiB.
+fn held(d: &Daemon) -> (usize, usize, u64) {
+    let pid = d.pid().expect("running");
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("its descriptors").count();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("its status");
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok());
+    (threads(d), fds, kib.expect("VmRSS"))
+}
+
+/// Past the list, a flaky client and a hostile one in turn — idle and
+/// trickling connections on both planes, unparsable HTTP, a writer that
+/// vanishes mid-store, a client that registers its whole buffer allowance
+/// and vanishes — and after each the daemon holds what it held before:
+/// threads, descriptors, memory (within 32 MiB), and every slot free.
+#[test]
+fn after_each_hostile_client_the_daemon_holds_what_it_held_before() {
+    use std::io::Write;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 4, SLOT);
+    let args = ["--data-idle-timeout-ms", "500", "--body-timeout-ms", "500", "--header-timeout-ms", "500"];
+    let d = Daemon::start_with(&target, dir.path(), &args);
+    // Warm: one whole handoff, so what a first handoff allocates for good is in the baseline.
+    let (receipt, _) = ready(&d, "warm", 2);
+    let c = Client::new(&d.server);
+    let claim = c.claim(&receipt, "r", "s", 60_000).expect("claim");
+    let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
+    let restored = r.get(&claim, &layout()).expect("restore");
+    c.ack(&claim, &restored.restore_digest).expect("ack");
+    drop(r);
+    std::thread::sleep(Duration::from_millis(1500));
+    let base = held(&d);
+    let settled = |what: &str| {
+        let t = Instant::now();
+        loop {
+            let now = held(&d);
+            if now.0 <= base.0 + 2 && now.1 <= base.1 && now.2 <= base.2 + 32 * 1024 {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(20), "after {what}: the daemon holds {now:?}, it held {base:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let p = c.prepare("all-slots", &layout(), 4, "w").unwrap_or_else(|e| panic!("after {what}: {e}"));
+        c.abort(p.publication, &p.writer_token).expect("abort");
+    };
+    {
+        let _idle: Vec<_> = (0..200)
+            .map(|_| std::os::unix::net::UnixStream::connect(&d.data_socket).expect("a data connection"))
+            .collect();
+        let mut slow = std::os::unix::net::UnixStream::connect(d.control_socket()).expect("the control socket");
+        slow.write_all(b"POST /storage-pd/prepare HTTP/1.1\r\nHost: p\r\n").expect("half a head");
+        let mut trickle = std::os::unix::net::UnixStream::connect(&d.data_socket).expect("a data connection");
+        trickle.write_all(&[200, 0]).expect("half a length");
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    settled("idle and trickling connections");
+    for raw in [&b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"[..], b"\x00\x01\x02\r\n\r\n"] {
+        let _ = raw_exchange(&d.control_socket(), raw);
+    }
+    settled("unparsable requests");
+    {
+        let p = c.prepare("vanishing", &layout(), 2, "w").expect("prepare");
+        let mut conn = pdstor::client::DataConn::connect(&d.data_socket).expect("a data connection");
+        let buf = pdstor::Buffer::memfd("vanishing", 2 * SLOT as usize).expect("a memfd");
+        let b = conn.register(&buf).expect("register");
+        let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
+        conn.store(p.publication, &p.writer_token, vec![chunk], false, 2).expect("store one chunk");
+    }
+    until("the vanished writer's publication is rolled back", || {
+        c.publications(None, false).expect("listing").iter().all(|p| p.req_id != "vanishing")
+    });
+    settled("a writer that vanished mid-store");
+    {
+        let mut conn = pdstor::client::DataConn::connect(&d.data_socket).expect("a data connection");
+        let bufs: Vec<_> =
+            (0..16).map(|i| pdstor::Buffer::memfd(&format!("b{i}"), 1 << 20).expect("a memfd")).collect();
+        for b in &bufs {
+            conn.register(b).expect("register");
+        }
+        let extra = pdstor::Buffer::memfd("extra", 1 << 20).expect("a memfd");
+        match conn.register(&extra) {
+            Err(ClientError::Api(e)) => assert_eq!(e.code, "too_many_buffers", "{}", e.message),
+            other => panic!("a 17th buffer: {other:?}"),
+        }
+    }
+    settled("a client that registered all it may and vanished");
+}
