@@ -270,6 +270,26 @@ fn refused_start(mut cmd: std::process::Command) -> String {
     err
 }
 
+/// A directory `name` in the lab, owned by `uid`:`gid` (unchanged where
+/// `None`), with `mode`.
+fn lab_dir(lab: &Lab, name: &str, owner: (Option<u32>, Option<u32>), mode: u32) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = lab.dir.path().join(name);
+    std::fs::create_dir(&dir).expect("mkdir");
+    std::os::unix::fs::chown(&dir, owner.0, owner.1).expect("chown");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    dir
+}
+
+/// `pdstor serve` of the lab's target with both sockets in `sockets`.
+fn serve_in(lab: &Lab, sockets: &std::path::Path) -> std::process::Command {
+    let mut serve = std::process::Command::new(pdstor_bin());
+    serve.arg("serve").arg("--target").arg(&lab.target);
+    serve.arg("--listen").arg(format!("unix:{}", sockets.join("control.sock").display()));
+    serve.arg("--data-socket").arg(sockets.join("data.sock"));
+    serve
+}
+
 /// Finding 4: a socket directory root:4002 0770 (uid 4002 could rename
 /// `control.sock` away and bind its own) is refused at start, naming the
 /// group; nothing is bound in it.
@@ -278,17 +298,9 @@ fn a_group_writable_socket_directory_is_refused() {
     if let Some(why) = unavailable() {
         return pdstor_tests::skip("a_group_writable_socket_directory_is_refused", &why);
     }
-    use std::os::unix::fs::PermissionsExt;
     let lab = Lab::with(2, "");
-    let socks = lab.dir.path().join("sockets");
-    std::fs::create_dir(&socks).expect("mkdir");
-    std::os::unix::fs::chown(&socks, Some(0), Some(MALLORY)).expect("chown root:4002");
-    std::fs::set_permissions(&socks, std::fs::Permissions::from_mode(0o770)).expect("chmod 0770");
-    let mut serve = std::process::Command::new(pdstor_bin());
-    serve.arg("serve").arg("--target").arg(&lab.target);
-    serve.arg("--listen").arg(format!("unix:{}", socks.join("control.sock").display()));
-    serve.arg("--data-socket").arg(socks.join("data.sock"));
-    let err = refused_start(serve);
+    let socks = lab_dir(&lab, "sockets", (Some(0), Some(MALLORY)), 0o770);
+    let err = refused_start(serve_in(&lab, &socks));
     assert!(err.contains("is writable by group 4002") && err.contains("chmod go-w"), "{err}");
     assert_eq!(std::fs::read_dir(&socks).expect("the directory").count(), 0, "something was bound there");
 }
@@ -302,13 +314,10 @@ fn a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory() {
     if let Some(why) = unavailable() {
         return pdstor_tests::skip("a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory", &why);
     }
-    use std::os::unix::fs::PermissionsExt;
     const VICTIM: u32 = 4001;
     let lab = Lab::with(2, "");
     std::os::unix::fs::chown(&lab.target, Some(VICTIM), None).expect("the target is uid 4001's");
-    let tmp = lab.dir.path().join("tmp");
-    std::fs::create_dir(&tmp).expect("mkdir");
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).expect("chmod 1777");
+    let tmp = lab_dir(&lab, "tmp", (None, None), 0o1777);
     let link = tmp.join(format!("pdstor-{VICTIM}"));
     let made = as_mallory(&Attack::Symlink { to: tmp.clone(), link: link.clone() });
     assert!(made.ok, "uid 4002 could not plant the link: {}", made.detail);
@@ -693,14 +702,10 @@ fn a_timeline_planted_by_another_user_is_refused() {
     if let Some(why) = unavailable() {
         return pdstor_tests::skip("a_timeline_planted_by_another_user_is_refused", &why);
     }
-    use std::os::unix::fs::PermissionsExt;
     let lab = Lab::with(2, "");
     // A directory uid 4002 controls (in a sticky shared one the kernel's
     // protected_symlinks may refuse the link first; this is pdstor's own check).
-    let shared = lab.dir.path().join("shared");
-    std::fs::create_dir(&shared).expect("mkdir");
-    std::os::unix::fs::chown(&shared, Some(MALLORY), None).expect("chown");
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).expect("chmod 0755");
+    let shared = lab_dir(&lab, "shared", (Some(MALLORY), None), 0o755);
     let planted = shared.join("timeline.jsonl");
     assert!(as_mallory(&Attack::Plant { path: planted.clone() }).ok, "uid 4002 could not plant its file");
     let loot = shared.join("loot.jsonl");
@@ -708,10 +713,8 @@ fn a_timeline_planted_by_another_user_is_refused() {
     let linked = shared.join("linked.jsonl");
     assert!(as_mallory(&Attack::Symlink { to: loot.clone(), link: linked.clone() }).ok, "no link");
     for (path, says) in [(&planted, "belongs to uid 4002"), (&linked, "is a symbolic link")] {
-        let mut serve = std::process::Command::new(pdstor_bin());
-        serve.arg("serve").arg("--target").arg(&lab.target).arg("--timeline").arg(path);
-        serve.arg("--listen").arg(format!("unix:{}", lab.dir.path().join("c.sock").display()));
-        serve.arg("--data-socket").arg(lab.dir.path().join("d.sock"));
+        let mut serve = serve_in(&lab, lab.dir.path());
+        serve.arg("--timeline").arg(path);
         let err = refused_start(serve);
         assert!(err.contains(says), "{}: {err}", path.display());
     }
