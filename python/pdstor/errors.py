@@ -350,6 +350,36 @@ class RequestTimeout(Error, TimeoutError):
     status = 408
 
 
+class MalformedHttp(Error):
+    """The request could not be parsed as HTTP/1.1 (its request line or a
+    header, a conflicting or invalid Content-Length or Transfer-Encoding)."""
+
+    code = "malformed_http"
+    status = 400
+
+
+class UriTooLong(Error):
+    """The request line is longer than the daemon reads."""
+
+    code = "uri_too_long"
+    status = 414
+
+
+class HeadersTooLarge(Error):
+    """The request's headers are more, or larger, than the daemon reads."""
+
+    code = "headers_too_large"
+    status = 431
+
+
+class TargetGone(Error):
+    """The target was removed or replaced under the running daemon
+    (/healthz, /readyz): put it back at its path, then restart."""
+
+    code = "target_gone"
+    status = 503
+
+
 class BodyTooLarge(Error):
     """The request body is over --max-body."""
 
