@@ -156,6 +156,10 @@ impl Daemon {
     }
 
     fn spawn(&mut self) {
+        // Another start over a running daemon would not replace it (its
+        // sockets are taken: the new one refuses and exits, the old one
+        // answers) and would leave it running after the test.
+        assert!(self.child.is_none(), "the daemon is already running: stop() or kill9() it before restart()");
         let log = std::fs::File::create(&self.log).expect("daemon log");
         // 2 s of admission wait unless the test says otherwise.
         let admission: &[&str] = if self.extra.iter().any(|a| a == "--admission-timeout-ms") {

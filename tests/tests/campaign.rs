@@ -812,3 +812,30 @@ fn after_each_hostile_client_the_daemon_holds_what_it_held_before() {
     }
     settled("a client that registered all it may and vanished");
 }
+
+/// Past the list, a flaky machine: a cleaner empties the directory the
+/// sockets are in while the daemon runs. It still stops on SIGTERM, at
+/// once (before: its data plane's accept loop was woken by connecting to
+/// the socket's path — gone — so it never stopped, and every test that
+/// left such a daemon behind leaked a process).
+#[test]
+fn a_daemon_whose_sockets_were_removed_still_stops() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
+    let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
+    let mut d = Daemon::start(&target, dir.path());
+    std::fs::remove_file(&d.data_socket).expect("the data socket removed");
+    std::fs::remove_file(d.control_socket()).expect("the control socket removed");
+    let pid = d.pid().expect("running");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(d.stop());
+    });
+    match rx.recv_timeout(Duration::from_secs(20)) {
+        Ok(status) => assert!(status.success(), "the daemon stopped with {status}"),
+        Err(_) => {
+            // SAFETY: kill(2) of the child this test started, so that it does not outlive the test.
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+            panic!("the daemon did not stop within 20 s of SIGTERM");
+        }
+    }
+}

@@ -1083,6 +1083,7 @@ fn a_client_keeps_its_control_connection_alive_and_outlives_the_daemon_closing_i
     assert_eq!(counters(&c).0, connections + 1, "one new connection for the closed one");
 
     // A restarted daemon: the pooled connection is dead, the client reconnects.
+    d.stop();
     d.restart();
     assert_eq!(c.lookup(&names).unwrap(), vec![None]);
     let p = put(&d, "after-restart", 5, 1);

@@ -11,7 +11,7 @@
 //! [`DataResponse`]); a `register` frame carries the fd.
 
 use std::collections::{HashMap, HashSet};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,6 +31,7 @@ use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Manifest, Phase, StoreB
 
 mod idle;
 mod many;
+mod place;
 mod shares;
 pub use pdstor_client::frame::{read_frame, write_frame};
 
@@ -49,6 +50,9 @@ pub struct DataPlane {
     path: PathBuf,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    /// The listening socket, to wake the accept loop at shutdown (its path
+    /// may be gone: a cleaner emptied the directory).
+    waker: UnixListener,
 }
 
 impl DataPlane {
@@ -64,6 +68,7 @@ impl DataPlane {
         limits: super::Limits,
     ) -> anyhow::Result<DataPlane> {
         let listener = super::hygiene::bind_socket(path, group, |p| UnixListener::bind(p))?;
+        let waker = listener.try_clone()?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         // One thread per connection, at most `max_data_connections` of them,
@@ -118,7 +123,7 @@ impl DataPlane {
                 }
             }
         })?;
-        Ok(DataPlane { path: path.into(), stop, thread: Some(thread) })
+        Ok(DataPlane { path: path.into(), stop, thread: Some(thread), waker })
     }
 
     /// The socket's path.
@@ -130,7 +135,10 @@ impl DataPlane {
 impl Drop for DataPlane {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        let _ = UnixStream::connect(&self.path); // unblock accept
+        // shutdown(2) wakes a blocked accept(2) with an error, whether or not
+        // the socket's path still exists; the loop then sees `stop`.
+        let _ = nix::sys::socket::shutdown(self.waker.as_raw_fd(), nix::sys::socket::Shutdown::Both);
+        let _ = UnixStream::connect(&self.path);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -159,22 +167,6 @@ fn about_of(req: &DataRequest) -> Option<u64> {
         DataRequest::Load { receipt, .. } => Some(receipt.publication),
         _ => None,
     }
-}
-
-/// Refuses a load whose chunks would land on overlapping bytes of one
-/// buffer (each chunk's length is the manifest's): the last to finish would
-/// win, and the others would fail their checksums as if the media were bad.
-fn overlap(chunks: &[DataChunk], manifest: &Manifest) -> Result<(), DataError> {
-    let len = |c: &DataChunk| manifest.chunks.get(c.index as usize).map_or(0, |m| m.len);
-    let mut places: Vec<&DataChunk> = chunks.iter().filter(|c| len(c) > 0).collect();
-    places.sort_by_key(|c| (c.buffer, c.offset));
-    for w in places.windows(2) {
-        let (a, b) = (w[0], w[1]);
-        if a.buffer == b.buffer && a.offset.saturating_add(len(a)) > b.offset {
-            return Err(DataError::LoadOverlap { first: a.index, second: b.index, buffer: b.buffer, at: b.offset });
-        }
-    }
-    Ok(())
 }
 
 /// Answers `e` on a connection about to be closed, best effort: the client
@@ -459,7 +451,7 @@ impl Conn {
     /// fenced) and its destinations resolved.
     fn load_begin(&self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<(Manifest, Vec<ChunkDest>), DataError> {
         let manifest = self.service.authorize_load(&self.caller, receipt)?;
-        overlap(chunks, &manifest)?;
+        place::overlap(chunks, &manifest)?;
         let mut dests = Vec::with_capacity(chunks.len());
         for c in chunks {
             dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });
