@@ -499,7 +499,19 @@ struct Mounted(std::path::PathBuf);
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        // A daemon's io_uring lets go of its target file only when the
+        // kernel's ring teardown runs, shortly after the process exits: the
+        // filesystem is busy until then.
+        let t = Instant::now();
+        let umount = || std::process::Command::new("umount").arg(&self.0).stderr(std::process::Stdio::null()).status();
+        while !umount().is_ok_and(|s| s.success()) {
+            if t.elapsed() > Duration::from_secs(10) {
+                eprintln!("{} is still busy after 10 s: detached lazily", self.0.display());
+                let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 
