@@ -29,13 +29,17 @@ fn until(why: &str, mut what: impl FnMut() -> bool) {
     }
 }
 
-/// The value of an unlabelled metric in the daemon's exposition.
-fn metric(c: &Client, name: &str) -> u64 {
+/// A metric's value in the daemon's exposition, by its full name with labels.
+fn metric_of(c: &Client, name: &str) -> Option<u64> {
     let text = c.metrics().expect("the metrics");
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
         .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in the metrics"))
+}
+
+/// The value of a metric the daemon always shows.
+fn metric(c: &Client, name: &str) -> u64 {
+    metric_of(c, name).unwrap_or_else(|| panic!("no {name} in the metrics"))
 }
 
 /// Finding 1: another tenant's refused prepare of the id a victim's prepare
@@ -515,13 +519,9 @@ impl Drop for Mounted {
     }
 }
 
-/// A metric's value, by its full name with labels, or 0 when absent.
+/// A counter's value, or 0 while it has never counted.
 fn metric_or_zero(c: &Client, name: &str) -> u64 {
-    let text = c.metrics().expect("the metrics");
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+    metric_of(c, name).unwrap_or(0)
 }
 
 /// Finding 8: the journal hits ENOSPC (the target's journal blocks are holes
