@@ -143,6 +143,16 @@ codes! {
     // The control plane's own limits.
     /// The target was removed or replaced under the running daemon (`/healthz`, `/readyz`).
     TargetGone = "target_gone" => 503,
+    /// This daemon is a standby (`serve --standby`): it serves no step until
+    /// it takes the namespace over; ask the owner.
+    Standby = "standby" => 503,
+    /// This daemon lost its namespace: another owner preempted its
+    /// reservation key (a standby took over). It acknowledges nothing more;
+    /// ask the namespace's new owner.
+    NamespaceLost = "namespace_lost" => 503,
+    /// A takeover was refused or failed (no owner key to preempt, the
+    /// target refused the preempt): the standby stays a standby.
+    TakeoverFailed = "takeover_failed" => 409,
     /// The daemon cannot take changes now (`/readyz`).
     DaemonNotReady = "not_ready" => 503,
     /// No route at this path.

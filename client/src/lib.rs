@@ -390,6 +390,11 @@ impl Client {
         let body = OperatorReclaimRequest { publication, reason: reason.into() };
         self.post::<_, Done>("/storage-pd/admin/reclaim", &body).map(drop)
     }
+    /// `admin/takeover`, to a standby (`serve --standby`): it preempts the
+    /// namespace's owner and serves it as its owner from a new epoch.
+    pub fn takeover(&self) -> Result<crate::wire::TakeoverAnswer, ClientError> {
+        self.post("/storage-pd/admin/takeover", &serde_json::json!({}))
+    }
     /// `session/close`: fences a reader session.
     pub fn close_session(&self, claim: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { receipt: claim.clone() }).map(drop)

@@ -56,6 +56,11 @@ pub struct Superblock {
     pub hmac_key: [u8; 32],
     /// When the namespace was formatted (Unix seconds).
     pub created_unix: u64,
+    /// The persistent-reservation key of the owner that began this epoch
+    /// (`serve --reservation-key`), 0 if it held none: what a standby
+    /// preempts to take the namespace over, and what a revived old owner
+    /// finds is no longer its own. (Older superblocks have zeros here.)
+    pub owner_key: u64,
 }
 
 /// Why a superblock copy cannot be used.
@@ -120,6 +125,7 @@ impl std::fmt::Debug for Superblock {
             .field("journal_start_seq", &self.journal_start_seq)
             .field("hmac_key_id", &self.hmac_key_id)
             .field("created_unix", &self.created_unix)
+            .field("owner_key", &format_args!("{:#x}", self.owner_key))
             .finish_non_exhaustive()
     }
 }
@@ -157,6 +163,7 @@ impl Superblock {
         b[104..108].copy_from_slice(&self.hmac_key_id.to_le_bytes());
         b[112..144].copy_from_slice(&self.hmac_key);
         b[144..152].copy_from_slice(&self.created_unix.to_le_bytes());
+        b[152..160].copy_from_slice(&self.owner_key.to_le_bytes());
         let crc = crc32c::crc32c(&b);
         b[12..16].copy_from_slice(&crc.to_le_bytes());
         b
@@ -205,6 +212,7 @@ impl Superblock {
             hmac_key_id: u32_at(104),
             hmac_key,
             created_unix: u64_at(144),
+            owner_key: u64_at(152),
         };
         if sb.active_half > 1
             || sb.slot_size == 0
@@ -259,6 +267,7 @@ mod tests {
             hmac_key_id: 1,
             hmac_key: [9; 32],
             created_unix: 1,
+            owner_key: 0x5d0e,
         }
     }
 
@@ -270,6 +279,18 @@ mod tests {
         b[200] ^= 1;
         assert!(matches!(Superblock::decode(&b), Err(SuperblockError::Checksum { .. })));
         assert!(matches!(Superblock::decode(&[0u8; 4096]), Err(SuperblockError::NotPdstor { .. })));
+    }
+
+    /// A superblock written before the owner's key was recorded reads as
+    /// "no key": its bytes there were zero.
+    #[test]
+    fn a_superblock_from_before_owner_keys_names_none() {
+        let mut b = sample().encode();
+        b[152..160].fill(0);
+        b[12..16].fill(0);
+        let crc = crc32c::crc32c(&b);
+        b[12..16].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(Superblock::decode(&b).unwrap().owner_key, 0);
     }
 
     #[test]

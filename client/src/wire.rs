@@ -165,6 +165,26 @@ pub struct OperatorReclaimRequest {
     pub reason: String,
 }
 
+/// `POST /storage-pd/admin/takeover` (a standby, admin): what the takeover did.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TakeoverAnswer {
+    /// The namespace now served by this daemon.
+    pub namespace: String,
+    /// The epoch its takeover began.
+    pub epoch: u64,
+    /// The old owner's reservation key, preempted (hex), if it held another than this daemon's.
+    pub preempted_key: Option<String>,
+    /// The epoch the old owner served.
+    pub previous_epoch: u64,
+    /// Publications that survived (READY or later).
+    pub live: u64,
+    /// Publications rolled back (never published).
+    pub rolled_back: Vec<u64>,
+    /// From the decision to the store open, in ms.
+    pub took_ms: u64,
+}
+
 /// `POST /storage-pd/abort`: roll back a publication that is not READY.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -47,6 +47,8 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
         require_native: false,
         timeline: None,
         reservation_key: None,
+        owner_check: std::time::Duration::from_millis(250),
+        standby: None,
         fault: Some(fault.clone()),
         limits: Default::default(),
         allow_readable_target: false,

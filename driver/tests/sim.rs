@@ -8,6 +8,15 @@
 //! device ([`FaultPlan::simulated`]) keeps a volatile write cache: a power
 //! loss loses, tears or misdirects any write since the last flush.
 //!
+//! And a standby takes the namespace over at random points (issue 35): the
+//! old owner is fenced as a preempt fences it ([`FaultPlan::fence`]: the
+//! target refuses its every command as a reservation conflict) while it
+//! still runs; its publish, claim, release and checkpoint are all refused —
+//! it acknowledges nothing after the preempt — and it says its namespace is
+//! lost; then the new owner recovers the device as it is and is checked as
+//! after a power loss: no acknowledged publication lost, a direct claim kept
+//! with its slots (so never reused), the rest fenced.
+//!
 //! After every step: the allocator and admission invariants, exact capacity
 //! accounting. After every power loss and recovery: every publication whose
 //! `publish` returned is there, not PREPARED, with its chunks' bytes on the
@@ -206,6 +215,7 @@ fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
         admission_timeout: Duration::from_secs(3600),
         fault: Some(plan.clone()),
         wait_clock: clock.clone(),
+        owner_key: 0,
     }
 }
 
@@ -297,6 +307,7 @@ impl Sim {
             88..=90 => self.cancel(),
             91..=93 => self.retry_while_waiting(),
             94..=95 => self.disconnect(),
+            96..=97 => self.takeover(),
             _ => self.crash(),
         }?;
         self.settle()?;
@@ -825,10 +836,61 @@ impl Sim {
         self.service = None; // the store goes with it; nothing more reaches the media
         let rng = &mut self.rng;
         let loss = self.plan.power_loss(&mut |n| rng.below(n), misdirect);
+        self.recover(loss, "POWER LOSS")
+    }
+
+    /// A standby takes the namespace over at this point: it preempts the
+    /// owner's key — from then on the target refuses the old owner's every
+    /// command — and opens the device as it is (no power is lost: what the
+    /// device took stays). The old owner, still running, tries to publish,
+    /// claim, ack and release what it can: every step is refused, none is
+    /// acknowledged, and it says its namespace is lost. Then the new owner's
+    /// recovery is checked against the model exactly as after a power loss.
+    fn takeover(&mut self) -> Result<(), String> {
+        if let Some(w) = &mut self.waiter {
+            w.token.cancel();
+            w.ending = Some("its owner was taken over");
+            self.store().wake_waiters();
+        }
+        self.settle()?;
+        let publishable = self.ids(|r, p| p == Phase::Prepared && r.last_sent && r.stored.len() == r.chunks as usize);
+        let ready = self.ids(|r, p| p == Phase::Ready && r.ready.is_some());
+        self.plan.fence();
+        let old = self.service.take().ok_or("no owner to take over")?;
+        let me = me();
+        let mut tried = Vec::new();
+        for id in publishable.iter().take(1) {
+            let token = self.reqs[id].token.clone();
+            tried.push(("publish", old.publish(&me, *id, &token, Some(7)).map(drop).map_err(|e| e.to_string())));
+        }
+        for id in ready.iter().take(1) {
+            let receipt = self.reqs[id].ready.clone().ok_or("READY without its receipt")?;
+            tried.push((
+                "claim",
+                old.claim(&me, &receipt, "takeover-reader", "s-old", 60_000, None).map(drop).map_err(|e| e.to_string()),
+            ));
+            tried.push(("release", old.release(&me, &receipt).map(drop).map_err(|e| e.to_string())));
+        }
+        tried.push(("checkpoint", old.store().checkpoint().map_err(|e| e.to_string())));
+        for (step, r) in &tried {
+            if r.is_ok() {
+                return Err(format!("the old owner's {step} was acknowledged after the preempt"));
+            }
+        }
+        let lost =
+            old.store().lost().ok_or("the old owner, refused by the target, does not say its namespace is lost")?;
+        self.note(format!("TAKEOVER: the old owner refused {} steps ({lost})", tried.len()));
+        drop(old);
+        self.recover(pdstor::store::PowerLoss::default(), "TAKEOVER")
+    }
+
+    /// Opens the store again (a restart after a power loss, or a new owner
+    /// after a takeover) and checks what it recovered against the model.
+    fn recover(&mut self, loss: pdstor::store::PowerLoss, what: &str) -> Result<(), String> {
         let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
         let (store, report) =
             Store::open(&self.path, options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;
-        self.note(format!("POWER LOSS {loss:?} -> recovery {report:?}"));
+        self.note(format!("{what} {loss:?} -> recovery {report:?}"));
         self.plan = plan;
         let store = Arc::new(store);
         self.writer = shared(&store);

@@ -193,6 +193,30 @@ fn publications_survive_reopen_and_epochs_advance() {
 /// Eviction under pressure (an operator's opt-in): only READY publications
 /// nobody claimed, only those the policy accepts, oldest first, only as many
 /// as the shortfall needs — and each release is durable.
+/// Each epoch's superblock names the reservation key its owner began it
+/// with (what a standby preempts, and what a revived old owner finds is not
+/// its own), through checkpoints; an owner without one records 0.
+#[test]
+fn the_superblock_names_the_key_each_epoch_began_with() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 8);
+    let keyed = |key: u64| StoreOptions { queue_depth: 8, owner_key: key, ..Default::default() };
+    let (s, r) = Store::open(&path, keyed(0x5d0e)).unwrap();
+    assert_eq!(s.superblock().owner_key, 0x5d0e);
+    let b = shared(&s, 2);
+    put(&s, &b, "kept", 3, 2);
+    s.checkpoint().unwrap();
+    drop((b, s));
+    let seen = store::inspect(&path).unwrap();
+    assert_eq!((seen.superblock.owner_key, seen.superblock.epoch), (0x5d0e, r.epoch));
+    // The standby's epoch: its key, the publication kept.
+    let (s, r2) = Store::open(&path, keyed(0x5d10)).unwrap();
+    assert_eq!((s.superblock().owner_key, r2.epoch, r2.live), (0x5d10, r.epoch + 1, 1));
+    drop(s);
+    let (s, _) = open(&path);
+    assert_eq!(s.superblock().owner_key, 0);
+}
+
 #[test]
 fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

@@ -380,6 +380,29 @@ class TargetGone(Error):
     status = 503
 
 
+class Standby(Error):
+    """This daemon is a standby (serve --standby): it serves no step until it
+    takes the namespace over; ask the owner."""
+
+    code = "standby"
+    status = 503
+
+
+class NamespaceLost(Error):
+    """This daemon lost its namespace (a standby preempted its reservation
+    key) and acknowledges nothing more: ask the namespace's new owner."""
+
+    code = "namespace_lost"
+    status = 503
+
+
+class TakeoverFailed(Error):
+    """A takeover was refused or failed; the standby stays a standby."""
+
+    code = "takeover_failed"
+    status = 409
+
+
 class BodyTooLarge(Error):
     """The request body is over --max-body."""
 

@@ -50,6 +50,9 @@ pub fn store_code(e: &StoreError) -> (Code, &'static str) {
         StoreError::NoSuchChunk { .. } => (Code::BadChunk, "chunks"),
         StoreError::BatchFailed { .. } => (Code::BatchFailed, "chunks"),
         StoreError::Load { .. } => (Code::LoadFailed, "chunks"),
+        StoreError::Failed(why) if matches!(**why, crate::store::WorkerError::NamespaceLost { .. }) => {
+            (Code::NamespaceLost, "")
+        }
         StoreError::Failed(_) => (Code::StoreFailed, ""),
         StoreError::RecordTooLarge { .. } => (Code::RecordTooLarge, ""),
         StoreError::Io(

@@ -12,7 +12,9 @@ mod listen;
 pub mod log;
 pub mod metrics;
 pub mod openapi;
+pub mod owner;
 mod shaped;
+pub mod standby;
 pub mod steps;
 pub mod tls;
 pub use pdstor_client::wire;
@@ -83,6 +85,11 @@ pub struct ServeConfig {
     /// with this key: direct readers register keys of their own, and fencing
     /// one preempts its key at the target.
     pub reservation_key: Option<u64>,
+    /// How often an owner holding a reservation checks that its key is still
+    /// registered (a standby that took over preempted it: the namespace is lost).
+    pub owner_check: Duration,
+    /// Stand by for the namespace's owner instead of serving it (`--standby`).
+    pub standby: Option<standby::StandbyConfig>,
     /// Fault injection for tests: the device "dies" as this plan says.
     pub fault: Option<Arc<crate::store::FaultPlan>>,
     /// What one client may hold or take.
@@ -162,16 +169,28 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         ),
         (Listen::Unix(_), None) => None,
     };
-    let (store, report) = Store::open(
-        &cfg.target,
-        StoreOptions {
-            queue_depth: cfg.queue_depth,
-            merge_bytes: if cfg.provenance { 0 } else { cfg.merge_bytes },
-            admission_timeout: cfg.admission_timeout,
-            fault: cfg.fault.clone(),
-            ..Default::default()
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let (held, store, report) = match (&cfg.standby, cfg.reservation_key) {
+        (Some(sb), Some(key)) => match standby::run(&cfg, sb, key, tls.clone(), &rt)? {
+            Some((held, store, report)) => (Some(held), store, report),
+            None => {
+                tracing::info!("stopped (a standby to the end)");
+                return Ok(());
+            }
         },
-    )?;
+        (Some(_), None) => anyhow::bail!(
+            "--standby needs --reservation-key: a standby takes a namespace over by preempting its owner's key with its own"
+        ),
+        (None, Some(key)) => {
+            let held = owner::hold(&cfg.target, key, false).map_err(|e| anyhow::anyhow!("--reservation-key: {e:#}"))?;
+            let (store, report) = open_store(&cfg, key)?;
+            (Some(held), store, report)
+        }
+        (None, None) => {
+            let (store, report) = open_store(&cfg, 0)?;
+            (None, store, report)
+        }
+    };
     tracing::info!(
         target = %cfg.target.display(),
         epoch = report.epoch,
@@ -188,10 +207,11 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         None => None,
     };
     let mut service = Service::new(store.clone()).with_timeline(timeline).with_policy(cfg.policy.clone());
-    if let Some(key) = cfg.reservation_key {
-        service = service.with_reservation_key(key).map_err(|e| {
-            anyhow::anyhow!("--reservation-key: {e}: serve without it, or on a namespace with persistent reservations")
-        })?;
+    let mut watcher = None;
+    if let Some(held) = held {
+        let key = held.key;
+        service = service.with_reservations(held.reservations, key);
+        watcher = Some(owner::watch(store.clone(), &cfg.target, key, cfg.owner_check)?);
         tracing::info!(
             key = format!("{key:#x}"),
             "holding the namespace's reservation (exclusive access, all registrants)"
@@ -229,11 +249,23 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         provenance: probes.is_some(),
         limits: cfg.limits,
         prepares: Default::default(),
-    }));
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(control_plane(&cfg.listen, tls, cfg.socket_group, cfg.policy.clone(), app, cfg.limits))?;
+    }))
+    .layer(axum::middleware::from_fn_with_state(store.clone(), owner::refuse_when_lost));
+    rt.block_on(control_plane(
+        cfg.listen.clone(),
+        tls,
+        cfg.socket_group,
+        cfg.policy.clone(),
+        app,
+        cfg.limits,
+        signalled(),
+    ))?;
     reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = reaper.join();
+    if let Some((stop, handle)) = watcher {
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = handle.join();
+    }
     drop(data);
     drop(probes);
     let failed = store.failed();
@@ -244,6 +276,32 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Some(why) => anyhow::bail!("the store failed during this run ({why}); restart to recover from the journal"),
         None => Ok(()),
     }
+}
+
+/// Opens the store (recovery into a new epoch), recording `owner_key` (0:
+/// none) as the key this owner holds the namespace with.
+fn open_store(cfg: &ServeConfig, owner_key: u64) -> anyhow::Result<(Store, crate::store::RecoveryReport)> {
+    Ok(Store::open(
+        &cfg.target,
+        StoreOptions {
+            queue_depth: cfg.queue_depth,
+            merge_bytes: if cfg.provenance { 0 } else { cfg.merge_bytes },
+            admission_timeout: cfg.admission_timeout,
+            fault: cfg.fault.clone(),
+            owner_key,
+            ..Default::default()
+        },
+    )?)
+}
+
+/// Completes at SIGTERM or SIGINT.
+async fn signalled() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
+    }
+    tracing::info!("shutting down");
 }
 
 /// The reaper: PREPARED publications whose writer went quiet give their
@@ -277,26 +335,19 @@ fn spawn_reaper(
     Ok((stop, handle))
 }
 
-/// Serves the control plane on `listen` until SIGTERM or SIGINT, then lets
-/// in-flight requests drain (up to 30 s).
+/// Serves the control plane on `listen` until `shutdown` completes, then
+/// lets in-flight requests drain (up to 30 s).
 async fn control_plane(
-    listen: &Listen,
+    listen: Listen,
     tls: Option<Arc<rustls::ServerConfig>>,
     group: Option<u32>,
     policy: Arc<Policy>,
     app: axum::Router,
     limits: Limits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending::<()>().await } } => {},
-        }
-        tracing::info!("shutting down");
-    };
     let drain = std::time::Duration::from_secs(30);
-    match listen {
+    match &listen {
         Listen::Tcp(addr) => {
             let l =
                 tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;

@@ -322,6 +322,20 @@ impl ReclaimArgs {
 }
 
 #[derive(clap::Args)]
+pub struct TakeoverArgs {
+    /// The standby's control plane (an admin's call).
+    #[command(flatten)]
+    daemon: Server,
+}
+
+impl TakeoverArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        println!("{}", serde_json::to_string(&Client::new(&self.daemon.server).takeover()?)?);
+        Ok(())
+    }
+}
+
+#[derive(clap::Args)]
 pub struct CloseSessionArgs {
     #[command(flatten)]
     daemon: Server,

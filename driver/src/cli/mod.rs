@@ -25,7 +25,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the daemon: the store behind the HTTP control plane and the data plane.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// prepare + store a file's bytes through a shared buffer + publish; prints the READY receipt.
     Put(client::PutArgs),
     /// Claim a READY publication for one reader and session; prints the claim receipt.
@@ -46,6 +46,9 @@ enum Command {
     Reclaim(client::ReclaimArgs),
     /// Fence a reader session (its claims become reclaimable).
     CloseSession(client::CloseSessionArgs),
+    /// Tell a standby (`serve --standby`) to take its namespace over now: it preempts the owner's
+    /// reservation key and serves from a new epoch; prints what it did.
+    Takeover(client::TakeoverArgs),
     /// The daemon's metrics (Prometheus text).
     Status(client::StatusArgs),
     /// Live publications, optionally of one state; --verbose adds each chunk's extent on the target.
@@ -97,7 +100,7 @@ impl Command {
     /// variant and one arm, checked by the compiler.
     fn run(self) -> anyhow::Result<()> {
         match self {
-            Command::Serve(a) => a.run(),
+            Command::Serve(a) => (*a).run(),
             Command::Put(a) => a.run(),
             Command::Claim(a) => a.run(),
             Command::Get(a) => a.run(),
@@ -107,6 +110,7 @@ impl Command {
             Command::Cancel(a) => a.run(),
             Command::Fail(a) => a.run(),
             Command::Reclaim(a) => a.run(),
+            Command::Takeover(a) => a.run(),
             Command::CloseSession(a) => a.run(),
             Command::Status(a) => a.run(),
             Command::Publications(a) => a.run(),

@@ -134,6 +134,25 @@ pub struct ServeArgs {
     /// direct reader's session preempts its host's key at the target (NVMe, incl. NVMe/TCP; root).
     #[arg(long, value_parser = parse_key)]
     reservation_key: Option<u64>,
+    /// With --reservation-key: how often (ms) the owner checks that its key is still registered at
+    /// the target; once a standby preempted it, the namespace is lost and every step is refused
+    /// 503 namespace_lost.
+    #[arg(long, default_value_t = 250)]
+    owner_check_ms: u64,
+    /// Stand by for the namespace's owner on another host (needs --reservation-key, a key of its
+    /// own): write nothing and answer 503 standby until it takes over — on `pdstor takeover`, or
+    /// once --owner has failed its health checks for --takeover-after-ms — by preempting the
+    /// owner's key and recovering into a new epoch, as a restart does.
+    #[arg(long, requires = "reservation_key")]
+    standby: bool,
+    /// With --standby: the owner's control plane, whose /healthz it watches (without it, only an
+    /// operator's `pdstor takeover`).
+    #[arg(long, requires = "standby")]
+    owner: Option<String>,
+    /// With --standby --owner: take over once the owner's health checks have failed for this
+    /// long (ms).
+    #[arg(long, default_value_t = 1_500)]
+    takeover_after_ms: u64,
     #[command(flatten)]
     limits: LimitArgs,
 }
@@ -169,6 +188,12 @@ impl ServeArgs {
             require_native: self.require_native,
             timeline: self.timeline,
             reservation_key: self.reservation_key,
+            owner_check: Duration::from_millis(self.owner_check_ms.max(10)),
+            standby: self.standby.then(|| pdstor::api::standby::StandbyConfig {
+                owner: self.owner.clone(),
+                takeover_after: Duration::from_millis(self.takeover_after_ms),
+                check_every: Duration::from_millis(self.owner_check_ms.max(10)),
+            }),
             fault: None,
             limits: self.limits.limits(),
             allow_readable_target: self.allow_readable_target,

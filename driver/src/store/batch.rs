@@ -257,6 +257,12 @@ impl Store {
         };
         let crcs = match recorded {
             Ok(crcs) => crcs,
+            Err(source) if super::error::reservation_conflict(&source) => {
+                let why = format!(
+                    "the target refused a store batch of publication {id} as a reservation conflict ({source}): another owner preempted this host's key"
+                );
+                return Err(self.lose_locked(&mut live, why));
+            }
             Err(source) => {
                 self.rollback_locked(&mut live, id, format!("store batch failed: {source}"))?;
                 return Err(StoreError::BatchFailed { publication: id, source });

@@ -245,6 +245,13 @@ pub enum StoreError {
 /// What the I/O thread failed to do.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
+    /// The namespace is no longer this owner's: another owner preempted its
+    /// reservation key ([`Store::lose`](super::Store::lose)).
+    #[error("the namespace was taken over: {why}")]
+    NamespaceLost {
+        /// Who took it and how it was seen.
+        why: String,
+    },
     /// The engine could not be set up, or a setup read failed.
     #[error(transparent)]
     Engine(#[from] IoError),
@@ -295,6 +302,9 @@ pub enum WorkerError {
     /// The fault plan killed the device.
     #[error("device failed (fault injection)")]
     DeviceDead,
+    /// The fault plan fenced this host, as a takeover's preempt does.
+    #[error("reservation conflict: the target refused the flush (fault injection: this host's key was preempted)")]
+    Fenced,
     /// The active journal half cannot take what was appended.
     #[error("the journal half ({half} bytes) is full: format with a larger --journal")]
     JournalFull {
@@ -321,6 +331,33 @@ pub enum WorkerError {
     /// No randomness for a new namespace key.
     #[error("getrandom: {0}")]
     Random(getrandom::Error),
+}
+
+impl WorkerError {
+    /// Whether the target refused this host as a reservation conflict
+    /// (`EBADE`, the block layer's `BLK_STS_RESV_CONFLICT`): its key is no
+    /// longer registered — another owner preempted it — so the namespace is
+    /// no longer this owner's.
+    pub fn is_reservation_conflict(&self) -> bool {
+        if matches!(self, WorkerError::Fenced | WorkerError::NamespaceLost { .. }) {
+            return true;
+        }
+        reservation_conflict(self)
+    }
+}
+
+/// Whether `e`, or an error under it, is the block layer's reservation
+/// conflict (`EBADE`): the target refused this host, whose key is not (or
+/// no longer) registered.
+pub(crate) fn reservation_conflict(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.downcast_ref::<std::io::Error>().and_then(std::io::Error::raw_os_error) == Some(libc::EBADE) {
+            return true;
+        }
+        next = e.source();
+    }
+    false
 }
 
 /// A journal record that does not fit the state it is applied to.

@@ -20,6 +20,9 @@ pub struct FaultPlan {
     writes_left: AtomicI64,
     torn: bool,
     dead: AtomicBool,
+    /// Dead because this host was fenced (its reservation key preempted):
+    /// the target refuses every command as a reservation conflict.
+    fenced: AtomicBool,
     /// The simulated volatile write cache, for [`FaultPlan::simulated`].
     cache: Option<std::sync::Mutex<WriteCache>>,
 }
@@ -53,6 +56,7 @@ impl FaultPlan {
             writes_left: AtomicI64::new(writes as i64),
             torn,
             dead: AtomicBool::new(false),
+            fenced: AtomicBool::new(false),
             cache: None,
         })
     }
@@ -66,6 +70,7 @@ impl FaultPlan {
             writes_left: AtomicI64::new(i64::MAX),
             torn: false,
             dead: AtomicBool::new(false),
+            fenced: AtomicBool::new(false),
             cache: Some(std::sync::Mutex::new(WriteCache { file, unflushed: Vec::new() })),
         }))
     }
@@ -73,6 +78,24 @@ impl FaultPlan {
     /// The power goes: every later write and flush fails.
     pub fn kill(&self) {
         self.dead.store(true, Ordering::SeqCst);
+    }
+
+    /// Another owner preempts this host's key (a takeover): from now on the
+    /// target refuses every read, write and flush of this host as a
+    /// reservation conflict (`EBADE`). The device itself goes on: what it
+    /// acknowledged stays, and the new owner opens it as it is.
+    pub fn fence(&self) {
+        self.fenced.store(true, Ordering::SeqCst);
+        self.dead.store(true, Ordering::SeqCst);
+    }
+
+    /// The error of a command the device refused.
+    fn refused(&self, r: &IoRequest) -> IoError {
+        let source = match self.fenced.load(Ordering::SeqCst) {
+            true => std::io::Error::from_raw_os_error(libc::EBADE),
+            false => dead_device(),
+        };
+        IoError::Transfer { transfer: r.transfer, op: r.op, offset: r.target_offset.0, len: r.len, source }
     }
 
     fn cache(&self) -> Option<std::sync::MutexGuard<'_, WriteCache>> {
@@ -178,11 +201,6 @@ fn dead_device() -> std::io::Error {
     std::io::Error::other("device failed (fault injection)")
 }
 
-/// The error of a write or read the faulty device refused.
-fn refused(r: &IoRequest) -> IoError {
-    IoError::Transfer { transfer: r.transfer, op: r.op, offset: r.target_offset.0, len: r.len, source: dead_device() }
-}
-
 /// A dead device's faults: once it has died, every write, read and flush
 /// fails; the write that kills it may be torn (metadata) or refused whole
 /// (payload); its writes and flushes feed the simulated write cache.
@@ -219,7 +237,7 @@ impl Storage for FaultPlan {
                     path: c.path,
                     bytes: 0,
                     latency: std::time::Duration::ZERO,
-                    result: Err(refused(c)),
+                    result: Err(self.refused(c)),
                 })
             })
             .collect();
@@ -236,9 +254,9 @@ impl Storage for FaultPlan {
                 if half > 0 {
                     let _ = engine.execute_all(&[IoRequest { len: half, ..request }]);
                 }
-                return Err(refused(&IoRequest { len: 0, ..request }));
+                return Err(self.refused(&IoRequest { len: 0, ..request }));
             }
-            Err(()) => return Err(refused(&IoRequest { len: 0, ..request })),
+            Err(()) => return Err(self.refused(&IoRequest { len: 0, ..request })),
         }
         self.before_write(request.target_offset.0, request.len);
         let r = Media.write(engine, request);
@@ -247,6 +265,9 @@ impl Storage for FaultPlan {
     }
 
     fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError> {
+        if self.fenced.load(Ordering::SeqCst) {
+            return Err(WorkerError::Fenced);
+        }
         if self.is_dead() {
             return Err(WorkerError::DeviceDead);
         }

@@ -154,6 +154,7 @@ fn format_in_place(path: &Path, opts: &FormatOptions) -> Result<FormatReport, St
         hmac_key_id: 1,
         hmac_key: key,
         created_unix: now_unix(),
+        owner_key: 0,
     };
     // Old superblocks go first, so a crash mid-format leaves no stale namespace.
     engine.write_from_slice(0, &[0u8; SUPERBLOCK_BYTES])?;

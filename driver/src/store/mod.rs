@@ -103,6 +103,9 @@ pub struct StoreOptions {
     pub fault: Option<Arc<FaultPlan>>,
     /// The time admission waits are measured in (the simulation moves its own).
     pub wait_clock: Arc<dyn WaitClock>,
+    /// The reservation key this owner holds the namespace with (0: none),
+    /// recorded in the superblock as the new epoch begins.
+    pub owner_key: u64,
 }
 
 impl Default for StoreOptions {
@@ -113,6 +116,7 @@ impl Default for StoreOptions {
             admission_timeout: Duration::from_secs(30),
             fault: None,
             wait_clock: Arc::new(MonotonicClock::default()),
+            owner_key: 0,
         }
     }
 }
@@ -335,7 +339,21 @@ impl Store {
     /// Records the store's first failure — said once, at ERROR, when it
     /// happens, not only when the daemon exits — and answers it.
     fn failed_locked(&self, live: &mut Live, why: Arc<WorkerError>) -> StoreError {
+        // Refused as a reservation conflict: another owner took the namespace.
+        let why = match why.is_reservation_conflict() && !matches!(*why, WorkerError::NamespaceLost { .. }) {
+            true => {
+                let lost = format!(
+                    "the target refused this host as a reservation conflict ({why}): another owner preempted its key"
+                );
+                self.presence.lose(&self.path, &lost);
+                Arc::new(WorkerError::NamespaceLost { why: lost })
+            }
+            false => why,
+        };
         let first = live.failed.get_or_insert_with(|| {
+            if matches!(*why, WorkerError::NamespaceLost { .. }) {
+                return why; // said once, by `Presence::lose`
+            }
             tracing::error!(
                 target = %self.path.display(),
                 error = %why,

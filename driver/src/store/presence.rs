@@ -3,22 +3,38 @@
 //! under it goes on working — until the daemon exits, when what it stored
 //! is gone with the descriptor, or a restart opens the other file. The
 //! health endpoints ask; the first time it is seen it is said at ERROR.
+//!
+//! And whether the namespace is still this owner's: on a shared namespace a
+//! standby that takes over preempts this owner's reservation key, and from
+//! then on the target refuses its commands. Once the daemon learns it (its
+//! own check, or a write refused), the store is *lost*: every change is
+//! refused and the health endpoints say so, for good.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::Store;
+use super::error::WorkerError;
 
 /// The device and inode the store opened at its path.
 #[derive(Debug)]
 pub(super) struct Presence {
     opened: Option<(u64, u64)>,
     said: AtomicBool,
+    /// Why the namespace is no longer this owner's, once it is not.
+    lost: Mutex<Option<String>>,
 }
 
 impl Presence {
     /// What is at `path` now, just after the store opened it.
     pub(super) fn at(path: &Path) -> Presence {
-        Presence { opened: std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino())), said: AtomicBool::new(false) }
+        Presence {
+            opened: std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino())),
+            said: AtomicBool::new(false),
+            lost: Mutex::new(None),
+        }
     }
 
     /// Why the target at `path` is not the one opened, if it is not.
@@ -38,6 +54,42 @@ impl Presence {
             tracing::error!("{message}");
         }
         Some(message)
+    }
+}
+
+impl Presence {
+    /// Records that the namespace is no longer this owner's (said at ERROR
+    /// the first time).
+    pub(super) fn lose(&self, path: &Path, why: &str) {
+        let mut lost = self.lost.lock().unwrap_or_else(|p| p.into_inner());
+        if lost.is_none() {
+            tracing::error!(
+                target = %path.display(),
+                "the namespace is lost: {why}; this daemon acknowledges nothing more (every route answers 503 namespace_lost); its new owner serves it"
+            );
+            *lost = Some(why.to_owned());
+        }
+    }
+}
+
+impl Store {
+    /// The namespace is no longer this owner's (`why`: who took it, how it
+    /// was seen): every change is refused from now on, said at ERROR once.
+    /// Nothing is written — the target would refuse it anyway.
+    pub fn lose(&self, why: String) {
+        let mut live = self.lock_live();
+        let _ = self.lose_locked(&mut live, why);
+    }
+
+    /// [`lose`](Self::lose) under the state lock; answers the refusal.
+    pub(super) fn lose_locked(&self, live: &mut super::Live, why: String) -> super::StoreError {
+        self.presence.lose(&self.path, &why);
+        self.failed_locked(live, Arc::new(WorkerError::NamespaceLost { why }))
+    }
+
+    /// Why the namespace is no longer this owner's, if it is not.
+    pub fn lost(&self) -> Option<String> {
+        self.presence.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 }
 

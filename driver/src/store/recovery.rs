@@ -54,6 +54,7 @@ impl Store {
         let mut next_sb = self.superblock();
         next_sb.epoch += 1;
         next_sb.generation += 1;
+        next_sb.owner_key = self.opts.owner_key;
         self.write_superblock(next_sb.clone())?;
         *self.lock_sb() = next_sb.clone();
         {

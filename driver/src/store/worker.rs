@@ -588,5 +588,6 @@ fn blank_superblock() -> Superblock {
         hmac_key_id: 0,
         hmac_key: [0; 32],
         created_unix: 0,
+        owner_key: 0,
     }
 }

@@ -280,7 +280,7 @@ fn transfer_hint(e: &std::io::Error) -> &'static str {
     match e.raw_os_error() {
         // BLK_STS_RESV_CONFLICT: NVMe's Reservation Conflict status.
         Some(libc::EBADE) => {
-            " (a persistent-reservation conflict: this host has no registered key on the namespace, or its key was preempted when its reader was fenced)"
+            " (a persistent-reservation conflict: this host has no registered key on the namespace, or its key was preempted: its reader fenced, or its owner taken over by a standby)"
         }
         _ => "",
     }

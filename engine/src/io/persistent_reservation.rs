@@ -27,6 +27,23 @@ pub struct ReservationError {
     pub device: PathBuf,
     /// What the kernel or the target said, and what to do.
     pub why: String,
+    /// Which kind of refusal it was.
+    pub kind: ReservationFailure,
+}
+
+/// The kinds of [`ReservationError`] a caller decides on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReservationFailure {
+    /// The target refused: another host holds the reservation, or this
+    /// host's key is not (or no longer) registered — it was preempted.
+    Conflict,
+    /// The device does not do persistent reservations.
+    Unsupported,
+    /// The path to the target failed: whether the key is still registered
+    /// is unknown until the path is back.
+    Path,
+    /// Anything else (permission, an I/O error, opening the device).
+    Other,
 }
 
 /// `struct pr_registration`.
@@ -94,6 +111,7 @@ impl Reservations {
             op: "opening for reservations".into(),
             device: device.into(),
             why: e.to_string(),
+            kind: ReservationFailure::Other,
         })?;
         Ok(Reservations { device: device.into(), file })
     }
@@ -102,6 +120,13 @@ impl Reservations {
     pub fn register(&self, key: u64) -> Result<(), ReservationError> {
         let mut arg = PrRegistration { old_key: 0, new_key: key, flags: PR_FL_IGNORE_KEY, pad: 0 };
         self.call(&format!("register key {key:#x}"), IOC_PR_REGISTER, &mut arg)
+    }
+
+    /// Removes this host's registration of `key` (it then can no longer
+    /// read or write a namespace reserved for registrants).
+    pub fn unregister(&self, key: u64) -> Result<(), ReservationError> {
+        let mut arg = PrRegistration { old_key: key, new_key: 0, flags: 0, pad: 0 };
+        self.call(&format!("unregister key {key:#x}"), IOC_PR_REGISTER, &mut arg)
     }
 
     /// Takes (or, as the holder, keeps) the Exclusive Access — Registrants
@@ -129,24 +154,46 @@ impl Reservations {
         // the `#[repr(C)]` struct `arg` points at (laid out as in pr.h); the
         // kernel only reads it, during this synchronous call.
         let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), request as _, arg as *mut T) };
-        let why = match rc {
+        let (kind, why) = match rc {
             0 => return Ok(()),
             rc if rc < 0 => {
                 let e = std::io::Error::last_os_error();
                 match e.raw_os_error() {
-                    Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) => format!(
-                        "{e}: this device does not do persistent reservations (an NVMe namespace does when its controller supports them; a Linux nvmet target with the namespace's resv_enable set; Debian's 6.12 nvmet has no reservations)"
+                    Some(libc::EOPNOTSUPP) | Some(libc::ENOTTY) => (
+                        ReservationFailure::Unsupported,
+                        format!(
+                            "{e}: this device does not do persistent reservations (an NVMe namespace does when its controller supports them; a Linux nvmet target with the namespace's resv_enable set; Debian's 6.12 nvmet has no reservations)"
+                        ),
                     ),
-                    Some(libc::EPERM) | Some(libc::EACCES) => format!("{e}: reservations need CAP_SYS_ADMIN"),
-                    _ => e.to_string(),
+                    Some(libc::EPERM) | Some(libc::EACCES) => {
+                        (ReservationFailure::Other, format!("{e}: reservations need CAP_SYS_ADMIN"))
+                    }
+                    // The block layer's BLK_STS_RESV_CONFLICT.
+                    Some(libc::EBADE) => (
+                        ReservationFailure::Conflict,
+                        format!(
+                            "{e}: reservation conflict: another host holds the reservation, or this key is not registered"
+                        ),
+                    ),
+                    Some(libc::ENOLINK) | Some(libc::ETIMEDOUT) | Some(libc::ENOTCONN) | Some(libc::EAGAIN) => (
+                        ReservationFailure::Path,
+                        format!("{e}: the path to the target failed: check the fabric connection"),
+                    ),
+                    _ => (ReservationFailure::Other, e.to_string()),
                 }
             }
-            1 => "the target answered an I/O error".into(),
-            2 => "reservation conflict: another host holds the reservation, or this key is not registered".into(),
-            3..=5 => format!("the path to the target failed (PR status {rc}): check the fabric connection"),
-            rc => format!("the target answered PR status {rc}"),
+            1 => (ReservationFailure::Other, "the target answered an I/O error".into()),
+            2 => (
+                ReservationFailure::Conflict,
+                "reservation conflict: another host holds the reservation, or this key is not registered".into(),
+            ),
+            3..=5 => (
+                ReservationFailure::Path,
+                format!("the path to the target failed (PR status {rc}): check the fabric connection"),
+            ),
+            rc => (ReservationFailure::Other, format!("the target answered PR status {rc}")),
         };
-        Err(ReservationError { op: op.into(), device: self.device.clone(), why })
+        Err(ReservationError { op: op.into(), device: self.device.clone(), why, kind })
     }
 }
 

@@ -94,18 +94,12 @@ impl Service {
         }
     }
 
-    /// Holds the namespace's Exclusive Access — All Registrants reservation
-    /// with `key` (registering it for this host first): only registered
-    /// hosts read or write it, and fencing a direct reader preempts its key.
-    pub fn with_reservation_key(
-        mut self,
-        key: u64,
-    ) -> Result<Service, crate::io::persistent_reservation::ReservationError> {
-        let r = crate::io::persistent_reservation::Reservations::open(self.store.path())?;
-        r.register(key)?;
-        r.reserve(key)?;
+    /// Fences direct readers by preempting their keys at the target, as
+    /// the holder of the namespace's Exclusive Access — All Registrants
+    /// reservation with `key` (taken by [`crate::api::owner::hold`]).
+    pub fn with_reservations(mut self, r: crate::io::persistent_reservation::Reservations, key: u64) -> Service {
         self.reservations = Some((r, key));
-        Ok(self)
+        self
     }
 
     /// Whether this owner holds a reservation on its namespace.

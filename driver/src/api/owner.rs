@@ -1,0 +1,179 @@
+//! Owning a shared namespace by its NVMe persistent reservation (DESIGN §11,
+//! docs/owners.md): taking it as its owner, taking it over from a dead one,
+//! and learning that it was lost.
+//!
+//! The owner holds an Exclusive Access — All Registrants reservation with its
+//! key, and the superblock records that key for the epoch it began. A
+//! standby takes the namespace over by preempting (and aborting) exactly that
+//! key: from then on the target refuses every command of the old owner's
+//! host, so a partitioned or hung old owner cannot write a byte — split brain
+//! is stopped at the device, not by a timer. Only one preempt of a key can
+//! succeed, so of two standbys racing, one wins and the other stays a
+//! standby.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+
+use crate::client::superblock::{SUPERBLOCK_BYTES, Superblock};
+use crate::io::persistent_reservation::{ReservationFailure, Reservations};
+use crate::io::{Engine, EngineOptions, Target, TargetOptions};
+use crate::store::Store;
+
+/// The namespace, held: this host's registration and reservation with `key`.
+#[derive(Debug)]
+pub struct Held {
+    /// The reservation commands on the namespace.
+    pub reservations: Reservations,
+    /// This owner's key.
+    pub key: u64,
+    /// The old owner's key this host preempted (a takeover), if any.
+    pub preempted: Option<u64>,
+    /// The superblock as it was before this owner's epoch began.
+    pub before: Superblock,
+}
+
+/// Reads the namespace's superblock (copy A) as a reader host does:
+/// read-only, `O_DIRECT`, writing nothing.
+pub fn read_superblock(path: &Path) -> anyhow::Result<Superblock> {
+    let target = Target::open(path, &TargetOptions { read_only: true, ..Default::default() })
+        .with_context(|| format!("opening {} read-only", path.display()))?;
+    let mut engine = Engine::new(target, EngineOptions::default())
+        .with_context(|| format!("an engine on {} to read its superblock", path.display()))?;
+    let bytes = engine
+        .read_to_vec(0, SUPERBLOCK_BYTES as u64)
+        .with_context(|| format!("reading the superblock of {}", path.display()))?;
+    Superblock::decode(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// Takes the namespace at `path` with `key`: registers it, checks the
+/// superblock's owner key, and reserves. Where the superblock names another
+/// owner's key, `takeover` preempts (and aborts) it; without `takeover`
+/// the namespace is not this host's — it was taken over — and this refuses,
+/// unregistered again, having written nothing.
+pub fn hold(path: &Path, key: u64, takeover: bool) -> anyhow::Result<Held> {
+    let r = Reservations::open(path)?;
+    r.register(key).map_err(|e| {
+        anyhow::anyhow!("{e}: serve without --reservation-key, or on a namespace with persistent reservations")
+    })?;
+    let before = match read_superblock(path) {
+        Ok(sb) => sb,
+        Err(e) => {
+            let _ = r.unregister(key);
+            return Err(e.context("reading the namespace's superblock after registering this host's key"));
+        }
+    };
+    let owner = before.owner_key;
+    let preempted = if owner == 0 || owner == key {
+        None
+    } else if takeover {
+        r.preempt(key, owner).map_err(|e| {
+            let _ = r.unregister(key);
+            anyhow::anyhow!(
+                "taking namespace {} over: {e}; the old owner's key {owner:#x} (epoch {}) is still registered, or another standby preempted it first: this daemon stays a standby",
+                before.uuid,
+                before.epoch
+            )
+        })?;
+        Some(owner)
+    } else {
+        let _ = r.unregister(key);
+        bail!(
+            "namespace {} is held by reservation key {owner:#x} since epoch {}, not this daemon's key {key:#x}: it was taken over, so this host is no longer its owner and writes nothing. Run it as that owner's standby (serve --standby --owner URL), or, if the owner with key {owner:#x} is gone for good, take the namespace over (serve --standby, then `pdstor takeover`)",
+            before.uuid,
+            before.epoch
+        );
+    };
+    r.reserve(key)?;
+    Ok(Held { reservations: r, key, preempted, before })
+}
+
+/// Checks every `every` that this owner's key is still registered at the
+/// target (by reserving again, which a registrant may do as often as it
+/// likes): a reservation conflict means another owner preempted it, and the
+/// store is lost ([`Store::lose`]). A failed path says nothing either way —
+/// a partitioned owner learns it was taken over when the path comes back.
+/// Stops when the flag returned is set.
+pub fn watch(
+    store: Arc<Store>,
+    path: &Path,
+    key: u64,
+    every: Duration,
+) -> anyhow::Result<(Arc<AtomicBool>, std::thread::JoinHandle<()>)> {
+    let r = Reservations::open(path)?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let handle = std::thread::Builder::new().name("pdstor-owner".into()).spawn(move || {
+        let mut path_failed = false;
+        while !flag.load(Ordering::SeqCst) {
+            std::thread::sleep(every);
+            match r.reserve(key) {
+                Ok(()) => {
+                    if std::mem::take(&mut path_failed) {
+                        tracing::info!(key = format!("{key:#x}"), "the path to the target is back; this owner's key is still registered");
+                    }
+                }
+                Err(e) if e.kind == ReservationFailure::Conflict => {
+                    store.lose(format!(
+                        "this host's reservation key {key:#x} is no longer registered at the target: another owner preempted it (a standby took the namespace over) ({e})"
+                    ));
+                    return;
+                }
+                Err(e) => {
+                    if !std::mem::replace(&mut path_failed, true) {
+                        tracing::warn!(
+                            error = %e,
+                            "checking this owner's reservation failed; whether the namespace is still this owner's is unknown until the target answers (its writes cannot reach the target either)"
+                        );
+                    }
+                }
+            }
+        }
+    })?;
+    Ok((stop, handle))
+}
+
+/// The control plane's guard: once the namespace is lost every route but
+/// `/metrics` answers 503 `namespace_lost` (health included); and a
+/// takeover asked of the owner itself is refused, naming its epoch.
+pub async fn refuse_when_lost(
+    axum::extract::State(store): axum::extract::State<Arc<Store>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use crate::protocol::RefusalCode;
+    let path = req.uri().path().to_owned();
+    let lost = store.lost().filter(|_| path != "/metrics");
+    if lost.is_none() && path != "/storage-pd/admin/takeover" {
+        return next.run(req).await;
+    }
+    // Read what the client sends before answering: a refusal answered over a
+    // body still being sent would cut the client off mid-write (EPIPE)
+    // instead of telling it why.
+    let _ = axum::body::to_bytes(req.into_body(), 1 << 20).await;
+    let refuse = |code: RefusalCode, message: String| {
+        use axum::response::IntoResponse;
+        let body = super::wire::ErrorBody::new(code, "", message);
+        let status =
+            axum::http::StatusCode::from_u16(body.status).unwrap_or(axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        (status, [(axum::http::header::CONTENT_TYPE, "application/json")], bytes).into_response()
+    };
+    if let Some(why) = lost {
+        return refuse(
+            RefusalCode::NamespaceLost,
+            format!("{why}: this daemon acknowledges nothing more; ask the namespace's new owner, and stop this one"),
+        );
+    }
+    let sb = store.superblock();
+    refuse(
+        RefusalCode::TakeoverFailed,
+        format!(
+            "this daemon owns namespace {} already (epoch {}): a takeover is asked of a standby",
+            sb.uuid, sb.epoch
+        ),
+    )
+}
