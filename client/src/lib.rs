@@ -142,19 +142,31 @@ fn host_port(rest: &str) -> Result<(String, u16), String> {
     Ok((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port))
 }
 
-/// The HTTP control plane.
+/// The HTTP control plane: one daemon, or the daemons that may own the
+/// namespace (see [`Client::new`]).
 pub struct Client {
+    daemons: Vec<Daemon>,
+    /// The daemon that answered as the owner last (with several).
+    current: std::sync::atomic::AtomicUsize,
+    base: String,
+}
+
+/// One daemon's address and how it is reached.
+struct Daemon {
     transport: Transport,
     base: String,
 }
 
-impl Client {
-    /// `base` is `unix:/path/to/control.sock` (the default),
-    /// `https://host:port` (mutual TLS with the files `PDSTOR_TLS_CA`,
-    /// `PDSTOR_TLS_CERT` and `PDSTOR_TLS_KEY` name) or `http://host:port`
-    /// (a daemon serving plaintext TCP).
-    pub fn new(base: &str) -> Client {
-        let base = base.trim_end_matches('/').to_owned();
+/// A request that failed: whether it provably never reached the daemon (no
+/// connection was made), so it may go to another.
+enum Failed {
+    NotSent(ClientError),
+    Unknown(ClientError),
+}
+
+impl Daemon {
+    fn new(base: &str, several: bool) -> Daemon {
+        let base = base.trim().trim_end_matches('/').to_owned();
         let transport = if let Some(path) = base.strip_prefix("unix:") {
             Transport::Unix(http1::UnixPool::new(path.trim_start_matches("//").into()))
         } else if let Some(rest) = base.strip_prefix("https://") {
@@ -166,14 +178,106 @@ impl Client {
             // Idle connections are dropped well before the daemon closes them
             // (`--header-timeout-ms`, 10 s by default), so a pooled connection
             // is never one the daemon — or a host that rebooted meanwhile —
-            // has already forgotten.
+            // has already forgotten. Among several owners a silent host's
+            // connect gives up after 3 s, so the next address is tried.
             let config = ureq::Agent::config_builder()
                 .http_status_as_error(false)
                 .max_idle_age(std::time::Duration::from_secs(4))
+                .timeout_connect(several.then(|| std::time::Duration::from_secs(3)))
                 .build();
             Transport::Http(config.into())
         };
-        Client { transport, base }
+        Daemon { transport, base }
+    }
+
+    /// Sends one request; answers the status and body.
+    fn exchange(&self, method: &str, path: &str, json: Option<&[u8]>) -> Result<(u16, Vec<u8>), Failed> {
+        let url = format!("{}{path}", self.base);
+        let transport = |message: String| {
+            // Every transport says "connecting to …" when no connection was made.
+            let e = ClientError::Transport { url: url.clone(), message: message.clone() };
+            if message.starts_with("connecting to") { Failed::NotSent(e) } else { Failed::Unknown(e) }
+        };
+        match &self.transport {
+            Transport::Unix(pool) => {
+                let a = pool.request(method, path, json).map_err(transport)?;
+                Ok((a.status, a.body))
+            }
+            Transport::Tls { host, port, config } => {
+                let config = config
+                    .as_ref()
+                    .map_err(|e| Failed::NotSent(ClientError::Transport { url: url.clone(), message: e.clone() }))?;
+                let a = http1::tls(config, host, *port, method, path, json).map_err(transport)?;
+                Ok((a.status, a.body))
+            }
+            Transport::Http(agent) => {
+                let resp = match json {
+                    Some(body) => agent.post(&url).content_type("application/json").send(body),
+                    None => agent.get(&url).call(),
+                };
+                let mut resp = resp.map_err(|e| {
+                    let not_sent = match &e {
+                        ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => true,
+                        ureq::Error::Timeout(t) => matches!(t, ureq::Timeout::Connect | ureq::Timeout::Resolve),
+                        ureq::Error::Io(io) => matches!(
+                            io.kind(),
+                            std::io::ErrorKind::ConnectionRefused
+                                | std::io::ErrorKind::HostUnreachable
+                                | std::io::ErrorKind::NetworkUnreachable
+                        ),
+                        _ => false,
+                    };
+                    match not_sent {
+                        true => transport(format!("connecting to {}: {e}", self.base)),
+                        false => transport(e.to_string()),
+                    }
+                })?;
+                let status = resp.status().as_u16();
+                let body = resp
+                    .body_mut()
+                    .with_config()
+                    .limit(256 << 20)
+                    .read_to_vec()
+                    .map_err(|e| transport(e.to_string()))?;
+                Ok((status, body))
+            }
+        }
+    }
+}
+
+/// Why a daemon's answer says it is not the namespace's owner now: a
+/// standby, an owner that lost the namespace, or a daemon that serves
+/// another namespace than the receipt's — each refused before doing
+/// anything, so the step may go to the next address.
+fn not_the_owner(path: &str, status: u16, body: &[u8]) -> Option<String> {
+    if path == "/healthz" && status == 200 && body.starts_with(b"standby") {
+        return Some("standby".into());
+    }
+    let b: ErrorBody = serde_json::from_slice(body).ok()?;
+    matches!(b.code.as_str(), "standby" | "namespace_lost" | "namespace_mismatch").then_some(b.code)
+}
+
+impl Client {
+    /// `base` is `unix:/path/to/control.sock` (the default),
+    /// `https://host:port` (mutual TLS with the files `PDSTOR_TLS_CA`,
+    /// `PDSTOR_TLS_CERT` and `PDSTOR_TLS_KEY` name) or `http://host:port`
+    /// (a daemon serving plaintext TCP).
+    ///
+    /// Or several such addresses, comma-separated: the namespace's owner
+    /// and its standbys (docs/owners.md). Each step goes to the daemon that
+    /// answered as the owner last; one that answers `standby`,
+    /// `namespace_lost` or `namespace_mismatch` (a receipt of another
+    /// namespace), or that could not be connected to at all, did nothing,
+    /// and the step goes to the next address. A step whose fate is unknown
+    /// (the connection broke after it was sent) is never sent elsewhere.
+    pub fn new(base: &str) -> Client {
+        let addresses: Vec<&str> = base.split(',').map(str::trim).filter(|a| !a.is_empty()).collect();
+        let several = addresses.len() > 1;
+        let daemons = match addresses.is_empty() {
+            true => vec![Daemon::new(base, false)],
+            false => addresses.iter().map(|a| Daemon::new(a, several)).collect(),
+        };
+        Client { daemons, current: Default::default(), base: base.trim_end_matches('/').to_owned() }
     }
 
     /// `https://host:port` with these TLS files instead of the environment's:
@@ -186,38 +290,42 @@ impl Client {
             Ok((host, port)) => Transport::Tls { host, port, config: crate::tls::client_config(ca, cert) },
             Err(e) => Transport::Tls { host: String::new(), port: 0, config: Err(e) },
         };
-        Client { transport, base }
+        Client { daemons: vec![Daemon { transport, base: base.clone() }], current: Default::default(), base }
     }
 
-    /// Sends one request; answers the status and body.
+    /// Sends one request to the owner; answers the status and body.
     fn exchange(&self, method: &str, path: &str, json: Option<Vec<u8>>) -> Result<(u16, Vec<u8>), ClientError> {
-        let url = format!("{}{path}", self.base);
-        let transport = |message: String| ClientError::Transport { url: url.clone(), message };
-        match &self.transport {
-            Transport::Unix(pool) => {
-                let a = pool.request(method, path, json.as_deref()).map_err(transport)?;
-                Ok((a.status, a.body))
+        use std::sync::atomic::Ordering;
+        if let [one] = &self.daemons[..] {
+            return one.exchange(method, path, json.as_deref()).map_err(|(Failed::NotSent(e) | Failed::Unknown(e))| e);
+        }
+        let n = self.daemons.len();
+        let start = self.current.load(Ordering::Relaxed);
+        let (mut passed, mut last_refusal) = (Vec::new(), None);
+        for k in 0..n {
+            let i = (start + k) % n;
+            let d = &self.daemons[i];
+            match d.exchange(method, path, json.as_deref()) {
+                Ok((status, body)) => match not_the_owner(path, status, &body) {
+                    Some(why) => {
+                        passed.push(format!("{}: {why}", d.base));
+                        last_refusal = Some((status, body));
+                    }
+                    None => {
+                        self.current.store(i, Ordering::Relaxed);
+                        return Ok((status, body));
+                    }
+                },
+                Err(Failed::NotSent(e)) => passed.push(e.to_string()),
+                Err(Failed::Unknown(e)) => return Err(e),
             }
-            Transport::Tls { host, port, config } => {
-                let config = config.as_ref().map_err(|e| transport(e.clone()))?;
-                let a = http1::tls(config, host, *port, method, path, json.as_deref()).map_err(transport)?;
-                Ok((a.status, a.body))
-            }
-            Transport::Http(agent) => {
-                let resp = match json {
-                    Some(body) => agent.post(&url).content_type("application/json").send(&body[..]),
-                    None => agent.get(&url).call(),
-                };
-                let mut resp = resp.map_err(|e| transport(e.to_string()))?;
-                let status = resp.status().as_u16();
-                let body = resp
-                    .body_mut()
-                    .with_config()
-                    .limit(256 << 20)
-                    .read_to_vec()
-                    .map_err(|e| transport(e.to_string()))?;
-                Ok((status, body))
-            }
+        }
+        match last_refusal {
+            Some(answer) => Ok(answer),
+            None => Err(ClientError::Transport {
+                url: format!("{}{path}", self.base),
+                message: format!("none of the {n} daemons could be reached: {}", passed.join("; ")),
+            }),
         }
     }
 

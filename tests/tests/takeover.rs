@@ -72,3 +72,62 @@ fn a_takeover_is_asked_of_a_standby_not_of_the_owner() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+fn layout() -> pdstor::store::Layout {
+    pdstor::store::Layout {
+        model_id: "owners".into(),
+        dtype: "bf16".into(),
+        layers: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        chunk_tokens: 16,
+        kv_format: "pdstor-owners".into(),
+    }
+}
+
+fn put(d: &Daemon, req: &str, seed: u64) -> pdstor::protocol::Receipt {
+    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
+    let bytes: Vec<u8> = (0..2).flat_map(|i| pdstor::payload::chunk(seed, i, SLOT as usize)).collect();
+    w.put(req, &layout(), &bytes, 2, Some(1)).unwrap().receipt
+}
+
+/// Two owners side by side, each its own namespace: a receipt of one is
+/// refused by the other (`namespace_mismatch`, nothing done); a client
+/// given every address — a dead one first — finds, for each receipt, the
+/// daemon that serves its namespace; and one owner's death touches nothing
+/// of the other's.
+#[test]
+fn a_client_given_several_owners_finds_the_one_that_serves_its_receipts_namespace() {
+    let (da, db) = (
+        tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap(),
+        tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap(),
+    );
+    let a = Daemon::format_and_start(da.path(), 4, SLOT);
+    let b = Daemon::format_and_start(db.path(), 4, SLOT);
+    let (ra, rb) = (put(&a, "on-a", 1), put(&b, "on-b", 2));
+    assert_ne!(ra.namespace, rb.namespace);
+    // One owner refuses the other's receipt, changing nothing.
+    match Client::new(&b.server).claim(&ra, "r", "s", 60_000) {
+        Err(ClientError::Api(e)) => assert_eq!(e.code, "namespace_mismatch", "{e}"),
+        other => panic!("owner b claimed a receipt of a's namespace: {other:?}"),
+    }
+    let dead = format!("unix:{}", da.path().join("nobody.sock").display());
+    let all = Client::new(&format!("{dead},{},{}", b.server, a.server));
+    let ca = all.claim(&ra, "r", "s", 60_000).unwrap();
+    assert_eq!(ca.namespace, ra.namespace);
+    let cb = all.claim(&rb, "r", "s", 60_000).unwrap();
+    assert_eq!(cb.namespace, rb.namespace);
+    // Owner b dies: a's publication is untouched, and the same client
+    // still reaches a; b's receipt now reaches no one, said as such.
+    drop(b);
+    let states: Vec<String> =
+        Client::new(&a.server).publications(None, false).unwrap().into_iter().map(|p| p.state).collect();
+    assert_eq!(states, ["CLAIMED"]);
+    all.release(&put(&a, "on-a-again", 3)).unwrap();
+    match all.claim(&rb, "r2", "s2", 60_000) {
+        Err(ClientError::Api(e)) => assert_eq!(e.code, "namespace_mismatch", "{e}"),
+        other => panic!("b's receipt after b died: {other:?}"),
+    }
+    let e = Client::new(&format!("{dead},{dead}")).namespace().unwrap_err();
+    assert!(e.to_string().contains("none of the 2 daemons could be reached"), "{e}");
+}

@@ -23,6 +23,7 @@ mod peer;
 mod power;
 mod reservation;
 mod restarts;
+mod takeover;
 mod visibility;
 
 use death::*;
@@ -36,6 +37,7 @@ use peer::*;
 use power::*;
 use reservation::*;
 use restarts::*;
+use takeover::*;
 use visibility::*;
 
 pub const SUITE: Suite = Suite {
@@ -50,6 +52,7 @@ pub const SUITE: Suite = Suite {
         // The storage guest loses power in it and boots again at it.
         Test { name: POWER_TEST, disk: None, run: power_cut },
         Test { name: "a_fenced_reader_host_is_cut_off_by_its_reservation", disk: None, run: reservation },
+        Test { name: "a_standby_takes_over_a_killed_owner", disk: None, run: takeover },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
     ],
