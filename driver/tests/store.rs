@@ -217,6 +217,27 @@ fn the_superblock_names_the_key_each_epoch_began_with() {
     assert_eq!(s.superblock().owner_key, 0);
 }
 
+/// What a standby reads before it takes over: the superblock as recovery
+/// would choose it, read-only — also when copy A was torn by the owner's
+/// death mid-update (copy B then tells whose the namespace is).
+#[test]
+fn a_standby_reads_whose_the_namespace_is_even_with_copy_a_torn() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 8);
+    let opened = StoreOptions { queue_depth: 8, owner_key: 0x5d0e, ..Default::default() };
+    let (s, _) = Store::open(&path, opened).unwrap();
+    let want = s.superblock();
+    drop(s);
+    let before = std::fs::read(&path).unwrap();
+    let sb = pdstor::api::owner::read_superblock(&path).unwrap();
+    assert_eq!((sb.uuid, sb.epoch, sb.owner_key), (want.uuid, want.epoch, 0x5d0e));
+    assert!(std::fs::read(&path).unwrap() == before, "reading the superblock wrote the target");
+    std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(&[0xa5; 4096], 0).unwrap();
+    let sb = pdstor::api::owner::read_superblock(&path).unwrap();
+    assert_eq!((sb.uuid, sb.owner_key), (want.uuid, 0x5d0e));
+}
+
 #[test]
 fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();

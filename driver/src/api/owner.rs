@@ -36,17 +36,42 @@ pub struct Held {
     pub before: Superblock,
 }
 
-/// Reads the namespace's superblock (copy A) as a reader host does:
-/// read-only, `O_DIRECT`, writing nothing.
+/// Reads the namespace's superblock as a reader host does — read-only,
+/// `O_DIRECT`, writing nothing — and picks the copy recovery would (the
+/// valid one with the higher generation): a dead owner may have torn copy A
+/// mid-update, and a takeover must still see whose the namespace is.
 pub fn read_superblock(path: &Path) -> anyhow::Result<Superblock> {
     let target = Target::open(path, &TargetOptions { read_only: true, ..Default::default() })
         .with_context(|| format!("opening {} read-only", path.display()))?;
     let mut engine = Engine::new(target, EngineOptions::default())
         .with_context(|| format!("an engine on {} to read its superblock", path.display()))?;
-    let bytes = engine
-        .read_to_vec(0, SUPERBLOCK_BYTES as u64)
-        .with_context(|| format!("reading the superblock of {}", path.display()))?;
-    Superblock::decode(&bytes).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    let capacity = engine.geometry().capacity;
+    let mut read = |offset: u64| {
+        engine
+            .read_to_vec(offset, SUPERBLOCK_BYTES as u64)
+            .with_context(|| format!("reading the superblock of {} at byte {offset}", path.display()))
+    };
+    let a = Superblock::decode(&read(0)?);
+    // Copy B sits after the journal, whose size copy A gives; without A, at
+    // any size `format` can choose.
+    let offsets: Vec<u64> = match &a {
+        Ok(sb) => vec![sb.copy_b_offset()],
+        Err(_) => crate::store::JOURNAL_HALF_CHOICES.map(|j| SUPERBLOCK_BYTES as u64 + 2 * j).to_vec(),
+    };
+    let mut b = Err(crate::client::superblock::SuperblockError::NotPdstor { found: "(copy B not found)".into() });
+    for offset in offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
+        match Superblock::decode(&read(offset)?) {
+            Ok(sb) if sb.copy_b_offset() == offset => {
+                b = Ok(sb);
+                break;
+            }
+            Ok(_) => {}
+            Err(e) if b.is_err() => b = Err(e),
+            Err(_) => {}
+        }
+    }
+    let (sb, _) = crate::client::superblock::choose(a, b).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(sb)
 }
 
 /// Takes the namespace at `path` with `key`: registers it, checks the
