@@ -126,30 +126,9 @@ fn takeover_standby() -> Checked {
         let key = format!("{STANDBY_KEY:#x}");
         let owner = format!("http://{CONTROL}");
         let log = "/tmp/vmtest/topology-standby.log";
-        let log_file = std::fs::File::create(log).map_err(|e| e.to_string())?;
-        let _ = std::fs::remove_file(DATA_SOCKET);
-        let child = std::process::Command::new("/bin/pdstor")
-            .args(["serve", "--standby", "--owner", owner.as_str(), "--reservation-key", key.as_str()])
-            .args(["--takeover-after-ms", "1500", "--owner-check-ms", "250"])
-            .args(["--listen", STANDBY_CONTROL, "--insecure-tcp", "--data-socket", DATA_SOCKET, "--target"])
-            .arg(&dev)
-            .stdout(std::process::Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .map_err(|e| format!("starting the standby: {e}"))?;
-        standby = Some(crate::suites::protocol::Daemon(child));
+        let flags = ["--standby", "--owner", owner.as_str(), "--reservation-key", key.as_str()];
+        standby = Some(spawn_serve(&dev, &flags, STANDBY_CONTROL, log)?);
         let c = Client::new(&standby_server);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while c.healthz().is_err() {
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "the standby never answered: {}",
-                    std::fs::read_to_string(log).unwrap_or_default()
-                )
-                .into());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
         // Standing by, it serves no step, naming the owner.
         match c.claim(&receipts[0], "decode-takeover", "takeover", 600_000) {
             Err(pdstor::client::ClientError::Api(e)) if e.code == "standby" && e.message.contains(&owner) => {}
@@ -217,12 +196,52 @@ fn takeover_standby() -> Checked {
             other => Err(format!("the old owner's side reported {other:?}").into()),
         }
     })();
-    peer.report(&result);
     drop(standby);
-    // The reservation outlives the daemon (it is the host's): clear it for the tests after.
+    // The reservation outlives the daemon (it is the host's): cleared before
+    // the owner's side hears the outcome, so its next test formats freely.
     let cleared = pdstor::io::persistent_reservation::Reservations::open(&dev)
         .and_then(|r| r.clear(STANDBY_KEY))
-        .map_err(|e| e.to_string());
+        .map_err(|e| format!("clearing the reservation: {e}").into());
+    let result = result.and(cleared);
+    peer.report(&result);
     let _ = sh("nvme", &["disconnect", "-n", SHARED_NQN]);
-    result.and(Ok(cleared?))
+    result
+}
+
+/// Starts `pdstor serve` on `dev` with `flags`, its control plane on
+/// `control` (plaintext, the private network) and its data plane on
+/// [`DATA_SOCKET`], watching the owner every 250 ms and taking over after
+/// 1.5 s where it is a standby; waits until it answers `/healthz`.
+pub(super) fn spawn_serve(
+    dev: &Path,
+    flags: &[&str],
+    control: &str,
+    log: &str,
+) -> Checked<crate::suites::protocol::Daemon> {
+    let log_file = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    let _ = std::fs::remove_file(DATA_SOCKET);
+    let child = std::process::Command::new("/bin/pdstor")
+        .arg("serve")
+        .args(flags)
+        .args(["--takeover-after-ms", "1500", "--owner-check-ms", "250"])
+        .args(["--listen", control, "--insecure-tcp", "--data-socket", DATA_SOCKET, "--target"])
+        .arg(dev)
+        .stdout(std::process::Stdio::null())
+        .stderr(log_file)
+        .spawn()
+        .map_err(|e| format!("starting pdstor serve {flags:?}: {e}"))?;
+    let daemon = crate::suites::protocol::Daemon(child);
+    let c = pdstor::client::Client::new(&format!("http://{control}"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.healthz().is_err() {
+        if Instant::now() > deadline {
+            return Err(format!(
+                "pdstor serve {flags:?} never answered: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
+            .into());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(daemon)
 }
