@@ -4,11 +4,10 @@
 //! The device is failed by the store's fault plan, in this process: the
 //! test sends SIGTERM to itself, which the daemon's handler takes.
 
-use std::time::{Duration, Instant};
-
-use pdstor::api::{Listen, ServeConfig};
 use pdstor::client::{ClientError, Writer};
-use pdstor::store::{FaultPlan, FormatOptions, Layout};
+use pdstor::store::{FaultPlan, Layout};
+
+mod common;
 
 fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
@@ -19,51 +18,10 @@ fn get(url: &str) -> (u16, String) {
 #[test]
 fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("ns.img");
-    pdstor::store::format(
-        &target,
-        &FormatOptions {
-            slot_size: 1 << 20,
-            journal_half: 256 << 10,
-            force: false,
-            create_len: Some(2 * 4096 + 2 * (256 << 10) + (16 << 20)),
-        },
-    )
-    .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let server = format!("http://127.0.0.1:{port}");
-    let socket = dir.path().join("data.sock");
     // Opening takes a handful of writes (the epoch bump); the device dies a
     // few puts later.
     let fault = FaultPlan::die_after_writes(16, false);
-    let cfg = ServeConfig {
-        target: target.clone(),
-        listen: Listen::Tcp(format!("127.0.0.1:{port}").parse().unwrap()),
-        data_socket: socket.clone(),
-        queue_depth: 8,
-        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
-        admission_timeout: Duration::from_secs(2),
-        provenance: false,
-        require_native: false,
-        timeline: None,
-        reservation_key: None,
-        owner_check: std::time::Duration::from_millis(250),
-        standby: None,
-        fault: Some(fault.clone()),
-        limits: Default::default(),
-        allow_readable_target: false,
-        // Plaintext TCP, asked for by name: the caller is taken to be this user.
-        insecure_tcp: true,
-        policy: std::sync::Arc::new(pdstor::protocol::identity::Policy::local()),
-        socket_group: None,
-        tls: None,
-    };
-    let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() || !socket.exists() {
-        assert!(Instant::now() < deadline, "the daemon did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let common::InProcess { server, socket, daemon, .. } = common::serve_in_process(dir.path(), fault.clone());
     assert_eq!(get(&format!("{server}/healthz")).0, 200);
     let (status, body) = get(&format!("{server}/readyz"));
     assert_eq!(status, 200, "{body}");

@@ -11,9 +11,10 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use pdstor::api::{Listen, ServeConfig};
 use pdstor::client::{ClientError, Writer};
-use pdstor::store::{FaultPlan, FormatOptions, Layout, Phase};
+use pdstor::store::{FaultPlan, Layout, Phase};
+
+mod common;
 
 fn get(url: &str) -> (u16, String) {
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
@@ -30,48 +31,8 @@ fn code(body: &str) -> String {
 #[test]
 fn an_owner_fenced_by_a_takeover_acknowledges_nothing_more_and_says_so() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let target = dir.path().join("ns.img");
-    pdstor::store::format(
-        &target,
-        &FormatOptions {
-            slot_size: 1 << 20,
-            journal_half: 256 << 10,
-            force: false,
-            create_len: Some(2 * 4096 + 2 * (256 << 10) + (16 << 20)),
-        },
-    )
-    .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let server = format!("http://127.0.0.1:{port}");
-    let socket = dir.path().join("data.sock");
     let fault = FaultPlan::die_after_writes(1 << 40, false);
-    let cfg = ServeConfig {
-        target: target.clone(),
-        listen: Listen::Tcp(format!("127.0.0.1:{port}").parse().unwrap()),
-        data_socket: socket.clone(),
-        queue_depth: 8,
-        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
-        admission_timeout: Duration::from_secs(2),
-        provenance: false,
-        require_native: false,
-        timeline: None,
-        reservation_key: None,
-        owner_check: Duration::from_millis(250),
-        standby: None,
-        fault: Some(fault.clone()),
-        limits: Default::default(),
-        allow_readable_target: false,
-        insecure_tcp: true,
-        policy: std::sync::Arc::new(pdstor::protocol::identity::Policy::local()),
-        socket_group: None,
-        tls: None,
-    };
-    let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() || !socket.exists() {
-        assert!(Instant::now() < deadline, "the daemon did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let common::InProcess { target, server, socket, daemon } = common::serve_in_process(dir.path(), fault.clone());
     let layout = Layout {
         model_id: "lost".into(),
         dtype: "bf16".into(),

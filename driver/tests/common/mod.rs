@@ -152,3 +152,61 @@ pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
     assert_eq!(out.stdout.len() as u64, len, "dd read {} of {len} bytes", out.stdout.len());
     out.stdout
 }
+
+/// A real daemon run in this process (`pdstor::api::serve` on a thread) on a
+/// 16 MiB file target of 1 MiB slots, its control plane on plaintext
+/// loopback TCP, its device failing as `fault` says. Its tests stop it by
+/// sending SIGTERM to their own process, so each lives alone in its file.
+pub struct InProcess {
+    pub target: PathBuf,
+    /// `http://127.0.0.1:PORT`.
+    pub server: String,
+    pub socket: PathBuf,
+    pub daemon: std::thread::JoinHandle<anyhow::Result<()>>,
+}
+
+pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPlan>) -> InProcess {
+    use std::time::{Duration, Instant};
+    let target = dir.join("ns.img");
+    pdstor::store::format(
+        &target,
+        &pdstor::store::FormatOptions {
+            slot_size: 1 << 20,
+            journal_half: 256 << 10,
+            force: false,
+            create_len: Some(2 * 4096 + 2 * (256 << 10) + (16 << 20)),
+        },
+    )
+    .expect("format");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let socket = dir.join("data.sock");
+    let cfg = pdstor::api::ServeConfig {
+        target: target.clone(),
+        listen: pdstor::api::Listen::Tcp(format!("127.0.0.1:{port}").parse().unwrap()),
+        data_socket: socket.clone(),
+        queue_depth: 8,
+        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
+        admission_timeout: Duration::from_secs(2),
+        provenance: false,
+        require_native: false,
+        timeline: None,
+        reservation_key: None,
+        owner_check: Duration::from_millis(250),
+        standby: None,
+        fault: Some(fault),
+        limits: Default::default(),
+        allow_readable_target: false,
+        // Plaintext TCP, asked for by name: the caller is taken to be this user.
+        insecure_tcp: true,
+        policy: std::sync::Arc::new(pdstor::protocol::identity::Policy::local()),
+        socket_group: None,
+        tls: None,
+    };
+    let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() || !socket.exists() {
+        assert!(Instant::now() < deadline, "the daemon did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    InProcess { target, server: format!("http://127.0.0.1:{port}"), socket, daemon }
+}

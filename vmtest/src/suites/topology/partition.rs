@@ -16,7 +16,7 @@ use crate::SHARED_NQN;
 use crate::guest::{Ctx, console, sh};
 use crate::suites::{Checked, skip};
 
-use super::takeover::spawn_serve;
+use super::takeover::{raw_write_refused, restore_by_old_receipts, spawn_serve};
 use super::*;
 
 const PARTITION_PORT: u16 = 7084;
@@ -47,7 +47,7 @@ pub(super) fn partition(_: &Ctx) -> Checked {
 
 /// The storage guest: formats, stands by, takes over, serves the old receipts.
 fn partition_standby() -> Checked {
-    use pdstor::client::{Client, Reader};
+    use pdstor::client::Client;
     let dev = fabric_namespace()?;
     format_namespace(&dev)?;
     let mut peer = Peer::accept(PARTITION_PORT)?;
@@ -81,22 +81,7 @@ fn partition_standby() -> Checked {
                 format!("after the takeover the epoch is {}, the receipts' {}", info.epoch, receipts[0].epoch).into()
             );
         }
-        let mut reader = Reader::new(&server, Path::new(DATA_SOCKET)).map_err(|e| e.to_string())?;
-        for (i, ready) in receipts.iter().enumerate() {
-            let claim = reader.client.claim(ready, "decode-partition", "partition", 600_000).map_err(api("claim"))?;
-            let want = payload(i as u64);
-            same_bytes(
-                &dev,
-                &extents(&reader.client, claim.publication)?,
-                &want,
-                "outside pdstor, after the takeover",
-            )?;
-            let restored = reader.get(&claim, &kv_layout()).map_err(api("load after the takeover"))?;
-            if reader.restored_bytes(restored.len).map_err(|e| e.to_string())? != want {
-                return Err(format!("publication {i} restored other bytes after the takeover").into());
-            }
-            reader.client.ack(&claim, &restored.restore_digest).map_err(api("ack"))?;
-        }
+        restore_by_old_receipts(&server, &dev, &receipts, |i| payload(i as u64), cut)?;
         console(&format!(
             "pdstor-vminit: partition: owner host cut off -> standby serves epoch {} in {} ms (its health checks unanswered)",
             info.epoch,
@@ -170,21 +155,7 @@ fn partition_owner() -> Checked {
             Err(ClientError::Api(e)) if e.code == "namespace_lost" => {}
             other => return Err(format!("the lost owner took a put: {other:?}").into()),
         }
-        let wrote = sh(
-            "dd",
-            &[
-                "if=/dev/zero",
-                &format!("of={}", dev.display()),
-                "bs=4096",
-                "count=1",
-                "seek=64",
-                "oflag=direct",
-                "conv=notrunc",
-            ],
-        );
-        if wrote.is_ok() {
-            return Err("the partitioned owner's host wrote the namespace after the takeover".into());
-        }
+        raw_write_refused(&dev, "the partitioned owner's host, after the takeover")?;
         console(&format!(
             "pdstor-vminit: partition: the old owner said namespace_lost {} ms after its network came back",
             lost_after.as_millis()

@@ -79,21 +79,7 @@ fn takeover_owner() -> Checked {
         if let Ok(b) = dd_direct(&dev, 0, 4096) {
             return Err(format!("the old owner's host still reads the namespace ({} bytes)", b.len()).into());
         }
-        let wrote = sh(
-            "dd",
-            &[
-                "if=/dev/zero",
-                &format!("of={}", dev.display()),
-                "bs=4096",
-                "count=1",
-                "seek=64",
-                "oflag=direct",
-                "conv=notrunc",
-            ],
-        );
-        if wrote.is_ok() {
-            return Err("the old owner's host wrote the namespace after the preempt".into());
-        }
+        raw_write_refused(&dev, "the old owner's host, after the preempt")?;
         // Its daemon, started again with its key, refuses: not its namespace.
         let out = std::process::Command::new("/bin/pdstor")
             .args(["serve", "--listen", CONTROL, "--insecure-tcp", "--data-socket", DATA_SOCKET])
@@ -115,7 +101,7 @@ fn takeover_owner() -> Checked {
 }
 
 fn takeover_standby() -> Checked {
-    use pdstor::client::{Client, Reader};
+    use pdstor::client::Client;
     connect()?;
     let dev = fabric_namespace()?;
     let mut peer = Peer::dial(TAKEOVER_PORT)?;
@@ -157,25 +143,7 @@ fn takeover_standby() -> Checked {
             );
         }
         // Every acknowledged publication, by its old receipt, byte for byte.
-        let mut reader = Reader::new(&standby_server, Path::new(DATA_SOCKET)).map_err(|e| e.to_string())?;
-        let mut first_step = None;
-        for (i, ready) in receipts.iter().enumerate() {
-            let claim = reader.client.claim(ready, "decode-takeover", "takeover", 600_000).map_err(api("claim"))?;
-            first_step.get_or_insert_with(|| killed.elapsed());
-            let want = kept_payload(i as u32);
-            same_bytes(
-                &dev,
-                &extents(&reader.client, claim.publication)?,
-                &want,
-                "outside pdstor, after the takeover",
-            )?;
-            let restored = reader.get(&claim, &kv_layout()).map_err(api("load after the takeover"))?;
-            let bytes = reader.restored_bytes(restored.len).map_err(|e| e.to_string())?;
-            if bytes != want {
-                return Err(format!("kept-{i} restored other bytes after the takeover").into());
-            }
-            reader.client.ack(&claim, &restored.restore_digest).map_err(api("ack"))?;
-        }
+        let first_step = restore_by_old_receipts(&standby_server, &dev, &receipts, |i| kept_payload(i as u32), killed)?;
         if c.publications(None, false).map_err(api("publications"))?.iter().any(|p| p.publication == unpublished) {
             return Err("the unpublished publication survived the takeover".into());
         }
@@ -183,7 +151,7 @@ fn takeover_standby() -> Checked {
         let mut w = pdstor::client::Writer::new(&standby_server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4)
             .map_err(|e| e.to_string())?;
         w.put("after-takeover", &kv_layout(), &seeded(0x7b0, 4), 4, Some(42)).map_err(api("put after the takeover"))?;
-        let first = first_step.unwrap_or(serving);
+        let first = first_step;
         console(&format!(
             "pdstor-vminit: takeover: owner killed -> standby serves epoch {} in {} ms, first step served in {} ms",
             info.epoch,
@@ -244,4 +212,45 @@ pub(super) fn spawn_serve(
         std::thread::sleep(Duration::from_millis(100));
     }
     Ok(daemon)
+}
+
+/// A raw `O_DIRECT` write of one block (busybox `dd`, no pdstor) to `dev`
+/// must be refused by the target: this host's key was preempted.
+pub(super) fn raw_write_refused(dev: &Path, who: &str) -> Checked {
+    let of = format!("of={}", dev.display());
+    let wrote = sh("dd", &["if=/dev/zero", &of, "bs=4096", "count=1", "seek=64", "oflag=direct", "conv=notrunc"]);
+    match wrote {
+        Ok(_) => Err(format!("{who} wrote the namespace: the target did not refuse it").into()),
+        Err(e) => {
+            console(&format!("pdstor-vminit: {who}: a raw write refused: {e}"));
+            Ok(())
+        }
+    }
+}
+
+/// Claims, loads (through the new owner's data plane) and acks every
+/// publication by the READY receipt its old owner gave, checking each chunk
+/// outside pdstor too; answers when the first step was served, since `t0`.
+pub(super) fn restore_by_old_receipts(
+    server: &str,
+    dev: &Path,
+    receipts: &[pdstor::protocol::Receipt],
+    payload: impl Fn(usize) -> Vec<u8>,
+    t0: Instant,
+) -> Checked<Duration> {
+    let mut reader = pdstor::client::Reader::new(server, Path::new(DATA_SOCKET)).map_err(|e| e.to_string())?;
+    let mut first_step = None;
+    for (i, ready) in receipts.iter().enumerate() {
+        let claim = reader.client.claim(ready, "decode-takeover", "takeover", 600_000).map_err(api("claim"))?;
+        first_step.get_or_insert_with(|| t0.elapsed());
+        let want = payload(i);
+        let places = extents(&reader.client, claim.publication)?;
+        same_bytes(dev, &places, &want, "outside pdstor, after the takeover")?;
+        let restored = reader.get(&claim, &kv_layout()).map_err(api("load after the takeover"))?;
+        if reader.restored_bytes(restored.len).map_err(|e| e.to_string())? != want {
+            return Err(format!("publication {i} ({}) restored other bytes after the takeover", ready.req_id).into());
+        }
+        reader.client.ack(&claim, &restored.restore_digest).map_err(api("ack"))?;
+    }
+    Ok(first_step.unwrap_or_else(|| t0.elapsed()))
 }
