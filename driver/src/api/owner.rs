@@ -81,22 +81,31 @@ pub fn read_superblock(path: &Path) -> anyhow::Result<Superblock> {
 /// unregistered again, having written nothing.
 pub fn hold(path: &Path, key: u64, takeover: bool) -> anyhow::Result<Held> {
     let r = Reservations::open(path)?;
+    // Where the kernel reads the registered keys, a host whose key is gone
+    // while others hold the namespace was preempted: refused before it
+    // registers again (which would let it in).
+    if !takeover
+        && let Some(keys) = r.keys()?
+        && !keys.is_empty()
+        && !keys.contains(&key)
+    {
+        let keys: Vec<String> = keys.iter().map(|k| format!("{k:#x}")).collect();
+        bail!(
+            "the namespace at {} is held by reservation keys [{}], not this daemon's key {key:#x}: it was taken over (this host's key was preempted), so this host is no longer its owner and writes nothing. Run it as the owner's standby (serve --standby --owner URL), or, if that owner is gone for good, take the namespace over (serve --standby, then `pdstor takeover`)",
+            path.display(),
+            keys.join(", ")
+        );
+    }
     r.register(key).map_err(|e| {
         anyhow::anyhow!("{e}: serve without --reservation-key, or on a namespace with persistent reservations")
     })?;
-    let before = match read_superblock(path) {
-        Ok(sb) => sb,
-        Err(e) => {
-            let _ = r.unregister(key);
-            return Err(e.context("reading the namespace's superblock after registering this host's key"));
-        }
-    };
+    let before =
+        read_superblock(path).context("reading the namespace's superblock after registering this host's key")?;
     let owner = before.owner_key;
     let preempted = if owner == 0 || owner == key {
         None
     } else if takeover {
         r.preempt(key, owner).map_err(|e| {
-            let _ = r.unregister(key);
             anyhow::anyhow!(
                 "taking namespace {} over: {e}; the old owner's key {owner:#x} (epoch {}) is still registered, or another standby preempted it first: this daemon stays a standby",
                 before.uuid,
@@ -105,21 +114,31 @@ pub fn hold(path: &Path, key: u64, takeover: bool) -> anyhow::Result<Held> {
         })?;
         Some(owner)
     } else {
-        let _ = r.unregister(key);
         bail!(
-            "namespace {} is held by reservation key {owner:#x} since epoch {}, not this daemon's key {key:#x}: it was taken over, so this host is no longer its owner and writes nothing. Run it as that owner's standby (serve --standby --owner URL), or, if the owner with key {owner:#x} is gone for good, take the namespace over (serve --standby, then `pdstor takeover`)",
+            "namespace {} is held by reservation key {owner:#x} since epoch {}, not this daemon's key {key:#x}: it was taken over, so this host is no longer its owner and writes nothing (this host stays registered until that owner fences it or clears the reservation). Run it as that owner's standby (serve --standby --owner URL), or, if the owner with key {owner:#x} is gone for good, take the namespace over (serve --standby, then `pdstor takeover`)",
             before.uuid,
             before.epoch
         );
     };
-    r.reserve(key)?;
+    match r.reserve(key) {
+        Ok(()) => {}
+        // Linux's nvmet names one holder even of an All Registrants
+        // reservation, and refuses the others' acquire; in that type every
+        // registrant has access, so a registered host holds it all the same.
+        Err(e) if e.kind == ReservationFailure::Conflict && r.registered(key)? => {
+            tracing::info!(
+                key = format!("{key:#x}"),
+                "the reservation is held by another registrant's acquire; this host is registered, so it has access (exclusive access, all registrants)"
+            );
+        }
+        Err(e) => return Err(e.into()),
+    }
     Ok(Held { reservations: r, key, preempted, before })
 }
 
 /// Checks every `every` that this owner's key is still registered at the
-/// target (by reserving again, which a registrant may do as often as it
-/// likes): a reservation conflict means another owner preempted it, and the
-/// store is lost ([`Store::lose`]). A failed path says nothing either way —
+/// target ([`Reservations::registered`], which changes nothing): once it is
+/// not, another owner preempted it, and the store is lost ([`Store::lose`]). A failed path says nothing either way —
 /// a partitioned owner learns it was taken over when the path comes back.
 /// Stops when the flag returned is set.
 pub fn watch(
@@ -135,15 +154,15 @@ pub fn watch(
         let mut path_failed = false;
         while !flag.load(Ordering::SeqCst) {
             std::thread::sleep(every);
-            match r.reserve(key) {
-                Ok(()) => {
+            match r.registered(key) {
+                Ok(true) => {
                     if std::mem::take(&mut path_failed) {
                         tracing::info!(key = format!("{key:#x}"), "the path to the target is back; this owner's key is still registered");
                     }
                 }
-                Err(e) if e.kind == ReservationFailure::Conflict => {
+                Ok(false) => {
                     store.lose(format!(
-                        "this host's reservation key {key:#x} is no longer registered at the target: another owner preempted it (a standby took the namespace over) ({e})"
+                        "this host's reservation key {key:#x} is no longer registered at the target: another owner preempted it (a standby took the namespace over)"
                     ));
                     return;
                 }

@@ -80,14 +80,27 @@ struct PrClear {
     pad: u32,
 }
 
+/// `struct pr_read_keys` (Linux 6.19 and later).
+#[repr(C)]
+struct PrReadKeys {
+    generation: u32,
+    num_keys: u32,
+    keys_ptr: u64,
+}
+
 /// `_IOW('p', nr, size)`.
 const fn iow(nr: u8, size: usize) -> u32 {
     (1 << 30) | ((size as u32) << 16) | ((b'p' as u32) << 8) | nr as u32
+}
+/// `_IOWR('p', nr, size)`.
+const fn iowr(nr: u8, size: usize) -> u32 {
+    (3 << 30) | ((size as u32) << 16) | ((b'p' as u32) << 8) | nr as u32
 }
 const IOC_PR_REGISTER: u32 = iow(200, size_of::<PrRegistration>());
 const IOC_PR_RESERVE: u32 = iow(201, size_of::<PrReservation>());
 const IOC_PR_PREEMPT_ABORT: u32 = iow(204, size_of::<PrPreempt>());
 const IOC_PR_CLEAR: u32 = iow(205, size_of::<PrClear>());
+const IOC_PR_READ_KEYS: u32 = iowr(206, size_of::<PrReadKeys>());
 /// `PR_FL_IGNORE_KEY`: register (replace) whatever key this host had.
 const PR_FL_IGNORE_KEY: u32 = 1;
 /// `PR_EXCLUSIVE_ACCESS_ALL_REGS`: only registrants may read or write, and
@@ -122,11 +135,38 @@ impl Reservations {
         self.call(&format!("register key {key:#x}"), IOC_PR_REGISTER, &mut arg)
     }
 
-    /// Removes this host's registration of `key` (it then can no longer
-    /// read or write a namespace reserved for registrants).
-    pub fn unregister(&self, key: u64) -> Result<(), ReservationError> {
-        let mut arg = PrRegistration { old_key: key, new_key: 0, flags: 0, pad: 0 };
-        self.call(&format!("unregister key {key:#x}"), IOC_PR_REGISTER, &mut arg)
+    /// Whether this host is registered with `key` — asked without changing
+    /// anything: a Register–Replace of `key` by itself, which the target
+    /// refuses as a conflict when this host holds no registration of `key`
+    /// (it was preempted). Works whoever holds the reservation.
+    pub fn registered(&self, key: u64) -> Result<bool, ReservationError> {
+        let mut arg = PrRegistration { old_key: key, new_key: key, flags: 0, pad: 0 };
+        match self.call(&format!("check that this host is registered with key {key:#x}"), IOC_PR_REGISTER, &mut arg) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind == ReservationFailure::Conflict => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The keys registered on the namespace, read without registering
+    /// (`IOC_PR_READ_KEYS`); `None` where the kernel cannot read them
+    /// (before Linux 6.19) or the device does not say.
+    pub fn keys(&self) -> Result<Option<Vec<u64>>, ReservationError> {
+        let mut keys = vec![0u64; 64];
+        loop {
+            let mut arg = PrReadKeys { generation: 0, num_keys: keys.len() as u32, keys_ptr: keys.as_mut_ptr() as u64 };
+            match self.call("read the registered keys", IOC_PR_READ_KEYS, &mut arg) {
+                Ok(()) if arg.num_keys as usize > keys.len() && keys.len() < 1 << 16 => {
+                    keys = vec![0u64; (arg.num_keys as usize).min(1 << 16)];
+                }
+                Ok(()) => {
+                    keys.truncate(arg.num_keys as usize);
+                    return Ok(Some(keys));
+                }
+                Err(e) if e.kind == ReservationFailure::Unsupported => return Ok(None),
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Takes (or, as the holder, keeps) the Exclusive Access — Registrants
@@ -150,9 +190,11 @@ impl Reservations {
     }
 
     fn call<T>(&self, op: &str, request: u32, arg: &mut T) -> Result<(), ReservationError> {
-        // SAFETY: every IOC_PR_* request here is an _IOW whose size is that of
-        // the `#[repr(C)]` struct `arg` points at (laid out as in pr.h); the
-        // kernel only reads it, during this synchronous call.
+        // SAFETY: every IOC_PR_* request here is an _IOW (or, READ_KEYS, an
+        // _IOWR) whose size is that of the `#[repr(C)]` struct `arg` points
+        // at (laid out as in pr.h), valid for this synchronous call; READ_KEYS
+        // also writes at most `num_keys` u64s at `keys_ptr`, which `keys()`
+        // points at a live Vec of exactly that many.
         let rc = unsafe { libc::ioctl(self.file.as_raw_fd(), request as _, arg as *mut T) };
         let (kind, why) = match rc {
             0 => return Ok(()),
@@ -208,6 +250,7 @@ mod tests {
         assert_eq!(IOC_PR_RESERVE, 0x401070c9);
         assert_eq!(IOC_PR_PREEMPT_ABORT, 0x401870cc);
         assert_eq!(IOC_PR_CLEAR, 0x401070cd);
+        assert_eq!(IOC_PR_READ_KEYS, 0xc01070ce);
     }
 
     /// A file has no reservations: refused, saying so.
