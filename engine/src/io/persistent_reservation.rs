@@ -80,7 +80,7 @@ struct PrClear {
     pad: u32,
 }
 
-/// `struct pr_read_keys` (Linux 6.19 and later).
+/// `struct pr_read_keys` (recent kernels; the series 7.2 kernel has it).
 #[repr(C)]
 struct PrReadKeys {
     generation: u32,
@@ -150,7 +150,7 @@ impl Reservations {
 
     /// The keys registered on the namespace, read without registering
     /// (`IOC_PR_READ_KEYS`); `None` where the kernel cannot read them
-    /// (before Linux 6.19) or the device does not say.
+    /// (older kernels answer ENOTTY) or the device does not say.
     pub fn keys(&self) -> Result<Option<Vec<u64>>, ReservationError> {
         let mut keys = vec![0u64; 64];
         loop {
