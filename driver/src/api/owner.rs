@@ -147,14 +147,17 @@ pub fn watch(
     key: u64,
     every: Duration,
 ) -> anyhow::Result<(Arc<AtomicBool>, std::thread::JoinHandle<()>)> {
-    let r = Reservations::open(path)?;
+    Reservations::open(path)?;
+    let path = path.to_owned();
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     let handle = std::thread::Builder::new().name("pdstor-owner".into()).spawn(move || {
         let mut path_failed = false;
         while !flag.load(Ordering::SeqCst) {
             std::thread::sleep(every);
-            match r.registered(key) {
+            // Opened afresh each time: a fabric that reconnects may give the
+            // namespace a new device at the same path.
+            match Reservations::open(&path).and_then(|r| r.registered(key)) {
                 Ok(true) => {
                     if std::mem::take(&mut path_failed) {
                         tracing::info!(key = format!("{key:#x}"), "the path to the target is back; this owner's key is still registered");

@@ -19,7 +19,6 @@ mod handoff;
 mod identity;
 mod namespace;
 mod owner;
-mod partition;
 mod peer;
 mod power;
 mod reservation;
@@ -34,7 +33,6 @@ use handoff::*;
 use identity::*;
 use namespace::*;
 use owner::*;
-use partition::*;
 use peer::*;
 use power::*;
 use reservation::*;
@@ -55,7 +53,6 @@ pub const SUITE: Suite = Suite {
         Test { name: POWER_TEST, disk: None, run: power_cut },
         Test { name: "a_fenced_reader_host_is_cut_off_by_its_reservation", disk: None, run: reservation },
         Test { name: "a_standby_takes_over_a_killed_owner", disk: None, run: takeover },
-        Test { name: "a_partitioned_owner_is_taken_over_and_says_so_when_back", disk: None, run: partition },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
     ],
