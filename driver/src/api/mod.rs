@@ -170,35 +170,10 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         (Listen::Unix(_), None) => None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let (held, store, report) = match (&cfg.standby, cfg.reservation_key) {
-        (Some(sb), Some(key)) => match standby::run(&cfg, sb, key, tls.clone(), &rt)? {
-            Some((held, store, report)) => (Some(held), store, report),
-            None => {
-                tracing::info!("stopped (a standby to the end)");
-                return Ok(());
-            }
-        },
-        (Some(_), None) => anyhow::bail!(
-            "--standby needs --reservation-key: a standby takes a namespace over by preempting its owner's key with its own"
-        ),
-        (None, Some(key)) => {
-            let held = owner::hold(&cfg.target, key, false).map_err(|e| anyhow::anyhow!("--reservation-key: {e:#}"))?;
-            let (store, report) = open_store(&cfg, key)?;
-            (Some(held), store, report)
-        }
-        (None, None) => {
-            let (store, report) = open_store(&cfg, 0)?;
-            (None, store, report)
-        }
+    let Some((held, store)) = own(&cfg, tls.clone(), &rt)? else {
+        tracing::info!("stopped (a standby to the end)");
+        return Ok(());
     };
-    tracing::info!(
-        target = %cfg.target.display(),
-        epoch = report.epoch,
-        live = report.live,
-        rolled_back = report.rolled_back.len(),
-        journal_stop = ?report.journal_stop,
-        "store opened"
-    );
     let store = Arc::new(store);
     let timeline = match &cfg.timeline {
         // One node per daemon incarnation: a restarted daemon appending to the
@@ -276,6 +251,42 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Some(why) => anyhow::bail!("the store failed during this run ({why}); restart to recover from the journal"),
         None => Ok(()),
     }
+}
+
+/// Takes the namespace as its owner — at once, or as a standby when it
+/// takes over (`None`: stopped while standing by) — and opens its store.
+fn own(
+    cfg: &ServeConfig,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    rt: &tokio::runtime::Runtime,
+) -> anyhow::Result<Option<(Option<owner::Held>, Store)>> {
+    let (held, store, report) = match (&cfg.standby, cfg.reservation_key) {
+        (Some(sb), Some(key)) => match standby::run(cfg, sb, key, tls, rt)? {
+            Some((held, store, report)) => (Some(held), store, report),
+            None => return Ok(None),
+        },
+        (Some(_), None) => anyhow::bail!(
+            "--standby needs --reservation-key: a standby takes a namespace over by preempting its owner's key with its own"
+        ),
+        (None, Some(key)) => {
+            let held = owner::hold(&cfg.target, key, false).map_err(|e| anyhow::anyhow!("--reservation-key: {e:#}"))?;
+            let (store, report) = open_store(cfg, key)?;
+            (Some(held), store, report)
+        }
+        (None, None) => {
+            let (store, report) = open_store(cfg, 0)?;
+            (None, store, report)
+        }
+    };
+    tracing::info!(
+        target = %cfg.target.display(),
+        epoch = report.epoch,
+        live = report.live,
+        rolled_back = report.rolled_back.len(),
+        journal_stop = ?report.journal_stop,
+        "store opened"
+    );
+    Ok(Some((held, store)))
 }
 
 /// Opens the store (recovery into a new epoch), recording `owner_key` (0:

@@ -62,41 +62,7 @@ pub(super) fn run(
     tls: Option<Arc<rustls::ServerConfig>>,
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<Option<TakenOver>> {
-    let r = crate::io::persistent_reservation::Reservations::open(&cfg.target)?;
-    // A registrant may read: the superblock says whose the namespace is.
-    r.register(key).map_err(|e| {
-        anyhow::anyhow!(
-            "--standby: {e}: a standby takes a namespace over by preempting its owner's reservation, which this target cannot do"
-        )
-    })?;
-    let sb = owner::read_superblock(&cfg.target)?;
-    match sb.owner_key {
-        0 => anyhow::bail!(
-            "--standby: namespace {} (epoch {}) has an owner that holds no reservation, so a standby could not fence it: serve the owner with --reservation-key",
-            sb.uuid,
-            sb.epoch
-        ),
-        k if k == key => tracing::warn!(
-            key = format!("{key:#x}"),
-            "the namespace's last owner held this standby's own key (this host owned it before): a takeover preempts nothing"
-        ),
-        _ => {}
-    }
-    let about = format!(
-        "this daemon is a standby for namespace {} (epoch {}, owner key {:#x}{}): it serves no step until it takes over; ask the owner",
-        sb.uuid,
-        sb.epoch,
-        sb.owner_key,
-        standby.owner.as_deref().map(|o| format!(", owner at {o}")).unwrap_or_default()
-    );
-    tracing::info!(
-        namespace = %sb.uuid,
-        epoch = sb.epoch,
-        owner_key = format!("{:#x}", sb.owner_key),
-        owner = standby.owner.as_deref().unwrap_or("(none: an operator's takeover only)"),
-        takeover_after_ms = standby.takeover_after.as_millis() as u64,
-        "standing by"
-    );
+    let about = stand(cfg, standby, key)?;
     let (tx, mut rx) = mpsc::channel::<Reply>(4);
     let app = router(Arc::new(Standing { about, takeovers: tx }));
     rt.block_on(async move {
@@ -181,6 +147,48 @@ fn answers_again(failing_since: &mut Option<Instant>, owner: &str) {
     if failing_since.take().is_some() {
         tracing::info!(owner = %owner, "the owner answers again");
     }
+}
+
+/// Registers the standby's key (a registrant may read), reads whose the
+/// namespace is, refuses what a takeover could not make safe, and answers
+/// what the standby says of itself.
+fn stand(cfg: &ServeConfig, standby: &StandbyConfig, key: u64) -> anyhow::Result<String> {
+    let r = crate::io::persistent_reservation::Reservations::open(&cfg.target)?;
+    // A registrant may read: the superblock says whose the namespace is.
+    r.register(key).map_err(|e| {
+        anyhow::anyhow!(
+            "--standby: {e}: a standby takes a namespace over by preempting its owner's reservation, which this target cannot do"
+        )
+    })?;
+    let sb = owner::read_superblock(&cfg.target)?;
+    match sb.owner_key {
+        0 => anyhow::bail!(
+            "--standby: namespace {} (epoch {}) has an owner that holds no reservation, so a standby could not fence it: serve the owner with --reservation-key",
+            sb.uuid,
+            sb.epoch
+        ),
+        k if k == key => tracing::warn!(
+            key = format!("{key:#x}"),
+            "the namespace's last owner held this standby's own key (this host owned it before): a takeover preempts nothing"
+        ),
+        _ => {}
+    }
+    let about = format!(
+        "this daemon is a standby for namespace {} (epoch {}, owner key {:#x}{}): it serves no step until it takes over; ask the owner",
+        sb.uuid,
+        sb.epoch,
+        sb.owner_key,
+        standby.owner.as_deref().map(|o| format!(", owner at {o}")).unwrap_or_default()
+    );
+    tracing::info!(
+        namespace = %sb.uuid,
+        epoch = sb.epoch,
+        owner_key = format!("{:#x}", sb.owner_key),
+        owner = standby.owner.as_deref().unwrap_or("(none: an operator's takeover only)"),
+        takeover_after_ms = standby.takeover_after.as_millis() as u64,
+        "standing by"
+    );
+    Ok(about)
 }
 
 /// Preempts the owner's key and opens the store into a new epoch, off the
