@@ -103,6 +103,14 @@ const IOC_PR_CLEAR: u32 = iow(205, size_of::<PrClear>());
 const IOC_PR_READ_KEYS: u32 = iowr(206, size_of::<PrReadKeys>());
 /// `PR_FL_IGNORE_KEY`: register (replace) whatever key this host had.
 const PR_FL_IGNORE_KEY: u32 = 1;
+
+// What a reservation ioctl answers when the device refused the command
+// (`enum pr_status` of linux/pr.h: SCSI's values, whatever the device).
+const PR_STS_IOERR: i32 = 0x2;
+const PR_STS_RESERVATION_CONFLICT: i32 = 0x18;
+const PR_STS_RETRY_PATH_FAILURE: i32 = 0xe0000;
+const PR_STS_PATH_FAST_FAILED: i32 = 0xf0000;
+const PR_STS_PATH_FAILED: i32 = 0x10000;
 /// `PR_EXCLUSIVE_ACCESS_ALL_REGS`: only registrants may read or write, and
 /// every registrant holds the reservation — so the owner preempting a
 /// reader's key removes that registration (in the Registrants Only type, a
@@ -224,18 +232,26 @@ impl Reservations {
                     _ => (ReservationFailure::Other, e.to_string()),
                 }
             }
-            1 => (ReservationFailure::Other, "the target answered an I/O error".into()),
-            2 => (
-                ReservationFailure::Conflict,
-                "reservation conflict: another host holds the reservation, or this key is not registered".into(),
-            ),
-            3..=5 => (
-                ReservationFailure::Path,
-                format!("the path to the target failed (PR status {rc}): check the fabric connection"),
-            ),
-            rc => (ReservationFailure::Other, format!("the target answered PR status {rc}")),
+            rc => refused(rc),
         };
         Err(ReservationError { op: op.into(), device: self.device.clone(), why, kind })
+    }
+}
+
+/// What a positive answer `rc` of a reservation ioctl means: the device
+/// refused the command with that `pr_status`.
+fn refused(rc: i32) -> (ReservationFailure, String) {
+    match rc {
+        PR_STS_IOERR => (ReservationFailure::Other, "the target answered an I/O error".into()),
+        PR_STS_RESERVATION_CONFLICT => (
+            ReservationFailure::Conflict,
+            "reservation conflict: another host holds the reservation, or this key is not registered".into(),
+        ),
+        PR_STS_RETRY_PATH_FAILURE | PR_STS_PATH_FAST_FAILED | PR_STS_PATH_FAILED => (
+            ReservationFailure::Path,
+            format!("the path to the target failed (PR status {rc:#x}): check the fabric connection"),
+        ),
+        rc => (ReservationFailure::Other, format!("the target answered PR status {rc:#x}")),
     }
 }
 
@@ -251,6 +267,22 @@ mod tests {
         assert_eq!(IOC_PR_PREEMPT_ABORT, 0x401870cc);
         assert_eq!(IOC_PR_CLEAR, 0x401070cd);
         assert_eq!(IOC_PR_READ_KEYS, 0xc01070ce);
+    }
+
+    /// The device's refusals read as pr.h numbers them (SCSI's values): a
+    /// conflict is 0x18 and a failed path 0x10000, not their places in the enum.
+    #[test]
+    fn refusals_read_as_linux_numbers_them() {
+        assert_eq!(refused(0x18).0, ReservationFailure::Conflict);
+        for path in [0x10000, 0xe0000, 0xf0000] {
+            assert_eq!(refused(path).0, ReservationFailure::Path, "{path:#x}");
+        }
+        assert_eq!(refused(0x2).0, ReservationFailure::Other);
+        for unknown in [1, 3, 5] {
+            let (kind, why) = refused(unknown);
+            assert_eq!(kind, ReservationFailure::Other);
+            assert!(why.contains(&format!("{unknown:#x}")), "{why}");
+        }
     }
 
     /// A file has no reservations: refused, saying so.
