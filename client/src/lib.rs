@@ -177,12 +177,19 @@ impl Daemon {
         } else {
             // Idle connections are dropped well before the daemon closes them
             // (`--header-timeout-ms`, 10 s by default), so a pooled connection
-            // is never one the daemon — or a host that rebooted meanwhile —
-            // has already forgotten. Among several owners a silent host's
-            // connect gives up after 3 s, so the next address is tried.
+            // is never one the daemon has already forgotten. Among several
+            // owners nothing is pooled: a host that lost its power and booted
+            // again within seconds (its standby took over meanwhile) answers
+            // a step sent on an old connection with a reset, whose fate the
+            // client cannot know, whereas a new connection to it is refused —
+            // provably never sent — and the step goes on to the next address.
+            // There a silent host's connect gives up after 3 s.
+            let (idle, per_host) = if several { (0, 0) } else { (10, 3) };
             let config = ureq::Agent::config_builder()
                 .http_status_as_error(false)
                 .max_idle_age(std::time::Duration::from_secs(4))
+                .max_idle_connections(idle)
+                .max_idle_connections_per_host(per_host)
                 .timeout_connect(several.then(|| std::time::Duration::from_secs(3)))
                 .build();
             Transport::Http(config.into())
