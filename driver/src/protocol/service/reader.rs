@@ -444,6 +444,19 @@ impl Service {
     fn fence_session(&self, c: &crate::store::ClaimInfo) -> Result<String, Refusal> {
         let session = &c.session;
         let detail = match (c.reservation_key.filter(|_| c.direct), &self.reservations) {
+            // A host has one registration per namespace: a direct reader on
+            // this owner's own host (its standby's host, before a takeover)
+            // registered this owner's key, and preempting it would cut the
+            // owner off too.
+            (Some(key), Some((_, own))) if key == *own => {
+                return Err(Refusal::new(
+                    RefusalCode::FenceFailed,
+                    "session",
+                    format!(
+                        "session {session} stays open: its host registered this owner's own reservation key {key:#x} (the reader runs on the owner's host), and cutting that host off at the target would cut off the owner too; stop the reader's process and ack or release its claim, or restart the owner on another host; its slots stay taken"
+                    ),
+                ));
+            }
             (Some(key), Some((r, own))) => {
                 r.preempt(*own, key).map_err(|e| {
                     Refusal::new(
