@@ -475,6 +475,12 @@ fn steps() -> Router<Shared> {
             }),
         )
         .route("/storage-pd/batch", post(batch))
+        .route(
+            "/storage-pd/admin/takeover",
+            post(|State(s): S, _: Bytes| async move {
+                error_response(&s, super::owner::takeover_asked_of_owner(s.service.store()))
+            }),
+        )
 }
 
 /// One step's route: its body is the step ([`take`] says what it does).

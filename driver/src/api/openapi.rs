@@ -332,6 +332,26 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: Method::Post,
+        path: "/storage-pd/admin/takeover",
+        summary: "A standby (serve --standby; admin) takes its namespace over now: preempts the owner's \
+                  reservation key, recovers the journal into a new epoch and serves (docs/owners.md); an \
+                  owner refuses it",
+        params: &[],
+        request: None,
+        ok: ("taken over: this daemon serves the namespace now", Body::Json(TakeoverAnswer::name)),
+        refusals: &[
+            UNAUTHENTICATED,
+            (403, "forbidden: only an admin takes a namespace over"),
+            (
+                409,
+                "takeover_failed: this daemon owns the namespace already, or the preempt failed (the standby stays \
+                 a standby)",
+            ),
+            (503, "standby: the standby stopped before the takeover was decided"),
+        ],
+    },
+    Route {
+        method: Method::Post,
         path: "/storage-pd/session/close",
         summary: "Fence a reader session",
         params: &[],
@@ -459,6 +479,7 @@ fn schemas() -> Map<String, Value> {
         PublicationInfo,
         Extent,
         NamespaceInfo,
+        TakeoverAnswer,
         DeviceIds,
         Readiness,
         ProbesState,

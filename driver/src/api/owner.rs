@@ -152,16 +152,18 @@ pub fn watch(
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     let handle = std::thread::Builder::new().name("pdstor-owner".into()).spawn(move || {
-        let mut path_failed = false;
+        // The last failure said, and how many checks failed since a good one.
+        let (mut failed, mut failures) = (None::<String>, 0u64);
         while !flag.load(Ordering::SeqCst) {
             std::thread::sleep(every);
             // Opened afresh each time: a fabric that reconnects may give the
             // namespace a new device at the same path.
             match Reservations::open(&path).and_then(|r| r.registered(key)) {
                 Ok(true) => {
-                    if std::mem::take(&mut path_failed) {
-                        tracing::info!(key = format!("{key:#x}"), "the path to the target is back; this owner's key is still registered");
+                    if failed.take().is_some() {
+                        tracing::info!(key = format!("{key:#x}"), failures, "the path to the target is back; this owner's key is still registered");
                     }
+                    failures = 0;
                 }
                 Ok(false) => {
                     store.lose(format!(
@@ -170,11 +172,16 @@ pub fn watch(
                     return;
                 }
                 Err(e) => {
-                    if !std::mem::replace(&mut path_failed, true) {
+                    failures += 1;
+                    // Said when the failure changes, not at every check.
+                    let why = e.to_string();
+                    if failed.as_deref() != Some(why.as_str()) {
                         tracing::warn!(
-                            error = %e,
+                            error = %why,
+                            failures,
                             "checking this owner's reservation failed; whether the namespace is still this owner's is unknown until the target answers (its writes cannot reach the target either)"
                         );
+                        failed = Some(why);
                     }
                 }
             }
@@ -184,8 +191,7 @@ pub fn watch(
 }
 
 /// The control plane's guard: once the namespace is lost every route but
-/// `/metrics` answers 503 `namespace_lost` (health included); and a
-/// takeover asked of the owner itself is refused, naming its epoch.
+/// `/metrics` answers 503 `namespace_lost` (health included).
 pub async fn refuse_when_lost(
     axum::extract::State(store): axum::extract::State<Arc<Store>>,
     req: axum::extract::Request,
@@ -194,9 +200,7 @@ pub async fn refuse_when_lost(
     use crate::protocol::RefusalCode;
     let path = req.uri().path().to_owned();
     let lost = store.lost().filter(|_| path != "/metrics");
-    if lost.is_none() && path != "/storage-pd/admin/takeover" {
-        return next.run(req).await;
-    }
+    let Some(why) = lost else { return next.run(req).await };
     // Read what the client sends before answering: a refusal answered over a
     // body still being sent would cut the client off mid-write (EPIPE)
     // instead of telling it why.
@@ -209,15 +213,20 @@ pub async fn refuse_when_lost(
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
         (status, [(axum::http::header::CONTENT_TYPE, "application/json")], bytes).into_response()
     };
-    if let Some(why) = lost {
-        return refuse(
-            RefusalCode::NamespaceLost,
-            format!("{why}: this daemon acknowledges nothing more; ask the namespace's new owner, and stop this one"),
-        );
-    }
-    let sb = store.superblock();
     refuse(
-        RefusalCode::TakeoverFailed,
+        RefusalCode::NamespaceLost,
+        format!("{why}: this daemon acknowledges nothing more; ask the namespace's new owner, and stop this one"),
+    )
+}
+
+/// `POST /storage-pd/admin/takeover` asked of the owner itself: refused
+/// 409 `takeover_failed`, naming its namespace and epoch (a takeover is a
+/// standby's).
+pub fn takeover_asked_of_owner(store: &Store) -> super::wire::ErrorBody {
+    let sb = store.superblock();
+    super::wire::ErrorBody::new(
+        crate::protocol::RefusalCode::TakeoverFailed,
+        "",
         format!(
             "this daemon owns namespace {} already (epoch {}): a takeover is asked of a standby",
             sb.uuid, sb.epoch
