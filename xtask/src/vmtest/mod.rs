@@ -223,12 +223,21 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
     if topology {
         pb.finish_and_clear();
         let accel = if args.accel == "kvm" { Accel::Kvm } else { Accel::Tcg };
-        return run_topology(&kernel.vmlinuz, &initrd, disks, &dir, Duration::from_secs(args.timeout), accel, started);
+        let append = args.append.clone().unwrap_or_default();
+        return run_topology(
+            &kernel.vmlinuz,
+            &initrd,
+            disks,
+            (&dir, append.as_str()),
+            Duration::from_secs(args.timeout),
+            accel,
+            started,
+        );
     }
     let vm = Vm {
         netdev: None,
         abort: None,
-        kill_marker: None,
+        kill_markers: &[],
         kernel: &kernel.vmlinuz,
         initrd: &initrd,
         disks,
@@ -465,48 +474,57 @@ fn build_initramfs(
 /// A topology: the storage guest (all disks; it exports the raw one over
 /// NVMe/TCP and hosts the writer) and the reader guest (no disks), joined by
 /// a private QEMU socket network on the host's loopback and nothing else.
-/// Both boot together; when one ends, the other gets a minute before it is
-/// stopped. Each guest's results are reported; the run fails if either fails.
+/// Both boot together; when one ends, the other gets 90 s before it is
+/// stopped. A guest that asks for its power cut is killed at once and
+/// booted again (on the same disks) at the test that asked. Each guest's
+/// results are reported; the run fails if either fails.
 fn run_topology(
     kernel: &Path,
     initrd: &Path,
     disks: Vec<(pdstor_vmtest_spec::DiskSpec, PathBuf)>,
-    dir: &Path,
+    (dir, append): (&Path, &str),
     timeout: Duration,
     accel: Accel,
     started: Instant,
 ) -> Result<()> {
+    use pdstor_vmtest_spec::{KILL_ME, POWER_CUT_ME};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
     // Two free loopback ports for the two QEMUs' network: UDP, connectionless,
     // so that a guest booted again after a power cut joins its peer again.
     let free_udp = || -> Result<u16> { Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port()) };
     let (sport, rport) = (free_udp()?, free_udp()?);
-    let (sdir, rdir, reborn_dir) = (dir.join("storage"), dir.join("reader"), dir.join("storage-reborn"));
-    for d in [&sdir, &rdir, &reborn_dir] {
+    let dirs = ["storage", "storage-reborn", "reader", "reader-reborn"].map(|d| dir.join(d));
+    for d in &dirs {
         std::fs::create_dir_all(d)?;
     }
     let (stop_storage, stop_reader) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
     let storage_net = format!("socket,udp=127.0.0.1:{rport},localaddr=127.0.0.1:{sport}");
-    let storage = Vm {
+    let reader_net = format!("socket,udp=127.0.0.1:{sport},localaddr=127.0.0.1:{rport}");
+    // A guest of each role, booted first (`resume` None) or again after its
+    // power cut, its console in `dirs[d]`.
+    let storage = |d: usize, resume: Option<&str>| Vm {
         kernel,
         initrd,
         disks: disks.clone(),
-        dir: &sdir,
-        extra_append: format!("pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24"),
+        dir: &dirs[d],
+        extra_append: format!("{append} pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24{}", resume_arg(resume)),
         netdev: Some(storage_net.clone()),
         abort: Some(stop_storage.clone()),
-        kill_marker: Some(pdstor_vmtest_spec::POWER_CUT_ME),
+        kill_markers: if resume.is_none() { &[POWER_CUT_ME] } else { &[] },
     };
-    let reader = Vm {
+    let reader = |d: usize, resume: Option<&str>| Vm {
         kernel,
         initrd,
         disks: Vec::new(),
-        dir: &rdir,
-        extra_append: format!("pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1"),
-        netdev: Some(format!("socket,udp=127.0.0.1:{sport},localaddr=127.0.0.1:{rport}")),
+        dir: &dirs[d],
+        extra_append: format!(
+            "{append} pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1{}",
+            resume_arg(resume)
+        ),
+        netdev: Some(reader_net.clone()),
         abort: Some(stop_reader.clone()),
-        kill_marker: Some(pdstor_vmtest_spec::KILL_ME),
+        kill_markers: if resume.is_none() { &[KILL_ME, POWER_CUT_ME] } else { &[KILL_ME] },
     };
     println!(
         "vmtest topology: storage guest {STORAGE_ADDR} and reader guest {READER_ADDR} on UDP 127.0.0.1:{sport}/{rport} ({})",
@@ -530,43 +548,49 @@ fn run_topology(
         }
         Ok(r)
     };
-    let (srun, rrun) = std::thread::scope(|s| {
-        let st = s.spawn(|| -> Result<(qemu::VmRun, Option<qemu::VmRun>)> {
-            let first = boot(&storage, "storage")?;
-            // Its power cut: booted again on the same disks, resuming at the test that asked.
-            let reborn = match resume_point(&first) {
-                Some(test) => {
-                    println!("  storage: power cut, as it asked; booting it again at {test}");
-                    let vm = Vm {
-                        kernel,
-                        initrd,
-                        disks: disks.clone(),
-                        dir: &reborn_dir,
-                        extra_append: format!("pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24 pdstor.resume={test}"),
-                        netdev: Some(storage_net.clone()),
-                        abort: Some(stop_storage.clone()),
-                        kill_marker: None,
-                    };
-                    Some(boot(&vm, "storage (booted again)")?)
-                }
-                None => None,
-            };
+    let ((srun, reborn), (rrun, rreborn)) = std::thread::scope(|s| -> Result<_> {
+        let st = s.spawn(|| {
+            let r = life(&boot, storage(0, None), |t| storage(1, Some(t)), "storage");
             grace(stop_reader.clone());
-            Ok((first, reborn))
+            r
         });
         let rt = s.spawn(|| {
-            let r = boot(&reader, "reader");
+            let r = life(&boot, reader(2, None), |t| reader(3, Some(t)), "reader");
             grace(stop_storage.clone());
             r
         });
-        (st.join(), rt.join())
-    });
-    let (srun, reborn) = srun.map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))??;
-    let rrun = rrun.map_err(|_| anyhow::anyhow!("the reader guest's thread panicked"))??;
-    report_topology(&srun, reborn.as_ref(), &rrun, [&sdir, &reborn_dir, &rdir], started)
+        let srun = st.join().map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))?;
+        let rrun = rt.join().map_err(|_| anyhow::anyhow!("the reader guest's thread panicked"))?;
+        Ok((srun?, rrun?))
+    })?;
+    report_topology([("storage", &srun, reborn.as_ref()), ("reader", &rrun, rreborn.as_ref())], &dirs, started)
 }
 
-/// Where a storage guest that asked for its power cut resumes: the test
+/// A guest's life: booted, and booted again (`again`) at the test where it
+/// asked for its power cut.
+fn life<'a>(
+    boot: &dyn Fn(&Vm<'a>, &str) -> Result<qemu::VmRun>,
+    first: Vm<'a>,
+    again: impl Fn(&str) -> Vm<'a>,
+    name: &str,
+) -> Result<(qemu::VmRun, Option<qemu::VmRun>)> {
+    let run = boot(&first, name)?;
+    let reborn = match resume_point(&run) {
+        Some(test) => {
+            println!("  {name}: power cut, as it asked; booting it again at {test}");
+            Some(boot(&again(&test), &format!("{name} (booted again)"))?)
+        }
+        None => None,
+    };
+    Ok((run, reborn))
+}
+
+/// The kernel command line's resume point for a guest booted again.
+fn resume_arg(resume: Option<&str>) -> String {
+    resume.map(|t| format!(" pdstor.resume={t}")).unwrap_or_default()
+}
+
+/// Where a guest that asked for its power cut resumes: the test
 /// named after the marker on its kill line.
 fn resume_point(first: &qemu::VmRun) -> Option<String> {
     first
@@ -583,27 +607,30 @@ fn panicked_in_early_boot(r: &qemu::VmRun) -> bool {
     !r.booted && std::fs::read_to_string(&r.console_file).is_ok_and(|c| c.contains("Kernel panic"))
 }
 
-/// The three guests' reports (storage, storage booted again, reader) and
-/// where their consoles are.
+/// Each guest's reports (and its report booted again after a power cut),
+/// and where their consoles are.
 fn report_topology(
-    srun: &qemu::VmRun,
-    reborn: Option<&qemu::VmRun>,
-    rrun: &qemu::VmRun,
-    [sdir, reborn_dir, rdir]: [&PathBuf; 3],
+    guests: [(&str, &qemu::VmRun, Option<&qemu::VmRun>); 2],
+    dirs: &[PathBuf; 4],
     started: Instant,
 ) -> Result<()> {
-    println!("\nstorage guest:");
-    let mut s = report(srun, started.elapsed());
-    if let Some(reborn) = reborn {
-        println!("\nstorage guest, booted again after its power cut:");
-        s = s.and(report(reborn, started.elapsed()));
+    let mut outcome = Ok(());
+    for (name, run, reborn) in guests {
+        println!("\n{name} guest:");
+        outcome = outcome.and(report(run, started.elapsed()));
+        if let Some(reborn) = reborn {
+            println!("\n{name} guest, booted again after its power cut:");
+            outcome = outcome.and(report(reborn, started.elapsed()));
+        }
     }
-    println!("\nreader guest:");
-    let r = report(rrun, started.elapsed());
-    for (name, d) in [("storage", sdir), ("storage booted again", reborn_dir), ("reader", rdir)] {
-        println!("logs ({name}): {}", d.join("console.log").display());
+    for d in dirs {
+        println!(
+            "logs ({}): {}",
+            d.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
+            d.join("console.log").display()
+        );
     }
-    s.and(r)
+    outcome
 }
 
 /// The console from the first line of the kernel's report (what died and

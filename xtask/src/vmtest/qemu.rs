@@ -38,9 +38,9 @@ pub struct Vm<'a> {
     pub netdev: Option<String>,
     /// Set by another thread to stop this guest (its peer in a topology failed).
     pub abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
-    /// A console line at which the guest asks to be killed, as a host that
+    /// Console lines at which the guest asks to be killed, as a host that
     /// dies does: QEMU is killed at once, nothing shut down.
-    pub kill_marker: Option<&'static str>,
+    pub kill_markers: &'static [&'static str],
 }
 
 pub struct VmRun {
@@ -51,7 +51,7 @@ pub struct VmRun {
     pub console_file: PathBuf,
     pub qemu_stderr: String,
     pub status: Option<std::process::ExitStatus>,
-    /// Killed because it asked to be ([`Vm::kill_marker`]).
+    /// Killed because it asked to be ([`Vm::kill_markers`]).
     pub killed_on_request: bool,
     /// The console line that asked.
     pub kill_line: Option<String>,
@@ -227,7 +227,7 @@ impl Vm<'_> {
                 if let Some(s) = line.strip_prefix("pdstor-vminit: suite ") {
                     on_progress(&format!("suite {s}"));
                 }
-                if self.kill_marker.is_some_and(|m| line.contains(m)) {
+                if self.kill_markers.iter().any(|m| line.contains(m)) {
                     killed_on_request = true;
                     kill_line = Some(line.to_owned());
                 }
