@@ -127,12 +127,38 @@ pub(super) fn connect_at(hostnqn: &str, hostid: &str, traddr: &str) -> Checked {
             "--hostid",
             hostid,
         ];
-        match sh("nvme", &args) {
+        // A second host identity on this guest ([`THIRD_HOSTNQN`]) reaches the
+        // same address and subsystem, which nvme-cli calls "already
+        // connected" by the first (it does not compare host NQNs): asked of
+        // the kernel's fabrics device itself, as nvme-cli would.
+        let connected = match hostnqn {
+            THIRD_HOSTNQN => fabrics_connect(&format!(
+                "transport=tcp,traddr={traddr},trsvcid={port},nqn={SHARED_NQN},hostnqn={hostnqn},hostid={hostid}"
+            )),
+            _ => sh("nvme", &args).map(drop).map_err(String::from),
+        };
+        match connected {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() > deadline => return Err(format!("nvme connect for 180 s: {e}").into()),
             Err(_) => std::thread::sleep(Duration::from_secs(2)),
         }
     }
+}
+
+/// Connects with `options` written to `/dev/nvme-fabrics` (the kernel
+/// answers the new controller's instance); as nvme-cli does underneath.
+fn fabrics_connect(options: &str) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/nvme-fabrics")
+        .map_err(|e| format!("opening /dev/nvme-fabrics: {e}"))?;
+    f.write_all(options.as_bytes()).map_err(|e| format!("connecting with {options:?}: {e}"))?;
+    let mut answer = String::new();
+    f.read_to_string(&mut answer).map_err(|e| format!("reading the new controller's instance: {e}"))?;
+    crate::guest::console(&format!("pdstor-vminit: connected {options:?}: {}", answer.trim()));
+    Ok(())
 }
 
 /// The fabric namespace 1.
@@ -143,8 +169,16 @@ pub(super) fn fabric_namespace() -> Checked<PathBuf> {
 /// Namespace `n` of the shared subsystem, as this host sees it over the
 /// fabric: the block device whose subsystem is [`SHARED_NQN`] and whose NSID
 /// is `n` (device names number namespaces in the order they were found, and
-/// the storage guest has local NVMe namespaces of NSID 1 too).
+/// the storage guest has local NVMe namespaces of NSID 1 too), through this
+/// guest's own connection (not the [`THIRD_HOSTNQN`] one).
 pub(super) fn fabric_namespace_n(n: u32) -> Checked<PathBuf> {
+    fabric_namespace_as(n, None)
+}
+
+/// [`fabric_namespace_n`] through the connection of host `hostnqn` (None:
+/// this guest's own): without NVMe multipath each connection has its own
+/// block devices.
+pub(super) fn fabric_namespace_as(n: u32, hostnqn: Option<&str>) -> Checked<PathBuf> {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let blocks: Vec<String> = std::fs::read_dir("/sys/block")
@@ -155,6 +189,11 @@ pub(super) fn fabric_namespace_n(n: u32) -> Checked<PathBuf> {
             b.starts_with("nvme")
                 && attr(b, "device/subsysnqn").is_some_and(|s| s.trim() == SHARED_NQN)
                 && attr(b, "nsid").is_some_and(|s| s.trim() == n.to_string())
+                && match (attr(b, "device/hostnqn"), hostnqn) {
+                    (Some(h), Some(want)) => h.trim() == want,
+                    (None, Some(_)) => false,
+                    (h, None) => h.is_none_or(|h| h.trim() != THIRD_HOSTNQN),
+                }
         });
         if let Some(b) = found {
             let dev = PathBuf::from("/dev").join(b);
@@ -163,7 +202,10 @@ pub(super) fn fabric_namespace_n(n: u32) -> Checked<PathBuf> {
             }
         }
         if Instant::now() > deadline {
-            return Err(format!("no namespace {n} of {SHARED_NQN} within 20 s (block devices: {blocks:?})").into());
+            let who = hostnqn.unwrap_or("this host");
+            return Err(
+                format!("no namespace {n} of {SHARED_NQN} for {who} within 20 s (block devices: {blocks:?})").into()
+            );
         }
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -174,6 +216,18 @@ pub(super) fn fabric_namespace_n(n: u32) -> Checked<PathBuf> {
 /// Both guests boot the same kernel, so both sides answer alike.
 pub(super) fn nvmet_has_reservations() -> bool {
     std::fs::read_to_string("/proc/kallsyms").is_ok_and(|k| k.contains(" nvmet_parse_pr_cmd"))
+}
+
+/// SKIP where this kernel's NVMe target has no persistent reservations;
+/// `without` says what the test could not do there.
+pub(super) fn needs_reservations(without: &str) -> Checked {
+    if nvmet_has_reservations() {
+        return Ok(());
+    }
+    Err(crate::suites::skip(format!(
+        "this kernel's NVMe target has no persistent reservations (Debian's 6.12 nvmet has no resv_enable){without}; \
+         the rw-dmabuf series kernel (7.2) runs this test"
+    )))
 }
 
 /// Lets host `hostnqn` connect to the shared subsystem (exported to named hosts).

@@ -19,8 +19,11 @@ mod handoff;
 mod identity;
 mod namespace;
 mod owner;
+mod owners;
+mod partition;
 mod peer;
 mod power;
+mod power_takeover;
 mod reservation;
 mod restarts;
 mod takeover;
@@ -33,8 +36,11 @@ use handoff::*;
 use identity::*;
 use namespace::*;
 use owner::*;
+use owners::*;
+use partition::*;
 use peer::*;
 use power::*;
+use power_takeover::*;
 use reservation::*;
 use restarts::*;
 use takeover::*;
@@ -53,6 +59,10 @@ pub const SUITE: Suite = Suite {
         Test { name: POWER_TEST, disk: None, run: power_cut },
         Test { name: "a_fenced_reader_host_is_cut_off_by_its_reservation", disk: None, run: reservation },
         Test { name: "a_standby_takes_over_a_killed_owner", disk: None, run: takeover },
+        // The reader guest (the owner here) loses power in it and boots again at it.
+        Test { name: POWER_TAKEOVER_TEST, disk: None, run: power_takeover },
+        Test { name: "two_owners_side_by_side", disk: None, run: two_owners },
+        Test { name: "a_partitioned_owner_is_taken_over_and_says_so", disk: None, run: partition },
         // Last: the reader host does not survive it.
         Test { name: "a_dead_reader_host_is_fenced_then_reclaimed", disk: None, run: reader_death },
     ],
@@ -75,6 +85,13 @@ const WRITER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e1";
 const READER_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
 
 const READER_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e4";
+
+/// A third NVMe host on the reader guest: its own host NQN and host ID, so
+/// its own controller and its own reservation registration at the target —
+/// to the target, a host of its own (a direct reader's, beside a standby).
+const THIRD_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e7";
+
+const THIRD_HOSTID: &str = "5d1e7c2a-4b0f-4e8e-9a51-70b0a1d2c3e7";
 
 /// Runs this guest's side of a topology test: `storage` on the storage
 /// (writer) host, `reader` on the reader host; SKIP in a guest booted alone.

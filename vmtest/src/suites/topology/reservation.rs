@@ -5,8 +5,8 @@ use std::path::Path;
 
 use crate::SHARED_NQN;
 use crate::guest::{Ctx, console, sh};
+use crate::suites::Checked;
 use crate::suites::io::dd_direct;
-use crate::suites::{Checked, skip};
 
 use super::*;
 
@@ -28,12 +28,7 @@ pub(super) const READER_KEY: u64 = 0x5d0f;
 /// publication takes them. The reader host is alive, and can read none of
 /// it any more: the target refuses its commands, and its report is refused.
 pub(super) fn reservation(_: &Ctx) -> Checked {
-    if !nvmet_has_reservations() {
-        return Err(skip(
-            "this kernel's NVMe target has no persistent reservations (Debian's 6.12 nvmet has no resv_enable); \
-             the rw-dmabuf series kernel (7.2) runs this test",
-        ));
-    }
+    needs_reservations("")?;
     by_role(reserve_owner, reserve_reader)
 }
 
