@@ -11,7 +11,7 @@
 //! can no longer write namespace 1.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::SHARED_NQN;
 use crate::guest::{Ctx, console, sh};
@@ -133,9 +133,8 @@ fn side_by_side(dev1: &Path, dev3: &Path, peer: &mut Peer) -> Checked {
     mismatch(&a, &b_receipts[0])?;
     mismatch(&b, &a_receipts[0])?;
     // A's standby, beside B on this host, watching A.
-    let flags = ["--standby", "--owner", a.as_str(), "--reservation-key"];
     let key = format!("{READER_KEY_1:#x}");
-    let flags = [&flags[..], &[key.as_str()]].concat();
+    let flags = ["--standby", "--owner", a.as_str(), "--reservation-key", key.as_str()];
     let log = "/tmp/vmtest/topology-standby-a.log";
     let _standby = spawn_serve(dev1, &flags, STANDBY_CONTROL, STANDBY_DATA, log)?;
     // One client given every address finds each receipt's owner.
@@ -149,14 +148,7 @@ fn side_by_side(dev1: &Path, dev3: &Path, peer: &mut Peer) -> Checked {
         return Err("owner A was not killed".into());
     }
     let killed = Instant::now();
-    let sc = Client::new(&standby);
-    let info = loop {
-        match sc.namespace() {
-            Ok(info) => break info,
-            Err(_) if killed.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("A's standby did not take over within 60 s: {e}").into()),
-        }
-    };
+    let info = serving_after(&Client::new(&standby), killed, log)?;
     let serving = killed.elapsed();
     if info.namespace != a_receipts[0].namespace || info.epoch <= a_receipts[0].epoch {
         return Err(format!("A's standby serves {info:?} after the takeover").into());
