@@ -26,8 +26,24 @@ impl InfoArgs {
             "geometry": engine.geometry(),
             "dmabuf_rw": engine.dmabuf_rw(),
             "dmabuf_exporters": pdstor::buffer::dmabuf::exporters(),
+            "cuda": cuda_facts(),
         }))
     }
+}
+
+/// GPU 0 as the CUDA driver describes it (DMA-BUF export among it), or why
+/// there is none to describe.
+#[cfg(feature = "cuda")]
+fn cuda_facts() -> serde_json::Value {
+    match pdstor::buffer::cuda::device_info(0) {
+        Ok(info) => serde_json::json!({ "device": info }),
+        Err(e) => serde_json::json!({ "unavailable": e.to_string() }),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_facts() -> serde_json::Value {
+    serde_json::json!({ "unavailable": "this pdstor was built without CUDA (cargo feature cuda)" })
 }
 
 #[derive(clap::Args)]

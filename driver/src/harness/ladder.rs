@@ -31,23 +31,47 @@ use crate::io::{
 };
 
 /// Memory an exporter provides: filled and read by the CPU (through the
-/// exporter's own copy routines), exportable as a DMA-BUF.
+/// exporter's own copy routines), staged to and from host buffers, compared,
+/// exportable as a DMA-BUF.
 trait Memory {
     fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()>;
-    fn fetch(&self, offset: u64, dst: &mut [u8]) -> anyhow::Result<()>;
     fn export(&self) -> anyhow::Result<DmaBuf>;
+    /// Sets every byte to 0.
+    fn clear(&self, len: usize) -> anyhow::Result<()> {
+        self.fill(0, &vec![0u8; len])
+    }
+    /// Copies `len` bytes from the start of this memory into `staging`
+    /// (what the host paths move: GPU → registered host buffer).
+    fn stage_out(&self, staging: &Buffer, len: usize) -> anyhow::Result<()>;
+    /// Copies `len` bytes of `staging` into the start of this memory.
+    fn stage_in(&self, staging: &Buffer, len: usize) -> anyhow::Result<()>;
+    /// Where the first byte (a GPU compares words: the word's first byte)
+    /// differing from `expected` is, and where the compare ran.
+    fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)>;
 }
 
 impl Memory for Buffer {
     fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()> {
         Ok(self.write_at(offset, src)?)
     }
-    fn fetch(&self, offset: u64, dst: &mut [u8]) -> anyhow::Result<()> {
-        Ok(self.read_at(offset, dst)?)
-    }
     fn export(&self) -> anyhow::Result<DmaBuf> {
         let d = self.dmabuf().context("the buffer is not a DMA-BUF")?;
         Ok(DmaBuf::import(d.try_clone_fd()?)?)
+    }
+    fn stage_out(&self, staging: &Buffer, len: usize) -> anyhow::Result<()> {
+        let mut bytes = vec![0u8; len];
+        self.read_at(0, &mut bytes)?;
+        Ok(staging.write_at(0, &bytes)?)
+    }
+    fn stage_in(&self, staging: &Buffer, len: usize) -> anyhow::Result<()> {
+        let mut bytes = vec![0u8; len];
+        staging.read_at(0, &mut bytes)?;
+        Ok(self.write_at(0, &bytes)?)
+    }
+    fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)> {
+        let mut back = vec![0u8; expected.len()];
+        self.read_at(0, &mut back)?;
+        Ok((crate::payload::first_difference(expected, &back).map(|at| at as u64), "on the CPU"))
     }
 }
 
@@ -56,11 +80,27 @@ impl Memory for crate::buffer::cuda::CudaBuffer {
     fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()> {
         Ok(self.copy_from_host(offset, src)?)
     }
-    fn fetch(&self, offset: u64, dst: &mut [u8]) -> anyhow::Result<()> {
-        Ok(self.copy_to_host(offset, dst)?)
-    }
     fn export(&self) -> anyhow::Result<DmaBuf> {
         Ok(self.export_dmabuf()?)
+    }
+    fn clear(&self, _len: usize) -> anyhow::Result<()> {
+        Ok(self.fill_bytes(0)?)
+    }
+    fn stage_out(&self, staging: &Buffer, len: usize) -> anyhow::Result<()> {
+        staging.check_range(0, len)?;
+        let dst = staging.as_mut_ptr()?;
+        // SAFETY: `staging` maps at least `len` bytes at `dst` (checked above),
+        // and nothing else touches them: the engine runs no transfer now.
+        Ok(unsafe { self.copy_to_host_ptr(0, dst, len) }?)
+    }
+    fn stage_in(&self, staging: &Buffer, len: usize) -> anyhow::Result<()> {
+        staging.check_range(0, len)?;
+        let src = staging.as_mut_ptr()?;
+        // SAFETY: as in `stage_out`; the bytes are only read.
+        Ok(unsafe { self.copy_from_host_ptr(0, src, len) }?)
+    }
+    fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)> {
+        Ok((crate::buffer::cuda::CudaBuffer::first_difference(self, 0, expected)?, "on the GPU"))
     }
 }
 
@@ -126,6 +166,13 @@ pub struct Rung {
     pub verdicts: BTreeMap<String, u64>,
     /// What the independent readback found.
     pub independent_readback: Option<String>,
+    /// How the bytes went between the exporter's memory and the engine.
+    pub staging: Option<String>,
+    /// Where the bytes read back through pdstor were compared with the pattern.
+    pub compared: Option<String>,
+    /// `dmabuf_fixed`: the export of the exporter's memory and its import by
+    /// pdstor, which happen (or fail) before the kernel is asked to register it.
+    pub dmabuf_import: Option<String>,
 }
 
 /// Everything the ladder found (`ladder.json`).
@@ -160,7 +207,7 @@ impl LadderReport {
     /// The report as Markdown (`ladder.md`).
     pub fn markdown(&self) -> String {
         let mut s = format!(
-            "# pdstor ladder\n\n- kernel: {}\n- target: {} ({:?})\n- exporter: {:?} {}\n- rw-dmabuf UAPI: {}\n- probes: {}\n\n| path | qualified | write MiB/s | read MiB/s | CPU ms/GiB | verdicts | independent readback | reason |\n|---|---|---|---|---|---|---|---|\n",
+            "# pdstor ladder\n\n- kernel: {}\n- target: {} ({:?})\n- exporter: {:?} {}\n- rw-dmabuf UAPI: {}\n- probes: {}\n\n| path | qualified | write MiB/s | read MiB/s | CPU ms/GiB | verdicts | independent readback | read back through pdstor | reason |\n|---|---|---|---|---|---|---|---|---|\n",
             self.kernel,
             self.target.display(),
             self.target_kind,
@@ -173,7 +220,7 @@ impl LadderReport {
         for r in &self.rungs {
             let verdicts: Vec<String> = r.verdicts.iter().map(|(v, n)| format!("{v} ×{n}")).collect();
             s += &format!(
-                "| {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                 r.path,
                 if r.qualified { "yes" } else { "**no**" },
                 f(r.write_mib_s),
@@ -181,6 +228,7 @@ impl LadderReport {
                 f(r.cpu_ms_per_gib),
                 verdicts.join(", "),
                 r.independent_readback.as_deref().unwrap_or("-"),
+                r.compared.as_deref().unwrap_or("-"),
                 r.reason.as_deref().unwrap_or(""),
             );
         }
@@ -236,6 +284,9 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
             cpu_ms_per_gib: None,
             verdicts: BTreeMap::new(),
             independent_readback: None,
+            staging: None,
+            compared: None,
+            dmabuf_import: None,
         };
         let mut ctx = RungCtx {
             cfg,
@@ -348,16 +399,21 @@ impl RungCtx<'_> {
         let path = self.rung.path;
         let pattern = self.pattern();
         self.memory.fill(0, &pattern).context("filling the exporter's memory")?;
-        // Host paths stage through host memory; dmabuf_fixed installs the
-        // exporter's memory itself.
+        // Host paths stage through a host buffer (inside the timed span: the
+        // exporter's memory → host buffer → target and back); dmabuf_fixed
+        // installs the exporter's memory itself.
         let id = match path {
             PayloadPath::DmabufFixed => {
-                let buf = Buffer::from_dmabuf(self.memory.export()?, None)?;
-                self.engine.register_dmabuf(buf)?
+                let exported = self.memory.export().context("exporting the memory as a DMA-BUF")?;
+                let size = exported.size();
+                let buf = Buffer::from_dmabuf(exported, None).context("importing the DMA-BUF into pdstor")?;
+                self.rung.dmabuf_import = Some(format!("exported as a DMA-BUF of {size} bytes and imported by pdstor"));
+                self.engine.register_dmabuf(buf).context("registering the DMA-BUF with io_uring")?
             }
             _ => {
                 let staging = Buffer::host(self.cfg.bytes as usize)?;
-                staging.write_at(0, &pattern)?;
+                let kind = if path == PayloadPath::HostFixed { "a registered host buffer" } else { "a host buffer" };
+                self.rung.staging = Some(format!("the exporter's memory → {kind} → target, and back (timed)"));
                 if path == PayloadPath::HostFixed {
                     self.engine.register(staging)?
                 } else {
@@ -396,10 +452,14 @@ impl RungCtx<'_> {
     }
 
     fn transfers(&mut self, id: crate::io::BufferId, pattern: &[u8]) -> anyhow::Result<()> {
-        let mib = self.cfg.bytes as f64 / 1048576.0;
+        let (bytes, mib) = (self.cfg.bytes as usize, self.cfg.bytes as f64 / 1048576.0);
+        let staged = self.rung.path != PayloadPath::DmabufFixed;
         let writes = self.requests(id, Op::Write);
         let cpu = cpu_time();
         let t = Instant::now();
+        if staged {
+            self.memory.stage_out(self.engine.buffer(id)?, bytes).context("staging out of the exporter's memory")?;
+        }
         self.engine.execute_all(&writes)?;
         self.engine.flush()?;
         self.rung.write_mib_s = Some(mib / t.elapsed().as_secs_f64());
@@ -409,30 +469,29 @@ impl RungCtx<'_> {
         self.independent_readback(pattern)?;
 
         // Read back through pdstor into cleared memory.
-        let zeros = vec![0u8; self.cfg.bytes as usize];
-        match self.rung.path {
-            PayloadPath::DmabufFixed => self.memory.fill(0, &zeros)?,
-            _ => self.engine.buffer(id)?.write_at(0, &zeros)?,
+        self.memory.clear(bytes)?;
+        if staged {
+            self.engine.buffer(id)?.write_at(0, &vec![0u8; bytes])?;
         }
         let reads = self.requests(id, Op::Read);
         let cpu = cpu_time();
         let t = Instant::now();
         self.engine.execute_all(&reads)?;
+        if staged {
+            self.memory.stage_in(self.engine.buffer(id)?, bytes).context("staging into the exporter's memory")?;
+        }
         self.rung.read_mib_s = Some(mib / t.elapsed().as_secs_f64());
         // Both ways; the independent readback and the clearing between are not counted.
         let spent = write_cpu + cpu_time().saturating_sub(cpu);
         let gib = 2.0 * self.cfg.bytes as f64 / (1u64 << 30) as f64;
         self.rung.cpu_ms_per_gib = Some(spent.as_secs_f64() * 1000.0 / gib);
         self.judge(&reads);
-        if self.rung.path != PayloadPath::DmabufFixed {
-            let mut staged = vec![0u8; self.cfg.bytes as usize];
-            self.engine.buffer(id)?.read_at(0, &mut staged)?;
-            self.memory.fill(0, &staged)?;
-        }
-        let mut back = vec![0u8; self.cfg.bytes as usize];
-        self.memory.fetch(0, &mut back)?;
-        if let Some(at) = crate::payload::first_difference(pattern, &back) {
-            bail!("the bytes read back through pdstor into the exporter's memory differ at byte {at}");
+        let (diff, place) = self.memory.first_difference(pattern)?;
+        self.rung.compared = Some(format!("{bytes} bytes against the pattern, {place}"));
+        if let Some(at) = diff {
+            bail!(
+                "the bytes read back through pdstor into the exporter's memory differ at byte {at} (compared {place})"
+            );
         }
         Ok(())
     }

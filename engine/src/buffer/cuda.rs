@@ -2,10 +2,16 @@
 //!
 //! `cudarc` loads `libcuda.so` at run time, so building needs no CUDA toolkit
 //! and a machine without a GPU gets [`CudaError::Unavailable`] with the
-//! reason, never a panic. The export follows NVIDIA's rules: the device must
-//! report `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (open kernel modules), and
+//! reason, never a panic. Any GPU allocates, copies and compares; the export
+//! follows NVIDIA's rules: the device must report
+//! `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED` (open kernel modules), or
+//! [`CudaBuffer::export_dmabuf`] refuses with [`CudaError::NoDmaBuf`], and
 //! `cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)` takes a
 //! page-aligned range, so allocations are rounded up to 2 MiB.
+//!
+//! [`CudaBuffer::first_difference`] compares on the GPU itself (a PTX kernel
+//! the driver compiles at run time), so a restore into GPU memory is checked
+//! where it landed, not after another copy to the host.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 
@@ -50,6 +56,9 @@ pub enum CudaError {
         /// The buffer's length.
         len: usize,
     },
+    /// The compare on the GPU failed.
+    #[error(transparent)]
+    Compare(#[from] super::cuda_compare::CompareError),
     /// Exporting the allocation as a DMA-BUF failed.
     #[error(transparent)]
     DmaBuf(#[from] DmaBufError),
@@ -109,22 +118,23 @@ pub fn device_info(ordinal: i32) -> Result<DeviceInfo, CudaError> {
     })
 }
 
-/// Device memory on one GPU, in the device's primary context.
+/// Device memory on one GPU, in the device's primary context, which
+/// [`CudaBuffer::alloc`] makes current on the calling thread: the buffer
+/// stays on that thread (neither `Send` nor `Sync`).
 pub struct CudaBuffer {
     dev: sys::CUdevice,
     ptr: sys::CUdeviceptr,
     len: usize,
     info: DeviceInfo,
+    _thread: std::marker::PhantomData<*const ()>,
 }
 
 impl CudaBuffer {
     /// Allocates at least `len` bytes (rounded up to [`CUDA_ALIGN`]) on GPU
-    /// `ordinal`, refusing a GPU that cannot export DMA-BUFs.
+    /// `ordinal`. A GPU that cannot export DMA-BUFs allocates all the same
+    /// (the host paths stage through host memory); its export is refused.
     pub fn alloc(ordinal: i32, len: usize) -> Result<CudaBuffer, CudaError> {
         let info = device_info(ordinal)?;
-        if !info.dmabuf_supported {
-            return Err(CudaError::NoDmaBuf { name: info.name });
-        }
         let dev = cu::device::get(ordinal).map_err(drv("cuDeviceGet"))?;
         // SAFETY: `dev` came from cuDeviceGet; the context is released in Drop.
         let ctx = unsafe { cu::primary_ctx::retain(dev) }.map_err(drv("cuDevicePrimaryCtxRetain"))?;
@@ -133,7 +143,7 @@ impl CudaBuffer {
         let len = len.max(1).next_multiple_of(CUDA_ALIGN);
         // SAFETY: a plain allocation in the current context, freed in Drop.
         let ptr = unsafe { cu::malloc_sync(len) }.map_err(drv("cuMemAlloc"))?;
-        Ok(CudaBuffer { dev, ptr, len, info })
+        Ok(CudaBuffer { dev, ptr, len, info, _thread: std::marker::PhantomData })
     }
 
     /// Its length in bytes.
@@ -158,11 +168,15 @@ impl CudaBuffer {
         Ok(())
     }
 
-    /// Copies `src` from host memory into the GPU buffer at `offset`.
+    /// Copies `src` from host memory into the GPU buffer at `offset`; the
+    /// bytes are in device memory when it returns (a copy from pageable
+    /// memory may return once staged, so the context is synchronized: a
+    /// device that reads the memory next, an NVMe by DMA-BUF, sees them).
     pub fn copy_from_host(&self, offset: u64, src: &[u8]) -> Result<(), CudaError> {
         self.check(offset, src.len())?;
         // SAFETY: the destination range was bounds-checked against the allocation.
-        unsafe { cu::memcpy_htod_sync(self.ptr + offset, src) }.map_err(drv("cuMemcpyHtoD"))
+        unsafe { cu::memcpy_htod_sync(self.ptr + offset, src) }.map_err(drv("cuMemcpyHtoD"))?;
+        cu::ctx::synchronize().map_err(drv("cuCtxSynchronize after cuMemcpyHtoD"))
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the GPU buffer.
@@ -172,8 +186,60 @@ impl CudaBuffer {
         unsafe { cu::memcpy_dtoh_sync(dst, self.ptr + offset) }.map_err(drv("cuMemcpyDtoH"))
     }
 
-    /// Exports the whole allocation as a DMA-BUF fd, to hand to the daemon.
+    /// Copies `len` bytes at `offset` of the GPU buffer into host memory at
+    /// `dst` (a registered staging buffer's mapping, say).
+    ///
+    /// # Safety
+    ///
+    /// `dst..dst+len` must be writable host memory that nothing else reads or
+    /// writes during the call.
+    pub unsafe fn copy_to_host_ptr(&self, offset: u64, dst: *mut u8, len: usize) -> Result<(), CudaError> {
+        self.check(offset, len)?;
+        // SAFETY: the source range was bounds-checked; the caller vouches for `dst`.
+        unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), self.ptr + offset, len) }.result().map_err(drv("cuMemcpyDtoH"))
+    }
+
+    /// Copies `len` bytes of host memory at `src` into the GPU buffer at `offset`.
+    ///
+    /// # Safety
+    ///
+    /// `src..src+len` must be readable host memory that nothing writes during the call.
+    pub unsafe fn copy_from_host_ptr(&self, offset: u64, src: *const u8, len: usize) -> Result<(), CudaError> {
+        self.check(offset, len)?;
+        // SAFETY: the destination range was bounds-checked; the caller vouches for `src`.
+        unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset, src.cast(), len) }.result().map_err(drv("cuMemcpyHtoD"))?;
+        cu::ctx::synchronize().map_err(drv("cuCtxSynchronize after cuMemcpyHtoD"))
+    }
+
+    /// Sets every byte of the buffer to `value` (on the GPU).
+    pub fn fill_bytes(&self, value: u8) -> Result<(), CudaError> {
+        // SAFETY: the whole allocation, which this buffer owns.
+        unsafe { cu::memset_d8_sync(self.ptr, value, self.len) }.map_err(drv("cuMemsetD8"))?;
+        // cuMemsetD8 may return before the memory is set.
+        cu::ctx::synchronize().map_err(drv("cuCtxSynchronize after cuMemsetD8"))
+    }
+
+    /// The offset of the first 4-byte word in which `self[offset..]` and
+    /// `expected` differ, compared **on the GPU**: `expected` is uploaded to
+    /// a second allocation and a kernel compares the two where they are.
+    /// `None` when every byte is equal. `expected.len()` must be a multiple of 4.
+    pub fn first_difference(&self, offset: u64, expected: &[u8]) -> Result<Option<u64>, CudaError> {
+        self.check(offset, expected.len())?;
+        if !expected.len().is_multiple_of(4) || !offset.is_multiple_of(4) {
+            return Err(CudaError::OutOfBounds { offset, count: expected.len(), len: self.len });
+        }
+        let want = CudaBuffer::alloc(self.info.ordinal, expected.len())?;
+        want.copy_from_host(0, expected)?;
+        let word = super::cuda_compare::first_difference(self.ptr + offset, want.ptr, expected.len() / 4)?;
+        Ok(word.map(|w| offset + 4 * w))
+    }
+
+    /// Exports the whole allocation as a DMA-BUF fd, to hand to the daemon;
+    /// refused on a GPU that cannot export ([`CudaError::NoDmaBuf`]).
     pub fn export_dmabuf(&self) -> Result<DmaBuf, CudaError> {
+        if !self.info.dmabuf_supported {
+            return Err(CudaError::NoDmaBuf { name: self.info.name.clone() });
+        }
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: `ptr..ptr+len` is one live allocation, page-aligned (2 MiB
         // granular); the driver writes one int, a new fd owned by no one else.
@@ -208,27 +274,51 @@ impl Drop for CudaBuffer {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_gpu_buffer_exports_a_dmabuf_and_round_trips_bytes() {
-        let b = match CudaBuffer::alloc(0, 1 << 20) {
-            Ok(b) => b,
+    /// A buffer on GPU 0, or `None` after saying why the test is skipped.
+    fn alloc_or_skip(test: &str, len: usize) -> Option<CudaBuffer> {
+        match CudaBuffer::alloc(0, len) {
+            Ok(b) => Some(b),
             Err(CudaError::Unavailable(why)) => {
-                crate::test_skip(
-                    "buffer::cuda::a_gpu_buffer_exports_a_dmabuf_and_round_trips_bytes",
-                    &format!("no CUDA device ({why})"),
-                );
-                return;
+                crate::test_skip(&format!("buffer::cuda::{test}"), &format!("no CUDA device ({why})"));
+                None
             }
             Err(e) => panic!("{e}"),
-        };
+        }
+    }
+
+    #[test]
+    fn a_gpu_buffer_exports_a_dmabuf_and_round_trips_bytes() {
+        let Some(b) = alloc_or_skip("a_gpu_buffer_exports_a_dmabuf_and_round_trips_bytes", 1 << 20) else { return };
         assert_eq!(b.len(), CUDA_ALIGN);
         let data: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
         b.copy_from_host(4096, &data).unwrap();
         let mut back = vec![0u8; 4096];
         b.copy_to_host(4096, &mut back).unwrap();
         assert_eq!(back, data);
-        let d = b.export_dmabuf().unwrap();
-        assert_eq!(d.size(), CUDA_ALIGN as u64);
+        if b.info().dmabuf_supported {
+            let d = b.export_dmabuf().unwrap();
+            assert_eq!(d.size(), CUDA_ALIGN as u64);
+        } else {
+            // Proprietary kernel modules: the export is refused, saying so.
+            assert!(matches!(b.export_dmabuf(), Err(CudaError::NoDmaBuf { .. })));
+        }
         assert!(b.copy_to_host(CUDA_ALIGN as u64 - 1, &mut back).is_err(), "bounds are checked");
+    }
+
+    #[test]
+    fn the_gpu_compare_finds_the_first_differing_word_and_none_when_equal() {
+        let test = "the_gpu_compare_finds_the_first_differing_word_and_none_when_equal";
+        let Some(b) = alloc_or_skip(test, 1 << 20) else { return };
+        let data: Vec<u8> = (0..(1u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        b.copy_from_host(0, &data).unwrap();
+        assert_eq!(b.first_difference(0, &data).unwrap(), None);
+        assert_eq!(b.first_difference(8192, &data[8192..]).unwrap(), None);
+        for at in [0usize, 5, 4096 * 7 + 3, (1 << 20) - 1] {
+            let mut other = data.clone();
+            other[at] ^= 0x40;
+            assert_eq!(b.first_difference(0, &other).unwrap(), Some((at / 4 * 4) as u64), "byte {at}");
+        }
+        b.fill_bytes(0).unwrap();
+        assert_eq!(b.first_difference(0, &vec![0u8; 1 << 20]).unwrap(), None);
     }
 }

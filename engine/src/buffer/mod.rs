@@ -13,6 +13,8 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod cuda_compare;
 pub mod dmabuf;
 
 use std::fs::File;
