@@ -40,146 +40,20 @@ cannot be restored fails the request through vLLM's load-error path
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
-import pdstor
-
-from ._context import Context
-from ._identity import UnsupportedEngine, engine_layout
-from ._meta import PdstorMetadata
-from ._scheduler import PARAMS, SchedulerSide
-from ._worker import WorkerSide
-
-if TYPE_CHECKING:
-    import torch
-
-log = logging.getLogger("pdstor.vllm")
+from ._identity import UnsupportedEngine
+from ._scheduler import PARAMS
 
 __all__ = ["PARAMS", "PdstorConnector", "UnsupportedEngine"]
 
 
-@dataclass(frozen=True)
-class Config:
-    server: str = "unix:/run/pdstor/control.sock"
-    data_socket: str = "/run/pdstor/data.sock"
-    writer_id: str = "vllm"
-    reader_id: str = "vllm"
-    lease_ms: int = 60_000
-    admission_timeout_s: float = 30.0
-    staging_bytes: int = 64 << 20
-    timeline: str | None = None
-    # kv_transfer_config.kv_load_failure_policy == "recompute" (set from it, not a key)
-    recompute: bool = False
+def __getattr__(name: str) -> Any:
+    # vLLM is imported with the connector only: the worker half and the
+    # layouts (``_worker``, ``_paged``) run where vLLM is not installed (the
+    # GPU bundle), and vLLM finds ``PdstorConnector`` by getattr all the same.
+    if name == "PdstorConnector":
+        from ._connector import PdstorConnector
 
-    @staticmethod
-    def from_extra(extra: dict[str, Any]) -> Config:
-        known = (set(Config.__dataclass_fields__) - {"recompute"}) | {"model_identity"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(
-                f"pdstor.vllm: unknown kv_connector_extra_config keys {unknown}; it takes {sorted(known)}"
-            )
-        fields = {k: v for k, v in extra.items() if k in Config.__dataclass_fields__ and k != "recompute"}
-        return Config(**fields)
-
-
-class PdstorConnector(KVConnectorBase_V1):
-    """vLLM's connector for pdstor: the scheduler role decides and owns
-    (prepare, publish, claim), the worker role moves and verifies bytes
-    (store, adopt, load, ack)."""
-
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        ktc = self._kv_transfer_config
-        cfg = Config.from_extra(dict(ktc.kv_connector_extra_config or {}))
-        self.cfg = dataclasses.replace(cfg, recompute=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute")
-        self.layout, self.shape = engine_layout(vllm_config, kv_cache_config, dict(ktc.kv_connector_extra_config or {}))
-        self.client = pdstor.Client(self.cfg.server, self.cfg.data_socket)
-        try:
-            self.client.healthz()
-        except pdstor.Error as e:
-            raise RuntimeError(
-                f"pdstor.vllm: the daemon at {self.cfg.server} does not answer ({e}): start `pdstor serve` "
-                "there, or set kv_connector_extra_config.server to its control socket"
-            ) from e
-        engine_id = str(ktc.engine_id)
-        roles = (bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer))
-        self._sched: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
-        half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        timeline = pdstor.Timeline(self.cfg.timeline, f"vllm-{half}-{engine_id}") if self.cfg.timeline else None
-        ctx = Context(self.client, self.layout, self.shape, self.cfg, engine_id, timeline)
-        if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(ctx, roles)
-        else:
-            group = kv_cache_config.kv_cache_groups[0]
-            self._worker = WorkerSide(ctx, list(group.layer_names), group.kv_cache_spec.dtype)
-        log.info("pdstor.vllm: %s role on %s, layout %s", role.name, self.cfg.server, self.layout)
-
-    @property
-    def scheduler_side(self) -> SchedulerSide:
-        if self._sched is None:
-            raise RuntimeError("pdstor.vllm: a scheduler-role call on the worker-role connector")
-        return self._sched
-
-    @property
-    def worker_side(self) -> WorkerSide:
-        if self._worker is None:
-            raise RuntimeError("pdstor.vllm: a worker-role call on the scheduler-role connector")
-        return self._worker
-
-    # -- worker role ----------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_side.register(kv_caches)
-
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PdstorMetadata)
-        self.worker_side.load(meta)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        # start_load_kv restores every layer before the forward pass starts.
-        return
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        # The blocks are copied once the step's forward pass is done
-        # (wait_for_save), all layers at once, from the registered caches.
-        return
-
-    def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PdstorMetadata)
-        self.worker_side.save(meta)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.worker_side.finished(finished_req_ids)
-        return None, None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.take_invalid()
-
-    # -- scheduler role -------------------------------------------------------
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler_side.match(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self.scheduler_side.build_meta(scheduler_output)
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.finished(request, block_ids)
+        return PdstorConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ModuleNotFoundError as e:
+    if e.name is None or e.name.split(".")[0] != "vllm":
+        raise
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """vLLM's (empty) base of connector metadata, where vLLM is not
+        installed: the worker half alone, driven by the GPU bundle."""
 
 
 @dataclass

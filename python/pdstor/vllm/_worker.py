@@ -6,10 +6,19 @@ reports the request's blocks through ``get_block_ids_with_load_errors`` and
 the claim as failed (the publication RETAINED, its bytes kept) — the engine
 is never left to decode from blocks that were not restored.
 
-vLLM's KV cache here is memory torch allocated, which the daemon cannot map:
-the blocks go through one registered staging buffer (a memfd the daemon
-reads and writes in place, ``host_fixed``), one copy each way. On a GPU the
-route without that copy is DMA-BUF (`docs/gpu-qual.md`).
+vLLM's KV cache here is memory torch allocated (host or GPU), which the
+daemon cannot map: the blocks go through one registered staging buffer (a
+memfd the daemon reads and writes in place, ``host_fixed``), one copy each
+way. vLLM hands every layer over as a ``[blocks, H, N, C]`` view of one
+shared allocation whatever the attention backend, its strides set by the
+engine's KV cache layout (``LBNHC``, ``LBHNC``, or a block-outermost one
+where a block's layers lie together): a block is indexed, never assumed
+contiguous. On a GPU the route without the staging copy is DMA-BUF
+(`docs/gpu-qual.md`).
+
+Nothing here imports vLLM: the GPU bundle drives this half over CUDA KV
+caches laid out as vLLM lays them (``layouts.json``) where vLLM is not
+installed.
 """
 
 from __future__ import annotations
