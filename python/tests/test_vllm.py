@@ -98,6 +98,55 @@ def test_requests_are_handed_over_through_the_real_scheduler_byte_for_byte(model
     assert c.worker.worker_side.restored == len(prompts)
 
 
+def test_the_stock_protocol_restores_the_original_prompt_and_checks_the_first_token(model, daemon, tmp_path):
+    """What vLLM's disaggregated proxies send (and pdstor.proxy): the
+    decode request is the original prompt with the prefill's
+    kv_transfer_params. Every chunk is restored and verified; vLLM computes
+    the last prompt token again, and the decode's first token is the
+    producer's."""
+    timeline = tmp_path / "stock.jsonl"
+    p = producer(model, daemon)
+    prompts = {f"s{n}": prompt(n, 200 + n) for n in PROMPT_LENGTHS}
+    handed = prefill(p, prompts)
+    c = consumer(model, daemon, extra={"timeline": str(timeline)})
+    for rid, toks in prompts.items():
+        c.add(rid, toks, max_tokens=4, params=handed[rid])
+    c.run()
+    side = c.connector.scheduler_side
+    for rid, toks in prompts.items():
+        f = c.finished[rid]
+        assert f.reason == FinishReason.LENGTH, (rid, f)
+        # Every prompt token but the last taken from the handoff, byte for byte.
+        assert c.restored_checked[rid] == len(toks) - 1
+        assert f.tokens[0] == handed[rid]["pdstor"]["first_token"]
+    assert side.counters.first_token_mismatches == 0 and side.counters.load_refused == 0
+    assert c.worker.worker_side.restored == len(prompts)
+    assert daemon.client().publications() == []
+    # The continuation is the decode's own generation, led by the producer's token.
+    records = [json.loads(line) for line in timeline.read_text().splitlines()]
+    conts = {r["req_id"]: r["tokens"] for r in records if r["event"] == "continuation"}
+    for rid in prompts:
+        assert conts[handed[rid]["pdstor"]["req"]] == c.finished[rid].tokens
+
+
+def test_a_decode_whose_first_token_differs_from_the_producers_is_counted_and_logged(model, daemon, caplog):
+    p = producer(model, daemon)
+    toks = prompt(45, 77)
+    handed = prefill(p, {"m": toks})
+    c = Engine(
+        engine_config(model, daemon, "kv_consumer", "decode-unlike"), 256, sample=lambda t: next_token(t) + 1
+    )
+    c.add("m", toks, max_tokens=3, params=handed["m"])
+    with caplog.at_level("ERROR", logger="pdstor.vllm"):
+        c.run()
+    # Restored and acknowledged (the bytes were the producer's); the unlike
+    # engine's token is the evidence, counted and logged.
+    assert c.finished["m"].reason == FinishReason.LENGTH and c.restored_checked["m"] == 44
+    assert c.connector.scheduler_side.counters.first_token_mismatches == 1
+    assert "differs from the producer's" in caplog.text
+    assert daemon.client().publications() == []
+
+
 def test_a_local_prefix_hit_loads_only_the_rest_and_still_consumes_the_publication(model, daemon):
     p = producer(model, daemon)
     toks = prompt(45, 7)
@@ -212,6 +261,8 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
     # The prompt without the producer's token: refused before anything is claimed.
     wrong = prompts["f1"] + [handed["f1"]["pdstor"]["first_token"] + 1]
     assert decode("f1", handed["f1"], full=wrong) == FinishReason.ERROR and state("f1") == "READY"
+    # Another prompt of the same length (the stock request's shape): refused before anything is claimed.
+    assert decode("f1", handed["f1"], full=prompts["f5"]) == FinishReason.ERROR and state("f1") == "READY"
 
     # Another model's engine (other weights): refused at claim, still READY for the right one.
     other = Engine(
@@ -244,8 +295,8 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
     assert decode("f4", by_name) == FinishReason.LENGTH and state("f4") is None
 
     counters = c.connector.scheduler_side.counters
-    assert counters.load_refused == 5  # no receipt, forged, wrong token, duplicate, released
-    assert c.worker.worker_side.failed_loads == 6  # those and the corrupt chunk
+    assert counters.load_refused == 6  # no receipt, forged, wrong token, another prompt, duplicate, released
+    assert c.worker.worker_side.failed_loads == 7  # those and the corrupt chunk
     assert c.worker.worker_side.restored == 2
 
 
@@ -310,6 +361,16 @@ def test_a_misconfigured_engine_fails_to_start_and_says_why(model, daemon, tmp_p
         consumer(model, daemon, extra={"data_socket": f"{tmp_path}/nobody.sock"})
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys \\['sever'\\]"):
         producer(model, daemon, extra={"sever": "x"})
+    # A namespace whose slots are smaller than a chunk (a 16-token block's KV
+    # is 4 KiB here; with its header a chunk is 8 KiB): the start fails.
+    (tmp_path / "small").mkdir()
+    small = serve(tmp_path / "small", "8M", "4K")
+    try:
+        for make in (producer, consumer):
+            with pytest.raises(RuntimeError, match="chunks are 8192 bytes.*holds 4096 bytes.*--chunk-slot 8K"):
+                make(model, small)
+    finally:
+        small.stop()
 
 
 def test_the_merged_timeline_of_both_engines_and_the_daemon_checks_clean(model, tmp_path):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -134,6 +134,8 @@ class Engine:
 
     config: VllmConfig
     num_blocks: int
+    # The stand-in model's sampler (another makes an engine that computes unlike its peer).
+    sample: Callable[[list[int]], int] = next_token
     scheduler: Scheduler = field(init=False)
     worker: Any = field(init=False)
     kv: dict[str, torch.Tensor] = field(init=False)
@@ -224,7 +226,9 @@ class Engine:
             if any(b in invalid for _, b in spec.fill):
                 continue
             req = self.scheduler.requests[new.req_id]
-            start, end = spec.fill[0][0] * self.block, spec.prompt_tokens
+            # Restored up to what vLLM takes as computed (a stock request's
+            # last prompt token is computed again by this step).
+            start, end = spec.fill[0][0] * self.block, min(spec.prompt_tokens, new.num_computed_tokens)
             for layer in range(LAYERS):
                 got = self.read_tokens(new.req_id, layer, start, end)
                 want = expected_page(list(req.prompt_token_ids[start:end]), start, layer)
@@ -246,7 +250,7 @@ class Engine:
                     pos = start + k
                     self.kv[name][blocks[pos // self.block], :, pos % self.block, :] = page[:, k, :]
             done = start + n >= req.num_tokens
-            sampled[rid] = [next_token(list(req.all_token_ids))] if done else []
+            sampled[rid] = [self.sample(list(req.all_token_ids))] if done else []
         w.wait_for_save()
         w.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import pdstor
 
 from ._context import Context
+from ._format import HEADER_BYTES
 from ._identity import engine_layout
 from ._meta import PdstorMetadata
 from ._scheduler import SchedulerSide
@@ -72,6 +73,7 @@ class PdstorConnector(KVConnectorBase_V1):
                 f"pdstor.vllm: the daemon at {self.cfg.server} does not answer ({e}): start `pdstor serve` "
                 "there, or set kv_connector_extra_config.server to its control socket"
             ) from e
+        self._check_fit()
         engine_id = str(ktc.engine_id)
         roles = (bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer))
         self._sched: SchedulerSide | None = None
@@ -85,6 +87,27 @@ class PdstorConnector(KVConnectorBase_V1):
             group = kv_cache_config.kv_cache_groups[0]
             self._worker = WorkerSide(ctx, list(group.layer_names), group.kv_cache_spec.dtype)
         log.info("pdstor.vllm: %s role on %s, layout %s", role.name, self.cfg.server, self.layout)
+
+    def _check_fit(self) -> None:
+        """A namespace whose slots cannot hold this engine's chunks fails the
+        start, not every request."""
+        slot = int(self.client.namespace()["slot_size"])
+        s, need = self.shape, self.shape.chunk_bytes
+        what = (
+            f"this engine's chunks are {need} bytes (a {s.block_tokens}-token block's KV, {s.layers} layers of "
+            f"{s.page_bytes} B, and a {HEADER_BYTES}-byte header, padded to 4 KiB)"
+        )
+        if need > slot:
+            raise RuntimeError(
+                f"pdstor.vllm: {what}; the namespace at {self.cfg.server} holds {slot} bytes a slot: format it with "
+                f"`pdstor format --chunk-slot {need // 1024}K` (or serve this engine with a smaller --block-size)"
+            )
+        if slot >= 2 * need:
+            log.warning(
+                "pdstor.vllm: %s; the namespace's slots are %d bytes: %.0f%% of each slot stays unused "
+                "(`pdstor format --chunk-slot %dK` fits this model)",
+                what, slot, 100 * (slot - need) / slot, need // 1024,
+            )
 
     @property
     def scheduler_side(self) -> SchedulerSide:

@@ -13,9 +13,16 @@ it is scheduled again.
 
 Consumer: a request whose ``kv_transfer_params`` carry a handoff advertises
 the producer's prompt tokens as external; after allocation it is claimed
-for this engine's reader and session with this engine's layout. Whatever
-goes wrong — no receipt, a forged one, another model, the producer's token
-missing from the prompt, a refused claim — still advertises the tokens, so
+for this engine's reader and session with this engine's layout. Two
+requests carry a handoff: the stock one (vLLM's disaggregated proxies, and
+``python -m pdstor.proxy``) sends the **original prompt** — every chunk is
+restored and verified, and the last prompt token is computed again, as vLLM
+does for every full-prompt hit, so the decode's first token is checked
+against the producer's (a mismatch counted and logged; the timeline's
+continuation starts with the decode's own token); the other sends the prompt
+with the producer's first token appended, and the decode continues from it.
+Whatever goes wrong — no receipt, a forged one, another model, a prompt that
+is not the producer's, a refused claim — still advertises the tokens, so
 the worker reports the blocks through vLLM's load-error path
 (``kv_load_failure_policy``): the request fails under ``"fail"`` and is
 recomputed (and counted) under ``"recompute"``, never silently.
@@ -64,6 +71,12 @@ class _Plan:
     local_tokens: int
     ready: pdstor.Receipt | None
     error: str | None
+    # The producer's first token follows its prompt in this request's prompt
+    # (else the request is the stock one: the producer's prompt, unchanged).
+    spliced: bool = True
+    # Tokens this engine may take from the handoff: vLLM computes at least
+    # one token of every prompt, so the stock request's last is computed again.
+    usable: int = 0
 
 
 @dataclass
@@ -76,6 +89,8 @@ class Counters:
     admission_waits: int = 0
     claimed: int = 0
     load_refused: int = 0
+    # Stock requests whose decode's first token differed from the producer's.
+    first_token_mismatches: int = 0
 
 
 class SchedulerSide:
@@ -95,8 +110,9 @@ class SchedulerSide:
         self.consumed: set[str] = set()
         self.pending_loads: list[LoadSpec] = []
         self.counters = Counters()
-        # Decode requests restored from a publication: request id -> (its name, the producer token).
-        self.handed: dict[str, tuple[str, int]] = {}
+        # Decode requests restored from a publication: request id -> (its name,
+        # the producer's token, whether the prompt carries it).
+        self.handed: dict[str, tuple[str, int, bool]] = {}
 
     # -- matching -----------------------------------------------------------
 
@@ -172,28 +188,37 @@ class SchedulerSide:
             plan = self._plan(request, params)
             self.plans[rid] = plan
         plan.local_tokens = num_computed_tokens
-        return max(plan.prompt_tokens - num_computed_tokens, 0), False
+        return max(plan.usable - num_computed_tokens, 0), False
 
     def _plan(self, request: Any, params: dict) -> _Plan:
         prompt = list(request.prompt_token_ids or [])
         tokens, token = params.get("prompt_tokens"), params.get("first_token")
+        # vLLM computes at least the last token of a prompt itself.
+        usable = max(len(prompt) - 1, 0)
         error = params.get("error")
         if error is not None:
             error = f"the producer did not hand this request over: {error}"
-        elif not isinstance(tokens, int) or not 0 < tokens < len(prompt):
+        elif not isinstance(tokens, int) or not 0 < tokens <= len(prompt):
             error = (
                 f"kv_transfer_params.pdstor.prompt_tokens={tokens!r} does not fit this prompt of {len(prompt)} tokens"
             )
-        elif prompt[tokens] != token:
+        elif not isinstance(token, int):
+            error = f"kv_transfer_params.pdstor.first_token={token!r} is not a token id"
+        elif tokens < len(prompt) and prompt[tokens] != token:
             error = (
-                f"the prompt does not carry the producer's first token {token!r} at position {tokens} "
-                f"(found {prompt[tokens]}): send the prompt with the prefill's token appended"
+                f"the prompt carries {prompt[tokens]} at position {tokens}, not the producer's first token {token}: "
+                "send the producer's prompt unchanged (or with its first token appended)"
+            )
+        elif "prompt_digest" in params and params["prompt_digest"] != prompt_digest(prompt[:tokens]).hex():
+            error = (
+                f"the first {tokens} tokens of this prompt are not the producer's (their SHA-256 differs from "
+                "kv_transfer_params.pdstor.prompt_digest): send the producer's prompt unchanged"
             )
         if error is not None:
-            tokens = max(len(prompt) - 1, 0)
-            return _Plan(tokens, prompt_digest(prompt[:tokens]), -1, 0, None, error)
+            return _Plan(usable, prompt_digest(prompt[:usable]), -1, 0, None, error, usable=usable)
         ready, error = self._ready(params)
-        return _Plan(tokens, prompt_digest(prompt[:tokens]), token, 0, ready, error)
+        spliced = tokens < len(prompt)
+        return _Plan(tokens, prompt_digest(prompt[:tokens]), token, 0, ready, error, spliced, min(tokens, usable))
 
     def _ready(self, params: dict) -> tuple[pdstor.Receipt | None, str | None]:
         text = params.get("receipt")
@@ -230,7 +255,7 @@ class SchedulerSide:
                 claim = self.reader.claim(plan.ready, lease_ms=self.cfg.lease_ms, layout=self.layout)
                 self.counters.claimed += 1
                 self.ctx.note("claim", receipt=claim)
-                self.handed[rid] = (claim.req_id, plan.expect_token)
+                self.handed[rid] = (claim.req_id, plan.expect_token, plan.spliced)
             except pdstor.Error as e:
                 error = f"claim refused: {e}"
         if error is not None:
@@ -311,6 +336,22 @@ class SchedulerSide:
 
     # -- the end ------------------------------------------------------------
 
+    def _continuation(self, rid: str, name: str, token: int, spliced: bool, outputs: list[int]) -> None:
+        """The whole generation from the handoff, on the timeline: the
+        producer's token and then this decode's, or (stock) this decode's
+        own, its first checked against the producer's."""
+        if spliced:
+            self.ctx.note("continuation", req_id=name, tokens=[token, *outputs])
+            return
+        if outputs and outputs[0] != token:
+            self.counters.first_token_mismatches += 1
+            log.error(
+                "pdstor.vllm: request %s (%s): the decode's first token %d differs from the producer's %d: "
+                "the two engines do not compute alike (model, dtype, sampling) or the restored KV is not the producer's",
+                rid, name, outputs[0], token,
+            )
+        self.ctx.note("continuation", req_id=name, tokens=outputs)
+
     def finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -319,9 +360,7 @@ class SchedulerSide:
         self.consumed.discard(rid)
         handed = self.handed.pop(rid, None)
         if handed is not None and request.status not in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
-            # The whole generation from the handoff: the producer's token, then this decode's.
-            name, token = handed
-            self.ctx.note("continuation", req_id=name, tokens=[token, *request.output_token_ids])
+            self._continuation(rid, *handed, list(request.output_token_ids))
         self.waiting_since.pop(rid, None)
         self.attempts.pop(rid, None)
         self.fresh.discard(rid)
@@ -354,6 +393,7 @@ class SchedulerSide:
                 "receipt": ready.to_json(),
                 "req": pub.name,
                 "prompt_tokens": pub.prompt_tokens,
+                "prompt_digest": pub.digest.hex(),
                 "first_token": outputs[0],
             }
         }

@@ -160,8 +160,8 @@ class WorkerSide:
         manifest = self.reader.adopt(claim, self.layout)
         if manifest.get("first_token") != spec.expect_token:
             raise LoadRefused(
-                f"the publication's first token is {manifest.get('first_token')}, "
-                f"the prompt carries {spec.expect_token}"
+                f"the publication's first token is {manifest.get('first_token')}; "
+                f"this request's kv_transfer_params and prompt say {spec.expect_token}"
             )
         chunks = sorted(c["index"] for c in manifest["chunks"])
         expected = self.shape.chunks_for(spec.prompt_tokens)
