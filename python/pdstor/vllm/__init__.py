@@ -32,7 +32,7 @@ cannot be restored fails the request through vLLM's load-error path
 - ``model_identity``: names the weights instead of vLLM's config hash (a
   checkpoint digest, say);
 - ``timeline``: a file this engine appends its timeline lines to (node
-  ``vllm-scheduler-<engine_id>`` / ``vllm-worker-<engine_id>``): schedule,
+  ``vllm-scheduler-<engine_id>-<pid>-<6 hex>`` / ``vllm-worker-…``): schedule,
   the publish, claim and ack echoes, restored, the decode's continuation —
   beside the daemon's ``--timeline``, ``pdstor timeline check`` verifies the
   run.

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +81,10 @@ class PdstorConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        timeline = pdstor.Timeline(self.cfg.timeline, f"vllm-{half}-{engine_id}") if self.cfg.timeline else None
+        # One node per process: a restarted engine's lines are another node's,
+        # each in order (a node's seq restarting would read as lines out of order).
+        node = f"vllm-{half}-{engine_id}-{os.getpid()}-{secrets.token_hex(3)}"
+        timeline = pdstor.Timeline(self.cfg.timeline, node) if self.cfg.timeline else None
         ctx = Context(self.client, self.layout, self.shape, self.cfg, engine_id, timeline)
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(ctx, roles)
