@@ -23,6 +23,7 @@ impl Service {
         layout: Option<&Layout>,
     ) -> Result<Receipt, ProtocolError> {
         who.require(Role::Reader, "claim")?;
+        self.after_publishes();
         let p = self.check(ready, ReceiptKind::Ready)?;
         if let (Some(owner), Some(tenant)) = (&p.owner, &who.tenant)
             && !self.may_read(who, owner)

@@ -136,6 +136,7 @@ impl Service {
         first_token: Option<u32>,
     ) -> Result<Published, ProtocolError> {
         self.check_writer(who, publication, writer_token)?;
+        let recording = self.publishing.lock().unwrap_or_else(|e| e.into_inner());
         let manifest = self.store.publish(publication, first_token)?;
         let p = self.live(publication)?;
         let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
@@ -144,6 +145,7 @@ impl Service {
         e.crcs = Some(manifest.chunks.iter().map(|c| c.crc32c).collect());
         e.token = manifest.first_token;
         self.note(who, e);
+        drop(recording);
         // A new READY publication is something waiting prepares may be given
         // room from. The publish stands whatever the eviction does.
         if let Err(err) = self.evict_for(who, None, 0) {
@@ -155,6 +157,7 @@ impl Service {
     /// Frees a READY publication that was never claimed.
     pub fn release(&self, who: &Caller, ready: &Receipt) -> Result<(), ProtocolError> {
         who.require(Role::Writer, "release")?;
+        self.after_publishes();
         let p = self.check(ready, ReceiptKind::Ready)?;
         who.require_owner(p.owner.as_ref(), &format!("publication {}", p.id))?;
         if p.phase != Phase::Ready {
