@@ -4,7 +4,7 @@
 //! control plane and the data plane are thin shells around it.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::identity::{Caller, Policy, Resource, Role};
 use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock};
@@ -42,12 +42,12 @@ pub struct Service {
     closed_sessions: Mutex<HashSet<(String, String)>>,
     /// Prepares being handled now: request → the principal that asked.
     preparing: Mutex<HashMap<String, String>>,
-    /// Held by a publish from the moment its publication is READY until its
-    /// timeline line is written; a claim or a release passes through it
-    /// first, so no step on a READY publication is recorded before the
-    /// publish that made it (a reader polling `lookup` sees READY as soon as
-    /// the store does).
-    publishing: Mutex<()>,
+    /// Held (shared: publishes still share the journal's flushes) by a
+    /// publish from before its publication is READY until its timeline line
+    /// is written; a claim or a release passes through it exclusively first,
+    /// so no step on a READY publication is recorded before the publish that
+    /// made it (a reader polling `lookup` sees READY as soon as the store does).
+    publishing: RwLock<()>,
     /// What the data plane served to each adopted claim: publication →
     /// (the claim's signature, chunk → crc32c as served). In memory: after a
     /// restart the reader loads again before it acks.
@@ -95,7 +95,7 @@ impl Service {
             policy: Arc::new(Policy::local()),
             closed_sessions: Mutex::new(HashSet::new()),
             preparing: Mutex::new(HashMap::new()),
-            publishing: Mutex::new(()),
+            publishing: RwLock::new(()),
             served: Mutex::new(HashMap::new()),
             reservations: None,
         }
@@ -148,15 +148,15 @@ impl Service {
         &self.timeline
     }
 
+    /// Waits for every publish whose publication is READY but whose
+    /// timeline line is not yet written (see `publishing`).
+    fn after_publishes(&self) {
+        drop(self.publishing.write().unwrap_or_else(|e| e.into_inner()));
+    }
+
     /// Records a step `who` took: on the timeline, if there is one (after the
     /// step took effect and before its answer leaves, so line order is causal
     /// order), and in the log.
-    /// Waits for any publish whose publication is READY but whose timeline
-    /// line is not yet written (see `publishing`).
-    fn after_publishes(&self) {
-        drop(self.publishing.lock().unwrap_or_else(|e| e.into_inner()));
-    }
-
     fn note(&self, who: &Caller, e: Event) {
         let by = who.audit();
         tracing::info!(step = %e.event, req = e.req_id.as_deref().unwrap_or(""), publication = e.publication.unwrap_or(0), by = %by, "audit");

@@ -136,7 +136,7 @@ impl Service {
         first_token: Option<u32>,
     ) -> Result<Published, ProtocolError> {
         self.check_writer(who, publication, writer_token)?;
-        let recording = self.publishing.lock().unwrap_or_else(|e| e.into_inner());
+        let recording = self.publishing.read().unwrap_or_else(|e| e.into_inner());
         let manifest = self.store.publish(publication, first_token)?;
         let p = self.live(publication)?;
         let receipt = self.receipt(ReceiptKind::Ready, &p, self.store.epoch())?;
