@@ -9,7 +9,7 @@ it:
 
 1. to a prefill engine (``kv_producer``) with ``max_tokens=1``, not
    streaming, and ``kv_transfer_params={"do_remote_decode": true}``; its
-   response carries ``kv_transfer_params`` (pdstor's READY receipt);
+   response carries ``kv_transfer_params`` (the publication's name, its prompt and first token);
 2. to a decode engine (``kv_consumer``) **unchanged** — the original prompt,
    the original budget, streaming as asked — plus those
    ``kv_transfer_params``. The decode restores the whole prompt, recomputes

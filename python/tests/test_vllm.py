@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ pytest.importorskip("vllm", reason="SKIP: vLLM is not installed (cargo xtask pyt
 import pdstor  # noqa: E402
 from conftest import Daemon, pdstor_bin, serve  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
-from vllm_harness import Engine, engine_config, next_token, tiny_model  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm_harness import Engine, NoDaemonCalls, engine_config, next_token, tiny_model  # noqa: E402
 
 BLOCK = 16
 # Shorter than a block, exact multiples, partial last blocks, and longer
@@ -129,6 +131,87 @@ def test_the_stock_protocol_restores_the_original_prompt_and_checks_the_first_to
         assert conts[handed[rid]["pdstor"]["req"]] == c.finished[rid].tokens
 
 
+def test_the_engine_thread_guard_sees_every_daemon_round_trip(daemon):
+    """Every engine step of these tests runs under NoDaemonCalls, which
+    fails the step on any Client, Writer or Reader call on the engine's
+    thread: it does see them."""
+    client = daemon.client()
+    with NoDaemonCalls() as guard:
+        client.namespace()
+        client.lookup(["x"])
+        try:
+            pdstor.Writer.resume(client, "not a handoff")
+        except ValueError:
+            pass
+        pdstor.Receipt  # local types are not round trips
+    assert guard.calls == ["Client.namespace", "Client.lookup", "Writer.resume"]
+
+
+def test_a_decode_engine_steps_its_other_requests_while_a_handoff_loads(model, daemon):
+    """A handed-over request waits in WAITING_FOR_REMOTE_KVS while its
+    publication is made READY and restored; the engine's other requests
+    keep generating meanwhile, and the restore is byte-exact."""
+    p = producer(model, daemon)
+    toks = prompt(100, 31)
+    gate = threading.Event()
+    side = p.worker.worker_side
+    end_one = side.end_one
+
+    def held_end(spec):  # the producer's publish, held until the test lets it go
+        assert gate.wait(30)
+        end_one(spec)
+
+    side.end_one = held_end
+    p.add("slow", toks, max_tokens=1)
+    p.step_until(lambda: "slow" in p.finished)
+    handed = p.finished["slow"].params
+    (pub,) = daemon.client().publications()
+    assert pub["state"] == "PREPARED"  # answered before its publish
+
+    c = consumer(model, daemon)
+    c.add("other", prompt(20, 32), max_tokens=40)
+    c.add("slow", toks, max_tokens=4, params=handed)
+    c.step_until(lambda: len(c.generated.get("other", [])) >= 12)
+    # The other request advanced twelve tokens while the handoff waited.
+    assert c.scheduler.requests["slow"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert "slow" not in c.generated
+    gate.set()
+    p.run()
+    c.run()
+    assert c.finished["slow"].reason == FinishReason.LENGTH
+    assert c.restored_checked["slow"] == len(toks) - 1
+    assert c.finished["slow"].tokens[0] == handed["pdstor"]["first_token"]
+    assert c.finished["other"].reason == FinishReason.LENGTH and len(c.finished["other"].tokens) == 40
+    assert daemon.client().publications() == []
+
+
+def test_a_decode_engine_steps_while_a_long_restore_runs(model, daemon):
+    """A restore that takes a while (the mover held inside it) does not
+    hold the engine's steps either."""
+    p = producer(model, daemon)
+    toks = prompt(150, 41)
+    handed = prefill(p, {"r": toks})
+    c = consumer(model, daemon)
+    gate = threading.Event()
+    side = c.worker.worker_side
+    restore = side._restore
+
+    def held_restore(claim, spec):
+        assert gate.wait(30)
+        restore(claim, spec)
+
+    side._restore = held_restore
+    c.add("other", prompt(30, 42), max_tokens=40)
+    c.add("r", toks, max_tokens=3, params=handed["r"])
+    c.step_until(lambda: len(c.generated.get("other", [])) >= 12)
+    (pub,) = daemon.client().publications()
+    assert pub["state"] == "CLAIMED" and "r" not in c.generated
+    gate.set()
+    c.run()
+    assert c.finished["r"].reason == FinishReason.LENGTH and c.restored_checked["r"] == len(toks) - 1
+    assert daemon.client().publications() == []
+
+
 def test_a_decode_whose_first_token_differs_from_the_producers_is_counted_and_logged(model, daemon, caplog):
     p = producer(model, daemon)
     toks = prompt(45, 77)
@@ -192,7 +275,8 @@ def test_a_request_preempted_mid_prefill_is_stored_again_under_a_new_publication
     p = producer(model, daemon)
     toks = prompt(150, 5)
     p.add("mid", toks, max_tokens=1)
-    p.step()  # 64 of 150 tokens computed: four chunks stored
+    # Prepared beside the scheduler, then 64 of 150 tokens computed: four chunks stored.
+    p.step_until(lambda: p.scheduler.requests["mid"].num_computed_tokens >= 64)
     (first,) = daemon.client().publications()
     assert first["state"] == "PREPARED"
     # vLLM's own preemption of everything running (its reset_prefix_cache).
@@ -212,10 +296,14 @@ def test_a_request_preempted_mid_prefill_is_stored_again_under_a_new_publication
 def test_an_aborted_request_aborts_its_publication(model, daemon):
     p = producer(model, daemon)
     p.add("long", prompt(150, 3), max_tokens=1)
-    p.step()  # 64 of 150 tokens: four blocks stored
+    p.step_until(lambda: p.scheduler.requests["long"].num_computed_tokens >= 64)  # four blocks stored
     (pub,) = daemon.client().publications()
     assert pub["state"] == "PREPARED"
     p.abort("long")
+    # Its blocks are held until the worker has rolled the publication back
+    # after the stores queued before; then freed.
+    assert "long" in p.scheduler.requests
+    p.run()
     assert daemon.client().publications() == []
     assert p.connector.scheduler_side.counters.aborted == 1
 
@@ -226,6 +314,11 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
     handed = prefill(p, prompts)
     client = daemon.client()
     c = consumer(model, daemon)
+
+    def ready(rid: str) -> pdstor.Receipt:
+        (found,) = client.lookup([handed[rid]["pdstor"]["req"]])
+        assert found is not None, rid
+        return found
 
     def state(rid: str) -> str | None:
         name = handed[rid]["pdstor"]["req"]
@@ -254,8 +347,8 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
 
     # A forged receipt: refused at claim, the publication untouched.
     forged = dict(handed["f1"]["pdstor"])
-    receipt = pdstor.Receipt.from_json(forged["receipt"])
-    forged["receipt"] = forged["receipt"].replace(receipt.manifest_digest, "0" * len(receipt.manifest_digest))
+    receipt = ready("f1")
+    forged["receipt"] = receipt.to_json().replace(receipt.manifest_digest, "0" * len(receipt.manifest_digest))
     assert decode("f1", {"pdstor": forged}) == FinishReason.ERROR and state("f1") == "READY"
 
     # The prompt without the producer's token: refused before anything is claimed.
@@ -278,7 +371,7 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
     assert decode("f1", handed["f1"]) == FinishReason.ERROR
 
     # An unread release (the decode never came), then a late decode: failed.
-    client.release(pdstor.Receipt.from_json(handed["f2"]["pdstor"]["receipt"]))
+    client.release(ready("f2"))
     assert state("f2") is None
     assert decode("f2", handed["f2"]) == FinishReason.ERROR
 
@@ -287,17 +380,19 @@ def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(mod
     decode_request(c, "f3-aborted", prompts["f3"], handed["f3"])
     c.abort("f3-aborted")
     assert state("f3") == "READY"
-    client.release(pdstor.Receipt.from_json(handed["f3"]["pdstor"]["receipt"]))
+    client.release(ready("f3"))
     assert state("f3") is None
 
-    # Found by name, without the receipt: restored.
-    by_name = {"pdstor": {k: v for k, v in handed["f4"]["pdstor"].items() if k != "receipt"}}
-    assert decode("f4", by_name) == FinishReason.LENGTH and state("f4") is None
+    # With its READY receipt instead of its name (a producer that carries one): restored.
+    with_receipt = {"pdstor": {**handed["f4"]["pdstor"], "receipt": ready("f4").to_json()}}
+    del with_receipt["pdstor"]["req"]
+    assert decode("f4", with_receipt) == FinishReason.LENGTH and state("f4") is None
 
     counters = c.connector.scheduler_side.counters
-    assert counters.load_refused == 6  # no receipt, forged, wrong token, another prompt, duplicate, released
-    assert c.worker.worker_side.failed_loads == 7  # those and the corrupt chunk
-    assert c.worker.worker_side.restored == 2
+    assert counters.load_refused == 3  # no name, wrong token, another prompt: refused from the request alone
+    # Those, and refused by the daemon or the bytes: forged, duplicate, released, the corrupt chunk.
+    assert c.worker.worker_side.failed_loads == 7 and counters.load_failed == 7
+    assert c.worker.worker_side.restored == 2 and counters.restored == 2
 
 
 def test_under_the_recompute_policy_a_failed_load_is_recomputed_counted_and_on_the_timeline(model, daemon):
@@ -329,21 +424,24 @@ def test_admission_pressure_waits_without_blocking_and_times_out_loudly(model, t
         prompts = {f"a{i}": prompt(80, 70 + i) for i in range(4)}  # 5 chunks each
         for rid, toks in prompts.items():
             p.add(rid, toks, max_tokens=1)
-        for _ in range(12):
-            p.step()
+        # One waits for room beside the scheduler while three are prefilled
+        # (which one: whichever prepare the daemon answers last).
+        p.step_until(lambda: len(p.finished) == 3)
         side = p.connector.scheduler_side
-        assert sorted(p.finished) == ["a0", "a1", "a2"] and "a3" in p.scheduler.requests
-        assert side.counters.admission_waits > 0
+        (waiting,) = set(prompts) - set(p.finished)
+        assert p.scheduler.requests[waiting].num_computed_tokens == 0
+        assert side.counters.admission_waits == 1
         # The decode of one frees its slots; the waiting request goes on.
         c = consumer(model, d)
-        decode_request(c, "a0", prompts["a0"], p.finished["a0"].params)
+        first = sorted(p.finished)[0]
+        decode_request(c, first, prompts[first], p.finished[first].params)
         c.run()
         p.run()
-        assert "error" not in p.finished["a3"].params["pdstor"]
+        assert "error" not in p.finished[waiting].params["pdstor"]
         # Nothing frees room for this one: after admission_timeout_s it is
         # prefilled without a handoff, and says so; its decode fails.
         p.add("late", prompt(80, 90), max_tokens=1)
-        p.run(max_steps=100_000)
+        p.run()
         err = p.finished["late"].params["pdstor"]["error"]
         assert "admission_timeout_s=2" in err
         c.add("late", prompt(80, 90) + [p.finished["late"].tokens[0]], max_tokens=4, params=p.finished["late"].params)
@@ -399,7 +497,7 @@ def test_the_merged_timeline_of_both_engines_and_the_daemon_checks_clean(model, 
         key = (node, e["event"])
         by_node[key] = by_node.get(key, 0) + 1
     n = len(prompts)
-    for key in [("vllm-scheduler", "schedule"), ("vllm-scheduler", "publish"), ("vllm-scheduler", "claim"),
+    for key in [("vllm-scheduler", "schedule"), ("vllm-worker", "publish"), ("vllm-worker", "claim"),
                 ("vllm-worker", "restored"), ("vllm-worker", "ack"), ("vllm-scheduler", "continuation"),
                 ("daemon", "publish"), ("daemon", "ack")]:
         assert by_node.get(key) == n, (key, by_node)

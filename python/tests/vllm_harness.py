@@ -13,6 +13,8 @@ prompt alone says, without pdstor."""
 from __future__ import annotations
 
 import json
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,6 +59,33 @@ TINY_LLAMA = {
 }
 
 _none_hash = False
+
+# The pdstor classes whose methods are daemon round trips (Buffer, Receipt
+# and Timeline work locally).
+_DAEMON_CLASSES = ("Client.", "Writer.", "Reader.")
+
+
+class NoDaemonCalls:
+    """Records every pdstor Client, Writer or Reader method called on this
+    thread while entered (sys.setprofile sees every call into native code):
+    the engine's thread must make none once the engine has started."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __enter__(self) -> NoDaemonCalls:
+        sys.setprofile(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "c_call" and getattr(arg, "__qualname__", "").startswith(_DAEMON_CLASSES):
+            owner = getattr(arg, "__self__", None)
+            # A method of a pdstor object, or a static one (Writer.resume).
+            if owner is None or type(owner).__module__ == "pdstor":
+                self.calls.append(arg.__qualname__)
 
 
 def tiny_model(dir: Path, **overrides: Any) -> Path:
@@ -145,6 +174,12 @@ class Engine:
     generated: dict[str, list[int]] = field(default_factory=dict)
     # request id -> the (chunk, block) pairs its load filled
     fills: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # Loads handed to the worker and not yet checked, by request id.
+    loads: dict[str, Any] = field(default_factory=dict)
+    # Blocks the worker reported not restored.
+    failed_blocks: set[int] = field(default_factory=set)
+    # Steps that computed no token (every request waiting for the connector).
+    idle_steps: int = 0
 
     def __post_init__(self) -> None:
         global _none_hash
@@ -211,19 +246,28 @@ class Engine:
         return torch.stack(parts, dim=1)
 
     def step(self) -> list[Any]:
+        """One engine step, as vLLM's model runner drives the connector; no
+        daemon round trip may be made on this thread (asserted)."""
+        with NoDaemonCalls() as guard:
+            results = self._step()
+        assert not guard.calls, f"daemon round trips on the engine's thread: {guard.calls}"
+        return results
+
+    def _step(self) -> list[Any]:
         so = self.scheduler.schedule()
         w = self.worker
         w.bind_connector_metadata(so.kv_connector_metadata)
         w.start_load_kv(None)
-        loaded = {spec.req_id: spec for spec in so.kv_connector_metadata.loads}
-        self.fills.update({rid: spec.fill for rid, spec in loaded.items()})
-        invalid = w.get_block_ids_with_load_errors()
-        # Check what was restored before this step computes anything.
+        for spec in so.kv_connector_metadata.loads:
+            self.loads[spec.req_id] = spec
+            self.fills[spec.req_id] = spec.fill
+        # A restored request is scheduled once its load is reported done:
+        # check what was restored before this step computes anything.
         for new in so.scheduled_new_reqs:
-            spec = loaded.get(new.req_id)
+            spec = self.loads.pop(new.req_id, None)
             if spec is None or spec.error is not None or not spec.fill:
                 continue
-            if any(b in invalid for _, b in spec.fill):
+            if any(b in self.failed_blocks for _, b in spec.fill):
                 continue
             req = self.scheduler.requests[new.req_id]
             # Restored up to what vLLM takes as computed (a stock request's
@@ -252,13 +296,20 @@ class Engine:
             done = start + n >= req.num_tokens
             sampled[rid] = [self.sample(list(req.all_token_ids))] if done else []
         w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        self.failed_blocks |= invalid
         w.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            self.idle_steps += 1
         out = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids],
-            kv_connector_output=KVConnectorOutput(invalid_block_ids=invalid),
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
+            ),
         )
         results = []
         for outputs in self.scheduler.update_from_output(so, out).values():
@@ -269,12 +320,29 @@ class Engine:
                         o.request_id, self.generated[o.request_id], o.finish_reason, o.kv_transfer_params
                     )
                 results.append(o)
+        if not req_ids:
+            # vLLM's engine core sleeps 1 ms between steps that ran no model.
+            time.sleep(0.001)
         return results
 
-    def run(self, max_steps: int = 500) -> None:
-        """Steps until nothing is waiting or running."""
-        for _ in range(max_steps):
-            if not self.scheduler.requests:
-                return
+    def run(self, timeout_s: float = 60.0) -> None:
+        """Steps until nothing is waiting, running or held for the connector."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.requests:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still unfinished after {timeout_s} s: {list(self.scheduler.requests)}")
             self.step()
-        raise AssertionError(f"still unfinished after {max_steps} steps: {list(self.scheduler.requests)}")
+
+    def step_until(self, done: Callable[[], bool], timeout_s: float = 30.0) -> int:
+        """Steps until `done()`; how many steps it took."""
+        deadline, steps = time.monotonic() + timeout_s, 0
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout_s} s ({steps} steps)")
+            self.step()
+            steps += 1
+        return steps
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.connector.shutdown()

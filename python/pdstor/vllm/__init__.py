@@ -10,12 +10,15 @@ Loaded by vLLM's own configuration::
                                       "data_socket": "/run/pdstor/data.sock"}}'
 
 The prefill engine (``kv_producer``) answers each request with
-``kv_transfer_params = {"pdstor": {"receipt", "req", "prompt_tokens",
-"first_token"}}``; a proxy sends the prompt with that first token appended,
-and those params, to the decode engine (``kv_consumer``), which claims,
-adopts, loads, verifies and acknowledges before it decodes. A handoff that
-cannot be restored fails the request through vLLM's load-error path
-(``kv_load_failure_policy``, default ``"fail"``). See docs/vllm.md.
+``kv_transfer_params = {"pdstor": {"req", "prompt_tokens", "prompt_digest",
+"first_token"}}`` as soon as its first token is sampled, and publishes READY
+once every chunk is durable; a proxy sends the original request with those
+params to the decode engine (``kv_consumer``), which finds the publication
+READY by name, claims, adopts, loads, verifies and acknowledges in the
+background while it steps its other requests, then decodes. Nothing waits
+for the daemon on vLLM's engine thread. A handoff that cannot be restored
+fails the request through vLLM's load-error path (``kv_load_failure_policy``,
+default ``"fail"``). See docs/vllm.md.
 
 ``kv_connector_extra_config``:
 
@@ -28,12 +31,15 @@ cannot be restored fails the request through vLLM's load-error path
 - ``admission_timeout_s``: how long a request waits for room to be stored
   before it is prefilled without a handoff (its params then carry
   ``error``; default 30);
+- ``ready_timeout_s``: how long a decode waits for a publication it names
+  to become READY (default 30);
 - ``staging_bytes``: the worker's registered staging buffer (default 64 MiB);
 - ``model_identity``: names the weights instead of vLLM's config hash (a
   checkpoint digest, say);
 - ``timeline``: a file this engine appends its timeline lines to (node
-  ``vllm-scheduler-<engine_id>-<pid>-<6 hex>`` / ``vllm-worker-…``): schedule,
-  the publish, claim and ack echoes, restored, the decode's continuation —
+  ``vllm-scheduler-<engine_id>-<pid>-<6 hex>`` / ``vllm-worker-…``): schedule
+  and the decode's continuation (scheduler); the publish, claim and ack
+  echoes and restored (worker) —
   beside the daemon's ``--timeline``, ``pdstor timeline check`` verifies the
   run.
 """

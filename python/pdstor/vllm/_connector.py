@@ -39,6 +39,8 @@ class Config:
     reader_id: str = "vllm"
     lease_ms: int = 60_000
     admission_timeout_s: float = 30.0
+    # How long a decode waits for a named publication to become READY.
+    ready_timeout_s: float = 30.0
     staging_bytes: int = 64 << 20
     timeline: str | None = None
     # kv_transfer_config.kv_load_failure_policy == "recompute" (set from it, not a key)
@@ -137,7 +139,8 @@ class PdstorConnector(KVConnectorBase_V1):
         self.worker_side.load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # start_load_kv restores every layer before the forward pass starts.
+        # Loads are asynchronous: a request is scheduled once get_finished
+        # reported its restore done, every layer of it.
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
@@ -153,8 +156,7 @@ class PdstorConnector(KVConnectorBase_V1):
         self.worker_side.save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.worker_side.finished(finished_req_ids)
-        return None, None
+        return self.worker_side.finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_invalid()
@@ -170,5 +172,14 @@ class PdstorConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return self.scheduler_side.build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.update_output(connector_output)
+
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.close()

@@ -32,12 +32,30 @@ class SaveSpec:
 
 
 @dataclass
-class LoadSpec:
-    """One handed-over request to restore this step, or to fail."""
+class EndSpec:
+    """The end of one request's publication, once its stores are done:
+    published READY with the producer's first token, or rolled back."""
 
     req_id: str
-    # The claim receipt (JSON), when the claim was granted.
-    claim: str | None
+    handoff: str
+    # The first output token to publish with; None rolls the publication back.
+    first_token: int | None
+    # Why it is rolled back (for the log).
+    why: str
+    # The scheduler held the request's blocks for its stores
+    # (request_finished answered True): report it through get_finished.
+    release: bool
+
+
+@dataclass
+class LoadSpec:
+    """One handed-over request to restore in the background, or to fail."""
+
+    req_id: str
+    # The publication's name (looked up until it is READY), or its READY
+    # receipt (JSON) where the producer's kv_transfer_params carried one.
+    name: str | None
+    ready: str | None
     # Why it cannot be loaded, when it cannot.
     error: str | None
     prompt_tokens: int
@@ -47,9 +65,14 @@ class LoadSpec:
     # (chunk index, block id) to fill; chunks before the first are in the
     # local prefix cache (loaded and verified all the same, never copied).
     fill: list[tuple[int, int]]
+    # vLLM waits for it (WAITING_FOR_REMOTE_KVS): report it through
+    # get_finished. False where every token was in the local prefix cache:
+    # the publication is still claimed, verified and acknowledged.
+    report: bool = True
 
 
 @dataclass
 class PdstorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
+    ends: list[EndSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)

@@ -1,20 +1,27 @@
 """The connector's worker half: the bytes. Stores each step's completed
-blocks from vLLM's paged cache, and restores handed-over requests into it:
-adopt, load every chunk (each checked against the manifest's crc32c and its
-own header), copy into the allocated blocks, then ack. Anything that fails
-reports the request's blocks through ``get_block_ids_with_load_errors`` and
-the claim as failed (the publication RETAINED, its bytes kept) — the engine
-is never left to decode from blocks that were not restored.
+blocks from vLLM's paged cache, ends publications (READY with the
+producer's first token once every chunk is durable, or rolled back), and
+restores handed-over requests into it: claim, adopt, load every chunk (each
+checked against the manifest's crc32c and its own header), copy into the
+allocated blocks, then ack. None of it on the engine's thread: the engine
+hands each step's work to the mover (``_mover``), and takes back through
+``get_finished`` the requests whose stores are done (their blocks freed)
+and whose restores are done. A restore that fails reports the request's
+blocks through ``get_block_ids_with_load_errors`` in the same step, and the
+claim as failed (the publication RETAINED, its bytes kept) — the engine is
+never left to decode from blocks that were not restored.
 
 vLLM's KV cache here is memory torch allocated (host or GPU), which the
 daemon cannot map: the blocks go through one registered staging buffer (a
 memfd the daemon reads and writes in place, ``host_fixed``), one copy each
-way. vLLM hands every layer over as a ``[blocks, H, N, C]`` view of one
-shared allocation whatever the attention backend, its strides set by the
-engine's KV cache layout (``LBNHC``, ``LBHNC``, or a block-outermost one
-where a block's layers lie together): a block is indexed, never assumed
-contiguous. On a GPU the route without the staging copy is DMA-BUF
-(`docs/gpu-qual.md`).
+way, made by the mover (the blocks it reads or fills are held for it: a
+finished request's until its publication ended, a restored one's until
+vLLM hears the restore is done). vLLM hands every layer over as a
+``[blocks, H, N, C]`` view of one shared allocation whatever the attention
+backend, its strides set by the engine's KV cache layout (``LBNHC``,
+``LBHNC``, or a block-outermost one where a block's layers lie together): a
+block is indexed, never assumed contiguous. On a GPU the route without the
+staging copy is DMA-BUF (`docs/gpu-qual.md`).
 
 Nothing here imports vLLM: the GPU bundle drives this half over CUDA KV
 caches laid out as vLLM lays them (``layouts.json``) where vLLM is not
@@ -31,7 +38,8 @@ import pdstor
 
 from ._context import Context
 from ._format import HEADER_BYTES, check_header, header
-from ._meta import LoadSpec, PdstorMetadata, SaveSpec
+from ._meta import EndSpec, LoadSpec, PdstorMetadata, SaveSpec
+from ._mover import Mover
 
 log = logging.getLogger("pdstor.vllm")
 
@@ -58,6 +66,8 @@ class WorkerSide:
         self.failed_saves: dict[str, tuple[str, str]] = {}
         self.restored = 0
         self.failed_loads = 0
+        self.published = 0
+        self.mover: Mover | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         missing = [n for n in self.layer_names if n not in kv_caches]
@@ -81,6 +91,16 @@ class WorkerSide:
         # engine's start, not its first request.
         self.client.register(self.staging)
         self.bytes = torch.frombuffer(self.staging, dtype=torch.uint8)
+        self.mover = Mover(self, self.cfg.ready_timeout_s)
+
+    def _mover(self) -> Mover:
+        if self.mover is None:
+            raise RuntimeError("pdstor.vllm: the engine scheduled work before it registered its KV caches")
+        return self.mover
+
+    def close(self) -> None:
+        if self.mover is not None:
+            self.mover.stop()
 
     def _page(self, slot: int, layer: int) -> torch.Tensor:
         at = slot * self.shape.chunk_bytes + self.shape.page_offset(layer)
@@ -90,13 +110,18 @@ class WorkerSide:
     # -- saving ---------------------------------------------------------------
 
     def save(self, meta: PdstorMetadata) -> None:
+        """This step's completed blocks, stored by the mover (after the
+        forward pass that computed them)."""
         for spec in meta.saves:
-            try:
-                self._save_one(spec)
-            except Exception as e:  # noqa: BLE001 - reported; the scheduler's publish is refused
-                self.writers.pop(spec.req_id, None)
-                self.failed_saves[spec.req_id] = (spec.handoff, str(e))
-                log.error("pdstor.vllm: storing request %s failed (its publication is rolled back): %s", spec.req_id, e)
+            self._mover().submit(spec)
+
+    def save_one(self, spec: SaveSpec) -> None:
+        try:
+            self._save_one(spec)
+        except Exception as e:  # noqa: BLE001 - reported; the publication is rolled back at its end
+            self.writers.pop(spec.req_id, None)
+            self.failed_saves[spec.req_id] = (spec.handoff, str(e))
+            log.error("pdstor.vllm: storing request %s failed (its publication is rolled back): %s", spec.req_id, e)
 
     def _save_one(self, spec: SaveSpec) -> None:
         failed = self.failed_saves.get(spec.req_id)
@@ -118,34 +143,75 @@ class WorkerSide:
                 stores.append((index, self.staging, at, self.shape.chunk_bytes))
             final = spec.last and start + len(batch) == len(spec.chunks)
             w.store(stores, last=final)
-        if spec.last:
-            self.writers.pop(spec.req_id, None)
+
+    def end_one(self, spec: EndSpec) -> None:
+        """Publishes READY, or rolls back: after every store queued before."""
+        held = self.writers.pop(spec.req_id, None)
+        failed = self.failed_saves.pop(spec.req_id, None)
+        if failed is not None and failed[0] != spec.handoff:
+            failed = None
+        w = held[1] if held is not None and held[0] == spec.handoff else None
+        try:
+            if w is None:
+                w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
+            if spec.first_token is not None and failed is None:
+                ready = w.publish(first_token=spec.first_token)
+                self.published += 1
+                self.ctx.note("publish", receipt=ready)
+                return
+            why = spec.why if failed is None else f"its stores failed: {failed[1]}"
+            log.info("pdstor.vllm: request %s: publication rolled back (%s): %s", spec.req_id, why, w.abort())
+        except pdstor.Error as e:
+            log.error("pdstor.vllm: request %s: ending its publication was refused: %s", spec.req_id, e)
+            if spec.first_token is not None:
+                try:
+                    w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
+                    w.abort()
+                except pdstor.Error:
+                    pass
 
     # -- loading --------------------------------------------------------------
 
     def load(self, meta: PdstorMetadata) -> None:
+        """This step's publications to end and requests to restore, handed
+        to the mover (publications end after the stores queued before)."""
+        for end in meta.ends:
+            self._mover().submit(end)
         for spec in meta.loads:
-            try:
-                self._load_one(spec)
-                self.restored += 1
-            except Exception as e:  # noqa: BLE001 - every failure goes to vLLM's load-error path
-                self.failed_loads += 1
-                blocks = [b for _, b in spec.fill]
-                self.invalid.update(blocks)
-                log.error(
-                    "pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e
-                )
-                # Named by vLLM's request id only: the publication may
-                # already have ended (a duplicate, a release).
-                event = "recompute" if self.cfg.recompute else "load_failed"
-                self.ctx.note(event, req_id=spec.req_id, detail=str(e))
+            self._mover().submit(spec)
 
-    def _load_one(self, spec: LoadSpec) -> None:
+    def load_one(self, spec: LoadSpec, ready: str | pdstor.Receipt | None) -> list[int]:
+        """Restores one request (on the mover); the blocks that were not
+        restored (none when it was)."""
+        try:
+            self._load_one(spec, ready)
+            self.restored += 1
+            return []
+        except Exception as e:  # noqa: BLE001 - every failure goes to vLLM's load-error path
+            self.failed_loads += 1
+            blocks = [b for _, b in spec.fill]
+            log.error("pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e)
+            # Named by vLLM's request id only: the publication may
+            # already have ended (a duplicate, a release).
+            event = "recompute" if self.cfg.recompute else "load_failed"
+            self.ctx.note(event, req_id=spec.req_id, detail=str(e))
+            return blocks
+
+    def _load_one(self, spec: LoadSpec, ready: str | pdstor.Receipt | None) -> None:
         if spec.error is not None:
             raise LoadRefused(spec.error)
-        if spec.claim is None:
-            raise LoadRefused("no claim")
-        claim = pdstor.Receipt.from_json(spec.claim)
+        if ready is None:
+            raise LoadRefused("no READY publication")
+        if isinstance(ready, str):
+            try:
+                ready = pdstor.Receipt.from_json(ready)
+            except (ValueError, TypeError) as e:
+                raise LoadRefused(f"kv_transfer_params.pdstor.receipt is not a receipt: {e}") from e
+        try:
+            claim = self.reader.claim(ready, lease_ms=self.cfg.lease_ms, layout=self.layout)
+        except pdstor.Error as e:
+            raise LoadRefused(f"claim refused: {e}") from e
+        self.ctx.note("claim", receipt=claim)
         try:
             self._restore(claim, spec)
         except Exception as e:
@@ -188,11 +254,17 @@ class WorkerSide:
         self.reader.ack(claim)
         self.ctx.note("ack", receipt=claim)
 
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM's get_finished: the requests whose publication ended (their
+        blocks freed now) and whose restore is done; the blocks of failed
+        restores go out by ``take_invalid`` in the same step."""
+        if self.mover is None:
+            return None, None
+        sent, received = self.mover.collect()
+        for failed in received.values():
+            self.invalid.update(failed)
+        return sent or None, set(received) or None
+
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()
         return out
-
-    def finished(self, req_ids: set[str]) -> None:
-        for rid in req_ids:
-            self.writers.pop(rid, None)
-            self.failed_saves.pop(rid, None)

@@ -1,0 +1,157 @@
+"""The worker half's mover: the one thread that talks to the daemon and
+moves the bytes, beside the engine's own, so that no engine step waits for
+a store, a publish, a claim or a load.
+
+Jobs come from the engine thread in order (``submit``): a step's stores,
+the end of a publication (publish or roll back, after the stores queued
+before it), and handed-over requests to restore. A restore whose
+publication is not READY yet — the producer answered its request before its
+stores were durable — waits here, every waiting name looked up together,
+until it is READY, until it is gone, or until ``ready_timeout_s``. What is
+done is collected by the engine thread (``collect``) and reported to vLLM
+through ``get_finished`` and ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import pdstor
+
+from ._meta import EndSpec, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from ._worker import WorkerSide
+
+log = logging.getLogger("pdstor.vllm")
+
+# How long the mover sleeps between lookups of publications not yet READY:
+# from the first to the last, doubling while none becomes READY.
+POLL_FIRST_S = 0.001
+POLL_LAST_S = 0.02
+_STOP = object()
+
+
+@dataclass
+class _Waiting:
+    spec: LoadSpec
+    deadline: float
+
+
+class Mover:
+    def __init__(self, side: WorkerSide, ready_timeout_s: float):
+        self.side = side
+        self.ready_timeout_s = ready_timeout_s
+        self.jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.waiting: list[_Waiting] = []
+        self.lock = threading.Lock()
+        # Requests whose publication ended and whose blocks vLLM holds for us.
+        self.sent: set[str] = set()
+        # Restores done: request id -> the blocks that were not restored.
+        self.received: dict[str, list[int]] = {}
+        self.thread = threading.Thread(target=self._run, name="pdstor-vllm-mover", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: SaveSpec | EndSpec | LoadSpec) -> None:
+        self.jobs.put(job)
+
+    def collect(self) -> tuple[set[str], dict[str, list[int]]]:
+        """What finished since the last call: the requests whose blocks
+        vLLM may free, and the restores (with the blocks that failed)."""
+        with self.lock:
+            sent, self.sent = self.sent, set()
+            received, self.received = self.received, {}
+        return sent, received
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.jobs.put(_STOP)
+        self.thread.join(timeout_s)
+
+    # -- the thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        delay = POLL_FIRST_S
+        while True:
+            try:
+                job = self.jobs.get(timeout=delay) if self.waiting else self.jobs.get()
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                self._give_up_waiting("the engine is shutting down")
+                return
+            if isinstance(job, SaveSpec):
+                self.side.save_one(job)
+            elif isinstance(job, EndSpec):
+                self.side.end_one(job)
+                if job.release:
+                    with self.lock:
+                        self.sent.add(job.req_id)
+            elif isinstance(job, LoadSpec):
+                self._start_load(job)
+            if self.waiting:
+                delay = POLL_FIRST_S if self._poll() else min(2 * delay, POLL_LAST_S)
+
+    def _start_load(self, spec: LoadSpec) -> None:
+        if spec.error is None and spec.ready is None:
+            self.waiting.append(_Waiting(spec, time.monotonic() + self.ready_timeout_s))
+            return
+        self._finish_load(spec, spec.ready)
+
+    def _finish_load(self, spec: LoadSpec, ready: str | pdstor.Receipt | None, error: str | None = None) -> None:
+        if error is not None:
+            spec.error = error
+        failed = self.side.load_one(spec, ready)
+        if spec.report:
+            with self.lock:
+                self.received[spec.req_id] = failed
+
+    def _poll(self) -> bool:
+        """Looks up every waiting publication at once; restores the READY
+        ones and fails the ones that are gone or late. Whether any left."""
+        names = [w.spec.name or "" for w in self.waiting]
+        try:
+            found = self.side.client.lookup(names)
+        except pdstor.Error as e:
+            self._give_up_waiting(f"lookup of the handed-over publications refused: {e}")
+            return True
+        missing = [n for n, r in zip(names, found) if r is None]
+        states: dict[str, str] = {}
+        if missing:
+            try:
+                states = {p["req_id"]: p["state"] for p in self.side.client.publications()}
+            except pdstor.Error as e:
+                log.warning("pdstor.vllm: listing publications failed (asked again): %s", e)
+                return False
+        now = time.monotonic()
+        keep, progressed = [], False
+        for w, ready, name in zip(self.waiting, found, names):
+            state = states.get(name, "READY" if ready is not None else None)
+            if ready is not None:
+                self._finish_load(w.spec, ready)
+            elif state == "PREPARED" and now < w.deadline:
+                keep.append(w)
+                continue
+            elif state == "PREPARED":
+                why = f"publication {name!r} is still being stored after ready_timeout_s={self.ready_timeout_s}"
+                self._finish_load(w.spec, None, why)
+            elif state == "READY":
+                # READY between the lookup and the listing: looked up again next round.
+                keep.append(w)
+            elif state is None:
+                why = f"no publication is named {name!r} (its producer rolled it back, or it was released)"
+                self._finish_load(w.spec, None, why)
+            else:
+                self._finish_load(w.spec, None, f"publication {name!r} is {state}, not READY: another reader took it")
+            progressed = True
+        self.waiting = keep
+        return progressed
+
+    def _give_up_waiting(self, why: str) -> None:
+        waiting, self.waiting = self.waiting, []
+        for w in waiting:
+            self._finish_load(w.spec, None, why)
