@@ -168,7 +168,13 @@ class Process:
             self.kill()
 
 
-def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | None) -> Process:
+def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | None, cores: str) -> Process:
+    """`vllm serve` of `model`, its model's threads bound to `cores` (vLLM's
+    VLLM_CPU_OMP_THREADS_BIND, "0" or "0-1"). Servers that run at once get
+    cores of their own: a decode waiting for a handoff steps every
+    millisecond (vLLM's engine loop), and an OpenMP team that shares its
+    cores with that spins at its barriers — a prefill's forward pass then
+    took 30 s instead of 30 ms here."""
     port = free_port()
     argv = [
         # `vllm serve`'s server, launched by its module: vllm-cpu's `vllm`
@@ -182,7 +188,8 @@ def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | No
     ]  # fmt: skip
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector)]
-    return Process(name, argv, out / f"{name}.log", port, {"VLLM_CPU_KVCACHE_SPACE": "1"})
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
+    return Process(name, argv, out / f"{name}.log", port, env)
 
 
 def proxy(prefill: Process, decode: Process, out: Path) -> Process:

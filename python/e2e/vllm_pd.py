@@ -104,8 +104,10 @@ class Run:
                 continue
             self.compare(case, oracle=oa["choices"][0], split=sa["choices"][0], publication=sh.get("x-pdstor-publication"))
             cached = ((sa.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-            if cached != length - 1:
-                self.fail(f"{case}: the decode computed more than the last prompt token ({cached} of {length} cached)")
+            # vLLM counts the handed-over tokens as cached — the whole prompt
+            # for an asynchronous load — and computes the last one again.
+            if not isinstance(cached, int) or cached < length - 1:
+                self.fail(f"{case}: the decode took {cached} of {length} prompt tokens from the handoff, not all")
         self.cases.append({"api": "completions", "group": group, "prompt_tokens": length, "batch": batch, "s": round(took, 2)})
         print(f"vllm e2e: completions {group} ({length} tokens) x{batch}: {took:.1f} s", flush=True)
 
@@ -302,9 +304,11 @@ def main() -> int:
     corrupt: dict = {}
     killed: dict = {}
     try:
-        oracle = serving.vllm_serve("oracle", model, out, None)
-        prefill = serving.vllm_serve("prefill", model, out, connector("kv_producer"))
-        decode = serving.vllm_serve("decode", model, out, connector("kv_consumer"))
+        # The oracle answers each request before the proxy is asked: it
+        # shares the prefill's core, never its time.
+        oracle = serving.vllm_serve("oracle", model, out, None, cores="0")
+        prefill = serving.vllm_serve("prefill", model, out, connector("kv_producer"), cores="0")
+        decode = serving.vllm_serve("decode", model, out, connector("kv_consumer"), cores="1")
         procs += [oracle, prefill, decode]
         for p in procs:
             p.wait_healthy()
