@@ -47,6 +47,8 @@ MAX_DELTA = 0.02
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
+PREPARE_IDLE_MS = 20_000
+
 def prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 7919 + i * 104729) % 1000 for i in range(n)]
 
@@ -201,7 +203,7 @@ def killed_prefill_control(run: Run, prefill: Process, decode: Process, daemon: 
         if not snap:
             run.fail(f"killed prefill: no request was caught between its first store and its publish: {result}")
             return result
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + PREPARE_IDLE_MS / 1000 + 15
         while time.monotonic() < deadline and any(x["state"] == "PREPARED" for x in client.publications()):
             time.sleep(0.1)
         left = sorted({x["state"] for x in client.publications()})
@@ -278,7 +280,10 @@ def main() -> int:
     timeline.unlink(missing_ok=True)
     target = out / "target.img"
     format_target(args.pdstor, target, slot="64K", size="256M")
-    extra = ["--timeline", str(timeline)]
+    # A prefill killed between its prepare and its first store leaves a
+    # PREPARED publication no data connection ties to it: the daemon ends it
+    # after this long without a store (its default is 120 s).
+    extra = ["--timeline", str(timeline), "--prepare-idle-timeout-ms", str(PREPARE_IDLE_MS)]
     if not args.no_provenance:
         extra += ["--provenance", "--require-native"]
     daemon = Daemon(args.pdstor, out, target, extra)
