@@ -15,6 +15,7 @@ through ``get_finished`` and ``get_block_ids_with_load_errors``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -75,6 +76,14 @@ class Mover:
     # -- the thread -----------------------------------------------------------
 
     def _run(self) -> None:
+        # vLLM binds its worker to its cores and spins there between steps
+        # (os.sched_yield, holding the GIL): this thread waits on the daemon,
+        # not on the model, so it may run on any core (on a 2-core machine, a
+        # spinning worker starved a mover bound to its core for a minute).
+        try:
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except OSError as e:
+            log.debug("pdstor.vllm: the mover keeps the worker's cores: %s", e)
         delay = POLL_FIRST_S
         while True:
             try:
