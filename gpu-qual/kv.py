@@ -45,10 +45,47 @@ def bits(t):
     return t.view(torch.int16)
 
 
+def until(worker, done, timeout_s: float = 60.0) -> set:
+    """Polls the worker's get_finished (as vLLM does every step) until
+    `done(sent, received)`; the blocks its failed restores reported."""
+    sent, received, invalid = set(), set(), set()
+    deadline = time.monotonic() + timeout_s
+    while not done(sent, received):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the worker's mover did not finish within {timeout_s} s (sent {sent}, received {received})")
+        s, r = worker.finished(set())
+        sent |= s or set()
+        received |= r or set()
+        invalid |= worker.take_invalid()
+        time.sleep(0.001)
+    return invalid
+
+
+def until_restored(worker, req: str) -> set:
+    return until(worker, lambda sent, received: req in received)
+
+
+def store(pdstor, client, worker, layout, name: str, req: str, chunks: int, prompt_tokens: int, digest: bytes, src: list):
+    """The connector's producer path: prepared, the blocks stored and
+    published READY by the worker's mover; the READY receipt."""
+    from pdstor.vllm._meta import EndSpec, PdstorMetadata, SaveSpec
+
+    writer = pdstor.Writer(client, "gpu-qual")
+    writer.prepare(name, layout, chunks, timeout_ms=10_000)
+    handoff = writer.handoff()
+    worker.save(PdstorMetadata(saves=[SaveSpec(req, handoff, prompt_tokens, digest, list(enumerate(src)), True)]))
+    worker.load(PdstorMetadata(ends=[EndSpec(req, handoff, FIRST, "", release=True)]))
+    until(worker, lambda sent, received: req in sent)
+    (ready,) = client.lookup([name])
+    if ready is None:
+        raise RuntimeError(f"the store failed: {name} is not READY (see the log above)")
+    return ready
+
+
 def one_case(torch, pdstor, client, name: str, ref: dict, view: dict, device: str) -> dict:
     from pdstor.vllm._context import Context
     from pdstor.vllm._format import Shape, prompt_digest
-    from pdstor.vllm._meta import LoadSpec, PdstorMetadata, SaveSpec
+    from pdstor.vllm._meta import LoadSpec, PdstorMetadata
     from pdstor.vllm._worker import WorkerSide
 
     dtype = getattr(torch, ref["dtype"])
@@ -64,7 +101,7 @@ def one_case(torch, pdstor, client, name: str, ref: dict, view: dict, device: st
         chunk_tokens=block,
         kv_format=f"pdstor-vllm-v1;stored=HNC[{heads}x{block}x{2 * head}];paged={name}",
     )
-    cfg = types.SimpleNamespace(writer_id="gpu-qual", reader_id="gpu-qual", staging_bytes=8 << 20, recompute=False, lease_ms=60_000)
+    cfg = types.SimpleNamespace(writer_id="gpu-qual", reader_id="gpu-qual", staging_bytes=8 << 20, recompute=False, lease_ms=60_000, ready_timeout_s=30)
     ctx = Context(client, layout, shape, cfg, f"gpu-qual-{name}", None)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(n_layers)]
     layers = caches(torch, view, device, dtype)
@@ -79,23 +116,17 @@ def one_case(torch, pdstor, client, name: str, ref: dict, view: dict, device: st
             t[b].zero_()
     before = [t.clone() for t in layers]
 
-    writer = pdstor.Writer(client, "gpu-qual")
-    writer.prepare(f"gpu-qual-{name}", layout, chunks, timeout_ms=10_000)
     t0 = time.monotonic()
-    worker.save(PdstorMetadata(saves=[SaveSpec(name, writer.handoff(), prompt_tokens, digest, list(enumerate(src)), True)]))
-    if worker.failed_saves:
-        raise RuntimeError(f"the store failed: {worker.failed_saves}")
-    ready = writer.publish(first_token=FIRST)
+    ready = store(pdstor, client, worker, layout, f"gpu-qual-{name}", name, chunks, prompt_tokens, digest, src)
     saved_s = time.monotonic() - t0
-    reader = pdstor.Reader(client, "gpu-qual", session=ctx.session)
-    claim = reader.claim(ready, lease_ms=60_000, layout=layout)
     t0 = time.monotonic()
-    load = LoadSpec(name, claim.to_json(), None, prompt_tokens, digest, FIRST, list(enumerate(dst)))
+    load = LoadSpec(name, None, ready.to_json(), None, prompt_tokens, digest, FIRST, list(enumerate(dst)))
     worker.load(PdstorMetadata(loads=[load]))
+    invalid = until_restored(worker, name)
     if device == "cuda":
         torch.cuda.synchronize()
     restored_s = time.monotonic() - t0
-    if worker.failed_loads or worker.take_invalid():
+    if worker.failed_loads or invalid:
         raise RuntimeError("the restore failed (see the log above)")
     for layer, (t, old) in enumerate(zip(layers, before)):
         for i, (s, d) in enumerate(zip(src, dst)):
@@ -107,20 +138,17 @@ def one_case(torch, pdstor, client, name: str, ref: dict, view: dict, device: st
 
     # The control: the same prompt handed over again, restored expecting
     # another first token: refused, reported, nothing written.
-    writer = pdstor.Writer(client, "gpu-qual")
-    writer.prepare(f"gpu-qual-{name}-control", layout, chunks, timeout_ms=10_000)
-    worker.save(PdstorMetadata(saves=[SaveSpec(name + "-c", writer.handoff(), prompt_tokens, digest, list(enumerate(src)), True)]))
-    ready = writer.publish(first_token=FIRST)
-    claim = reader.claim(ready, lease_ms=60_000, layout=layout)
+    ready = store(pdstor, client, worker, layout, f"gpu-qual-{name}-control", name + "-c", chunks, prompt_tokens, digest, src)
     spare = [1, 2, 4, 6, 7][:chunks]
     snapshot = [t.clone() for t in layers]
-    load = LoadSpec(name + "-c", claim.to_json(), None, prompt_tokens, digest, FIRST + 1, list(enumerate(spare)))
+    load = LoadSpec(name + "-c", None, ready.to_json(), None, prompt_tokens, digest, FIRST + 1, list(enumerate(spare)))
     worker.load(PdstorMetadata(loads=[load]))
-    invalid = worker.take_invalid()
+    invalid = until_restored(worker, name + "-c")
     if worker.failed_loads != 1 or invalid != set(spare):
         raise RuntimeError(f"the control was not refused as it should be: failed {worker.failed_loads}, reported {invalid}")
     if not all(torch.equal(bits(a), bits(b)) for a, b in zip(layers, snapshot)):
         raise RuntimeError("the refused control wrote into the KV cache")
+    worker.close()
     mib = chunks * shape.chunk_bytes / 1048576
     return {
         "backend": name,
