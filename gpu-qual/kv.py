@@ -7,8 +7,9 @@ For every KV cache layout vLLM's dense CUDA attention backends take
 paged caches are made as vLLM's GPU model runner makes them — one shared
 allocation, every layer a ``[blocks, H, N, C]`` view of it with the layout's
 strides and offset — filled with random bits, and one request is handed
-over through the daemon: stored from one set of blocks (the scheduler's steps played here:
-prepare, publish, claim), restored into another (adopt, load, verify, ack).
+over through the daemon: stored from one set of blocks (the scheduler's prepare played
+here; the stores and the publish on the worker's mover), restored into another (claim,
+adopt, load, verify, ack, on the mover), each reported through ``get_finished``.
 Every restored block must equal its source and every other block must be
 untouched — compared on the device the caches live on, as raw bits. A
 control then restores with a wrong first token: refused, the blocks
