@@ -21,6 +21,7 @@ Prints one JSON line: status (PASS / FAIL / SKIP), reason, cases, table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -115,11 +116,20 @@ def one_case(torch, pdstor, client, name: str, ref: dict, view: dict, device: st
     for t in layers:
         for b in dst:
             t[b].zero_()
-    before = [t.clone() for t in layers]
-
-    t0 = time.monotonic()
-    ready = store(pdstor, client, worker, layout, f"gpu-qual-{name}", name, chunks, prompt_tokens, digest, src)
-    saved_s = time.monotonic() - t0
+    # vLLM's model runs on a stream of its own: the source blocks are
+    # written again on one, and the store queued right behind without a
+    # sync — the worker's copy (on its mover thread) must wait for them.
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for t in layers:
+            for b in src:
+                bits(t[b]).random_(-(1 << 15), 1 << 15)
+        before = [t.clone() for t in layers]
+        t0 = time.monotonic()
+        ready = store(pdstor, client, worker, layout, f"gpu-qual-{name}", name, chunks, prompt_tokens, digest, src)
+        saved_s = time.monotonic() - t0
+    if device == "cuda":
+        torch.cuda.synchronize()
     t0 = time.monotonic()
     load = LoadSpec(name, None, ready.to_json(), None, prompt_tokens, digest, FIRST, list(enumerate(dst)))
     worker.load(PdstorMetadata(loads=[load]))

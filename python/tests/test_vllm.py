@@ -308,6 +308,16 @@ def test_an_aborted_request_aborts_its_publication(model, daemon):
     assert p.connector.scheduler_side.counters.aborted == 1
 
 
+def test_an_engine_shut_down_rolls_back_what_it_did_not_hand_over(model, daemon):
+    p = producer(model, daemon)
+    p.add("open", prompt(150, 9), max_tokens=1)
+    p.step_until(lambda: p.scheduler.requests["open"].num_computed_tokens >= 64)
+    assert [x["state"] for x in daemon.client().publications()] == ["PREPARED"]
+    p.shutdown()
+    # Not left PREPARED, holding its slots until an operator cancels it.
+    assert daemon.client().publications() == []
+
+
 def test_the_failure_controls_fail_the_request_through_vllms_load_error_path(model, daemon, tmp_path):
     p = producer(model, daemon)
     prompts = {f"f{i}": prompt(40, 50 + i) for i in range(9)}

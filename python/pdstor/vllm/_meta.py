@@ -4,6 +4,7 @@ processes by vLLM): plain data only."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -29,6 +30,10 @@ class SaveSpec:
     chunks: list[tuple[int, int]]
     # After these, every chunk of the publication is stored.
     last: bool
+    # Set by the worker, never sent: what the copy waits for (a CUDA event
+    # recorded on the engine's stream after the forward pass that wrote
+    # these blocks was queued).
+    after: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

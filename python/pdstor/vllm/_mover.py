@@ -93,17 +93,34 @@ class Mover:
             if job is _STOP:
                 self._give_up_waiting("the engine is shutting down")
                 return
+            if job is not None:
+                self._do(job)
+            if self.waiting:
+                try:
+                    progressed = self._poll()
+                except Exception as e:  # noqa: BLE001 - the thread outlives any one round
+                    log.exception("pdstor.vllm: the mover's lookup round failed (asked again): %s", e)
+                    progressed = False
+                delay = POLL_FIRST_S if progressed else min(2 * delay, POLL_LAST_S)
+
+    def _do(self, job: object) -> None:
+        """One job; whatever it raises is logged and the job still ends as
+        vLLM needs it to (blocks released, a restore reported failed)."""
+        try:
             if isinstance(job, SaveSpec):
                 self.side.save_one(job)
             elif isinstance(job, EndSpec):
                 self.side.end_one(job)
-                if job.release:
-                    with self.lock:
-                        self.sent.add(job.req_id)
             elif isinstance(job, LoadSpec):
                 self._start_load(job)
-            if self.waiting:
-                delay = POLL_FIRST_S if self._poll() else min(2 * delay, POLL_LAST_S)
+        except Exception as e:  # noqa: BLE001 - a dead mover would hold every block it owes vLLM
+            log.exception("pdstor.vllm: the mover's %s for request %s failed: %s", type(job).__name__, getattr(job, "req_id", "?"), e)
+            if isinstance(job, LoadSpec) and job.report:
+                with self.lock:
+                    self.received.setdefault(job.req_id, [b for _, b in job.fill])
+        if isinstance(job, EndSpec) and job.release:
+            with self.lock:
+                self.sent.add(job.req_id)
 
     def _start_load(self, spec: LoadSpec) -> None:
         if spec.error is None and spec.ready is None:
@@ -125,17 +142,12 @@ class Mover:
         names = [w.spec.name or "" for w in self.waiting]
         try:
             found = self.side.client.lookup(names)
+            missing = [n for n, r in zip(names, found) if r is None]
+            states = {p["req_id"]: p["state"] for p in self.side.client.publications()} if missing else {}
         except pdstor.Error as e:
-            self._give_up_waiting(f"lookup of the handed-over publications refused: {e}")
-            return True
-        missing = [n for n, r in zip(names, found) if r is None]
-        states: dict[str, str] = {}
-        if missing:
-            try:
-                states = {p["req_id"]: p["state"] for p in self.side.client.publications()}
-            except pdstor.Error as e:
-                log.warning("pdstor.vllm: listing publications failed (asked again): %s", e)
-                return False
+            # Asked again next round; a restore still waits no longer than its deadline.
+            log.warning("pdstor.vllm: looking the handed-over publications up failed (asked again): %s", e)
+            return self._expire(f"their lookup kept failing ({e})")
         now = time.monotonic()
         keep, progressed = [], False
         for w, ready, name in zip(self.waiting, found, names):
@@ -159,6 +171,15 @@ class Mover:
             progressed = True
         self.waiting = keep
         return progressed
+
+    def _expire(self, why: str) -> bool:
+        """Fails the waiting restores past their deadline; whether any were."""
+        now = time.monotonic()
+        late = [w for w in self.waiting if now >= w.deadline]
+        self.waiting = [w for w in self.waiting if now < w.deadline]
+        for w in late:
+            self._finish_load(w.spec, None, f"not READY within ready_timeout_s={self.ready_timeout_s}: {why}")
+        return bool(late)
 
     def _give_up_waiting(self, why: str) -> None:
         waiting, self.waiting = self.waiting, []

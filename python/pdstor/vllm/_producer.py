@@ -76,7 +76,19 @@ class Producer:
         self.ends: list[EndSpec] = []
 
     def close(self) -> None:
+        """The engine stops: every publication it opened and did not hand
+        over is rolled back (a PREPARED one would hold its slots until an
+        operator cancelled it)."""
+        open_ = [(rid, pub.handoff) for rid, pub in self.pubs.items()]
+        pending = list(self.preparing.items())
+        self.pubs.clear()
+        self.preparing.clear()
         self.pool.shutdown(wait=True)
+        for rid, (future, _, _) in pending:
+            if future.exception() is None:
+                open_.append((rid, future.result().handoff))
+        for rid, handoff in open_:
+            self._rollback(handoff, rid, "open when the engine shut down")
 
     # -- admission ------------------------------------------------------------
 
@@ -107,7 +119,7 @@ class Producer:
         self.waiting_since.pop(rid, None)
         try:
             prepared = future.result()
-        except pdstor.Error as e:
+        except Exception as e:  # noqa: BLE001 - a prepare that failed, however, is a request not handed over
             kind = "no room" if isinstance(e, pdstor.AdmissionTimeout) else "prepare refused"
             self.store_failed[rid] = f"{kind} for {total} chunks (admission_timeout_s={self.cfg.admission_timeout_s}): {e}"
             log.error("pdstor.vllm: request %s is not handed over: %s", rid, self.store_failed[rid])
@@ -142,7 +154,8 @@ class Producer:
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
             writer.prepare(name, self.layout, total, timeout_ms=timeout_ms)
         publication = writer.publication
-        assert publication is not None
+        if publication is None:
+            raise RuntimeError(f"prepare of {name} answered no publication number")
         return _Prepared(writer.handoff(), publication)
 
     def _rollback(self, handoff: str, rid: str, why: str) -> None:
@@ -156,7 +169,10 @@ class Producer:
     def _rollback_when_prepared(self, future: Future[_Prepared], rid: str, why: str) -> None:
         def done(f: Future[_Prepared]) -> None:
             if f.exception() is None:
-                self.pool.submit(self._rollback, f.result().handoff, rid, why)
+                try:
+                    self.pool.submit(self._rollback, f.result().handoff, rid, why)
+                except RuntimeError:  # the pool is shut down: this thread is one of its last
+                    self._rollback(f.result().handoff, rid, why)
 
         future.add_done_callback(done)
 

@@ -112,7 +112,14 @@ class WorkerSide:
     def save(self, meta: PdstorMetadata) -> None:
         """This step's completed blocks, stored by the mover (after the
         forward pass that computed them)."""
+        after = None
+        if meta.saves and self.layers and self.layers[0].is_cuda:
+            # The forward pass may still be running on vLLM's stream; the
+            # mover's copy (on another thread, another stream) waits for it.
+            after = torch.cuda.Event()
+            after.record()
         for spec in meta.saves:
+            spec.after = after
             self._mover().submit(spec)
 
     def save_one(self, spec: SaveSpec) -> None:
@@ -132,6 +139,8 @@ class WorkerSide:
             held = (spec.handoff, pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id))
             self.writers[spec.req_id] = held
         w = held[1]
+        if spec.after is not None:
+            spec.after.synchronize()
         for start in range(0, len(spec.chunks), self.slots):
             batch = spec.chunks[start : start + self.slots]
             stores = []
