@@ -277,6 +277,58 @@ fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() 
     s.check().unwrap();
 }
 
+/// The unread window: a READY publication no reader claimed is released
+/// once `after` has passed since the policy first saw it so — durably,
+/// counted — and a claimed one never is, however old.
+#[test]
+fn unread_publications_are_released_after_the_window_and_claimed_ones_never() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 4);
+    let (s, _) = open(&path);
+    let b = shared(&s, 1);
+    fill(&b, 9, 1);
+    let put = |req: &str| {
+        let id = s.prepare(req, "writer", &layout(), 1).unwrap();
+        assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
+        s.publish(id, None).unwrap();
+        id
+    };
+    let (unread, claimed) = (put("unread"), put("claimed"));
+    s.claim(claimed, "r", "s", 60_000, 0, None).unwrap();
+    let window = Duration::from_millis(40);
+    let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| e.publication).collect::<Vec<_>>();
+
+    // Each call measures from its own start: one first seen in it is 0 old.
+    assert_eq!(ids(s.release_unread_after(Duration::from_secs(3600)).unwrap()), Vec::<u64>::new());
+    thread::sleep(window + Duration::from_millis(10));
+    let late = put("late");
+    assert_eq!(
+        ids(s.release_unread_after(window).unwrap()),
+        vec![unread],
+        "the old unread one: not the claimed, not the new"
+    );
+    assert_eq!(s.stats().expired, 1);
+    assert_eq!(s.accounting().unwrap().free, 2, "its slot is free for prepares");
+    drop(s);
+
+    let (s, _) = open(&path);
+    let left: Vec<(u64, Phase)> = s.publications().iter().map(|p| (p.id, p.phase)).collect();
+    assert_eq!(left, vec![(claimed, Phase::Claimed), (late, Phase::Ready)], "the release was durable");
+    assert_eq!(
+        ids(s.release_unread_after(window).unwrap()),
+        Vec::<u64>::new(),
+        "recovered READY: a whole window again"
+    );
+    thread::sleep(window + Duration::from_millis(10));
+    assert_eq!(ids(s.release_unread_after(window).unwrap()), vec![late]);
+    assert_eq!(
+        ids(s.release_unread_after(Duration::ZERO).unwrap()),
+        Vec::<u64>::new(),
+        "claimed: never, whatever its age"
+    );
+    s.check().unwrap();
+}
+
 /// Inside `with_one_commit` (a batch of protocol steps), publishes and
 /// releases journal their records and the commit waits for the scope's end:
 /// one commit for all, the released slots out of reach of prepares until

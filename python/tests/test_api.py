@@ -12,12 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import pdstor
-from conftest import LAYOUT, Daemon, format_target
+from conftest import LAYOUT, Daemon, format_target, serve
 
 MIB = 1 << 20
 
@@ -468,3 +469,43 @@ def test_one_python_process_hands_kv_to_another(daemon: Daemon, tmp_path):
     # Checked independently of pdstor: the writer's generator, regenerated here.
     expect = np.random.default_rng(42).integers(0, 256, size=4 * MIB, dtype=np.uint8).tobytes()
     assert hashlib.sha256(dst.read(0, 4 * MIB)).hexdigest() == hashlib.sha256(expect).hexdigest()
+
+
+def test_a_publication_no_reader_claims_is_released_after_the_unread_window(tmp_path: Path):
+    """`serve --unread-release-ms`: an unread READY publication is released
+    by the daemon (an `expire` on its timeline, counted, the timeline still
+    checks clean); a claimed one is never freed by time."""
+    timeline = tmp_path / "timeline.jsonl"
+    # The timeline checks clean only with the payload's provenance (root's probes).
+    probes = ["--provenance", "--require-native"] if os.geteuid() == 0 else []
+    d = serve(tmp_path, "64M", "1M", ["--unread-release-ms", "300", "--timeline", str(timeline), *probes])
+    try:
+        client = d.client()
+        buf = pdstor.Buffer(MIB)
+        buf.write(0, pattern(MIB, 5))
+        receipts = {}
+        for req in ("never-read", "read"):
+            w = pdstor.Writer(client)
+            w.prepare(req, LAYOUT, total_chunks=1, timeout_ms=1000)
+            w.store([(0, buf, 0, MIB)], last=True)
+            receipts[req] = w.publish(first_token=1)
+        r = pdstor.Reader(client)
+        r.claim(receipts["read"])
+        deadline = time.monotonic() + 30
+        while client.lookup(["never-read"]) != [None] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.lookup(["never-read"]) == [None], "still READY 30 s into a 300 ms window"
+        time.sleep(0.5)
+        assert [p["state"] for p in client.publications()] == ["CLAIMED"], "the claimed one stays"
+        assert metric(client, "pdstor_unread_expired_total") == 1
+    finally:
+        d.stop()
+    events = [json.loads(line) for line in timeline.read_text().splitlines()]
+    [expired] = [e for e in events if e["event"] == "expire"]
+    assert expired["req_id"] == "never-read" and "--unread-release-ms" in expired["detail"]
+    if not probes:
+        pytest.skip("SKIP: the timeline check needs the provenance probes, which need root (CI runs it)")
+    check = subprocess.run(
+        [d.binary, "timeline", "check", str(timeline), "--require-path", "host_fixed"], capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr

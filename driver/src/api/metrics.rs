@@ -300,6 +300,11 @@ fn slot_gauges(m: &mut Scrape, store: &Store) {
         "READY publications nobody claimed, released to make room for a prepare (tenants that opted in).",
         st.evicted,
     );
+    m.counter(
+        "pdstor_unread_expired",
+        "READY publications no reader claimed within --unread-release-ms, released unread.",
+        st.expired,
+    );
 }
 
 /// A publication's phase as the API and `/metrics` name it.

@@ -133,6 +133,9 @@ pub struct Limits {
     /// A PREPARED publication whose prepare's answer never reached its client
     /// (it went away while waiting) is aborted after this long with no batch.
     pub orphan_grace: Duration,
+    /// A READY publication no reader claims for this long is released
+    /// unread; `None`: kept until its writer or an operator releases it.
+    pub unread_release: Option<Duration>,
 }
 
 impl Default for Limits {
@@ -149,6 +152,7 @@ impl Default for Limits {
             max_pinned_bytes_per_connection: 16 << 30,
             prepare_idle_timeout: Duration::from_secs(120),
             orphan_grace: Duration::from_secs(5),
+            unread_release: Some(Duration::from_secs(480)),
         }
     }
 }
@@ -316,8 +320,9 @@ async fn signalled() {
 }
 
 /// The reaper: PREPARED publications whose writer went quiet give their
-/// reservation back after `--prepare-idle-timeout-ms`, and those whose
-/// prepare's answer never reached the client after `--prepare-orphan-grace-ms`.
+/// reservation back after `--prepare-idle-timeout-ms`, those whose
+/// prepare's answer never reached the client after `--prepare-orphan-grace-ms`,
+/// and READY ones no reader claimed are released after `--unread-release-ms`.
 /// Stops when the flag returned is set.
 fn spawn_reaper(
     service: Arc<Service>,
@@ -326,8 +331,9 @@ fn spawn_reaper(
 ) -> std::io::Result<(Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<()>)> {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flag = stop.clone();
-    let (idle, grace) = (limits.prepare_idle_timeout, limits.orphan_grace);
-    let tick = (idle.min(grace) / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let (idle, grace, unread) = (limits.prepare_idle_timeout, limits.orphan_grace, limits.unread_release);
+    let shortest = unread.map_or(idle.min(grace), |u| idle.min(grace).min(u));
+    let tick = (shortest / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let handle = std::thread::Builder::new().name("pdstor-reaper".into()).spawn(move || {
         while !flag.load(std::sync::atomic::Ordering::SeqCst) {
             std::thread::sleep(tick);
@@ -339,6 +345,18 @@ fn spawn_reaper(
                     "aborted idle or orphaned PREPARED publications"
                 );
                 metrics.reaped.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+            }
+            let expired = match unread.map(|after| service.release_unread_after(after)) {
+                Some(Ok(n)) => n,
+                Some(Err(e)) => {
+                    tracing::error!(
+                        "releasing unread publications after --unread-release-ms failed (tried again next tick): {e}"
+                    );
+                    0
+                }
+                None => 0,
+            };
+            if n + expired > 0 {
                 metrics.reconcile(service.store());
             }
         }

@@ -43,6 +43,12 @@ pub struct LimitArgs {
     /// while waiting) is aborted after this long (ms) unless a store batch comes.
     #[arg(long, default_value_t = 5_000)]
     prepare_orphan_grace_ms: u64,
+    /// A READY publication no reader claims for this long (ms) is released unread (an exact
+    /// unread release, an `expire` on the timeline); claimed ones are never freed by time.
+    /// 0: kept until its writer or an operator releases it. The default is vLLM's for a
+    /// prefill's blocks no decode reads (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    #[arg(long, default_value_t = 480_000)]
+    unread_release_ms: u64,
 }
 
 impl LimitArgs {
@@ -59,6 +65,7 @@ impl LimitArgs {
             max_pinned_bytes_per_connection: self.max_pinned_per_connection,
             prepare_idle_timeout: Duration::from_millis(self.prepare_idle_timeout_ms),
             orphan_grace: Duration::from_millis(self.prepare_orphan_grace_ms),
+            unread_release: (self.unread_release_ms > 0).then(|| Duration::from_millis(self.unread_release_ms)),
         }
     }
 }

@@ -4,7 +4,9 @@
 //! publication id, the order of their prepares) — until the prepare and the
 //! prepares waiting before it fit. Each is an exact unread release: a RELEASE
 //! record, journaled and committed before its slots can be prepared again. A
-//! claimed, adopted or failed publication is never touched.
+//! claimed, adopted or failed publication is never touched. The same
+//! release ends a READY publication no reader claimed within the daemon's
+//! unread window (`--unread-release-ms`).
 
 use super::error::StoreError;
 use super::{Owner, Phase, SlotIndex, Store};
@@ -68,5 +70,46 @@ impl Store {
         // One commit for them all; the slots stay quarantined until it is durable.
         let freed: Vec<(&str, &[SlotIndex])> = freeing.iter().map(|(r, s)| (r.as_str(), s.as_slice())).collect();
         self.free_when_durable(&freed).map(|()| evicted)
+    }
+
+    /// The unread window: releases every READY publication nobody has
+    /// claimed `after` since this first found it READY and unclaimed. The
+    /// daemon's reaper calls it every tick, so the window starts at most a
+    /// tick after the publish, and a publication recovered READY at open is
+    /// given the whole window again. Each is an exact unread release (a
+    /// RELEASE record), durable when this returns; a claimed, adopted or
+    /// failed publication is never touched, whatever its age.
+    pub fn release_unread_after(&self, after: std::time::Duration) -> Result<Vec<Evicted>, StoreError> {
+        let now = std::time::Instant::now();
+        let mut expired = Vec::new();
+        let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
+        {
+            let mut live = self.lock_live();
+            let unread: std::collections::BTreeSet<u64> = live
+                .state
+                .pubs
+                .values()
+                .filter(|p| p.phase == Phase::Ready && p.claim.is_none())
+                .map(|p| p.id)
+                .collect();
+            live.unread_since.retain(|id, _| unread.contains(id));
+            for id in unread {
+                let since = *live.unread_since.entry(id).or_insert(now);
+                if now.duration_since(since) < after {
+                    continue;
+                }
+                let owner = live.state.pubs.get(&id).and_then(|p| p.owner.clone());
+                let (req, slots) = self.release_locked(&mut live, id)?;
+                live.unread_since.remove(&id);
+                live.expired += 1;
+                expired.push(Evicted { publication: id, req_id: req.clone(), slots: slots.len() as u64, owner });
+                freeing.push((req, slots));
+            }
+        }
+        if freeing.is_empty() {
+            return Ok(expired);
+        }
+        let freed: Vec<(&str, &[SlotIndex])> = freeing.iter().map(|(r, s)| (r.as_str(), s.as_slice())).collect();
+        self.free_when_durable(&freed).map(|()| expired)
     }
 }

@@ -165,6 +165,11 @@ struct Live {
     rollbacks: u64,
     /// Unread READY publications evicted under capacity pressure, since open.
     evicted: u64,
+    /// READY, unclaimed publications: when the daemon's policy first saw
+    /// each so (`Store::release_unread_after`).
+    unread_since: HashMap<u64, std::time::Instant>,
+    /// Unread READY publications released by that policy, since open.
+    expired: u64,
 }
 
 /// What `abort` did.
@@ -209,6 +214,8 @@ pub struct StoreStats {
     pub rollbacks: u64,
     /// Unread READY publications evicted under capacity pressure.
     pub evicted: u64,
+    /// Unread READY publications released after the unread window.
+    pub expired: u64,
     /// Payload chunks stored and loaded.
     pub payload_chunks: u64,
     /// Device commands they went in: fewer than the chunks where back-to-back
@@ -265,6 +272,8 @@ impl Store {
                 violations: 0,
                 rollbacks: 0,
                 evicted: 0,
+                unread_since: HashMap::new(),
+                expired: 0,
             }),
             admission: ReservationManager::with_clock(sb.slot_count, opts.wait_clock.clone()),
             io,
@@ -526,6 +535,7 @@ impl Store {
             violations: live.violations,
             rollbacks: live.rollbacks,
             evicted: live.evicted,
+            expired: live.expired,
             payload_chunks,
             payload_commands,
             payload_submissions,

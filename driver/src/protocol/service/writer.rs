@@ -240,6 +240,28 @@ impl Service {
         reaped.len()
     }
 
+    /// Releases the READY publications no reader claimed within `after`
+    /// ([`Store::release_unread_after`]), each an `expire` on the timeline;
+    /// returns how many.
+    pub fn release_unread_after(&self, after: Duration) -> Result<usize, ProtocolError> {
+        let expired = self.store.release_unread_after(after)?;
+        for e in &expired {
+            tracing::warn!(
+                "released unread publication {} ({}, {} slots): no reader claimed it within {} ms",
+                e.publication,
+                e.req_id,
+                e.slots,
+                after.as_millis()
+            );
+            let detail = format!("unread for {} ms (--unread-release-ms), {} slots", after.as_millis(), e.slots);
+            self.note(
+                &Caller::in_process(),
+                Event::new("expire").req(&e.req_id).publication(e.publication).detail(detail),
+            );
+        }
+        Ok(expired.len())
+    }
+
     /// Cancels request `req_id` ([`Store::cancel_request`]): a waiting
     /// prepare is refused, a PREPARED publication rolled back. Idempotent.
     pub fn cancel(&self, who: &Caller, req_id: &str) -> Result<CancelOutcome, ProtocolError> {

@@ -197,7 +197,7 @@ pub fn check(lines: &[(usize, Result<Event, String>)], path: PayloadPath) -> Che
 }
 
 /// Events that end a publication when the daemon records them.
-const ENDS: [&str; 6] = ["ack", "release", "evict", "abort", "reclaim", "store_failed"];
+const ENDS: [&str; 7] = ["ack", "release", "evict", "expire", "abort", "reclaim", "store_failed"];
 
 impl Checker {
     fn event(&mut self, line: usize, e: &Event) {

@@ -236,7 +236,7 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
             }
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
         }
-        ("release" | "evict", true) if p.claim.is_some() => {
+        ("release" | "evict" | "expire", true) if p.claim.is_some() => {
             let claim = p.claim.as_ref().map(|c| c.line);
             v.add(line, "causality", format!("{who}: {} after its claim (line {claim:?})", e.event));
         }
