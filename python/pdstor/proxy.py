@@ -21,7 +21,16 @@ name, for the timeline and the operator). A prefill that fails, or that
 hands nothing over (no ``kv_transfer_params``: not started with the
 connector), fails the request with the prefill's own status and words,
 never a silent recompute. Several ``--prefill`` and ``--decode`` URLs are
-taken in turn. Standard library only: it runs wherever the wheel installs.
+taken in turn.
+
+The prefill answers before its stores are durable; a decode given the
+publication's name waits for it to be READY (``WAITING_FOR_REMOTE_KVS``),
+holding its blocks, and its engine steps meanwhile. With ``--pdstor`` (the
+daemon's control socket) this proxy waits instead: it forwards the decode
+request once the publication is READY, or once it is gone or
+``--ready-timeout-s`` has passed (the decode then finds what the daemon says
+and answers as its failure policy does). Without it, nothing here talks to
+the daemon: standard library only.
 """
 
 from __future__ import annotations
@@ -116,13 +125,52 @@ def checked_request(raw: bytes) -> dict[str, Any]:
     return body
 
 
+class ReadyGate:
+    """Holds a decode request until its publication is READY (``--pdstor``)."""
+
+    POLL_FIRST_S, POLL_LAST_S = 0.001, 0.02
+
+    def __init__(self, server: str, timeout_s: float):
+        import pdstor  # the wheel's client; only with --pdstor
+
+        self.pdstor, self.server, self.timeout_s = pdstor, server, timeout_s
+        self.local = threading.local()
+        self.client().healthz()
+
+    def client(self) -> Any:
+        if getattr(self.local, "client", None) is None:
+            self.local.client = self.pdstor.Client(self.server)
+        return self.local.client
+
+    def wait(self, name: str) -> str:
+        """How the wait for `name` ended: READY, gone, or late."""
+        deadline, delay = time.monotonic() + self.timeout_s, self.POLL_FIRST_S
+        try:
+            while True:
+                if self.client().lookup([name])[0] is not None:
+                    return "ready"
+                states = [p["state"] for p in self.client().publications() if p["req_id"] == name]
+                if states != ["PREPARED"]:
+                    return f"not READY but {states or 'gone'}"
+                if time.monotonic() >= deadline:
+                    return f"still PREPARED after {self.timeout_s} s"
+                time.sleep(delay)
+                delay = min(2 * delay, self.POLL_LAST_S)
+        except self.pdstor.Error as e:
+            self.local.client = None
+            return f"the daemon at {self.server} did not answer ({e})"
+
+
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float):
+    def __init__(self, prefill: list[str], decode: list[str], timeout_s: float, gate: ReadyGate | None = None):
         self.prefill = Rotation([Upstream.parse(u) for u in prefill])
         self.decode = Rotation([Upstream.parse(u) for u in decode])
         self.timeout_s = timeout_s
+        self.gate = gate
         self.lock = threading.Lock()
-        self.counts = {"requests": 0, "handed_over": 0, "prefill_failed": 0, "decode_failed": 0, "refused": 0}
+        self.counts = {
+            "requests": 0, "handed_over": 0, "prefill_failed": 0, "decode_failed": 0, "refused": 0, "sent_unready": 0,
+        }  # fmt: skip
 
     def count(self, what: str) -> None:
         with self.lock:
@@ -204,6 +252,10 @@ class Handler(BaseHTTPRequestHandler):
         name = (kv.get("pdstor") or {}).get("req")
         if name is not None:
             proxy.count("handed_over")
+            ended = proxy.gate.wait(name) if proxy.gate is not None else "ready"
+            if ended != "ready":
+                proxy.count("sent_unready")
+                log.warning("pdstor.proxy: publication %s sent to the decode %s", name, ended)
         up = proxy.decode.take()
         status = self.relay_post(up, {**body, "kv_transfer_params": kv}, name)
         if status != 200:
@@ -295,10 +347,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--timeout-s", type=float, default=600.0, help="the longest wait for an engine's answer")
+    ap.add_argument("--pdstor", help="the daemon's control socket: decode requests wait here until READY")
+    ap.add_argument("--ready-timeout-s", type=float, default=30.0, help="the longest such wait")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    gate = None
+    if args.pdstor:
+        try:
+            gate = ReadyGate(args.pdstor, args.ready_timeout_s)
+        except ImportError as e:
+            print(f"pdstor.proxy: --pdstor needs the pdstor wheel's client: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # noqa: BLE001 - pdstor.Error or a bad socket URL: said, and nothing starts
+            print(f"pdstor.proxy: the daemon at {args.pdstor} does not answer ({e}): start `pdstor serve` there, "
+                  "or leave --pdstor out", file=sys.stderr)  # fmt: skip
+            return 2
     try:
-        proxy = Proxy(args.prefill, args.decode, args.timeout_s)
+        proxy = Proxy(args.prefill, args.decode, args.timeout_s, gate)
     except ValueError as e:
         print(f"pdstor.proxy: {e}", file=sys.stderr)
         return 2

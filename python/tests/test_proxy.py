@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 
+import pdstor
+from conftest import LAYOUT
+
 PARAMS = {"pdstor": {"receipt": "{}", "req": "vllm-prefill-7", "prompt_tokens": 3, "first_token": 42}}
 
 
@@ -86,6 +89,10 @@ def engines():
 
 @pytest.fixture
 def proxy(engines):
+    yield from started_proxy(engines)
+
+
+def started_proxy(engines, *extra: str):
     import socket
 
     with socket.socket() as s:
@@ -93,7 +100,7 @@ def proxy(engines):
         port = s.getsockname()[1]
     p, d = engines
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdstor.proxy", "--prefill", p.url, "--decode", d.url, "--port", str(port)],
+        [sys.executable, "-m", "pdstor.proxy", "--prefill", p.url, "--decode", d.url, "--port", str(port), *extra],
         stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
@@ -189,3 +196,45 @@ def test_an_engine_url_with_a_path_is_refused_at_start():
         text=True,
     )
     assert out.returncode == 2 and "give http://HOST:PORT" in out.stderr
+
+
+@pytest.fixture
+def gated_proxy(engines, daemon):
+    yield from started_proxy(engines, "--pdstor", daemon.server)
+
+
+def test_with_the_daemon_a_decode_is_sent_once_its_publication_is_ready_or_gone(engines, daemon, gated_proxy):
+    """--pdstor: the decode request waits in the proxy while the prefill's
+    publication is PREPARED, goes on once it is READY; one that is rolled
+    back goes on at once (the decode answers for it), counted."""
+    p, d = engines
+    url = gated_proxy
+    client = daemon.client()
+    buf = pdstor.Buffer(1 << 20)
+    w = pdstor.Writer(client)
+    w.prepare(PARAMS["pdstor"]["req"], LAYOUT, total_chunks=1, timeout_ms=1000)
+    answers: list[int] = []
+    sent = threading.Thread(target=lambda: answers.append(post(url + "/v1/completions", {"prompt": [5], "max_tokens": 4})[0]))
+    sent.start()
+    time.sleep(0.5)
+    assert len(p.seen) == 1 and d.seen == [], "the decode is not asked while the publication is PREPARED"
+    w.store([(0, buf, 0, 1 << 20)], last=True)
+    ready = w.publish(first_token=42)
+    sent.join(10)
+    assert answers == [200] and len(d.seen) == 1
+    client.release(ready)
+
+    w.prepare(PARAMS["pdstor"]["req"], LAYOUT, total_chunks=1, timeout_ms=1000)
+    w.abort()
+    assert post(url + "/v1/completions", {"prompt": [5], "max_tokens": 4})[0] == 200 and len(d.seen) == 2
+    with urllib.request.urlopen(url + "/pdstor/stats", timeout=5) as r:
+        assert json.loads(r.read())["sent_unready"] == 1
+
+
+def test_a_daemon_that_does_not_answer_stops_the_proxy_at_start(engines, tmp_path):
+    p, d = engines
+    ran = subprocess.run(
+        [sys.executable, "-m", "pdstor.proxy", "--prefill", p.url, "--decode", d.url, "--pdstor", f"unix:{tmp_path}/none.sock"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert ran.returncode == 2 and "does not answer" in ran.stderr and "leave --pdstor out" in ran.stderr
