@@ -331,6 +331,7 @@ def main() -> int:
     procs: list[Process] = []
     corrupt: dict = {}
     killed: dict = {}
+    seen: dict = {}
     try:
         # The oracle answers each request before the proxy is asked: it
         # shares the prefill's core, never its time.
@@ -351,6 +352,7 @@ def main() -> int:
                 run.completions(group, length, batch, seed)
                 seed += batch
         run.streamed_and_chat(5_000)
+        seen = connector_metrics(run, prefill, decode)
         if run.max_delta > MAX_DELTA:
             run.fail(f"chosen-token log-probability delta {run.max_delta:.4f} > {MAX_DELTA}")
         corrupt = corrupt_control(run, prefill, decode, daemon, target)
@@ -367,10 +369,37 @@ def main() -> int:
     if check.returncode != 0:
         run.fail(f"pdstor timeline check: {check.stdout.strip()[-2000:]} {check.stderr.strip()}")
     timeline_report = json.loads(check.stdout) if check.stdout.strip().startswith("{") else check.stdout
-    return report(run, corrupt, killed, timeline_report, check.returncode == 0, time.monotonic() - started)
+    return report(run, corrupt, killed, seen, timeline_report, check.returncode == 0, time.monotonic() - started)
 
 
-def report(run: Run, corrupt: dict, killed: dict, timeline: Any, clean: bool, seconds: float) -> int:
+def connector_metrics(run: Run, prefill: Process, decode: Process) -> dict:
+    """The connector's counters on each engine's own /metrics (vLLM's
+    connector-stats hooks): every request handed over published by the
+    prefill and restored by the decode, none failed."""
+    def sample(p: Process, series: str) -> float:
+        status, body = serving.request(p.url, "GET", "/metrics", None)
+        if status != 200:
+            run.fail(f"{p.name} /metrics answered {status}")
+            return 0.0
+        lines = [x for x in body.decode().splitlines() if x.startswith(series + "{")]
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+    handed = sum(c.get("batch", 1) for c in run.cases)
+    seen = {
+        "prefill vllm:pdstor_published_total": sample(prefill, "vllm:pdstor_published_total"),
+        "decode vllm:pdstor_restored_total": sample(decode, "vllm:pdstor_restored_total"),
+        "decode vllm:pdstor_restore_failures_total": sample(decode, "vllm:pdstor_restore_failures_total"),
+        "decode vllm:pdstor_restore_seconds_count": sample(decode, "vllm:pdstor_restore_seconds_count"),
+    }
+    restored = seen["decode vllm:pdstor_restored_total"]
+    if restored < handed or seen["prefill vllm:pdstor_published_total"] < handed or seen["decode vllm:pdstor_restore_seconds_count"] != restored:
+        run.fail(f"the connector's counters on /metrics do not count the {handed} handoffs: {seen}")
+    if seen["decode vllm:pdstor_restore_failures_total"]:
+        run.fail(f"the decode's /metrics counts failed restores before any control ran: {seen}")
+    return seen
+
+
+def report(run: Run, corrupt: dict, killed: dict, metrics: dict, timeline: Any, clean: bool, seconds: float) -> int:
     out = {
         "requests": sum(c.get("batch", 1) for c in run.cases),
         "tokens_compared": run.compared,
@@ -379,6 +408,7 @@ def report(run: Run, corrupt: dict, killed: dict, timeline: Any, clean: bool, se
         "cases": run.cases,
         "corrupt_chunk_control": corrupt,
         "killed_prefill_control": killed,
+        "connector_metrics": metrics,
         "timeline": timeline,
         "seconds": round(seconds, 1),
         "failures": run.failures,
@@ -389,6 +419,7 @@ def report(run: Run, corrupt: dict, killed: dict, timeline: Any, clean: bool, se
         "",
         f"- requests through the proxy: {out['requests']}, tokens compared with the no-cache oracle: {run.compared}",
         f"- chosen-token log-probabilities compared: {run.logprobs}, maximum delta {run.max_delta:.5f} (limit {MAX_DELTA})",
+        f"- connector counters on the engines' /metrics: {metrics}",
         f"- corrupted chunk: {corrupt}",
         f"- prefill killed mid-store: {killed}",
         f"- timeline check: {'clean' if clean else 'FAILED'}",

@@ -98,6 +98,46 @@ def test_requests_are_handed_over_through_the_real_scheduler_byte_for_byte(model
     # Every publication claimed, adopted, loaded, verified and acknowledged: the slots are free.
     assert client.publications() == []
     assert c.worker.worker_side.restored == len(prompts)
+    # What each engine told vLLM's stats (and so its logs and /metrics).
+    made, got = merged_stats(p), merged_stats(c)
+    chunks = sum(-(-len(t) // BLOCK) for t in prompts.values())
+    assert (made["prepared"], made["published"], made["stored_chunks"]) == (len(prompts), len(prompts), chunks)
+    assert len(made["publish"]) == len(prompts) and made["store"] and not made["restored"]
+    assert (got["restored"], got["restore_failures"], len(got["restore"])) == (len(prompts), 0, len(prompts))
+    assert got["restored_bytes"] == chunks * c.worker.worker_side.shape.chunk_bytes
+
+
+def merged_stats(e: Engine) -> dict:
+    """The connector stats an engine's steps reported, merged as vLLM's stat loggers do."""
+    from pdstor.vllm import PdstorConnector
+
+    total = PdstorConnector.build_kv_connector_stats()
+    for data in e.connector_stats:
+        total.aggregate(PdstorConnector.build_kv_connector_stats(data))
+    return total.data
+
+
+def test_the_connector_stats_reach_prometheus_as_vllm_records_them(model, daemon):
+    """build_prom_metrics with prometheus_client's own classes (a registry of
+    the test's): every count a counter, every latency a histogram."""
+    import functools
+
+    import prometheus_client as prom
+
+    from pdstor.vllm import PdstorConnector
+
+    reg = prom.CollectorRegistry()
+    types = {t: functools.partial(t, registry=reg) for t in (prom.Gauge, prom.Counter, prom.Histogram)}
+    config = engine_config(model, daemon, "kv_consumer", "decode-0")
+    metrics = PdstorConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    stats = PdstorConnector.build_kv_connector_stats({"restored": 3, "restored_bytes": 4096, "restore": [0.002, 0.004]})
+    metrics.observe(stats.to_dict(), 0)
+    metrics.observe({"restore_failures": 1}, 0)
+    text = prom.generate_latest(reg).decode()
+    assert 'vllm:pdstor_restored_total{engine="0",model_name="tiny"} 3.0' in text
+    assert 'vllm:pdstor_restore_failures_total{engine="0",model_name="tiny"} 1.0' in text
+    assert 'vllm:pdstor_restore_seconds_count{engine="0",model_name="tiny"} 2.0' in text
+    assert "vllm:pdstor_ready_wait_seconds_bucket" in text
 
 
 def test_the_stock_protocol_restores_the_original_prompt_and_checks_the_first_token(model, daemon, tmp_path):

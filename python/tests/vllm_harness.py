@@ -180,6 +180,8 @@ class Engine:
     failed_blocks: set[int] = field(default_factory=set)
     # Steps that computed no token (every request waiting for the connector).
     idle_steps: int = 0
+    # The connector stats each step's scheduler stats carried (both halves', merged by vLLM).
+    connector_stats: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         global _none_hash
@@ -308,11 +310,17 @@ class Engine:
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
             sampled_token_ids=[sampled[r] for r in req_ids],
             kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
+                finished_sending=sending,
+                finished_recving=recving,
+                invalid_block_ids=invalid,
+                kv_connector_stats=w.get_kv_connector_stats(),
             ),
         )
         results = []
         for outputs in self.scheduler.update_from_output(so, out).values():
+            stats = outputs.scheduler_stats.kv_connector_stats if outputs.scheduler_stats else None
+            if stats:
+                self.connector_stats.append(stats)
             for o in outputs.outputs:
                 self.generated.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -23,6 +23,7 @@ from ._format import HEADER_BYTES
 from ._identity import engine_layout
 from ._meta import PdstorMetadata
 from ._scheduler import SchedulerSide
+from ._stats import PdstorPromMetrics, PdstorStats
 from ._worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -177,6 +178,23 @@ class PdstorConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.finished(request, block_ids)
+
+    # -- vLLM's connector stats (logged, and on the engine's /metrics) ----------
+
+    def get_kv_connector_stats(self) -> PdstorStats | None:
+        if self._worker is not None:
+            return self._worker.ctx.stats.take()
+        return self.scheduler_side.stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdstorStats:
+        return PdstorStats(data=dict(data)) if data else PdstorStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: Any, metric_types: dict, labelnames: list[str], per_engine_labelvalues: dict
+    ) -> PdstorPromMetrics:
+        return PdstorPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

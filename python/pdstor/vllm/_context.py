@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pdstor
 
 from ._format import Shape
+from ._stats import Recorder
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class Context:
     cfg: Any
     engine_id: str
     timeline: pdstor.Timeline | None
+    # This half's counts and latencies, for vLLM's connector stats.
+    stats: Recorder = field(default_factory=Recorder)
 
     @property
     def session(self) -> str:

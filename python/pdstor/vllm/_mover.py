@@ -41,6 +41,7 @@ _STOP = object()
 @dataclass
 class _Waiting:
     spec: LoadSpec
+    since: float
     deadline: float
 
 
@@ -124,7 +125,8 @@ class Mover:
 
     def _start_load(self, spec: LoadSpec) -> None:
         if spec.error is None and spec.ready is None:
-            self.waiting.append(_Waiting(spec, time.monotonic() + self.ready_timeout_s))
+            now = time.monotonic()
+            self.waiting.append(_Waiting(spec, now, now + self.ready_timeout_s))
             return
         self._finish_load(spec, spec.ready)
 
@@ -153,6 +155,7 @@ class Mover:
         for w, ready, name in zip(self.waiting, found, names):
             state = states.get(name, "READY" if ready is not None else None)
             if ready is not None:
+                self.side.ctx.stats.time("ready_wait", now - w.since)
                 self._finish_load(w.spec, ready)
             elif state == "PREPARED" and now < w.deadline:
                 keep.append(w)

@@ -7,15 +7,19 @@ scheduler, everything else on the worker's mover."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._consumer import Consumer
 from ._context import Context
 from ._meta import PdstorMetadata
 from ._producer import PARAMS, Producer
+from ._stats import PdstorStats
 
 __all__ = ["PARAMS", "Counters", "SchedulerSide"]
+
+# What this half reports to vLLM's stats (its restores and publishes are the worker's to count).
+SCHEDULER_COUNTS = ("prepared", "aborted", "admission_waits", "load_refused", "first_token_mismatches")
 
 
 @dataclass
@@ -44,6 +48,18 @@ class SchedulerSide:
         self.counters = Counters()
         self.producer = Producer(ctx, self.counters)
         self.consumer = Consumer(ctx, self.counters)
+        self.reported = Counters()
+
+    def stats(self) -> PdstorStats | None:
+        """vLLM's connector stats: this half's counts since the last call."""
+        now, before = asdict(self.counters), asdict(self.reported)
+        delta = {k: now[k] - before[k] for k in SCHEDULER_COUNTS if now[k] != before[k]}
+        self.reported = Counters(**now)
+        if not delta:
+            return None
+        out = PdstorStats()
+        out.data.update(delta)
+        return out
 
     def close(self) -> None:
         self.producer.close()

@@ -31,6 +31,7 @@ installed.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -151,7 +152,11 @@ class WorkerSide:
                     self._page(slot, layer).copy_(kv[block])
                 stores.append((index, self.staging, at, self.shape.chunk_bytes))
             final = spec.last and start + len(batch) == len(spec.chunks)
+            began = time.monotonic()
             w.store(stores, last=final)
+            self.ctx.stats.time("store", time.monotonic() - began)
+            self.ctx.stats.count("stored_chunks", len(stores))
+            self.ctx.stats.count("stored_bytes", len(stores) * self.shape.chunk_bytes)
 
     def end_one(self, spec: EndSpec) -> None:
         """Publishes READY, or rolls back: after every store queued before."""
@@ -164,7 +169,10 @@ class WorkerSide:
             if w is None:
                 w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
             if spec.first_token is not None and failed is None:
+                began = time.monotonic()
                 ready = w.publish(first_token=spec.first_token)
+                self.ctx.stats.time("publish", time.monotonic() - began)
+                self.ctx.stats.count("published")
                 self.published += 1
                 self.ctx.note("publish", receipt=ready)
                 return
@@ -193,10 +201,14 @@ class WorkerSide:
         """Restores one request (on the mover); the blocks that were not
         restored (none when it was)."""
         try:
+            began = time.monotonic()
             self._load_one(spec, ready)
+            self.ctx.stats.time("restore", time.monotonic() - began)
+            self.ctx.stats.count("restored")
             self.restored += 1
             return []
         except Exception as e:  # noqa: BLE001 - every failure goes to vLLM's load-error path
+            self.ctx.stats.count("restore_failures")
             self.failed_loads += 1
             blocks = [b for _, b in spec.fill]
             log.error("pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e)
@@ -249,6 +261,7 @@ class WorkerSide:
             batch = list(range(start, min(start + self.slots, expected)))
             places = [(index, self.staging, slot * self.shape.chunk_bytes) for slot, index in enumerate(batch)]
             self.reader.load(claim, places)
+            self.ctx.stats.count("restored_bytes", len(places) * self.shape.chunk_bytes)
             for slot, index in enumerate(batch):
                 raw = self.staging.read(slot * self.shape.chunk_bytes, HEADER_BYTES)
                 why = check_header(raw, self.shape, index, spec.prompt_tokens, spec.digest)
