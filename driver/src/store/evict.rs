@@ -9,7 +9,7 @@
 //! unread window (`--unread-release-ms`).
 
 use super::error::StoreError;
-use super::{Owner, Phase, SlotIndex, Store};
+use super::{Live, Owner, Phase, SlotIndex, Store};
 
 /// One publication an eviction released.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,20 +56,12 @@ impl Store {
                 if short == 0 {
                     break;
                 }
-                let owner = live.state.pubs.get(&id).and_then(|p| p.owner.clone());
-                let (req, slots) = self.release_locked(&mut live, id)?;
+                let n = self.release_unread_locked(&mut live, id, &mut evicted, &mut freeing)?;
                 live.evicted += 1;
-                short = short.saturating_sub(slots.len() as u64);
-                evicted.push(Evicted { publication: id, req_id: req.clone(), slots: slots.len() as u64, owner });
-                freeing.push((req, slots));
+                short = short.saturating_sub(n);
             }
         }
-        if freeing.is_empty() {
-            return Ok(evicted);
-        }
-        // One commit for them all; the slots stay quarantined until it is durable.
-        let freed: Vec<(&str, &[SlotIndex])> = freeing.iter().map(|(r, s)| (r.as_str(), s.as_slice())).collect();
-        self.free_when_durable(&freed).map(|()| evicted)
+        self.free_released(&freeing).map(|()| evicted)
     }
 
     /// The unread window: releases every READY publication nobody has
@@ -98,18 +90,37 @@ impl Store {
                 if now.duration_since(since) < after {
                     continue;
                 }
-                let owner = live.state.pubs.get(&id).and_then(|p| p.owner.clone());
-                let (req, slots) = self.release_locked(&mut live, id)?;
+                self.release_unread_locked(&mut live, id, &mut expired, &mut freeing)?;
                 live.unread_since.remove(&id);
                 live.expired += 1;
-                expired.push(Evicted { publication: id, req_id: req.clone(), slots: slots.len() as u64, owner });
-                freeing.push((req, slots));
             }
         }
+        self.free_released(&freeing).map(|()| expired)
+    }
+
+    /// Releases unread publication `id` (a RELEASE record, not yet durable),
+    /// noted in `out` and its slots in `freeing`; answers how many slots.
+    fn release_unread_locked(
+        &self,
+        live: &mut Live,
+        id: u64,
+        out: &mut Vec<Evicted>,
+        freeing: &mut Vec<(String, Vec<SlotIndex>)>,
+    ) -> Result<u64, StoreError> {
+        let owner = live.state.pubs.get(&id).and_then(|p| p.owner.clone());
+        let (req, slots) = self.release_locked(live, id)?;
+        let n = slots.len() as u64;
+        out.push(Evicted { publication: id, req_id: req.clone(), slots: n, owner });
+        freeing.push((req, slots));
+        Ok(n)
+    }
+
+    /// One commit for all the releases; their slots stay quarantined until it is durable.
+    fn free_released(&self, freeing: &[(String, Vec<SlotIndex>)]) -> Result<(), StoreError> {
         if freeing.is_empty() {
-            return Ok(expired);
+            return Ok(());
         }
         let freed: Vec<(&str, &[SlotIndex])> = freeing.iter().map(|(r, s)| (r.as_str(), s.as_slice())).collect();
-        self.free_when_durable(&freed).map(|()| expired)
+        self.free_when_durable(&freed)
     }
 }
