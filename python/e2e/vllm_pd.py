@@ -178,10 +178,11 @@ def corrupt_control(run: Run, prefill: Process, decode: Process, daemon: Any, ta
     deadline = time.monotonic() + 30
     while client.lookup([name]) == [None] and time.monotonic() < deadline:
         time.sleep(0.05)
-    (info,) = [x for x in client.publications(verbose=True) if x["req_id"] == name]
-    if info["state"] != "READY":
-        run.fail(f"corrupt control: publication {name!r} is {info['state']} 30 s after its prefill answered")
+    found = [x for x in client.publications(verbose=True) if x["req_id"] == name]
+    if [x["state"] for x in found] != ["READY"]:
+        run.fail(f"corrupt control: publication {name!r} is {[x['state'] for x in found] or 'gone'}, not READY")
         return {}
+    (info,) = found
     with open(target, "r+b") as f:
         f.seek(info["extents"][1]["offset"] + 512)
         f.write(b"\x00corrupted by the control\x00")

@@ -44,6 +44,9 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -134,31 +137,36 @@ class ReadyGate:
         import pdstor  # the wheel's client; only with --pdstor
 
         self.pdstor, self.server, self.timeout_s = pdstor, server, timeout_s
-        self.local = threading.local()
-        self.client().healthz()
+        self.client = pdstor.Client(server)  # one for every request: it is shared across threads
+        self.client.healthz()
+        # The daemon's answers are waited for here, never longer than a wait's
+        # deadline: a daemon that stops answering cannot hold a request.
+        self.asks = ThreadPoolExecutor(8, thread_name_prefix="pdstor-proxy-gate")
 
-    def client(self) -> Any:
-        if getattr(self.local, "client", None) is None:
-            self.local.client = self.pdstor.Client(self.server)
-        return self.local.client
+    def _ask(self, deadline: float, what: Callable[[], Any]) -> Any:
+        return self.asks.submit(what).result(timeout=max(0.0, deadline - time.monotonic()))
 
     def wait(self, name: str) -> str:
-        """How the wait for `name` ended: READY, gone, or late."""
+        """How the wait for `name` ended: "ready", or why it went on without."""
         deadline, delay = time.monotonic() + self.timeout_s, self.POLL_FIRST_S
         try:
             while True:
-                if self.client().lookup([name])[0] is not None:
+                if self._ask(deadline, lambda: self.client.lookup([name]))[0] is not None:
                     return "ready"
-                states = [p["state"] for p in self.client().publications() if p["req_id"] == name]
-                if states != ["PREPARED"]:
-                    return f"not READY but {states or 'gone'}"
+                prepared = self._ask(deadline, lambda: self.client.publications(state="PREPARED"))
+                if not any(p["req_id"] == name for p in prepared):
+                    # READY since the lookup (or READY and not this proxy's to
+                    # claim), or gone: either way there is nothing to wait for.
+                    found = self._ask(deadline, lambda: self.client.lookup([name]))[0]
+                    return "ready" if found is not None else "not PREPARED, and no READY receipt for it"
                 if time.monotonic() >= deadline:
                     return f"still PREPARED after {self.timeout_s} s"
                 time.sleep(delay)
                 delay = min(2 * delay, self.POLL_LAST_S)
-        except self.pdstor.Error as e:
-            self.local.client = None
-            return f"the daemon at {self.server} did not answer ({e})"
+        except FutureTimeout:
+            return f"the daemon at {self.server} did not answer within {self.timeout_s} s"
+        except Exception as e:  # noqa: BLE001 - whatever the daemon answered, the decode decides
+            return f"the daemon at {self.server} answered an error ({e})"
 
 
 class Proxy:

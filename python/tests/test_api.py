@@ -478,23 +478,23 @@ def test_a_publication_no_reader_claims_is_released_after_the_unread_window(tmp_
     timeline = tmp_path / "timeline.jsonl"
     # The timeline checks clean only with the payload's provenance (root's probes).
     probes = ["--provenance", "--require-native"] if os.geteuid() == 0 else []
-    d = serve(tmp_path, "64M", "1M", ["--unread-release-ms", "300", "--timeline", str(timeline), *probes])
+    d = serve(tmp_path, "64M", "1M", ["--unread-release-ms", "2000", "--timeline", str(timeline), *probes])
     try:
         client = d.client()
         buf = pdstor.Buffer(MIB)
         buf.write(0, pattern(MIB, 5))
-        receipts = {}
-        for req in ("never-read", "read"):
+        reader = pdstor.Reader(client)
+        for req in ("read", "never-read"):
             w = pdstor.Writer(client)
             w.prepare(req, LAYOUT, total_chunks=1, timeout_ms=1000)
             w.store([(0, buf, 0, MIB)], last=True)
-            receipts[req] = w.publish(first_token=1)
-        r = pdstor.Reader(client)
-        r.claim(receipts["read"])
-        deadline = time.monotonic() + 30
+            ready = w.publish(first_token=1)
+            if req == "read":
+                reader.claim(ready)  # at once: well inside the window
+        deadline = time.monotonic() + 60
         while client.lookup(["never-read"]) != [None] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert client.lookup(["never-read"]) == [None], "still READY 30 s into a 300 ms window"
+        assert client.lookup(["never-read"]) == [None], "still READY 60 s into a 2 s window"
         time.sleep(0.5)
         assert [p["state"] for p in client.publications()] == ["CLAIMED"], "the claimed one stays"
         assert metric(client, "pdstor_unread_expired_total") == 1

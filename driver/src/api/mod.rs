@@ -152,7 +152,7 @@ impl Default for Limits {
             max_pinned_bytes_per_connection: 16 << 30,
             prepare_idle_timeout: Duration::from_secs(120),
             orphan_grace: Duration::from_secs(5),
-            unread_release: Some(Duration::from_secs(480)),
+            unread_release: None,
         }
     }
 }

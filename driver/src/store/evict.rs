@@ -37,6 +37,7 @@ impl Store {
     ) -> Result<Vec<Evicted>, StoreError> {
         let mut evicted = Vec::new();
         let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
+        let mut failed = None;
         {
             let mut live = self.lock_live();
             let st = self.admission.stats();
@@ -56,12 +57,21 @@ impl Store {
                 if short == 0 {
                     break;
                 }
-                let n = self.release_unread_locked(&mut live, id, &mut evicted, &mut freeing)?;
-                live.evicted += 1;
-                short = short.saturating_sub(n);
+                match self.release_unread_locked(&mut live, id, &mut evicted, &mut freeing) {
+                    Ok(n) => {
+                        live.evicted += 1;
+                        short = short.saturating_sub(n);
+                    }
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
             }
         }
-        self.free_released(&freeing).map(|()| evicted)
+        // What was released before a failure still gets its commit.
+        self.free_released(&freeing)?;
+        failed.map_or(Ok(evicted), Err)
     }
 
     /// The unread window: releases every READY publication nobody has
@@ -75,6 +85,7 @@ impl Store {
         let now = std::time::Instant::now();
         let mut expired = Vec::new();
         let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
+        let mut failed = None;
         {
             let mut live = self.lock_live();
             let unread: std::collections::BTreeSet<u64> = live
@@ -90,12 +101,16 @@ impl Store {
                 if now.duration_since(since) < after {
                     continue;
                 }
-                self.release_unread_locked(&mut live, id, &mut expired, &mut freeing)?;
+                if let Err(e) = self.release_unread_locked(&mut live, id, &mut expired, &mut freeing) {
+                    failed = Some(e);
+                    break;
+                }
                 live.unread_since.remove(&id);
                 live.expired += 1;
             }
         }
-        self.free_released(&freeing).map(|()| expired)
+        self.free_released(&freeing)?;
+        failed.map_or(Ok(expired), Err)
     }
 
     /// Releases unread publication `id` (a RELEASE record, not yet durable),

@@ -19,6 +19,7 @@ preempted one's too (it is prepared anew when scheduled again).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class Producer:
         self.ctx, self.counters = ctx, counters
         self.client, self.layout, self.shape, self.cfg = ctx.client, ctx.layout, ctx.shape, ctx.cfg
         self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pdstor-vllm-prepare")
+        # The pool's threads count admission waits beside the engine thread's counts.
+        self.count_lock = threading.Lock()
         self.pubs: dict[str, _Pub] = {}
         self.preparing: dict[str, tuple[Future[_Prepared], str, int]] = {}
         # Preempted requests prepared anew and not scheduled since: their
@@ -150,7 +153,8 @@ class Producer:
         try:
             writer.prepare(name, self.layout, total, timeout_ms=0)
         except pdstor.AdmissionTimeout:
-            self.counters.admission_waits += 1
+            with self.count_lock:
+                self.counters.admission_waits += 1
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
             writer.prepare(name, self.layout, total, timeout_ms=timeout_ms)
         publication = writer.publication

@@ -52,7 +52,9 @@ class SchedulerSide:
 
     def stats(self) -> PdstorStats | None:
         """vLLM's connector stats: this half's counts since the last call."""
-        now, before = asdict(self.counters), asdict(self.reported)
+        with self.producer.count_lock:
+            now = asdict(self.counters)
+        before = asdict(self.reported)
         delta = {k: now[k] - before[k] for k in SCHEDULER_COUNTS if now[k] != before[k]}
         self.reported = Counters(**now)
         if not delta:

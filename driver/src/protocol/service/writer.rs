@@ -244,6 +244,8 @@ impl Service {
     /// ([`Store::release_unread_after`]), each an `expire` on the timeline;
     /// returns how many.
     pub fn release_unread_after(&self, after: Duration) -> Result<usize, ProtocolError> {
+        // Never recorded before the publish that made it READY.
+        self.after_publishes();
         let expired = self.store.release_unread_after(after)?;
         for e in &expired {
             tracing::warn!(
