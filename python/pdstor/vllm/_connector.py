@@ -182,9 +182,8 @@ class PdstorConnector(KVConnectorBase_V1):
     # -- vLLM's connector stats (logged, and on the engine's /metrics) ----------
 
     def get_kv_connector_stats(self) -> PdstorStats | None:
-        if self._worker is not None:
-            return self._worker.ctx.stats.take()
-        return self.scheduler_side.stats()
+        data = self._worker.ctx.stats.take() if self._worker is not None else self.scheduler_side.stats()
+        return PdstorStats(data=dict(data)) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdstorStats:

@@ -8,7 +8,7 @@ from typing import Any
 import pdstor
 
 from ._format import Shape
-from ._stats import Recorder
+from ._recorder import Recorder
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,6 @@ from ._consumer import Consumer
 from ._context import Context
 from ._meta import PdstorMetadata
 from ._producer import PARAMS, Producer
-from ._stats import PdstorStats
 
 __all__ = ["PARAMS", "Counters", "SchedulerSide"]
 
@@ -50,18 +49,14 @@ class SchedulerSide:
         self.consumer = Consumer(ctx, self.counters)
         self.reported = Counters()
 
-    def stats(self) -> PdstorStats | None:
+    def stats(self) -> dict[str, int] | None:
         """vLLM's connector stats: this half's counts since the last call."""
         with self.producer.count_lock:
             now = asdict(self.counters)
         before = asdict(self.reported)
         delta = {k: now[k] - before[k] for k in SCHEDULER_COUNTS if now[k] != before[k]}
         self.reported = Counters(**now)
-        if not delta:
-            return None
-        out = PdstorStats()
-        out.data.update(delta)
-        return out
+        return delta or None
 
     def close(self) -> None:
         self.producer.close()
