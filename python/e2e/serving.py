@@ -43,11 +43,8 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}w9"
 # 25-45 s to start on a 2-core VM).
 START_S = 600
 ANSWER_S = 300
-# vLLM's worker spins (os.sched_yield) between engine steps, and an engine
-# with a request waiting for a handoff steps every millisecond: on a 2-core
-# guest that spinner kept the kernel's per-CPU workers of its core from
-# running for minutes (`BUG: workqueue lockup`), the daemon's O_DIRECT
-# completions among them. Servers run below the kernel and the daemon.
+# Servers run below the kernel's own workers and the daemon (see
+# `server_cores` for what starved them here).
 SERVER_NICE = 10
 
 
@@ -174,13 +171,60 @@ class Process:
             self.kill()
 
 
+def interrupt_cpus(path: Path) -> set[int]:
+    """The CPUs that take the interrupts of the disk that holds `path` (the
+    MSI vectors of its PCI device); empty where sysfs does not say (a loop
+    device, zram, an overlay)."""
+    dev = os.stat(path).st_dev
+    node = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+    if (node / "partition").exists():
+        node = node.parent
+    device = (node / "device").resolve()
+    while device != device.parent and not (device / "msi_irqs").is_dir():
+        device = device.parent
+    try:
+        irqs = os.listdir(device / "msi_irqs")
+    except OSError:
+        return set()
+    cpus: set[int] = set()
+    for irq in irqs:
+        try:
+            text = Path(f"/proc/irq/{irq}/effective_affinity_list").read_text().strip()
+        except OSError:
+            continue
+        for part in filter(None, text.split(",")):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def server_cores(out: Path) -> tuple[str, str]:
+    """The cores for the prefill's side (prefill and oracle, which never
+    compute at once) and for the decode: cores that do not take the
+    interrupts of the disk the daemon's target is on, where there are any.
+
+    Measured on a 2-core guest whose disk interrupts all land on CPU 1
+    (6.18, `Dynamic Preempt: none`): with the decode bound to CPU 1, that
+    core's per-CPU kernel workers starved for 37-189 s at a time (49
+    `BUG: workqueue lockup`, every one on CPU 1), and among them the ext4
+    O_DIRECT write completions (`iomap_dio_complete_work`) the daemon's
+    stores wait for — publications then never became READY. With nothing of
+    vLLM's bound to that core, none."""
+    cpus = sorted(os.sched_getaffinity(0))
+    busy = interrupt_cpus(out)
+    # Where every core takes them, the prefill and the decode on two cores.
+    quiet = [c for c in cpus if c not in busy] or cpus
+    return str(quiet[0]), str(quiet[min(1, len(quiet) - 1)])
+
+
 def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | None, cores: str) -> Process:
     """`vllm serve` of `model`, its model's threads bound to `cores` (vLLM's
-    VLLM_CPU_OMP_THREADS_BIND, "0" or "0-1"). Servers that run at once get
-    cores of their own: a decode waiting for a handoff steps every
-    millisecond (vLLM's engine loop), and an OpenMP team that shares its
-    cores with that spins at its barriers — a prefill's forward pass then
-    took 30 s instead of 30 ms here."""
+    VLLM_CPU_OMP_THREADS_BIND, "0" or "0-1"; `server_cores` chooses). Bind
+    each server to one core, or give servers that run at once cores of
+    their own: a decode waiting for a handoff steps every millisecond
+    (vLLM's engine loop), and an OpenMP team of several threads that shares
+    its cores with that spins at its barriers — a prefill's forward pass
+    then took 30 s instead of 30 ms here."""
     port = free_port()
     argv = [
         # Below the kernel's own workers and the daemon: see the docstring.

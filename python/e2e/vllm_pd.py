@@ -336,9 +336,11 @@ def main() -> int:
     try:
         # The oracle answers each request before the proxy is asked: it
         # shares the prefill's core, never its time.
-        oracle = serving.vllm_serve("oracle", model, out, None, cores="0")
-        prefill = serving.vllm_serve("prefill", model, out, connector("kv_producer"), cores="0")
-        decode = serving.vllm_serve("decode", model, out, connector("kv_consumer"), cores="1")
+        first, second = serving.server_cores(out)
+        print(f"vllm e2e: the oracle and the prefill on core {first}, the decode on core {second}", flush=True)
+        oracle = serving.vllm_serve("oracle", model, out, None, cores=first)
+        prefill = serving.vllm_serve("prefill", model, out, connector("kv_producer"), cores=first)
+        decode = serving.vllm_serve("decode", model, out, connector("kv_consumer"), cores=second)
         procs += [oracle, prefill, decode]
         for p in procs:
             p.wait_healthy()

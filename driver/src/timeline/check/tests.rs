@@ -129,3 +129,25 @@ fn a_repeated_claim_is_the_same_claim() {
     let r = check(&lines(mutate::renumbered(lone)), PayloadPath::HostFixed);
     assert!(r.violations.iter().any(|v| v.kind == "causality" && v.line == at + 1), "{:#?}", r.violations);
 }
+
+#[test]
+fn a_writers_publish_echo_may_land_after_the_readers_ack_but_must_still_agree() {
+    // The writer's thread wrote its echo after the reader had acknowledged
+    // (seen with every vLLM server on one core): a late echo, not a step.
+    let mut t = mutate::example();
+    let echo = t.remove(5);
+    t.push(echo);
+    let r = check(&lines(t.clone()), PayloadPath::HostFixed);
+    assert!(r.ok(), "{:#?}", r.violations);
+    // Late or not, it must name the daemon's READY receipt.
+    t[13].receipt = Some("forged".into());
+    only(t, "receipt_mismatch", 14);
+    // Anything else of the writer's after the end is still a violation.
+    let mut t = mutate::example();
+    let mut store = t[2].clone();
+    store.node = "writer-1".into();
+    store.seq = 2;
+    t.push(store);
+    let r = check(&lines(t), PayloadPath::HostFixed);
+    assert!(r.violations.iter().any(|v| v.kind == "after_end" && v.line == 15), "{:#?}", r.violations);
+}
