@@ -48,16 +48,18 @@ ANSWER_S = 300
 SERVER_NICE = 10
 
 
-def make_model(model: Path, seed: int = 1234) -> str:
-    """config.json, model.safetensors and a tokenizer in `model`; answers
-    the weights' SHA-256 (the connector's model_identity)."""
+def make_model(model: Path, seed: int = 1234, config: dict | None = None, max_len: int = MAX_MODEL_LEN) -> str:
+    """config.json (TINY_LLAMA, or `config`), model.safetensors and a
+    tokenizer in `model`; answers the weights' SHA-256 (the connector's
+    model_identity)."""
+    config = config or TINY_LLAMA
     model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY_LLAMA))
-    write_tokenizer(model)
-    return write_weights(model, seed)
+    (model / "config.json").write_text(json.dumps(config))
+    write_tokenizer(model, max_len)
+    return write_weights(model, seed, config)
 
 
-def write_tokenizer(model: Path) -> None:
+def write_tokenizer(model: Path, max_len: int = MAX_MODEL_LEN) -> None:
     """A word-level tokenizer: ``<unk>`` ``<s>`` ``</s>``, then ``w3`` … ``w1023``
     (token id n is the word ``wn``), split on whitespace."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -72,13 +74,13 @@ def write_tokenizer(model: Path) -> None:
         "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",
-        "model_max_length": MAX_MODEL_LEN,
+        "model_max_length": max_len,
         "chat_template": CHAT_TEMPLATE,
     }
     (model / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def write_weights(model: Path, seed: int) -> str:
+def write_weights(model: Path, seed: int, config: dict) -> str:
     """A seeded random checkpoint, scaled so that attention matters: vLLM's
     dummy weights (uniform ±1e-3) leave the output nearly independent of
     the KV cache, so a restore that wrote nothing would still match the
@@ -86,7 +88,7 @@ def write_weights(model: Path, seed: int) -> str:
     import torch
     from safetensors.torch import save_file
 
-    c = TINY_LLAMA
+    c = config
     g = torch.Generator().manual_seed(seed)
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
@@ -217,7 +219,22 @@ def server_cores(out: Path) -> tuple[str, str]:
     return str(quiet[0]), str(quiet[min(1, len(quiet) - 1)])
 
 
-def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | None, cores: str) -> Process:
+def written(path: Path, size: int) -> None:
+    """`path` as `size` bytes of zeros, only its owner's, every block written
+    (as an NVMe namespace is): a sparse file's first writes convert extents
+    when they complete, on a kernel worker of the CPU that took the disk's
+    interrupt (see `server_cores`)."""
+    zeros = b"\0" * (1 << 20)
+    path.unlink(missing_ok=True)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        for _ in range(size >> 20):
+            f.write(zeros)
+        os.fsync(f.fileno())
+
+
+def vllm_serve(
+    name: str, model: Path, out: Path, connector: dict[str, Any] | None, cores: str, max_len: int = MAX_MODEL_LEN
+) -> Process:
     """`vllm serve` of `model`, its model's threads bound to `cores` (vLLM's
     VLLM_CPU_OMP_THREADS_BIND, "0" or "0-1"; `server_cores` chooses). Bind
     each server to one core, or give servers that run at once cores of
@@ -234,7 +251,7 @@ def vllm_serve(name: str, model: Path, out: Path, connector: dict[str, Any] | No
         # "vllm-cpu") and exits before it parses its arguments.
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--port", str(port), "--host", "127.0.0.1",
-        "--block-size", str(BLOCK), "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+        "--block-size", str(BLOCK), "--dtype", "bfloat16", "--max-model-len", str(max_len),
         "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
         "--served-model-name", "tiny",
     ]  # fmt: skip

@@ -269,20 +269,6 @@ def catch_mid_store(client: Any, prefill: Process) -> tuple[list[dict], int]:
     return [], 20
 
 
-def written(path: Path, size: int) -> None:
-    """`path` as `size` bytes of zeros, every block written (as an NVMe
-    namespace is): a sparse file's first writes convert extents when they
-    complete, on a kernel worker of the CPU that took the disk's interrupt —
-    here the core the decode engine spins on between its steps, which
-    starved that worker (and every store and load behind it) for a minute."""
-    zeros = b"\0" * (1 << 20)
-    path.unlink(missing_ok=True)
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-        for _ in range(size >> 20):
-            f.write(zeros)
-        os.fsync(f.fileno())
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
@@ -302,7 +288,7 @@ def main() -> int:
     timeline = out / "timeline.jsonl"
     timeline.unlink(missing_ok=True)
     target = out / "target.img"
-    written(target, 256 << 20)
+    serving.written(target, 256 << 20)
     format_target(args.pdstor, target, slot="64K", size="256M")
     # A prefill killed between its prepare and its first store leaves a
     # PREPARED publication no data connection ties to it: the daemon ends it

