@@ -88,6 +88,9 @@ class Writer:
     @staticmethod
     def resume(client: Client, handoff: str, writer_id: str = "python") -> Writer:
         """A writer holding the publication another writer handed off."""
+    @staticmethod
+    def publish_many(client: Client, items: Sequence[tuple[str, int | None]]) -> list[Receipt | Error]:
+        """Each `(handoff, first_token)` published, in one round trip and one commit."""
     def put(
         self,
         req_id: str,
@@ -118,6 +121,9 @@ class Reader:
     @property
     def session(self) -> str: ...
     def claim(self, ready: Receipt, lease_ms: int = 60000, layout: Layout | None = None) -> Receipt: ...
+    def claim_many(
+        self, readies: Sequence[Receipt], lease_ms: int = 60000, layout: Layout | None = None
+    ) -> list[Receipt | Error]: ...
     def adopt(self, claim: Receipt, layout: Layout) -> dict[str, Any]: ...
     def load(self, claim: Receipt, chunks: Iterable[tuple[int, Buffer, int]]) -> None: ...
     def ack(self, claim: Receipt) -> None: ...

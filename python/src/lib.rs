@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use pdstor_client::code::RefusalCode;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
-use pdstor_client::wire::{PrepareRequest, Prepared};
+use pdstor_client::wire::{ClaimRequest, PrepareRequest, Prepared};
 use pdstor_client::{ClientError, DataConn, Place, Verify};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
@@ -648,17 +648,36 @@ impl Writer {
     #[staticmethod]
     #[pyo3(signature = (client, handoff, writer_id = "python"))]
     fn resume(client: PyRef<'_, Client>, handoff: &str, writer_id: &str) -> PyResult<Self> {
-        let bad = |e: String| {
-            PyValueError::new_err(format!(
-                "Writer.resume: not a Writer.handoff() token ({e}): pass exactly what handoff() returned"
-            ))
-        };
-        let mut v: serde_json::Value = serde_json::from_str(handoff).map_err(|e| bad(e.to_string()))?;
-        let total = v.get("total_chunks").and_then(serde_json::Value::as_u64).and_then(|t| u32::try_from(t).ok());
-        let total = total.ok_or_else(|| bad("no total_chunks".into()))?;
-        let prepared: Prepared =
-            serde_json::from_value(v["prepared"].take()).map_err(|e| bad(format!("prepared: {e}")))?;
-        Ok(Writer { conn: client.conn.clone(), writer_id: writer_id.into(), current: Some((prepared, total)) })
+        let current = Some(parse_handoff("Writer.resume", handoff)?);
+        Ok(Writer { conn: client.conn.clone(), writer_id: writer_id.into(), current })
+    }
+
+    /// Publishes many handed-off publications in one round trip and one
+    /// commit (a serving engine's step's worth): `items` is a list of
+    /// `(handoff, first_token)`, each handoff what [`Writer.handoff`]
+    /// returned. Answers one entry per item, in order: its READY `Receipt`,
+    /// or the `pdstor.Error` that refused it (that publication left open, to
+    /// store the rest or abort); one refusal never raises.
+    #[staticmethod]
+    fn publish_many<'py>(
+        py: Python<'py>,
+        client: PyRef<'_, Client>,
+        items: Vec<(String, Option<u32>)>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let prepared = items
+            .iter()
+            .map(|(handoff, token)| Ok((parse_handoff("Writer.publish_many", handoff)?.0, *token)))
+            .collect::<PyResult<Vec<(Prepared, Option<u32>)>>>()?;
+        let c = client.conn.clone();
+        let done = py
+            .detach(move || {
+                let asks: Vec<(&Prepared, Option<u32>)> = prepared.iter().map(|(p, t)| (p, *t)).collect();
+                c.control.publish_many(&asks)
+            })
+            .map_err(|e| to_py(py, e.into()))?;
+        done.into_iter()
+            .map(|r| entry(py, r, |p| Ok(Bound::new(py, Receipt { inner: p.receipt })?.into_any())))
+            .collect()
     }
 
     /// prepare → store (`batch` chunks per request) → publish, in one call:
@@ -862,6 +881,34 @@ impl Reader {
             })
             .map_err(|e| to_py(py, e.into()))?;
         Ok(Receipt { inner: claim })
+    }
+
+    /// Claims many READY publications for this reader and session in one
+    /// round trip and one commit (`lease_ms` and `layout` as for `claim`).
+    /// Answers one entry per receipt, in order: its claim `Receipt`, or the
+    /// `pdstor.Error` that refused it; one refusal never raises.
+    #[pyo3(signature = (readies, lease_ms = 60_000, layout = None))]
+    fn claim_many<'py>(
+        &self,
+        py: Python<'py>,
+        readies: Vec<PyRef<'py, Receipt>>,
+        lease_ms: u64,
+        layout: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let layout = layout.map(layout_from).transpose()?;
+        let asks: Vec<ClaimRequest> = readies
+            .iter()
+            .map(|r| ClaimRequest {
+                receipt: r.inner.clone(),
+                reader_id: self.reader_id.clone(),
+                session_id: self.session.clone(),
+                lease_ms,
+                layout: layout.clone(),
+            })
+            .collect();
+        let c = self.conn.clone();
+        let done = py.detach(move || c.control.claim_many(asks)).map_err(|e| to_py(py, e.into()))?;
+        done.into_iter().map(|r| entry(py, r, |claim| Ok(Bound::new(py, Receipt { inner: claim })?.into_any()))).collect()
     }
 
     /// Confirms what this reader reads — the claim, its manifest digest and
@@ -1081,6 +1128,18 @@ fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result
         Ok((buffer, offset)) => Ok(many::Place { buffer, offset }),
         Err(e) => Err(ClientError::Data(format!("get_many: place(manifest) gave no (buffer, offset): {e}"))),
     }
+}
+
+/// A [`Writer.handoff`] token: the prepared publication and its total.
+fn parse_handoff(what: &str, handoff: &str) -> PyResult<(Prepared, u32)> {
+    let bad = |e: String| {
+        PyValueError::new_err(format!("{what}: not a Writer.handoff() token ({e}): pass exactly what handoff() returned"))
+    };
+    let mut v: serde_json::Value = serde_json::from_str(handoff).map_err(|e| bad(e.to_string()))?;
+    let total = v.get("total_chunks").and_then(serde_json::Value::as_u64).and_then(|t| u32::try_from(t).ok());
+    let total = total.ok_or_else(|| bad("no total_chunks".into()))?;
+    let prepared: Prepared = serde_json::from_value(v["prepared"].take()).map_err(|e| bad(format!("prepared: {e}")))?;
+    Ok((prepared, total))
 }
 
 /// One entry of a `*_many` answer: the value, or the exception it failed with.

@@ -89,6 +89,48 @@ def test_many_at_once_each_answering_on_its_own(daemon: Daemon):
     assert isinstance(again[0], pdstor.UnknownPublication), again
 
 
+def test_handed_off_publications_are_published_and_claimed_together(daemon: Daemon):
+    """Writer.publish_many: publications other writers prepared and stored
+    (their handoff tokens) made READY in one batch — a serving engine's
+    step's publishes; one not fully stored answers its own error and stays
+    open. Reader.claim_many: one batch; a receipt already claimed answers
+    its own error. Every claim then restores byte for byte."""
+    client = daemon.client()
+    n = 4
+    src, dst = pdstor.Buffer(n * MIB), pdstor.Buffer(MIB)
+    data = [pattern(MIB, 200 + i) for i in range(n)]
+    handoffs = []
+    for i, d in enumerate(data):
+        w = pdstor.Writer(client, "prefill-0")
+        w.prepare(f"pm-{i}", LAYOUT, 2 if i == 2 else 1)  # pm-2 needs a chunk it never gets
+        src.write(i * MIB, d)
+        w.store([(0, src, i * MIB, MIB)], last=i != 2)
+        handoffs.append(w.handoff())
+    batches = metric(client, 'pdstor_step_seconds_count{step="batch"}')
+    out = pdstor.Writer.publish_many(client, [(h, 7) for h in handoffs])
+    assert metric(client, 'pdstor_step_seconds_count{step="batch"}') - batches == 1, "one publish batch"
+    assert isinstance(out[2], pdstor.Error), out[2]
+    states = {p["req_id"]: p["state"] for p in client.publications()}
+    assert states == {"pm-0": "READY", "pm-1": "READY", "pm-2": "PREPARED", "pm-3": "READY"}, states
+    assert pdstor.Writer.resume(client, handoffs[2]).abort() == "aborted"
+
+    ready = [r for i, r in enumerate(out) if i != 2]
+    assert all(isinstance(r, pdstor.Receipt) and r.kind == "READY" for r in ready), ready
+    reader = pdstor.Reader(client, "decode-0")
+    first = reader.claim(ready[0], layout=LAYOUT)
+    batches = metric(client, 'pdstor_step_seconds_count{step="batch"}')
+    claims = reader.claim_many(ready, layout=LAYOUT)
+    assert metric(client, 'pdstor_step_seconds_count{step="batch"}') - batches == 1, "one claim batch"
+    assert isinstance(claims[0], pdstor.Error), claims[0]
+    assert all(isinstance(c, pdstor.Receipt) and c.kind == "CLAIM" for c in claims[1:]), claims
+    for i, claim in zip((0, 1, 3), [first, *claims[1:]]):
+        reader.adopt(claim, LAYOUT)
+        reader.load(claim, [(0, dst, 0)])
+        assert dst.read(0, MIB) == data[i], f"pm-{i} byte for byte"
+        reader.ack(claim)
+    assert client.publications() == [], "every one acknowledged"
+
+
 def test_a_shared_memory_file_is_moved_in_place_and_gets_are_placed_by_size(daemon: Daemon):
     """Buffer.shared_file: this process's own /dev/shm file (LMCache's pool
     with shm_name), which the daemon moves bytes to and from without a copy;

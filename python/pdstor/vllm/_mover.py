@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import pdstor
 
@@ -49,7 +49,7 @@ class Mover:
     def __init__(self, side: WorkerSide, ready_timeout_s: float):
         self.side = side
         self.ready_timeout_s = ready_timeout_s
-        self.jobs: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
         self.waiting: list[_Waiting] = []
         self.lock = threading.Lock()
         # Requests whose publication ended and whose blocks vLLM holds for us.
@@ -59,8 +59,10 @@ class Mover:
         self.thread = threading.Thread(target=self._run, name="pdstor-vllm-mover", daemon=True)
         self.thread.start()
 
-    def submit(self, job: SaveSpec | EndSpec | LoadSpec) -> None:
-        self.jobs.put(job)
+    def submit(self, *jobs: SaveSpec | EndSpec | LoadSpec) -> None:
+        """A step's jobs, queued as one: the mover takes them in one round."""
+        if jobs:
+            self.jobs.put(jobs)
 
     def collect(self) -> tuple[set[str], dict[str, list[int]]]:
         """What finished since the last call: the requests whose blocks
@@ -71,7 +73,7 @@ class Mover:
         return sent, received
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self.jobs.put(_STOP)
+        self.jobs.put((_STOP,))
         self.thread.join(timeout_s)
 
     # -- the thread -----------------------------------------------------------
@@ -88,14 +90,16 @@ class Mover:
         delay = POLL_FIRST_S
         while True:
             try:
-                job = self.jobs.get(timeout=delay) if self.waiting else self.jobs.get()
+                first = self.jobs.get(timeout=delay) if self.waiting else self.jobs.get()
             except queue.Empty:
-                job = None
-            if job is _STOP:
+                first = ()
+            jobs = [*first, *self._drain()] if first else []
+            stop = _STOP in jobs
+            if jobs:
+                self._do_all([j for j in jobs if j is not _STOP])
+            if stop:
                 self._give_up_waiting("the engine is shutting down")
                 return
-            if job is not None:
-                self._do(job)
             if self.waiting:
                 try:
                     progressed = self._poll()
@@ -104,39 +108,70 @@ class Mover:
                     progressed = False
                 delay = POLL_FIRST_S if progressed else min(2 * delay, POLL_LAST_S)
 
-    def _do(self, job: object) -> None:
-        """One job; whatever it raises is logged and the job still ends as
-        vLLM needs it to (blocks released, a restore reported failed)."""
-        try:
+    def _drain(self) -> list[object]:
+        """Every job queued now: the rest of the steps' work this round."""
+        more: list[object] = []
+        while True:
+            try:
+                more.extend(self.jobs.get_nowait())
+            except queue.Empty:
+                return more
+
+    def _do_all(self, jobs: list[object]) -> None:
+        """One round's jobs: stores and the ends of publications in order
+        (an end after the stores queued before it), the round's publishes
+        then together in one round trip and one commit, then the restores,
+        their claims together.
+        Whatever a job raises is logged and it still ends as vLLM needs it
+        to (blocks released, a restore reported failed)."""
+        publish: list[EndSpec] = []
+        for job in jobs:
             if isinstance(job, SaveSpec):
-                self.side.save_one(job)
+                self._guarded(job, lambda j=job: self.side.save_one(j))
             elif isinstance(job, EndSpec):
-                self.side.end_one(job)
-            elif isinstance(job, LoadSpec):
-                self._start_load(job)
+                self._guarded(job, lambda j=job: self._end(j, publish))
+        if publish:
+            self._guarded(publish[0], lambda: self.side.publish_all(publish))
+        with self.lock:
+            self.sent.update(j.req_id for j in jobs if isinstance(j, EndSpec) and j.release)
+        loads = [j for j in jobs if isinstance(j, LoadSpec)]
+        now, ready = time.monotonic(), []
+        for spec in loads:
+            if spec.error is None and spec.ready is None:
+                self.waiting.append(_Waiting(spec, now, now + self.ready_timeout_s))
+            else:
+                ready.append((spec, spec.ready))
+        self._finish_loads(ready)
+
+    def _end(self, spec: EndSpec, publish: list[EndSpec]) -> None:
+        if self.side.end(spec):
+            publish.append(spec)
+
+    def _guarded(self, job: SaveSpec | EndSpec, run: Callable[[], None]) -> None:
+        try:
+            run()
         except Exception as e:  # noqa: BLE001 - a dead mover would hold every block it owes vLLM
-            log.exception("pdstor.vllm: the mover's %s for request %s failed: %s", type(job).__name__, getattr(job, "req_id", "?"), e)
-            if isinstance(job, LoadSpec) and job.report:
-                with self.lock:
-                    self.received.setdefault(job.req_id, [b for _, b in job.fill])
-        if isinstance(job, EndSpec) and job.release:
-            with self.lock:
-                self.sent.add(job.req_id)
+            log.exception("pdstor.vllm: the mover's %s for request %s failed: %s", type(job).__name__, job.req_id, e)
 
-    def _start_load(self, spec: LoadSpec) -> None:
-        if spec.error is None and spec.ready is None:
-            now = time.monotonic()
-            self.waiting.append(_Waiting(spec, now, now + self.ready_timeout_s))
+    def _finish_loads(self, loads: list[tuple[LoadSpec, str | pdstor.Receipt | None]]) -> None:
+        """Restores `loads` (their claims in one round trip) and reports
+        each; a restore that cannot even start reports every block failed."""
+        if not loads:
             return
-        self._finish_load(spec, spec.ready)
+        try:
+            failed = self.side.load_many(loads)
+        except Exception as e:  # noqa: BLE001 - a dead mover would hold every block it owes vLLM
+            log.exception("pdstor.vllm: the mover's restores of %d requests failed: %s", len(loads), e)
+            failed = [[b for _, b in spec.fill] for spec, _ in loads]
+        with self.lock:
+            for (spec, _), blocks in zip(loads, failed):
+                if spec.report:
+                    self.received[spec.req_id] = blocks
 
-    def _finish_load(self, spec: LoadSpec, ready: str | pdstor.Receipt | None, error: str | None = None) -> None:
-        if error is not None:
-            spec.error = error
-        failed = self.side.load_one(spec, ready)
-        if spec.report:
-            with self.lock:
-                self.received[spec.req_id] = failed
+    @staticmethod
+    def _failing(spec: LoadSpec, why: str) -> tuple[LoadSpec, None]:
+        spec.error = why
+        return spec, None
 
     def _poll(self) -> bool:
         """Looks up every waiting publication at once; restores the READY
@@ -151,40 +186,38 @@ class Mover:
             log.warning("pdstor.vllm: looking the handed-over publications up failed (asked again): %s", e)
             return self._expire(f"their lookup kept failing ({e})")
         now = time.monotonic()
-        keep, progressed = [], False
+        keep, done = [], []
         for w, ready, name in zip(self.waiting, found, names):
             state = states.get(name, "READY" if ready is not None else None)
             if ready is not None:
                 self.side.ctx.stats.time("ready_wait", now - w.since)
-                self._finish_load(w.spec, ready)
+                done.append((w.spec, ready))
             elif state == "PREPARED" and now < w.deadline:
                 keep.append(w)
-                continue
             elif state == "PREPARED":
                 why = f"publication {name!r} is still being stored after ready_timeout_s={self.ready_timeout_s}"
-                self._finish_load(w.spec, None, why)
+                done.append(self._failing(w.spec, why))
             elif state == "READY":
                 # READY between the lookup and the listing: looked up again next round.
                 keep.append(w)
             elif state is None:
                 why = f"no publication is named {name!r} (its producer rolled it back, or it was released)"
-                self._finish_load(w.spec, None, why)
+                done.append(self._failing(w.spec, why))
             else:
-                self._finish_load(w.spec, None, f"publication {name!r} is {state}, not READY: another reader took it")
-            progressed = True
+                done.append(self._failing(w.spec, f"publication {name!r} is {state}, not READY: another reader took it"))
         self.waiting = keep
-        return progressed
+        self._finish_loads(done)
+        return bool(done)
 
     def _expire(self, why: str) -> bool:
         """Fails the waiting restores past their deadline; whether any were."""
         now = time.monotonic()
         late = [w for w in self.waiting if now >= w.deadline]
         self.waiting = [w for w in self.waiting if now < w.deadline]
-        for w in late:
-            self._finish_load(w.spec, None, f"not READY within ready_timeout_s={self.ready_timeout_s}: {why}")
+        why = f"not READY within ready_timeout_s={self.ready_timeout_s}: {why}"
+        self._finish_loads([self._failing(w.spec, why) for w in late])
         return bool(late)
 
     def _give_up_waiting(self, why: str) -> None:
         waiting, self.waiting = self.waiting, []
-        for w in waiting:
-            self._finish_load(w.spec, None, why)
+        self._finish_loads([self._failing(w.spec, why) for w in waiting])

@@ -121,7 +121,8 @@ class WorkerSide:
             after.record()
         for spec in meta.saves:
             spec.after = after
-            self._mover().submit(spec)
+        if meta.saves:
+            self._mover().submit(*meta.saves)
 
     def save_one(self, spec: SaveSpec) -> None:
         try:
@@ -158,51 +159,98 @@ class WorkerSide:
             self.ctx.stats.count("stored_chunks", len(stores))
             self.ctx.stats.count("stored_bytes", len(stores) * self.shape.chunk_bytes)
 
-    def end_one(self, spec: EndSpec) -> None:
-        """Publishes READY, or rolls back: after every store queued before."""
+    def end(self, spec: EndSpec) -> bool:
+        """A publication's end, after every store queued before it: rolled
+        back now, or True where it is to be published READY with the
+        producer's first token (`publish_all`, with the round's others)."""
         held = self.writers.pop(spec.req_id, None)
         failed = self.failed_saves.pop(spec.req_id, None)
         if failed is not None and failed[0] != spec.handoff:
             failed = None
-        w = held[1] if held is not None and held[0] == spec.handoff else None
+        if spec.first_token is not None and failed is None:
+            return True
+        why = spec.why if failed is None else f"its stores failed: {failed[1]}"
+        self._roll_back(spec, why, held[1] if held is not None and held[0] == spec.handoff else None)
+        return False
+
+    def publish_all(self, publish: list[EndSpec]) -> None:
+        """Publishes READY in one round trip and one commit; a publication
+        refused is rolled back."""
+        began = time.monotonic()
         try:
-            if w is None:
-                w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
-            if spec.first_token is not None and failed is None:
-                began = time.monotonic()
-                ready = w.publish(first_token=spec.first_token)
-                self.ctx.stats.time("publish", time.monotonic() - began)
+            answers = pdstor.Writer.publish_many(self.client, [(s.handoff, s.first_token) for s in publish])
+        except pdstor.Error as e:
+            answers = [e] * len(publish)
+        took = time.monotonic() - began
+        for spec, ready in zip(publish, answers):
+            if isinstance(ready, pdstor.Receipt):
+                self.ctx.stats.time("publish", took)
                 self.ctx.stats.count("published")
                 self.published += 1
                 self.ctx.note("publish", receipt=ready)
-                return
-            why = spec.why if failed is None else f"its stores failed: {failed[1]}"
+            else:
+                log.error("pdstor.vllm: request %s: its publish was refused: %s", spec.req_id, ready)
+                self._roll_back(spec, f"its publish was refused: {ready}", None)
+
+    def _roll_back(self, spec: EndSpec, why: str, w: pdstor.Writer | None) -> None:
+        try:
+            if w is None:
+                w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
             log.info("pdstor.vllm: request %s: publication rolled back (%s): %s", spec.req_id, why, w.abort())
         except pdstor.Error as e:
-            log.error("pdstor.vllm: request %s: ending its publication was refused: %s", spec.req_id, e)
-            if spec.first_token is not None:
-                try:
-                    w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
-                    w.abort()
-                except pdstor.Error:
-                    pass
+            log.error("pdstor.vllm: request %s: rolling its publication back was refused: %s", spec.req_id, e)
 
     # -- loading --------------------------------------------------------------
 
     def load(self, meta: PdstorMetadata) -> None:
         """This step's publications to end and requests to restore, handed
         to the mover (publications end after the stores queued before)."""
-        for end in meta.ends:
-            self._mover().submit(end)
-        for spec in meta.loads:
-            self._mover().submit(spec)
+        if meta.ends or meta.loads:
+            self._mover().submit(*meta.ends, *meta.loads)
 
-    def load_one(self, spec: LoadSpec, ready: str | pdstor.Receipt | None) -> list[int]:
-        """Restores one request (on the mover); the blocks that were not
+    def load_many(self, loads: list[tuple[LoadSpec, str | pdstor.Receipt | None]]) -> list[list[int]]:
+        """Restores handed-over requests (on the mover), their claims in one
+        round trip and one commit; for each, the blocks that were not
         restored (none when it was)."""
+        began = time.monotonic()
+        readies: list[pdstor.Receipt | Exception] = []
+        for spec, ready in loads:
+            try:
+                readies.append(self._ready(spec, ready))
+            except LoadRefused as e:
+                readies.append(e)
+        asked = [r for r in readies if isinstance(r, pdstor.Receipt)]
         try:
-            began = time.monotonic()
-            self._load_one(spec, ready)
+            claimed = self.reader.claim_many(asked, lease_ms=self.cfg.lease_ms, layout=self.layout) if asked else []
+        except pdstor.Error as e:
+            claimed = [e] * len(asked)
+        claims = iter(claimed)
+        out = []
+        for (spec, _), ready in zip(loads, readies):
+            claim = next(claims) if isinstance(ready, pdstor.Receipt) else ready
+            out.append(self._load_one(spec, claim, began))
+        return out
+
+    def _ready(self, spec: LoadSpec, ready: str | pdstor.Receipt | None) -> pdstor.Receipt:
+        if spec.error is not None:
+            raise LoadRefused(spec.error)
+        if ready is None:
+            raise LoadRefused("no READY publication")
+        if isinstance(ready, str):
+            try:
+                return pdstor.Receipt.from_json(ready)
+            except (ValueError, TypeError) as e:
+                raise LoadRefused(f"kv_transfer_params.pdstor.receipt is not a receipt: {e}") from e
+        return ready
+
+    def _load_one(self, spec: LoadSpec, claim: pdstor.Receipt | Exception, began: float) -> list[int]:
+        try:
+            if isinstance(claim, pdstor.Error):
+                raise LoadRefused(f"claim refused: {claim}")
+            if isinstance(claim, Exception):
+                raise claim
+            self.ctx.note("claim", receipt=claim)
+            self._claimed(claim, spec)
             self.ctx.stats.time("restore", time.monotonic() - began)
             self.ctx.stats.count("restored")
             self.restored += 1
@@ -218,21 +266,7 @@ class WorkerSide:
             self.ctx.note(event, req_id=spec.req_id, detail=str(e))
             return blocks
 
-    def _load_one(self, spec: LoadSpec, ready: str | pdstor.Receipt | None) -> None:
-        if spec.error is not None:
-            raise LoadRefused(spec.error)
-        if ready is None:
-            raise LoadRefused("no READY publication")
-        if isinstance(ready, str):
-            try:
-                ready = pdstor.Receipt.from_json(ready)
-            except (ValueError, TypeError) as e:
-                raise LoadRefused(f"kv_transfer_params.pdstor.receipt is not a receipt: {e}") from e
-        try:
-            claim = self.reader.claim(ready, lease_ms=self.cfg.lease_ms, layout=self.layout)
-        except pdstor.Error as e:
-            raise LoadRefused(f"claim refused: {e}") from e
-        self.ctx.note("claim", receipt=claim)
+    def _claimed(self, claim: pdstor.Receipt, spec: LoadSpec) -> None:
         try:
             self._restore(claim, spec)
         except Exception as e:
