@@ -386,6 +386,7 @@ impl Client {
             total_chunks,
             writer: writer.into(),
             timeout_ms: None,
+            unread_release_ms: None,
         })
     }
 

@@ -22,6 +22,14 @@ pub struct PrepareRequest {
     /// daemon's `--admission-timeout-ms`, which is also the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Released unread if no reader claims it this long (ms) after it is
+    /// READY — an exact unread release, an `expire` on the timeline — so a
+    /// reader that never comes holds its slots a bounded time. The daemon's
+    /// `--unread-release-ms`, where shorter, bounds it; absent: that alone
+    /// (none: kept until released). Claimed publications are never freed by
+    /// time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unread_release_ms: Option<u64>,
 }
 
 /// `POST /storage-pd/cancel`: give up a request, waiting or PREPARED.
@@ -304,6 +312,9 @@ pub struct PublicationInfo {
     pub writer: String,
     /// Its claimed reader, if claimed.
     pub reader: Option<String>,
+    /// Its writer's unread window in ms (`prepare`'s `unread_release_ms`), if it asked for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unread_release_ms: Option<u64>,
     /// With `?verbose=1`: where each chunk lives on the target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub extents: Option<Vec<Extent>>,

@@ -247,7 +247,9 @@ fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() 
     let owner = |tenant: &str| store::Owner { tenant: tenant.into(), principal: format!("uid:{}", tenant.len()) };
     let put_as = |req: &str, tenant: &str| {
         let cancel = pdstor::admission::CancelToken::new();
-        let p = s.prepare_with(req, "writer", Some(&owner(tenant)), &layout(), 1, Duration::from_secs(1), &cancel);
+        let (o, l) = (owner(tenant), layout());
+        let ask = store::Ask { owner: Some(&o), ..store::Ask::new(req, "writer", &l, 1) };
+        let p = s.prepare_with(&ask, Duration::from_secs(1), &cancel);
         let id = p.unwrap().publication;
         assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
         s.publish(id, None).unwrap();
@@ -299,11 +301,11 @@ fn unread_publications_are_released_after_the_window_and_claimed_ones_never() {
     let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| e.publication).collect::<Vec<_>>();
 
     // Each call measures from its own start: one first seen in it is 0 old.
-    assert_eq!(ids(s.release_unread_after(Duration::from_secs(3600)).unwrap()), Vec::<u64>::new());
+    assert_eq!(ids(s.release_unread_after(Some(Duration::from_secs(3600))).unwrap()), Vec::<u64>::new());
     thread::sleep(window + Duration::from_millis(10));
     let late = put("late");
     assert_eq!(
-        ids(s.release_unread_after(window).unwrap()),
+        ids(s.release_unread_after(Some(window)).unwrap()),
         vec![unread],
         "the old unread one: not the claimed, not the new"
     );
@@ -315,17 +317,52 @@ fn unread_publications_are_released_after_the_window_and_claimed_ones_never() {
     let left: Vec<(u64, Phase)> = s.publications().iter().map(|p| (p.id, p.phase)).collect();
     assert_eq!(left, vec![(claimed, Phase::Claimed), (late, Phase::Ready)], "the release was durable");
     assert_eq!(
-        ids(s.release_unread_after(window).unwrap()),
+        ids(s.release_unread_after(Some(window)).unwrap()),
         Vec::<u64>::new(),
         "recovered READY: a whole window again"
     );
     thread::sleep(window + Duration::from_millis(10));
-    assert_eq!(ids(s.release_unread_after(window).unwrap()), vec![late]);
+    assert_eq!(ids(s.release_unread_after(Some(window)).unwrap()), vec![late]);
     assert_eq!(
-        ids(s.release_unread_after(Duration::ZERO).unwrap()),
+        ids(s.release_unread_after(Some(Duration::ZERO)).unwrap()),
         Vec::<u64>::new(),
         "claimed: never, whatever its age"
     );
+    s.check().unwrap();
+}
+
+/// A writer's own unread window: released after it with no daemon window,
+/// the shorter of the two where both are set, kept where neither is; and
+/// journaled with the PREPARE (a reopened store still knows it).
+#[test]
+fn a_writers_own_unread_window_applies_bounded_by_the_daemons_and_survives_a_reopen() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 4);
+    let (s, _) = open(&path);
+    let b = shared(&s, 1);
+    fill(&b, 11, 1);
+    let (l, short, long) = (layout(), 40u64, 3_600_000u64);
+    let put = |req: &str, window: Option<u64>| {
+        let ask = store::Ask { unread_release_ms: window, ..store::Ask::new(req, "writer", &l, 1) };
+        let id = s.prepare_with(&ask, Duration::from_secs(1), &Default::default()).unwrap().publication;
+        assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
+        s.publish(id, None).unwrap();
+        id
+    };
+    let (own, none, longer) = (put("own", Some(short)), put("none", None), put("longer", Some(long)));
+    let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| (e.publication, e.window)).collect::<Vec<_>>();
+    assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![], "each first seen now");
+    drop(s);
+    let (s, _) = open(&path);
+    assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![], "recovered: a whole window again");
+    thread::sleep(Duration::from_millis(short + 10));
+    let ms = Duration::from_millis;
+    assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![(own, Some(ms(short)))], "its own window, journaled");
+    let daemons = Some(ms(short));
+    assert_eq!(ids(s.release_unread_after(daemons).unwrap()), vec![(longer, daemons)], "the daemon's: the shorter");
+    assert_eq!(ids(s.release_unread_after(daemons).unwrap()), vec![], "none of its own: first seen now");
+    thread::sleep(Duration::from_millis(short + 10));
+    assert_eq!(ids(s.release_unread_after(daemons).unwrap()), vec![(none, daemons)], "the daemon's: the only one");
     s.check().unwrap();
 }
 

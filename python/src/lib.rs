@@ -534,8 +534,11 @@ impl Writer {
 
     /// Reserves `total_chunks` slots for request `req_id` (waiting up to
     /// `timeout_ms` for capacity; `pdstor.AdmissionTimeout` after that).
-    /// Returns the publication's number.
-    #[pyo3(signature = (req_id, layout, total_chunks, timeout_ms = None))]
+    /// With `unread_release_ms`, the daemon releases the publication unread
+    /// if no reader claims it that long after READY (the daemon's
+    /// `--unread-release-ms`, where shorter, bounds it). Returns the
+    /// publication's number.
+    #[pyo3(signature = (req_id, layout, total_chunks, timeout_ms = None, unread_release_ms = None))]
     fn prepare(
         &mut self,
         py: Python<'_>,
@@ -543,6 +546,7 @@ impl Writer {
         layout: &Bound<'_, PyAny>,
         total_chunks: u32,
         timeout_ms: Option<u64>,
+        unread_release_ms: Option<u64>,
     ) -> PyResult<u64> {
         if let Some((p, _)) = &self.current {
             return Err(to_py(
@@ -555,7 +559,7 @@ impl Writer {
         }
         let layout = layout_from(layout)?;
         let (c, writer) = (self.conn.clone(), self.writer_id.clone());
-        let r = PrepareRequest { req_id, layout, total_chunks, writer, timeout_ms };
+        let r = PrepareRequest { req_id, layout, total_chunks, writer, timeout_ms, unread_release_ms };
         let p = py.detach(move || c.control.prepare_request(&r)).map_err(|e| to_py(py, e.into()))?;
         let id = p.publication;
         self.current = Some((p, total_chunks));
@@ -724,6 +728,7 @@ impl Writer {
                 total_chunks: total,
                 writer,
                 timeout_ms,
+                unread_release_ms: None,
             })?;
             let groups: Vec<&[StoreChunk]> = list.chunks(batch).collect();
             for (n, group) in groups.iter().enumerate() {

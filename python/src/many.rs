@@ -51,6 +51,7 @@ pub(crate) fn put_many(
             total_chunks: i.chunks.len() as u32,
             writer: writer.into(),
             timeout_ms,
+            unread_release_ms: None,
         })
         .collect();
     let mut outcomes: Vec<Result<Option<Prepared>, ClientError>> =

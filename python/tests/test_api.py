@@ -93,8 +93,8 @@ def test_handed_off_publications_are_published_and_claimed_together(daemon: Daem
     """Writer.publish_many: publications other writers prepared and stored
     (their handoff tokens) made READY in one batch — a serving engine's
     step's publishes; one not fully stored answers its own error and stays
-    open. Reader.claim_many: one batch; a receipt already claimed answers
-    its own error. Every claim then restores byte for byte."""
+    open. Reader.claim_many: one batch; a receipt another reader claimed
+    answers its own error. Every claim then restores byte for byte."""
     client = daemon.client()
     n = 4
     src, dst = pdstor.Buffer(n * MIB), pdstor.Buffer(MIB)
@@ -116,18 +116,18 @@ def test_handed_off_publications_are_published_and_claimed_together(daemon: Daem
 
     ready = [r for i, r in enumerate(out) if i != 2]
     assert all(isinstance(r, pdstor.Receipt) and r.kind == "READY" for r in ready), ready
-    reader = pdstor.Reader(client, "decode-0")
-    first = reader.claim(ready[0], layout=LAYOUT)
+    reader, other = pdstor.Reader(client, "decode-0"), pdstor.Reader(client, "decode-1")
+    first = other.claim(ready[0], layout=LAYOUT)
     batches = metric(client, 'pdstor_step_seconds_count{step="batch"}')
     claims = reader.claim_many(ready, layout=LAYOUT)
     assert metric(client, 'pdstor_step_seconds_count{step="batch"}') - batches == 1, "one claim batch"
     assert isinstance(claims[0], pdstor.Error), claims[0]
     assert all(isinstance(c, pdstor.Receipt) and c.kind == "CLAIM" for c in claims[1:]), claims
-    for i, claim in zip((0, 1, 3), [first, *claims[1:]]):
-        reader.adopt(claim, LAYOUT)
-        reader.load(claim, [(0, dst, 0)])
+    for r, i, claim in zip((other, reader, reader), (0, 1, 3), [first, *claims[1:]]):
+        r.adopt(claim, LAYOUT)
+        r.load(claim, [(0, dst, 0)])
         assert dst.read(0, MIB) == data[i], f"pm-{i} byte for byte"
-        reader.ack(claim)
+        r.ack(claim)
     assert client.publications() == [], "every one acknowledged"
 
 
@@ -551,3 +551,41 @@ def test_a_publication_no_reader_claims_is_released_after_the_unread_window(tmp_
         [d.binary, "timeline", "check", str(timeline), "--require-path", "host_fixed"], capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_writers_own_unread_window_is_journaled_and_releases_only_its_publication(tmp_path: Path):
+    """`prepare(unread_release_ms=...)` on a daemon with no `--unread-release-ms`:
+    that publication is released unread once its window has passed (an
+    `expire` naming the writer's window, counted), one that asked for none is
+    kept; the window is journaled with the prepare — a daemon restarted
+    inside it still releases it. A window of 0 is refused and changes nothing."""
+    timeline = tmp_path / "timeline.jsonl"
+    d = serve(tmp_path, "64M", "1M", ["--timeline", str(timeline)])
+    try:
+        client = d.client()
+        buf = pdstor.Buffer(MIB)
+        buf.write(0, pattern(MIB, 6))
+        for req, window in (("kept", None), ("windowed", 5000)):
+            w = pdstor.Writer(client)
+            w.prepare(req, LAYOUT, total_chunks=1, timeout_ms=1000, unread_release_ms=window)
+            w.store([(0, buf, 0, MIB)], last=True)
+            w.publish(first_token=1)
+        with pytest.raises(pdstor.BadRequest, match="unread_release_ms is 0"):
+            pdstor.Writer(client).prepare("zero", LAYOUT, total_chunks=1, unread_release_ms=0)
+        listed = {p["req_id"]: (p["state"], p.get("unread_release_ms")) for p in client.publications()}
+        assert listed == {"kept": ("READY", None), "windowed": ("READY", 5000)}, listed
+        d.stop()
+        d.start()
+        client = d.client()
+        deadline = time.monotonic() + 60
+        while client.lookup(["windowed"]) != [None] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.lookup(["windowed"]) == [None], "still READY 60 s into its 5 s window"
+        assert [(p["req_id"], p["state"]) for p in client.publications()] == [("kept", "READY")]
+        assert metric(client, "pdstor_unread_expired_total") == 1
+    finally:
+        d.stop()
+    events = [json.loads(line) for line in timeline.read_text().splitlines()]
+    [expired] = [e for e in events if e["event"] == "expire"]
+    assert expired["req_id"] == "windowed", expired
+    assert "unread for 5000 ms (its writer's unread_release_ms)" in expired["detail"], expired

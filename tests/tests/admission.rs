@@ -29,7 +29,14 @@ fn layout() -> Layout {
 }
 
 fn request(req: &str, chunks: u32, timeout_ms: Option<u64>) -> PrepareRequest {
-    PrepareRequest { req_id: req.into(), layout: layout(), total_chunks: chunks, writer: "w".into(), timeout_ms }
+    PrepareRequest {
+        req_id: req.into(),
+        layout: layout(),
+        total_chunks: chunks,
+        writer: "w".into(),
+        timeout_ms,
+        unread_release_ms: None,
+    }
 }
 
 /// The (status, code, message) of a refusal.

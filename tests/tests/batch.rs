@@ -72,6 +72,7 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
             total_chunks: 1,
             writer: "prefill".into(),
             timeout_ms: None,
+            unread_release_ms: None,
         })
         .collect();
     asks.push(PrepareRequest { req_id: "too-large".into(), total_chunks: 64, ..asks[3].clone() });
@@ -209,6 +210,7 @@ fn a_batch_over_the_limit_is_refused_whole_and_changes_nothing() {
             total_chunks: 1,
             writer: "prefill".into(),
             timeout_ms: Some(0),
+            unread_release_ms: None,
         })
     };
     let body = serde_json::json!({ "steps": (0..1025).map(step).collect::<Vec<_>>() }).to_string();

@@ -578,6 +578,7 @@ async fn publications(
             chunks: p.total_chunks,
             writer: p.writer.clone(),
             reader: p.claim.as_ref().map(|c| c.reader.clone()),
+            unread_release_ms: p.unread_release_ms,
             extents: verbose.then(|| {
                 p.slots
                     .iter()

@@ -302,7 +302,7 @@ fn slot_gauges(m: &mut Scrape, store: &Store) {
     );
     m.counter(
         "pdstor_unread_expired",
-        "READY publications no reader claimed within --unread-release-ms, released unread.",
+        "READY publications no reader claimed within their unread window (their writer's unread_release_ms, --unread-release-ms), released unread.",
         st.expired,
     );
 }

@@ -322,7 +322,8 @@ async fn signalled() {
 /// The reaper: PREPARED publications whose writer went quiet give their
 /// reservation back after `--prepare-idle-timeout-ms`, those whose
 /// prepare's answer never reached the client after `--prepare-orphan-grace-ms`,
-/// and READY ones no reader claimed are released after `--unread-release-ms`.
+/// and READY ones no reader claimed are released after their unread window
+/// (their writer's `unread_release_ms`, `--unread-release-ms`, the shorter).
 /// Stops when the flag returned is set.
 fn spawn_reaper(
     service: Arc<Service>,
@@ -346,16 +347,10 @@ fn spawn_reaper(
                 );
                 metrics.reaped.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
             }
-            let expired = match unread.map(|after| service.release_unread_after(after)) {
-                Some(Ok(n)) => n,
-                Some(Err(e)) => {
-                    tracing::error!(
-                        "releasing unread publications after --unread-release-ms failed (tried again next tick): {e}"
-                    );
-                    0
-                }
-                None => 0,
-            };
+            let expired = service.release_unread_after(unread).unwrap_or_else(|e| {
+                tracing::error!("releasing unread publications failed (tried again next tick): {e}");
+                0
+            });
             if n + expired > 0 {
                 metrics.reconcile(service.store());
             }

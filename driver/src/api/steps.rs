@@ -47,11 +47,7 @@ const DONE: Answer = Answer::Done(Done { ok: true });
 /// timeout or until `cancel` fires (its client went away).
 pub fn take(svc: &Service, who: &Caller, step: &BatchStep, cancel: &CancelToken) -> Result<Answer, ProtocolError> {
     match step {
-        BatchStep::Prepare(r) => {
-            let timeout = r.timeout_ms.map(std::time::Duration::from_millis);
-            svc.prepare_with(who, &r.req_id, &r.layout, r.total_chunks, &r.writer, timeout, cancel)
-                .map(Answer::Prepared)
-        }
+        BatchStep::Prepare(r) => svc.prepare_request(who, r, cancel).map(Answer::Prepared),
         BatchStep::Publish(r) => svc.publish(who, r.publication, &r.writer_token, r.first_token).map(Answer::Published),
         BatchStep::Claim(r) => svc
             .claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, r.layout.as_ref())

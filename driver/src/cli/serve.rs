@@ -45,9 +45,10 @@ pub struct LimitArgs {
     prepare_orphan_grace_ms: u64,
     /// A READY publication no reader claims for this long (ms) is released unread (an exact
     /// unread release, an `expire` on the timeline); claimed ones are never freed by time.
-    /// 0 (the default): kept until its writer or an operator releases it, as LMCache's keys
-    /// are. For vLLM P/D serving take 480000, vLLM's own bound on a prefill's blocks no decode
-    /// reads (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    /// A writer may ask for its own window at prepare (`unread_release_ms`; the vLLM connector
+    /// asks for 480000, vLLM's own bound on a prefill's blocks no decode reads): the shorter
+    /// applies. 0 (the default): only those writers' windows, every other publication kept
+    /// until its writer or an operator releases it, as LMCache's keys are.
     #[arg(long, default_value_t = 0)]
     unread_release_ms: u64,
 }

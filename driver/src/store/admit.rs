@@ -29,6 +29,31 @@ pub struct Prepared {
     pub repeated: bool,
 }
 
+/// What a prepare asks of the store.
+#[derive(Debug, Clone, Copy)]
+pub struct Ask<'a> {
+    /// The serving engine's request id.
+    pub req_id: &'a str,
+    /// The writer's identity.
+    pub writer: &'a str,
+    /// The identity that prepares it (journaled with the PREPARE).
+    pub owner: Option<&'a Owner>,
+    /// The KV layout the reader must match.
+    pub layout: &'a Layout,
+    /// Chunks to reserve.
+    pub total_chunks: u32,
+    /// Its unread window, in ms: released unread when no reader claims it
+    /// this long after READY (journaled with the PREPARE).
+    pub unread_release_ms: Option<u64>,
+}
+
+impl<'a> Ask<'a> {
+    /// A prepare with no owner and no unread window of its own.
+    pub fn new(req_id: &'a str, writer: &'a str, layout: &'a Layout, total_chunks: u32) -> Self {
+        Ask { req_id, writer, owner: None, layout, total_chunks, unread_release_ms: None }
+    }
+}
+
 /// Why the reaper aborted a PREPARED publication.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reaped {
@@ -79,24 +104,14 @@ impl Store {
         total_chunks: u32,
         timeout: Duration,
     ) -> Result<u64, StoreError> {
-        let p = self.prepare_with(req_id, writer, None, layout, total_chunks, timeout, &CancelToken::new())?;
+        let p = self.prepare_with(&Ask::new(req_id, writer, layout, total_chunks), timeout, &CancelToken::new())?;
         Ok(p.publication)
     }
 
-    /// [`prepare`](Self::prepare) with its own timeout (at most the store's
-    /// admission timeout) and a token that gives up the wait, bound to
-    /// `owner` (journaled with the PREPARE).
-    #[allow(clippy::too_many_arguments)]
-    pub fn prepare_with(
-        &self,
-        req_id: &str,
-        writer: &str,
-        owner: Option<&Owner>,
-        layout: &Layout,
-        total_chunks: u32,
-        timeout: Duration,
-        cancel: &CancelToken,
-    ) -> Result<Prepared, StoreError> {
+    /// [`prepare`](Self::prepare) of `ask` with its own timeout (at most
+    /// the store's admission timeout) and a token that gives up the wait.
+    pub fn prepare_with(&self, ask: &Ask<'_>, timeout: Duration, cancel: &CancelToken) -> Result<Prepared, StoreError> {
+        let Ask { req_id, writer, owner, layout, total_chunks, .. } = *ask;
         if total_chunks > TransferId::MAX_CHUNKS {
             return Err(StoreError::TooManyChunks { chunks: total_chunks, max: TransferId::MAX_CHUNKS });
         }
@@ -110,7 +125,7 @@ impl Store {
         if self.admission.held(req_id) != total_chunks as u64 {
             return Err(AdmitError::Aborted { req: req_id.into() }.into());
         }
-        let prepared = self.journal_prepare(&mut live, req_id, writer, owner, layout, total_chunks);
+        let prepared = self.journal_prepare(&mut live, ask);
         if prepared.is_err() {
             self.admission.release(req_id);
         }
@@ -142,15 +157,8 @@ impl Store {
     }
 
     /// Picks the slots and journals the PREPARE of an admitted request.
-    fn journal_prepare(
-        &self,
-        live: &mut Live,
-        req_id: &str,
-        writer: &str,
-        owner: Option<&Owner>,
-        layout: &Layout,
-        total_chunks: u32,
-    ) -> Result<u64, StoreError> {
+    fn journal_prepare(&self, live: &mut Live, ask: &Ask<'_>) -> Result<u64, StoreError> {
+        let Ask { req_id, writer, owner, layout, total_chunks, unread_release_ms } = *ask;
         if let Some(p) = live.state.by_req(req_id) {
             return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
         }
@@ -170,6 +178,7 @@ impl Store {
             total_chunks,
             slots,
             owner: owner.cloned(),
+            unread_release_ms,
         };
         self.log(live, record)?;
         live.batches.insert(id, Batches { touched: Some(Instant::now()), ..Default::default() });

@@ -22,6 +22,8 @@ pub struct Evicted {
     pub slots: u64,
     /// Who published it.
     pub owner: Option<Owner>,
+    /// The unread window it was released after (none: evicted for room).
+    pub window: Option<std::time::Duration>,
 }
 
 impl Store {
@@ -75,35 +77,44 @@ impl Store {
     }
 
     /// The unread window: releases every READY publication nobody has
-    /// claimed `after` since this first found it READY and unclaimed. The
-    /// daemon's reaper calls it every tick, so the window starts at most a
-    /// tick after the publish, and a publication recovered READY at open is
-    /// given the whole window again. Each is an exact unread release (a
-    /// RELEASE record), durable when this returns; a claimed, adopted or
-    /// failed publication is never touched, whatever its age.
-    pub fn release_unread_after(&self, after: std::time::Duration) -> Result<Vec<Evicted>, StoreError> {
+    /// claimed within its window since this first found it READY and
+    /// unclaimed — the window its writer asked for at prepare, or `after`
+    /// (the daemon's), the shorter where both are set; a publication with
+    /// neither is kept. The daemon's reaper calls it every tick, so the
+    /// window starts at most a tick after the publish, and a publication
+    /// recovered READY at open is given the whole window again. Each is an
+    /// exact unread release (a RELEASE record), durable when this returns;
+    /// a claimed, adopted or failed publication is never touched, whatever
+    /// its age.
+    pub fn release_unread_after(&self, after: Option<std::time::Duration>) -> Result<Vec<Evicted>, StoreError> {
         let now = std::time::Instant::now();
         let mut expired = Vec::new();
         let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
         let mut failed = None;
         {
             let mut live = self.lock_live();
-            let unread: std::collections::BTreeSet<u64> = live
+            let unread: std::collections::BTreeMap<u64, std::time::Duration> = live
                 .state
                 .pubs
                 .values()
                 .filter(|p| p.phase == Phase::Ready && p.claim.is_none())
-                .map(|p| p.id)
+                .filter_map(|p| {
+                    let own = p.unread_release_ms.map(std::time::Duration::from_millis);
+                    own.map_or(after, |o| Some(after.map_or(o, |a| a.min(o)))).map(|w| (p.id, w))
+                })
                 .collect();
-            live.unread_since.retain(|id, _| unread.contains(id));
-            for id in unread {
+            live.unread_since.retain(|id, _| unread.contains_key(id));
+            for (id, window) in unread {
                 let since = *live.unread_since.entry(id).or_insert(now);
-                if now.duration_since(since) < after {
+                if now.duration_since(since) < window {
                     continue;
                 }
                 if let Err(e) = self.release_unread_locked(&mut live, id, &mut expired, &mut freeing) {
                     failed = Some(e);
                     break;
+                }
+                if let Some(e) = expired.last_mut() {
+                    e.window = Some(window);
                 }
                 live.unread_since.remove(&id);
                 live.expired += 1;
@@ -125,7 +136,7 @@ impl Store {
         let owner = live.state.pubs.get(&id).and_then(|p| p.owner.clone());
         let (req, slots) = self.release_locked(live, id)?;
         let n = slots.len() as u64;
-        out.push(Evicted { publication: id, req_id: req.clone(), slots: n, owner });
+        out.push(Evicted { publication: id, req_id: req.clone(), slots: n, owner, window: None });
         freeing.push((req, slots));
         Ok(n)
     }

@@ -37,6 +37,10 @@ pub enum Record {
         /// The identity that prepared it (absent in journals older than identities).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         owner: Option<Owner>,
+        /// Its own unread window in ms, where its writer asked for one
+        /// (absent in older journals and where it did not).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        unread_release_ms: Option<u64>,
     },
     /// A chunk stored in its slot, with the checksum of the bytes written.
     Alloc {

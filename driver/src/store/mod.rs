@@ -52,7 +52,7 @@ use crate::admission::{AdmissionCounters, MonotonicClock, ReservationManager, Wa
 use crate::buffer::Buffer;
 use crate::io::{BufferId, DmabufRw, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
 
-pub use admit::{Accounting, CancelOutcome, Prepared, Reaped};
+pub use admit::{Accounting, Ask, CancelOutcome, Prepared, Reaped};
 pub use batch::{BatchOutcome, ChunkDest, ChunkSource, StoreBatch};
 pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use evict::Evicted;

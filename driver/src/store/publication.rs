@@ -50,6 +50,9 @@ pub struct Publication {
     /// The identity that prepared it (`None` in journals older than identities).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub owner: Option<Owner>,
+    /// Its own unread window in ms, where its writer asked for one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unread_release_ms: Option<u64>,
     /// Its manifest's digest, kept beside the manifest in memory only.
     #[serde(skip)]
     pub digest: DigestCache,

@@ -119,10 +119,11 @@ impl State {
     /// fit the current state.
     pub fn apply(&mut self, r: &Record) -> Result<(), StateError> {
         match r {
-            Record::Prepare { publication, req_id, writer, layout, total_chunks, slots, owner } => {
+            Record::Prepare { publication, req_id, writer, layout, total_chunks, slots, owner, unread_release_ms } => {
                 self.apply_prepare(*publication, req_id, writer, layout, *total_chunks, slots)?;
                 if let Some(p) = self.pubs.get_mut(publication) {
                     p.owner = owner.clone();
+                    p.unread_release_ms = *unread_release_ms;
                 }
             }
             Record::Alloc { publication, chunk, slot, len, crc32c } => {
@@ -216,6 +217,7 @@ impl State {
             manifest: None,
             claim: None,
             owner: None,
+            unread_release_ms: None,
             digest: Default::default(),
         };
         self.pubs.insert(publication, p);
@@ -332,6 +334,7 @@ mod tests {
             total_chunks: slots.len() as u32,
             slots: slots.into_iter().map(SlotIndex).collect(),
             owner: None,
+            unread_release_ms: None,
         }
     }
 

@@ -33,6 +33,12 @@ default ``"fail"``). See docs/vllm.md.
   ``error``; default 30);
 - ``ready_timeout_s``: how long a decode waits for a publication it names
   to become READY (default 30);
+- ``unread_release_s``: a publication no decode claims this long after it
+  is READY is released unread by the daemon — the exact unread release,
+  counted, an ``expire`` on its timeline — so a decode that never comes (a
+  proxy that crashed, a request abandoned) holds its slots a bounded time
+  (default 480, vLLM's own bound on a prefill's unread blocks; 0 keeps
+  them until released);
 - ``staging_bytes``: the worker's registered staging buffer (default 64 MiB);
 - ``model_identity``: names the weights instead of vLLM's config hash (a
   checkpoint digest, say);

@@ -42,6 +42,10 @@ class Config:
     admission_timeout_s: float = 30.0
     # How long a decode waits for a named publication to become READY.
     ready_timeout_s: float = 30.0
+    # A publication no decode claims this long after READY is released unread
+    # (0: kept until released). vLLM's own bound on a prefill's blocks no
+    # decode reads (VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s).
+    unread_release_s: float = 480.0
     staging_bytes: int = 64 << 20
     timeline: str | None = None
     # kv_transfer_config.kv_load_failure_policy == "recompute" (set from it, not a key)

@@ -150,13 +150,15 @@ class Producer:
         """On the pool: prepares, and where the store has no room at once
         (counted), waits for it until the deadline."""
         writer = pdstor.Writer(self.client, self.cfg.writer_id)
+        unread = self.cfg.unread_release_s
+        unread_ms = max(1, int(unread * 1000)) if unread > 0 else None
         try:
-            writer.prepare(name, self.layout, total, timeout_ms=0)
+            writer.prepare(name, self.layout, total, timeout_ms=0, unread_release_ms=unread_ms)
         except pdstor.AdmissionTimeout:
             with self.count_lock:
                 self.counters.admission_waits += 1
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            writer.prepare(name, self.layout, total, timeout_ms=timeout_ms)
+            writer.prepare(name, self.layout, total, timeout_ms=timeout_ms, unread_release_ms=unread_ms)
         publication = writer.publication
         if publication is None:
             raise RuntimeError(f"prepare of {name} answered no publication number")

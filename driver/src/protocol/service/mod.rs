@@ -11,10 +11,10 @@ use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClo
 use std::time::Duration;
 
 use crate::admission::CancelToken;
-use crate::store::{AbortOutcome, CancelOutcome, Layout, Manifest, Owner, Phase, Publication, Store, StoreError};
+use crate::store::{AbortOutcome, Ask, CancelOutcome, Layout, Manifest, Owner, Phase, Publication, Store, StoreError};
 pub use pdstor_client::receipt::restore_digest;
 use pdstor_client::timeline::{Event, Timeline, emit};
-pub use pdstor_client::wire::{AdoptRequest, Prepared, Published};
+pub use pdstor_client::wire::{AdoptRequest, PrepareRequest, Prepared, Published};
 
 mod reader;
 mod writer;

@@ -31,6 +31,41 @@ impl Service {
         timeout: Option<Duration>,
         cancel: &CancelToken,
     ) -> Result<Prepared, ProtocolError> {
+        self.prepare_as(who, Ask::new(req_id, writer, layout, total_chunks), timeout, cancel)
+    }
+
+    /// The prepare a client sent (`POST /storage-pd/prepare`, or a batch's
+    /// step), its own unread window (`unread_release_ms`) among it.
+    pub fn prepare_request(
+        &self,
+        who: &Caller,
+        r: &PrepareRequest,
+        cancel: &CancelToken,
+    ) -> Result<Prepared, ProtocolError> {
+        if r.unread_release_ms == Some(0) {
+            return Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "unread_release_ms",
+                format!(
+                    "request {}: unread_release_ms is 0; give the window in ms (at least 1), or leave it out to take the daemon's --unread-release-ms",
+                    r.req_id
+                ),
+            )
+            .into());
+        }
+        let ask =
+            Ask { unread_release_ms: r.unread_release_ms, ..Ask::new(&r.req_id, &r.writer, &r.layout, r.total_chunks) };
+        self.prepare_as(who, ask, r.timeout_ms.map(Duration::from_millis), cancel)
+    }
+
+    fn prepare_as(
+        &self,
+        who: &Caller,
+        ask: Ask<'_>,
+        timeout: Option<Duration>,
+        cancel: &CancelToken,
+    ) -> Result<Prepared, ProtocolError> {
+        let Ask { req_id, writer, layout, total_chunks, .. } = ask;
         bounded("req_id", req_id, MAX_NAME_BYTES)?;
         bounded("writer_id", writer, MAX_NAME_BYTES)?;
         for (field, value) in [
@@ -60,7 +95,7 @@ impl Service {
             }
             std::collections::hash_map::Entry::Occupied(_) => false,
         };
-        let prepared = self.store.prepare_with(req_id, writer, owner.as_ref(), layout, total_chunks, timeout, cancel);
+        let prepared = self.store.prepare_with(&Ask { owner: owner.as_ref(), ..ask }, timeout, cancel);
         if recorded {
             self.lock_preparing().remove(req_id);
         }
@@ -240,22 +275,24 @@ impl Service {
         reaped.len()
     }
 
-    /// Releases the READY publications no reader claimed within `after`
-    /// ([`Store::release_unread_after`]), each an `expire` on the timeline;
-    /// returns how many.
-    pub fn release_unread_after(&self, after: Duration) -> Result<usize, ProtocolError> {
+    /// Releases the READY publications no reader claimed within their
+    /// unread window — their writer's, or `after` (the daemon's
+    /// `--unread-release-ms`), the shorter ([`Store::release_unread_after`]),
+    /// each an `expire` on the timeline; returns how many.
+    pub fn release_unread_after(&self, after: Option<Duration>) -> Result<usize, ProtocolError> {
         // Never recorded before the publish that made it READY.
         self.after_publishes();
         let expired = self.store.release_unread_after(after)?;
         for e in &expired {
+            let window = e.window.map_or(0, |w| w.as_millis());
             tracing::warn!(
-                "released unread publication {} ({}, {} slots): no reader claimed it within {} ms",
+                "released unread publication {} ({}, {} slots): no reader claimed it within {window} ms",
                 e.publication,
                 e.req_id,
                 e.slots,
-                after.as_millis()
             );
-            let detail = format!("unread for {} ms (--unread-release-ms), {} slots", after.as_millis(), e.slots);
+            let whose = if e.window == after { "--unread-release-ms" } else { "its writer's unread_release_ms" };
+            let detail = format!("unread for {window} ms ({whose}), {} slots", e.slots);
             self.note(
                 &Caller::in_process(),
                 Event::new("expire").req(&e.req_id).publication(e.publication).detail(detail),
