@@ -350,6 +350,18 @@ fn a_writers_own_unread_window_applies_bounded_by_the_daemons_and_survives_a_reo
         id
     };
     let (own, none, longer) = (put("own", Some(short)), put("none", None), put("longer", Some(long)));
+    // A retried prepare is the same request only with the same window.
+    let again = |window| {
+        s.prepare_with(
+            &store::Ask { unread_release_ms: window, ..store::Ask::new("again", "writer", &l, 1) },
+            Duration::ZERO,
+            &Default::default(),
+        )
+    };
+    let first = again(Some(5)).unwrap();
+    assert_eq!(again(Some(5)).unwrap(), store::Prepared { repeated: true, ..first });
+    assert!(matches!(again(None), Err(store::StoreError::DuplicateRequest { .. })));
+    assert_eq!(s.abort(first.publication).unwrap(), store::AbortOutcome::Aborted { slots: 1 });
     let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| (e.publication, e.window)).collect::<Vec<_>>();
     assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![], "each first seen now");
     drop(s);

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from isa import avx2_env
+
 BLOCK = 32  # the CPU backend needs a multiple of 32
 MAX_MODEL_LEN = 512
 TINY_LLAMA = {
@@ -257,7 +259,7 @@ def vllm_serve(
     ]  # fmt: skip
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores}
+    env = avx2_env(out, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores})
     return Process(name, argv, out / f"{name}.log", port, env)
 
 

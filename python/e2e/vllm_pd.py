@@ -85,6 +85,7 @@ class Run:
         self.failures: list[str] = []
         self.compared = self.logprobs = 0
         self.max_delta = 0.0
+        self.worst = ""
         self.cases: list[dict] = []
 
     def fail(self, what: str) -> None:
@@ -124,12 +125,14 @@ class Run:
         if got != want or split.get("finish_reason") != "length":
             self.fail(f"{case}: split {got} ({split.get('finish_reason')}) != oracle {want}")
             return
-        for a, b in zip(split["logprobs"]["token_logprobs"], oracle["logprobs"]["token_logprobs"], strict=True):
+        pairs = zip(split["logprobs"]["token_logprobs"], oracle["logprobs"]["token_logprobs"], strict=True)
+        for i, (a, b) in enumerate(pairs):
             if a is None or b is None:
                 self.fail(f"{case}: a chosen token has no log-probability")
                 return
             self.logprobs += 1
-            self.max_delta = max(self.max_delta, abs(a - b))
+            if abs(a - b) > self.max_delta:
+                self.max_delta, self.worst = abs(a - b), f"{case}, output token {i}"
 
     def streamed_and_chat(self, seed: int) -> None:
         """Every API the proxy relays, streamed and not, against the oracle's text."""
@@ -343,7 +346,7 @@ def main() -> int:
         run.streamed_and_chat(5_000)
         seen = connector_metrics(run, prefill, decode)
         if run.max_delta > MAX_DELTA:
-            run.fail(f"chosen-token log-probability delta {run.max_delta:.4f} > {MAX_DELTA}")
+            run.fail(f"chosen-token log-probability delta {run.max_delta:.4f} > {MAX_DELTA} ({run.worst})")
         corrupt = corrupt_control(run, prefill, decode, daemon, target)
         killed = killed_prefill_control(run, prefill, decode, daemon)
     finally:
@@ -394,6 +397,7 @@ def report(run: Run, corrupt: dict, killed: dict, metrics: dict, timeline: Any, 
         "tokens_compared": run.compared,
         "logprobs_compared": run.logprobs,
         "max_logprob_delta": round(run.max_delta, 5),
+        "max_logprob_delta_at": run.worst,
         "cases": run.cases,
         "corrupt_chunk_control": corrupt,
         "killed_prefill_control": killed,
@@ -407,7 +411,7 @@ def report(run: Run, corrupt: dict, killed: dict, metrics: dict, timeline: Any, 
         "# vLLM storage P/D end to end (vllm serve, pdstor.proxy)",
         "",
         f"- requests through the proxy: {out['requests']}, tokens compared with the no-cache oracle: {run.compared}",
-        f"- chosen-token log-probabilities compared: {run.logprobs}, maximum delta {run.max_delta:.5f} (limit {MAX_DELTA})",
+        f"- chosen-token log-probabilities compared: {run.logprobs}, maximum delta {run.max_delta:.5f} (limit {MAX_DELTA}; {run.worst or 'none'})",
         f"- connector counters on the engines' /metrics: {metrics}",
         f"- corrupted chunk: {corrupt}",
         f"- prefill killed mid-store: {killed}",

@@ -187,38 +187,6 @@ def test_the_engine_thread_guard_sees_every_daemon_round_trip(daemon):
     assert guard.calls == ["Client.namespace", "Client.lookup", "Writer.resume"]
 
 
-def daemon_batches(daemon) -> int:
-    """The daemon's count of `POST /storage-pd/batch` requests."""
-    for line in daemon.client().metrics().splitlines():
-        if line.startswith('pdstor_step_seconds_count{step="batch"} '):
-            return int(float(line.split()[-1]))
-    return 0
-
-
-def test_a_steps_publishes_and_its_claims_each_go_in_one_batch(model, daemon):
-    """Three requests that finish in one step are published READY in one
-    batch (one round trip, one commit); handed over together, they are
-    claimed in one batch; every restore byte for byte. (A step's budget
-    that holds all three prompts: they finish, and are handed over, in one
-    step each side.)"""
-    p = producer(model, daemon, batched=256)
-    prompts = {f"b{i}": prompt(64, 60 + i) for i in range(3)}
-    before = daemon_batches(daemon)
-    handed = prefill(p, prompts)
-    assert daemon_batches(daemon) - before == 1, "one publish batch for the step's three"
-    assert sorted(x["state"] for x in daemon.client().publications()) == ["READY"] * 3
-    c = consumer(model, daemon, batched=256)
-    before = daemon_batches(daemon)
-    for rid, toks in prompts.items():
-        decode_request(c, rid, toks, handed[rid], max_tokens=2)
-    c.run()
-    assert daemon_batches(daemon) - before == 1, "one claim batch for the three"
-    for rid, toks in prompts.items():
-        assert c.restored_checked[rid] == len(toks), rid
-        assert c.finished[rid].reason == FinishReason.LENGTH
-    assert daemon.client().publications() == []
-
-
 def test_a_decode_engine_steps_its_other_requests_while_a_handoff_loads(model, daemon):
     """A handed-over request waits in WAITING_FOR_REMOTE_KVS while its
     publication is made READY and restored; the engine's other requests

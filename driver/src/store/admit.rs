@@ -7,7 +7,7 @@
 //!
 //! - waiting for admission: a second prepare of it is refused
 //!   (`duplicate_request`) and changes nothing of the first's;
-//! - PREPARED: a prepare with the same chunks, layout and writer is a retry
+//! - PREPARED: a prepare with the same chunks, layout, writer and unread window is a retry
 //!   and answered with the same publication; any other is refused;
 //! - READY or later: refused;
 //! - cancel wakes and refuses a waiter, or rolls back a PREPARED publication;
@@ -111,11 +111,11 @@ impl Store {
     /// [`prepare`](Self::prepare) of `ask` with its own timeout (at most
     /// the store's admission timeout) and a token that gives up the wait.
     pub fn prepare_with(&self, ask: &Ask<'_>, timeout: Duration, cancel: &CancelToken) -> Result<Prepared, StoreError> {
-        let Ask { req_id, writer, owner, layout, total_chunks, .. } = *ask;
+        let Ask { req_id, total_chunks, .. } = *ask;
         if total_chunks > TransferId::MAX_CHUNKS {
             return Err(StoreError::TooManyChunks { chunks: total_chunks, max: TransferId::MAX_CHUNKS });
         }
-        if let Some(id) = self.repeat_of(req_id, writer, owner, layout, total_chunks)? {
+        if let Some(id) = self.repeat_of(ask)? {
             return Ok(Prepared { publication: id, repeated: true });
         }
         let timeout = timeout.min(self.opts.admission_timeout);
@@ -134,18 +134,16 @@ impl Store {
 
     /// The PREPARED publication of `req_id`, if this prepare repeats it
     /// exactly (by the same owner); a refusal if `req_id` is live in any other way.
-    fn repeat_of(
-        &self,
-        req_id: &str,
-        writer: &str,
-        owner: Option<&Owner>,
-        layout: &Layout,
-        total: u32,
-    ) -> Result<Option<u64>, StoreError> {
+    fn repeat_of(&self, ask: &Ask<'_>) -> Result<Option<u64>, StoreError> {
+        let Ask { req_id, writer, owner, layout, total_chunks: total, unread_release_ms } = *ask;
         let mut live = self.lock_live();
         let Some(p) = live.state.by_req(req_id) else { return Ok(None) };
         let id = p.id;
-        let same = p.total_chunks == total && p.layout == *layout && p.writer == writer && p.owner.as_ref() == owner;
+        let same = p.total_chunks == total
+            && p.layout == *layout
+            && p.writer == writer
+            && p.owner.as_ref() == owner
+            && p.unread_release_ms == unread_release_ms;
         if p.phase == Phase::Prepared && same && live.batches.get(&id).is_none_or(|b| !b.published) {
             if let Some(b) = live.batches.get_mut(&id) {
                 b.touched = Some(Instant::now());
@@ -181,6 +179,9 @@ impl Store {
             unread_release_ms,
         };
         self.log(live, record)?;
+        if unread_release_ms.is_some() {
+            self.windowed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         live.batches.insert(id, Batches { touched: Some(Instant::now()), ..Default::default() });
         Ok(id)
     }

@@ -5,8 +5,9 @@
 //! prepares waiting before it fit. Each is an exact unread release: a RELEASE
 //! record, journaled and committed before its slots can be prepared again. A
 //! claimed, adopted or failed publication is never touched. The same
-//! release ends a READY publication no reader claimed within the daemon's
-//! unread window (`--unread-release-ms`).
+//! release ends a READY publication no reader claimed within its unread
+//! window (its writer's `unread_release_ms`, the daemon's
+//! `--unread-release-ms`, the shorter).
 
 use super::error::StoreError;
 use super::{Live, Owner, Phase, SlotIndex, Store};
@@ -87,6 +88,9 @@ impl Store {
     /// a claimed, adopted or failed publication is never touched, whatever
     /// its age.
     pub fn release_unread_after(&self, after: Option<std::time::Duration>) -> Result<Vec<Evicted>, StoreError> {
+        if after.is_none() && !self.any_unread_window() {
+            return Ok(Vec::new());
+        }
         let now = std::time::Instant::now();
         let mut expired = Vec::new();
         let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
@@ -122,6 +126,12 @@ impl Store {
         }
         self.free_released(&freeing)?;
         failed.map_or(Ok(expired), Err)
+    }
+
+    /// Whether any publication may have a window of its own: one was
+    /// prepared with one since open, or recovered with one.
+    pub fn any_unread_window(&self) -> bool {
+        self.windowed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Releases unread publication `id` (a RELEASE record, not yet durable),

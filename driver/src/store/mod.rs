@@ -241,6 +241,10 @@ pub struct Store {
     loads_done: std::sync::Condvar,
     /// The target as opened: still at its path?
     presence: presence::Presence,
+    /// Whether a publication with its own unread window was prepared since
+    /// open, or recovered: until one is, the unread window has nothing to
+    /// look at without the daemon's.
+    windowed: std::sync::atomic::AtomicBool,
 }
 
 impl Store {
@@ -258,6 +262,7 @@ impl Store {
         let replayed = recovery::replay(path, &opened)?;
         io.resume(replayed.journal_end)?;
         let sb = opened.superblock;
+        let windowed = replayed.state.pubs.values().any(|p| p.unread_release_ms.is_some());
         let store = Store {
             path: path.into(),
             live: Mutex::new(Live {
@@ -282,6 +287,7 @@ impl Store {
             last_commit: Mutex::new(CommitInfo::default()),
             loads_done: std::sync::Condvar::new(),
             presence: presence::Presence::at(path),
+            windowed: windowed.into(),
         };
         let mut report = replayed.report;
         store.begin_epoch(&mut report)?;

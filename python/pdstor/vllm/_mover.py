@@ -118,23 +118,38 @@ class Mover:
                 return more
 
     def _do_all(self, jobs: list[object]) -> None:
-        """One round's jobs: stores and the ends of publications in order
-        (an end after the stores queued before it), the round's publishes
-        then together in one round trip and one commit, then the restores,
-        their claims together.
-        Whatever a job raises is logged and it still ends as vLLM needs it
-        to (blocks released, a restore reported failed)."""
-        publish: list[EndSpec] = []
+        """One round's jobs, in the order the engine handed them over, but
+        for the ends of publications and the restores between two stores (a
+        step's): those publications are published together — one round
+        trip, one commit — before the next store, and those restores start
+        then, their claims together. An end always follows the stores queued
+        before it. Whatever a job raises is logged and it still ends as vLLM
+        needs it to (blocks released, a restore reported failed)."""
+        ends: list[EndSpec] = []
+        loads: list[LoadSpec] = []
         for job in jobs:
             if isinstance(job, SaveSpec):
+                if ends or loads:
+                    self._flush(ends, loads)
+                    ends, loads = [], []
                 self._guarded(job, lambda j=job: self.side.save_one(j))
             elif isinstance(job, EndSpec):
-                self._guarded(job, lambda j=job: self._end(j, publish))
+                ends.append(job)
+            elif isinstance(job, LoadSpec):
+                loads.append(job)
+        self._flush(ends, loads)
+
+    def _flush(self, ends: list[EndSpec], loads: list[LoadSpec]) -> None:
+        """Ends `ends` (rolled back, or published in one batch), then starts
+        `loads`: those already refused or with a receipt restored now, those
+        named left to the lookup rounds."""
+        publish: list[EndSpec] = []
+        for end in ends:
+            self._guarded(end, lambda j=end: self._end(j, publish))
         if publish:
             self._guarded(publish[0], lambda: self.side.publish_all(publish))
         with self.lock:
-            self.sent.update(j.req_id for j in jobs if isinstance(j, EndSpec) and j.release)
-        loads = [j for j in jobs if isinstance(j, LoadSpec)]
+            self.sent.update(j.req_id for j in ends if j.release)
         now, ready = time.monotonic(), []
         for spec in loads:
             if spec.error is None and spec.ready is None:

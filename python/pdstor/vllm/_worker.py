@@ -179,7 +179,7 @@ class WorkerSide:
         began = time.monotonic()
         try:
             answers = pdstor.Writer.publish_many(self.client, [(s.handoff, s.first_token) for s in publish])
-        except pdstor.Error as e:
+        except Exception as e:  # noqa: BLE001 - each publication is still rolled back, none left PREPARED
             answers = [e] * len(publish)
         took = time.monotonic() - began
         for spec, ready in zip(publish, answers):
@@ -224,11 +224,13 @@ class WorkerSide:
             claimed = self.reader.claim_many(asked, lease_ms=self.cfg.lease_ms, layout=self.layout) if asked else []
         except pdstor.Error as e:
             claimed = [e] * len(asked)
+        claiming = time.monotonic() - began
         claims = iter(claimed)
         out = []
         for (spec, _), ready in zip(loads, readies):
             claim = next(claims) if isinstance(ready, pdstor.Receipt) else ready
-            out.append(self._load_one(spec, claim, began))
+            # Each restore's time: the claim batch's, then its own.
+            out.append(self._load_one(spec, claim, time.monotonic() - claiming))
         return out
 
     def _ready(self, spec: LoadSpec, ready: str | pdstor.Receipt | None) -> pdstor.Receipt:

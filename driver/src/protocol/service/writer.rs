@@ -280,6 +280,9 @@ impl Service {
     /// `--unread-release-ms`), the shorter ([`Store::release_unread_after`]),
     /// each an `expire` on the timeline; returns how many.
     pub fn release_unread_after(&self, after: Option<Duration>) -> Result<usize, ProtocolError> {
+        if after.is_none() && !self.store.any_unread_window() {
+            return Ok(0); // no window to look at (LMCache's keys alone): no lock taken
+        }
         // Never recorded before the publish that made it READY.
         self.after_publishes();
         let expired = self.store.release_unread_after(after)?;
