@@ -580,20 +580,15 @@ async fn publications(
             reader: p.claim.as_ref().map(|c| c.reader.clone()),
             unread_release_ms: p.unread_release_ms,
             extents: verbose.then(|| {
-                p.slots
-                    .iter()
-                    .enumerate()
-                    .map(|(i, &slot)| {
-                        let stored = p.chunks.get(i).and_then(Option::as_ref);
-                        Extent {
-                            chunk: i as u32,
-                            slot: slot.0,
-                            offset: sb.slot_offset(slot).0,
-                            len: stored.map(|c| c.len),
-                            crc32c: stored.map(|c| c.crc32c),
-                        }
-                    })
-                    .collect()
+                let stored = |i: usize| p.chunks.get(i).and_then(Option::as_ref);
+                let extent = |(i, &slot): (usize, &crate::store::SlotIndex)| Extent {
+                    chunk: i as u32,
+                    slot: slot.0,
+                    offset: sb.slot_offset(slot).0,
+                    len: stored(i).map(|c| c.len),
+                    crc32c: stored(i).map(|c| c.crc32c),
+                };
+                p.slots.iter().enumerate().map(extent).collect()
             }),
         })
         .collect();
