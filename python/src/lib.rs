@@ -913,7 +913,9 @@ impl Reader {
             .collect();
         let c = self.conn.clone();
         let done = py.detach(move || c.control.claim_many(asks)).map_err(|e| to_py(py, e.into()))?;
-        done.into_iter().map(|r| entry(py, r, |claim| Ok(Bound::new(py, Receipt { inner: claim })?.into_any()))).collect()
+        done.into_iter()
+            .map(|r| entry(py, r, |claim| Ok(Bound::new(py, Receipt { inner: claim })?.into_any())))
+            .collect()
     }
 
     /// Confirms what this reader reads — the claim, its manifest digest and
@@ -1138,7 +1140,9 @@ fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result
 /// A [`Writer.handoff`] token: the prepared publication and its total.
 fn parse_handoff(what: &str, handoff: &str) -> PyResult<(Prepared, u32)> {
     let bad = |e: String| {
-        PyValueError::new_err(format!("{what}: not a Writer.handoff() token ({e}): pass exactly what handoff() returned"))
+        PyValueError::new_err(format!(
+            "{what}: not a Writer.handoff() token ({e}): pass exactly what handoff() returned"
+        ))
     };
     let mut v: serde_json::Value = serde_json::from_str(handoff).map_err(|e| bad(e.to_string()))?;
     let total = v.get("total_chunks").and_then(serde_json::Value::as_u64).and_then(|t| u32::try_from(t).ok());
