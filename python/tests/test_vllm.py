@@ -104,6 +104,9 @@ def test_requests_are_handed_over_through_the_real_scheduler_byte_for_byte(model
     assert (made["prepared"], made["published"], made["stored_chunks"]) == (len(prompts), len(prompts), chunks)
     assert len(made["publish"]) == len(prompts) and made["store"] and not made["restored"]
     assert (got["restored"], got["restore_failures"], len(got["restore"])) == (len(prompts), 0, len(prompts))
+    # The scheduler's view of each restore (blocks allocated to the report) holds the mover's.
+    assert len(got["load_wait"]) == len(prompts) and not made["load_wait"]
+    assert sorted(got["load_wait"])[-1] >= sorted(got["restore"])[-1] > 0
     assert got["restored_bytes"] == chunks * c.worker.worker_side.shape.chunk_bytes
 
 

@@ -77,6 +77,11 @@ pub struct BenchArgs {
     /// Requests at once for --vllm.
     #[arg(long, default_value = "1,4,8")]
     vllm_concurrency: String,
+    /// The engines' dtype for --vllm: float32 (which requests share a batch
+    /// moves a log-probability by 1e-4 at most, so the oracle check holds at
+    /// any concurrency; bfloat16's moved by 0.12) or bfloat16.
+    #[arg(long, default_value = "float32")]
+    vllm_dtype: String,
 }
 
 struct Case {
@@ -140,7 +145,8 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     if args.vllm {
         let (lengths, concurrency, rounds) = (&args.vllm_lengths, &args.vllm_concurrency, args.rounds.to_string());
-        let extra = ["--lengths", lengths, "--concurrency", concurrency, "--rounds", &rounds];
+        let extra =
+            ["--lengths", lengths, "--concurrency", concurrency, "--rounds", &rounds, "--dtype", &args.vllm_dtype];
         return crate::vllm::script(sh, "vllm_bench.py", &out_dir.join("vllm"), &extra);
     }
     let mut reports = Vec::new();

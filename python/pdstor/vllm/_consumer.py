@@ -25,6 +25,7 @@ recomputed (and counted) under ``"recompute"``, never silently.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +63,10 @@ class Consumer:
         self.plans: dict[str, _Plan] = {}
         self.consumed: set[str] = set()
         self.loads: list[LoadSpec] = []
-        # Requests being restored: request id -> the blocks the restore fills.
+        # Requests being restored: request id -> the blocks the restore fills,
+        # and since when (for the load_wait latency).
         self.loading: dict[str, list[int]] = {}
+        self.loading_since: dict[str, float] = {}
         # Decode requests restored from a publication: request id -> (its
         # name, the producer's token, whether the prompt carries it).
         self.handed: dict[str, tuple[str, int, bool]] = {}
@@ -146,6 +149,7 @@ class Consumer:
         report = num_external_tokens > 0
         if report:
             self.loading[rid] = [b for _, b in fill]
+            self.loading_since[rid] = time.monotonic()
         self.consumed.add(rid)
         self.loads.append(
             LoadSpec(
@@ -173,6 +177,7 @@ class Consumer:
             blocks = self.loading.pop(rid, None)
             if blocks is None:
                 continue
+            self.ctx.stats.time("load_wait", time.monotonic() - self.loading_since.pop(rid))
             if invalid.intersection(blocks):
                 self.counters.load_failed += 1
                 self.handed.pop(rid, None)

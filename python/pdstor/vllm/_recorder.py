@@ -27,6 +27,9 @@ TIMES = {
     "publish": "One publish: the READY record durable.",
     "restore": "One request's restore, claim to acknowledgement.",
     "ready_wait": "A decode's wait for its publication to be READY, from the step that scheduled its load.",
+    # scheduler half
+    "load_wait": "A decode's wait for its KV (WAITING_FOR_REMOTE_KVS): from the step that allocated its blocks "
+    "to the step that heard its restore done or failed.",
 }
 BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 

@@ -49,14 +49,16 @@ class SchedulerSide:
         self.consumer = Consumer(ctx, self.counters)
         self.reported = Counters()
 
-    def stats(self) -> dict[str, int] | None:
-        """vLLM's connector stats: this half's counts since the last call."""
+    def stats(self) -> dict[str, Any] | None:
+        """vLLM's connector stats: this half's counts and latencies since
+        the last call."""
         with self.producer.count_lock:
             now = asdict(self.counters)
         before = asdict(self.reported)
         delta = {k: now[k] - before[k] for k in SCHEDULER_COUNTS if now[k] != before[k]}
         self.reported = Counters(**now)
-        return delta or None
+        times = self.ctx.stats.take() or {}
+        return {**times, **delta} or None
 
     def close(self) -> None:
         self.producer.close()
