@@ -294,6 +294,16 @@ def request(url: str, method: str, path: str, body: dict | None, timeout_s: floa
         conn.close()
 
 
+def metric(url: str, series: str) -> float | None:
+    """The sum of one series' samples (every label set) on the server's
+    `/metrics`; None when `/metrics` does not answer 200."""
+    status, body = request(url, "GET", "/metrics", None)
+    if status != 200:
+        return None
+    lines = [x for x in body.decode().splitlines() if x.startswith(series + "{")]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+
+
 def post(url: str, path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
     """A request answered at once: its status, its JSON, its headers."""
     host, port = url.removeprefix("http://").split(":")

@@ -369,12 +369,10 @@ def connector_metrics(run: Run, prefill: Process, decode: Process) -> dict:
     connector-stats hooks): every request handed over published by the
     prefill and restored by the decode, none failed."""
     def sample(p: Process, series: str) -> float:
-        status, body = serving.request(p.url, "GET", "/metrics", None)
-        if status != 200:
-            run.fail(f"{p.name} /metrics answered {status}")
-            return 0.0
-        lines = [x for x in body.decode().splitlines() if x.startswith(series + "{")]
-        return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+        value = serving.metric(p.url, series)
+        if value is None:
+            run.fail(f"{p.name} /metrics did not answer")
+        return value or 0.0
 
     handed = sum(c.get("batch", 1) for c in run.cases)
     seen = {

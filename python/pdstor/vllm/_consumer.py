@@ -65,8 +65,7 @@ class Consumer:
         self.loads: list[LoadSpec] = []
         # Requests being restored: request id -> the blocks the restore fills,
         # and since when (for the load_wait latency).
-        self.loading: dict[str, list[int]] = {}
-        self.loading_since: dict[str, float] = {}
+        self.loading: dict[str, tuple[list[int], float]] = {}
         # Decode requests restored from a publication: request id -> (its
         # name, the producer's token, whether the prompt carries it).
         self.handed: dict[str, tuple[str, int, bool]] = {}
@@ -148,8 +147,7 @@ class Consumer:
             self.handed[rid] = (plan.name or "", plan.expect_token, plan.spliced)
         report = num_external_tokens > 0
         if report:
-            self.loading[rid] = [b for _, b in fill]
-            self.loading_since[rid] = time.monotonic()
+            self.loading[rid] = ([b for _, b in fill], time.monotonic())
         self.consumed.add(rid)
         self.loads.append(
             LoadSpec(
@@ -174,10 +172,11 @@ class Consumer:
         failed ones, in the same step)."""
         invalid = set(out.invalid_block_ids or ())
         for rid in out.finished_recving or ():
-            blocks = self.loading.pop(rid, None)
-            if blocks is None:
+            loading = self.loading.pop(rid, None)
+            if loading is None:
                 continue
-            self.ctx.stats.time("load_wait", time.monotonic() - self.loading_since.pop(rid))
+            blocks, since = loading
+            self.ctx.stats.time("load_wait", time.monotonic() - since)
             if invalid.intersection(blocks):
                 self.counters.load_failed += 1
                 self.handed.pop(rid, None)
