@@ -75,8 +75,8 @@ def store(pdstor, client, worker, layout, name: str, req: str, chunks: int, prom
     writer = pdstor.Writer(client, "gpu-qual")
     writer.prepare(name, layout, chunks, timeout_ms=10_000)
     handoff = writer.handoff()
-    worker.save(PdstorMetadata(saves=[SaveSpec(req, handoff, prompt_tokens, digest, list(enumerate(src)), True)]))
-    worker.load(PdstorMetadata(ends=[EndSpec(req, handoff, FIRST, "", release=True)]))
+    worker.save(PdstorMetadata(saves=[SaveSpec(req, (handoff,), prompt_tokens, digest, list(enumerate(src)), True)]))
+    worker.load(PdstorMetadata(ends=[EndSpec(req, (handoff,), FIRST, "", release=True)]))
     until(worker, lambda sent, received: req in sent)
     (ready,) = client.lookup([name])
     if ready is None:

@@ -243,6 +243,7 @@ def vllm_serve(
     max_len: int = MAX_MODEL_LEN,
     dtype: str = "bfloat16",
     batched_tokens: int | None = None,
+    tp: int = 1,
 ) -> Process:
     """`vllm serve` of `model`, its model's threads bound to `cores` (vLLM's
     VLLM_CPU_OMP_THREADS_BIND, "0" or "0-1"; `server_cores` chooses). Bind
@@ -250,7 +251,8 @@ def vllm_serve(
     their own: a decode waiting for a handoff steps every millisecond
     (vLLM's engine loop), and an OpenMP team of several threads that shares
     its cores with that spins at its barriers — a prefill's forward pass
-    then took 30 s instead of 30 ms here."""
+    then took 30 s instead of 30 ms here. Under tensor parallelism (`tp`)
+    `cores` names each rank's, "|" between them ("0|1")."""
     port = free_port()
     argv = [
         # Below the kernel's own workers and the daemon: see the docstring.
@@ -268,6 +270,8 @@ def vllm_serve(
         argv += ["--kv-transfer-config", json.dumps(connector)]
     if batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(batched_tokens)]
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
     env = avx2_env(out, {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": cores})
     return Process(name, argv, out / f"{name}.log", port, env)
 

@@ -135,8 +135,10 @@ class ReadyGate:
 
     def __init__(self, server: str, timeout_s: float):
         import pdstor  # the wheel's client; only with --pdstor
+        from pdstor.vllm._identity import shard_name
 
         self.pdstor, self.server, self.timeout_s = pdstor, server, timeout_s
+        self.shard_name = shard_name
         self.client = pdstor.Client(server)  # one for every request: it is shared across threads
         self.client.healthz()
         # The daemon's answers are waited for here, never longer than a wait's
@@ -145,6 +147,16 @@ class ReadyGate:
 
     def _ask(self, deadline: float, what: Callable[[], Any]) -> Any:
         return self.asks.submit(what).result(timeout=max(0.0, deadline - time.monotonic()))
+
+    def wait_shards(self, name: str, tp: int) -> str:
+        """How the wait for every tensor-parallel shard of publication
+        `name` ended: "ready" once each is, or why it went on without."""
+        for rank in range(tp):
+            shard = self.shard_name(name, rank, tp)
+            ended = self.wait(shard)
+            if ended != "ready":
+                return ended if tp == 1 else f"{shard}: {ended}"
+        return "ready"
 
     def wait(self, name: str) -> str:
         """How the wait for `name` ended: "ready", or why it went on without."""
@@ -257,10 +269,11 @@ class Handler(BaseHTTPRequestHandler):
             log.error("pdstor.proxy: %s %s refused in %s: %s", self.path, e.status, e.phase, e.message)
             self.reply_json(e.status, {"error": {"message": e.message, "phase": e.phase}})
             return
-        name = (kv.get("pdstor") or {}).get("req")
+        name, tp = (kv.get("pdstor") or {}).get("req"), (kv.get("pdstor") or {}).get("tp", 1)
         if name is not None:
             proxy.count("handed_over")
-            ended = proxy.gate.wait(name) if proxy.gate is not None else "ready"
+            shards = tp if isinstance(tp, int) and tp >= 1 else 1
+            ended = proxy.gate.wait_shards(name, shards) if proxy.gate is not None else "ready"
             if ended != "ready":
                 proxy.count("sent_unready")
                 log.warning("pdstor.proxy: publication %s sent to the decode %s", name, ended)

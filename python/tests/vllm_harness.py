@@ -6,15 +6,24 @@ tokenizer).
 
 The stand-in "forward pass" writes, for every token a step computes, the
 KV that token would have — a function of the token id, its position, the
-layer and the element (:func:`expected_page`) — into the request's paged
-blocks; so a restored block can be checked byte for byte against what the
-prompt alone says, without pdstor."""
+layer, the head and the element (:func:`expected_page`) — into the
+request's paged blocks; so a restored block can be checked byte for byte
+against what the prompt alone says, without pdstor.
+
+An engine's KV cache is what its :class:`Kv` says: dense, MLA or FP8, laid
+out in any of vLLM's ``KVCacheLayout`` members (vLLM's own
+``create_kv_cache_views`` over one allocation, as its model runner makes
+them), and sharded over tensor-parallel ranks — one worker-role connector
+per rank, their outputs merged by vLLM's ``KVOutputAggregator``, each rank
+holding its own heads."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -24,11 +33,21 @@ import torch
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -38,6 +57,8 @@ KV_HEADS = 2
 HEAD_DIM = 16
 EOS = 2
 DTYPE = torch.bfloat16
+# An MLA layer's latent per token (DeepSeek's is 512 + 64).
+MLA_LATENT = 40
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -95,6 +116,36 @@ def tiny_model(dir: Path, **overrides: Any) -> Path:
     return dir
 
 
+@dataclass(frozen=True)
+class Kv:
+    """An engine's KV cache: its kind ("dense", "mla", or an FP8 cache
+    dtype), its tensor-parallel size, its physical layout, and (FP8) the
+    scale every layer's K and V are quantized with."""
+
+    kind: str = "dense"
+    tp: int = 1
+    layout: str = "LBHNC"
+    scale: float = 1.0
+
+    @property
+    def heads(self) -> int:
+        """Each rank's KV heads."""
+        return 1 if self.kind == "mla" else KV_HEADS // self.tp
+
+    @property
+    def content(self) -> int:
+        return MLA_LATENT if self.kind == "mla" else 2 * HEAD_DIM
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.uint8 if self.kind.startswith("fp8") else DTYPE
+
+    def spec(self, block: int) -> FullAttentionSpec:
+        if self.kind == "mla":
+            return MLAAttentionSpec(block_size=block, num_kv_heads=1, head_size=MLA_LATENT, dtype=DTYPE)
+        return FullAttentionSpec(block_size=block, num_kv_heads=self.heads, head_size=HEAD_DIM, dtype=self.dtype)
+
+
 def engine_config(
     model: Path,
     daemon: Any,
@@ -106,6 +157,7 @@ def engine_config(
     seqs: int = 8,
     policy: str = "fail",
     extra: dict[str, Any] | None = None,
+    kv: Kv = Kv(),
 ) -> VllmConfig:
     mc = ModelConfig(model=str(model), skip_tokenizer_init=True, dtype="bfloat16", seed=0)
     sc = SchedulerConfig(
@@ -117,7 +169,9 @@ def engine_config(
         async_scheduling=False,
     )
     cc = CacheConfig(block_size=block, enable_prefix_caching=True)
-    cc.kv_cache_layout = "LBNHC"  # resolved by the engine core before connectors are made
+    cc.kv_cache_layout = kv.layout  # resolved by the engine core before connectors are made
+    if kv.kind.startswith("fp8"):
+        cc.cache_dtype = kv.kind
     ktc = KVTransferConfig(
         kv_connector="PdstorConnector",
         kv_connector_module_path="pdstor.vllm",
@@ -126,21 +180,37 @@ def engine_config(
         kv_load_failure_policy=policy,
         kv_connector_extra_config={"server": daemon.server, "data_socket": daemon.data_socket, **(extra or {})},
     )
-    return VllmConfig(
+    config = VllmConfig(
         model_config=mc, scheduler_config=sc, cache_config=cc, kv_transfer_config=ktc, device_config=DeviceConfig("cpu")
     )
+    config.parallel_config.tensor_parallel_size = kv.tp
+    return config
 
 
-def expected_page(tokens: list[int], start: int, layer: int) -> torch.Tensor:
-    """The KV of `tokens` at positions start.. in `layer`, as [H, n, C] of bf16:
-    small integers (exact in bf16), different per token, position, layer,
-    head and element."""
+def paged_caches(spec: Any, names: list[str], num_blocks: int, layout: str) -> dict[str, torch.Tensor]:
+    """Every layer's paged cache as vLLM's model runner makes it: views of
+    one allocation in the physical layout `layout`."""
+    member = KVCacheLayout[layout]
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, len(names), member)
+    size = len(names) * num_blocks * spec.page_size_bytes
+    tensor = KVCacheTensor(size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride)
+    raw = torch.zeros(size, dtype=torch.int8)
+    return dict(zip(names, create_kv_cache_views(raw, spec, num_blocks, member, tensor)))
+
+
+def expected_page(tokens: list[int], start: int, layer: int, kv: Kv = Kv(), rank: int = 0) -> torch.Tensor:
+    """The KV of `tokens` at positions start.. in `layer` of rank `rank`'s
+    heads, as [H, n, C]: small integers (exact in bf16, and as FP8 bytes),
+    different per token, position, layer, head (the model's, not the
+    rank's) and element."""
     n = len(tokens)
     t = torch.tensor(tokens, dtype=torch.int64).view(1, n, 1)
     pos = torch.arange(start, start + n, dtype=torch.int64).view(1, n, 1)
-    h = torch.arange(KV_HEADS, dtype=torch.int64).view(KV_HEADS, 1, 1)
-    c = torch.arange(2 * HEAD_DIM, dtype=torch.int64).view(1, 1, 2 * HEAD_DIM)
-    return ((t * 31 + pos * 7 + layer * 13 + h * 5 + c) % 241 - 120).to(DTYPE)
+    first = rank * kv.heads
+    h = torch.arange(first, first + kv.heads, dtype=torch.int64).view(kv.heads, 1, 1)
+    c = torch.arange(kv.content, dtype=torch.int64).view(1, 1, kv.content)
+    value = (t * 31 + pos * 7 + layer * 13 + h * 5 + c) % 241
+    return value.to(torch.uint8) if kv.dtype == torch.uint8 else (value - 120).to(DTYPE)
 
 
 def next_token(all_tokens: list[int]) -> int:
@@ -158,16 +228,20 @@ class Finished:
 
 @dataclass
 class Engine:
-    """One vLLM engine: its real Scheduler, a real worker-role connector and
-    the paged KV caches it registered; `step()` is one engine step."""
+    """One vLLM engine: its real Scheduler, a real worker-role connector per
+    tensor-parallel rank and the paged KV caches each registered; `step()`
+    is one engine step."""
 
     config: VllmConfig
     num_blocks: int
     # The stand-in model's sampler (another makes an engine that computes unlike its peer).
     sample: Callable[[list[int]], int] = next_token
+    # Its KV cache (engine_config's `kv`).
+    kv: Kv = Kv()
     scheduler: Scheduler = field(init=False)
-    worker: Any = field(init=False)
-    kv: dict[str, torch.Tensor] = field(init=False)
+    # One worker-role connector, and its paged caches, per rank.
+    workers: list[Any] = field(init=False)
+    caches: list[dict[str, torch.Tensor]] = field(init=False)
     # request id -> tokens [0, n) whose restored KV was checked byte for byte
     restored_checked: dict[str, int] = field(default_factory=dict)
     finished: dict[str, Finished] = field(default_factory=dict)
@@ -190,14 +264,9 @@ class Engine:
             _none_hash = True
         block = self.config.cache_config.block_size
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        spec = self.kv.spec(block)
         kcc = KVCacheConfig(
-            num_blocks=self.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    names, FullAttentionSpec(block_size=block, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=DTYPE)
-                )
-            ],
+            num_blocks=self.num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
         )
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         self.scheduler = Scheduler(
@@ -207,12 +276,29 @@ class Engine:
             block_size=block,
             log_stats=True,
         )
-        self.worker = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, kcc)
-        # vLLM's per-layer view [blocks, H, N, C]: K and V of a head side by side.
-        self.kv = {n: torch.zeros(self.num_blocks, KV_HEADS, block, 2 * HEAD_DIM, dtype=DTYPE) for n in names}
-        self.worker.register_kv_caches(self.kv)
+        self.aggregator = KVOutputAggregator(self.kv.tp)
+        self.workers, self.caches = [], []
+        for rank in range(self.kv.tp):
+            # Each rank's worker process has its own config, its rank set.
+            config = copy.deepcopy(self.config)
+            config.parallel_config.rank = rank
+            context = config.compilation_config.static_forward_context
+            for name in names:
+                # The attention layers' FP8 scales, as vLLM's model loader leaves them.
+                scale = torch.tensor(self.kv.scale, dtype=torch.float32)
+                context[name] = types.SimpleNamespace(_k_scale=scale, _v_scale=scale * 2)
+            worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+            caches = paged_caches(spec, names, self.num_blocks, self.kv.layout)
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.caches.append(caches)
         self.names = names
         self.block = block
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker-role connector."""
+        return self.workers[0]
 
     @property
     def connector(self) -> Any:
@@ -239,12 +325,12 @@ class Engine:
     def blocks_of(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
-    def read_tokens(self, req_id: str, layer: int, start: int, end: int) -> torch.Tensor:
-        """The paged KV of positions [start, end) of a request, as [H, n, C]."""
+    def read_tokens(self, req_id: str, layer: int, start: int, end: int, rank: int = 0) -> torch.Tensor:
+        """The paged KV of positions [start, end) of a request in rank
+        `rank`'s cache, as [H, n, C]."""
         blocks = self.blocks_of(req_id)
-        parts = []
-        for pos in range(start, end):
-            parts.append(self.kv[self.names[layer]][blocks[pos // self.block], :, pos % self.block, :])
+        cache = self.caches[rank][self.names[layer]]
+        parts = [cache[blocks[pos // self.block], :, pos % self.block, :] for pos in range(start, end)]
         return torch.stack(parts, dim=1)
 
     def step(self) -> list[Any]:
@@ -257,30 +343,17 @@ class Engine:
 
     def _step(self) -> list[Any]:
         so = self.scheduler.schedule()
-        w = self.worker
-        w.bind_connector_metadata(so.kv_connector_metadata)
-        w.start_load_kv(None)
+        for w in self.workers:
+            w.bind_connector_metadata(so.kv_connector_metadata)
+            w.start_load_kv(None)
         for spec in so.kv_connector_metadata.loads:
             self.loads[spec.req_id] = spec
             self.fills[spec.req_id] = spec.fill
         # A restored request is scheduled once its load is reported done:
         # check what was restored before this step computes anything.
         for new in so.scheduled_new_reqs:
-            spec = self.loads.pop(new.req_id, None)
-            if spec is None or spec.error is not None or not spec.fill:
-                continue
-            if any(b in self.failed_blocks for _, b in spec.fill):
-                continue
-            req = self.scheduler.requests[new.req_id]
-            # Restored up to what vLLM takes as computed (a stock request's
-            # last prompt token is computed again by this step).
-            start, end = spec.fill[0][0] * self.block, min(spec.prompt_tokens, new.num_computed_tokens)
-            for layer in range(LAYERS):
-                got = self.read_tokens(new.req_id, layer, start, end)
-                want = expected_page(list(req.prompt_token_ids[start:end]), start, layer)
-                assert torch.equal(got, want), f"{new.req_id}: restored KV of layer {layer} differs"
-            self.restored_checked[new.req_id] = end
-        # The forward pass: the KV of every token computed this step.
+            self._check_restored(new)
+        # The forward pass: the KV of every token computed this step, each rank its heads.
         starts = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
         starts.update({rid: cached.num_computed_tokens[i] for i, rid in enumerate(cached.req_ids)})
@@ -290,32 +363,41 @@ class Engine:
             start = starts[rid]
             tokens = list(req.all_token_ids[start : start + n])
             blocks = self.blocks_of(rid)
-            for layer, name in enumerate(self.names):
-                page = expected_page(tokens, start, layer)
-                for k in range(n):
-                    pos = start + k
-                    self.kv[name][blocks[pos // self.block], :, pos % self.block, :] = page[:, k, :]
+            for rank, caches in enumerate(self.caches):
+                for layer, name in enumerate(self.names):
+                    page = expected_page(tokens, start, layer, self.kv, rank)
+                    for k in range(n):
+                        pos = start + k
+                        caches[name][blocks[pos // self.block], :, pos % self.block, :] = page[:, k, :]
             done = start + n >= req.num_tokens
             sampled[rid] = [self.sample(list(req.all_token_ids))] if done else []
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        self.failed_blocks |= invalid
-        w.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
+        outputs = []
+        for w in self.workers:
+            w.wait_for_save()
+            sending, recving = w.get_finished(so.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=[sampled[r] for r in req_ids],
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=sending,
+                        finished_recving=recving,
+                        invalid_block_ids=invalid,
+                        kv_connector_stats=w.get_kv_connector_stats(),
+                    ),
+                )
+            )
+        # What vLLM's executor hands the scheduler: rank 0's output, the
+        # transfers finished on every rank, the failed blocks of any.
+        out = self.aggregator.aggregate(outputs)
+        assert out is not None and out.kv_connector_output is not None
+        self.failed_blocks |= out.kv_connector_output.invalid_block_ids
         if not req_ids:
             self.idle_steps += 1
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled[r] for r in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending,
-                finished_recving=recving,
-                invalid_block_ids=invalid,
-                kv_connector_stats=w.get_kv_connector_stats(),
-            ),
-        )
         results = []
         for outputs in self.scheduler.update_from_output(so, out).values():
             stats = outputs.scheduler_stats.kv_connector_stats if outputs.scheduler_stats else None
@@ -351,6 +433,26 @@ class Engine:
             steps += 1
         return steps
 
+    def _check_restored(self, new: Any) -> None:
+        """A restored request's blocks, byte for byte on every rank, against
+        what its prompt alone says."""
+        spec = self.loads.pop(new.req_id, None)
+        if spec is None or spec.error is not None or not spec.fill:
+            return
+        if any(b in self.failed_blocks for _, b in spec.fill):
+            return
+        req = self.scheduler.requests[new.req_id]
+        # Restored up to what vLLM takes as computed (a stock request's
+        # last prompt token is computed again by this step).
+        start, end = spec.fill[0][0] * self.block, min(spec.prompt_tokens, new.num_computed_tokens)
+        for rank in range(self.kv.tp):
+            for layer in range(LAYERS):
+                got = self.read_tokens(new.req_id, layer, start, end, rank)
+                want = expected_page(list(req.prompt_token_ids[start:end]), start, layer, self.kv, rank)
+                assert torch.equal(got, want), f"{new.req_id}: restored KV of layer {layer}, rank {rank} differs"
+        self.restored_checked[new.req_id] = end
+
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         self.scheduler.connector.shutdown()

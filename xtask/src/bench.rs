@@ -82,6 +82,11 @@ pub struct BenchArgs {
     /// any concurrency; bfloat16's moved by 0.12) or bfloat16.
     #[arg(long, default_value = "float32")]
     vllm_dtype: String,
+    /// Instead: the vLLM connector's copies between a paged KV cache and its
+    /// staging buffer on this CPU, per block against per layer, both ways
+    /// (`python/e2e/staging_bench.py`, into target/bench/staging).
+    #[arg(long)]
+    staging: bool,
 }
 
 struct Case {
@@ -142,6 +147,10 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     if args.probes {
         return handoff_probe_overhead(sh, &pdstor, &out_dir, args);
+    }
+    if args.staging {
+        let rounds = args.rounds.max(5).to_string();
+        return crate::vllm::script(sh, "staging_bench.py", &out_dir.join("staging"), &["--rounds", &rounds]);
     }
     if args.vllm {
         let (lengths, concurrency, rounds) = (&args.vllm_lengths, &args.vllm_concurrency, args.rounds.to_string());

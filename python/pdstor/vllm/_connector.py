@@ -19,8 +19,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 import pdstor
 
 from ._context import Context
-from ._format import HEADER_BYTES
-from ._identity import engine_layout
+from ._format import HEADER_BYTES, NO_SCALES, scales_digest
+from ._identity import engine_kv, tp_rank
 from ._meta import PdstorMetadata
 from ._scheduler import SchedulerSide
 from ._stats import PdstorPromMetrics, PdstorStats
@@ -73,7 +73,10 @@ class PdstorConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         cfg = Config.from_extra(dict(ktc.kv_connector_extra_config or {}))
         self.cfg = dataclasses.replace(cfg, recompute=getattr(ktc, "kv_load_failure_policy", "fail") == "recompute")
-        self.layout, self.shape = engine_layout(vllm_config, kv_cache_config, dict(ktc.kv_connector_extra_config or {}))
+        self.kv = engine_kv(vllm_config, kv_cache_config, dict(ktc.kv_connector_extra_config or {}))
+        # A worker's tensor-parallel rank; the scheduler prepares every rank's shard.
+        self.rank = tp_rank(vllm_config) if role != KVConnectorRole.SCHEDULER else 0
+        self.layout, self.shape = self.kv.layouts[self.rank], self.kv.shape
         self.client = pdstor.Client(self.cfg.server, self.cfg.data_socket)
         try:
             self.client.healthz()
@@ -90,15 +93,22 @@ class PdstorConnector(KVConnectorBase_V1):
         half = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # One node per process: a restarted engine's lines are another node's,
         # each in order (a node's seq restarting would read as lines out of order).
-        node = f"vllm-{half}-{engine_id}-{os.getpid()}-{secrets.token_hex(3)}"
+        rank = f"-tp{self.rank}" if half == "worker" and self.kv.tp_size > 1 else ""
+        node = f"vllm-{half}{rank}-{engine_id}-{os.getpid()}-{secrets.token_hex(3)}"
         timeline = pdstor.Timeline(self.cfg.timeline, node) if self.cfg.timeline else None
-        ctx = Context(self.client, self.layout, self.shape, self.cfg, engine_id, timeline)
+        ctx = Context(
+            self.client, self.layout, self.shape, self.cfg, engine_id, timeline, layouts=self.kv.layouts, rank=self.rank
+        )
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(ctx, roles)
         else:
             group = kv_cache_config.kv_cache_groups[0]
             self._worker = WorkerSide(ctx, list(group.layer_names), group.kv_cache_spec.dtype)
-        log.info("pdstor.vllm: %s role on %s, layout %s", role.name, self.cfg.server, self.layout)
+        self._vllm_config = vllm_config
+        log.info(
+            "pdstor.vllm: %s role (rank %d of %d) on %s, layout %s",
+            role.name, self.rank, self.kv.tp_size, self.cfg.server, self.layout,
+        )
 
     def _check_fit(self) -> None:
         """A namespace whose slots cannot hold this engine's chunks fails the
@@ -136,7 +146,27 @@ class PdstorConnector(KVConnectorBase_V1):
     # -- worker role ----------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.worker_side.register(kv_caches)
+        self.worker_side.register(kv_caches, self._scales())
+
+    def _scales(self) -> bytes:
+        """The digest of this engine's FP8 KV scales (every layer's K and V
+        scale, read from its attention layers): a chunk written with other
+        scales is refused at restore."""
+        if not self.kv.kv_dtype.startswith("fp8"):
+            return NO_SCALES
+        context = self._vllm_config.compilation_config.static_forward_context
+        values: list[float] = []
+        for name in self.worker_side.layer_names:
+            layer = context.get(name)
+            k, v = getattr(layer, "_k_scale", None), getattr(layer, "_v_scale", None)
+            if k is None or v is None or k.numel() != 1 or v.numel() != 1:
+                raise ValueError(
+                    f"pdstor.vllm: layer {name}'s {self.kv.kv_dtype} KV scales are not one K and one V scale "
+                    f"({None if k is None else tuple(k.shape)}, {None if v is None else tuple(v.shape)}): "
+                    "pdstor.vllm hands over per-layer scales only"
+                )
+            values += [float(k.item()), float(v.item())]
+        return scales_digest(values)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -55,6 +55,8 @@ class _Plan:
     error: str | None
     # The producer's first token follows its prompt in this request's prompt.
     spliced: bool = True
+    # The producer's tensor-parallel size: how many shard publications it made.
+    producer_tp: int = 1
 
 
 class Consumer:
@@ -86,7 +88,7 @@ class Consumer:
 
     def _plan(self, request: Any, params: dict) -> _Plan:
         prompt = list(request.prompt_token_ids or [])
-        tokens, token = params.get("prompt_tokens"), params.get("first_token")
+        tokens, token, tp = params.get("prompt_tokens"), params.get("first_token"), params.get("tp", 1)
         error = params.get("error")
         if error is not None:
             error = f"the producer did not hand this request over: {error}"
@@ -96,6 +98,8 @@ class Consumer:
             )
         elif not isinstance(token, int):
             error = f"kv_transfer_params.pdstor.first_token={token!r} is not a token id"
+        elif not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            error = f"kv_transfer_params.pdstor.tp={tp!r} is not a tensor-parallel size"
         elif tokens < len(prompt) and prompt[tokens] != token:
             error = (
                 f"the prompt carries {prompt[tokens]} at position {tokens}, not the producer's first token {token}: "
@@ -127,6 +131,7 @@ class Consumer:
             ready if isinstance(ready, str) else None,
             None,
             spliced=tokens < len(prompt),
+            producer_tp=tp,
         )
 
     def after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -160,6 +165,7 @@ class Consumer:
                 expect_token=plan.expect_token,
                 fill=fill,
                 report=report,
+                producer_tp=plan.producer_tp,
             )
         )
 

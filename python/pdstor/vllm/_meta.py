@@ -22,8 +22,9 @@ class SaveSpec:
     """Blocks of one request's prompt to store this step."""
 
     req_id: str
-    # Writer.handoff() of the request's publication (carries the writer's token).
-    handoff: str
+    # Writer.handoff() of the request's publication of each tensor-parallel
+    # rank's shard, by rank (each carries its writer's token).
+    handoffs: tuple[str, ...]
     prompt_tokens: int
     digest: bytes
     # (chunk index, block id), in chunk order.
@@ -42,7 +43,8 @@ class EndSpec:
     published READY with the producer's first token, or rolled back."""
 
     req_id: str
-    handoff: str
+    # Writer.handoff() of each rank's shard publication, by rank.
+    handoffs: tuple[str, ...]
     # The first output token to publish with; None rolls the publication back.
     first_token: int | None
     # Why it is rolled back (for the log).
@@ -74,6 +76,9 @@ class LoadSpec:
     # get_finished. False where every token was in the local prefix cache:
     # the publication is still claimed, verified and acknowledged.
     report: bool = True
+    # The producer's tensor-parallel size (its kv_transfer_params "tp"):
+    # rank r restores shard r's publication (shard_name).
+    producer_tp: int = 1
 
 
 @dataclass

@@ -191,7 +191,8 @@ class Mover:
     def _poll(self) -> bool:
         """Looks up every waiting publication at once; restores the READY
         ones and fails the ones that are gone or late. Whether any left."""
-        names = [w.spec.name or "" for w in self.waiting]
+        # Each rank looks up its own shard's publication.
+        names = [self.side.publication_of(w.spec) for w in self.waiting]
         try:
             found = self.side.client.lookup(names)
             missing = [n for n, r in zip(names, found) if r is None]

@@ -29,6 +29,7 @@ import pdstor
 
 from ._context import Context
 from ._format import prompt_digest
+from ._identity import shard_name
 from ._meta import EndSpec, PdstorMetadata, SaveSpec
 
 log = logging.getLogger("pdstor.vllm")
@@ -45,7 +46,8 @@ PREPARE_THREADS = 4
 class _Pub:
     """A request this engine prefills for another: its open publication."""
 
-    handoff: str
+    # One per tensor-parallel rank: its shard publication's handoff.
+    handoffs: tuple[str, ...]
     publication: int
     name: str
     prompt_tokens: int
@@ -57,7 +59,8 @@ class _Pub:
 
 @dataclass(frozen=True)
 class _Prepared:
-    handoff: str
+    handoffs: tuple[str, ...]
+    # Rank 0's shard publication (the timeline's).
     publication: int
 
 
@@ -82,14 +85,14 @@ class Producer:
         """The engine stops: every publication it opened and did not hand
         over is rolled back (a PREPARED one would hold its slots until an
         operator cancelled it)."""
-        open_ = [(rid, pub.handoff) for rid, pub in self.pubs.items()]
+        open_ = [(rid, h) for rid, pub in self.pubs.items() for h in pub.handoffs]
         pending = list(self.preparing.items())
         self.pubs.clear()
         self.preparing.clear()
         self.pool.shutdown(wait=True)
         for rid, (future, _, _) in pending:
             if future.exception() is None:
-                open_.append((rid, future.result().handoff))
+                open_.extend((rid, h) for h in future.result().handoffs)
         for rid, handoff in open_:
             self._rollback(handoff, rid, "open when the engine shut down")
 
@@ -130,7 +133,7 @@ class Producer:
         prompt = list(request.prompt_token_ids or [])
         self.counters.prepared += 1
         self.pubs[rid] = _Pub(
-            prepared.handoff, prepared.publication, name, len(prompt), prompt_digest(prompt), total, []
+            prepared.handoffs, prepared.publication, name, len(prompt), prompt_digest(prompt), total, []
         )
         detail = f"prefill {rid}: {len(prompt)} tokens, {total} chunks"
         self.ctx.note("schedule", req_id=name, publication=prepared.publication, detail=detail)
@@ -147,22 +150,35 @@ class Producer:
         self.preparing[rid] = (future, name, total)
 
     def _prepare(self, name: str, total: int, deadline: float) -> _Prepared:
-        """On the pool: prepares, and where the store has no room at once
-        (counted), waits for it until the deadline."""
+        """On the pool: prepares every tensor-parallel rank's shard
+        publication; where one cannot be, rolls back the ones that were."""
+        done: list[tuple[str, int]] = []
+        try:
+            for rank, layout in enumerate(self.ctx.shard_layouts):
+                done.append(self._prepare_one(shard_name(name, rank, self.ctx.tp_size), layout, total, deadline))
+        except Exception:
+            for handoff, _ in done:
+                self._rollback(handoff, name, "another rank's shard could not be prepared")
+            raise
+        return _Prepared(tuple(h for h, _ in done), done[0][1])
+
+    def _prepare_one(self, name: str, layout: dict, total: int, deadline: float) -> tuple[str, int]:
+        """Prepares one publication, and where the store has no room at
+        once (counted), waits for it until the deadline."""
         writer = pdstor.Writer(self.client, self.cfg.writer_id)
         unread = self.cfg.unread_release_s
         unread_ms = max(1, int(unread * 1000)) if unread > 0 else None
         try:
-            writer.prepare(name, self.layout, total, timeout_ms=0, unread_release_ms=unread_ms)
+            writer.prepare(name, layout, total, timeout_ms=0, unread_release_ms=unread_ms)
         except pdstor.AdmissionTimeout:
             with self.count_lock:
                 self.counters.admission_waits += 1
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            writer.prepare(name, self.layout, total, timeout_ms=timeout_ms, unread_release_ms=unread_ms)
+            writer.prepare(name, layout, total, timeout_ms=timeout_ms, unread_release_ms=unread_ms)
         publication = writer.publication
         if publication is None:
             raise RuntimeError(f"prepare of {name} answered no publication number")
-        return _Prepared(writer.handoff(), publication)
+        return writer.handoff(), publication
 
     def _rollback(self, handoff: str, rid: str, why: str) -> None:
         """On the pool: rolls back a publication no store reached."""
@@ -176,9 +192,11 @@ class Producer:
         def done(f: Future[_Prepared]) -> None:
             if f.exception() is None:
                 try:
-                    self.pool.submit(self._rollback, f.result().handoff, rid, why)
+                    for handoff in f.result().handoffs:
+                        self.pool.submit(self._rollback, handoff, rid, why)
                 except RuntimeError:  # the pool is shut down: this thread is one of its last
-                    self._rollback(f.result().handoff, rid, why)
+                    for handoff in f.result().handoffs:
+                        self._rollback(handoff, rid, why)
 
         future.add_done_callback(done)
 
@@ -196,9 +214,10 @@ class Producer:
             return False
         self.counters.aborted += 1
         if pub.next_chunk == 0:
-            self.pool.submit(self._rollback, pub.handoff, rid, why)
+            for handoff in pub.handoffs:
+                self.pool.submit(self._rollback, handoff, rid, why)
             return False
-        self.ends.append(EndSpec(rid, pub.handoff, None, why, release=finishing))
+        self.ends.append(EndSpec(rid, pub.handoffs, None, why, release=finishing))
         return finishing
 
     # -- each step --------------------------------------------------------------
@@ -236,7 +255,7 @@ class Producer:
         meta.saves.append(
             SaveSpec(
                 req_id=rid,
-                handoff=pub.handoff,
+                handoffs=pub.handoffs,
                 prompt_tokens=pub.prompt_tokens,
                 digest=pub.digest,
                 chunks=chunks,
@@ -272,7 +291,7 @@ class Producer:
         self.pubs.pop(rid)
         # Published by the worker once every chunk is durable; the blocks
         # are held until then (freed through get_finished).
-        self.ends.append(EndSpec(rid, pub.handoff, outputs[0], "", release=True))
+        self.ends.append(EndSpec(rid, pub.handoffs, outputs[0], "", release=True))
         self.counters.published += 1
         return True, {
             PARAMS: {
@@ -280,5 +299,7 @@ class Producer:
                 "prompt_tokens": pub.prompt_tokens,
                 "prompt_digest": pub.digest.hex(),
                 "first_token": outputs[0],
+                # Each rank's shard is its own publication (shard_name).
+                "tp": self.ctx.tp_size,
             }
         }

@@ -13,15 +13,17 @@ never left to decode from blocks that were not restored.
 
 vLLM's KV cache here is memory torch allocated (host or GPU), which the
 daemon cannot map: the blocks go through one registered staging buffer (a
-memfd the daemon reads and writes in place, ``host_fixed``), one copy each
-way, made by the mover (the blocks it reads or fills are held for it: a
+memfd the daemon reads and writes in place, ``host_fixed``; the copies per
+layer, not per block: ``_staging``), made by the mover (the blocks it reads
+or fills are held for it: a
 finished request's until its publication ended, a restored one's until
 vLLM hears the restore is done). vLLM hands every layer over as a
 ``[blocks, H, N, C]`` view of one shared allocation whatever the attention
 backend, its strides set by the engine's KV cache layout (``LBNHC``,
 ``LBHNC``, or a block-outermost one where a block's layers lie together): a
 block is indexed, never assumed contiguous. On a GPU the route without the
-staging copy is DMA-BUF (`docs/gpu-qual.md`).
+staging copy is DMA-BUF (`docs/gpu-qual.md`). Under tensor parallelism
+this half is one rank's: it stores and restores its own shard's publication.
 
 Nothing here imports vLLM: the GPU bundle drives this half over CUDA KV
 caches laid out as vLLM lays them (``layouts.json``) where vLLM is not
@@ -38,9 +40,11 @@ import torch
 import pdstor
 
 from ._context import Context
-from ._format import HEADER_BYTES, check_header, header
+from ._format import HEADER_BYTES, NO_SCALES, check_header, header
+from ._identity import shard_name
 from ._meta import EndSpec, LoadSpec, PdstorMetadata, SaveSpec
 from ._mover import Mover
+from ._staging import Staging
 
 log = logging.getLogger("pdstor.vllm")
 
@@ -57,8 +61,9 @@ class WorkerSide:
         self.dtype = dtype
         self.reader = pdstor.Reader(ctx.client, ctx.cfg.reader_id, session=ctx.session, verify="daemon")
         self.layers: list[torch.Tensor] = []
-        self.staging: pdstor.Buffer | None = None
+        self.staging: Staging | None = None
         self.slots = 0
+        self.scales = NO_SCALES
         # Request id -> (the handoff token of its open publication, its writer):
         # a preempted request's next publication comes with a new token.
         self.writers: dict[str, tuple[str, pdstor.Writer]] = {}
@@ -70,7 +75,9 @@ class WorkerSide:
         self.published = 0
         self.mover: Mover | None = None
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register(self, kv_caches: dict[str, torch.Tensor], scales: bytes = NO_SCALES) -> None:
+        """This rank's paged caches (vLLM's per-layer views), and the
+        digest of the scales its quantized KV is written with."""
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"pdstor.vllm: the engine registered no KV cache for layers {missing}")
@@ -78,6 +85,9 @@ class WorkerSide:
         layers = []
         for name in self.layer_names:
             t = kv_caches[name]
+            if isinstance(t, torch.Tensor) and t.dim() == 3 and page[0] == 1:
+                # An MLA cache: one latent per token, no head axis.
+                t = t.unsqueeze(1)
             if not isinstance(t, torch.Tensor) or tuple(t.shape[1:]) != page or t.dtype != self.dtype:
                 got = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
@@ -86,12 +96,12 @@ class WorkerSide:
                 )
             layers.append(t)
         self.layers = layers
-        self.slots = max(1, self.cfg.staging_bytes // self.shape.chunk_bytes)
-        self.staging = pdstor.Buffer(self.slots * self.shape.chunk_bytes, "pdstor-vllm-staging")
+        self.scales = scales
+        self.staging = Staging(self.shape, layers, self.dtype, self.cfg.staging_bytes)
+        self.slots = self.staging.slots
         # Registered now: a data socket that does not answer fails the
         # engine's start, not its first request.
-        self.client.register(self.staging)
-        self.bytes = torch.frombuffer(self.staging, dtype=torch.uint8)
+        self.client.register(self.staging.buffer)
         self.mover = Mover(self, self.cfg.ready_timeout_s)
 
     def _mover(self) -> Mover:
@@ -99,14 +109,31 @@ class WorkerSide:
             raise RuntimeError("pdstor.vllm: the engine scheduled work before it registered its KV caches")
         return self.mover
 
+    def _staging(self) -> Staging:
+        if self.staging is None:
+            raise RuntimeError("pdstor.vllm: the engine moved KV before it registered its KV caches")
+        return self.staging
+
     def close(self) -> None:
         if self.mover is not None:
             self.mover.stop()
+        if self.staging is not None:
+            self.staging.close()
 
-    def _page(self, slot: int, layer: int) -> torch.Tensor:
-        at = slot * self.shape.chunk_bytes + self.shape.page_offset(layer)
-        s = self.shape
-        return self.bytes[at : at + s.page_bytes].view(self.dtype).view(s.heads, s.block_tokens, s.content)
+    def handoff(self, spec: SaveSpec | EndSpec) -> str:
+        """This rank's shard publication of a request's."""
+        if len(spec.handoffs) != self.ctx.tp_size:
+            raise RuntimeError(
+                f"pdstor.vllm: request {spec.req_id} has {len(spec.handoffs)} shard publications; this engine "
+                f"has {self.ctx.tp_size} tensor-parallel ranks (its scheduler and workers disagree)"
+            )
+        return spec.handoffs[self.ctx.rank]
+
+    def publication_of(self, spec: LoadSpec) -> str:
+        """The publication this rank restores: its shard of the producer's
+        (rank r of a producer with as many ranks; another size restores a
+        shard whose layout it does not match, and its claim is refused)."""
+        return shard_name(spec.name or "", self.ctx.rank % spec.producer_tp, spec.producer_tp)
 
     # -- saving ---------------------------------------------------------------
 
@@ -125,33 +152,32 @@ class WorkerSide:
             self._mover().submit(*meta.saves)
 
     def save_one(self, spec: SaveSpec) -> None:
+        handoff = self.handoff(spec)
         try:
-            self._save_one(spec)
+            self._save_one(spec, handoff)
         except Exception as e:  # noqa: BLE001 - reported; the publication is rolled back at its end
             self.writers.pop(spec.req_id, None)
-            self.failed_saves[spec.req_id] = (spec.handoff, str(e))
+            self.failed_saves[spec.req_id] = (handoff, str(e))
             log.error("pdstor.vllm: storing request %s failed (its publication is rolled back): %s", spec.req_id, e)
 
-    def _save_one(self, spec: SaveSpec) -> None:
+    def _save_one(self, spec: SaveSpec, handoff: str) -> None:
         failed = self.failed_saves.get(spec.req_id)
-        if failed is not None and failed[0] == spec.handoff:
+        if failed is not None and failed[0] == handoff:
             return
         held = self.writers.get(spec.req_id)
-        if held is None or held[0] != spec.handoff:
-            held = (spec.handoff, pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id))
+        if held is None or held[0] != handoff:
+            held = (handoff, pdstor.Writer.resume(self.client, handoff, self.cfg.writer_id))
             self.writers[spec.req_id] = held
         w = held[1]
-        if spec.after is not None:
-            spec.after.synchronize()
+        staging = self._staging()
         for start in range(0, len(spec.chunks), self.slots):
             batch = spec.chunks[start : start + self.slots]
+            staging.gather([block for _, block in batch], spec.after)
             stores = []
-            for slot, (index, block) in enumerate(batch):
-                at = slot * self.shape.chunk_bytes
-                self.staging.write(at, header(self.shape, index, spec.prompt_tokens, spec.digest))
-                for layer, kv in enumerate(self.layers):
-                    self._page(slot, layer).copy_(kv[block])
-                stores.append((index, self.staging, at, self.shape.chunk_bytes))
+            for slot, (index, _) in enumerate(batch):
+                at = staging.offset(slot)
+                staging.buffer.write(at, header(self.shape, index, spec.prompt_tokens, spec.digest, self.scales))
+                stores.append((index, staging.buffer, at, self.shape.chunk_bytes))
             final = spec.last and start + len(batch) == len(spec.chunks)
             began = time.monotonic()
             w.store(stores, last=final)
@@ -163,14 +189,15 @@ class WorkerSide:
         """A publication's end, after every store queued before it: rolled
         back now, or True where it is to be published READY with the
         producer's first token (`publish_all`, with the round's others)."""
+        handoff = self.handoff(spec)
         held = self.writers.pop(spec.req_id, None)
         failed = self.failed_saves.pop(spec.req_id, None)
-        if failed is not None and failed[0] != spec.handoff:
+        if failed is not None and failed[0] != handoff:
             failed = None
         if spec.first_token is not None and failed is None:
             return True
         why = spec.why if failed is None else f"its stores failed: {failed[1]}"
-        self._roll_back(spec, why, held[1] if held is not None and held[0] == spec.handoff else None)
+        self._roll_back(spec, why, held[1] if held is not None and held[0] == handoff else None)
         return False
 
     def publish_all(self, publish: list[EndSpec]) -> None:
@@ -178,7 +205,7 @@ class WorkerSide:
         refused is rolled back."""
         began = time.monotonic()
         try:
-            answers = pdstor.Writer.publish_many(self.client, [(s.handoff, s.first_token) for s in publish])
+            answers = pdstor.Writer.publish_many(self.client, [(self.handoff(s), s.first_token) for s in publish])
         except Exception as e:  # noqa: BLE001 - each publication is still rolled back, none left PREPARED
             answers = [e] * len(publish)
         took = time.monotonic() - began
@@ -195,7 +222,7 @@ class WorkerSide:
     def _roll_back(self, spec: EndSpec, why: str, w: pdstor.Writer | None) -> None:
         try:
             if w is None:
-                w = pdstor.Writer.resume(self.client, spec.handoff, self.cfg.writer_id)
+                w = pdstor.Writer.resume(self.client, self.handoff(spec), self.cfg.writer_id)
             log.info("pdstor.vllm: request %s: publication rolled back (%s): %s", spec.req_id, why, w.abort())
         except pdstor.Error as e:
             log.error("pdstor.vllm: request %s: rolling its publication back was refused: %s", spec.req_id, e)
@@ -293,21 +320,28 @@ class WorkerSide:
                 f"the publication holds chunks {chunks}; a prompt of {spec.prompt_tokens} tokens needs 0..{expected - 1}"
             )
         fill = dict(spec.fill)
-        for start in range(0, expected, self.slots):
-            batch = list(range(start, min(start + self.slots, expected)))
-            places = [(index, self.staging, slot * self.shape.chunk_bytes) for slot, index in enumerate(batch)]
-            self.reader.load(claim, places)
-            self.ctx.stats.count("restored_bytes", len(places) * self.shape.chunk_bytes)
-            for slot, index in enumerate(batch):
-                raw = self.staging.read(slot * self.shape.chunk_bytes, HEADER_BYTES)
-                why = check_header(raw, self.shape, index, spec.prompt_tokens, spec.digest)
-                if why is not None:
-                    raise LoadRefused(why)
-                block = fill.get(index)
-                if block is None:
-                    continue
-                for layer, kv in enumerate(self.layers):
-                    kv[block].copy_(self._page(slot, layer))
+        staging = self._staging()
+        halves = staging.halves()
+        try:
+            for turn, start in enumerate(range(0, expected, halves[0][1])):
+                half = turn % len(halves)
+                first, room = halves[half]
+                batch = list(range(start, min(start + min(room, halves[0][1]), expected)))
+                # The copies out of these slots a batch ago are done before
+                # the daemon refills them.
+                staging.wait(half)
+                places = [(index, staging.buffer, staging.offset(first + slot)) for slot, index in enumerate(batch)]
+                self.reader.load(claim, places)
+                self.ctx.stats.count("restored_bytes", len(places) * self.shape.chunk_bytes)
+                for slot, index in enumerate(batch):
+                    raw = staging.buffer.read(staging.offset(first + slot), HEADER_BYTES)
+                    why = check_header(raw, self.shape, index, spec.prompt_tokens, spec.digest, self.scales)
+                    if why is not None:
+                        raise LoadRefused(why)
+                filled = [(slot, fill[index]) for slot, index in enumerate(batch) if index in fill]
+                staging.scatter(half, first, filled)
+        finally:
+            staging.finish()
         self.ctx.note("restored", receipt=claim)
         self.reader.ack(claim)
         self.ctx.note("ack", receipt=claim)
