@@ -150,17 +150,21 @@ class ReadyGate:
 
     def wait_shards(self, name: str, tp: int) -> str:
         """How the wait for every tensor-parallel shard of publication
-        `name` ended: "ready" once each is, or why it went on without."""
+        `name` ended: "ready" once each is, or why it went on without; all
+        of them within one timeout."""
+        deadline = time.monotonic() + self.timeout_s
         for rank in range(tp):
             shard = self.shard_name(name, rank, tp)
-            ended = self.wait(shard)
+            ended = self.wait(shard, deadline)
             if ended != "ready":
                 return ended if tp == 1 else f"{shard}: {ended}"
         return "ready"
 
-    def wait(self, name: str) -> str:
-        """How the wait for `name` ended: "ready", or why it went on without."""
-        deadline, delay = time.monotonic() + self.timeout_s, self.POLL_FIRST_S
+    def wait(self, name: str, deadline: float | None = None) -> str:
+        """How the wait for `name` ended (by `deadline`, else within the
+        timeout): "ready", or why it went on without."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        delay = self.POLL_FIRST_S
         try:
             while True:
                 if self._ask(deadline, lambda: self.client.lookup([name]))[0] is not None:

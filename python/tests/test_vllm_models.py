@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("vllm", reason="SKIP: vLLM is not installed (cargo xtask python installs vllm==0.33.0)")
 
-import torch  # noqa: E402
 from test_vllm import PROMPT_LENGTHS, daemon, decode_request, model, prefill, prompt  # noqa: E402, F401
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
@@ -102,7 +101,9 @@ def test_another_tensor_parallel_size_is_refused_at_claim_never_restored_wrong(m
         caplog.clear()
         _, wide = hand_over(model, daemon, Kv(tp=1), Kv(tp=2), {"c": prompt(64, 3)})
     assert wide.finished["c"].reason == FinishReason.ERROR
-    assert sum("layout_mismatch" in r.getMessage() for r in caplog.records) >= 1
+    # Both ranks claimed the one shard, each with its own layout: both refused, the shard kept.
+    assert sum("layout_mismatch" in r.getMessage() for r in caplog.records) == 2
+    assert [x["state"] for x in client.publications()] == ["READY"]
 
 
 @pytest.mark.parametrize("made,read", [(m.name, r.name) for m, r in zip(KVCacheLayout, [*KVCacheLayout][1:] + [*KVCacheLayout][:1])])
@@ -114,7 +115,7 @@ def test_every_kv_cache_layout_round_trips_into_any_other(model, daemon, made, r
     assert_restored(c, prompts)
 
 
-def test_an_mla_cache_hands_over_one_latent_per_token(model, daemon):
+def test_an_mla_cache_hands_over_one_latent_per_token(model, daemon, caplog):
     kv = Kv(kind="mla")
     prompts = {f"r{n}": prompt(n, n) for n in (5, 45, 150)}
     p, c = hand_over(model, daemon, kv, kv, prompts)
@@ -123,9 +124,12 @@ def test_an_mla_cache_hands_over_one_latent_per_token(model, daemon):
     shape = c.worker.worker_side.shape
     assert (shape.heads, shape.content) == (1, kv.content)
     assert c.worker.worker_side.layout["kv_format"].startswith("pdstor-vllm-v2;mla;")
-    # A dense-attention decode is refused at claim.
-    _, dense = hand_over(model, daemon, kv, Kv(), {"d": prompt(45, 9)})
+    # A dense-attention decode is refused at claim, the publication kept READY.
+    with caplog.at_level(logging.ERROR, logger="pdstor.vllm"):
+        _, dense = hand_over(model, daemon, kv, Kv(), {"d": prompt(45, 9)})
     assert dense.finished["d"].reason == FinishReason.ERROR
+    assert any("layout_mismatch" in r.getMessage() and ";mla;" in r.getMessage() for r in caplog.records)
+    assert [x["state"] for x in daemon.client().publications()] == ["READY"]
 
 
 @pytest.mark.parametrize("fp8", ["fp8_e4m3", "fp8_e5m2"])
@@ -153,8 +157,26 @@ def test_an_fp8_cache_round_trips_bit_for_bit_and_names_its_format_and_scales(mo
     assert any("other KV scales" in r.getMessage() for r in caplog.records)
 
 
+def test_fp8_formats_differ_in_the_layout_even_under_one_model_identity(model, daemon, caplog):
+    """Both FP8 formats are uint8 tensors: with the weights named by
+    `model_identity` (the same for both engines), only the layout's dtype
+    tells them apart."""
+    same = {"model_identity": "sha256:checkpoint"}
+    p = engine(model, daemon, "kv_producer", "prefill-0", Kv(kind="fp8_e4m3"), extra=same)
+    handed = prefill(p, {"z": prompt(45, 4)})
+    c = engine(model, daemon, "kv_consumer", "decode-0", Kv(kind="fp8_e5m2"), extra=same)
+    with caplog.at_level(logging.ERROR, logger="pdstor.vllm"):
+        decode_request(c, "z", prompt(45, 4), handed["z"])
+        c.run()
+    assert c.finished["z"].reason == FinishReason.ERROR and "z" not in c.restored_checked
+    refused = [r.getMessage() for r in caplog.records if "layout_mismatch" in r.getMessage()]
+    assert refused and 'dtype: "fp8_e4m3"' in refused[0] and 'dtype: "fp8_e5m2"' in refused[0], refused
+    assert [x["state"] for x in daemon.client().publications()] == ["READY"]
+
+
 def refusal(model, daemon, groups: list[KVCacheGroupSpec], **config) -> str:
-    """Why a connector refuses to start for an engine with these KV cache groups."""
+    """Why a connector refuses to start for an engine with these KV cache
+    groups (and `config`: section__key=value)."""
     vc = engine_config(model, daemon, "kv_both", "e-0")
     for what, value in config.items():
         section, key = what.split("__")
@@ -181,9 +203,5 @@ def test_what_is_not_handed_over_is_refused_at_start_with_the_reason(model, daem
     one = [KVCacheGroupSpec(layers[0] + layers[1], full)]
     why = refusal(model, daemon, one, parallel_config__pipeline_parallel_size=2)
     assert "pipeline_parallel_size must be 1 (this engine: 2)" in why
-    fp8 = FullAttentionSpec(block_size=16, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.uint8)
-    why = refusal(
-        model, daemon, [KVCacheGroupSpec(layers[0] + layers[1], fp8)],
-        cache_config__cache_dtype="fp8_e4m3", cache_config__calculate_kv_scales=True,
-    )
-    assert "calculate_kv_scales" in why
+    why = refusal(model, daemon, one, parallel_config__decode_context_parallel_size=2)
+    assert "context-parallel" in why and "'decode_context_parallel_size': 2" in why

@@ -93,6 +93,10 @@ def test_a_publication_behind_a_busy_mover_is_made_ready_before_the_stores_queue
     p.add("first", prompt(20, 70), max_tokens=1)
     p.step_until(entered.is_set)  # the mover inside the first round: what follows is the next one's
     p.add("short", prompt(20, 71), max_tokens=1)
+    # Prepared before "long" is added: a request is scheduled once its
+    # prepare is answered, and the two prepares run at once on the pool —
+    # "long" answered first would take every step's budget ahead of "short".
+    p.step_until(lambda: "short" in p.connector.scheduler_side.producer.pubs or "short" in p.finished)
     p.add("long", prompt(300, 72), max_tokens=1)  # a 64-token budget a step: five steps of stores
     p.step_until(lambda: "short" in p.finished and p.scheduler.requests["long"].num_computed_tokens >= 200)
     gate.set()

@@ -99,13 +99,9 @@ def _kv_dtype(vllm_config: Any, spec: Any) -> str:
     (its tensors are bytes), else the tensors' dtype."""
     cc = vllm_config.cache_config
     asked = str(getattr(spec, "cache_dtype_str", None) or getattr(cc, "cache_dtype", "auto") or "auto")
+    # As configured: "fp8" and "fp8_e4m3" are one format on CUDA, not on
+    # every platform, so two engines configured unlike are refused.
     if asked.startswith("fp8"):
-        if getattr(cc, "calculate_kv_scales", False):
-            raise UnsupportedEngine(
-                f"pdstor.vllm hands over FP8 KV caches whose scales are the checkpoint's; this engine computes "
-                f"them from its first batch (calculate_kv_scales), so two engines' scales differ and one's "
-                f"{asked} bytes would decode wrongly in the other: serve without --calculate-kv-scales"
-            )
         return asked
     return str(spec.dtype).removeprefix("torch.")
 
@@ -123,6 +119,15 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> 
         raise UnsupportedEngine(
             f"pdstor.vllm hands over tensor-parallel engines; pipeline_parallel_size must be 1 (this engine: {pp}): "
             "each stage holds other layers, and a stage's shape is not the scheduler's to know"
+        )
+    context = {
+        k: int(getattr(pc, k, 1) or 1)
+        for k in ("decode_context_parallel_size", "prefill_context_parallel_size")
+    }
+    if any(v != 1 for v in context.values()):
+        raise UnsupportedEngine(
+            f"pdstor.vllm hands over blocks of consecutive tokens; this engine interleaves a block's tokens "
+            f"across context-parallel ranks ({context}): serve it without context parallelism"
         )
     elem = spec.dtype.itemsize
     shape = Shape(

@@ -87,6 +87,8 @@ class Mover:
             os.sched_setaffinity(0, range(os.cpu_count() or 1))
         except OSError as e:
             log.debug("pdstor.vllm: the mover keeps the worker's cores: %s", e)
+        if self.side.staging is not None:
+            self.side.staging.bind_thread()
         delay = POLL_FIRST_S
         while True:
             try:

@@ -71,6 +71,8 @@ class Producer:
         self.pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="pdstor-vllm-prepare")
         # The pool's threads count admission waits beside the engine thread's counts.
         self.count_lock = threading.Lock()
+        # Under tensor parallelism, the one prepare that waits for room.
+        self.wait_lock = threading.Lock()
         self.pubs: dict[str, _Pub] = {}
         self.preparing: dict[str, tuple[Future[_Prepared], str, int]] = {}
         # Preempted requests prepared anew and not scheduled since: their
@@ -151,34 +153,40 @@ class Producer:
 
     def _prepare(self, name: str, total: int, deadline: float) -> _Prepared:
         """On the pool: prepares every tensor-parallel rank's shard
-        publication; where one cannot be, rolls back the ones that were."""
+        publication. Where the store has no room at once (counted), waits
+        for it until the deadline — under tensor parallelism one request at
+        a time: two requests each holding one rank's shard and waiting for
+        the other's room would hold each other until their deadlines."""
+        try:
+            return self._prepare_shards(name, total, None)
+        except pdstor.AdmissionTimeout:
+            with self.count_lock:
+                self.counters.admission_waits += 1
+        if self.ctx.tp_size == 1:
+            return self._prepare_shards(name, total, deadline)
+        with self.wait_lock:
+            return self._prepare_shards(name, total, deadline)
+
+    def _prepare_shards(self, name: str, total: int, deadline: float | None) -> _Prepared:
+        """Prepares every rank's shard, waiting for room until `deadline`
+        (None: not at all); where one cannot be, rolls back the ones that were."""
+        unread = self.cfg.unread_release_s
+        unread_ms = max(1, int(unread * 1000)) if unread > 0 else None
         done: list[tuple[str, int]] = []
         try:
             for rank, layout in enumerate(self.ctx.shard_layouts):
-                done.append(self._prepare_one(shard_name(name, rank, self.ctx.tp_size), layout, total, deadline))
+                shard = shard_name(name, rank, self.ctx.tp_size)
+                timeout_ms = 0 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+                writer = pdstor.Writer(self.client, self.cfg.writer_id)
+                writer.prepare(shard, layout, total, timeout_ms=timeout_ms, unread_release_ms=unread_ms)
+                if writer.publication is None:
+                    raise RuntimeError(f"prepare of {shard} answered no publication number")
+                done.append((writer.handoff(), writer.publication))
         except Exception:
             for handoff, _ in done:
                 self._rollback(handoff, name, "another rank's shard could not be prepared")
             raise
         return _Prepared(tuple(h for h, _ in done), done[0][1])
-
-    def _prepare_one(self, name: str, layout: dict, total: int, deadline: float) -> tuple[str, int]:
-        """Prepares one publication, and where the store has no room at
-        once (counted), waits for it until the deadline."""
-        writer = pdstor.Writer(self.client, self.cfg.writer_id)
-        unread = self.cfg.unread_release_s
-        unread_ms = max(1, int(unread * 1000)) if unread > 0 else None
-        try:
-            writer.prepare(name, layout, total, timeout_ms=0, unread_release_ms=unread_ms)
-        except pdstor.AdmissionTimeout:
-            with self.count_lock:
-                self.counters.admission_waits += 1
-            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            writer.prepare(name, layout, total, timeout_ms=timeout_ms, unread_release_ms=unread_ms)
-        publication = writer.publication
-        if publication is None:
-            raise RuntimeError(f"prepare of {name} answered no publication number")
-        return writer.handoff(), publication
 
     def _rollback(self, handoff: str, rid: str, why: str) -> None:
         """On the pool: rolls back a publication no store reached."""

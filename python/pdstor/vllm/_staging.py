@@ -6,8 +6,9 @@ The daemon reads and writes one registered buffer in place (a memfd,
 every layer's page in the group's order. The copies are made per layer,
 never per block: a batch of blocks is gathered from each layer's paged
 cache with one indexed copy (``index_select``) straight into that layer's
-pages of the batch's slots — a strided view of the staging buffer — and a
-restore scatters them back with one ``index_copy_`` per layer.
+pages of the batch's slots — a strided view of the staging buffer. A
+restore copies them back one page at a time on a CPU (its memcpy is faster
+than its ``index_copy_``), with one ``index_copy_`` per layer on a GPU.
 
 On a GPU the staging buffer is pinned (registered with CUDA), and a batch
 goes through a device-side image of its slots: one gather per layer on the
@@ -48,8 +49,16 @@ class Staging:
         self.busy: list[Any] = [None, None]
         if self.cuda:
             self._pin()
-            self.device_image = torch.empty_like(self.host, device=layers[0].device)
+            # Zeroed: a chunk's padding goes to the media from here.
+            self.device_image = torch.zeros_like(self.host, device=layers[0].device)
             self.stream = torch.cuda.Stream(device=layers[0].device)
+
+    def bind_thread(self) -> None:
+        """Makes the calling thread's current CUDA device the caches' (a
+        thread starts on device 0: entering a stream of another device and
+        leaving it would make a context on device 0 in every rank's process)."""
+        if self.cuda:
+            torch.cuda.set_device(self.layers[0].device)
 
     def _pin(self) -> None:
         """Registers the staging memory with CUDA, so copies to and from it
