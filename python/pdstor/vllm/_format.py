@@ -1,7 +1,8 @@
 """What a handed-over request is on the media, and who may read it.
 
-One pdstor publication per vLLM request; one stored chunk per vLLM block of
-its prompt (``chunk_tokens`` = the block size). A chunk is a 128-byte header
+One pdstor publication per vLLM request and tensor-parallel rank (its
+shard: ``_identity.shard_name``); one stored chunk per vLLM block of its
+prompt (``chunk_tokens`` = the block size). A chunk is a 128-byte header
 and then, for every attention layer in the KV cache group's order, that
 block's page as vLLM's logical per-layer view ``[H, N, C]`` (heads, block
 tokens, K and V of a head side by side) in C order, whatever the physical
