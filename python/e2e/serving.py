@@ -234,6 +234,27 @@ def written(path: Path, size: int) -> None:
         os.fsync(f.fileno())
 
 
+def connector_config(role: str, daemon: Any, weights: str, timeline: Path | None = None) -> dict:
+    """`--kv-transfer-config` for one engine of a pdstor P/D pair: the
+    connector, its daemon's sockets and the weights' identity; `timeline`
+    where the connector should record its side of each handoff."""
+    extra: dict[str, Any] = {
+        "server": daemon.server,
+        "data_socket": daemon.data_socket,
+        "model_identity": f"sha256:{weights[:16]}",
+    }
+    if timeline is not None:
+        extra["timeline"] = str(timeline)
+    return {
+        "kv_connector": "PdstorConnector",
+        "kv_connector_module_path": "pdstor.vllm",
+        "kv_role": role,
+        "engine_id": role,
+        "kv_load_failure_policy": "fail",
+        "kv_connector_extra_config": extra,
+    }
+
+
 def vllm_serve(
     name: str,
     model: Path,

@@ -161,18 +161,7 @@ def main() -> int:
     daemon.start()
 
     def connector(role: str) -> dict:
-        return {
-            "kv_connector": "PdstorConnector",
-            "kv_connector_module_path": "pdstor.vllm",
-            "kv_role": role,
-            "engine_id": role,
-            "kv_load_failure_policy": "fail",
-            "kv_connector_extra_config": {
-                "server": daemon.server,
-                "data_socket": daemon.data_socket,
-                "model_identity": f"sha256:{weights[:16]}",
-            },
-        }
+        return serving.connector_config(role, daemon, weights)
 
     run, refusal, procs = Run(), {}, []
     quiet, _ = serving.server_cores(out)

@@ -42,6 +42,10 @@ pub struct FreshArgs {
     keep: bool,
 }
 
+/// A whole fresh run's root at its largest (the CI in it: target, venvs,
+/// kernel build, guest images), measured at 36 GiB on 2026-12-06.
+const FRESH_NEEDS_GIB: u64 = 40;
+
 fn cache_dir() -> Result<PathBuf> {
     let home = std::env::var_os("HOME").context("HOME is not set: cannot find ~/.cache/pdstor")?;
     Ok(PathBuf::from(home).join(".cache/pdstor/fresh"))
@@ -199,6 +203,8 @@ pub fn run(sh: &Shell, args: &FreshArgs) -> Result<()> {
     let commands: Vec<String> =
         if args.run.is_empty() { README_COMMANDS.iter().map(|c| (*c).to_owned()).collect() } else { args.run.clone() };
     let (rustup, cargo_bin) = toolchain()?;
+    std::fs::create_dir_all(cache_dir()?).context("creating ~/.cache/pdstor/fresh")?;
+    crate::disk::require(&[&cache_dir()?], FRESH_NEEDS_GIB)?;
     let tarball = root_tarball(sh, args.rebuild_root)?;
 
     let work = cache_dir()?.join(format!("run-{}", std::process::id()));
