@@ -558,6 +558,12 @@ impl DataConn {
         Ok(DataConn { stream, path: path.into(), registered: false })
     }
 
+    /// The daemon's process id (`SO_PEERCRED`), e.g. to read its CPU time.
+    pub fn daemon_pid(&self) -> std::io::Result<i32> {
+        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+        getsockopt(&self.stream, PeerCredentials).map(|c| c.pid()).map_err(std::io::Error::from)
+    }
+
     /// Whether the daemon hung up on this idle connection: with no request
     /// outstanding, anything to read (its last word, or the end) says so.
     fn hung_up(&self) -> bool {
@@ -605,6 +611,12 @@ impl DataConn {
     /// it (so host paths can map it). The daemon refuses, holding nothing, if
     /// the path cannot take the buffer.
     pub fn register_for(&mut self, buffer: &Buffer, path: PayloadPath) -> Result<u32, ClientError> {
+        self.register_checked(buffer, path, true)
+    }
+
+    /// [`DataConn::register_for`]; with `checked` false, the daemon does not
+    /// checksum loads into it ([`Verify::None`], for benchmarks only).
+    fn register_checked(&mut self, buffer: &Buffer, path: PayloadPath, checked: bool) -> Result<u32, ClientError> {
         let (kind, fds) = match (buffer.dmabuf(), buffer.memfd_fd()) {
             (None, Some(m)) if buffer.kind() == BufferKind::ShmFile => (SharedKind::Shm, vec![m.as_raw_fd()]),
             (Some(d), backing) => {
@@ -619,7 +631,10 @@ impl DataConn {
                 ));
             }
         };
-        let r = self.call(&DataRequest::Register { len: buffer.len() as u64, kind, path: Some(path) }, &fds)?;
+        let r = self.call(
+            &DataRequest::Register { len: buffer.len() as u64, kind, path: Some(path), unchecked: !checked },
+            &fds,
+        )?;
         let id = r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))?;
         self.registered = true;
         Ok(id)
@@ -897,6 +912,12 @@ pub enum Verify {
     Daemon,
     /// Every chunk checksummed again in this process.
     Local,
+    /// Nothing checked, by anyone: the reader's buffer is registered
+    /// `unchecked` (the daemon answers its chunks `unverified`) and this
+    /// reader takes the manifest's crc32c for what it read. Only to measure
+    /// what verification costs (`pdstor bench-handoff --no-verify`); no
+    /// name parses to it.
+    None,
 }
 
 impl std::str::FromStr for Verify {
@@ -927,6 +948,8 @@ pub fn reported_checksums(requested: &[u32], answer: &DataResponse) -> std::coll
 /// [`Verify::Local`]), computed here in place in the buffer.
 pub struct LoadChecks {
     reported: std::collections::HashMap<u32, u32>,
+    /// [`Verify::None`]: the manifest's word is taken.
+    trusted: bool,
 }
 
 impl LoadChecks {
@@ -934,14 +957,17 @@ impl LoadChecks {
     pub fn new(verify: Verify, requested: &[u32], answer: &DataResponse) -> LoadChecks {
         let reported = match verify {
             Verify::Daemon => reported_checksums(requested, answer),
-            Verify::Local => Default::default(),
+            Verify::Local | Verify::None => Default::default(),
         };
-        LoadChecks { reported }
+        LoadChecks { reported, trusted: verify == Verify::None }
     }
 
     /// Chunk `index` (`len` bytes at `offset` of `buffer`) against the
     /// manifest's `want`; its crc32c, or the mismatch as a `Verify` error.
     pub fn check(&self, index: u32, buffer: &Buffer, offset: u64, len: u64, want: u32) -> Result<u32, ClientError> {
+        if self.trusted {
+            return Ok(want);
+        }
         let (crc, by) = match self.reported.get(&index) {
             Some(&crc) => (crc, "the daemon read"),
             None => (
@@ -999,9 +1025,15 @@ impl Reader {
         })
     }
 
-    /// Who checksums what this reader loads (see [`Verify`]).
+    /// Who checksums what this reader loads (see [`Verify`]); before its
+    /// first load (its buffer is registered then, checked or not).
     pub fn set_verify(&mut self, verify: Verify) {
         self.verify = verify;
+    }
+
+    /// The daemon's process id, from the data connection (`SO_PEERCRED`).
+    pub fn daemon_pid(&self) -> std::io::Result<i32> {
+        self.data.daemon_pid()
     }
 
     /// A registered buffer of at least `len` bytes (page-rounded: DMA-BUF
@@ -1009,7 +1041,7 @@ impl Reader {
     fn buffer_for(&mut self, len: u64) -> Result<(&Buffer, u32), ClientError> {
         if self.buffer.as_ref().is_none_or(|(b, _)| (b.len() as u64) < len) {
             let b = self.spec.allocate("pdstor-reader", len.max(4096).next_multiple_of(4096) as usize)?;
-            let id = self.data.register_for(&b, self.spec.path)?;
+            let id = self.data.register_checked(&b, self.spec.path, self.verify != Verify::None)?;
             self.buffer = Some((b, id));
         }
         let (b, id) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("no reader buffer".into()))?;

@@ -373,6 +373,11 @@ pub enum DataRequest {
         /// The path its chunks move on (default `host_fixed`).
         #[serde(default)]
         path: Option<pdstor_engine::io::PayloadPath>,
+        /// The daemon does not checksum loads into it: their chunks are
+        /// answered `unverified`. For a benchmark of what verification
+        /// costs only (`pdstor bench-handoff --no-verify`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        unchecked: bool,
     },
     /// One store batch from registered buffers.
     Store {

@@ -16,7 +16,7 @@ pub mod units;
 
 /// The payload engine and its buffers live in their own crate, `pdstor-engine`
 /// (no daemon, no HTTP, no probes); they are re-exported here whole.
-pub use pdstor_engine::{buffer, io};
+pub use pdstor_engine::{buffer, crc32c, io};
 
 /// The client side — the wire vocabulary, receipts, the writer and the reader —
 /// is the crate `pdstor-client`, which engines link without the daemon.

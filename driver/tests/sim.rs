@@ -211,6 +211,7 @@ fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
         // Back-to-back chunks merge as in the daemon: faults then land on
         // merged commands too.
         merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
+        verify_threads: 2,
         // The daemon's maximum; each prepare asks for its own, in simulated time.
         admission_timeout: Duration::from_secs(3600),
         fault: Some(plan.clone()),

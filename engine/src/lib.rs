@@ -6,6 +6,7 @@
 //! `pdstor` crate builds those on top. Its design is `docs/paths.md`.
 
 pub mod buffer;
+pub mod crc32c;
 pub mod io;
 
 pub use buffer::{Buffer, BufferKind};

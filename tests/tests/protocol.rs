@@ -241,6 +241,31 @@ fn the_daemon_checks_loads_in_the_readers_buffer_and_a_reader_may_check_again() 
     }
 }
 
+/// `Verify::None` (`bench-handoff --no-verify`) is what it says: the
+/// reader's buffer is registered unchecked, the daemon does not checksum
+/// loads into it, and a byte flipped on the media goes through unnoticed,
+/// which is why nothing but the benchmark can ask for it.
+#[test]
+fn an_unverified_reader_checks_nothing_and_the_daemon_does_not_either() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 8, SLOT);
+    let c = Client::new(&d.server);
+    assert!("none".parse::<Verify>().is_err(), "no name parses to Verify::None");
+    let p = put(&d, "unchecked", 11, 2);
+    let image = std::fs::read(&d.target).unwrap();
+    let needle = &payload::chunk(11, 1, SLOT as usize)[..4096];
+    let at = image.windows(needle.len()).position(|w| w == needle).expect("chunk 1 is on the media") + 100;
+    let file = std::fs::OpenOptions::new().write(true).open(&d.target).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&file, &[image[at] ^ 0x5a], at as u64).unwrap();
+    file.sync_all().unwrap();
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    r.set_verify(Verify::None);
+    let claim = c.claim(&p.receipt, "decode-0", "s-unchecked", 60_000).unwrap();
+    let restored = r.get(&claim, &layout()).expect("nothing checked: the flip is not seen");
+    assert_ne!(r.restored_bytes(2 * SLOT).unwrap(), kv(11, 2), "the flipped byte was restored as it was on the media");
+    c.ack(&claim, &restored.restore_digest).expect("the manifest's crc32c stand for what was read");
+}
+
 /// A counter from the daemon's /metrics.
 fn metric(c: &Client, name: &str) -> u64 {
     let m = c.metrics().unwrap();

@@ -9,6 +9,8 @@
 //! (memory speed, where software overhead shows). zram needs root; without it
 //! that target is skipped with the reason.
 
+mod verify;
+
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -87,6 +89,13 @@ pub struct BenchArgs {
     /// (`python/e2e/staging_bench.py`, into target/bench/staging).
     #[arg(long)]
     staging: bool,
+    /// Instead: what verification costs. Each CRC-32C implementation on one
+    /// core against a plain read (`pdstor bench-crc`), then the daemon's
+    /// verifier pool at 1 thread and one per CPU on each of --targets:
+    /// reloads verified and not (`bench-handoff --no-verify`), their
+    /// throughput and CPU per GiB (into target/bench/verify.json).
+    #[arg(long)]
+    verify: bool,
 }
 
 struct Case {
@@ -147,6 +156,9 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     }
     if args.probes {
         return handoff_probe_overhead(sh, &pdstor, &out_dir, args);
+    }
+    if args.verify {
+        return verify::run(sh, &pdstor, &out_dir, args);
     }
     if args.staging {
         let rounds = args.rounds.max(5).to_string();

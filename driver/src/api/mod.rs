@@ -73,6 +73,8 @@ pub struct ServeConfig {
     /// this many bytes (`StoreOptions::merge_bytes`); with `provenance` every
     /// chunk goes alone whatever this says, so each has its own verdict.
     pub merge_bytes: u64,
+    /// Payload verifier threads (`StoreOptions::verify_threads`; 0: one per CPU).
+    pub verify_threads: usize,
     /// The longest a prepare waits for capacity.
     pub admission_timeout: Duration,
     /// Attach the provenance probes and stamp every payload transfer.
@@ -301,6 +303,7 @@ fn open_store(cfg: &ServeConfig, owner_key: u64) -> anyhow::Result<(Store, crate
         StoreOptions {
             queue_depth: cfg.queue_depth,
             merge_bytes: if cfg.provenance { 0 } else { cfg.merge_bytes },
+            verify_threads: cfg.verify_threads,
             admission_timeout: cfg.admission_timeout,
             fault: cfg.fault.clone(),
             owner_key,

@@ -154,6 +154,10 @@ pub struct BenchHandoffArgs {
     /// (the reader checksums every chunk again).
     #[arg(long, default_value = "daemon")]
     verify: pdstor::client::Verify,
+    /// Benchmark only: nothing checked by anyone (the reader's buffer registered unchecked, the
+    /// manifest's crc32c taken for what was read), to measure what verification costs.
+    #[arg(long, conflicts_with = "verify")]
+    no_verify: bool,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -169,7 +173,7 @@ impl BenchHandoffArgs {
             rounds: self.rounds,
             latency_samples: self.latency_samples,
             reloads: self.reloads,
-            verify: self.verify,
+            verify: if self.no_verify { pdstor::client::Verify::None } else { self.verify },
         };
         let r = bench::handoff::run(&cfg)?;
         print_report(self.json, &r, |r| {
@@ -182,6 +186,12 @@ impl BenchHandoffArgs {
             }
             if let Some(m) = r.reload_median_seconds {
                 println!("  reload (load + verify) median {:.1} ms over {}", m * 1e3, r.reload_seconds.len());
+            }
+            if let Some(c) = &r.reload_cpu {
+                println!(
+                    "  reload CPU per GiB: daemon {:.3} s, reader {:.3} s, both {:.3} s",
+                    c.daemon_s_per_gib, c.reader_s_per_gib, c.total_s_per_gib
+                );
             }
         })
     }

@@ -1,6 +1,7 @@
 //! The `pdstor` command line: one verb per variant of [`Command`], each an
 //! args struct with its own `run`, grouped by what the verb works on.
 
+mod bench_crc;
 mod client;
 mod common;
 mod harness;
@@ -91,6 +92,9 @@ enum Command {
     BenchStore(harness::BenchStoreArgs),
     /// Measure the engine on a target with fio's pattern names.
     Bench(harness::BenchArgs),
+    /// Each CRC-32C implementation this CPU runs, on one core, against a plain read of the same
+    /// bytes, in cache and in DRAM; names the one the daemon uses.
+    BenchCrc(bench_crc::BenchCrcArgs),
     /// Write seeded chunks, flush, read them back and verify byte for byte.
     Roundtrip(harness::RoundtripArgs),
 }
@@ -127,6 +131,7 @@ impl Command {
             Command::RotateKey(a) => a.run(),
             Command::BenchStore(a) => a.run(),
             Command::Bench(a) => a.run(),
+            Command::BenchCrc(a) => a.run(),
             Command::Roundtrip(a) => a.run(),
         }
     }

@@ -120,6 +120,10 @@ pub struct ServeArgs {
     /// (verdicts are per chunk).
     #[arg(long, default_value = "1M", value_parser = pdstor::units::parse_size)]
     merge: u64,
+    /// Threads that checksum payloads beside the I/O thread; 0 (the default): one per CPU the
+    /// daemon may run on. A large chunk is spread over all of them.
+    #[arg(long, default_value_t = 0)]
+    verify_threads: usize,
     /// Under capacity pressure, release the oldest READY publications nobody has claimed (exact
     /// unread releases, journaled, counted, on the timeline) of tenant `default` — without a
     /// config, everyone's. A config opts in other tenants (`evict_unread = true`).
@@ -192,6 +196,7 @@ impl ServeArgs {
             data_socket: self.data_socket,
             queue_depth: self.qd,
             merge_bytes: self.merge,
+            verify_threads: self.verify_threads,
             admission_timeout: Duration::from_millis(self.admission_timeout_ms),
             provenance: self.provenance,
             require_native: self.require_native,

@@ -65,6 +65,7 @@ impl IoThread {
         target: Target,
         queue_depth: u32,
         merge_bytes: u64,
+        verify_threads: usize,
         storage: Arc<dyn Storage>,
     ) -> Result<(IoThread, Opened), StoreError> {
         let target_kind = target.kind();
@@ -74,7 +75,7 @@ impl IoThread {
         let handle = std::thread::Builder::new()
             .name("pdstor-store-io".into())
             .spawn(move || {
-                let opened = Self::open_on_thread(&path, target, queue_depth, merge_bytes, storage);
+                let opened = Self::open_on_thread(&path, target, (queue_depth, merge_bytes, verify_threads), storage);
                 let worker = match opened {
                     Ok((worker, opened)) => {
                         let _ = otx.send(Ok((opened, worker.dmabuf_rw(), worker.counters())));
@@ -110,11 +111,10 @@ impl IoThread {
     fn open_on_thread(
         path: &Path,
         target: Target,
-        queue_depth: u32,
-        merge_bytes: u64,
+        (queue_depth, merge_bytes, verify_threads): (u32, u64, usize),
         storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Opened), StoreError> {
-        let (mut worker, a, b) = Worker::open(target, queue_depth, merge_bytes, storage)?;
+        let (mut worker, a, b) = Worker::open(target, queue_depth, merge_bytes, verify_threads, storage)?;
         let (superblock, note) = superblock::choose(Superblock::decode(&a), Superblock::decode(&b))
             .map_err(|source| StoreError::Superblock { path: path.into(), source })?;
         let journal = worker.load_journal(&superblock)?;

@@ -97,6 +97,9 @@ pub struct StoreOptions {
     /// alone (each command then carries its chunk's transfer id, which the
     /// provenance probes' per-chunk verdicts need).
     pub merge_bytes: u64,
+    /// Threads that checksum payloads beside the I/O thread (0: one per CPU
+    /// this process may run on); a large chunk is spread over all of them.
+    pub verify_threads: usize,
     /// The longest `prepare` waits for capacity.
     pub admission_timeout: Duration,
     /// Crash-consistency testing: the device dies after this many writes.
@@ -113,6 +116,7 @@ impl Default for StoreOptions {
         StoreOptions {
             queue_depth: 32,
             merge_bytes: DEFAULT_MERGE_BYTES,
+            verify_threads: 0,
             admission_timeout: Duration::from_secs(30),
             fault: None,
             wait_clock: Arc::new(MonotonicClock::default()),
@@ -258,7 +262,8 @@ impl Store {
             Some(plan) => plan,
             None => Arc::new(storage::Media),
         };
-        let (io, opened) = IoThread::start(path, target, opts.queue_depth, opts.merge_bytes, storage)?;
+        let (io, opened) =
+            IoThread::start(path, target, opts.queue_depth, opts.merge_bytes, opts.verify_threads, storage)?;
         let replayed = recovery::replay(path, &opened)?;
         io.resume(replayed.journal_end)?;
         let sb = opened.superblock;

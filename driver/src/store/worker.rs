@@ -115,6 +115,7 @@ impl Worker {
         target: Target,
         queue_depth: u32,
         merge_bytes: u64,
+        verify_threads: usize,
         storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
         let mut engine =
@@ -150,7 +151,7 @@ impl Worker {
                 durable_end: 0,
                 payload_dirty: false,
                 storage,
-                verifier: Verifier::default(),
+                verifier: Verifier::new(verify_threads),
                 merge_bytes,
                 counters: Arc::default(),
                 flushes: 0,
@@ -495,11 +496,10 @@ impl Worker {
             }
         });
         // Every hand-off is collected before anything returns, so no result
-        // is left for a later batch. One the verifier never answered (it
-        // died) is checksummed by the caller.
-        for _ in 0..handed {
-            let Some((first, crcs)) = verifier.result() else { break };
-            for (k, crc) in (first..).zip(crcs) {
+        // is left for a later batch. One the pool never answered (its
+        // threads died) is checksummed by the caller.
+        if handed > 0 {
+            for (k, crc) in verifier.collect() {
                 early[k] = Some(crc);
             }
         }

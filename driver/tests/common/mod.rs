@@ -186,6 +186,7 @@ pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPl
         data_socket: socket.clone(),
         queue_depth: 8,
         merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
+        verify_threads: 0,
         admission_timeout: Duration::from_secs(2),
         provenance: false,
         require_native: false,

@@ -164,6 +164,9 @@ pub struct Buffer {
     /// never through `region`: a [`BufferKind::ShmFile`] received from
     /// another process.
     file_access_only: bool,
+    /// Its owner asked that its bytes not be checksummed here
+    /// ([`Buffer::skip_in_place_checks`]).
+    unchecked: bool,
 }
 
 impl Buffer {
@@ -181,6 +184,7 @@ impl Buffer {
             dmabuf: None,
             len,
             file_access_only: false,
+            unchecked: false,
         })
     }
 
@@ -244,6 +248,7 @@ impl Buffer {
             dmabuf: None,
             len,
             file_access_only: false,
+            unchecked: false,
         })
     }
 
@@ -316,7 +321,15 @@ impl Buffer {
                 .ok()
                 .and_then(|fd| MmapRegion::from_file(FileOffset::new(File::from(fd), 0), len).ok()),
         };
-        Ok(Buffer { region, kind: BufferKind::DmaBuf, memfd: None, dmabuf: Some(buf), len, file_access_only: false })
+        Ok(Buffer {
+            region,
+            kind: BufferKind::DmaBuf,
+            memfd: None,
+            dmabuf: Some(buf),
+            len,
+            file_access_only: false,
+            unchecked: false,
+        })
     }
 
     /// Its length in bytes.
@@ -354,7 +367,15 @@ impl Buffer {
     /// mapping: not a DMA-BUF it cannot map, nor a shm file its owner may
     /// shrink (whose checksums therefore come from the side that owns it).
     pub fn checksummed_in_place(&self) -> bool {
-        self.region.is_some() && !self.file_access_only
+        self.region.is_some() && !self.file_access_only && !self.unchecked
+    }
+
+    /// This process will not checksum the bytes in place: its chunks are
+    /// answered `unverified`, as a DMA-BUF's it cannot map. Only for a
+    /// benchmark measuring what verification costs (`pdstor bench-handoff
+    /// --no-verify`); a reader that asks for it checks nothing.
+    pub fn skip_in_place_checks(&mut self) {
+        self.unchecked = true;
     }
 
     /// Start address of the CPU mapping, for the kernel (io_uring SQEs,
@@ -471,27 +492,25 @@ impl Buffer {
 fn crc32c_of_file(file: &File, offset: u64, count: usize) -> Result<u32, BufferError> {
     const BLOCK: usize = 256 << 10;
     let mut block = vec![0u8; BLOCK.min(count)];
-    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    let mut crc = 0u32;
     let mut done = 0usize;
     while done < count {
         let n = BLOCK.min(count - done);
         let at = offset + done as u64;
         std::os::unix::fs::FileExt::read_exact_at(file, &mut block[..n], at)
             .map_err(|source| BufferError::ShmFileIo { op: "reading", offset: at, count: n, source })?;
-        digest.update(&block[..n]);
+        crc = crate::crc32c::append(crc, &block[..n]);
         done += n;
     }
-    Ok(digest.finalize() as u32)
+    Ok(crc)
 }
 
-/// CRC-32C (Castagnoli, the iSCSI polynomial) of payload bytes, with
-/// `crc-fast`: VPCLMULQDQ folding fused with the CRC32 instruction where the
-/// CPU has AVX-512 (32 GiB/s on this machine's cores, against 15.7 GiB/s for
-/// the `crc32c` crate's SSE4.2 loop), the same values either way. Every
+/// CRC-32C (Castagnoli, the iSCSI polynomial) of payload bytes, with the
+/// fastest implementation this CPU runs ([`crate::crc32c::chosen`]). Every
 /// payload byte passes through this once per load and once per store: its
 /// speed is the handoff's.
 pub fn payload_crc32c(bytes: &[u8]) -> u32 {
-    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, bytes) as u32
+    crate::crc32c::checksum(bytes)
 }
 
 /// Faults a shared-memory file's pages in, now, writable: its owner (LMCache)

@@ -309,7 +309,7 @@ impl Conn {
 
     fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, DataError> {
         match req {
-            DataRequest::Register { len, kind, path } => self.register(len, kind, path, fds),
+            DataRequest::Register { len, kind, path, unchecked } => self.register(len, (kind, unchecked), path, fds),
             DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks } => {
                 self.store(publication, &writer_token, &chunks, is_last_batch, total_chunks)
             }
@@ -326,7 +326,7 @@ impl Conn {
     fn register(
         &mut self,
         len: u64,
-        kind: SharedKind,
+        (kind, unchecked): (SharedKind, bool),
         path: Option<PayloadPath>,
         fds: Vec<OwnedFd>,
     ) -> Result<DataResponse, DataError> {
@@ -341,7 +341,10 @@ impl Conn {
             return Err(DataError::TooManyBytes { pinned, len, max: pinned_max });
         }
         self.service.policy().take(&self.caller, Resource::Buffer(len)).map_err(ProtocolError::from)?;
-        let registered = Self::receive_buffer(kind, len, fds).and_then(|buffer| {
+        let registered = Self::receive_buffer(kind, len, fds).and_then(|mut buffer| {
+            if unchecked {
+                buffer.skip_in_place_checks();
+            }
             let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
             Ok((self.service.store().register_buffer_for(buffer, path)?, exporter))
         });

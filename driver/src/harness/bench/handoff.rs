@@ -66,6 +66,33 @@ pub struct HandoffBenchReport {
     pub reload_seconds: Vec<f64>,
     /// Their median.
     pub reload_median_seconds: Option<f64>,
+    /// CPU the reloads took per GiB loaded, the daemon's (every thread: the
+    /// I/O thread, the verifiers) and this reader's, s/GiB.
+    pub reload_cpu: Option<ReloadCpu>,
+}
+
+/// CPU seconds per GiB reloaded.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ReloadCpu {
+    /// The daemon's.
+    pub daemon_s_per_gib: f64,
+    /// This reader's.
+    pub reader_s_per_gib: f64,
+    /// Both.
+    pub total_s_per_gib: f64,
+}
+
+/// A process's user + system CPU seconds, all its threads, from
+/// `/proc/<pid>/stat` (clock ticks).
+fn cpu_seconds(pid: i32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name (which may hold spaces), from field 3.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf reads a constant of the running system.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks as f64 / hz as f64)
 }
 
 fn layout() -> Layout {
@@ -124,23 +151,41 @@ fn handoff(
 }
 
 /// The load path alone: one adopted handoff loaded `cfg.reloads` times;
-/// each load's seconds.
-fn reloads(cfg: &HandoffBenchConfig, w: &mut Writer, r: &mut Reader, run_id: u64) -> Result<Vec<f64>, ClientError> {
+/// each load's seconds, and the CPU they took (the daemon's and this
+/// process's) per GiB.
+fn reloads(
+    cfg: &HandoffBenchConfig,
+    w: &mut Writer,
+    r: &mut Reader,
+    run_id: u64,
+) -> Result<(Vec<f64>, Option<ReloadCpu>), ClientError> {
     let mut reload_seconds = Vec::new();
     let req = format!("bench-{run_id}-reload");
     let published = w.put_in_place(&req, &layout(), cfg.bytes, store_batch(cfg.chunk), Some(1))?;
     let claim = r.client.claim(&published.receipt, "bench-reader", &req, 60_000)?;
     let manifest = r.adopt(&claim, &layout())?;
     let mut last = None;
+    let daemon = r.daemon_pid().ok();
+    let before = (daemon.and_then(cpu_seconds), cpu_seconds(std::process::id() as i32));
     for _ in 0..cfg.reloads {
         let t = Instant::now();
         last = Some(r.load(&claim, manifest.clone())?);
         reload_seconds.push(t.elapsed().as_secs_f64());
     }
+    let after = (daemon.and_then(cpu_seconds), cpu_seconds(std::process::id() as i32));
     if let Some(restored) = last {
         r.client.ack(&claim, &restored.restore_digest)?;
     }
-    Ok(reload_seconds)
+    let gib = cfg.bytes as f64 * f64::from(cfg.reloads) / f64::from(1u32 << 30);
+    let cpu = match (before, after) {
+        ((Some(d0), Some(r0)), (Some(d1), Some(r1))) if gib > 0.0 => Some(ReloadCpu {
+            daemon_s_per_gib: (d1 - d0) / gib,
+            reader_s_per_gib: (r1 - r0) / gib,
+            total_s_per_gib: (d1 - d0 + r1 - r0) / gib,
+        }),
+        _ => None,
+    };
+    Ok((reload_seconds, cpu))
 }
 
 /// Control-plane latency: `cfg.latency_samples` small handoffs, each step
@@ -214,11 +259,13 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
         seconds.push(t.elapsed().as_secs_f64());
         round_steps_us.push(steps.into_iter().map(|(k, v)| (k.to_owned(), v)).collect());
     }
-    let reload_seconds = if cfg.reloads > 0 { reloads(cfg, &mut w, &mut r, run_id)? } else { Vec::new() };
+    let (reload_seconds, reload_cpu) =
+        if cfg.reloads > 0 { reloads(cfg, &mut w, &mut r, run_id)? } else { (Vec::new(), None) };
     let hist = step_latencies(cfg, run_id)?;
     let median = median_of(&seconds);
     let reload_median_seconds = (!reload_seconds.is_empty()).then(|| median_of(&reload_seconds));
     Ok(HandoffBenchReport {
+        reload_cpu,
         reload_seconds,
         reload_median_seconds,
         bytes: cfg.bytes,

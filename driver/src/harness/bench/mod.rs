@@ -4,6 +4,7 @@
 //!
 //! This is a measurement, not a test: it asserts nothing about speed.
 
+pub mod crc;
 pub mod handoff;
 pub mod store;
 
