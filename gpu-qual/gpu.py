@@ -112,7 +112,9 @@ def dmabuf_export(run) -> tuple[str, dict]:
         gvisor_export(run, rung.get("reason") or "")
         raise Fail(f"GPU memory was not exported and imported: {rung.get('reason')}")
     if rung["qualified"]:
-        return f"{imported}; dmabuf_fixed moved it, every byte checked, every verdict native", details
+        if "taken on the GPU match" not in (rung.get("verified") or ""):
+            raise Fail(f"{imported}; dmabuf_fixed moved it, but the restore was not verified on the GPU: {rung}")
+        return f"{imported}; dmabuf_fixed moved it, every byte checked, every chunk's crc32c on the GPU ({rung.get('verify_gib_s') or 0:.1f} GiB/s), every verdict native", details
     if (series or {}).get("state") == "available" and not run.target:
         raise Skip(f"{imported}; the kernel has the rw-dmabuf UAPI, but dmabuf_fixed needs a raw NVMe namespace: give --target /dev/nvmeXnY ({rung['reason']})", details)
     if (series or {}).get("state") == "available":
@@ -131,18 +133,22 @@ def ladder(run) -> tuple[str, dict]:
     need_io_uring(run)
     size = 256 << 20
     report = _ladder(run, "host,host_fixed", size, "8M", run.out / "ladder-gpu", 3 * size)
-    rows = ["| path | GPU → target MiB/s | target → GPU MiB/s | CPU ms/GiB | compared | independent readback | verdicts |"]
-    rows.append("|---|---|---|---|---|---|---|")
+    rows = ["| path | GPU → target MiB/s | target → GPU MiB/s | CPU ms/GiB | compared | independent readback | crc32c on the GPU | verdicts |"]
+    rows.append("|---|---|---|---|---|---|---|---|")
     notes = []
     for r in report["rungs"]:
         v = ", ".join(f"{k} ×{n}" for k, n in r["verdicts"].items())
         rows.append(
             f"| {r['path']} | {r['write_mib_s'] or 0:.0f} | {r['read_mib_s'] or 0:.0f} | {r['cpu_ms_per_gib'] or 0:.0f} "
-            f"| {r.get('compared') or '-'} | {r.get('independent_readback') or '-'} | {v} |"
+            f"| {r.get('compared') or '-'} | {r.get('independent_readback') or '-'} "
+            f"| {r.get('verify_gib_s') or 0:.1f} GiB/s: {r.get('verified') or '-'} | {v} |"
         )
         why = r.get("reason") or ""
         if not r.get("independent_readback") or "on the GPU" not in (r.get("compared") or ""):
             raise Fail(f"{r['path']}: the bytes were not all checked: {why or r}")
+        verified = r.get("verified") or ""
+        if "taken on the GPU match" not in verified or "was caught" not in verified:
+            raise Fail(f"{r['path']}: the restore was not verified on the GPU (crc32c kernel): {why or r}")
         if r["qualified"]:
             continue
         if not why.startswith("verdicts other than native"):
@@ -155,7 +161,7 @@ def ladder(run) -> tuple[str, dict]:
     probes = "; ".join(report.get("probes") or ["none"])
     details = {"table": rows, "probes": probes, "ladder": report, "gpu": dev["name"]}
     said = f"probes: {probes}" + (f" ({'; '.join(notes)})" if notes else "")
-    return f"{size >> 20} MiB per path from {dev['name']}'s memory, every byte equal on the GPU and by pread(O_DIRECT); {said}", details
+    return f"{size >> 20} MiB per path from {dev['name']}'s memory, every byte equal on the GPU and by pread(O_DIRECT), every chunk's crc32c checked on the GPU and a flipped byte caught; {said}", details
 
 
 def throughput(run) -> tuple[str, dict]:

@@ -38,6 +38,8 @@ def rung(path: str, **over) -> dict:
         "staging": "the exporter's memory → a registered host buffer → target, and back (timed)",
         "compared": "1048576 bytes against the pattern, on the GPU",
         "dmabuf_import": None,
+        "verified": "4 chunks' crc32c taken on the GPU match the stored ones; a byte flipped at 786435 was caught (0x1 ≠ 0x2)",
+        "verify_gib_s": 120.0,
     }
     return {**r, **over}
 
@@ -84,6 +86,8 @@ def refused(path: str) -> dict:
         independent_readback=None,
         compared=None,
         dmabuf_import="exported as a DMA-BUF of 67108864 bytes and imported by pdstor",
+        verified=None,
+        verify_gib_s=None,
     )
 
 
@@ -127,6 +131,9 @@ def test_the_gpu_ladder_passes_on_bytes_checked_on_the_gpu_and_says_the_probes_w
         ({"reason": "the bytes read back through pdstor into the exporter's memory differ at byte 4096"}, "differ"),
         ({"compared": "1048576 bytes against the pattern, on the CPU"}, "not all checked"),
         ({"independent_readback": None}, "not all checked"),
+        ({"verified": None}, "not verified on the GPU"),
+        ({"verified": "4 chunks' crc32c taken on the CPU match the stored ones; a byte flipped at 9 was caught"}, "not verified on the GPU"),
+        ({"verified": "4 chunks' crc32c taken on the GPU match the stored ones"}, "not verified on the GPU"),
     ],
 )
 def test_the_gpu_ladder_fails_on_bytes_not_checked_or_wrong(tmp_path, broken, why):

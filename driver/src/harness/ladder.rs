@@ -23,6 +23,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
+mod verify;
+
 use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{
@@ -48,6 +50,9 @@ trait Memory {
     /// Where the first byte (a GPU compares words: the word's first byte)
     /// differing from `expected` is, and where the compare ran.
     fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)>;
+    /// CRC-32C of `len` bytes at `offset`, where the memory is (a GPU's on
+    /// the GPU), and where it ran.
+    fn crc32c(&self, offset: u64, len: usize) -> anyhow::Result<(u32, &'static str)>;
 }
 
 impl Memory for Buffer {
@@ -72,6 +77,11 @@ impl Memory for Buffer {
         let mut back = vec![0u8; expected.len()];
         self.read_at(0, &mut back)?;
         Ok((crate::payload::first_difference(expected, &back).map(|at| at as u64), "on the CPU"))
+    }
+    fn crc32c(&self, offset: u64, len: usize) -> anyhow::Result<(u32, &'static str)> {
+        let mut bytes = vec![0u8; len];
+        self.read_at(offset, &mut bytes)?;
+        Ok((crate::crc32c::checksum(&bytes), "on the CPU"))
     }
 }
 
@@ -101,6 +111,9 @@ impl Memory for crate::buffer::cuda::CudaBuffer {
     }
     fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)> {
         Ok((crate::buffer::cuda::CudaBuffer::first_difference(self, 0, expected)?, "on the GPU"))
+    }
+    fn crc32c(&self, offset: u64, len: usize) -> anyhow::Result<(u32, &'static str)> {
+        Ok((crate::buffer::cuda::CudaBuffer::crc32c(self, offset, len)?, "on the GPU"))
     }
 }
 
@@ -173,6 +186,11 @@ pub struct Rung {
     /// `dmabuf_fixed`: the export of the exporter's memory and its import by
     /// pdstor, which happen (or fail) before the kernel is asked to register it.
     pub dmabuf_import: Option<String>,
+    /// Each restored chunk's CRC-32C taken where it landed (a GPU's on the
+    /// GPU) against the one taken as it was stored, and a flipped byte seen.
+    pub verified: Option<String>,
+    /// That check's speed, GiB/s (every chunk, one after another).
+    pub verify_gib_s: Option<f64>,
 }
 
 /// Everything the ladder found (`ladder.json`).
@@ -232,6 +250,14 @@ impl LadderReport {
                 r.reason.as_deref().unwrap_or(""),
             );
         }
+        for r in self.rungs.iter().filter(|r| r.verified.is_some()) {
+            let said = r.verified.as_deref().unwrap_or_default();
+            s += &format!(
+                "\n- {} restore verified where it landed: {said} ({:.1} GiB/s)",
+                r.path,
+                r.verify_gib_s.unwrap_or(0.0)
+            );
+        }
         s
     }
 }
@@ -287,6 +313,8 @@ pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
             staging: None,
             compared: None,
             dmabuf_import: None,
+            verified: None,
+            verify_gib_s: None,
         };
         let mut ctx = RungCtx {
             cfg,
@@ -493,6 +521,8 @@ impl RungCtx<'_> {
                 "the bytes read back through pdstor into the exporter's memory differ at byte {at} (compared {place})"
             );
         }
+        let (said, gib_s) = verify::where_landed(self.memory, pattern, self.cfg.chunk)?;
+        (self.rung.verified, self.rung.verify_gib_s) = (Some(said), Some(gib_s));
         Ok(())
     }
 

@@ -126,6 +126,8 @@ pub struct CudaBuffer {
     ptr: sys::CUdeviceptr,
     len: usize,
     info: DeviceInfo,
+    /// The CRC-32C kernel, loaded at the first [`CudaBuffer::crc32c`].
+    crc: std::cell::RefCell<Option<super::cuda_crc32c::GpuCrc>>,
     _thread: std::marker::PhantomData<*const ()>,
 }
 
@@ -143,7 +145,7 @@ impl CudaBuffer {
         let len = len.max(1).next_multiple_of(CUDA_ALIGN);
         // SAFETY: a plain allocation in the current context, freed in Drop.
         let ptr = unsafe { cu::malloc_sync(len) }.map_err(drv("cuMemAlloc"))?;
-        Ok(CudaBuffer { dev, ptr, len, info, _thread: std::marker::PhantomData })
+        Ok(CudaBuffer { dev, ptr, len, info, crc: Default::default(), _thread: std::marker::PhantomData })
     }
 
     /// Its length in bytes.
@@ -234,6 +236,27 @@ impl CudaBuffer {
         Ok(word.map(|w| offset + 4 * w))
     }
 
+    /// CRC-32C of `len` bytes at `offset`, computed **on the GPU**, in place
+    /// where a restore put them: the kernel of `crc32c/gpu/kernel.cu` over
+    /// the whole 512-byte rows, the CPU over the under-528 bytes around them
+    /// (copied out), combined ([`crate::crc32c::gpu`]). The same function as
+    /// [`crate::crc32c::checksum`] over the same bytes.
+    pub fn crc32c(&self, offset: u64, len: usize) -> Result<u32, CudaError> {
+        self.check(offset, len)?;
+        let mut crc = self.crc.borrow_mut();
+        if crc.is_none() {
+            *crc = Some(super::cuda_crc32c::GpuCrc::new()?);
+        }
+        let gpu = crc.as_ref().ok_or_else(|| CudaError::Unavailable("the crc32c kernel is not loaded".into()))?;
+        let at = self.ptr + offset;
+        crate::crc32c::gpu::crc32c_with(
+            at,
+            len as u64,
+            |from, out| self.copy_to_host(offset + from, out),
+            |plan| Ok(gpu.rows(at + plan.head, plan)?),
+        )
+    }
+
     /// Exports the whole allocation as a DMA-BUF fd, to hand to the daemon;
     /// refused on a GPU that cannot export ([`CudaError::NoDmaBuf`]).
     pub fn export_dmabuf(&self) -> Result<DmaBuf, CudaError> {
@@ -261,6 +284,8 @@ impl CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
+        // The kernel's module and memory go first, in the context still held.
+        drop(self.crc.borrow_mut().take());
         // SAFETY: `ptr` was allocated by cuMemAlloc and is freed once; the
         // primary context retained in `alloc` is released once.
         unsafe {
@@ -320,5 +345,21 @@ mod tests {
         }
         b.fill_bytes(0).unwrap();
         assert_eq!(b.first_difference(0, &vec![0u8; 1 << 20]).unwrap(), None);
+    }
+
+    #[test]
+    fn the_gpu_crc32c_is_the_cpus_and_catches_a_flipped_byte() {
+        let test = "the_gpu_crc32c_is_the_cpus_and_catches_a_flipped_byte";
+        let Some(b) = alloc_or_skip(test, 8 << 20) else { return };
+        let data: Vec<u8> = (0..(8u32 << 20)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        b.copy_from_host(0, &data).unwrap();
+        for (offset, len) in [(0usize, 8usize << 20), (3, 1 << 20), (4096, 511), (17, 0), (1 << 20, (5 << 20) + 77)] {
+            let want = crate::crc32c::table::append(0, &data[offset..offset + len]);
+            assert_eq!(b.crc32c(offset as u64, len).unwrap(), want, "{len} bytes at {offset}");
+        }
+        let good = b.crc32c(0, 8 << 20).unwrap();
+        b.copy_from_host(5 << 20, &[data[5 << 20] ^ 0x01]).unwrap();
+        assert_ne!(b.crc32c(0, 8 << 20).unwrap(), good, "a flipped bit in GPU memory changes the GPU's CRC");
+        assert!(b.crc32c((8 << 20) - 4, 8).is_err(), "bounds are checked");
     }
 }

@@ -14,16 +14,18 @@ use cudarc::driver::sys;
 /// What the compare failed on.
 #[derive(Debug, thiserror::Error)]
 pub enum CompareError {
-    /// The driver's JIT refused the kernel's PTX.
-    #[error("the CUDA driver could not compile the GPU compare kernel ({error}): {log}")]
+    /// The driver's JIT refused a kernel's PTX.
+    #[error("the CUDA driver could not compile the GPU kernel {kernel} ({error}): {log}")]
     Jit {
+        /// The kernel.
+        kernel: &'static str,
         /// The driver's error.
         error: String,
         /// The JIT's error log.
         log: String,
     },
-    /// A CUDA driver call of the compare failed.
-    #[error("CUDA {what} failed (GPU compare): {source:?}")]
+    /// A CUDA driver call of a GPU check failed.
+    #[error("CUDA {what} failed (GPU check): {source:?}")]
     Driver {
         /// The call.
         what: &'static str,
@@ -86,14 +88,15 @@ $L_done:
 }
 "#;
 
-fn drv(what: &'static str) -> impl FnOnce(cu::DriverError) -> CompareError {
+pub(super) fn drv(what: &'static str) -> impl FnOnce(cu::DriverError) -> CompareError {
     move |source| CompareError::Driver { what, source }
 }
 
-/// Loads the kernel in the current context, with the JIT's error log on failure.
-fn load() -> Result<(sys::CUmodule, sys::CUfunction), CompareError> {
-    let image =
-        CString::new(PTX).map_err(|_| CompareError::Jit { error: "NUL".into(), log: "the PTX holds a NUL".into() })?;
+/// Loads `kernel` of the PTX text `ptx` in the current context, with the
+/// JIT's error log on failure.
+pub(super) fn load(ptx: &str, kernel: &'static str) -> Result<(sys::CUmodule, sys::CUfunction), CompareError> {
+    let jit = |log: &str| CompareError::Jit { kernel, error: "NUL".into(), log: log.into() };
+    let image = CString::new(ptx).map_err(|_| jit("the PTX holds a NUL"))?;
     let mut log = vec![0u8; 4096];
     let mut options =
         [sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER, sys::CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES];
@@ -114,10 +117,13 @@ fn load() -> Result<(sys::CUmodule, sys::CUfunction), CompareError> {
     .result();
     if let Err(e) = loaded {
         let text = String::from_utf8_lossy(&log);
-        return Err(CompareError::Jit { error: format!("{e:?}"), log: text.trim_end_matches('\0').trim().to_owned() });
+        return Err(CompareError::Jit {
+            kernel,
+            error: format!("{e:?}"),
+            log: text.trim_end_matches('\0').trim().to_owned(),
+        });
     }
-    let name = CString::new(KERNEL)
-        .map_err(|_| CompareError::Jit { error: "NUL".into(), log: "the kernel's name holds a NUL".into() })?;
+    let name = CString::new(kernel).map_err(|_| jit("the kernel's name holds a NUL"))?;
     // SAFETY: `module` was just loaded and holds the entry `name`.
     match unsafe { cu::module::get_function(module, name) } {
         Ok(f) => Ok((module, f)),
@@ -137,7 +143,7 @@ pub(super) fn first_difference(
     b: sys::CUdeviceptr,
     words: usize,
 ) -> Result<Option<u64>, CompareError> {
-    let (module, function) = load()?;
+    let (module, function) = load(PTX, KERNEL)?;
     let result = (|| {
         // SAFETY: 8 bytes of device memory, freed below.
         let out = unsafe { cu::malloc_sync(8) }.map_err(drv("cuMemAlloc"))?;

@@ -15,6 +15,8 @@
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod cuda_compare;
+#[cfg(feature = "cuda")]
+mod cuda_crc32c;
 pub mod dmabuf;
 
 use std::fs::File;

@@ -13,6 +13,7 @@
 //! same bytes.
 
 pub mod gf2;
+pub mod gpu;
 pub mod table;
 #[cfg(test)]
 mod tests;

@@ -157,7 +157,8 @@ pub(super) fn xfs(ctx: &Ctx) -> Checked {
 /// `pdstor ladder` with the udmabuf exporter: `host` and `host_fixed` are
 /// qualified (every byte read back independently, every verdict native);
 /// `dmabuf_fixed` is not, with the kernel's reason, and the command says so
-/// with a non-zero exit.
+/// with a non-zero exit. Each qualified rung's restore is checked where it
+/// landed (each chunk's crc32c in the udmabuf, a flipped byte caught).
 pub(super) fn ladder(ctx: &Ctx) -> Checked {
     let disk = ctx.disk(DiskRole::Raw)?;
     let out = Path::new("/tmp/vmtest/ladder");
@@ -186,6 +187,13 @@ pub(super) fn ladder(ctx: &Ctx) -> Checked {
             return Err(format!("rungs out of ladder order: {rungs:?}").into());
         }
         let verdicts = rung["verdicts"].as_object().map(|v| v.keys().cloned().collect::<Vec<_>>());
+        // A qualified rung's restore is checked where it landed, and a flipped byte is seen.
+        let verified = rung["verified"].as_str().unwrap_or_default();
+        if rung["qualified"] == true
+            && !(verified.contains("taken on the CPU match") && verified.contains("was caught"))
+        {
+            return Err(format!("{path}: the restore was not verified where it landed: {rung}").into());
+        }
         match path {
             "dmabuf_fixed" if series => {
                 if rung["qualified"] != true || verdicts != Some(vec!["native".to_string()]) {
