@@ -34,6 +34,9 @@ impl BenchCrcArgs {
                 for c in &size.cases {
                     println!("  {:<18} {:>7.2} GiB/s  {:>5.2}x the plain read", c.name, c.gib_per_s, c.of_plain_read);
                 }
+                for c in &size.copies {
+                    println!("  {:<18} {:>7.2} GiB/s  {:>5.2}x the copy's time", c.name, c.gib_per_s, c.of_plain_read);
+                }
             }
         })
     }

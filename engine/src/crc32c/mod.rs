@@ -203,3 +203,38 @@ pub fn checksum(data: &[u8]) -> u32 {
 pub fn append(crc: u32, data: &[u8]) -> u32 {
     (chosen().function)(crc, data)
 }
+
+/// Bytes copied before they are checksummed, in [`copy_append`] where the
+/// checksum cannot ride along the copy: small enough that it reads them
+/// back from the core's own L2 cache.
+pub const COPY_BLOCK: usize = 64 << 10;
+
+/// Copies `src` into `dst` (the same length) and answers
+/// `crc32c(prefix ‖ src)` from `crc32c(prefix)`, in one pass over memory:
+/// with 512-bit folding, each 64 bytes is loaded once, stored and folded;
+/// otherwise each 64 KiB block is copied, then checksummed from the cache
+/// the copy left it in. Either way the bytes come from DRAM once, not once
+/// for the copy and again for the check.
+///
+/// # Panics
+///
+/// If the lengths differ (a caller's bug, as for `copy_from_slice`).
+pub fn copy_append(crc: u32, dst: &mut [u8], src: &[u8]) -> u32 {
+    assert_eq!(dst.len(), src.len(), "copy_append: destination and source lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if chosen().imp == Impl::Fold512 {
+        // SAFETY: `Fold512` is chosen only where `Impl::function` handed it
+        // out, once every feature `x86::fold_512_copying` names was detected.
+        return !unsafe { x86::fold_512_copying(!crc, src, Some(dst)) };
+    }
+    copy_blocked(chosen().function, crc, dst, src)
+}
+
+/// [`copy_append`] a block at a time with `f`.
+fn copy_blocked(f: AppendFn, mut crc: u32, dst: &mut [u8], src: &[u8]) -> u32 {
+    for (d, s) in dst.chunks_mut(COPY_BLOCK).zip(src.chunks(COPY_BLOCK)) {
+        d.copy_from_slice(s);
+        crc = f(crc, d);
+    }
+    crc
+}

@@ -5,6 +5,9 @@ use proptest::prelude::*;
 
 use super::*;
 
+/// A checksumming copy into the slice it is given.
+type Copy<'a> = dyn Fn(&mut [u8]) -> u32 + 'a;
+
 fn every_available() -> Vec<(Impl, AppendFn)> {
     Impl::ALL.into_iter().filter_map(|i| i.function().map(|f| (i, f))).collect()
 }
@@ -36,6 +39,40 @@ proptest! {
         prop_assert_eq!(checksum(&data), whole);
         prop_assert_eq!(append(checksum(a), b), whole);
         prop_assert_eq!(combine(checksum(a), checksum(b), b.len() as u64), whole);
+    }
+}
+
+proptest! {
+    // Each case copies up to 200 KiB and checks it with the (slow) reference.
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// A copy that checksums as it goes lands every byte and answers the
+    /// source's CRC, whatever its length and alignment.
+    #[test]
+    fn a_checksumming_copy_copies_and_is_the_reference(
+        data in proptest::collection::vec(any::<u8>(), 0..(3 * COPY_BLOCK + 100)),
+        skip in 0usize..64,
+        prior in any::<u32>(),
+    ) {
+        let src = &data[skip.min(data.len())..];
+        let want = table::append(prior, src);
+        // Whichever the CPU takes, and each on its own: the fused fold, the
+        // blocked copy.
+        let mut copies: Vec<(&str, Box<Copy<'_>>)> = vec![
+            ("copy_append", Box::new(|d: &mut [u8]| copy_append(prior, d, src))),
+            ("blocked", Box::new(|d: &mut [u8]| copy_blocked(Impl::Crc32cCrate.function().unwrap(), prior, d, src))),
+        ];
+        #[cfg(target_arch = "x86_64")]
+        if Impl::Fold512.function().is_some() {
+            // SAFETY: every feature fold_512_copying names is there (Fold512 is).
+            copies.push(("fold_512_copying", Box::new(|d: &mut [u8]| !unsafe { x86::fold_512_copying(!prior, src, Some(d)) })));
+        }
+        for (name, copy) in copies {
+            let mut dst = vec![0u8; src.len() + 7];
+            let crc = copy(&mut dst[7..]);
+            prop_assert_eq!(&dst[7..], src, "{}", name);
+            prop_assert_eq!(crc, want, "{}", name);
+        }
     }
 }
 

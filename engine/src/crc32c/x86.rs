@@ -151,8 +151,18 @@ pub(super) fn fold_256(state: u32, data: &[u8]) -> u32 {
 /// [`three_way`].
 #[target_feature(enable = "avx512f,avx512vl,vpclmulqdq,pclmulqdq,sse4.2")]
 pub(super) fn fold_512(state: u32, data: &[u8]) -> u32 {
+    fold_512_copying(state, data, None)
+}
+
+/// [`fold_512`], storing every 64 bytes it loads into `dst` (as long as
+/// `data`) as well: a copy that checksums in the same pass.
+#[target_feature(enable = "avx512f,avx512vl,vpclmulqdq,pclmulqdq,sse4.2")]
+pub(super) fn fold_512_copying(state: u32, data: &[u8], mut dst: Option<&mut [u8]>) -> u32 {
     const ROUND: usize = 256;
     if data.len() < 2 * ROUND {
+        if let Some(d) = dst {
+            d.copy_from_slice(data);
+        }
         return three_way(state, data);
     }
     let load = |at: usize| {
@@ -160,17 +170,32 @@ pub(super) fn fold_512(state: u32, data: &[u8]) -> u32 {
         // SAFETY: `bytes` is 64 readable bytes; the load is unaligned.
         unsafe { _mm512_loadu_si512(bytes.as_ptr().cast()) }
     };
+    let mut store = |at: usize, v: __m512i| {
+        if let Some(d) = dst.as_deref_mut() {
+            let out = &mut d[at..at + 64];
+            // SAFETY: `out` is 64 writable bytes; the store is unaligned.
+            unsafe { _mm512_storeu_si512(out.as_mut_ptr().cast(), v) }
+        }
+    };
     let mut z = [load(0), load(64), load(128), load(192)];
+    for (i, v) in z.iter().enumerate() {
+        store(64 * i, *v);
+    }
     z[0] = _mm512_xor_si512(z[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128(state as i32)));
     let (lo, hi) = FOLD[ROUND / 16];
     let k = _mm512_set_epi64(hi as i64, lo as i64, hi as i64, lo as i64, hi as i64, lo as i64, hi as i64, lo as i64);
     let mut at = ROUND;
     while at + ROUND <= data.len() {
         for (i, r) in z.iter_mut().enumerate() {
+            let next = load(at + 64 * i);
+            store(at + 64 * i, next);
             let (a, b) = (_mm512_clmulepi64_epi128(*r, k, 0x00), _mm512_clmulepi64_epi128(*r, k, 0x11));
-            *r = _mm512_ternarylogic_epi64::<0x96>(a, b, load(at + 64 * i));
+            *r = _mm512_ternarylogic_epi64::<0x96>(a, b, next);
         }
         at += ROUND;
+    }
+    if let Some(d) = dst {
+        d[at..].copy_from_slice(&data[at..]);
     }
     let mut lanes = [_mm_setzero_si128(); 16];
     for (i, r) in z.iter().enumerate() {

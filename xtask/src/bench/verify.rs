@@ -48,6 +48,14 @@ fn print_crc(crc: &Value) {
             .map(|c| format!("{} {:.1}", c["name"].as_str().unwrap_or("?"), c["gib_per_s"].as_f64().unwrap_or(0.0)))
             .collect();
         println!("  {:>10} B  GiB/s: {}", size["bytes"], row.join(", "));
+        let copies = size["copies"].as_array().into_iter().flatten();
+        let row: Vec<String> = copies
+            .map(|c| {
+                let (name, rate) = (c["name"].as_str().unwrap_or("?"), c["gib_per_s"].as_f64().unwrap_or(0.0));
+                format!("{name} {rate:.1} ({:.2}x the copy's time)", c["of_plain_read"].as_f64().unwrap_or(0.0))
+            })
+            .collect();
+        println!("  {:>10} B  GiB/s: {}", "", row.join(", "));
     }
 }
 

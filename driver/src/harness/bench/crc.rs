@@ -36,6 +36,10 @@ pub struct CrcSize {
     pub bytes: usize,
     /// The plain read, then every implementation in `Impl::ALL` order.
     pub cases: Vec<CrcCase>,
+    /// A copy of the buffer alone, then a copy followed by a checksum pass
+    /// over the copy, then the two fused (`crc32c::copy_append`); each
+    /// `of_plain_read` is its time over the copy's alone.
+    pub copies: Vec<CrcCase>,
 }
 
 /// The whole run.
@@ -81,7 +85,20 @@ fn measure_size(bytes: usize, passes: u32) -> CrcSize {
         });
         cases.push(CrcCase { name: imp.name().into(), gib_per_s: rate(s), of_plain_read: plain / s });
     }
-    CrcSize { bytes, cases }
+    let mut dst = vec![0u8; bytes];
+    let copy = median_seconds(passes, || dst.copy_from_slice(std::hint::black_box(&data)));
+    let then = median_seconds(passes, || {
+        dst.copy_from_slice(std::hint::black_box(&data));
+        std::hint::black_box(crc32c::checksum(&dst));
+    });
+    let fused = median_seconds(passes, || {
+        std::hint::black_box(crc32c::copy_append(0, &mut dst, std::hint::black_box(&data)));
+    });
+    let copies = [("copy", copy), ("copy-then-crc32c", then), ("copy-crc32c-fused", fused)]
+        .into_iter()
+        .map(|(name, s)| CrcCase { name: name.into(), gib_per_s: rate(s), of_plain_read: s / copy })
+        .collect();
+    CrcSize { bytes, cases, copies }
 }
 
 /// The median of `passes` timed calls, after one untimed (warming caches
