@@ -291,12 +291,10 @@ impl RemoteReader {
         };
         let buffer = self.engine.buffer(id).map_err(io("the reader's buffer"))?;
         let mut crcs = Vec::with_capacity(manifest.chunks.len());
-        let mut piece = vec![0u8; manifest.chunks.iter().map(|c| c.len).max().unwrap_or(0) as usize];
         let mut at = 0u64;
         for c in &manifest.chunks {
-            let bytes = &mut piece[..c.len as usize];
-            buffer.read_at(at, bytes).map_err(|e| ClientError::Data(e.to_string()))?;
-            let crc = pdstor_engine::buffer::payload_crc32c(bytes);
+            // In place in the buffer the device read into: no copy first.
+            let crc = buffer.crc32c(at, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
             if crc != c.crc32c {
                 return Err(ClientError::Verify {
                     chunk: c.index,
@@ -318,6 +316,10 @@ impl RemoteReader {
             e.bytes = Some(c.len);
             e.verdict = Some(self.verdicts.get(i).cloned().unwrap_or_else(|| "unverified (no probes)".into()));
             e.crc32c = Some(crc);
+            e.checked = Some(format!(
+                "this reader, in place in its buffer, on the CPU ({})",
+                pdstor_engine::crc32c::chosen().imp.name()
+            ));
             e.dur_ns = Some(took);
             self.note(e.detail(format!("read by this host from {}", self.device.display())));
         }

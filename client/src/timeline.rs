@@ -65,6 +65,11 @@ pub struct Event {
     /// (load, where the daemon can read that memory).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32c: Option<u32>,
+    /// Who checked a chunk's crc32c, and where (load, loaded): `daemon, in
+    /// place in the reader's buffer, on the CPU (vpclmulqdq-512)`, or that
+    /// the daemon could not and the reader checks it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checked: Option<String>,
     /// Every chunk's crc32c in chunk order (the daemon's publish).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crcs: Option<Vec<u32>>,

@@ -675,6 +675,11 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         assert_eq!((e.path.as_deref(), e.bytes), (Some("host_fixed"), Some(SLOT)));
         assert_eq!(e.verdict.as_deref(), Some("unverifiable(no probes)"));
     }
+    // Who checked each restored chunk, and where.
+    for e in events.iter().filter(|e| e.event == "load") {
+        let checked = e.checked.as_deref().unwrap_or_default();
+        assert!(checked.starts_with("daemon, in place in the reader's buffer, on the CPU ("), "{e:?}");
+    }
     let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
     let kinds: Vec<(&str, usize)> = report.violations.iter().map(|v| (v.kind, v.line)).collect();
     assert_eq!(

@@ -537,6 +537,15 @@ impl Conn {
             };
             let mut e = e.chunk(c.index).by(self.caller.audit());
             e.crc32c = crcs.get(i).copied().flatten();
+            if event == "load" {
+                e.checked = Some(match e.crc32c {
+                    Some(_) => format!(
+                        "daemon, in place in the reader's buffer, on the CPU ({})",
+                        crate::crc32c::chosen().imp.name()
+                    ),
+                    None => "not by the daemon (memory it cannot map): the reader checks it".into(),
+                });
+            }
             e.path = Some(self.path_of(c).to_string());
             e.bytes = Some(bytes(c));
             e.verdict = Some(verdicts.get(i).cloned().unwrap_or_else(|| "unverifiable(no probes)".into()));
