@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::buffer::Buffer;
 use crate::crc32c;
-use crate::io::{BufferOffset, IoError, IoRequest};
+use crate::io::{BufferOffset, IoError, IoRequest, Op};
 
 /// Per request, the crc32c of its bytes (`None` for memory the daemon cannot
 /// map) or its failure.
@@ -17,13 +17,12 @@ pub(crate) type PayloadResults = Vec<Result<Option<u32>, IoError>>;
 
 type Crc = Result<Option<u32>, IoError>;
 
-/// One piece of one request: the request's batch index, the piece's place
-/// among the request's pieces, the buffer, and the piece as a request.
+/// Pieces checksummed by one thread in turn: each a request's batch index,
+/// the piece's place among the request's pieces, and the piece as a
+/// request. One piece of a large request, or several small requests whole.
 struct Job {
-    index: usize,
-    piece: usize,
     buffer: Arc<Buffer>,
-    range: IoRequest,
+    pieces: Vec<(usize, usize, IoRequest)>,
 }
 
 /// A piece's checksum, with where it belongs.
@@ -31,8 +30,7 @@ struct Done {
     index: usize,
     piece: usize,
     len: u64,
-    /// `None`: the checksum panicked (the caller takes the request over).
-    crc: Option<Crc>,
+    crc: Crc,
 }
 
 /// The verifier threads, started at first use; if none can start, or all
@@ -45,15 +43,12 @@ pub(super) struct Verifier {
     pending: Vec<Pending>,
 }
 
-/// A request handed out: its batch index and, per piece, its answer once
-/// in (`Some(None)`: the thread failed on that piece).
+/// A request handed out: its batch index and, per piece, its length and
+/// checksum once answered.
 struct Pending {
     index: usize,
-    pieces: Vec<Option<PieceAnswer>>,
+    pieces: Vec<Option<(u64, Crc)>>,
 }
-
-/// A piece's length and checksum; `None` if its thread failed on it.
-type PieceAnswer = Option<(u64, Crc)>;
 
 struct Pool {
     jobs: Sender<Job>,
@@ -67,7 +62,7 @@ impl Verifier {
     /// A request is cut into pieces of about this size, one per thread at
     /// most: big enough that handing one over costs nothing beside its
     /// checksum (about 30 µs of a core), small enough to spread a chunk.
-    const PIECE: u64 = 1 << 20;
+    pub(super) const PIECE: u64 = 1 << 20;
 
     /// A pool of `threads` verifiers (0: one per CPU this process may run
     /// on), started at first use. Chooses the CRC-32C implementation now
@@ -88,17 +83,36 @@ impl Verifier {
             self.failed = self.running.is_none();
         }
         let Some(pool) = &self.running else { return false };
+        let mut jobs = Vec::new();
+        let mut small = Job { buffer: Arc::clone(&buffer), pieces: Vec::new() };
+        let mut small_bytes = 0;
         for (index, r) in (first..).zip(requests) {
             let pieces = pieces(&r, self.threads);
             self.pending.push(Pending { index, pieces: (0..pieces.len()).map(|_| None).collect() });
-            for (piece, range) in pieces.into_iter().enumerate() {
-                if pool.jobs.send(Job { index, piece, buffer: Arc::clone(&buffer), range }).is_err() {
-                    // Every thread is gone. What was handed out is never
-                    // answered: `collect` leaves it to the caller.
-                    self.running = None;
-                    self.failed = true;
-                    return true;
+            if let [whole] = pieces[..] {
+                // Small requests go together, a piece's worth to a job.
+                small_bytes += whole.len;
+                small.pieces.push((index, 0, whole));
+                if small_bytes >= Self::PIECE {
+                    jobs.push(std::mem::replace(&mut small, Job { buffer: Arc::clone(&buffer), pieces: Vec::new() }));
+                    small_bytes = 0;
                 }
+            } else {
+                for (piece, range) in pieces.into_iter().enumerate() {
+                    jobs.push(Job { buffer: Arc::clone(&buffer), pieces: vec![(index, piece, range)] });
+                }
+            }
+        }
+        if !small.pieces.is_empty() {
+            jobs.push(small);
+        }
+        for job in jobs {
+            if pool.jobs.send(job).is_err() {
+                // Every thread is gone. What was handed out is never
+                // answered: `collect` leaves it to the caller.
+                self.running = None;
+                self.failed = true;
+                break;
             }
         }
         true
@@ -119,15 +133,15 @@ impl Verifier {
                 && let Some(slot) = p.pieces.get_mut(done.piece)
                 && slot.is_none()
             {
-                *slot = Some(done.crc.map(|crc| (done.len, crc)));
+                *slot = Some((done.len, done.crc));
                 missing -= 1;
             }
         }
         std::mem::take(&mut self.pending)
             .into_iter()
             .filter_map(|p| {
-                // Unanswered (a dead pool) or failed (a panic): the caller's.
-                let pieces: Option<Vec<(u64, Crc)>> = p.pieces.into_iter().map(Option::flatten).collect();
+                // One unanswered (a dead pool): the caller's.
+                let pieces: Option<Vec<(u64, Crc)>> = p.pieces.into_iter().collect();
                 pieces.map(|pieces| (p.index, combined(pieces)))
             })
             .collect()
@@ -174,7 +188,9 @@ impl Pool {
     }
 }
 
-/// A verifier thread: takes pieces until the job channel closes.
+/// A verifier thread: takes jobs until the job channel closes, and answers
+/// every piece of each, a panic included (as that piece's failure: a piece
+/// never answered would hold the I/O thread for ever).
 fn verify(jobs: &Mutex<Receiver<Job>>, results: &Sender<Done>) {
     loop {
         // The lock is held only to take one job, never while checksumming.
@@ -182,16 +198,37 @@ fn verify(jobs: &Mutex<Receiver<Job>>, results: &Sender<Done>) {
             Ok(rx) => rx.recv(),
             Err(_) => return,
         };
-        let Ok(Job { index, piece, buffer, range }) = job else { return };
-        // A panic answers `None` (the I/O thread checksums the request
-        // itself) rather than leaving it waiting on a piece never answered.
-        let crc = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| crc_of(&buffer, &range))).ok();
-        // Let go of the buffer before answering: the I/O thread may
-        // unregister it as soon as the batch is answered.
-        drop(buffer);
-        if results.send(Done { index, piece, len: range.len, crc }).is_err() {
-            return;
+        let Ok(Job { buffer, pieces }) = job else { return };
+        let ranges: Vec<IoRequest> = pieces.iter().map(|(_, _, r)| *r).collect();
+        let crcs = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let crcs: Vec<Crc> = ranges.iter().map(|r| crc_of(&buffer, r)).collect();
+            // Let go of the buffer before answering: the I/O thread may
+            // unregister it as soon as the batch is answered.
+            drop(buffer);
+            crcs
+        }));
+        let crcs: Vec<Crc> = match crcs {
+            Ok(crcs) => crcs,
+            Err(_) => pieces.iter().map(|(_, _, r)| Err(panicked(r))).collect(),
+        };
+        for ((index, piece, range), crc) in pieces.into_iter().zip(crcs) {
+            if results.send(Done { index, piece, len: range.len, crc }).is_err() {
+                return;
+            }
         }
+    }
+}
+
+/// The failure a piece whose checksum panicked answers.
+fn panicked(r: &IoRequest) -> IoError {
+    IoError::Transfer {
+        transfer: r.transfer,
+        op: r.op,
+        offset: r.target_offset.0,
+        len: r.len,
+        source: std::io::Error::other(
+            "the payload verifier panicked checksumming this range (a pdstor bug: report it)",
+        ),
     }
 }
 
@@ -212,7 +249,8 @@ impl Drop for Pool {
 /// checksums come from the client (a store's declared crc32c; a load's
 /// chunks answered `unverified`, which the reader checks itself).
 pub(super) fn crc_of(b: &Buffer, r: &IoRequest) -> Result<Option<u32>, IoError> {
-    if !b.checksummed_in_place() {
+    // A buffer registered unchecked (a benchmark's reader) skips loads' checks only.
+    if !b.checksummed_in_place() || (r.op == Op::Read && b.loads_unchecked()) {
         return Ok(None);
     }
     b.crc32c(r.buffer_offset.0, r.len as usize).map(Some).map_err(|what| IoError::Buffer { transfer: r.transfer, what })
@@ -279,12 +317,23 @@ mod tests {
     #[test]
     fn a_request_with_a_piece_never_answered_is_left_to_the_caller() {
         let mut v = Verifier::new(2);
-        let whole = || Some(Some((4096, Ok(Some(0x1234)))));
+        let whole = || Some((4096, Ok(Some(0x1234))));
         v.pending.push(Pending { index: 3, pieces: vec![whole(), None] });
-        v.pending.push(Pending { index: 4, pieces: vec![Some(None)] });
+        v.pending.push(Pending { index: 4, pieces: vec![None] });
         v.pending.push(Pending { index: 5, pieces: vec![whole()] });
         // No pool runs: nothing more comes; only the whole answer is kept.
         let got: Vec<(usize, Option<u32>)> = v.collect().into_iter().map(|(k, c)| (k, c.unwrap())).collect();
         assert_eq!(got, [(5, Some(0x1234))]);
+    }
+
+    #[test]
+    fn an_unchecked_buffer_skips_the_checks_of_loads_only() {
+        let mut b = Buffer::host(8192).unwrap();
+        b.write_at(0, &[7u8; 8192]).unwrap();
+        b.skip_load_checks();
+        let mut r = request(0, 0, 8192);
+        assert_eq!(crc_of(&b, &r).unwrap(), None, "a load into it: checked by nobody");
+        r.op = Op::Write;
+        assert_eq!(crc_of(&b, &r).unwrap(), Some(crc32c::checksum(&[7u8; 8192])), "a store from it: checked");
     }
 }

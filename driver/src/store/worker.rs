@@ -465,12 +465,14 @@ impl Worker {
     ) -> (Result<Vec<Completion>, IoError>, Vec<EarlyCrc>) {
         let mut early: Vec<EarlyCrc> = (0..requests.len()).map(|_| None).collect();
         // The large requests of a batch are checksummed on the verifier
-        // thread, on another core, while this thread keeps the ring full;
-        // the rest here, where a hand-off costs more than the checksum.
+        // pool, on other cores, while this thread keeps the ring full (and a
+        // lone large one, cut into pieces checksummed at once); the rest
+        // here, where a hand-off costs more than the checksum.
         let shared: Vec<Option<Arc<Buffer>>> = submitted
             .iter()
             .map(|r| {
-                (submitted.len() > 1 && r.len >= Verifier::MIN_LEN)
+                // A lone command only when it is large enough to spread.
+                (r.len >= Verifier::MIN_LEN && (submitted.len() > 1 || r.len >= 2 * Verifier::PIECE))
                     .then(|| self.engine.shared_buffer(r.buffer).ok())
                     .flatten()
                     .filter(|b| b.checksummed_in_place() && b.dmabuf().is_none())

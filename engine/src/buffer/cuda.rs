@@ -123,6 +123,8 @@ pub fn device_info(ordinal: i32) -> Result<DeviceInfo, CudaError> {
 /// stays on that thread (neither `Send` nor `Sync`).
 pub struct CudaBuffer {
     dev: sys::CUdevice,
+    /// The device's primary context, retained in `alloc`, released in Drop.
+    ctx: sys::CUcontext,
     ptr: sys::CUdeviceptr,
     len: usize,
     info: DeviceInfo,
@@ -145,7 +147,7 @@ impl CudaBuffer {
         let len = len.max(1).next_multiple_of(CUDA_ALIGN);
         // SAFETY: a plain allocation in the current context, freed in Drop.
         let ptr = unsafe { cu::malloc_sync(len) }.map_err(drv("cuMemAlloc"))?;
-        Ok(CudaBuffer { dev, ptr, len, info, crc: Default::default(), _thread: std::marker::PhantomData })
+        Ok(CudaBuffer { dev, ctx, ptr, len, info, crc: Default::default(), _thread: std::marker::PhantomData })
     }
 
     /// Its length in bytes.
@@ -243,6 +245,10 @@ impl CudaBuffer {
     /// [`crate::crc32c::checksum`] over the same bytes.
     pub fn crc32c(&self, offset: u64, len: usize) -> Result<u32, CudaError> {
         self.check(offset, len)?;
+        // This buffer's context, whichever another buffer made current: the
+        // kernel and its tables live there.
+        // SAFETY: `ctx` is the primary context retained in `alloc`, still held.
+        unsafe { cu::ctx::set_current(self.ctx) }.map_err(drv("cuCtxSetCurrent"))?;
         let mut crc = self.crc.borrow_mut();
         if crc.is_none() {
             *crc = Some(super::cuda_crc32c::GpuCrc::new()?);
@@ -284,7 +290,10 @@ impl CudaBuffer {
 
 impl Drop for CudaBuffer {
     fn drop(&mut self) {
-        // The kernel's module and memory go first, in the context still held.
+        // The kernel's module and memory go first, in their own context,
+        // still held.
+        // SAFETY: `ctx` is the primary context retained in `alloc`.
+        let _ = unsafe { cu::ctx::set_current(self.ctx) };
         drop(self.crc.borrow_mut().take());
         // SAFETY: `ptr` was allocated by cuMemAlloc and is freed once; the
         // primary context retained in `alloc` is released once.

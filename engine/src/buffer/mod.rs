@@ -166,8 +166,8 @@ pub struct Buffer {
     /// never through `region`: a [`BufferKind::ShmFile`] received from
     /// another process.
     file_access_only: bool,
-    /// Its owner asked that its bytes not be checksummed here
-    /// ([`Buffer::skip_in_place_checks`]).
+    /// Its owner asked that loads into it not be checksummed here
+    /// ([`Buffer::skip_load_checks`]).
     unchecked: bool,
 }
 
@@ -369,15 +369,21 @@ impl Buffer {
     /// mapping: not a DMA-BUF it cannot map, nor a shm file its owner may
     /// shrink (whose checksums therefore come from the side that owns it).
     pub fn checksummed_in_place(&self) -> bool {
-        self.region.is_some() && !self.file_access_only && !self.unchecked
+        self.region.is_some() && !self.file_access_only
     }
 
-    /// This process will not checksum the bytes in place: its chunks are
-    /// answered `unverified`, as a DMA-BUF's it cannot map. Only for a
-    /// benchmark measuring what verification costs (`pdstor bench-handoff
-    /// --no-verify`); a reader that asks for it checks nothing.
-    pub fn skip_in_place_checks(&mut self) {
+    /// Loads into this buffer are not checksummed here (its chunks are
+    /// answered `unverified`, as a DMA-BUF's this process cannot map);
+    /// stores from it still are. Only for a benchmark measuring what
+    /// verification costs (`pdstor bench-handoff --no-verify`): a reader
+    /// that asks for it checks nothing.
+    pub fn skip_load_checks(&mut self) {
         self.unchecked = true;
+    }
+
+    /// Whether [`Buffer::skip_load_checks`] was asked for.
+    pub fn loads_unchecked(&self) -> bool {
+        self.unchecked
     }
 
     /// Start address of the CPU mapping, for the kernel (io_uring SQEs,

@@ -154,9 +154,9 @@ pub fn chosen() -> Choice {
                 ),
             }
         }
-        let fastest = measure(CALIBRATION_BYTES, CALIBRATION_ROUNDS)
+        let candidates: Vec<Impl> = available().into_iter().filter(|i| *i != Impl::Table).collect();
+        let fastest = measure(CALIBRATION_BYTES, CALIBRATION_ROUNDS, &candidates)
             .into_iter()
-            .filter(|(imp, _)| *imp != Impl::Table)
             .min_by_key(|(_, took)| *took)
             .map_or(Impl::Table, |(imp, _)| imp);
         let function = fastest.function().unwrap_or(table::append);
@@ -172,13 +172,14 @@ pub fn available() -> Vec<Impl> {
     Impl::ALL.into_iter().filter(|i| i.function().is_some()).collect()
 }
 
-/// Each available implementation's best time over `rounds` passes of a
-/// `bytes`-byte buffer (after one pass to warm up), in [`Impl::ALL`] order.
-pub fn measure(bytes: usize, rounds: u32) -> Vec<(Impl, Duration)> {
+/// Each of `candidates`' best time over `rounds` passes of a `bytes`-byte
+/// buffer (after one pass to warm up), in their order; those this CPU does
+/// not run are left out.
+pub fn measure(bytes: usize, rounds: u32, candidates: &[Impl]) -> Vec<(Impl, Duration)> {
     let data: Vec<u8> = (0..bytes).map(|i| (i as u32).wrapping_mul(0x9e37_79b1).to_le_bytes()[3]).collect();
-    Impl::ALL
-        .into_iter()
-        .filter_map(|imp| {
+    candidates
+        .iter()
+        .filter_map(|&imp| {
             let f = imp.function()?;
             std::hint::black_box(f(0, &data));
             let best = (0..rounds.max(1))

@@ -113,6 +113,7 @@ impl DataPlane {
                         buffers: HashMap::new(),
                         next: 1,
                         stored_into: HashSet::new(),
+                        unchecked: HashSet::new(),
                     };
                     c.serve(conn);
                     c.cleanup();
@@ -158,6 +159,9 @@ struct Conn {
     buffers: HashMap<u32, (BufferId, u64)>,
     next: u32,
     stored_into: HashSet<u64>,
+    /// Client buffers registered `unchecked` (a benchmark's reader): loads
+    /// into them are checked by nobody, and the timeline says so.
+    unchecked: HashSet<u32>,
 }
 
 /// The publication a request is about, for a refusal's timeline event.
@@ -343,7 +347,7 @@ impl Conn {
         self.service.policy().take(&self.caller, Resource::Buffer(len)).map_err(ProtocolError::from)?;
         let registered = Self::receive_buffer(kind, len, fds).and_then(|mut buffer| {
             if unchecked {
-                buffer.skip_in_place_checks();
+                buffer.skip_load_checks();
             }
             let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
             Ok((self.service.store().register_buffer_for(buffer, path)?, exporter))
@@ -353,6 +357,9 @@ impl Conn {
         let client = self.next;
         self.next += 1;
         self.buffers.insert(client, (id, len));
+        if unchecked {
+            self.unchecked.insert(client);
+        }
         Ok(DataResponse {
             ok: true,
             buffer: Some(client),
@@ -543,6 +550,9 @@ impl Conn {
                         "daemon, in place in the reader's buffer, on the CPU ({})",
                         crate::crc32c::chosen().imp.name()
                     ),
+                    None if self.unchecked.contains(&c.buffer) => {
+                        "nobody: the reader registered its buffer unchecked (a benchmark's baseline)".into()
+                    }
                     None => "not by the daemon (memory it cannot map): the reader checks it".into(),
                 });
             }
