@@ -145,7 +145,11 @@ fn sum_words(data: &[u8]) -> u64 {
             *s = s.wrapping_add(u64::from_le_bytes(word));
         }
     }
-    let tail = blocks.remainder().iter().fold(0u64, |s, &b| s.wrapping_add(u64::from(b)));
+    // What is left: its whole words, then its last bytes one by one.
+    let tail = blocks.remainder().chunks(8).fold(0u64, |s, w| match <[u8; 8]>::try_from(w) {
+        Ok(word) => s.wrapping_add(u64::from_le_bytes(word)),
+        Err(_) => w.iter().fold(s, |s, &b| s.wrapping_add(u64::from(b))),
+    });
     sums.iter().fold(tail, |a, &s| a.wrapping_add(s))
 }
 
