@@ -23,7 +23,7 @@ use std::path::Path;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub use pdstor_engine::buffer::BufferKind;
+pub use pdstor_engine::buffer::{BufferKind, Piece};
 pub use pdstor_engine::{Buffer, PayloadPath};
 
 pub mod code;
@@ -615,8 +615,11 @@ impl DataConn {
     }
 
     /// [`DataConn::register_for`]; with `checked` false, the daemon does not
-    /// checksum loads into it ([`Verify::None`], for benchmarks only).
-    fn register_checked(&mut self, buffer: &Buffer, path: PayloadPath, checked: bool) -> Result<u32, ClientError> {
+    /// checksum loads into it (it answers their chunks `unverified`): a
+    /// staging buffer whose reader checks each chunk as it copies it out
+    /// ([`Buffer::copy_out_checked`]: one pass over the bytes, not two), or
+    /// a benchmark's [`Verify::None`]. Stores from it are checked as ever.
+    pub fn register_checked(&mut self, buffer: &Buffer, path: PayloadPath, checked: bool) -> Result<u32, ClientError> {
         let (kind, fds) = match (buffer.dmabuf(), buffer.memfd_fd()) {
             (None, Some(m)) if buffer.kind() == BufferKind::ShmFile => (SharedKind::Shm, vec![m.as_raw_fd()]),
             (Some(d), backing) => {

@@ -7,8 +7,13 @@ does on a GPU), for a Llama-3.1-8B rank's cache
 (32 layers, 8 KV heads, 16-token blocks, head size 128, bf16: 64 KiB a
 page, 2 MiB a block) in two of vLLM's physical layouts.
 
+Restoring with its check: each chunk's crc32c taken in place and then its
+pages copied (two passes), against the crc32c taken in the copy
+(``Buffer.copy_out``: one pass, what the worker does where a block's pages
+are contiguous).
+
 The bytes are checked: the staged slots equal the blocks' pages, and a
-restore fills exactly the blocks it names. Writes ``report.json`` and
+restore fills exactly the blocks it names; the two checks agree. Writes ``report.json`` and
 ``report.md`` to ``--out``. Run by ``cargo xtask bench --staging``.
 """
 
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+import pdstor
 from pdstor.vllm._format import Shape
 from pdstor.vllm._staging import Staging
 
@@ -65,6 +71,41 @@ def index_copy(staging: Staging, layers: list[torch.Tensor], blocks: list[int]) 
         kv.index_copy_(0, idx, staging._pages(staging.host, 0, len(blocks), layer))
 
 
+def checks(staging: Staging, layers: list[torch.Tensor], places: list[tuple[int, int]], out: dict, rounds: int) -> None:
+    """A restore's check with its copy: each chunk's crc32c taken in place,
+    then its pages copied (two passes: the connector before), against the
+    crc32c taken in the copy (``Buffer.copy_out``, one pass: what the worker
+    does where a block's pages are contiguous). Both checked against each
+    other and the pages compared as bits."""
+    s = staging.shape
+    chunk = s.chunk_bytes
+    crcs = [staging.buffer.crc32c(staging.offset(slot), chunk) for slot, _ in places]
+
+    def two_passes() -> None:
+        for slot, _ in places:
+            staging.buffer.crc32c(staging.offset(slot), chunk)
+        staging.scatter(0, 0, places)
+
+    out["restore_checked_then_copied_s"] = timed(two_passes, rounds)
+    if not all(kv[places[0][1]].is_contiguous() for kv in layers):
+        out["restore_checked_in_copy_s"] = None  # the worker checks, then copies
+        return
+
+    def one_pass() -> list[int]:
+        return [
+            staging.buffer.copy_out(
+                staging.offset(slot),
+                chunk,
+                [(s.page_offset(layer), kv[block].view(torch.uint8).numpy()) for layer, kv in enumerate(layers)],
+            )
+            for slot, block in places
+        ]
+
+    if one_pass() != crcs:
+        raise SystemExit("staging bench: the crc32c taken in the copy is not the one taken in place")
+    out["restore_checked_in_copy_s"] = timed(one_pass, rounds)
+
+
 def timed(run, rounds: int) -> float:
     took = []
     for _ in range(rounds):
@@ -100,6 +141,7 @@ def one(layout: str, batch: int, rounds: int) -> dict:
         if not torch.equal(kv[into].view(torch.int16), kv[blocks].view(torch.int16)):
             raise SystemExit(f"staging bench: a restore of layer {layer} did not fill the blocks it names ({layout})")
     out["restore_worker_gbs"] = round(moved / out["restore_worker_s"] / 1e9, 2)
+    checks(staging, layers, places, out, rounds)
     for way in ("store", "restore"):
         out[f"{way}_per_block_gbs"] = round(moved / out[f"{way}_per_block_s"] / 1e9, 2)
         out[f"{way}_indexed_gbs"] = round(moved / out[f"{way}_indexed_s"] / 1e9, 2)
@@ -108,6 +150,39 @@ def one(layout: str, batch: int, rounds: int) -> dict:
     out["copies_per_block_before"], out["copies_per_batch_indexed"] = batch * LAYERS, LAYERS
     staging.close()
     return out
+
+
+def checked_cells(c: dict) -> str:
+    """The restore-with-its-check cells of a case's row: the one pass's time
+    over the two passes', and over the copy with no check at all (the
+    worker's copy alone): what verification costs the restore."""
+    two, one = c["restore_checked_then_copied_s"], c["restore_checked_in_copy_s"]
+    gbs = lambda t: f"{round(c['bytes'] / t / 1e9, 2)} GB/s"  # noqa: E731
+    if one is None:
+        return f"{gbs(two)} | n/a (pages strided: checked, then copied) | – | – |"
+    return f"{gbs(two)} | {gbs(one)} | {round(one / two, 3)} | {round(one / c['restore_worker_s'], 3)} |"
+
+
+def objects(rounds: int) -> dict:
+    """The LMCache plugin's get without ``shm_name``: a group of 8 MiB
+    chunks (a Llama-3.2-1B key) copied from the staging buffer into memory
+    objects, unchecked (``read_into``: the plugin before, its chunks checked
+    in place first) against checked in the copy (``copy_out``)."""
+    size, n = 8 << 20, 16
+    staging = pdstor.Buffer(n * size, staging=True)
+    torch.frombuffer(staging, dtype=torch.uint8).random_(0, 256)
+    objs = [torch.empty(size, dtype=torch.uint8).numpy() for _ in range(n)]
+    crcs = [staging.crc32c(i * size, size) for i in range(n)]
+    plain = timed(lambda: [staging.read_into(i * size, o) for i, o in enumerate(objs)], rounds)
+    two = timed(lambda: [(staging.crc32c(i * size, size), staging.read_into(i * size, o)) for i, o in enumerate(objs)], rounds)
+    if [staging.copy_out(i * size, size, [(0, o)]) for i, o in enumerate(objs)] != crcs:
+        raise SystemExit("staging bench: copy_out's crc32c is not the one taken in place")
+    if any(o.tobytes() != staging.read(i * size, size) for i, o in enumerate(objs)):
+        raise SystemExit("staging bench: copy_out copied other bytes")
+    one = timed(lambda: [staging.copy_out(i * size, size, [(0, o)]) for i, o in enumerate(objs)], rounds)
+    gbs = lambda t: round(n * size / t / 1e9, 2)  # noqa: E731
+    return {"object_bytes": size, "objects": n, "copy_gbs": gbs(plain), "checked_then_copied_gbs": gbs(two),
+            "checked_in_copy_gbs": gbs(one), "ratio_to_two_passes": round(one / two, 3), "ratio_to_copy": round(one / plain, 3)}
 
 
 def main() -> int:
@@ -119,16 +194,26 @@ def main() -> int:
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     cases = [one(layout, batch, args.rounds) for layout in ("LBHNC", "LBNHC") for batch in (1, 8, 32)]
-    (args.out / "report.json").write_text(json.dumps({"torch_threads": 1, "cases": cases}, indent=2))
+    lm = objects(args.rounds)
+    (args.out / "report.json").write_text(json.dumps({"torch_threads": 1, "cases": cases, "lmcache_objects": lm}, indent=2))
     lines = [
-        "| layout | blocks | store per block | store indexed (worker) | ÷ | restore per block (worker) | restore indexed | ÷ |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layout | blocks | store per block | store indexed (worker) | ÷ | restore per block | restore indexed | ÷ "
+        "| checked, then copied | checked in the copy (worker) | ÷ | ÷ unchecked |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cases:
         lines.append(
             f"| {c['layout']} | {c['blocks']} | {c['store_per_block_gbs']} GB/s | {c['store_indexed_gbs']} GB/s | "
-            f"{c['store_ratio']} | {c['restore_per_block_gbs']} GB/s | {c['restore_indexed_gbs']} GB/s | {c['restore_ratio']} |"
+            f"{c['store_ratio']} | {c['restore_per_block_gbs']} GB/s | {c['restore_indexed_gbs']} GB/s | {c['restore_ratio']} | "
+            + checked_cells(c)
         )
+    lines += [
+        "",
+        "| LMCache object | unchecked copy (`read_into`) | checked, then copied | checked in the copy (`copy_out`) | ÷ two passes | ÷ unchecked |",
+        "|---|---|---|---|---|---|",
+        f"| {lm['objects']} × {lm['object_bytes'] >> 20} MiB | {lm['copy_gbs']} GB/s | {lm['checked_then_copied_gbs']} GB/s | "
+        f"{lm['checked_in_copy_gbs']} GB/s | {lm['ratio_to_two_passes']} | {lm['ratio_to_copy']} |",
+    ]
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -17,7 +17,11 @@ class Buffer:
     buffer protocol (writable): numpy.frombuffer / torch.frombuffer view it
     with no copy."""
 
-    def __init__(self, size: int, name: str = "pdstor") -> None: ...
+    def __init__(self, size: int, name: str = "pdstor", staging: bool = False) -> None:
+        """With staging, loads into it are checked as a reader copies them
+        out (Reader.scatter, get_many's into): one pass over the bytes."""
+    @property
+    def staging(self) -> bool: ...
     @staticmethod
     def shared_file(path: str | os.PathLike[str], size: int | None = None) -> Buffer:
         """This process's own shared-memory file (/dev/shm/<name>, LMCache's
@@ -31,6 +35,9 @@ class Buffer:
         """Copies len(dest) bytes at offset into dest (writable, contiguous)."""
     def read(self, offset: int, len: int) -> bytes:
         """Copies len bytes at offset out."""
+    def copy_out(self, offset: int, len: int, pieces: Iterable[tuple[int, _BufferLike]]) -> int:
+        """Copies each (at, dest) piece out of the len bytes at offset and
+        answers the crc32c of all of them, reading each byte once."""
     def crc32c(self, offset: int, len: int) -> int:
         """crc32c of len bytes at offset, computed in place."""
 
@@ -128,6 +135,10 @@ class Reader:
     ) -> list[Receipt | Error]: ...
     def adopt(self, claim: Receipt, layout: Layout) -> dict[str, Any]: ...
     def load(self, claim: Receipt, chunks: Iterable[tuple[int, Buffer, int]]) -> None: ...
+    def scatter(self, claim: Receipt, index: int, pieces: Iterable[tuple[int, _BufferLike]]) -> None:
+        """Copies chunk index, loaded into a staging buffer, out: each
+        (at, dest) takes len(dest) bytes from at within the chunk; the whole
+        chunk is checked against the manifest in the same pass."""
     def ack(self, claim: Receipt) -> None: ...
     def fail(self, claim: Receipt, reason: str) -> None: ...
     def get(
@@ -135,8 +146,15 @@ class Reader:
     ) -> dict[str, Any]: ...
     @overload
     def get_many(
-        self, items: Sequence[tuple[Receipt, Buffer, int]], layout: Layout, lease_ms: int = 60000
-    ) -> list[dict[str, Any] | Error]: ...
+        self,
+        items: Sequence[tuple[Receipt, Buffer, int]],
+        layout: Layout,
+        lease_ms: int = 60000,
+        *,
+        into: Callable[[dict[str, Any]], _BufferLike] | None = None,
+    ) -> list[dict[str, Any] | Error]:
+        """With into: each item copied on into into(manifest) (exactly its
+        bytes), every chunk checked in that copy, before the ack."""
     @overload
     def get_many(
         self,

@@ -39,9 +39,10 @@ How LMCache's operations map onto pdstor's protocol:
   prefill process stored). A key already claimed by a reader is not contained.
 * **get** (``batched_get_blocking`` / ``batched_get_non_blocking``): claim →
   adopt (the layout is checked; the manifest gives the size) → a memory
-  object allocated from LMCache's CPU allocator → load straight into it (or
-  into the staging buffer, then copied, without ``shm_name``), each chunk's
-  crc32c taken in place and checked against the manifest → ack; a group of
+  object allocated from LMCache's CPU allocator → load straight into it,
+  each chunk's crc32c taken in place and checked against the manifest (or,
+  without ``shm_name``, into the staging buffer and then copied on, each
+  chunk checked in that copy: one pass over the bytes) → ack; a group of
   keys in four round trips (``Reader.get_many``: claim, adopt, one frame of
   loads, ack). An object LMCache cannot allocate fails its key before
   anything is loaded: the publication stays RETAINED. pdstor is a *handoff*: a restored key is consumed (its
@@ -126,7 +127,9 @@ class _Staging:
     def __init__(self, regions: int, region_bytes: int):
         self.regions = regions
         self.region_bytes = region_bytes
-        self.buffer = pdstor.Buffer(regions * region_bytes, "pdstor-lmcache")
+        # A get's bytes only pass through: each chunk is checked as it is
+        # copied on into LMCache's memory object (one pass, not two).
+        self.buffer = pdstor.Buffer(regions * region_bytes, "pdstor-lmcache", staging=True)
         self._free = list(range(regions))
         self._changed = threading.Condition()
 
@@ -512,6 +515,35 @@ class PdstorBackend(StoragePluginInterface):
             answers = self._conn().reader.get_many([r for _, r in group], self._layout, self._lease_ms, place=place)
         except pdstor.Error as e:
             answers = [e] * len(group)
+        return self._answered(group, answers, objs)
+
+    def _get_staged(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
+        """Each publication loaded into a staging region, then copied on into
+        a memory object of LMCache's allocator — every chunk checked against
+        its manifest in that copy, before the ack."""
+        names = {receipt.publication: name for name, receipt in group}
+        objs: dict[int, Any] = {}
+
+        def into(manifest: dict) -> Any:
+            publication = manifest["publication"]
+            obj = self._allocate(names[publication], manifest)
+            objs[publication] = obj
+            return obj.byte_array
+
+        offsets = self._staging.acquire(len(group))
+        try:
+            items = [(receipt, self._staging.buffer, offset) for (_, receipt), offset in zip(group, offsets)]
+            try:
+                answers = self._conn().reader.get_many(items, self._layout, self._lease_ms, into=into)
+            except pdstor.Error as e:
+                answers = [e] * len(group)
+        finally:
+            self._staging.release(offsets)
+        return self._answered(group, answers, objs)
+
+    def _answered(self, group: list[tuple[str, pdstor.Receipt]], answers: list, objs: dict[int, Any]) -> list[Any]:
+        """Per key its memory object, None for a miss, or the exception it
+        failed with; every object allocated for a key that failed given back."""
         out: list[Any] = []
         for (name, receipt), answer in zip(group, answers):
             obj = objs.pop(receipt.publication, None)
@@ -527,39 +559,6 @@ class PdstorBackend(StoragePluginInterface):
         for obj in objs.values():
             obj.ref_count_down()
         return out
-
-    def _get_staged(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
-        """Each publication loaded into a staging region, then copied into a
-        memory object of LMCache's allocator."""
-        offsets = self._staging.acquire(len(group))
-        try:
-            items = [(receipt, self._staging.buffer, offset) for (_, receipt), offset in zip(group, offsets)]
-            try:
-                answers = self._conn().reader.get_many(items, self._layout, self._lease_ms)
-            except pdstor.Error as e:
-                answers = [e] * len(group)
-            out: list[Any] = []
-            for (name, _), offset, answer in zip(group, offsets, answers):
-                if isinstance(answer, pdstor.UnknownPublication):
-                    self._missed(name, answer)
-                    out.append(None)
-                elif isinstance(answer, BaseException):
-                    out.append(answer)
-                else:
-                    try:
-                        obj = self._allocate(name, answer)
-                    except pdstor.Error as e:
-                        out.append(e)
-                        continue
-                    try:
-                        self._staging.buffer.read_into(offset, obj.byte_array)
-                    except BaseException:
-                        obj.ref_count_down()
-                        raise
-                    out.append(obj)
-            return out
-        finally:
-            self._staging.release(offsets)
 
     def batched_get_blocking(self, keys: List[Any]) -> List[Optional[Any]]:
         names = [k.to_string() for k in keys]

@@ -21,6 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 mod many;
+mod staged;
 mod timeline;
 
 /// What a binding call failed on, before it becomes a Python exception.
@@ -122,14 +123,20 @@ struct Buffer {
     /// Unique for the process's life, so a registration is never mistaken
     /// for one of a freed buffer at the same address.
     id: u64,
+    /// Loads into it are checked as they are copied out, not in place.
+    staging: bool,
 }
 
 #[pymethods]
 impl Buffer {
-    /// A new buffer of `size` bytes (a multiple of 4096: direct I/O moves whole pages).
+    /// A new buffer of `size` bytes (a multiple of 4096: direct I/O moves
+    /// whole pages). With `staging`, loads into it are checked as a reader
+    /// copies them out (`Reader.scatter`, `Reader.get_many(..., into=)`),
+    /// one pass over the bytes, instead of in place by the daemon and then
+    /// copied: for a buffer the bytes only pass through.
     #[new]
-    #[pyo3(signature = (size, name = "pdstor"))]
-    fn new(size: usize, name: &str) -> PyResult<Self> {
+    #[pyo3(signature = (size, name = "pdstor", staging = false))]
+    fn new(size: usize, name: &str, staging: bool) -> PyResult<Self> {
         if size == 0 || !size.is_multiple_of(4096) {
             return Err(PyValueError::new_err(format!(
                 "Buffer({size}): the size must be a positive multiple of 4096 (direct I/O moves whole pages)"
@@ -137,7 +144,13 @@ impl Buffer {
         }
         let b = pdstor_client::Buffer::memfd(name, size)
             .map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
-        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
+        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), staging })
+    }
+
+    /// Whether loads into it are checked as they are copied out (see `Buffer`).
+    #[getter]
+    fn staging(&self) -> bool {
+        self.staging
     }
 
     /// This process's own shared-memory file (`/dev/shm/<name>`, the pool
@@ -158,7 +171,7 @@ impl Buffer {
             None => usize::try_from(file.metadata().map_err(|e| what(&e))?.len()).map_err(|e| what(&e))?,
         };
         let b = pdstor_client::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
-        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed) })
+        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), staging: false })
     }
 
     fn __len__(&self) -> usize {
@@ -216,6 +229,20 @@ impl Buffer {
         let mut out = vec![0u8; len];
         self.inner.read_at(offset, &mut out).map_err(|e| PyValueError::new_err(format!("read: {e}")))?;
         Ok(out)
+    }
+
+    /// Copies pieces out of the `len` bytes at `offset` and answers the
+    /// crc32c of all `len` bytes, reading each once: `pieces` is a list of
+    /// `(at, dest)` — `len(dest)` bytes from `at` within the range into
+    /// `dest` (writable, C-contiguous), ascending, not overlapping; the
+    /// bytes between pieces are checksummed only. What `Reader.scatter`
+    /// does with a staged chunk before it compares the manifest's crc32c.
+    fn copy_out(&self, py: Python<'_>, offset: u64, len: usize, pieces: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let dests = staged::dests(pieces, "copy_out")?;
+        staged::disjoint(&dests.iter().map(|(_, d)| d).collect::<Vec<_>>(), &[&BufferRef::from(self)])?;
+        let b = self.inner.clone();
+        py.detach(|| b.copy_out_checked(offset, len, &mut staged::pieces(&dests)))
+            .map_err(|e| PyValueError::new_err(format!("copy_out: {e}")))
     }
 
     /// crc32c of `len` bytes at `offset`, computed in place (what the daemon and a reader check).
@@ -351,7 +378,7 @@ impl DataPlane {
         if let Some((_, id)) = self.registered.get(&b.id) {
             return Ok(*id);
         }
-        let id = self.conn()?.register(&b.inner)?;
+        let id = self.conn()?.register_checked(&b.inner, pdstor_client::PayloadPath::HostFixed, !b.staging)?;
         self.registered.insert(b.id, (b.inner.clone(), id));
         Ok(id)
     }
@@ -373,11 +400,12 @@ impl DataPlane {
 struct BufferRef {
     inner: Arc<pdstor_client::Buffer>,
     id: u64,
+    staging: bool,
 }
 
 impl From<&Buffer> for BufferRef {
     fn from(b: &Buffer) -> Self {
-        BufferRef { inner: b.inner.clone(), id: b.id }
+        BufferRef { inner: b.inner.clone(), id: b.id, staging: b.staging }
     }
 }
 
@@ -795,6 +823,8 @@ struct Adopted {
     /// Chunk index → crc32c of the bytes this process received, checked
     /// against the manifest.
     verified: BTreeMap<u32, u32>,
+    /// Chunks loaded into a staging buffer, to check as they are copied out.
+    staged: BTreeMap<u32, staged::StagedChunk>,
 }
 
 /// The decode side: `claim` → `adopt` → `load` (each chunk's crc32c, taken
@@ -932,7 +962,10 @@ impl Reader {
         let (c, r) = (self.conn.clone(), claim.inner.clone());
         let manifest = py.detach(move || c.control.adopt_claim(&r, &layout)).map_err(|e| to_py(py, e.into()))?;
         let dict = manifest_dict(py, &manifest)?;
-        self.adopted.insert(claim.inner.signature.clone(), Adopted { manifest, verified: BTreeMap::new() });
+        self.adopted.insert(
+            claim.inner.signature.clone(),
+            Adopted { manifest, verified: BTreeMap::new(), staged: BTreeMap::new() },
+        );
         Ok(dict)
     }
 
@@ -940,7 +973,8 @@ impl Reader {
     /// buffer, offset)`; each lands at its offset and its crc32c — taken in
     /// place in this buffer by the daemon, or here too with
     /// `verify="local"` — is checked against the manifest
-    /// (`pdstor.VerifyFailed`).
+    /// (`pdstor.VerifyFailed`). A chunk loaded into a staging buffer
+    /// (`Buffer(..., staging=True)`) is checked as `scatter` copies it out.
     fn load(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>, chunks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut places = Vec::new();
         for item in chunks.try_iter()? {
@@ -962,11 +996,56 @@ impl Reader {
         };
         let (c, r, m) = (self.conn.clone(), claim.inner.clone(), adopted.manifest.clone());
         let verify = self.verify;
-        let verified =
-            py.detach(move || load_verified(&c, &r, &m, &places, verify)).map_err(|e| to_py(py, e.into()))?;
+        let (to_stage, places): (Vec<_>, Vec<_>) = places.into_iter().partition(|(_, b, _)| b.staging);
+        let (verified, staged) = py
+            .detach(move || -> Result<_, ClientError> {
+                let verified = if places.is_empty() { Vec::new() } else { load_verified(&c, &r, &m, &places, verify)? };
+                let staged = if to_stage.is_empty() { Vec::new() } else { staged::load_staged(&c, &r, &m, to_stage)? };
+                Ok((verified, staged))
+            })
+            .map_err(|e| to_py(py, e.into()))?;
         if let Some(a) = self.adopted.get_mut(&sig) {
+            for (index, _) in &verified {
+                a.staged.remove(index);
+            }
             a.verified.extend(verified);
+            for (index, chunk) in staged {
+                a.verified.remove(&index);
+                a.staged.insert(index, chunk);
+            }
         }
+        Ok(())
+    }
+
+    /// Copies chunk `index`, loaded into a staging buffer, out: `pieces` is
+    /// a list of `(at, dest)` — `len(dest)` bytes from `at` within the chunk
+    /// into `dest` (writable and C-contiguous: a bytearray, a numpy array),
+    /// in ascending order, not overlapping. The whole chunk's crc32c is
+    /// taken in the same pass and checked against the manifest
+    /// (`pdstor.VerifyFailed`; the chunk is then not restored); an empty
+    /// list checks it only.
+    fn scatter(
+        &mut self,
+        py: Python<'_>,
+        claim: PyRef<'_, Receipt>,
+        index: u32,
+        pieces: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let Some(a) = self.adopted.get_mut(&claim.inner.signature) else {
+            return Err(to_py(py, Failure::Usage("scatter: this claim is not adopted by this reader".into())));
+        };
+        let Some(chunk) = a.staged.remove(&index) else {
+            return Err(to_py(
+                py,
+                Failure::Usage(format!(
+                    "scatter: chunk {index} was not loaded into a staging buffer (or was copied out already): load() it into a Buffer(..., staging=True) first"
+                )),
+            ));
+        };
+        let dests = staged::dests(pieces, "scatter")?;
+        staged::disjoint(&dests.iter().map(|(_, d)| d).collect::<Vec<_>>(), &[&chunk.buffer])?;
+        let crc = py.detach(|| chunk.copy_out(index, &mut staged::pieces(&dests))).map_err(|e| to_py(py, e.into()))?;
+        a.verified.insert(index, crc);
         Ok(())
     }
 
@@ -977,6 +1056,15 @@ impl Reader {
         let Some(a) = self.adopted.get(&sig) else {
             return Err(to_py(py, Failure::Usage("ack: this claim is not adopted by this reader".into())));
         };
+        if !a.staged.is_empty() {
+            let staged: Vec<u32> = a.staged.keys().copied().collect();
+            return Err(to_py(
+                py,
+                Failure::Usage(format!(
+                    "ack: chunks {staged:?} were loaded into a staging buffer and not copied out: scatter() them (each is checked as it is copied)"
+                )),
+            ));
+        }
         let missing: Vec<u32> =
             a.manifest.chunks.iter().map(|c| c.index).filter(|i| !a.verified.contains_key(i)).collect();
         if !missing.is_empty() {
@@ -1076,7 +1164,15 @@ impl Reader {
     /// `place(manifest)` answers `(buffer, offset)`, called after the adopt
     /// batch for every adopted item; one that raises fails that item only
     /// (RETAINED, nothing loaded).
-    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None))]
+    ///
+    /// With `into`, each item's bytes are copied on out of where they were
+    /// loaded (a staging buffer, `Buffer(..., staging=True)`) into
+    /// `into(manifest)` — a writable, C-contiguous buffer of exactly the
+    /// publication's bytes (LMCache's memory object, say), called after the
+    /// adopt batch — and each chunk is checked against its manifest in that
+    /// copy, before the ack: one pass over the bytes. One that raises or
+    /// gives the wrong size fails that item only (RETAINED).
+    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None, into = None))]
     fn get_many<'py>(
         &self,
         py: Python<'py>,
@@ -1084,6 +1180,7 @@ impl Reader {
         layout: &Bound<'py, PyAny>,
         lease_ms: u64,
         place: Option<&Bound<'py, PyAny>>,
+        into: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let layout = layout_from(layout)?;
         let mut readies = Vec::new();
@@ -1108,7 +1205,7 @@ impl Reader {
                     ))
                 })?;
             readies.push(ready.inner.clone());
-            places.push(Ok(many::Place { buffer: BufferRef::from(&*buffer), offset }));
+            places.push(Ok(many::Place { buffer: BufferRef::from(&*buffer), offset, into: None }));
         }
         let (c, reader, session, verify) =
             (self.conn.clone(), self.reader_id.clone(), self.session.clone(), self.verify);
@@ -1117,9 +1214,47 @@ impl Reader {
         if let Some(place) = place {
             places = got.iter().map(|g| place_of(py, place, g)).collect();
         }
+        // Held until the copies are done: each item's destination.
+        let mut dests = Vec::new();
+        if let Some(into) = into {
+            for (g, p) in got.iter().zip(places.iter_mut()) {
+                let Ok(at) = p else { continue };
+                match dest_of(py, into, g) {
+                    Ok(d) => {
+                        at.into = Some(d.span());
+                        dests.push(d);
+                    }
+                    Err(e) => *p = Err(e),
+                }
+            }
+            let sources: Vec<&BufferRef> = places.iter().filter_map(|p| p.as_ref().ok()).map(|p| &p.buffer).collect();
+            staged::disjoint(&dests.iter().collect::<Vec<_>>(), &sources)?;
+        }
         let done = py.detach(move || many::restore_many(&c, verify, places, got)).map_err(|e| to_py(py, e.into()))?;
+        drop(dests);
         done.into_iter().map(|r| entry(py, r, |m| manifest_dict(py, &m))).collect()
     }
+}
+
+/// Where `into` copies an adopted item's bytes (`into(manifest) -> dest`):
+/// writable, C-contiguous, exactly the publication's bytes.
+fn dest_of(py: Python<'_>, into: &Bound<'_, PyAny>, got: &many::Got) -> Result<staged::Dest, ClientError> {
+    let many::Got::Adopted { manifest, .. } = got else {
+        return Err(ClientError::Data("not adopted".into()));
+    };
+    let bytes: u64 = manifest.chunks.iter().map(|c| c.len).sum();
+    let dest = manifest_dict(py, manifest)
+        .and_then(|m| into.call1((m,)))
+        .and_then(|d| staged::Dest::of(&d, "get_many: into(manifest)"))
+        .map_err(|e| ClientError::Data(format!("get_many: into(manifest) gave no destination: {e}")))?;
+    if dest.len() as u64 != bytes {
+        return Err(ClientError::Data(format!(
+            "get_many: into(manifest) gave {} bytes; publication {} holds {bytes}: give a destination of exactly its bytes",
+            dest.len(),
+            manifest.publication
+        )));
+    }
+    Ok(dest)
 }
 
 /// Where `place` puts an adopted item (`place(manifest) -> (buffer,
@@ -1132,7 +1267,7 @@ fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result
         .and_then(|m| place.call1((m,)))
         .and_then(|a| a.extract::<(PyRef<'_, Buffer>, u64)>().map(|(b, offset)| (BufferRef::from(&*b), offset)));
     match answer {
-        Ok((buffer, offset)) => Ok(many::Place { buffer, offset }),
+        Ok((buffer, offset)) => Ok(many::Place { buffer, offset, into: None }),
         Err(e) => Err(ClientError::Data(format!("get_many: place(manifest) gave no (buffer, offset): {e}"))),
     }
 }

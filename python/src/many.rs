@@ -14,8 +14,9 @@ use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{
     AbortRequest, AdoptRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
 };
-use pdstor_client::{ClientError, LoadChecks, Outcomes, StoreItem, Verify};
+use pdstor_client::{ClientError, LoadChecks, Outcomes, Piece, StoreItem, Verify};
 
+use super::staged::StagedChunk;
 use super::{BufferRef, Conn, lock};
 
 /// One request to put: its id and its chunks, `(buffer, offset, length)`
@@ -166,10 +167,13 @@ pub(crate) enum Got {
 }
 
 /// Where an adopted item's chunks go: one after another from `offset` of
-/// `buffer`.
+/// `buffer`; with `into`, on from there into that memory (`(address,
+/// length)`, exactly the item's bytes, held by the caller until the restore
+/// returns and shared with no other item), each chunk checked in that copy.
 pub(crate) struct Place {
     pub buffer: BufferRef,
     pub offset: u64,
+    pub into: Option<(usize, usize)>,
 }
 
 /// The first half of a get of many: every READY receipt claimed (each
@@ -318,6 +322,9 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
         let (Some(place), Got::Adopted { manifest, .. }) = (&places[*i], &got[*i]) else {
             return Err(ClientError::Data("an item loaded was not adopted".into()));
         };
+        if let Some(into) = place.into {
+            return copy_out(place, into, chunks, manifest);
+        }
         let requested: Vec<u32> = chunks.iter().map(|c| c.index).collect();
         let checks = LoadChecks::new(verify, &requested, answer);
         chunks
@@ -334,7 +341,11 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
         .map(|(i, chunks, a)| match &got[*i] {
             Got::Adopted { manifest, .. } => chunks
                 .iter()
-                .filter(|c| matches!(verify, Verify::Local) || a.unverified.contains(&c.index))
+                .filter(|c| {
+                    matches!(verify, Verify::Local)
+                        || a.unverified.contains(&c.index)
+                        || places[*i].as_ref().is_some_and(|p| p.into.is_some())
+                })
                 .map(|c| manifest.chunks.get(c.index as usize).map_or(0, |e| e.len))
                 .sum(),
             _ => 0,
@@ -358,6 +369,37 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
         };
     }
     Ok(())
+}
+
+/// Copies an item's chunks on from where they were loaded into `into`, each
+/// checked against its manifest entry in that one pass; their crc32c.
+fn copy_out(
+    place: &Place,
+    into: (usize, usize),
+    chunks: &[DataChunk],
+    manifest: &Manifest,
+) -> Result<Vec<u32>, ClientError> {
+    let (base, len) = into;
+    chunks
+        .iter()
+        .map(|c| {
+            let entry = manifest.chunks[c.index as usize];
+            let at = (c.offset - place.offset) as usize;
+            if at + entry.len as usize > len {
+                return Err(ClientError::Data(format!("chunk {}: past the end of into's {len} bytes", c.index)));
+            }
+            // SAFETY: `base..base + len` is a writable buffer the caller
+            // holds until the restore returns and that no other item's
+            // destination or any source buffer overlaps (`staged::disjoint`);
+            // this item's chunks are copied by this one call, at disjoint
+            // offsets within it (laid one after another), and `at + entry.len`
+            // lies within it (checked above).
+            let dst = unsafe { std::slice::from_raw_parts_mut((base + at) as *mut u8, entry.len as usize) };
+            let chunk =
+                StagedChunk { buffer: place.buffer.clone(), offset: c.offset, len: entry.len, want: entry.crc32c };
+            chunk.copy_out(c.index, &mut [Piece { at: 0, dst }])
+        })
+        .collect()
 }
 
 /// A group's bytes to checksum here from which its checks are spread over

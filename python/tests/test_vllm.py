@@ -108,6 +108,8 @@ def test_requests_are_handed_over_through_the_real_scheduler_byte_for_byte(model
     assert len(got["load_wait"]) == len(prompts) and not made["load_wait"]
     assert sorted(got["load_wait"])[-1] >= sorted(got["restore"])[-1] > 0
     assert got["restored_bytes"] == chunks * c.worker.worker_side.shape.chunk_bytes
+    # On a CPU each chunk was checked as it was copied into its blocks.
+    assert got["restored_checked_in_copy_bytes"] == got["restored_bytes"]
 
 
 def merged_stats(e: Engine) -> dict:

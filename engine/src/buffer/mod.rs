@@ -11,6 +11,7 @@
 //! with no CPU mapping at all where it does not (device memory), in which case
 //! only the `dmabuf_fixed` path can move them.
 
+mod copy_out;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
@@ -18,6 +19,8 @@ pub mod cuda_compare;
 #[cfg(feature = "cuda")]
 mod cuda_crc32c;
 pub mod dmabuf;
+
+pub use copy_out::Piece;
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -110,6 +113,16 @@ pub enum BufferError {
         "a shm file buffer is not touched through its mapping (its owner may shrink the file): use read_at, write_at or crc32c"
     )]
     FileAccessOnly,
+    /// Pieces of a range to copy out that do not fit it.
+    #[error("copying pieces out of {count} bytes at {offset}: {why}; give pieces in ascending order, within the range")]
+    Pieces {
+        /// Where the range starts.
+        offset: u64,
+        /// Its length.
+        count: usize,
+        /// What is wrong with the pieces.
+        why: String,
+    },
 }
 
 /// An fd offered as a shared-memory file that is not one.

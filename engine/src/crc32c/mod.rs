@@ -217,18 +217,25 @@ pub const COPY_BLOCK: usize = 64 << 10;
 /// the copy left it in. Either way the bytes come from DRAM once, not once
 /// for the copy and again for the check.
 ///
+/// The 512-bit fold is used wherever this CPU runs it, whichever
+/// implementation [`chosen`] measured fastest for a plain checksum (from
+/// DRAM several tie): only it rides along the copy. `PDSTOR_CRC32C` naming
+/// another is obeyed here too.
+///
 /// # Panics
 ///
 /// If the lengths differ (a caller's bug, as for `copy_from_slice`).
 pub fn copy_append(crc: u32, dst: &mut [u8], src: &[u8]) -> u32 {
     assert_eq!(dst.len(), src.len(), "copy_append: destination and source lengths differ");
+    let choice = chosen();
     #[cfg(target_arch = "x86_64")]
-    if chosen().imp == Impl::Fold512 {
-        // SAFETY: `Fold512` is chosen only where `Impl::function` handed it
-        // out, once every feature `x86::fold_512_copying` names was detected.
+    if choice.imp == Impl::Fold512 || (choice.by == "measured" && Impl::Fold512.function().is_some()) {
+        // SAFETY: `Impl::Fold512.function()` (which `chosen` also went
+        // through) is `Some` only once every feature
+        // `x86::fold_512_copying` names was detected on this CPU.
         return !unsafe { x86::fold_512_copying(!crc, src, Some(dst)) };
     }
-    copy_blocked(chosen().function, crc, dst, src)
+    copy_blocked(choice.function, crc, dst, src)
 }
 
 /// [`copy_append`] a block at a time with `f`.

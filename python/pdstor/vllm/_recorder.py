@@ -20,6 +20,8 @@ COUNTS = {
     "published": "Publications made READY, every chunk durable.",
     "restored": "Requests restored from a publication (claimed, loaded, verified, copied, acknowledged).",
     "restored_bytes": "Bytes of KV chunks loaded for restores.",
+    "restored_checked_in_copy_bytes": "Bytes of restored chunks checked as they were copied out of host staging "
+    "into the paged cache (one pass over them; on a GPU the daemon checks them in place as they land).",
     "restore_failures": "Restores that failed (their blocks reported to vLLM as load errors).",
 }
 TIMES = {

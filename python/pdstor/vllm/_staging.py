@@ -19,7 +19,8 @@ one batch to the GPU overlaps the daemon's read of the next.
 
 Copies a chunk makes, per layer page: CPU, one (paged cache to staging,
 one indexed copy per layer for a batch; back, one copy per page: a CPU's
-``index_copy_`` is slower than its memcpy); GPU staged, two (a gather on the
+``index_copy_`` is slower than its memcpy, and the chunk's check rides along
+it); GPU staged, two (a gather on the
 GPU, and its share of one bulk copy over PCIe; back, the reverse); GPU
 DMA-BUF, none through the host (docs/vllm.md).
 """
@@ -39,9 +40,13 @@ class Staging:
     def __init__(self, shape: Shape, layers: list[torch.Tensor], dtype: torch.dtype, size: int):
         self.shape, self.layers, self.dtype = shape, layers, dtype
         self.slots = max(1, size // shape.chunk_bytes)
-        self.buffer = pdstor.Buffer(self.slots * shape.chunk_bytes, "pdstor-vllm-staging")
-        self.host = torch.frombuffer(self.buffer, dtype=torch.uint8).view(self.slots, shape.chunk_bytes)
         self.cuda = bool(layers) and layers[0].is_cuda
+        # On a CPU a restore's bytes only pass through: each chunk is checked
+        # as it is copied out into the paged blocks (Reader.scatter), one
+        # pass over them. On a GPU they go on by DMA: the daemon checks them
+        # in place in the pinned staging as they land.
+        self.buffer = pdstor.Buffer(self.slots * shape.chunk_bytes, "pdstor-vllm-staging", staging=not self.cuda)
+        self.host = torch.frombuffer(self.buffer, dtype=torch.uint8).view(self.slots, shape.chunk_bytes)
         self.device_image: torch.Tensor | None = None
         self.stream: Any = None
         # Per half of the slots: the event after which its device image and
@@ -123,6 +128,26 @@ class Staging:
         event, self.busy[half] = self.busy[half], None
         if event is not None:
             event.synchronize()
+
+    def copy_out(self, reader: pdstor.Reader, claim: pdstor.Receipt, first: int, batch: list[int], fill: dict[int, int]) -> int:
+        """CPU: copies each slot's chunk (slots from `first`, chunk indexes
+        `batch`) out into its block of every layer (`fill`: chunk → block;
+        a chunk with none is checked only), the whole chunk checked against
+        the manifest in the same pass (``Reader.scatter``). A block whose
+        page is not contiguous is checked, then copied. Answers the bytes
+        checked in the copy."""
+        in_copy = 0
+        for slot, index in enumerate(batch):
+            block = fill.get(index)
+            pages = [] if block is None else [kv[block] for kv in self.layers]
+            if all(p.is_contiguous() for p in pages):
+                pieces = [(self.shape.page_offset(layer), p.view(torch.uint8).numpy()) for layer, p in enumerate(pages)]
+                reader.scatter(claim, index, pieces)
+                in_copy += self.shape.chunk_bytes
+                continue
+            reader.scatter(claim, index, [])
+            self.scatter(0, first, [(slot, block)])
+        return in_copy
 
     def scatter(self, half: int, first: int, places: list[tuple[int, int]]) -> None:
         """Copies staging slots into paged blocks: `places` is (slot, block)

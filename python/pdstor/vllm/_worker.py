@@ -338,8 +338,12 @@ class WorkerSide:
                     why = check_header(raw, self.shape, index, spec.prompt_tokens, spec.digest, self.scales)
                     if why is not None:
                         raise LoadRefused(why)
-                filled = [(slot, fill[index]) for slot, index in enumerate(batch) if index in fill]
-                staging.scatter(half, first, filled)
+                if staging.cuda:
+                    filled = [(slot, fill[index]) for slot, index in enumerate(batch) if index in fill]
+                    staging.scatter(half, first, filled)
+                else:
+                    checked = staging.copy_out(self.reader, claim, first, batch, fill)
+                    self.ctx.stats.count("restored_checked_in_copy_bytes", checked)
         finally:
             staging.finish()
         self.ctx.note("restored", receipt=claim)

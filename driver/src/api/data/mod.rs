@@ -160,8 +160,9 @@ struct Conn {
     buffers: HashMap<u32, (BufferId, u64)>,
     next: u32,
     stored_into: HashSet<u64>,
-    /// Client buffers registered `unchecked` (a benchmark's reader): loads
-    /// into them are checked by nobody, and the timeline says so.
+    /// Client buffers registered `unchecked`: a reader's staging, whose
+    /// loads it checks as it copies them out, or a benchmark's baseline. The
+    /// daemon does not checksum loads into them, and the timeline says so.
     unchecked: HashSet<u32>,
 }
 

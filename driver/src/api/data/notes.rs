@@ -41,7 +41,7 @@ impl Conn {
                         crate::crc32c::chosen().imp.name()
                     ),
                     None if self.unchecked.contains(&c.buffer) => {
-                        "nobody: the reader registered its buffer unchecked (a benchmark's baseline)".into()
+                        "not by the daemon: the reader registered its buffer unchecked (staging it checks as it copies each chunk out, or a benchmark's unchecked baseline)".into()
                     }
                     None => "not by the daemon (memory it cannot map): the reader checks it".into(),
                 });
