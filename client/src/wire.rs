@@ -124,6 +124,10 @@ pub struct NamespaceInfo {
     /// register a key of its own before it can read, and names it at adopt.
     #[serde(default)]
     pub reservations: bool,
+    /// The owner's target's write cache now: whether its commits flush
+    /// (`none`: a completed write is durable, no flush is issued).
+    #[serde(default)]
+    pub write_cache: Option<pdstor_engine::io::WriteCache>,
 }
 
 /// One chunk a reader loaded itself.

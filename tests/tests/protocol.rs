@@ -1154,6 +1154,7 @@ fn metrics_carry_every_family_and_the_latency_of_each_step_and_transfer() {
         "pdstor_payload_commands counter",
         "pdstor_payload_submissions counter",
         "pdstor_flushes counter",
+        "pdstor_flushes_elided counter",
         "pdstor_admission_admissions counter",
         "pdstor_admission_waits counter",
         "pdstor_admission_timeouts counter",

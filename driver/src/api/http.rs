@@ -547,6 +547,7 @@ async fn namespace(State(s): State<Shared>, Extension(who): Extension<Caller>) -
         slot_count: sb.slot_count,
         device: crate::io::DeviceIds::of(store.path()),
         reservations: s.service.holds_reservation(),
+        write_cache: Some(store.write_cache()),
     };
     json_response(StatusCode::OK, &info)
 }

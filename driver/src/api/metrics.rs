@@ -235,6 +235,12 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
         st.payload_submissions,
     );
     m.counter("pdstor_flushes", "Device flushes.", st.flushes);
+    m.counter(
+        "pdstor_flushes_elided",
+        "Flushes a commit asked for and pdstor did not issue: the device has no volatile write cache, so a \
+         completed write is durable already (the namespace's write_cache says where that was read).",
+        st.flushes_elided,
+    );
     m.gauge("pdstor_epoch", "Daemon epoch.", store.epoch());
     m.0.register(
         "pdstor_step_seconds",

@@ -14,7 +14,7 @@ use utoipa::ToSchema;
 use super::wire::*;
 use crate::store::{ChunkEntry, Layout, Manifest};
 use pdstor_client::receipt::{Receipt, ReceiptKind};
-use pdstor_engine::io::DeviceIds;
+use pdstor_engine::io::{DeviceIds, WriteCache};
 
 /// The HTTP method of a route.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -481,6 +481,7 @@ fn schemas() -> Map<String, Value> {
         NamespaceInfo,
         TakeoverAnswer,
         DeviceIds,
+        WriteCache,
         Readiness,
         ProbesState,
     );

@@ -204,6 +204,8 @@ pub struct StoreStats {
     pub live_publications: usize,
     /// Device flushes so far.
     pub flushes: u64,
+    /// Flushes not issued: the device has no volatile write cache.
+    pub flushes_elided: u64,
     /// Group commits so far.
     pub commit_groups: u64,
     /// Bytes of the active journal half in use at the last commit.
@@ -222,12 +224,10 @@ pub struct StoreStats {
     pub expired: u64,
     /// Payload chunks stored and loaded.
     pub payload_chunks: u64,
-    /// Device commands they went in: fewer than the chunks where back-to-back
-    /// small chunks were merged (`StoreOptions::merge_bytes`).
+    /// Device commands they went in: fewer than the chunks where small ones were merged (`StoreOptions::merge_bytes`).
     pub payload_commands: u64,
-    /// Submissions those commands went in: fewer than the requests where
-    /// many were run together (`Store::store_batches`, `Store::load_many`,
-    /// or jobs of several connections queued at once).
+    /// Submissions those commands went in: fewer than the requests where many were run together
+    /// (`Store::store_batches`, `Store::load_many`, or jobs of several connections queued at once).
     pub payload_submissions: u64,
 }
 
@@ -245,9 +245,8 @@ pub struct Store {
     loads_done: std::sync::Condvar,
     /// The target as opened: still at its path?
     presence: presence::Presence,
-    /// Whether a publication with its own unread window was prepared since
-    /// open, or recovered: until one is, the unread window has nothing to
-    /// look at without the daemon's.
+    /// Whether a publication with its own unread window was prepared since open, or recovered:
+    /// until one is, the unread window has nothing to look at without the daemon's.
     windowed: std::sync::atomic::AtomicBool,
 }
 
@@ -262,6 +261,7 @@ impl Store {
             Some(plan) => plan,
             None => Arc::new(storage::Media),
         };
+        let write_cache = target.write_cache_probe();
         let (io, opened) =
             IoThread::start(path, target, opts.queue_depth, opts.merge_bytes, opts.verify_threads, storage)?;
         let replayed = recovery::replay(path, &opened)?;
@@ -291,7 +291,7 @@ impl Store {
             opts,
             last_commit: Mutex::new(CommitInfo::default()),
             loads_done: std::sync::Condvar::new(),
-            presence: presence::Presence::at(path),
+            presence: presence::Presence::at(path, write_cache),
             windowed: windowed.into(),
         };
         let mut report = replayed.report;
@@ -539,6 +539,7 @@ impl Store {
             reserved: self.admission.stats().reserved,
             live_publications: live.state.pubs.len(),
             flushes: c.flushes,
+            flushes_elided: c.flushes_elided,
             commit_groups: c.commit_groups,
             journal_used: c.journal_used,
             admission_waits: self.admission.stats().waits,

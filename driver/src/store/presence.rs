@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use super::Store;
 use super::error::WorkerError;
+use crate::io::{WriteCache, WriteCacheProbe};
 
 /// The device and inode the store opened at its path.
 #[derive(Debug)]
@@ -25,15 +26,18 @@ pub(super) struct Presence {
     said: AtomicBool,
     /// Why the namespace is no longer this owner's, once it is not.
     lost: Mutex<Option<String>>,
+    /// How the target's write cache is read.
+    write_cache: Option<WriteCacheProbe>,
 }
 
 impl Presence {
     /// What is at `path` now, just after the store opened it.
-    pub(super) fn at(path: &Path) -> Presence {
+    pub(super) fn at(path: &Path, write_cache: Option<WriteCacheProbe>) -> Presence {
         Presence {
             opened: std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino())),
             said: AtomicBool::new(false),
             lost: Mutex::new(None),
+            write_cache,
         }
     }
 
@@ -91,6 +95,15 @@ impl Store {
     pub fn lost(&self) -> Option<String> {
         self.presence.lost.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
+
+    /// The target's write cache now: whether a commit's flushes are issued
+    /// ([`crate::io::WriteCache`]).
+    pub fn write_cache(&self) -> WriteCache {
+        self.presence.write_cache.as_ref().map_or_else(
+            || WriteCache::Volatile { source: "not probed: assumed volatile".into() },
+            WriteCacheProbe::current,
+        )
+    }
 }
 
 #[cfg(test)]
@@ -104,7 +117,7 @@ mod tests {
         std::fs::write(&t, b"x").unwrap();
         // Held open, as the daemon holds its target: its inode is not reused.
         let _held = std::fs::File::open(&t).unwrap();
-        let p = Presence::at(&t);
+        let p = Presence::at(&t, None);
         assert_eq!(p.gone(&t), None);
         std::fs::remove_file(&t).unwrap();
         assert!(p.gone(&t).unwrap().contains("was removed"));

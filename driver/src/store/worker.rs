@@ -87,6 +87,8 @@ pub struct CommitInfo {
     pub journal_half: u64,
     /// Device flushes so far.
     pub flushes: u64,
+    /// Flushes not issued: the device has no volatile write cache.
+    pub flushes_elided: u64,
     /// Group commits so far.
     pub commit_groups: u64,
 }
@@ -104,7 +106,6 @@ pub(crate) struct Worker {
     /// Back-to-back chunks up to this many bytes are one command ([`coalesce`]).
     merge_bytes: u64,
     counters: Arc<PayloadCounters>,
-    flushes: u64,
     groups: u64,
 }
 
@@ -154,7 +155,6 @@ impl Worker {
                 verifier: Verifier::new(verify_threads),
                 merge_bytes,
                 counters: Arc::default(),
-                flushes: 0,
                 groups: 0,
             },
             a,
@@ -281,7 +281,8 @@ impl Worker {
         CommitInfo {
             journal_used: self.end,
             journal_half: self.image_len,
-            flushes: self.flushes,
+            flushes: self.engine.stats().flushes,
+            flushes_elided: self.engine.stats().flushes_elided,
             commit_groups: self.groups,
         }
     }
@@ -324,9 +325,7 @@ impl Worker {
     }
 
     fn flush(&mut self) -> Result<(), WorkerError> {
-        self.storage.flush(&mut self.engine)?;
-        self.flushes += 1;
-        Ok(())
+        self.storage.flush(&mut self.engine)
     }
 
     /// Flush payload (if any was written) → write the journal tail → flush.

@@ -29,6 +29,7 @@ mod ring;
 mod sys;
 mod target;
 mod windows;
+mod write_cache;
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -41,6 +42,7 @@ pub use nvme::NvmeStatus;
 pub use request::{BufferId, BufferOffset, Completion, IoRequest, Op, PayloadPath, TargetOffset, TransferId};
 pub use ring::{MAX_TRANSFER_ID, SEGMENT_BITS};
 pub use target::{DeviceIds, Geometry, Target, TargetKind, TargetOptions};
+pub use write_cache::{Probe as WriteCacheProbe, WriteCache};
 
 use crate::buffer::Buffer;
 use plan::{build_nvme, build_std, plan};
@@ -106,8 +108,10 @@ pub struct EngineStats {
     pub host_fixed: PathCounters,
     /// On `dmabuf_fixed`.
     pub dmabuf_fixed: PathCounters,
-    /// Flushes.
+    /// Flushes issued.
     pub flushes: u64,
+    /// Flushes asked for and not issued: the target has no volatile write cache.
+    pub flushes_elided: u64,
     /// Requests that failed.
     pub errors: u64,
     /// Commands the kernel answered `-EAGAIN` (or `-EINTR`) that were
@@ -505,12 +509,16 @@ impl Engine {
         result.map(drop)
     }
 
-    /// Makes everything written so far durable: NVMe Flush on passthrough,
-    /// `fdatasync` (through the ring) on files and block devices.
+    /// Makes everything written so far durable: NVMe Flush, else `fdatasync` (through
+    /// the ring); nothing, counted elided, where the target has no volatile write cache.
     pub fn flush(&mut self) -> Result<(), IoError> {
         let transfer = TransferId(0);
         if self.target.read_only() {
             return Err(IoError::ReadOnlyTarget { transfer, op: Op::Flush, path: self.target.path().into() });
+        }
+        if !self.target.write_cache().needs_flush() {
+            self.stats.flushes_elided += 1;
+            return Ok(());
         }
         let Engine { ring, stats, .. } = self;
         let flush = Planned { transfer, op: Op::Flush, addr: 0, buf_index: None, offset: 0, len: 1 };

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use super::IoError;
 use super::nvme;
 use super::sys::{self, DioSupport};
+use super::write_cache::{Probe as WriteCacheProbe, WriteCache};
 
 /// Largest single SQE transfer on files and block devices. `len` in an SQE is a
 /// `u32`, and one registered buffer is at most 1 GiB; the kernel splits further.
@@ -79,6 +80,8 @@ pub struct Target {
     /// (`RWF_NOWAIT` refused): io_uring runs each of its commands on an
     /// io-wq worker, so the engine marks them async up front.
     blocks: bool,
+    /// Its write cache (set by `open`).
+    write_cache: Option<WriteCacheProbe>,
 }
 
 impl Target {
@@ -115,6 +118,7 @@ impl Target {
             return Err(IoError::UnsupportedKind { path: path.into(), what: "a socket, FIFO or other special file" });
         };
         target.read_only = opts.read_only;
+        target.write_cache = Some(WriteCacheProbe::of(&target.file, target.kind));
         Ok(target)
     }
 
@@ -149,6 +153,20 @@ impl Target {
 
     pub(crate) fn file(&self) -> &File {
         &self.file
+    }
+
+    /// How its write cache is read (to read it again later, beside the engine).
+    pub fn write_cache_probe(&self) -> Option<WriteCacheProbe> {
+        self.write_cache.clone()
+    }
+
+    /// Its write cache now (a block device's read again from sysfs): whether
+    /// a flush has anything to make durable.
+    pub fn write_cache(&self) -> WriteCache {
+        self.write_cache.as_ref().map_or_else(
+            || WriteCache::Volatile { source: "not probed: assumed volatile".into() },
+            WriteCacheProbe::current,
+        )
     }
 }
 
@@ -204,6 +222,7 @@ fn open_file(path: &Path, opts: &TargetOptions) -> Result<Target, IoError> {
         path: path.into(),
         file,
         read_only: false,
+        write_cache: None,
         blocks: false,
         kind: TargetKind::File,
         geometry: Geometry {
@@ -265,6 +284,7 @@ fn open_block_device(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
         path: path.into(),
         file,
         read_only: false,
+        write_cache: None,
         blocks,
         kind: TargetKind::BlockDevice,
         geometry: Geometry {
@@ -344,6 +364,7 @@ fn open_nvme_generic(path: &Path, rdev: u64, read_only: bool) -> Result<Target, 
         path: path.into(),
         file,
         read_only: false,
+        write_cache: None,
         blocks: false,
         kind: TargetKind::NvmeGeneric,
         geometry: Geometry {

@@ -108,6 +108,13 @@ fn passthrough_geometry(ctx: &Ctx) -> Checked {
             format!("CHUNK {CHUNK} does not exceed MDTS {}: the split path is not exercised", g.max_transfer).into()
         );
     }
+    // The write cache, from Identify Controller's VWC, agrees with what the
+    // kernel made of it for the namespace's block device.
+    let by_vwc = engine.target().write_cache();
+    let by_kernel = open(&disk.block, None)?.target().write_cache();
+    if !by_vwc.to_string().contains("VWC") || by_vwc.needs_flush() != by_kernel.needs_flush() {
+        return Err(format!("write cache: {by_vwc} by Identify, {by_kernel} by the kernel").into());
+    }
     Ok(())
 }
 
@@ -156,6 +163,12 @@ fn round_trip(
     };
     engine.execute_all(&batch(Op::Write)).map_err(|e| format!("write: {e}"))?;
     engine.flush().map_err(|e| format!("flush: {e}"))?;
+    // Issued where the target keeps a volatile write cache, elided where not.
+    let wc = engine.target().write_cache();
+    let flushed = (engine.stats().flushes, engine.stats().flushes_elided);
+    if flushed != if wc.needs_flush() { (1, 0) } else { (0, 1) } {
+        return Err(format!("one flush on a target whose write cache is {wc}: (issued, elided) = {flushed:?}").into());
+    }
     let zeros = vec![0u8; (CHUNK * CHUNKS) as usize];
     engine.buffer(id).map_err(|e| e.to_string())?.write_at(0, &zeros).map_err(|e| e.to_string())?;
     engine.execute_all(&batch(Op::Read)).map_err(|e| format!("read: {e}"))?;

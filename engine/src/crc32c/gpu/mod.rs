@@ -42,12 +42,12 @@ pub const TABLE_WORDS: usize = 5216;
 /// The tables the kernel reads, in its layout (see `kernel.cu`).
 pub fn tables() -> Vec<u32> {
     let mut t = vec![0u32; TABLE_WORDS];
+    let row = xpow(8 * ROW_BYTES);
     for b in 0..256usize {
         let byte = table::raw(0, &[b as u8]);
         for k in 0..16 {
             t[k * 256 + b] = shift(byte, k as u64);
         }
-        let row = xpow(8 * ROW_BYTES);
         for i in 0..4 {
             t[T_ROW + i * 256 + b] = mul((b as u32) << (8 * i), row);
         }
