@@ -112,13 +112,14 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
     assert_eq!(sample(&c, "pdstor_payload_chunks_total") - chunks0, N as u64, "each chunk written once");
     assert_eq!(sample(&c, "pdstor_payload_submissions_total") - submissions0, 1, "in one submission");
 
-    // Publish all in one round trip; one commit flushes them together
-    // (a publish alone takes two flushes: the payload, then its record).
-    let flushes0 = sample(&c, "pdstor_flushes_total");
+    // Publish all in one round trip; one commit makes them durable together
+    // (one flush of their payload, then their records with FUA).
+    let (flushes0, commits0) = (sample(&c, "pdstor_flushes_total"), sample(&c, "pdstor_commit_groups_total"));
     let tokens: Vec<_> = prepared.iter().map(|p| (p, Some(7))).collect();
     let published: Vec<_> = c.publish_many(&tokens).unwrap().into_iter().map(Result::unwrap).collect();
     let flushes = sample(&c, "pdstor_flushes_total") - flushes0;
-    assert!(flushes <= 2, "{N} publishes in one batch took {flushes} flushes");
+    let commits = sample(&c, "pdstor_commit_groups_total") - commits0;
+    assert!(flushes <= 1 && commits <= 1, "{N} publishes in one batch took {flushes} flushes, {commits} commits");
     for p in &published {
         assert_eq!(state(&c, p.receipt.publication).as_deref(), Some("READY"));
     }

@@ -348,9 +348,9 @@ fn an_adopt_through_the_daemon_waits_for_no_flush_and_a_crash_after_it_keeps_the
     let c = Client::new(&d.server);
     let p = put(&d, "lazy", 30, 2);
     let claim = c.claim(&p.receipt, "decode-0", "s-lazy", 600_000).unwrap();
-    let flushes = metric(&c, "pdstor_flushes_total");
+    let commits = metric(&c, "pdstor_commit_groups_total");
     adopt(&c, &claim);
-    assert_eq!(metric(&c, "pdstor_flushes_total"), flushes, "the adopt waited for no flush");
+    assert_eq!(metric(&c, "pdstor_commit_groups_total"), commits, "the adopt waited for no commit");
     assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"));
     d.kill9_and_restart();
     let c = Client::new(&d.server);
@@ -363,9 +363,9 @@ fn an_adopt_through_the_daemon_waits_for_no_flush_and_a_crash_after_it_keeps_the
     // A direct adopt is flushed before it returns, and survives.
     let p = put(&d, "direct", 31, 2);
     let direct = c.claim(&p.receipt, "decode-1", "s-direct", 600_000).unwrap();
-    let flushes = metric(&c, "pdstor_flushes_total");
+    let commits = metric(&c, "pdstor_commit_groups_total");
     c.adopt(&adopt_request(&direct, true)).unwrap();
-    assert!(metric(&c, "pdstor_flushes_total") > flushes, "a direct adopt is flushed before it returns");
+    assert!(metric(&c, "pdstor_commit_groups_total") > commits, "a direct adopt is committed before it returns");
     d.kill9_and_restart();
     let c = Client::new(&d.server);
     assert_eq!(state(&c, direct.publication).as_deref(), Some("ADOPTED"), "the direct ADOPT survived");
@@ -1155,6 +1155,7 @@ fn metrics_carry_every_family_and_the_latency_of_each_step_and_transfer() {
         "pdstor_payload_submissions counter",
         "pdstor_flushes counter",
         "pdstor_flushes_elided counter",
+        "pdstor_commit_groups counter",
         "pdstor_admission_admissions counter",
         "pdstor_admission_waits counter",
         "pdstor_admission_timeouts counter",

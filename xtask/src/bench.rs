@@ -200,7 +200,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     let mut store_reports = Vec::new();
     for (handoffs, what) in [
         (false, "release (goal <= 1 flush/publication at >= 8 writers)"),
-        (true, "claim + adopt + load + ack (4 flushes/publication unshared)"),
+        (true, "claim + adopt + load + ack (3 commits, 1 flush per publication unshared)"),
     ] {
         println!("  then {what}:");
         for writers in [1u32, 8, 16] {

@@ -236,6 +236,12 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
     );
     m.counter("pdstor_flushes", "Device flushes.", st.flushes);
     m.counter(
+        "pdstor_commit_groups",
+        "Group commits: journal records made durable together (one flush of the payload written since the last \
+         commit, then the journal write with Force Unit Access).",
+        st.commit_groups,
+    );
+    m.counter(
         "pdstor_flushes_elided",
         "Flushes a commit asked for and pdstor did not issue: the device has no volatile write cache, so a \
          completed write is durable already (the namespace's write_cache says where that was read).",

@@ -129,6 +129,28 @@ impl FaultPlan {
         b
     }
 
+    /// A write with Force Unit Access completed: its bytes are on the media
+    /// whatever a power loss does to the unflushed writes before it, so
+    /// undoing or replaying any of them leaves its bytes where they overlap.
+    fn written_through(&self, offset: u64, len: u64) {
+        if let Some(mut c) = self.cache() {
+            let c = &mut *c;
+            let now = Self::read_now_file(&c.file, offset, len);
+            for (at, before, after) in c.unflushed.iter_mut() {
+                let (start, end) = ((*at).max(offset), (*at + before.len() as u64).min(offset + len));
+                if start < end {
+                    let (mine, theirs) = ((start - *at) as usize, (start - offset) as usize);
+                    let n = (end - start) as usize;
+                    before[mine..mine + n].copy_from_slice(&now[theirs..theirs + n]);
+                    // An `after` not yet taken is read from the media later, FUA bytes and all.
+                    if let Some(a) = after.get_mut(mine..mine + n) {
+                        a.copy_from_slice(&now[theirs..theirs + n]);
+                    }
+                }
+            }
+        }
+    }
+
     /// A flush completed: the cache is empty.
     fn flushed(&self) {
         if let Some(mut c) = self.cache() {
@@ -257,6 +279,13 @@ impl Storage for FaultPlan {
                 return Err(self.refused(&IoRequest { len: 0, ..request }));
             }
             Err(()) => return Err(self.refused(&IoRequest { len: 0, ..request })),
+        }
+        if request.op == Op::WriteFua {
+            let r = Media.write(engine, request);
+            if r.is_ok() {
+                self.written_through(request.target_offset.0, request.len);
+            }
+            return r;
         }
         self.before_write(request.target_offset.0, request.len);
         let r = Media.write(engine, request);

@@ -328,7 +328,9 @@ impl Worker {
         self.storage.flush(&mut self.engine)
     }
 
-    /// Flush payload (if any was written) → write the journal tail → flush.
+    /// Flush payload (if any was written) → write the journal tail with
+    /// Force Unit Access: one flush per group commit, none for a commit that
+    /// wrote no payload.
     fn commit(&mut self) -> Result<(), WorkerError> {
         if self.end == u64::MAX {
             return Err(WorkerError::JournalFull { half: self.image_len });
@@ -346,9 +348,8 @@ impl Worker {
             assert!(start < stop && stop <= self.image_len, "journal blocks {start}..{stop} outside the half");
             assert!(start.is_multiple_of(JOURNAL_BLOCK) && stop.is_multiple_of(JOURNAL_BLOCK));
             let offset = self.sb.journal_offset(self.sb.active_half) + start;
-            self.write_guarded(self.image, start, offset, stop - start)
+            self.write_guarded(Op::WriteFua, self.image, start, offset, stop - start)
                 .map_err(|source| WorkerError::WriteJournal { offset, source })?;
-            self.flush()?;
             self.durable_end = self.end;
         }
         Ok(())
@@ -367,7 +368,7 @@ impl Worker {
         let len = (frame.len() as u64).div_ceil(JOURNAL_BLOCK) * JOURNAL_BLOCK + JOURNAL_BLOCK;
         let len = len.min(self.image_len);
         let offset = sb.journal_offset(sb.active_half);
-        self.write_guarded(self.image, 0, offset, len)
+        self.write_guarded(Op::Write, self.image, 0, offset, len)
             .map_err(|source| WorkerError::WriteCheckpoint { offset, source })?;
         self.flush()?;
         self.write_superblock(&sb)?;
@@ -383,7 +384,7 @@ impl Worker {
         let result = (|| {
             self.engine.buffer(tmp)?.write_at(0, &bytes)?;
             for offset in [0, sb.copy_b_offset()] {
-                self.write_guarded(tmp, 0, offset, SUPERBLOCK_BYTES as u64)
+                self.write_guarded(Op::Write, tmp, 0, offset, SUPERBLOCK_BYTES as u64)
                     .map_err(|source| WorkerError::WriteSuperblock { offset, source })?;
                 self.flush()?;
             }
@@ -399,12 +400,13 @@ impl Worker {
     /// A metadata write, through the storage.
     fn write_guarded(
         &mut self,
+        op: Op,
         buffer: BufferId,
         buffer_offset: u64,
         target_offset: u64,
         len: u64,
     ) -> Result<(), IoError> {
-        self.storage.write(&mut self.engine, request(Op::Write, buffer, buffer_offset, target_offset, len))
+        self.storage.write(&mut self.engine, request(op, buffer, buffer_offset, target_offset, len))
     }
 
     fn io_one(

@@ -300,7 +300,7 @@ fn register_hint(e: &std::io::Error) -> &'static str {
 fn nvme_cmd_name(op: Op) -> &'static str {
     match op {
         Op::Read => nvme::opcode_name(nvme::OPC_READ),
-        Op::Write => nvme::opcode_name(nvme::OPC_WRITE),
+        Op::Write | Op::WriteFua => nvme::opcode_name(nvme::OPC_WRITE),
         Op::Flush => nvme::opcode_name(nvme::OPC_FLUSH),
     }
 }

@@ -49,6 +49,17 @@ pub fn rw_command(opcode: u8, nsid: u32, slba: u64, nlb: u32, addr: u64, data_le
     })
 }
 
+/// `cmd` (a Write from [`rw_command`]) with Force Unit Access set (CDW12
+/// bit 30): the controller completes it only once the data is on
+/// non-volatile media.
+pub fn with_fua(mut cmd: [u8; 80]) -> [u8; 80] {
+    const CDW12: usize = 48;
+    let mut cdw12 = u32::from_le_bytes([cmd[CDW12], cmd[CDW12 + 1], cmd[CDW12 + 2], cmd[CDW12 + 3]]);
+    cdw12 |= 1 << 30;
+    cmd[CDW12..CDW12 + 4].copy_from_slice(&cdw12.to_le_bytes());
+    cmd
+}
+
 /// Builds a Flush of the whole namespace.
 pub fn flush_command(nsid: u32) -> [u8; 80] {
     encode(&NvmeCmd { opcode: OPC_FLUSH, nsid, ..NvmeCmd::default() })
@@ -237,6 +248,8 @@ mod tests {
     #[test]
     fn write_and_flush_opcodes() {
         assert_eq!(rw_command(OPC_WRITE, 3, 0, 1, 0, 512)[0], 0x01);
+        let fua = with_fua(rw_command(OPC_WRITE, 3, 0, 8, 0, 8 * 512));
+        assert_eq!(u32::from_le_bytes(fua[48..52].try_into().unwrap()), 7 | 1 << 30, "NLB kept, FUA (bit 30) set");
         let f = flush_command(3);
         assert_eq!(f[0], 0x00);
         assert_eq!(le32(&f, 4), 3);

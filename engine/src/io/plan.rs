@@ -74,6 +74,11 @@ pub(super) fn plan(target: &Target, slots: &[Option<Slot>], r: &IoRequest) -> Re
     Ok(Planned { transfer: t, op: r.op, addr, buf_index, offset: r.target_offset.0, len: r.len })
 }
 
+/// `RWF_DSYNC` for a write that must be durable when it completes.
+fn dsync(op: Op) -> i32 {
+    if op == Op::WriteFua { libc::RWF_DSYNC } else { 0 }
+}
+
 pub(super) fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
     let flags = if seg.nowait { libc::RWF_NOWAIT } else { 0 };
     let sqe = match (seg.op, seg.buf_index) {
@@ -84,13 +89,16 @@ pub(super) fn build_std(seg: &Segment, user_data: u64) -> squeue::Entry {
         (Op::Read, None) => {
             opcode::Read::new(TARGET_FILE, seg.addr as *mut u8, seg.len).offset(seg.offset).rw_flags(flags).build()
         }
-        (Op::Write, Some(idx)) => opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx)
-            .offset(seg.offset)
-            .rw_flags(flags)
-            .build(),
-        (Op::Write, None) => {
-            opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len).offset(seg.offset).rw_flags(flags).build()
+        (Op::Write | Op::WriteFua, Some(idx)) => {
+            opcode::WriteFixed::new(TARGET_FILE, seg.addr as *const u8, seg.len, idx)
+                .offset(seg.offset)
+                .rw_flags(flags | dsync(seg.op))
+                .build()
         }
+        (Op::Write | Op::WriteFua, None) => opcode::Write::new(TARGET_FILE, seg.addr as *const u8, seg.len)
+            .offset(seg.offset)
+            .rw_flags(flags | dsync(seg.op))
+            .build(),
         (Op::Flush, _) => opcode::Fsync::new(TARGET_FILE).flags(types::FsyncFlags::DATASYNC).build(),
     };
     let sqe = if seg.punt { sqe.flags(squeue::Flags::ASYNC) } else { sqe };
@@ -101,10 +109,11 @@ pub(super) fn build_nvme(g: &Geometry, seg: &Segment, user_data: u64) -> squeue:
     let nsid = g.nsid.unwrap_or(1);
     let cmd = match seg.op {
         Op::Flush => nvme::flush_command(nsid),
-        Op::Read | Op::Write => {
+        Op::Read | Op::Write | Op::WriteFua => {
             let opc = if seg.op == Op::Read { nvme::OPC_READ } else { nvme::OPC_WRITE };
             let lba = g.logical_block as u64;
-            nvme::rw_command(opc, nsid, seg.offset / lba, (seg.len as u64 / lba) as u32, seg.addr, seg.len)
+            let cmd = nvme::rw_command(opc, nsid, seg.offset / lba, (seg.len as u64 / lba) as u32, seg.addr, seg.len);
+            if seg.op == Op::WriteFua { nvme::with_fua(cmd) } else { cmd }
         }
     };
     let mut sqe = opcode::UringCmd80::new(TARGET_FILE, sys::NVME_URING_CMD_IO).cmd(cmd);

@@ -55,8 +55,20 @@ pub enum Op {
     Read,
     /// Buffer to target.
     Write,
+    /// Buffer to target, durable when it completes, whatever the device's
+    /// write cache: Force Unit Access on NVMe, `RWF_DSYNC` on files and
+    /// block devices (`REQ_FUA`, or a flush after it where the device has no
+    /// FUA). Writes before it are not made durable by it.
+    WriteFua,
     /// Make earlier writes durable.
     Flush,
+}
+
+impl Op {
+    /// Whether it moves bytes to the target.
+    pub fn writes(self) -> bool {
+        matches!(self, Op::Write | Op::WriteFua)
+    }
 }
 
 impl fmt::Display for Op {
@@ -64,6 +76,7 @@ impl fmt::Display for Op {
         f.write_str(match self {
             Op::Read => "read",
             Op::Write => "write",
+            Op::WriteFua => "write (FUA)",
             Op::Flush => "flush",
         })
     }
