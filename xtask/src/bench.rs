@@ -401,8 +401,9 @@ fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Resul
 /// (python/bench/raw_block_bench.py): 512 MiB per round in 8 MiB and 512 KiB
 /// chunks, rounds alternating, each side on a target of its own — two zram
 /// devices, or two files on the root filesystem. Prints pdstor/raw_block
-/// (throughput) for store vs put and load vs get; JSON per target in
-/// target/bench/raw-block-<target>.json.
+/// (throughput) for store vs put and load vs get, and against raw_block at
+/// pdstor's guarantees (its put then an fdatasync, its get then a crc32c of
+/// every chunk); JSON per target in target/bench/raw-block-<target>.json.
 fn raw_block(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
     println!(
         "\nhandoff vs LMCache raw_block (RawBlockCore, io_uring QD 256, O_DIRECT, registered pool), 512 MiB per round"

@@ -290,6 +290,7 @@ fn own(
         live = report.live,
         rolled_back = report.rolled_back.len(),
         journal_stop = ?report.journal_stop,
+        write_cache = %store.write_cache(),
         "store opened"
     );
     Ok(Some((held, store)))
