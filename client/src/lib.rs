@@ -1118,6 +1118,12 @@ impl Reader {
         Ok(Restored { restore_digest: restore_digest(&nonce, &crcs), manifest, len: total })
     }
 
+    /// The buffer this reader loads into, once it has one (a benchmark
+    /// copies restored chunks out of it).
+    pub fn buffer(&self) -> Option<&Buffer> {
+        self.buffer.as_ref().map(|(b, _)| b)
+    }
+
     /// A copy of the first `len` restored bytes.
     pub fn restored_bytes(&self, len: u64) -> Result<Vec<u8>, ClientError> {
         let (b, _) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("nothing restored yet".into()))?;

@@ -214,3 +214,28 @@ fn bench_store_runs_whole_handoffs_and_readers_share_flushes() {
     assert!(shared["flushes_per_publication"].as_f64().unwrap() <= 1.0, "{shared}");
     assert!(!target.exists(), "the scratch target is removed");
 }
+
+/// `pdstor bench-handoff --reloads --copy-out`: each reload copied out of the
+/// reader's buffer into its own memory, checked in that copy (or, with
+/// `--no-verify`, a plain copy); the report says so and times every reload,
+/// with the CPU the daemon and the reader spent.
+#[test]
+fn bench_handoff_copies_reloads_out_checked_or_plain() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 16, SLOT);
+    let socket = d.data_socket.display().to_string();
+    for unverified in [false, true] {
+        let mut args = vec!["bench-handoff", "--json", "--server", &d.server, "--data-socket", &socket];
+        args.extend(["--bytes", "4M", "--chunk", "1M", "--rounds", "1", "--latency-samples", "0"]);
+        args.extend(["--reloads", "2", "--copy-out"]);
+        if unverified {
+            args.push("--no-verify");
+        }
+        let out = pdstor(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["reload_copy_out"], true, "{r}");
+        assert_eq!(r["reload_seconds"].as_array().map(Vec::len), Some(2), "{r}");
+        assert!(r["reload_cpu"]["total_s_per_gib"].as_f64().is_some(), "{r}");
+    }
+}

@@ -158,6 +158,12 @@ pub struct BenchHandoffArgs {
     /// manifest's crc32c taken for what was read), to measure what verification costs.
     #[arg(long, conflicts_with = "verify")]
     no_verify: bool,
+    /// Each reload then copies every chunk out of the reader's buffer into
+    /// this process's own memory, as LMCache's staging and the vLLM
+    /// connector on a CPU do: loaded unchecked by the daemon and checked in
+    /// that copy (with --no-verify, a plain copy).
+    #[arg(long)]
+    copy_out: bool,
     /// One JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -173,6 +179,7 @@ impl BenchHandoffArgs {
             rounds: self.rounds,
             latency_samples: self.latency_samples,
             reloads: self.reloads,
+            copy_out: self.copy_out,
             verify: if self.no_verify { pdstor::client::Verify::None } else { self.verify },
         };
         let r = bench::handoff::run(&cfg)?;

@@ -3,7 +3,10 @@
 //! (`pdstor bench-crc`), then the daemon's verifier pool at 1 thread and at
 //! one per CPU: reloads of a 512 MiB handoff in 8 MiB chunks, verified and
 //! not (`bench-handoff --no-verify`), alternating, on each of --targets —
-//! their throughput, and the CPU the daemon and the reader spent per GiB.
+//! their throughput, and the CPU the daemon and the reader spent per GiB —
+//! and the same reloads copied out into the reader's own memory, as the
+//! readers that stage do (`--copy-out`): checked in that copy, or a plain
+//! copy.
 
 use std::path::Path;
 
@@ -83,36 +86,53 @@ fn measure_pool(
         },
         other => bail!("unknown bench target {other:?}: expected file or zram"),
     };
+    let in_place = pairs(&daemon, pdstor, rounds, false)?;
+    let copied = pairs(&daemon, pdstor, rounds, true)?;
+    drop(daemon);
+    let mut out = serde_json::Map::new();
+    for (what, (on, off)) in [("in place", in_place), ("copied out", copied)] {
+        let gib_s = |v: &[(f64, f64)]| median(v.iter().map(|(s, _)| 0.5 / s).collect());
+        let cpu = |v: &[(f64, f64)]| median(v.iter().map(|(_, c)| *c).collect());
+        let (on_rate, off_rate, on_cpu, off_cpu) = (gib_s(&on), gib_s(&off), cpu(&on), cpu(&off));
+        println!(
+            "  {target:<5} {threads} verifier(s), {what:<10}: reload {on_rate:.2} GiB/s verified, {off_rate:.2} \
+             unverified; CPU {on_cpu:.3} s/GiB verified, {off_cpu:.3} unverified: {:.2}x",
+            on_cpu / off_cpu.max(1e-9)
+        );
+        let key = if what == "in place" { "in_place" } else { "copied_out" };
+        out.insert(
+            key.into(),
+            json!({
+                "verified": {"gib_per_s": on_rate, "cpu_s_per_gib": on_cpu, "rounds": on},
+                "unverified": {"gib_per_s": off_rate, "cpu_s_per_gib": off_cpu, "rounds": off},
+                "cpu_ratio": on_cpu / off_cpu.max(1e-9),
+            }),
+        );
+    }
+    Ok(Some(Value::Object(out)))
+}
+
+/// `rounds` alternating pairs of verified and unverified reloads (copied
+/// out, or not): who goes first alternates, so neither always follows its
+/// own kind.
+type Pairs = (Vec<(f64, f64)>, Vec<(f64, f64)>);
+fn pairs(daemon: &BenchDaemon, pdstor: &Path, rounds: u32, copy_out: bool) -> Result<Pairs> {
     let (mut on, mut off) = (Vec::new(), Vec::new());
     for round in 0..rounds {
-        // Who goes first alternates, so neither always follows its own kind.
         if round % 2 == 0 {
-            on.push(reloads(&daemon, pdstor, false)?);
-            off.push(reloads(&daemon, pdstor, true)?);
+            on.push(reloads(daemon, pdstor, false, copy_out)?);
+            off.push(reloads(daemon, pdstor, true, copy_out)?);
         } else {
-            off.push(reloads(&daemon, pdstor, true)?);
-            on.push(reloads(&daemon, pdstor, false)?);
+            off.push(reloads(daemon, pdstor, true, copy_out)?);
+            on.push(reloads(daemon, pdstor, false, copy_out)?);
         }
     }
-    drop(daemon);
-    let gib_s = |v: &[(f64, f64)]| median(v.iter().map(|(s, _)| 0.5 / s).collect());
-    let cpu = |v: &[(f64, f64)]| median(v.iter().map(|(_, c)| *c).collect());
-    let (on_rate, off_rate, on_cpu, off_cpu) = (gib_s(&on), gib_s(&off), cpu(&on), cpu(&off));
-    println!(
-        "  {target:<5} {threads} verifier(s): reload {on_rate:.2} GiB/s verified, {off_rate:.2} unverified; \
-         CPU {on_cpu:.3} s/GiB verified, {off_cpu:.3} unverified: {:.2}x",
-        on_cpu / off_cpu.max(1e-9)
-    );
-    Ok(Some(json!({
-        "verified": {"gib_per_s": on_rate, "cpu_s_per_gib": on_cpu, "rounds": on},
-        "unverified": {"gib_per_s": off_rate, "cpu_s_per_gib": off_cpu, "rounds": off},
-        "cpu_ratio": on_cpu / off_cpu.max(1e-9),
-    })))
+    Ok((on, off))
 }
 
 /// One bench-handoff's reloads: their median seconds per 512 MiB load and
 /// the CPU per GiB they took (the daemon's and the reader's).
-fn reloads(daemon: &BenchDaemon, pdstor: &Path, unverified: bool) -> Result<(f64, f64)> {
+fn reloads(daemon: &BenchDaemon, pdstor: &Path, unverified: bool, copy_out: bool) -> Result<(f64, f64)> {
     let mut c = std::process::Command::new(pdstor);
     c.args(["bench-handoff", "--json", "--server", &daemon.server, "--data-socket"]).arg(&daemon.data_socket).args([
         "--bytes",
@@ -128,6 +148,9 @@ fn reloads(daemon: &BenchDaemon, pdstor: &Path, unverified: bool) -> Result<(f64
     ]);
     if unverified {
         c.arg("--no-verify");
+    }
+    if copy_out {
+        c.arg("--copy-out");
     }
     let out = c.output().context("running pdstor bench-handoff")?;
     if !out.status.success() {

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
+use crate::client::layout::Manifest;
 use crate::client::{ClientError, Reader, Writer};
 use crate::store::Layout;
 
@@ -30,6 +31,9 @@ pub struct HandoffBenchConfig {
     pub latency_samples: u32,
     /// Loads of one adopted handoff timed after the rounds.
     pub reloads: u32,
+    /// Each reload copies every chunk out into this process's memory,
+    /// checked in the copy (unless `verify` is `None`: a plain copy).
+    pub copy_out: bool,
     /// Who checksums the reader's loads.
     pub verify: crate::client::Verify,
 }
@@ -69,6 +73,8 @@ pub struct HandoffBenchReport {
     /// CPU the reloads took per GiB loaded, the daemon's (every thread: the
     /// I/O thread, the verifiers) and this reader's, s/GiB.
     pub reload_cpu: Option<ReloadCpu>,
+    /// Whether each reload copied its chunks out (`HandoffBenchConfig::copy_out`).
+    pub reload_copy_out: bool,
 }
 
 /// CPU seconds per GiB reloaded.
@@ -162,14 +168,29 @@ fn reloads(
     let mut reload_seconds = Vec::new();
     let req = format!("bench-{run_id}-reload");
     let published = w.put_in_place(&req, &layout(), cfg.bytes, store_batch(cfg.chunk), Some(1))?;
+    // Copying out: a reader whose buffer the daemon leaves unchecked.
+    let mut staging = if cfg.copy_out { Some(Reader::new(&cfg.server, &cfg.data_socket)?) } else { None };
+    let r = match staging.as_mut() {
+        Some(s) => {
+            s.set_verify(crate::client::Verify::None);
+            s
+        }
+        None => r,
+    };
     let claim = r.client.claim(&published.receipt, "bench-reader", &req, 60_000)?;
     let manifest = r.adopt(&claim, &layout())?;
+    let mut dest = if cfg.copy_out { vec![1u8; cfg.bytes as usize] } else { Vec::new() };
     let mut last = None;
     let daemon = r.daemon_pid().ok();
     let before = (daemon.and_then(cpu_seconds), cpu_seconds(std::process::id() as i32));
     for _ in 0..cfg.reloads {
         let t = Instant::now();
-        last = Some(r.load(&claim, manifest.clone())?);
+        let restored = r.load(&claim, manifest.clone())?;
+        if cfg.copy_out {
+            let b = r.buffer().ok_or_else(|| ClientError::Data("the reader loaded into no buffer".into()))?;
+            copy_out(b, &manifest, &mut dest, cfg.verify != crate::client::Verify::None)?;
+        }
+        last = Some(restored);
         reload_seconds.push(t.elapsed().as_secs_f64());
     }
     let after = (daemon.and_then(cpu_seconds), cpu_seconds(std::process::id() as i32));
@@ -186,6 +207,31 @@ fn reloads(
         _ => None,
     };
     Ok((reload_seconds, cpu))
+}
+
+/// Copies every chunk of `manifest` out of `b` (laid one after another)
+/// into `dest`: with `check`, each checked against the manifest in the
+/// copy; without, a plain copy.
+fn copy_out(b: &crate::Buffer, manifest: &Manifest, dest: &mut [u8], check: bool) -> Result<(), ClientError> {
+    let mut at = 0usize;
+    for c in &manifest.chunks {
+        let len = c.len as usize;
+        let dst = dest.get_mut(at..at + len).ok_or_else(|| ClientError::Data("copy-out: past its memory".into()))?;
+        let e = |e: crate::buffer::BufferError| ClientError::Data(format!("copy-out of chunk {}: {e}", c.index));
+        if check {
+            let crc = b.copy_out_checked(at as u64, len, &mut [crate::buffer::Piece { at: 0, dst }]).map_err(e)?;
+            if crc != c.crc32c {
+                return Err(ClientError::Verify {
+                    chunk: c.index,
+                    what: format!("copied out with crc32c {crc:#010x}, the manifest says {:#010x}", c.crc32c),
+                });
+            }
+        } else {
+            b.read_at(at as u64, dst).map_err(e)?;
+        }
+        at += len;
+    }
+    Ok(())
 }
 
 /// Control-plane latency: `cfg.latency_samples` small handoffs, each step
@@ -265,6 +311,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
     let median = median_of(&seconds);
     let reload_median_seconds = (!reload_seconds.is_empty()).then(|| median_of(&reload_seconds));
     Ok(HandoffBenchReport {
+        reload_copy_out: cfg.copy_out,
         reload_cpu,
         reload_seconds,
         reload_median_seconds,
