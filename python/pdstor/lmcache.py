@@ -537,6 +537,10 @@ class PdstorBackend(StoragePluginInterface):
                 answers = self._conn().reader.get_many(items, self._layout, self._lease_ms, into=into)
             except pdstor.Error as e:
                 answers = [e] * len(group)
+            except BaseException:
+                for obj in objs.values():
+                    obj.ref_count_down()
+                raise
         finally:
             self._staging.release(offsets)
         return self._answered(group, answers, objs)

@@ -239,6 +239,7 @@ impl Buffer {
     /// does with a staged chunk before it compares the manifest's crc32c.
     fn copy_out(&self, py: Python<'_>, offset: u64, len: usize, pieces: &Bound<'_, PyAny>) -> PyResult<u32> {
         let dests = staged::dests(pieces, "copy_out")?;
+        staged::in_order(&dests, len as u64, "copy_out")?;
         staged::disjoint(&dests.iter().map(|(_, d)| d).collect::<Vec<_>>(), &[&BufferRef::from(self)])?;
         let b = self.inner.clone();
         py.detach(|| b.copy_out_checked(offset, len, &mut staged::pieces(&dests)))
@@ -1034,7 +1035,7 @@ impl Reader {
         let Some(a) = self.adopted.get_mut(&claim.inner.signature) else {
             return Err(to_py(py, Failure::Usage("scatter: this claim is not adopted by this reader".into())));
         };
-        let Some(chunk) = a.staged.remove(&index) else {
+        let Some(chunk) = a.staged.get(&index) else {
             return Err(to_py(
                 py,
                 Failure::Usage(format!(
@@ -1042,11 +1043,24 @@ impl Reader {
                 )),
             ));
         };
+        // The pieces are checked before the chunk is taken: a wrong argument
+        // leaves it staged for a corrected call.
         let dests = staged::dests(pieces, "scatter")?;
+        staged::in_order(&dests, chunk.len, "scatter")?;
         staged::disjoint(&dests.iter().map(|(_, d)| d).collect::<Vec<_>>(), &[&chunk.buffer])?;
-        let crc = py.detach(|| chunk.copy_out(index, &mut staged::pieces(&dests))).map_err(|e| to_py(py, e.into()))?;
-        a.verified.insert(index, crc);
-        Ok(())
+        match py.detach(|| chunk.copy_out(index, &mut staged::pieces(&dests))) {
+            Ok(crc) => {
+                a.staged.remove(&index);
+                a.verified.insert(index, crc);
+                Ok(())
+            }
+            // Its bytes do not match the manifest: never restored.
+            Err(e @ ClientError::Verify { .. }) => {
+                a.staged.remove(&index);
+                Err(to_py(py, e.into()))
+            }
+            Err(e) => Err(to_py(py, e.into())),
+        }
     }
 
     /// Acknowledges the restore: every chunk must have been loaded and
@@ -1215,20 +1229,30 @@ impl Reader {
             places = got.iter().map(|g| place_of(py, place, g)).collect();
         }
         // Held until the copies are done: each item's destination.
-        let mut dests = Vec::new();
+        let mut dests: Vec<staged::Dest> = Vec::new();
         if let Some(into) = into {
+            let sources: Vec<BufferRef> =
+                places.iter().filter_map(|p| p.as_ref().ok()).map(|p| p.buffer.clone()).collect();
+            let sources: Vec<&BufferRef> = sources.iter().collect();
             for (g, p) in got.iter().zip(places.iter_mut()) {
                 let Ok(at) = p else { continue };
-                match dest_of(py, into, g) {
+                // One whose memory overlaps another's, or a staging buffer's,
+                // fails alone (RETAINED), as a bad size does.
+                let checked = dest_of(py, into, g).and_then(|d| {
+                    let mut all: Vec<&staged::Dest> = dests.iter().collect();
+                    all.push(&d);
+                    staged::disjoint(&all, &sources)
+                        .map(|()| d)
+                        .map_err(|e| ClientError::Data(format!("get_many: into(manifest): {e}")))
+                });
+                match checked {
                     Ok(d) => {
-                        at.into = Some(d.span());
+                        at.into = Some((d.span().0, d.len()));
                         dests.push(d);
                     }
                     Err(e) => *p = Err(e),
                 }
             }
-            let sources: Vec<&BufferRef> = places.iter().filter_map(|p| p.as_ref().ok()).map(|p| &p.buffer).collect();
-            staged::disjoint(&dests.iter().collect::<Vec<_>>(), &sources)?;
         }
         let done = py.detach(move || many::restore_many(&c, verify, places, got)).map_err(|e| to_py(py, e.into()))?;
         drop(dests);

@@ -380,13 +380,17 @@ fn copy_out(
     manifest: &Manifest,
 ) -> Result<Vec<u32>, ClientError> {
     let (base, len) = into;
+    // `chunks` were laid out one per manifest entry, in the manifest's order.
     chunks
         .iter()
-        .map(|c| {
-            let entry = manifest.chunks[c.index as usize];
+        .zip(&manifest.chunks)
+        .map(|(c, entry)| {
             let at = (c.offset - place.offset) as usize;
-            if at + entry.len as usize > len {
-                return Err(ClientError::Data(format!("chunk {}: past the end of into's {len} bytes", c.index)));
+            if c.index != entry.index || at.checked_add(entry.len as usize).is_none_or(|end| end > len) {
+                return Err(ClientError::Data(format!(
+                    "chunk {} ({} bytes at {at}) does not fit into's {len} bytes as the manifest lays it out",
+                    c.index, entry.len
+                )));
             }
             // SAFETY: `base..base + len` is a writable buffer the caller
             // holds until the restore returns and that no other item's

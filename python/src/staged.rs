@@ -118,6 +118,24 @@ pub(crate) fn dests(pieces: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<(usiz
     Ok(out)
 }
 
+/// Refuses pieces out of order, overlapping, or past `len` bytes: the
+/// caller's mistake, a `ValueError`, before anything is copied.
+pub(crate) fn in_order(dests: &[(usize, Dest)], len: u64, what: &str) -> PyResult<()> {
+    let mut end = 0usize;
+    for (i, (at, d)) in dests.iter().enumerate() {
+        let stop = at.checked_add(d.len());
+        if *at < end || stop.is_none_or(|s| s as u64 > len) {
+            return Err(PyValueError::new_err(format!(
+                "{what}: piece {i} ({} bytes at {at}) overlaps the piece before it or runs past the {len} bytes; \
+                 give pieces in ascending order, within the range",
+                d.len()
+            )));
+        }
+        end = stop.unwrap_or(usize::MAX);
+    }
+    Ok(())
+}
+
 /// Refuses destinations that overlap each other or a staging buffer's own
 /// mapping: each becomes a `&mut` slice while the copy runs, on this thread
 /// or another, so no two may share a byte and none may be the source.

@@ -135,3 +135,54 @@ def test_copy_out_answers_the_ranges_crc32c_and_refuses_overlap():
         buf.copy_out(0, 100_000, [(5000, bytearray(10)), (0, bytearray(10))])
     with pytest.raises(ValueError, match="writable"):
         buf.copy_out(0, 100_000, [(0, b"read-only")])
+
+
+def test_a_staging_buffer_used_for_a_plain_get_is_still_checked_here(daemon):
+    """The daemon leaves loads into a staging buffer unchecked; a reader
+    that does not copy them out (plain `get`) checksums them in place, so a
+    chunk corrupted on the media still fails its get."""
+    client = daemon.client()
+    ready = put(client, "req-plain", pattern(2 * MIB, 5))
+    (info,) = client.publications(verbose=True)
+    with open(daemon.target, "r+b") as f:
+        f.seek(info["extents"][0]["offset"] + 99)
+        f.write(b"\x00flipped")
+        f.flush()
+        os.fsync(f.fileno())
+    with pytest.raises(pdstor.LoadFailed):
+        pdstor.Reader(client).get(ready, LAYOUT, pdstor.Buffer(2 * MIB, staging=True))
+    assert [p["state"] for p in client.publications()] == ["RETAINED"]
+
+
+def test_destinations_that_overlap_fail_their_item_alone(daemon):
+    client = daemon.client()
+    items = {f"req-o{i}": pattern(MIB, 20 + i) for i in range(2)}
+    readies = [put(client, name, data) for name, data in items.items()]
+    shared = np.zeros(MIB + 4096, dtype=np.uint8)
+    staging = pdstor.Buffer(2 * MIB, staging=True)
+    # The second item's destination overlaps the first's.
+    views = iter([shared[:MIB], shared[4096:]])
+    got = pdstor.Reader(client).get_many(
+        [(r, staging, i * MIB) for i, r in enumerate(readies)], LAYOUT, into=lambda m: next(views)
+    )
+    assert isinstance(got[0], dict) and shared[:MIB].tobytes() == items["req-o0"]
+    assert isinstance(got[1], pdstor.Error) and "overlap" in str(got[1])
+    assert [p["state"] for p in client.publications()] == ["RETAINED"], "the refused one kept, not leaked"
+
+
+def test_a_wrong_piece_leaves_the_chunk_staged_for_a_corrected_call(daemon):
+    client = daemon.client()
+    data = pattern(MIB, 6)
+    ready = put(client, "req-retry", data)
+    r = pdstor.Reader(client)
+    claim = r.claim(ready, layout=LAYOUT)
+    r.adopt(claim, LAYOUT)
+    staging = pdstor.Buffer(MIB, staging=True)
+    r.load(claim, [(0, staging, 0)])
+    with pytest.raises(ValueError, match="ascending order"):
+        r.scatter(claim, 0, [(5000, bytearray(10)), (0, bytearray(10))])
+    out = bytearray(MIB)
+    r.scatter(claim, 0, [(0, out)])
+    assert bytes(out) == data
+    r.ack(claim)
+    assert client.publications() == []

@@ -235,11 +235,11 @@ impl Storage for FaultPlan {
     ) -> Result<Vec<Completion>, IoError> {
         let admitted: Vec<bool> = commands
             .iter()
-            .map(|c| if c.op == Op::Write { self.admit_write() == Ok(true) } else { !self.is_dead() })
+            .map(|c| if c.op.writes() { self.admit_write() == Ok(true) } else { !self.is_dead() })
             .collect();
         let index: Vec<usize> = (0..commands.len()).filter(|&i| admitted[i]).collect();
         let run: Vec<IoRequest> = index.iter().map(|&i| commands[i]).collect();
-        for w in run.iter().filter(|r| r.op == Op::Write) {
+        for w in run.iter().filter(|r| r.op.writes()) {
             self.before_write(w.target_offset.0, w.len);
         }
         let done = Media.payload(engine, &run, &mut |i, c, b| inspect(index[i], c, b));

@@ -430,7 +430,7 @@ impl Worker {
         self.counters.submissions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (done, early) = self.execute_checksummed(requests, &runs, &submitted);
         let done = done?;
-        if requests.iter().any(|r| r.op == Op::Write) {
+        if requests.iter().any(|r| r.op.writes()) {
             self.payload_dirty = true;
         }
         let mut done = split_runs(&runs, requests, done).into_iter().zip(early);

@@ -155,15 +155,20 @@ pub(super) fn fold_512(state: u32, data: &[u8]) -> u32 {
 }
 
 /// [`fold_512`], storing every 64 bytes it loads into `dst` (as long as
-/// `data`) as well: a copy that checksums in the same pass.
+/// `data`) as well: a copy that checksums in the same pass. What is folded
+/// is what was stored: the register itself in the main loop, and `dst`'s
+/// bytes, read back from the cache, for a short range and the tail.
 #[target_feature(enable = "avx512f,avx512vl,vpclmulqdq,pclmulqdq,sse4.2")]
 pub(super) fn fold_512_copying(state: u32, data: &[u8], mut dst: Option<&mut [u8]>) -> u32 {
     const ROUND: usize = 256;
     if data.len() < 2 * ROUND {
-        if let Some(d) = dst {
-            d.copy_from_slice(data);
-        }
-        return three_way(state, data);
+        return match dst {
+            Some(d) => {
+                d.copy_from_slice(data);
+                three_way(state, d)
+            }
+            None => three_way(state, data),
+        };
     }
     let load = |at: usize| {
         let bytes = &data[at..at + 64];
@@ -194,9 +199,6 @@ pub(super) fn fold_512_copying(state: u32, data: &[u8], mut dst: Option<&mut [u8
         }
         at += ROUND;
     }
-    if let Some(d) = dst {
-        d[at..].copy_from_slice(&data[at..]);
-    }
     let mut lanes = [_mm_setzero_si128(); 16];
     for (i, r) in z.iter().enumerate() {
         lanes[4 * i] = _mm512_extracti32x4_epi32::<0>(*r);
@@ -204,5 +206,11 @@ pub(super) fn fold_512_copying(state: u32, data: &[u8], mut dst: Option<&mut [u8
         lanes[4 * i + 2] = _mm512_extracti32x4_epi32::<2>(*r);
         lanes[4 * i + 3] = _mm512_extracti32x4_epi32::<3>(*r);
     }
-    finish(&lanes, data, at)
+    match dst {
+        Some(d) => {
+            d[at..].copy_from_slice(&data[at..]);
+            finish(&lanes, d, at)
+        }
+        None => finish(&lanes, data, at),
+    }
 }
