@@ -5,6 +5,8 @@
 
 mod common;
 
+use common::layout;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread;
@@ -13,7 +15,7 @@ use std::time::Duration;
 use pdstor::admission::AdmitError;
 use pdstor::io::{BufferId, BufferOffset};
 use pdstor::store::{
-    self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Layout, Phase, Store, StoreBatch, StoreError,
+    self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreError,
     StoreOptions, Superblock, journal,
 };
 use pdstor::{Buffer, payload};
@@ -22,18 +24,6 @@ use rand::{Rng, SeedableRng};
 
 const SLOT: u64 = 64 * 1024;
 const JOURNAL: u64 = 256 * 1024;
-
-fn layout() -> Layout {
-    Layout {
-        model_id: "test-model".into(),
-        dtype: "bf16".into(),
-        layers: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        chunk_tokens: 256,
-        kv_format: "pdstor-test".into(),
-    }
-}
 
 fn target_len(slots: u64) -> u64 {
     2 * 4096 + 2 * JOURNAL + slots * SLOT

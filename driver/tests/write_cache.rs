@@ -10,25 +10,14 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
+use common::layout;
 use pdstor::io::{BufferOffset, WriteCache};
-use pdstor::store::{self, ChunkDest, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
+use pdstor::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor::{Buffer, payload};
 
 const SLOT: u64 = 64 * 1024;
 const JOURNAL: u64 = 256 * 1024;
 const LEN: u64 = 2 * 4096 + 2 * JOURNAL + 32 * SLOT;
-
-fn layout() -> Layout {
-    Layout {
-        model_id: "test-model".into(),
-        dtype: "bf16".into(),
-        layers: 4,
-        kv_heads: 2,
-        head_dim: 32,
-        chunk_tokens: 256,
-        kv_format: "pdstor-test".into(),
-    }
-}
 
 fn open(path: &Path) -> Store {
     let opts = StoreOptions { queue_depth: 8, admission_timeout: Duration::from_secs(10), ..Default::default() };

@@ -37,6 +37,16 @@ def put(client: pdstor.Client, name: str, data: bytes) -> pdstor.Receipt:
     return pdstor.Writer(client).put(name, LAYOUT, [(src, at, MIB) for at in range(0, len(data), MIB)])
 
 
+def corrupt(daemon, client: pdstor.Client, req_id: str, chunk: int, at: int, garbage: bytes) -> None:
+    """Overwrites bytes of a stored chunk on the media, behind the daemon."""
+    (info,) = [p for p in client.publications(verbose=True) if p["req_id"] == req_id]
+    with open(daemon.target, "r+b") as f:
+        f.seek(info["extents"][chunk]["offset"] + at)
+        f.write(garbage)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def loads_checked_by(daemon) -> list[str]:
     lines = [json.loads(line) for line in (daemon.dir / "timeline.jsonl").read_text().splitlines()]
     return [e["checked"] for e in lines if e.get("event") == "load" and e["node"].startswith("daemon")]
@@ -93,12 +103,7 @@ def test_get_many_into_copies_each_item_on_checked_and_fails_only_its_own(daemon
     items = {f"req-{i}": pattern(2 * MIB, 10 + i) for i in range(3)}
     readies = [put(client, name, data) for name, data in items.items()]
     # Chunk 1 of the last item corrupted on the media: the copy catches it.
-    (info,) = [p for p in client.publications(verbose=True) if p["req_id"] == "req-2"]
-    with open(daemon.target, "r+b") as f:
-        f.seek(info["extents"][1]["offset"] + 4321)
-        f.write(b"\xff\x00corrupt")
-        f.flush()
-        os.fsync(f.fileno())
+    corrupt(daemon, client, "req-2", chunk=1, at=4321, garbage=b"\xff\x00corrupt")
     staging = pdstor.Buffer(6 * MIB, staging=True)
     dests: dict[int, np.ndarray] = {}
 
@@ -143,12 +148,7 @@ def test_a_staging_buffer_used_for_a_plain_get_is_still_checked_here(daemon):
     chunk corrupted on the media still fails its get."""
     client = daemon.client()
     ready = put(client, "req-plain", pattern(2 * MIB, 5))
-    (info,) = client.publications(verbose=True)
-    with open(daemon.target, "r+b") as f:
-        f.seek(info["extents"][0]["offset"] + 99)
-        f.write(b"\x00flipped")
-        f.flush()
-        os.fsync(f.fileno())
+    corrupt(daemon, client, "req-plain", chunk=0, at=99, garbage=b"\x00flipped")
     with pytest.raises(pdstor.LoadFailed):
         pdstor.Reader(client).get(ready, LAYOUT, pdstor.Buffer(2 * MIB, staging=True))
     assert [p["state"] for p in client.publications()] == ["RETAINED"]

@@ -7,6 +7,19 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The KV layout the store tests publish with.
+pub fn layout() -> pdstor::store::Layout {
+    pdstor::store::Layout {
+        model_id: "test-model".into(),
+        dtype: "bf16".into(),
+        layers: 4,
+        kv_heads: 2,
+        head_dim: 32,
+        chunk_tokens: 256,
+        kv_format: "pdstor-test".into(),
+    }
+}
+
 /// Reports a skipped test: to stderr, and to `$PDSTOR_SKIP_LOG` so `cargo xtask ci` can list it.
 pub fn skip(test: &str, reason: &str) {
     let line = format!("SKIP: {test}: {reason}");

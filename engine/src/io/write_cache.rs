@@ -50,6 +50,15 @@ impl WriteCache {
     pub fn needs_flush(&self) -> bool {
         !matches!(self, WriteCache::None { .. })
     }
+
+    /// `volatile`, `none` or `filesystem`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            WriteCache::Volatile { .. } => "volatile",
+            WriteCache::None { .. } => "none",
+            WriteCache::Filesystem { .. } => "filesystem",
+        }
+    }
 }
 
 impl std::fmt::Display for WriteCache {
@@ -140,17 +149,6 @@ fn device_of(dev: u64) -> String {
     match queue_attribute(dev) {
         Some(path) => format!("block device {name}, write cache {}", read(&path).name()),
         None => format!("block device {name}, write cache unknown"),
-    }
-}
-
-impl WriteCache {
-    /// `volatile`, `none` or `filesystem`.
-    pub fn name(&self) -> &'static str {
-        match self {
-            WriteCache::Volatile { .. } => "volatile",
-            WriteCache::None { .. } => "none",
-            WriteCache::Filesystem { .. } => "filesystem",
-        }
     }
 }
 
