@@ -98,6 +98,9 @@ codes! {
     Fenced = "fenced" => 409,
     /// The publication is not claimed.
     NotClaimed = "not_claimed" => 409,
+    /// The read this receipt names has ended (`read/end`, its session
+    /// closed, or the daemon restarted since it began): read again.
+    ReadEnded = "read_ended" => 409,
     /// The publication is not READY yet.
     NotReady = "not_ready" => 409,
     /// Another reader holds the claim.

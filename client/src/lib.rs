@@ -30,6 +30,7 @@ pub mod code;
 pub mod frame;
 pub mod layout;
 pub mod private;
+pub mod read;
 pub mod receipt;
 pub mod superblock;
 pub mod timeline;
@@ -387,6 +388,7 @@ impl Client {
             writer: writer.into(),
             timeout_ms: None,
             unread_release_ms: None,
+            cache: false,
         })
     }
 
@@ -805,6 +807,8 @@ pub struct Writer {
     chunk_size: u64,
     /// Who this writer is, recorded with each publication it prepares.
     writer_id: String,
+    /// Whether it publishes cache publications (read by many).
+    cache: bool,
 }
 
 impl Writer {
@@ -825,13 +829,20 @@ impl Writer {
         let mut data = DataConn::connect(data_socket)?;
         let buffer = spec.allocate("pdstor-writer", (chunk_size * chunks as u64) as usize)?;
         let buffer_id = data.register_for(&buffer, spec.path)?;
-        Ok(Writer { client, data, buffer, buffer_id, chunk_size, writer_id: "writer".into() })
+        Ok(Writer { client, data, buffer, buffer_id, chunk_size, writer_id: "writer".into(), cache: false })
     }
 
     /// Names this writer (default `writer`): the identity recorded with every
     /// publication it prepares, shown by `publications`.
     pub fn with_writer_id(mut self, id: &str) -> Writer {
         self.writer_id = id.into();
+        self
+    }
+
+    /// Publishes cache publications from now on: each READY for any
+    /// reader of the namespace ([`Reader::get_cached`]) until released.
+    pub fn publishing_cache(mut self) -> Writer {
+        self.cache = true;
         self
     }
 
@@ -877,7 +888,15 @@ impl Writer {
         first_token: Option<u32>,
     ) -> Result<Published, ClientError> {
         let total = len.div_ceil(self.chunk_size) as u32;
-        let p = self.client.prepare(req_id, layout, total, &self.writer_id)?;
+        let p = self.client.prepare_request(&PrepareRequest {
+            req_id: req_id.into(),
+            layout: layout.clone(),
+            total_chunks: total,
+            writer: self.writer_id.clone(),
+            timeout_ms: None,
+            unread_release_ms: None,
+            cache: self.cache,
+        })?;
         let chunks: Vec<DataChunk> = (0..total)
             .map(|i| {
                 let off = i as u64 * self.chunk_size;

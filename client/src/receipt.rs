@@ -16,6 +16,8 @@ pub enum ReceiptKind {
     Ready,
     /// The publication is claimed by exactly this reader and session.
     Claim,
+    /// A read of a cache publication, by this reader and session, in progress.
+    Read,
 }
 
 /// A daemon-signed statement about a publication. Field order is the

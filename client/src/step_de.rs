@@ -12,7 +12,9 @@ use serde::{Deserialize, de::IntoDeserializer};
 
 use crate::wire::BatchStep;
 
-const STEPS: &[&str] = &["prepare", "publish", "claim", "adopt", "loaded", "ack", "fail", "release", "abort", "cancel"];
+const STEPS: &[&str] = &[
+    "prepare", "publish", "claim", "adopt", "loaded", "ack", "fail", "release", "abort", "cancel", "read", "end_read",
+];
 
 /// The step named `name`, its fields read from `d`.
 fn step<'de, D: Deserializer<'de>>(name: &str, d: D) -> Result<BatchStep, D::Error> {
@@ -27,6 +29,8 @@ fn step<'de, D: Deserializer<'de>>(name: &str, d: D) -> Result<BatchStep, D::Err
         "release" => BatchStep::Release(Deserialize::deserialize(d)?),
         "abort" => BatchStep::Abort(Deserialize::deserialize(d)?),
         "cancel" => BatchStep::Cancel(Deserialize::deserialize(d)?),
+        "read" => BatchStep::Read(Deserialize::deserialize(d)?),
+        "end_read" => BatchStep::EndRead(Deserialize::deserialize(d)?),
         other => return Err(de::Error::unknown_variant(other, STEPS)),
     })
 }

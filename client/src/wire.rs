@@ -30,6 +30,12 @@ pub struct PrepareRequest {
     /// time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unread_release_ms: Option<u64>,
+    /// A cache publication: once READY, any reader the namespace lets read
+    /// it reads it (`POST /storage-pd/read`), each read a lease of its own
+    /// that ends with the read; it is never claimed, and it stays READY
+    /// until released or evicted. Absent: a handoff, for one reader.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache: bool,
 }
 
 /// `POST /storage-pd/cancel`: give up a request, waiting or PREPARED.
@@ -319,6 +325,12 @@ pub struct PublicationInfo {
     /// Its writer's unread window in ms (`prepare`'s `unread_release_ms`), if it asked for one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unread_release_ms: Option<u64>,
+    /// A cache publication (read by many, never claimed).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache: bool,
+    /// Reads of it in progress (cache publications).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reading: u32,
     /// With `?verbose=1`: where each chunk lives on the target.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub extents: Option<Vec<Extent>>,
@@ -591,6 +603,10 @@ pub enum BatchStep {
     Abort(AbortRequest),
     /// `cancel`.
     Cancel(CancelRequest),
+    /// `read`.
+    Read(crate::read::ReadRequest),
+    /// `read/end`.
+    EndRead(crate::read::EndReadRequest),
 }
 
 impl BatchStep {
@@ -607,6 +623,8 @@ impl BatchStep {
             BatchStep::Release(_) => "release",
             BatchStep::Abort(_) => "abort",
             BatchStep::Cancel(_) => "cancel",
+            BatchStep::Read(_) => "read",
+            BatchStep::EndRead(_) => "end_read",
         }
     }
 }
@@ -643,4 +661,8 @@ pub struct BatchResult {
 pub struct BatchResponse {
     /// The results.
     pub results: Vec<BatchResult>,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }

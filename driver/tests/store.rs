@@ -368,6 +368,42 @@ fn a_writers_own_unread_window_applies_bounded_by_the_daemons_and_survives_a_reo
     s.check().unwrap();
 }
 
+/// A cache publication being read is neither released, nor evicted for
+/// room, nor expired by a window, and is never claimed; once its reads end
+/// each may take it. Its class is journaled (a reopen still knows it) and
+/// its reads are not (a reopen holds none).
+#[test]
+fn a_cache_publication_being_read_is_never_released_evicted_expired_or_claimed() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 2);
+    let (s, _) = open(&path);
+    let b = shared(&s, 1);
+    fill(&b, 12, 1);
+    let l = layout();
+    let ask = store::Ask { cache: true, unread_release_ms: Some(1), ..store::Ask::new("key-1", "writer", &l, 1) };
+    let id = s.prepare_with(&ask, Duration::from_secs(1), &Default::default()).unwrap().publication;
+    assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
+    s.publish(id, None).unwrap();
+    drop(s);
+    let (s, _) = open(&path);
+    assert!(s.publication(id).unwrap().cache, "the class is journaled with the PREPARE");
+    s.begin_read(id).unwrap();
+    s.begin_read(id).unwrap();
+    assert_eq!(s.reads(id), 2);
+    assert!(matches!(s.release(id), Err(store::StoreError::BeingRead { reads: 2, .. })));
+    assert!(matches!(s.claim(id, "r", "s", 1000, 0, None), Err(store::StoreError::WrongClass { .. })));
+    assert!(s.evict_unread(2, &|_| true).unwrap().is_empty(), "held: not evicted for room");
+    thread::sleep(Duration::from_millis(5));
+    assert!(s.release_unread_after(Some(Duration::from_millis(1))).unwrap().is_empty(), "held: not expired");
+    assert_eq!(s.end_read(id).unwrap(), 1);
+    assert!(s.evict_unread(2, &|_| true).unwrap().is_empty(), "one read still held");
+    assert_eq!(s.end_read(id).unwrap(), 0);
+    assert!(s.end_read(id).is_err(), "a read ended twice is a bug, reported");
+    let evicted: Vec<u64> = s.evict_unread(2, &|_| true).unwrap().into_iter().map(|e| e.publication).collect();
+    assert_eq!(evicted, vec![id], "no read held: evicted for room");
+    s.check().unwrap();
+}
+
 /// Inside `with_one_commit` (a batch of protocol steps), publishes and
 /// releases journal their records and the commit waits for the scope's end:
 /// one commit for all, the released slots out of reach of prepares until

@@ -194,6 +194,14 @@ class NotClaimed(Error):
     status = 409
 
 
+class ReadEnded(Error):
+    """The read this receipt names has ended (read/end, its session closed, or
+    the daemon restarted since it began): read again."""
+
+    code = "read_ended"
+    status = 409
+
+
 class NotReady(Error):
     """The publication is not READY yet (409), or the daemon cannot take changes
     now (503, /readyz)."""

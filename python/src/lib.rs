@@ -565,9 +565,11 @@ impl Writer {
     /// `timeout_ms` for capacity; `pdstor.AdmissionTimeout` after that).
     /// With `unread_release_ms`, the daemon releases the publication unread
     /// if no reader claims it that long after READY (the daemon's
-    /// `--unread-release-ms`, where shorter, bounds it). Returns the
-    /// publication's number.
-    #[pyo3(signature = (req_id, layout, total_chunks, timeout_ms = None, unread_release_ms = None))]
+    /// `--unread-release-ms`, where shorter, bounds it). With `cache=True`,
+    /// a cache publication: read by many (no claim), kept until released.
+    /// Returns the publication's number.
+    #[pyo3(signature = (req_id, layout, total_chunks, timeout_ms = None, unread_release_ms = None, cache = false))]
+    #[allow(clippy::too_many_arguments)] // a Python method's keyword arguments
     fn prepare(
         &mut self,
         py: Python<'_>,
@@ -576,6 +578,7 @@ impl Writer {
         total_chunks: u32,
         timeout_ms: Option<u64>,
         unread_release_ms: Option<u64>,
+        cache: bool,
     ) -> PyResult<u64> {
         if let Some((p, _)) = &self.current {
             return Err(to_py(
@@ -588,7 +591,7 @@ impl Writer {
         }
         let layout = layout_from(layout)?;
         let (c, writer) = (self.conn.clone(), self.writer_id.clone());
-        let r = PrepareRequest { req_id, layout, total_chunks, writer, timeout_ms, unread_release_ms };
+        let r = PrepareRequest { req_id, layout, total_chunks, writer, timeout_ms, unread_release_ms, cache };
         let p = py.detach(move || c.control.prepare_request(&r)).map_err(|e| to_py(py, e.into()))?;
         let id = p.publication;
         self.current = Some((p, total_chunks));
@@ -758,6 +761,7 @@ impl Writer {
                 writer,
                 timeout_ms,
                 unread_release_ms: None,
+                cache: false,
             })?;
             let groups: Vec<&[StoreChunk]> = list.chunks(batch).collect();
             for (n, group) in groups.iter().enumerate() {
@@ -841,6 +845,31 @@ struct Reader {
     adopted: HashMap<String, Adopted>,
     /// Who checksums what this reader loads.
     verify: Verify,
+}
+
+impl Reader {
+    /// The restore digest of the claim or read `sig` for `step` (ack,
+    /// end_read): every chunk loaded and checked here, none left staged.
+    fn restored(&self, step: &str, sig: &str) -> Result<String, Failure> {
+        let Some(a) = self.adopted.get(sig) else {
+            return Err(Failure::Usage(format!("{step}: this receipt is not adopted or read by this reader")));
+        };
+        if !a.staged.is_empty() {
+            let staged: Vec<u32> = a.staged.keys().copied().collect();
+            return Err(Failure::Usage(format!(
+                "{step}: chunks {staged:?} were loaded into a staging buffer and not copied out: scatter() them (each is checked as it is copied)"
+            )));
+        }
+        let missing: Vec<u32> =
+            a.manifest.chunks.iter().map(|c| c.index).filter(|i| !a.verified.contains_key(i)).collect();
+        if !missing.is_empty() {
+            return Err(Failure::Usage(format!(
+                "{step}: chunks {missing:?} were not loaded and verified: load() them first"
+            )));
+        }
+        let crcs: Vec<u32> = a.verified.values().copied().collect();
+        Ok(restore_digest(a.manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs))
+    }
 }
 
 fn manifest_dict<'py>(py: Python<'py>, m: &Manifest) -> PyResult<Bound<'py, PyAny>> {
@@ -1067,31 +1096,48 @@ impl Reader {
     /// verified by this reader; the slots free.
     fn ack(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>) -> PyResult<()> {
         let sig = claim.inner.signature.clone();
-        let Some(a) = self.adopted.get(&sig) else {
-            return Err(to_py(py, Failure::Usage("ack: this claim is not adopted by this reader".into())));
-        };
-        if !a.staged.is_empty() {
-            let staged: Vec<u32> = a.staged.keys().copied().collect();
-            return Err(to_py(
-                py,
-                Failure::Usage(format!(
-                    "ack: chunks {staged:?} were loaded into a staging buffer and not copied out: scatter() them (each is checked as it is copied)"
-                )),
-            ));
-        }
-        let missing: Vec<u32> =
-            a.manifest.chunks.iter().map(|c| c.index).filter(|i| !a.verified.contains_key(i)).collect();
-        if !missing.is_empty() {
-            return Err(to_py(
-                py,
-                Failure::Usage(format!("ack: chunks {missing:?} were not loaded and verified: load() them first")),
-            ));
-        }
-        let crcs: Vec<u32> = a.verified.values().copied().collect();
-        let digest = restore_digest(a.manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
+        let digest = self.restored("ack", &sig).map_err(|e| to_py(py, e))?;
         let (c, r) = (self.conn.clone(), claim.inner.clone());
         py.detach(move || c.control.ack(&r, &digest)).map_err(|e| to_py(py, e.into()))?;
         self.adopted.remove(&sig);
+        Ok(())
+    }
+
+    /// Begins a read of the READY cache publication `ready` (one of many
+    /// readers; no claim, no adopt) for this reader and session; returns
+    /// the read's receipt, which `load` and `scatter` take as they take a
+    /// claim. `end_read` ends it once every chunk is loaded and checked;
+    /// `abandon_read` gives it up. While it is open the publication is
+    /// neither released nor evicted.
+    #[pyo3(signature = (ready, layout = None))]
+    fn read(&mut self, py: Python<'_>, ready: PyRef<'_, Receipt>, layout: Option<&Bound<'_, PyAny>>) -> PyResult<Receipt> {
+        let layout = layout.map(layout_from).transpose()?;
+        let (c, r) = (self.conn.clone(), ready.inner.clone());
+        let (reader, session) = (self.reader_id.clone(), self.session.clone());
+        let answer =
+            py.detach(move || c.control.read(&r, &reader, &session, layout.as_ref())).map_err(|e| to_py(py, e.into()))?;
+        let adopted = Adopted { manifest: answer.manifest, verified: BTreeMap::new(), staged: BTreeMap::new() };
+        self.adopted.insert(answer.receipt.signature.clone(), adopted);
+        Ok(Receipt { inner: answer.receipt })
+    }
+
+    /// Ends the read `read` (from `read`) once every chunk was loaded and
+    /// checked here, with its restore digest; the publication stays READY.
+    fn end_read(&mut self, py: Python<'_>, read: PyRef<'_, Receipt>) -> PyResult<()> {
+        let sig = read.inner.signature.clone();
+        let digest = self.restored("end_read", &sig).map_err(|e| to_py(py, e))?;
+        let (c, r) = (self.conn.clone(), read.inner.clone());
+        py.detach(move || c.control.end_read(&r, &digest)).map_err(|e| to_py(py, e.into()))?;
+        self.adopted.remove(&sig);
+        Ok(())
+    }
+
+    /// Gives up the read `read` for `reason` (a failed load, say): it ends,
+    /// and the publication stays READY for the next reader.
+    fn abandon_read(&mut self, py: Python<'_>, read: PyRef<'_, Receipt>, reason: String) -> PyResult<()> {
+        let (c, r) = (self.conn.clone(), read.inner.clone());
+        py.detach(move || c.control.abandon_read(&r, &reason)).map_err(|e| to_py(py, e.into()))?;
+        self.adopted.remove(&read.inner.signature);
         Ok(())
     }
 

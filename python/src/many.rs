@@ -53,6 +53,7 @@ pub(crate) fn put_many(
             writer: writer.into(),
             timeout_ms,
             unread_release_ms: None,
+            cache: false,
         })
         .collect();
     let mut outcomes: Vec<Result<Option<Prepared>, ClientError>> =

@@ -36,6 +36,7 @@ fn request(req: &str, chunks: u32, timeout_ms: Option<u64>) -> PrepareRequest {
         writer: "w".into(),
         timeout_ms,
         unread_release_ms: None,
+        cache: false,
     }
 }
 

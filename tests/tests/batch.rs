@@ -73,6 +73,7 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
             writer: "prefill".into(),
             timeout_ms: None,
             unread_release_ms: None,
+            cache: false,
         })
         .collect();
     asks.push(PrepareRequest { req_id: "too-large".into(), total_chunks: 64, ..asks[3].clone() });
@@ -212,6 +213,7 @@ fn a_batch_over_the_limit_is_refused_whole_and_changes_nothing() {
             writer: "prefill".into(),
             timeout_ms: Some(0),
             unread_release_ms: None,
+            cache: false,
         })
     };
     let body = serde_json::json!({ "steps": (0..1025).map(step).collect::<Vec<_>>() }).to_string();

@@ -34,9 +34,11 @@ pub fn store_code(e: &StoreError) -> (Code, &'static str) {
         | StoreError::DuplicateRequest { .. } => (Code::DuplicateRequest, "req_id"),
         StoreError::Admission(AdmitError::Cancelled { .. }) => (Code::Aborted, "req_id"),
         StoreError::UnknownPublication(_) => (Code::UnknownPublication, "publication"),
-        StoreError::WrongPhase { .. } | StoreError::LoadInFlight { .. } | StoreError::KeyInUse { .. } => {
-            (Code::WrongState, "publication")
-        }
+        StoreError::WrongPhase { .. }
+        | StoreError::LoadInFlight { .. }
+        | StoreError::KeyInUse { .. }
+        | StoreError::BeingRead { .. }
+        | StoreError::WrongClass { .. } => (Code::WrongState, "publication"),
         StoreError::NotPublishable { .. } => (Code::NotPublishable, "publication"),
         StoreError::ProtocolViolation { .. } => (Code::ProtocolViolation, "chunks"),
         StoreError::AbortedInFlight { .. } => (Code::Aborted, "publication"),

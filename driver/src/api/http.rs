@@ -3,7 +3,6 @@
 //! matching HTTP status. Store work runs on blocking threads. Also `/healthz`,
 //! Prometheus `/metrics`, and the OpenAPI document at `/openapi.json`.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -18,7 +17,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::error::from_protocol;
-use super::metrics::{Metrics, exposition, phase_name};
+use super::listing;
+use super::metrics::{Metrics, exposition};
 use super::steps::{Answer, names, run_batch, take};
 use super::wire::*;
 use crate::admission::CancelToken;
@@ -138,12 +138,12 @@ async fn json_errors(resp: Response) -> Response {
     json_response(status, &ErrorBody { status: status.as_u16(), ..ErrorBody::new(code, "", message) })
 }
 
-fn json_response<T: Serialize>(status: StatusCode, v: &T) -> Response {
+pub(super) fn json_response<T: Serialize>(status: StatusCode, v: &T) -> Response {
     let body = serde_json::to_vec(v).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-fn error_response(state: &AppState, e: ErrorBody) -> Response {
+pub(super) fn error_response(state: &AppState, e: ErrorBody) -> Response {
     state.metrics.error(&e.code);
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     json_response(status, &e)
@@ -434,6 +434,11 @@ fn steps() -> Router<Shared> {
         .route("/storage-pd/claim", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Claim))))
         .route("/storage-pd/adopt", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Adopt))))
         .route("/storage-pd/ack", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Ack))))
+        .route("/storage-pd/read", post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Read))))
+        .route(
+            "/storage-pd/read/end",
+            post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::EndRead))),
+        )
         .route(
             "/storage-pd/loaded",
             post(|State(s): S, Extension(w): E, b: Body| step(s, w, b, one(BatchStep::Loaded))),
@@ -532,66 +537,22 @@ async fn batch(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Bo
     }
 }
 
-/// `GET /storage-pd/publications`: a tenant sees only its own; an admin all.
-/// The namespace the owner serves and its device's NVMe identifiers.
+/// `GET /storage-pd/namespace` ([`listing::namespace`]).
 async fn namespace(State(s): State<Shared>, Extension(who): Extension<Caller>) -> Response {
-    if let Err(r) = who.require(Role::Any, "read the namespace's identity") {
-        return error_response(&s, ErrorBody::new(r.code, r.field, r.message));
+    match listing::namespace(&s.service, &who) {
+        Ok(info) => json_response(StatusCode::OK, &info),
+        Err(e) => error_response(&s, e),
     }
-    let store = s.service.store();
-    let sb = store.superblock();
-    let info = NamespaceInfo {
-        namespace: sb.uuid.to_string(),
-        epoch: sb.epoch,
-        slot_size: sb.slot_size,
-        slot_count: sb.slot_count,
-        device: crate::io::DeviceIds::of(store.path()),
-        reservations: s.service.holds_reservation(),
-        write_cache: Some(store.write_cache()),
-    };
-    json_response(StatusCode::OK, &info)
 }
 
+/// `GET /storage-pd/publications` ([`listing::publications`]).
 async fn publications(
     State(s): State<Shared>,
     Extension(who): Extension<Caller>,
-    Query(q): Query<BTreeMap<String, String>>,
+    Query(q): Query<std::collections::BTreeMap<String, String>>,
 ) -> Response {
-    if let Err(r) = who.require(Role::Any, "list publications") {
-        return error_response(&s, ErrorBody::new(r.code, r.field, r.message));
+    match listing::publications(&s.service, &who, &q) {
+        Ok(list) => json_response(StatusCode::OK, &list),
+        Err(e) => error_response(&s, e),
     }
-    let mine = |p: &crate::store::Publication| {
-        who.roles.admin || p.owner.as_ref().is_none_or(|o| who.tenant.as_deref() == Some(o.tenant.as_str()))
-    };
-    let want = q.get("state").map(|v| v.to_ascii_uppercase());
-    let verbose = q.get("verbose").is_some_and(|v| v == "1" || v == "true");
-    let sb = s.service.store().superblock();
-    let list: Vec<PublicationInfo> = s
-        .service
-        .store()
-        .publications()
-        .into_iter()
-        .filter(|p| mine(p) && want.as_deref().is_none_or(|w| w == phase_name(p.phase)))
-        .map(|p| PublicationInfo {
-            publication: p.id,
-            req_id: p.req_id.clone(),
-            state: phase_name(p.phase).into(),
-            chunks: p.total_chunks,
-            writer: p.writer.clone(),
-            reader: p.claim.as_ref().map(|c| c.reader.clone()),
-            unread_release_ms: p.unread_release_ms,
-            extents: verbose.then(|| {
-                let stored = |i: usize| p.chunks.get(i).and_then(Option::as_ref);
-                let extent = |(i, &slot): (usize, &crate::store::SlotIndex)| Extent {
-                    chunk: i as u32,
-                    slot: slot.0,
-                    offset: sb.slot_offset(slot).0,
-                    len: stored(i).map(|c| c.len),
-                    crc32c: stored(i).map(|c| c.crc32c),
-                };
-                p.slots.iter().enumerate().map(extent).collect()
-            }),
-        })
-        .collect();
-    json_response(StatusCode::OK, &list)
 }

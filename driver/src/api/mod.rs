@@ -9,6 +9,7 @@ pub mod error;
 pub mod http;
 pub mod hygiene;
 mod listen;
+mod listing;
 pub mod log;
 pub mod metrics;
 pub mod openapi;

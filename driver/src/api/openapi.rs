@@ -13,6 +13,7 @@ use utoipa::ToSchema;
 
 use super::wire::*;
 use crate::store::{ChunkEntry, Layout, Manifest};
+use pdstor_client::read::{EndReadRequest, ReadAnswer, ReadRequest};
 use pdstor_client::receipt::{Receipt, ReceiptKind};
 use pdstor_engine::io::{DeviceIds, WriteCache};
 
@@ -103,17 +104,9 @@ const STORE_FAILED: (u16, &str) = (503, "store failed: restart the daemon");
 const RECEIPT_STEP: &[(u16, &str)] =
     &[MALFORMED, UNAUTHENTICATED, SIGNED, UNKNOWN, BODY_TIMEOUT, CONFLICT, TOO_LARGE, QUOTA, STORE_FAILED];
 /// A step on a receipt that may already be acknowledged.
-const ACKED_STEP: &[(u16, &str)] = &[
-    MALFORMED,
-    UNAUTHENTICATED,
-    SIGNED,
-    (404, "already acknowledged or unknown"),
-    BODY_TIMEOUT,
-    CONFLICT,
-    TOO_LARGE,
-    QUOTA,
-    STORE_FAILED,
-];
+const ACKED_STEP: &[(u16, &str)] =
+    &[MALFORMED, UNAUTHENTICATED, SIGNED, GONE, BODY_TIMEOUT, CONFLICT, TOO_LARGE, QUOTA, STORE_FAILED];
+const GONE: (u16, &str) = (404, "already acknowledged or unknown");
 /// A read of the daemon's state.
 const READ: &[(u16, &str)] = &[UNAUTHENTICATED, FORBIDDEN, QUOTA];
 
@@ -212,6 +205,25 @@ pub const ROUTES: &[Route] = &[
     },
     Route {
         method: Method::Post,
+        path: "/storage-pd/read",
+        summary: "Begin one of many reads of a READY cache publication: its receipt and the manifest with its \
+                  nonce; the publication is neither released nor evicted until the read ends",
+        params: &[],
+        request: Some(ReadRequest::name),
+        ok: ("done", Body::Json(ReadAnswer::name)),
+        refusals: RECEIPT_STEP,
+    },
+    Route {
+        method: Method::Post,
+        path: "/storage-pd/read/end",
+        summary: "End a read: with the restore digest (checked as an ack's), or abandoned with a reason",
+        params: &[],
+        request: Some(EndReadRequest::name),
+        ok: ("done", Body::Json(Done::name)),
+        refusals: ACKED_STEP,
+    },
+    Route {
+        method: Method::Post,
         path: "/storage-pd/release",
         summary: "Exact unread release of a READY, never-claimed publication",
         params: &[],
@@ -259,9 +271,10 @@ pub const ROUTES: &[Route] = &[
     Route {
         method: Method::Post,
         path: "/storage-pd/batch",
-        summary: "Many steps (prepare, publish, claim, adopt, loaded, ack, fail, release, abort, cancel) in one \
-                  round trip, run in order, each answering what its own route would (status, then body or error): \
-                  one refused does not stop the rest; consecutive steps of one kind that commit share one commit",
+        summary: "Many steps (prepare, publish, claim, adopt, loaded, ack, fail, release, abort, cancel, read, \
+                  end_read) in one round trip, run in order, each answering what its own route would (status, \
+                  then body or error): one refused does not stop the rest; consecutive steps of one kind that \
+                  commit share one commit",
         params: &[],
         request: Some(BatchRequest::name),
         ok: ("one result per step, in order", Body::Json(BatchResponse::name)),
@@ -457,6 +470,9 @@ fn schemas() -> Map<String, Value> {
         Published,
         ClaimRequest,
         ReceiptResponse,
+        ReadRequest,
+        ReadAnswer,
+        EndReadRequest,
         AdoptRequest,
         LoadedRequest,
         LoadedChunk,

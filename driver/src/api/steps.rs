@@ -9,11 +9,14 @@
 //! commit ([`Store::with_one_commit`](crate::store::Store::with_one_commit)):
 //! none of them is answered before its record is durable, and if that commit
 //! fails every step of the run answers the failure. Prepares and cancels run
-//! outside any such run: a prepare may wait for slots an earlier step freed.
+//! outside any such run: a prepare may wait for slots an earlier step freed;
+//! reads and their ends too, since they journal nothing.
 
 use serde::Serialize;
 
 use super::error::{from_protocol, from_store};
+use pdstor_client::read::ReadAnswer;
+
 use super::wire::{AbortResponse, BatchResult, BatchStep, CancelOutcome, Done, ErrorBody, Published, ReceiptResponse};
 use crate::admission::CancelToken;
 use crate::protocol::identity::Caller;
@@ -39,6 +42,8 @@ pub enum Answer {
     Aborted(AbortResponse),
     /// `cancel`.
     Cancelled(CancelOutcome),
+    /// `read`.
+    Read(ReadAnswer),
 }
 
 const DONE: Answer = Answer::Done(Done { ok: true });
@@ -76,6 +81,12 @@ pub fn take(svc: &Service, who: &Caller, step: &BatchStep, cancel: &CancelToken)
             .into()),
         },
         BatchStep::Cancel(r) => svc.cancel(who, &r.req_id).map(Answer::Cancelled),
+        BatchStep::Read(r) => svc
+            .read(who, &r.receipt, &r.reader_id, &r.session_id, r.layout.as_ref())
+            .map(|(receipt, manifest)| Answer::Read(ReadAnswer { receipt, manifest })),
+        BatchStep::EndRead(r) => {
+            svc.end_read(who, &r.receipt, r.restore_digest.as_deref(), r.reason.as_deref()).map(|()| DONE)
+        }
     }
 }
 
@@ -94,6 +105,8 @@ pub fn names(step: &BatchStep) -> (Option<u64>, Option<String>) {
         BatchStep::Ack(r) => of(&r.receipt),
         BatchStep::Fail(r) => of(&r.receipt),
         BatchStep::Release(r) => of(&r.receipt),
+        BatchStep::Read(r) => of(&r.receipt),
+        BatchStep::EndRead(r) => of(&r.receipt),
     }
 }
 
@@ -133,7 +146,8 @@ pub fn run_batch(
         while let Some(next) = steps.next_if(|s| std::mem::discriminant(s) == kind) {
             run.push(next);
         }
-        if matches!(run[0], BatchStep::Prepare(_) | BatchStep::Cancel(_)) {
+        // Reads journal nothing: no commit to share.
+        if matches!(run[0], BatchStep::Prepare(_) | BatchStep::Cancel(_) | BatchStep::Read(_) | BatchStep::EndRead(_)) {
             results.extend(run.iter().map(one));
             continue;
         }

@@ -45,12 +45,14 @@ pub struct Ask<'a> {
     /// Its unread window, in ms: released unread when no reader claims it
     /// this long after READY (journaled with the PREPARE).
     pub unread_release_ms: Option<u64>,
+    /// A cache publication (journaled with the PREPARE): read by many.
+    pub cache: bool,
 }
 
 impl<'a> Ask<'a> {
     /// A prepare with no owner and no unread window of its own.
     pub fn new(req_id: &'a str, writer: &'a str, layout: &'a Layout, total_chunks: u32) -> Self {
-        Ask { req_id, writer, owner: None, layout, total_chunks, unread_release_ms: None }
+        Ask { req_id, writer, owner: None, layout, total_chunks, unread_release_ms: None, cache: false }
     }
 }
 
@@ -135,7 +137,7 @@ impl Store {
     /// The PREPARED publication of `req_id`, if this prepare repeats it
     /// exactly (by the same owner); a refusal if `req_id` is live in any other way.
     fn repeat_of(&self, ask: &Ask<'_>) -> Result<Option<u64>, StoreError> {
-        let Ask { req_id, writer, owner, layout, total_chunks: total, unread_release_ms } = *ask;
+        let Ask { req_id, writer, owner, layout, total_chunks: total, unread_release_ms, cache } = *ask;
         let mut live = self.lock_live();
         let Some(p) = live.state.by_req(req_id) else { return Ok(None) };
         let id = p.id;
@@ -143,7 +145,8 @@ impl Store {
             && p.layout == *layout
             && p.writer == writer
             && p.owner.as_ref() == owner
-            && p.unread_release_ms == unread_release_ms;
+            && p.unread_release_ms == unread_release_ms
+            && p.cache == cache;
         if p.phase == Phase::Prepared && same && live.batches.get(&id).is_none_or(|b| !b.published) {
             if let Some(b) = live.batches.get_mut(&id) {
                 b.touched = Some(Instant::now());
@@ -156,7 +159,7 @@ impl Store {
 
     /// Picks the slots and journals the PREPARE of an admitted request.
     fn journal_prepare(&self, live: &mut Live, ask: &Ask<'_>) -> Result<u64, StoreError> {
-        let Ask { req_id, writer, owner, layout, total_chunks, unread_release_ms } = *ask;
+        let Ask { req_id, writer, owner, layout, total_chunks, unread_release_ms, cache } = *ask;
         if let Some(p) = live.state.by_req(req_id) {
             return Err(StoreError::DuplicateRequest { req: req_id.into(), publication: p.id });
         }
@@ -177,6 +180,7 @@ impl Store {
             slots,
             owner: owner.cloned(),
             unread_release_ms,
+            cache,
         };
         self.log(live, record)?;
         if unread_release_ms.is_some() {

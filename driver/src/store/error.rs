@@ -229,6 +229,26 @@ pub enum StoreError {
         /// How long the free waited.
         waited_ms: u64,
     },
+    /// Readers hold read leases on the cache publication: it cannot be released yet.
+    #[error(
+        "publication {publication}: {reads} read(s) of it are in progress; a cache publication is released only when no reader holds it: retry when they end"
+    )]
+    BeingRead {
+        /// The publication.
+        publication: u64,
+        /// Read leases held on it (and loads in flight).
+        reads: u32,
+    },
+    /// A step of one publication class asked of the other.
+    #[error("publication {publication} is a {class} publication; {what}")]
+    WrongClass {
+        /// The publication.
+        publication: u64,
+        /// Its class: `cache` or `handoff`.
+        class: &'static str,
+        /// What the step needs.
+        what: &'static str,
+    },
     /// The namespace numbered every publication a transfer id can name.
     #[error(
         "this namespace has numbered {next} publications, the most whose chunks have transfer ids: format a new one"
@@ -421,6 +441,12 @@ pub enum StateError {
 /// A broken invariant of the allocator, the reservations, or their agreement.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Invariant {
+    /// A read of a publication ended that no one had begun.
+    #[error("publication {publication}: a read ended that was never begun (or ended twice)")]
+    ReadNotHeld {
+        /// The publication.
+        publication: u64,
+    },
     /// A publication's slots, chunks and total disagree.
     #[error("publication {publication} has {slots} slots for {chunks} chunks")]
     SlotCount {

@@ -4,7 +4,8 @@
 //! publication id, the order of their prepares) — until the prepare and the
 //! prepares waiting before it fit. Each is an exact unread release: a RELEASE
 //! record, journaled and committed before its slots can be prepared again. A
-//! claimed, adopted or failed publication is never touched. The same
+//! claimed, adopted or failed publication is never touched, nor a cache
+//! publication while a reader holds a read of it. The same
 //! release ends a READY publication no reader claimed within its unread
 //! window (its writer's `unread_release_ms`, the daemon's
 //! `--unread-release-ms`, the shorter).
@@ -55,6 +56,7 @@ impl Store {
                 .values()
                 .filter(|p| p.phase == Phase::Ready && p.claim.is_none() && evictable(p.owner.as_ref()))
                 .map(|p| p.id)
+                .filter(|id| live.reads_of(*id) == 0)
                 .collect();
             for id in oldest_first {
                 if short == 0 {
@@ -101,7 +103,7 @@ impl Store {
                 .state
                 .pubs
                 .values()
-                .filter(|p| p.phase == Phase::Ready && p.claim.is_none())
+                .filter(|p| p.phase == Phase::Ready && p.claim.is_none() && live.reads_of(p.id) == 0)
                 .filter_map(|p| {
                     let own = p.unread_release_ms.map(std::time::Duration::from_millis);
                     own.map_or(after, |o| Some(after.map_or(o, |a| a.min(o)))).map(|w| (p.id, w))

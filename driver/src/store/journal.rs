@@ -41,6 +41,10 @@ pub enum Record {
         /// (absent in older journals and where it did not).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         unread_release_ms: Option<u64>,
+        /// A cache publication: read by many, never claimed (absent: a
+        /// handoff, as in every journal older than cache publications).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cache: bool,
     },
     /// A chunk stored in its slot, with the checksum of the bytes written.
     Alloc {

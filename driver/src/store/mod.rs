@@ -10,7 +10,7 @@
 //! Where each part lives: `format` (a fresh namespace), `recovery` (replay
 //! and the new epoch), `batch` (store batches, publish, load: validate →
 //! submit → settle), `transitions` (release, claim, adopt, ack, fail,
-//! reclaim), `scope` (one commit for a batch of them), `state` and
+//! reclaim), `read` (the read leases of cache publications), `scope` (one commit for a batch of them), `state` and
 //! `journal` (the records and what they describe),
 //! `io_thread` (the one door to the I/O thread), `worker` (that thread),
 //! `fault` (fault injection), `error` (every error, typed).
@@ -32,10 +32,12 @@ pub mod journal;
 mod many;
 mod presence;
 pub mod publication;
+mod read;
 mod recovery;
 mod scope;
 pub mod state;
 pub use pdstor_client::superblock;
+mod stats;
 mod storage;
 mod transitions;
 mod verifier;
@@ -48,7 +50,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::admission::{AdmissionCounters, MonotonicClock, ReservationManager, WaitClock};
+use crate::admission::{MonotonicClock, ReservationManager, WaitClock};
 use crate::buffer::Buffer;
 use crate::io::{BufferId, DmabufRw, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
 
@@ -61,6 +63,7 @@ pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, sign
 pub use journal::Record;
 pub use publication::{ChunkEntry, ClaimInfo, Layout, Manifest, Owner, Phase, Publication, SlotIndex};
 pub use recovery::{Inspection, inspect};
+pub use stats::StoreStats;
 pub use superblock::Superblock;
 pub use worker::CommitInfo;
 
@@ -163,6 +166,9 @@ struct Live {
     /// before it frees the slots (a fenced reader's last read must not
     /// land in bytes already given to another request).
     loading: HashMap<u64, u32>,
+    /// Read leases held, by cache publication (`read.rs`): none is released
+    /// while any is held. In memory: a restart ends every read.
+    reading: HashMap<u64, u32>,
     /// Store batches that broke the protocol, since open.
     violations: u64,
     /// PREPARED publications rolled back, since open.
@@ -189,46 +195,6 @@ pub enum AbortOutcome {
     Pending,
     /// Nothing to abort: unknown or already finished.
     NotFound,
-}
-
-/// The store's counters, for `/metrics` and `inspect`.
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
-pub struct StoreStats {
-    /// Slots in the namespace.
-    pub slots: u64,
-    /// Slots no publication owns.
-    pub free_slots: u64,
-    /// Slots reserved by admission (owned or about to be).
-    pub reserved: u64,
-    /// Live publications.
-    pub live_publications: usize,
-    /// Device flushes so far.
-    pub flushes: u64,
-    /// Flushes not issued: the device has no volatile write cache.
-    pub flushes_elided: u64,
-    /// Group commits so far.
-    pub commit_groups: u64,
-    /// Bytes of the active journal half in use at the last commit.
-    pub journal_used: u64,
-    /// Admissions that had to wait for capacity.
-    pub admission_waits: u64,
-    /// Admission's counters (admitted, waits, timeouts, cancels).
-    pub admission: AdmissionCounters,
-    /// Store batches that broke the protocol.
-    pub violations: u64,
-    /// PREPARED publications rolled back.
-    pub rollbacks: u64,
-    /// Unread READY publications evicted under capacity pressure.
-    pub evicted: u64,
-    /// Unread READY publications released after the unread window.
-    pub expired: u64,
-    /// Payload chunks stored and loaded.
-    pub payload_chunks: u64,
-    /// Device commands they went in: fewer than the chunks where small ones were merged (`StoreOptions::merge_bytes`).
-    pub payload_commands: u64,
-    /// Submissions those commands went in: fewer than the requests where many were run together
-    /// (`Store::store_batches`, `Store::load_many`, or jobs of several connections queued at once).
-    pub payload_submissions: u64,
 }
 
 /// A formatted target, open: the journal, the state it rebuilt, admission,
@@ -279,6 +245,7 @@ impl Store {
                 batches: HashMap::new(),
                 failed: None,
                 loading: HashMap::new(),
+                reading: HashMap::new(),
                 violations: 0,
                 rollbacks: 0,
                 evicted: 0,
@@ -526,66 +493,6 @@ impl Store {
     /// Every live publication.
     pub fn publications(&self) -> Vec<Publication> {
         self.lock_live().state.pubs.values().cloned().collect()
-    }
-
-    /// The store's counters now.
-    pub fn stats(&self) -> StoreStats {
-        let live = self.lock_live();
-        let c = *self.last_commit.lock().unwrap_or_else(|p| p.into_inner());
-        let (payload_chunks, payload_commands, payload_submissions) = self.io.payload_counts();
-        StoreStats {
-            slots: live.state.slot_count(),
-            free_slots: live.state.free_slots(),
-            reserved: self.admission.stats().reserved,
-            live_publications: live.state.pubs.len(),
-            flushes: c.flushes,
-            flushes_elided: c.flushes_elided,
-            commit_groups: c.commit_groups,
-            journal_used: c.journal_used,
-            admission_waits: self.admission.stats().waits,
-            admission: self.admission.stats().counters,
-            violations: live.violations,
-            rollbacks: live.rollbacks,
-            evicted: live.evicted,
-            expired: live.expired,
-            payload_chunks,
-            payload_commands,
-            payload_submissions,
-        }
-    }
-
-    /// Every invariant at once: the allocator's, the reservations', and their
-    /// agreement — each live publication's request holds exactly its slots.
-    /// A holder with no live publication is a `prepare` between admission and
-    /// its PREPARE record; [`Store::check_quiescent`] allows none.
-    pub fn check(&self) -> Result<(), Invariant> {
-        let live = self.lock_live();
-        live.state.check()?;
-        self.admission.check().map_err(Invariant::Admission)?;
-        let holders: HashMap<String, u64> = self.admission.holders().into_iter().collect();
-        for p in live.state.pubs.values() {
-            let held = holders.get(&p.req_id).copied().unwrap_or(0);
-            if held != p.slots.len() as u64 {
-                return Err(Invariant::Reservations { req: p.req_id.clone(), held, slots: p.slots.len() });
-            }
-        }
-        let in_transit: u64 = holders.iter().filter(|(r, _)| live.state.by_req(r).is_none()).map(|(_, n)| n).sum();
-        if in_transit > live.state.free_slots() {
-            return Err(Invariant::InTransit { in_transit, free: live.state.free_slots() });
-        }
-        Ok(())
-    }
-
-    /// [`Store::check`], with no `prepare` in flight: reservations equal owned slots.
-    pub fn check_quiescent(&self) -> Result<(), Invariant> {
-        self.check()?;
-        let live = self.lock_live();
-        let owned: u64 = live.state.pubs.values().map(|p| p.slots.len() as u64).sum();
-        let reserved = self.admission.stats().reserved;
-        if owned != reserved {
-            return Err(Invariant::Unbalanced { owned, reserved });
-        }
-        Ok(())
     }
 }
 

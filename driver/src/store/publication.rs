@@ -53,6 +53,10 @@ pub struct Publication {
     /// Its own unread window in ms, where its writer asked for one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unread_release_ms: Option<u64>,
+    /// A cache publication: once READY, read by many (each read a lease the
+    /// store counts, `Store::begin_read`), never claimed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub cache: bool,
     /// Its manifest's digest, kept beside the manifest in memory only.
     #[serde(skip)]
     pub digest: DigestCache,

@@ -119,11 +119,22 @@ impl State {
     /// fit the current state.
     pub fn apply(&mut self, r: &Record) -> Result<(), StateError> {
         match r {
-            Record::Prepare { publication, req_id, writer, layout, total_chunks, slots, owner, unread_release_ms } => {
+            Record::Prepare {
+                publication,
+                req_id,
+                writer,
+                layout,
+                total_chunks,
+                slots,
+                owner,
+                unread_release_ms,
+                cache,
+            } => {
                 self.apply_prepare(*publication, req_id, writer, layout, *total_chunks, slots)?;
                 if let Some(p) = self.pubs.get_mut(publication) {
                     p.owner = owner.clone();
                     p.unread_release_ms = *unread_release_ms;
+                    p.cache = *cache;
                 }
             }
             Record::Alloc { publication, chunk, slot, len, crc32c } => {
@@ -218,6 +229,7 @@ impl State {
             claim: None,
             owner: None,
             unread_release_ms: None,
+            cache: false,
             digest: Default::default(),
         };
         self.pubs.insert(publication, p);
@@ -335,6 +347,7 @@ mod tests {
             slots: slots.into_iter().map(SlotIndex).collect(),
             owner: None,
             unread_release_ms: None,
+            cache: false,
         }
     }
 

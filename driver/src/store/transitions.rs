@@ -45,6 +45,10 @@ impl Store {
     pub(super) fn release_locked(&self, live: &mut Live, id: u64) -> Result<(String, Vec<SlotIndex>), StoreError> {
         let p = in_phase(&live.state, id, &[Phase::Ready], "only a READY, never-claimed publication can be released")?;
         let (req, slots) = (p.req_id.clone(), p.slots.clone());
+        let reads = live.reads_of(id);
+        if reads > 0 {
+            return Err(StoreError::BeingRead { publication: id, reads });
+        }
         self.log(live, Record::Release { publication: id })?;
         live.batches.remove(&id);
         live.quarantine.extend(&slots);
@@ -153,6 +157,10 @@ impl Store {
             claimed_unix_ms,
             claimant: claimant.cloned(),
         };
+        if self.publication(id).is_some_and(|p| p.cache) {
+            let what = "it is read (POST /storage-pd/read), never claimed";
+            return Err(StoreError::WrongClass { publication: id, class: "cache", what });
+        }
         self.transition(id, &[Phase::Ready], "only a READY, unclaimed publication can be claimed", record)
     }
 

@@ -16,6 +16,7 @@ pub use pdstor_client::receipt::restore_digest;
 use pdstor_client::timeline::{Event, Timeline, emit};
 pub use pdstor_client::wire::{AdoptRequest, PrepareRequest, Prepared, Published};
 
+mod cache;
 mod reader;
 mod writer;
 
@@ -55,6 +56,10 @@ pub struct Service {
     /// The owner's persistent reservation on the namespace and its key
     /// (`serve --reservation-key`): fencing a direct reader preempts its key.
     reservations: Option<(crate::io::persistent_reservation::Reservations, u64)>,
+    /// Reads of cache publications in progress, by their receipt's signature.
+    reads: Mutex<HashMap<String, cache::ReadLease>>,
+    /// The last read receipt's issue time (ms): each read's is later.
+    read_clock: std::sync::atomic::AtomicU64,
 }
 
 /// What the data plane served to one adopted claim: the claim's signature,
@@ -98,6 +103,8 @@ impl Service {
             publishing: RwLock::new(()),
             served: Mutex::new(HashMap::new()),
             reservations: None,
+            reads: Mutex::new(HashMap::new()),
+            read_clock: Default::default(),
         }
     }
 

@@ -25,19 +25,7 @@ impl Service {
         who.require(Role::Reader, "claim")?;
         self.after_publishes();
         let p = self.check(ready, ReceiptKind::Ready)?;
-        if let (Some(owner), Some(tenant)) = (&p.owner, &who.tenant)
-            && !self.may_read(who, owner)
-        {
-            return Err(Refusal::new(
-                RefusalCode::Forbidden,
-                "caller",
-                format!(
-                    "claim: publication {} belongs to tenant {}, whose config does not let readers of tenant {tenant} claim it",
-                    p.id, owner.tenant
-                ),
-            )
-            .into());
-        }
+        self.readable(who, &p, "claim")?;
         if p.phase == Phase::Claimed
             && let Some(receipt) = self.repeated_claim(who, &p, reader, session, lease_ms)?
         {
@@ -206,6 +194,9 @@ impl Service {
     /// Records chunks the data plane loaded for `claim` (chunk, crc32c as
     /// served): what its ack may acknowledge.
     pub fn note_served(&self, claim: &Receipt, chunks: &[(u32, u32)]) {
+        if claim.kind == ReceiptKind::Read {
+            return self.note_read_served(claim, chunks);
+        }
         let mut served = self.lock_served();
         let entry = served.entry(claim.publication).or_insert_with(|| (claim.signature.clone(), Default::default()));
         if entry.0 != claim.signature {
@@ -216,6 +207,9 @@ impl Service {
 
     /// Checks that `claim` may load now: adopted, lease running.
     pub fn authorize_load(&self, who: &Caller, claim: &Receipt) -> Result<Manifest, ProtocolError> {
+        if claim.kind == ReceiptKind::Read {
+            return self.authorize_read_load(who, claim);
+        }
         let p = self.check(claim, ReceiptKind::Claim)?;
         Self::check_claimant(who, &p, "load")?;
         self.unfenced(&p, "load")?;
@@ -240,6 +234,10 @@ impl Service {
     /// its stored crc32c (else `restore_mismatch`, and nothing is recorded);
     /// then they count as loaded for this claim's ack.
     pub fn loaded(&self, who: &Caller, claim: &Receipt, chunks: &[(u32, u32)]) -> Result<(), ProtocolError> {
+        if claim.kind != ReceiptKind::Claim {
+            let m = "only a claimed reader reports chunks it read itself; a read of a cache publication loads through the daemon";
+            return Err(Refusal::new(RefusalCode::WrongReceipt, "receipt", m).into());
+        }
         let manifest = self.authorize_load(who, claim)?;
         if chunks.is_empty() {
             return Err(Refusal::new(RefusalCode::BadRequest, "chunks", "no chunks reported").into());
@@ -287,32 +285,10 @@ impl Service {
             )
             .into());
         }
-        let manifest =
-            p.manifest.as_ref().ok_or_else(|| Refusal::new(RefusalCode::NotReady, "publication", "no manifest"))?;
+        Self::digest_of(&p)?;
         let served = self.lock_served().get(&p.id).filter(|(sig, _)| *sig == claim.signature).map(|(_, c)| c.clone());
         let served = served.unwrap_or_default();
-        let unserved: Vec<u32> = (0..manifest.chunks.len() as u32).filter(|c| !served.contains_key(c)).collect();
-        if !unserved.is_empty() {
-            return Err(Refusal::new(
-                RefusalCode::NotLoaded,
-                "restore_digest",
-                format!(
-                    "publication {}: chunks {unserved:?} were never loaded through the data plane for this claim (since it was adopted, or since the daemon restarted); load every chunk, then ack",
-                    p.id
-                ),
-            )
-            .into());
-        }
-        let crcs: Vec<u32> = served.values().copied().collect();
-        let expected = restore_digest(&self.signer.restore_nonce(&claim.signature), &crcs);
-        if restore != expected {
-            return Err(Refusal::new(
-                RefusalCode::RestoreMismatch,
-                "restore_digest",
-                "not the digest of this claim's nonce and the chunks it loaded: the restored bytes are not the ones served",
-            )
-            .into());
-        }
+        Self::check_restore(&p, &served, &self.signer.restore_nonce(&claim.signature), restore)?;
         self.store.ack(p.id, restore)?;
         self.lock_served().remove(&p.id);
         let mut e = Event::new("ack").claim(claim);
@@ -410,11 +386,14 @@ impl Service {
     pub fn close_session(&self, who: &Caller, claim: &Receipt) -> Result<(), ProtocolError> {
         who.require(Role::Reader, "close-session")?;
         self.signer.verify(claim)?;
+        if claim.kind == ReceiptKind::Read {
+            return self.close_read_session(who, claim);
+        }
         if claim.kind != ReceiptKind::Claim {
             return Err(Refusal::new(
                 RefusalCode::WrongReceipt,
                 "receipt",
-                "closing a session takes a claim receipt of that session, not a READY receipt",
+                "closing a session takes a claim or read receipt of that session, not a READY receipt",
             )
             .into());
         }
@@ -480,7 +459,7 @@ impl Service {
         Ok(detail)
     }
 
-    fn lock_closed(&self) -> std::sync::MutexGuard<'_, HashSet<(String, String)>> {
+    pub(super) fn lock_closed(&self) -> std::sync::MutexGuard<'_, HashSet<(String, String)>> {
         self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner())
     }
 

@@ -53,8 +53,11 @@ impl Service {
             )
             .into());
         }
-        let ask =
-            Ask { unread_release_ms: r.unread_release_ms, ..Ask::new(&r.req_id, &r.writer, &r.layout, r.total_chunks) };
+        let ask = Ask {
+            unread_release_ms: r.unread_release_ms,
+            cache: r.cache,
+            ..Ask::new(&r.req_id, &r.writer, &r.layout, r.total_chunks)
+        };
         self.prepare_as(who, ask, r.timeout_ms.map(Duration::from_millis), cancel)
     }
 

@@ -35,6 +35,10 @@
 //! | `foreign_ack` | a reader's ack echo comes from the node that decoded or restored | `publication 7: ack by reader-9, which never decoded or restored it` |
 //! | `unrecorded_step` | a client's echo of publish, claim or ack follows the daemon's line for it | `publication 7: reader echoes an ack the daemon never recorded` |
 //! | `after_end` | nothing about a publication after its ack, release, abort, reclaim or rolled-back store (refusals, and a writer's echo of the publish the daemon recorded before, aside) | `publication 7: load after its ack (line 13)` |
+//! | `read_class` | a publication is claimed (a handoff) or read (a cache), never both | `publication 8: read of a publication claimed at line 7 (a handoff, for one reader)` |
+//! | `read_ended` | a load or end under a read comes between its `read` and its end | `publication 8: load under a read that ended at line 12 (begun at line 9)` |
+//! | `read_without_load` | a read ends done only after every chunk was loaded for it, its digest that of its nonce and those chunks (`restore_mismatch`) | `publication 8: the read begun at line 9 ended done with chunks [1] never loaded for it` |
+//! | `release_while_read` | no release, eviction or expiry while a read of the publication is open | `publication 8: release while the reads begun at lines [9] are open` |
 //! | `anonymous_refusal` | a refusal names the publication or request it refused | `a refusal that names no publication or request` |
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -44,6 +48,7 @@ use serde::Serialize;
 use super::{Event, tokens_digest};
 use crate::io::PayloadPath;
 
+mod reads;
 mod steps;
 use steps::{load, payload, publish, reader_step, same_receipt, store};
 
@@ -156,6 +161,8 @@ struct Pub {
     ack: Option<usize>,
     /// The step that ended it, and its line.
     ended: Option<(String, usize)>,
+    /// Reads of it (a cache publication), by receipt.
+    reads: BTreeMap<String, reads::Read>,
 }
 
 /// Where violations go.
@@ -246,6 +253,13 @@ impl Checker {
                 self.report.payload_events += 1;
                 payload(&mut v, self.path, line, &who, e);
                 store(&mut v, line, &who, p, e);
+            }
+            _ if daemon && reads::is_read(p, e) => {
+                if e.event == "load" {
+                    self.report.payload_events += 1;
+                    payload(&mut v, self.path, line, &who, e);
+                }
+                reads::step(&mut v, line, &who, p, e);
             }
             "load" => {
                 self.report.payload_events += 1;

@@ -128,6 +128,16 @@ pub(super) fn load(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event)
         ),
         Some(_) => {}
     }
+    load_checks(v, line, who, p, e);
+    same_reader(v, line, who, p, e);
+    p.loaded.insert(chunk);
+    p.served.insert(chunk, e.crc32c);
+}
+
+/// What any load must be: of a chunk of the manifest, after its store,
+/// with the stored bytes.
+pub(super) fn load_checks(v: &mut Sink, line: usize, who: &str, p: &Pub, e: &Event) {
+    let chunk = e.chunk.unwrap_or(u32::MAX);
     let n = p.publish.as_ref().map_or(0, |x| x.chunks);
     if chunk >= n {
         v.add(line, "unknown_chunk", format!("{who}: chunk {chunk} loaded, the manifest has chunks 0..{n}"));
@@ -147,9 +157,6 @@ pub(super) fn load(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event)
         None if chunk < n => v.add(line, "causality", format!("{who}: chunk {chunk} loaded, never stored")),
         None => {}
     }
-    same_reader(v, line, who, p, e);
-    p.loaded.insert(chunk);
-    p.served.insert(chunk, e.crc32c);
 }
 
 /// A step names the claimed reader and session, where it names one.
@@ -175,6 +182,12 @@ fn same_reader(v: &mut Sink, line: usize, who: &str, p: &Pub, e: &Event) {
 pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event, daemon: bool) {
     match (e.event.as_str(), daemon) {
         ("claim", true) => {
+            if let Some(first) = p.reads.values().map(|r| r.line).min() {
+                let m = format!(
+                    "{who}: claim of a cache publication, read since line {first} (read by many, never claimed)"
+                );
+                v.add(line, "read_class", m);
+            }
             if p.publish.is_none() {
                 v.add(line, "causality", format!("{who}: claim before publish"));
             }
@@ -235,6 +248,14 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
                 v.add(line, "foreign_ack", format!("{who}: ack by {}, which never decoded or restored it", e.node));
             }
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
+        }
+        ("release" | "evict" | "expire", true) if !super::reads::open(p).is_empty() => {
+            let open = super::reads::open(p);
+            v.add(
+                line,
+                "release_while_read",
+                format!("{who}: {} while the reads begun at lines {open:?} are open", e.event),
+            );
         }
         ("release" | "evict" | "expire", true) if p.claim.is_some() => {
             let claim = p.claim.as_ref().map(|c| c.line);

@@ -151,3 +151,27 @@ fn a_writers_publish_echo_may_land_after_the_readers_ack_but_must_still_agree() 
     let r = check(&lines(t), PayloadPath::HostFixed);
     assert!(r.violations.iter().any(|v| v.kind == "after_end" && v.line == 15), "{:#?}", r.violations);
 }
+
+/// A cache publication read by two readers at once passes; every lie told
+/// about one of its reads is caught where it was told, by its rule.
+#[test]
+fn two_reads_of_a_cache_publication_pass_and_every_lie_about_a_read_is_caught() {
+    let r = check(&lines(mutate::example_cache()), PayloadPath::HostFixed);
+    assert!(r.ok(), "{:#?}", r.violations);
+    assert_eq!((r.publications, r.payload_events), (1, 6));
+    let mutants = mutate::mutants(&mutate::example_cache());
+    let names: Vec<&str> = mutants.iter().map(|m| m.name).collect();
+    assert_eq!(names.len(), 5, "{names:?}");
+    for m in &mutants {
+        let r = check(&lines(m.events.clone()), PayloadPath::HostFixed);
+        assert!(m.caught_by(&r).is_some(), "{}: expected {} at {:?}: {:#?}", m.name, m.expect, m.line, r.violations);
+    }
+    // Released once both reads ended is no violation; a second read after
+    // the release is one.
+    let mut t = mutate::example_cache();
+    let mut late = t[4].clone();
+    late.receipt = Some("C".into());
+    late.ts_ns = 100_000;
+    t.push(late);
+    only(mutate::renumbered(t), "after_end", 14);
+}

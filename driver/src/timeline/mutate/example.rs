@@ -71,3 +71,67 @@ pub fn example() -> Vec<Event> {
     ack_echo.digest = Some(digest);
     vec![oracle, prepare, s0, s1, publish, echo, claim, adopt, l0, l1, decode, cont, ack, ack_echo]
 }
+
+/// A cache publication of two chunks read by two readers at once, as the
+/// daemon writes it: prepare, stores, publish, two reads (each with its
+/// receipt and nonce), their loads interleaved, each read ended done with
+/// its digest, then the writer's release once no read is open.
+pub fn example_cache() -> Vec<Event> {
+    let mut ts = 0u64;
+    let mut seq = 0u64;
+    let mut ev = |event: &str| {
+        ts += 1000;
+        seq += 1;
+        Event {
+            node: "daemon-e1".into(),
+            seq,
+            ts_ns: ts,
+            event: event.into(),
+            req_id: Some("k1".into()),
+            publication: Some(8),
+            ..Default::default()
+        }
+    };
+    let crcs = [0x3333_3333u32, 0x4444_4444];
+    let payload = |mut e: Event, chunk: u32| {
+        e.chunk = Some(chunk);
+        e.path = Some("host_fixed".into());
+        e.verdict = Some("native".into());
+        e.bytes = Some(4096);
+        e.crc32c = Some(crcs[chunk as usize]);
+        e.dur_ns = Some(500);
+        e
+    };
+    let reads = [("A", "decode-0", "s-1", "aa00"), ("B", "decode-1", "s-2", "bb11")];
+    let of = |mut e: Event, which: usize| {
+        let (receipt, reader, session, _) = reads[which];
+        e.receipt = Some(receipt.into());
+        e.reader = Some(reader.into());
+        e.session = Some(session.into());
+        e
+    };
+    let mut out = vec![ev("prepare"), payload(ev("store"), 0), payload(ev("store"), 1)];
+    let mut publish = ev("publish");
+    publish.chunks = Some(2);
+    publish.crcs = Some(crcs.to_vec());
+    publish.receipt = Some("R8".into());
+    out.push(publish);
+    for (which, (_, _, _, nonce)) in reads.iter().enumerate() {
+        let mut read = of(ev("read"), which);
+        read.nonce = Some((*nonce).into());
+        out.push(read);
+    }
+    out.push(of(payload(ev("load"), 0), 0));
+    out.push(of(payload(ev("load"), 0), 1));
+    out.push(of(payload(ev("load"), 1), 0));
+    let done = |e: Event, which: usize| {
+        let mut e = of(e, which);
+        e.digest = Some(pdstor_client::receipt::restore_digest(reads[which].3, &crcs));
+        e
+    };
+    out.push(done(ev("read_done"), 0));
+    out.push(of(payload(ev("load"), 1), 1));
+    out.push(done(ev("read_done"), 1));
+    out.push(ev("release"));
+    out
+}

@@ -8,7 +8,7 @@ use std::ops::RangeInclusive;
 use super::{Event, Target, tokens_digest};
 
 /// One lie, before its timeline is renumbered.
-pub(super) struct Lie {
+pub(crate) struct Lie {
     pub(super) what: String,
     pub(super) expect: &'static str,
     pub(super) line: RangeInclusive<usize>,

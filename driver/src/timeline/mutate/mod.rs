@@ -2,8 +2,9 @@
 //! takes a correct timeline and tells one causal lie about one publication
 //! (a deleted publish, swapped times, an ack from a stranger, …); the checker
 //! must catch every mutant at the line the lie was told, with the rule it
-//! breaks. [`mutants`] makes them from any timeline with a complete handoff;
-//! [`example`] is a small correct one.
+//! breaks. [`mutants`] makes them from any timeline with a complete handoff
+//! or a cache publication's read; [`example`] and [`example_cache`] are
+//! small correct ones.
 
 use std::collections::HashMap;
 use std::ops::RangeInclusive;
@@ -15,7 +16,8 @@ use super::{Event, tokens_digest};
 
 mod example;
 mod lies;
-pub use example::example;
+mod reads;
+pub use example::{example, example_cache};
 
 /// One lie told to the checker.
 #[derive(Debug, Clone, Serialize)]
@@ -125,12 +127,19 @@ fn target(events: &[Event]) -> Option<Target> {
 /// a complete handoff). Each mutant is renumbered as its nodes would have
 /// written it, so only the lie itself is left to catch.
 pub fn mutants(events: &[Event]) -> Vec<Mutant> {
-    let Some(t) = target(events) else { return Vec::new() };
-    lies::ALL
-        .iter()
-        .filter_map(|&(name, tell)| {
-            let lie = tell(&t, events)?;
-            Some(Mutant { name, what: lie.what, line: lie.line, expect: lie.expect, events: renumbered(lie.events) })
-        })
-        .collect()
+    let mutant = |name, lie: lies::Lie| Mutant {
+        name,
+        what: lie.what,
+        line: lie.line,
+        expect: lie.expect,
+        events: renumbered(lie.events),
+    };
+    let mut out = Vec::new();
+    if let Some(t) = target(events) {
+        out.extend(lies::ALL.iter().filter_map(|&(name, tell)| Some(mutant(name, tell(&t, events)?))));
+    }
+    if let Some(t) = reads::target(events) {
+        out.extend(reads::ALL.iter().filter_map(|&(name, tell)| Some(mutant(name, tell(&t, events)?))));
+    }
+    out
 }
