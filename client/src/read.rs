@@ -73,8 +73,14 @@ impl Client {
             layout: layout.cloned(),
         };
         let answer: ReadAnswer = self.post("/storage-pd/read", &r)?;
-        let manifest = crate::the_one_claimed(answer.manifest, &ready.manifest_digest)?;
-        Ok(ReadAnswer { manifest, ..answer })
+        match crate::the_one_claimed(answer.manifest, &ready.manifest_digest) {
+            Ok(manifest) => Ok(ReadAnswer { manifest, ..answer }),
+            Err(e) => {
+                // Not the manifest the receipt names: the read is given up, not left held.
+                let _ = self.abandon_read(&answer.receipt, "the manifest answered is not the one the receipt names");
+                Err(e)
+            }
+        }
     }
 
     /// `read/end` with the restore digest: the read is done.

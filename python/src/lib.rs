@@ -566,7 +566,8 @@ impl Writer {
     /// With `unread_release_ms`, the daemon releases the publication unread
     /// if no reader claims it that long after READY (the daemon's
     /// `--unread-release-ms`, where shorter, bounds it). With `cache=True`,
-    /// a cache publication: read by many (no claim), kept until released.
+    /// a cache publication: read by many (no claim), kept until released
+    /// (or evicted, or past an unread window, where one applies).
     /// Returns the publication's number.
     #[pyo3(signature = (req_id, layout, total_chunks, timeout_ms = None, unread_release_ms = None, cache = false))]
     #[allow(clippy::too_many_arguments)] // a Python method's keyword arguments

@@ -70,6 +70,9 @@ impl Service {
             )
             .into());
         }
+        // The session's check and the read's entry under one lock, which a
+        // close of the session takes too: no read begins in a closed session.
+        let mut reads = self.lock_reads();
         let principal = who.owner().map(|o| o.principal).unwrap_or_default();
         if self.lock_closed().contains(&(principal, session.to_owned())) {
             let m = format!("session {session} was closed: begin reads in a new session");
@@ -97,11 +100,9 @@ impl Service {
             reader_owner: who.owner(),
             served: BTreeMap::new(),
         };
-        let held = {
-            let mut reads = self.lock_reads();
-            reads.insert(receipt.signature.clone(), lease);
-            reads.values().filter(|l| l.publication == p.id).count()
-        };
+        reads.insert(receipt.signature.clone(), lease);
+        let held = reads.values().filter(|l| l.publication == p.id).count();
+        drop(reads);
         let mut e =
             Event::new("read").claim(&receipt).detail(format!("reader {reader} session {session}; {held} held"));
         e.nonce = Some(nonce.clone());
@@ -207,25 +208,35 @@ impl Service {
             }
         };
         reads.remove(&r.signature);
+        let left = reads.values().filter(|l| l.publication == p.id).count();
         drop(reads);
-        let left = self.store.end_read(p.id)?;
         e.detail = Some(match e.detail.take() {
             Some(d) => format!("{d}; {left} held"),
             None => format!("{left} held"),
         });
+        // On the timeline before the store lets it go: a release the end
+        // makes possible is recorded after it.
         self.note(who, e);
+        self.store.end_read(p.id)?;
         Ok(())
     }
 
-    /// Closes the session a read receipt names, the caller's own: every
-    /// read of it ends, and no read or claim of it begins again.
+    /// Closes the session a read receipt names — its reader's (the read's
+    /// owner, or an admin, closes it), or the caller's own once the read has
+    /// ended: every read of it ends, and no read or claim of it begins again.
     pub(super) fn close_read_session(&self, who: &Caller, read: &Receipt) -> Result<(), ProtocolError> {
         let Some(session) = read.session.clone() else {
             return Err(Refusal::new(RefusalCode::BadRequest, "receipt", "the read receipt names no session").into());
         };
-        let principal = who.owner().map(|o| o.principal).unwrap_or_default();
-        self.lock_closed().insert((principal.clone(), session.clone()));
-        let ended = self.end_session_reads(who, &principal, &session)?;
+        let owner = self.lock_reads().get(&read.signature).map(|l| l.reader_owner.clone());
+        let principal = match owner {
+            Some(owner) => {
+                who.require_owner(owner.as_ref(), &format!("session {session}"))?;
+                owner.map(|o| o.principal).unwrap_or_default()
+            }
+            None => who.owner().map(|o| o.principal).unwrap_or_default(),
+        };
+        let ended = self.end_session_reads(who, &principal, &session);
         let detail = format!("{session}; {ended} read(s) of it ended");
         self.note(who, Event::new("close_session").req(&read.req_id).publication(read.publication).detail(detail));
         Ok(())
@@ -233,22 +244,28 @@ impl Service {
 
     /// Ends every read of `session` begun by `principal` (its session
     /// closed); answers how many.
-    fn end_session_reads(&self, who: &Caller, principal: &str, session: &str) -> Result<usize, ProtocolError> {
-        let ended: Vec<(String, u64)> = {
+    fn end_session_reads(&self, who: &Caller, principal: &str, session: &str) -> usize {
+        let ended: Vec<(String, u64, usize)> = {
             let mut reads = self.lock_reads();
+            self.lock_closed().insert((principal.to_owned(), session.to_owned()));
             let mine = |l: &ReadLease| {
                 l.session == session && l.reader_owner.as_ref().map_or("", |o| o.principal.as_str()) == principal
             };
             let keys: Vec<String> = reads.iter().filter(|(_, l)| mine(l)).map(|(k, _)| k.clone()).collect();
-            keys.into_iter().filter_map(|k| reads.remove(&k).map(|l| (k, l.publication))).collect()
+            let gone: Vec<(String, u64)> =
+                keys.into_iter().filter_map(|k| reads.remove(&k).map(|l| (k, l.publication))).collect();
+            let left = |id: u64| reads.values().filter(|l| l.publication == id).count();
+            gone.into_iter().map(|(k, id)| (k, id, left(id))).collect()
         };
-        for (signature, publication) in &ended {
-            let left = self.store.end_read(*publication)?;
-            let mut e = Event::new("read_end").publication(*publication).receipt(signature);
-            e = e.detail(format!("its session {session} was closed; {left} held"));
-            self.note(who, e);
+        for (signature, publication, left) in &ended {
+            let e = Event::new("read_end").publication(*publication).receipt(signature);
+            self.note(who, e.detail(format!("its session {session} was closed; {left} held")));
+            // Each read the store counted ends, whatever became of another's.
+            if let Err(err) = self.store.end_read(*publication) {
+                tracing::error!(publication, %err, "closing a session: a read the store did not count");
+            }
         }
-        Ok(ended.len())
+        ended.len()
     }
 
     /// The restore check an ack and a verified read end share: every chunk

@@ -1,7 +1,8 @@
 //! The reads of cache publications, as the checker holds them to the rules:
 //! a publication is claimed (a handoff) or read (a cache), never both; a
 //! read begins only once the publication is READY; every load under a read
-//! comes between its begin and its end; a verified end (`read_done`) follows
+//! comes between its begin and its end (or the restart of the daemon that
+//! began it); a verified end (`read_done`) follows
 //! a load of every chunk for that read and carries the digest of the read's
 //! nonce and what was loaded; and no release, eviction or expiry ends a
 //! publication while any read of it is open.
@@ -13,6 +14,8 @@ pub(super) struct Read {
     /// Its `read` line.
     pub(super) line: usize,
     nonce: Option<String>,
+    /// The daemon incarnation that began it: a restart ends it unrecorded.
+    node: String,
     /// Chunk → crc32c as the daemon loaded it for this read.
     served: BTreeMap<u32, Option<u32>>,
     /// The line that ended it.
@@ -71,7 +74,8 @@ fn begin(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: &Event, receipt: 
         v.add(line, "receipt_mismatch", m);
         return;
     }
-    p.reads.insert(receipt, Read { line, nonce: e.nonce.clone(), served: BTreeMap::new(), ended: None });
+    let node = e.node.clone();
+    p.reads.insert(receipt, Read { line, node, nonce: e.nonce.clone(), served: BTreeMap::new(), ended: None });
 }
 
 fn end(p: &mut Pub, receipt: &str, line: usize) {
@@ -105,7 +109,9 @@ fn done(v: &mut Sink, line: usize, who: &str, p: &Pub, e: &Event, receipt: &str)
     }
 }
 
-/// Reads of `p` not ended yet: their begin lines.
-pub(super) fn open(p: &Pub) -> Vec<usize> {
-    p.reads.values().filter(|r| r.ended.is_none()).map(|r| r.line).collect()
+/// Reads of `p` the daemon incarnation `node` began and has not ended:
+/// their begin lines. (A restart ends every read of the incarnation before
+/// it without a line: its reads were in its memory.)
+pub(super) fn open(p: &Pub, node: &str) -> Vec<usize> {
+    p.reads.values().filter(|r| r.ended.is_none() && r.node == node).map(|r| r.line).collect()
 }

@@ -249,8 +249,8 @@ pub(super) fn reader_step(v: &mut Sink, line: usize, who: &str, p: &mut Pub, e: 
             }
             same_receipt(v, line, who, "claim", &mut p.claim_receipt, e);
         }
-        ("release" | "evict" | "expire", true) if !super::reads::open(p).is_empty() => {
-            let open = super::reads::open(p);
+        ("release" | "evict" | "expire", true) if !super::reads::open(p, &e.node).is_empty() => {
+            let open = super::reads::open(p, &e.node);
             v.add(
                 line,
                 "release_while_read",

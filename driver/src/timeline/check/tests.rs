@@ -175,3 +175,21 @@ fn two_reads_of_a_cache_publication_pass_and_every_lie_about_a_read_is_caught() 
     t.push(late);
     only(mutate::renumbered(t), "after_end", 14);
 }
+
+/// A restart ends the reads the daemon held in memory, with no line: a
+/// release by the next incarnation is no release under a read.
+#[test]
+fn a_release_after_a_restart_does_not_count_the_last_incarnations_reads() {
+    let mut t = mutate::example_cache();
+    t.truncate(6); // prepare, stores, publish, two reads: none ended
+    let mut release = t[5].clone();
+    release.event = "release".into();
+    (release.receipt, release.reader, release.session, release.nonce) = (None, None, None, None);
+    release.node = "daemon-e2".into();
+    t.push(release.clone());
+    let r = check(&lines(mutate::renumbered(t.clone())), PayloadPath::HostFixed);
+    assert!(r.ok(), "{:#?}", r.violations);
+    release.node = "daemon-e1".into();
+    t[6] = release;
+    only(mutate::renumbered(t), "release_while_read", 7);
+}
