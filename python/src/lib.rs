@@ -1111,12 +1111,18 @@ impl Reader {
     /// `abandon_read` gives it up. While it is open the publication is
     /// neither released nor evicted.
     #[pyo3(signature = (ready, layout = None))]
-    fn read(&mut self, py: Python<'_>, ready: PyRef<'_, Receipt>, layout: Option<&Bound<'_, PyAny>>) -> PyResult<Receipt> {
+    fn read(
+        &mut self,
+        py: Python<'_>,
+        ready: PyRef<'_, Receipt>,
+        layout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Receipt> {
         let layout = layout.map(layout_from).transpose()?;
         let (c, r) = (self.conn.clone(), ready.inner.clone());
         let (reader, session) = (self.reader_id.clone(), self.session.clone());
-        let answer =
-            py.detach(move || c.control.read(&r, &reader, &session, layout.as_ref())).map_err(|e| to_py(py, e.into()))?;
+        let answer = py
+            .detach(move || c.control.read(&r, &reader, &session, layout.as_ref()))
+            .map_err(|e| to_py(py, e.into()))?;
         let adopted = Adopted { manifest: answer.manifest, verified: BTreeMap::new(), staged: BTreeMap::new() };
         self.adopted.insert(answer.receipt.signature.clone(), adopted);
         Ok(Receipt { inner: answer.receipt })
