@@ -50,7 +50,7 @@ impl Client {
     }
 
     /// [`batch`](Self::batch), each answer read as `T`.
-    fn batch_of<T: DeserializeOwned>(&self, steps: Vec<BatchStep>) -> Result<Outcomes<T>, ClientError> {
+    pub(crate) fn batch_of<T: DeserializeOwned>(&self, steps: Vec<BatchStep>) -> Result<Outcomes<T>, ClientError> {
         Ok(self
             .batch_raw(steps)?
             .into_iter()

@@ -121,6 +121,7 @@ class Writer:
         layout: Layout,
         first_token: int | None = None,
         timeout_ms: int | None = None,
+        cache: bool = False,
     ) -> list[Receipt | Error]: ...
 
 class Reader:
@@ -149,6 +150,16 @@ class Reader:
     def read(self, ready: Receipt, layout: Layout | None = None) -> Receipt: ...
     def end_read(self, read: Receipt) -> None: ...
     def abandon_read(self, read: Receipt, reason: str) -> None: ...
+    def read_many(self, readies: Sequence[Receipt], layout: Layout | None = None) -> list[Receipt | Error]:
+        """Each READY cache publication read, the read held, in one round trip."""
+    def finish_reads(
+        self,
+        items: Sequence[tuple[Receipt, Buffer, int]],
+        into: Callable[[dict[str, Any]], _BufferLike] | None = None,
+    ) -> list[dict[str, Any] | Error]:
+        """Each held read loaded (and with into copied on, checked in the
+        copy) and ended: done once restored, abandoned if not."""
+    def abandon_reads(self, reads: Sequence[Receipt], reason: str) -> list[None | Error]: ...
     def fail(self, claim: Receipt, reason: str) -> None: ...
     def get(
         self, ready: Receipt, layout: Layout, buffer: Buffer, offset: int = 0, lease_ms: int = 60000
@@ -161,6 +172,7 @@ class Reader:
         lease_ms: int = 60000,
         *,
         into: Callable[[dict[str, Any]], _BufferLike] | None = None,
+        cache: bool = False,
     ) -> list[dict[str, Any] | Error]:
         """With into: each item copied on into into(manifest) (exactly its
         bytes), every chunk checked in that copy, before the ack."""
@@ -172,6 +184,7 @@ class Reader:
         lease_ms: int = 60000,
         *,
         place: Callable[[dict[str, Any]], tuple[Buffer, int]],
+        cache: bool = False,
     ) -> list[dict[str, Any] | Error]:
         """With place: each adopted item goes where place(manifest) says."""
 

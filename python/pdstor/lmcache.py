@@ -630,3 +630,7 @@ class PdstorBackend(StoragePluginInterface):
         with self._lock:
             self._closed = True
         self._threads.shutdown(wait=True)
+
+
+# The L2 adapter for LMCache's multiprocess server, under this module's name too.
+from .lmcache_l2 import L2Adapter  # noqa: E402,F401

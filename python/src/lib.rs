@@ -782,8 +782,9 @@ impl Writer {
     /// data-plane frame of stores (one device submission), one `publish`
     /// batch (one commit). Answers one entry per item, in order: its READY
     /// `Receipt`, or the `pdstor.Error` it failed with (nothing of it is
-    /// left prepared); one item's failure never raises.
-    #[pyo3(signature = (items, layout, first_token = None, timeout_ms = None))]
+    /// left prepared); one item's failure never raises. With `cache=True`,
+    /// cache publications (read by many, never claimed).
+    #[pyo3(signature = (items, layout, first_token = None, timeout_ms = None, cache = false))]
     fn put_many<'py>(
         &self,
         py: Python<'py>,
@@ -791,6 +792,7 @@ impl Writer {
         layout: &Bound<'py, PyAny>,
         first_token: Option<u32>,
         timeout_ms: Option<u64>,
+        cache: bool,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         if self.current.is_some() {
             return Err(to_py(py, Failure::Usage("put_many: a publication is still open on this writer".into())));
@@ -815,7 +817,7 @@ impl Writer {
         }
         let (c, writer) = (self.conn.clone(), self.writer_id.clone());
         let done = py
-            .detach(move || many::put_many(&c, &writer, &layout, list, first_token, timeout_ms))
+            .detach(move || many::put_many(&c, &writer, &layout, list, many::Asked { first_token, timeout_ms, cache }))
             .map_err(|e| to_py(py, e.into()))?;
         done.into_iter()
             .map(|r| entry(py, r, |receipt| Ok(Bound::new(py, Receipt { inner: receipt })?.into_any())))
@@ -1239,7 +1241,12 @@ impl Reader {
     /// adopt batch — and each chunk is checked against its manifest in that
     /// copy, before the ack: one pass over the bytes. One that raises or
     /// gives the wrong size fails that item only (RETAINED).
-    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None, into = None))]
+    ///
+    /// With `cache=True` the receipts are of cache publications: each is
+    /// read (not claimed) and its read ended once restored; one that fails
+    /// is abandoned, and the publication stays READY.
+    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None, into = None, cache = false))]
+    #[allow(clippy::too_many_arguments)] // a Python method's keyword arguments
     fn get_many<'py>(
         &self,
         py: Python<'py>,
@@ -1248,6 +1255,7 @@ impl Reader {
         lease_ms: u64,
         place: Option<&Bound<'py, PyAny>>,
         into: Option<&Bound<'py, PyAny>>,
+        cache: bool,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let layout = layout_from(layout)?;
         let mut readies = Vec::new();
@@ -1277,40 +1285,147 @@ impl Reader {
         let (c, reader, session, verify) =
             (self.conn.clone(), self.reader_id.clone(), self.session.clone(), self.verify);
         let who = many::Getter { reader: &reader, session: &session, layout: &layout, lease_ms };
-        let got = py.detach(|| many::adopt_many(&c, &who, &readies)).map_err(|e| to_py(py, e.into()))?;
+        let (got, finish) = if cache {
+            (py.detach(|| many::read_many(&c, &who, &readies)), many::Finish::EndRead)
+        } else {
+            (py.detach(|| many::adopt_many(&c, &who, &readies)), many::Finish::Ack)
+        };
+        let got = got.map_err(|e| to_py(py, e.into()))?;
         if let Some(place) = place {
             places = got.iter().map(|g| place_of(py, place, g)).collect();
         }
-        // Held until the copies are done: each item's destination.
-        let mut dests: Vec<staged::Dest> = Vec::new();
-        if let Some(into) = into {
-            let sources: Vec<BufferRef> =
-                places.iter().filter_map(|p| p.as_ref().ok()).map(|p| p.buffer.clone()).collect();
-            let sources: Vec<&BufferRef> = sources.iter().collect();
-            for (g, p) in got.iter().zip(places.iter_mut()) {
-                let Ok(at) = p else { continue };
-                // One whose memory overlaps another's, or a staging buffer's,
-                // fails alone (RETAINED), as a bad size does.
-                let checked = dest_of(py, into, g).and_then(|d| {
-                    let mut all: Vec<&staged::Dest> = dests.iter().collect();
-                    all.push(&d);
-                    staged::disjoint(&all, &sources)
-                        .map(|()| d)
-                        .map_err(|e| ClientError::Data(format!("get_many: into(manifest): {e}")))
-                });
-                match checked {
-                    Ok(d) => {
-                        at.into = Some((d.span().0, d.len()));
-                        dests.push(d);
-                    }
-                    Err(e) => *p = Err(e),
+        restore(py, &c, verify, got, places, into, finish)
+    }
+
+    /// Reads many READY cache publications, holding each read (no load):
+    /// one round trip. Answers one entry per receipt, in order: its read
+    /// `Receipt` — for `finish_reads` or `abandon_reads` — or the
+    /// `pdstor.Error` that refused it.
+    #[pyo3(signature = (readies, layout = None))]
+    fn read_many<'py>(
+        &mut self,
+        py: Python<'py>,
+        readies: Vec<PyRef<'py, Receipt>>,
+        layout: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let layout = layout.map(layout_from).transpose()?;
+        let asks = readies
+            .iter()
+            .map(|r| pdstor_client::read::ReadRequest {
+                receipt: r.inner.clone(),
+                reader_id: self.reader_id.clone(),
+                session_id: self.session.clone(),
+                layout: layout.clone(),
+            })
+            .collect();
+        let c = self.conn.clone();
+        let done = py.detach(move || c.control.read_many(asks)).map_err(|e| to_py(py, e.into()))?;
+        let mut out = Vec::with_capacity(done.len());
+        for r in done {
+            out.push(entry(py, r, |a| {
+                let adopted = Adopted { manifest: a.manifest, verified: BTreeMap::new(), staged: BTreeMap::new() };
+                self.adopted.insert(a.receipt.signature.clone(), adopted);
+                Ok(Bound::new(py, Receipt { inner: a.receipt })?.into_any())
+            })?);
+        }
+        Ok(out)
+    }
+
+    /// Restores many reads `read_many` holds — items `(read, buffer,
+    /// offset)`, each loaded there; with `into`, copied on into
+    /// `into(manifest)` and checked in that copy — and ends each: done once
+    /// restored, abandoned if not (the publication stays READY). In two
+    /// round trips whatever their number.
+    #[pyo3(signature = (items, into = None))]
+    fn finish_reads<'py>(
+        &mut self,
+        py: Python<'py>,
+        items: Vec<(PyRef<'py, Receipt>, PyRef<'py, Buffer>, u64)>,
+        into: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut got = Vec::with_capacity(items.len());
+        let mut places = Vec::with_capacity(items.len());
+        for (read, buffer, offset) in &items {
+            let manifest = self.adopted.remove(&read.inner.signature).map(|a| a.manifest);
+            got.push(match manifest {
+                Some(manifest) => many::Got::Adopted { claim: read.inner.clone(), manifest },
+                None => many::Got::Failed {
+                    claim: None,
+                    error: ClientError::Data("finish_reads: a receipt this reader's read_many did not answer".into()),
+                },
+            });
+            places.push(Ok(many::Place { buffer: BufferRef::from(&**buffer), offset: *offset, into: None }));
+        }
+        restore(py, &self.conn.clone(), self.verify, got, places, into, many::Finish::EndRead)
+    }
+
+    /// Gives up many reads (from `read` or `read_many`) for `reason`, in one
+    /// round trip; answers `None` or the `pdstor.Error` of each, in order.
+    fn abandon_reads<'py>(
+        &mut self,
+        py: Python<'py>,
+        reads: Vec<PyRef<'py, Receipt>>,
+        reason: String,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let owned: Vec<RustReceipt> = reads.iter().map(|r| r.inner.clone()).collect();
+        for r in &owned {
+            self.adopted.remove(&r.signature);
+        }
+        let c = self.conn.clone();
+        let done = py
+            .detach(move || {
+                let ends: Vec<(&RustReceipt, pdstor_client::read::End<'_>)> =
+                    owned.iter().map(|r| (r, pdstor_client::read::End::Abandoned(reason.as_str()))).collect();
+                c.control.end_read_many(&ends)
+            })
+            .map_err(|e| to_py(py, e.into()))?;
+        done.into_iter().map(|r| entry(py, r, |()| Ok(py.None().into_bound(py)))).collect()
+    }
+}
+
+/// The end of a get or read of many: with `into`, each item's destination
+/// checked (writable, exactly its bytes, overlapping nothing) and held
+/// until the copies are done; then every item loaded, checked and ended as
+/// `finish` says ([`many::restore_many`]).
+fn restore<'py>(
+    py: Python<'py>,
+    c: &Arc<Conn>,
+    verify: Verify,
+    got: Vec<many::Got>,
+    mut places: Vec<Result<many::Place, ClientError>>,
+    into: Option<&Bound<'py, PyAny>>,
+    finish: many::Finish,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    // Held until the copies are done: each item's destination.
+    let mut dests: Vec<staged::Dest> = Vec::new();
+    if let Some(into) = into {
+        let sources: Vec<BufferRef> = places.iter().filter_map(|p| p.as_ref().ok()).map(|p| p.buffer.clone()).collect();
+        let sources: Vec<&BufferRef> = sources.iter().collect();
+        for (g, p) in got.iter().zip(places.iter_mut()) {
+            let Ok(at) = p else { continue };
+            // One whose memory overlaps another's, or a staging buffer's,
+            // fails alone (RETAINED), as a bad size does.
+            let checked = dest_of(py, into, g).and_then(|d| {
+                let mut all: Vec<&staged::Dest> = dests.iter().collect();
+                all.push(&d);
+                staged::disjoint(&all, &sources)
+                    .map(|()| d)
+                    .map_err(|e| ClientError::Data(format!("get_many: into(manifest): {e}")))
+            });
+            match checked {
+                Ok(d) => {
+                    at.into = Some((d.span().0, d.len()));
+                    dests.push(d);
                 }
+                Err(e) => *p = Err(e),
             }
         }
-        let done = py.detach(move || many::restore_many(&c, verify, places, got)).map_err(|e| to_py(py, e.into()))?;
-        drop(dests);
-        done.into_iter().map(|r| entry(py, r, |m| manifest_dict(py, &m))).collect()
     }
+    let c = c.clone();
+    let done =
+        py.detach(move || many::restore_many(&c, verify, places, got, finish)).map_err(|e| to_py(py, e.into()))?;
+    drop(dests);
+    done.into_iter().map(|r| entry(py, r, |m| manifest_dict(py, &m))).collect()
 }
 
 /// Where `into` copies an adopted item's bytes (`into(manifest) -> dest`):

@@ -10,6 +10,7 @@
 
 use pdstor_client::BufferKind;
 use pdstor_client::layout::{Layout, Manifest};
+use pdstor_client::read::{End, EndReadRequest, ReadRequest};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{
     AbortRequest, AdoptRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
@@ -34,6 +35,16 @@ pub(crate) struct Getter<'a> {
     pub lease_ms: u64,
 }
 
+/// What a put asks of every item.
+pub(crate) struct Asked {
+    /// The token a reader continues from.
+    pub first_token: Option<u32>,
+    /// How long a prepare waits for capacity.
+    pub timeout_ms: Option<u64>,
+    /// Cache publications (read by many) instead of handoffs.
+    pub cache: bool,
+}
+
 /// Puts every item: its READY receipt, or why it is not stored (then
 /// nothing of it is left prepared).
 pub(crate) fn put_many(
@@ -41,9 +52,9 @@ pub(crate) fn put_many(
     writer: &str,
     layout: &Layout,
     items: Vec<PutItem>,
-    first_token: Option<u32>,
-    timeout_ms: Option<u64>,
+    asked: Asked,
 ) -> Result<Outcomes<RustReceipt>, ClientError> {
+    let Asked { first_token, timeout_ms, cache } = asked;
     let asks = items
         .iter()
         .map(|i| PrepareRequest {
@@ -53,7 +64,7 @@ pub(crate) fn put_many(
             writer: writer.into(),
             timeout_ms,
             unread_release_ms: None,
-            cache: false,
+            cache,
         })
         .collect();
     let mut outcomes: Vec<Result<Option<Prepared>, ClientError>> =
@@ -209,6 +220,40 @@ pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt])
         .collect())
 }
 
+/// The first half of a read of many cache publications: every READY
+/// receipt read (each naming the layout), in one round trip — each item
+/// `Adopted` under its read receipt, or `Failed`.
+pub(crate) fn read_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) -> Result<Vec<Got>, ClientError> {
+    let asks = readies
+        .iter()
+        .map(|ready| ReadRequest {
+            receipt: ready.clone(),
+            reader_id: who.reader.into(),
+            session_id: who.session.into(),
+            layout: Some(who.layout.clone()),
+        })
+        .collect();
+    Ok(conn
+        .control
+        .read_many(asks)?
+        .into_iter()
+        .map(|a| match a {
+            Ok(a) => Got::Adopted { claim: a.receipt, manifest: a.manifest },
+            Err(error) => Got::Failed { claim: None, error },
+        })
+        .collect())
+}
+
+/// How the items of a restore end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// Claims: acknowledged; one that failed reported failed (RETAINED).
+    Ack,
+    /// Reads of cache publications: ended done; one that failed abandoned
+    /// (the publication stays READY for the next reader).
+    EndRead,
+}
+
 /// The second half: every adopted item loaded to its place in one
 /// data-plane frame (each chunk checked against its manifest), what failed
 /// after its claim reported failed (RETAINED, its bytes kept), what was
@@ -219,6 +264,7 @@ pub(crate) fn restore_many(
     verify: Verify,
     places: Vec<Result<Place, ClientError>>,
     mut got: Vec<Got>,
+    finish: Finish,
 ) -> Result<Outcomes<Manifest>, ClientError> {
     let mut placed = Vec::with_capacity(got.len());
     for (g, place) in got.iter_mut().zip(places) {
@@ -238,9 +284,14 @@ pub(crate) fn restore_many(
     let fails: Vec<BatchStep> = got
         .iter()
         .filter_map(|g| match g {
-            Got::Failed { claim: Some(c), error } => {
+            Got::Failed { claim: Some(c), error } if finish == Finish::Ack => {
                 Some(BatchStep::Fail(FailRequest { receipt: c.clone(), reason: error.to_string() }))
             }
+            Got::Failed { claim: Some(c), error } => Some(BatchStep::EndRead(EndReadRequest {
+                receipt: c.clone(),
+                restore_digest: None,
+                reason: Some(error.to_string()),
+            })),
             _ => None,
         })
         .collect();
@@ -255,7 +306,15 @@ pub(crate) fn restore_many(
             _ => None,
         })
         .collect();
-    let mut acked = if acks.is_empty() { Vec::new() } else { conn.control.ack_many(&acks)? }.into_iter();
+    let mut acked = match finish {
+        _ if acks.is_empty() => Vec::new(),
+        Finish::Ack => conn.control.ack_many(&acks)?,
+        Finish::EndRead => {
+            let ends: Vec<(&RustReceipt, End<'_>)> = acks.iter().map(|(r, d)| (*r, End::Done(d))).collect();
+            conn.control.end_read_many(&ends)?
+        }
+    }
+    .into_iter();
     Ok(got
         .into_iter()
         .map(|g| match g {
