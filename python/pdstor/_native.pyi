@@ -160,6 +160,8 @@ class Reader:
         """Each held read loaded (and with into copied on, checked in the
         copy) and ended: done once restored, abandoned if not."""
     def abandon_reads(self, reads: Sequence[Receipt], reason: str) -> list[None | Error]: ...
+    def manifest(self, receipt: Receipt) -> dict[str, Any]:
+        """The manifest of a claim this reader adopted, or of a read it holds."""
     def fail(self, claim: Receipt, reason: str) -> None: ...
     def get(
         self, ready: Receipt, layout: Layout, buffer: Buffer, offset: int = 0, lease_ms: int = 60000

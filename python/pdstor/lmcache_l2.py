@@ -80,11 +80,51 @@ def _round_up(n: int) -> int:
     return -(-n // _PAGE) * _PAGE
 
 
+class _SharedL1:
+    """LMCache's L1 when it lives in a shared-memory file (the server's
+    ``--no-l1-use-lazy --shm-name X``), found by where ``l1_memory_desc.ptr``
+    is mapped: the daemon then moves each object's bytes straight between
+    the device and L1, with no staging copy either way (it reaches the file
+    through its own mapping; this process checksums what it stores, and each
+    chunk loaded into it is checked here against the stored crc32c)."""
+
+    def __init__(self, path: str, base: int, size: int):
+        self.path = path
+        self.buffer = pdstor.Buffer.shared_file(path, size)
+        self.base = base
+        self.size = size
+
+    @staticmethod
+    def of(desc: Any) -> Optional["_SharedL1"]:
+        ptr = getattr(desc, "ptr", None)
+        if not ptr:
+            return None
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if not lo <= ptr < hi:
+                    continue
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if not path.startswith("/dev/shm/"):
+                    return None
+                try:
+                    return _SharedL1(path, lo - int(fields[2], 16), os.stat(path).st_size)
+                except (OSError, ValueError, pdstor.Error) as e:
+                    logger.warning("pdstor L2 adapter: L1 in %s cannot be shared with the daemon (%s): staging", path, e)
+                    return None
+        return None
+
+    def offset_of(self, obj: Any) -> Optional[int]:
+        """Where `obj`'s bytes start in the file, or None if not in it."""
+        at = obj.data_ptr - self.base
+        return at if 0 <= at and at + len(obj.byte_array) <= self.size else None
+
+
 class L2Adapter(L2AdapterInterface):
     """LMCache L2 adapter over ``pdstor serve``. See the module's documentation."""
 
     def __init__(self, config: Any = None, l1_memory_desc: Any = None) -> None:
-        del l1_memory_desc  # L1 is anonymous memory: every byte goes through staging
         params = dict(config or {})
         self._server = str(params.get("server", "unix:/run/pdstor/control.sock"))
         self._data_socket = str(params.get("data_socket", "/run/pdstor/data.sock"))
@@ -113,6 +153,13 @@ class L2Adapter(L2AdapterInterface):
         self._load_buf = pdstor.Buffer(staging, "pdstor-l2-load", staging=True)
         self._wclient.register(self._store_buf)
         self._rclient.register(self._load_buf)
+        self.shared = _SharedL1.of(l1_memory_desc)
+        if self.shared is not None:
+            self._wclient.register(self.shared.buffer)
+            self._rclient.register(self.shared.buffer)
+            logger.info("pdstor L2 adapter: L1 is %s: no staging copy", self.shared.path)
+        else:
+            logger.info("pdstor L2 adapter: L1 is not a shared-memory file: every object is copied through staging")
         self._fds = {op: os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for op in ("store", "lookup", "load")}
         self._pools = {op: ThreadPoolExecutor(1, thread_name_prefix=f"pdstor-l2-{op}") for op in self._fds}
         self._lock = threading.Lock()
@@ -127,6 +174,8 @@ class L2Adapter(L2AdapterInterface):
         self._sizes: dict[str, int] = {}
         self._closed = False
         self.failures = {"store": 0, "load": 0, "unlock": 0, "delete_kept": 0}
+        # Objects moved straight between the device and L1, and through staging.
+        self.moved = {"in_place": 0, "staged": 0}
 
     # --- event fds and task plumbing ------------------------------------------
 
@@ -180,12 +229,19 @@ class L2Adapter(L2AdapterInterface):
             items, names = [], []
             at = 0
             for i in group:
-                data = memoryview(objects[i].byte_array).cast("B")
-                self._store_buf.write(at, data)
-                n = len(data)
-                items.append((object_key_to_string(keys[i]), [(self._store_buf, at + o, min(self._slot, n - o)) for o in range(0, n, self._slot)]))
+                n = len(objects[i].byte_array)
+                place = self.shared.offset_of(objects[i]) if self.shared is not None else None
+                if place is not None:
+                    buf = self.shared.buffer
+                    self.moved["in_place"] += 1
+                else:
+                    buf, place = self._store_buf, at
+                    self._store_buf.write(at, memoryview(objects[i].byte_array).cast("B"))
+                    at += _round_up(n)
+                    self.moved["staged"] += 1
+                chunks = [(buf, place + o, min(self._slot, n - o)) for o in range(0, n, self._slot)]
+                items.append((object_key_to_string(keys[i]), chunks))
                 names.append(i)
-                at += _round_up(n)
             answers = self._writer.put_many(items, _LAYOUT, timeout_ms=self._timeout_ms, cache=True)
             for i, answer in zip(names, answers):
                 if isinstance(answer, pdstor.DuplicateRequest):
@@ -204,11 +260,13 @@ class L2Adapter(L2AdapterInterface):
         return L2StoreResult(ok, sum(sizes))
 
     def _groups(self, objects: list) -> list[list[int]]:
-        """Indexes of `objects` in groups whose bytes fit a staging buffer."""
+        """Indexes of `objects` in groups whose staged bytes fit a staging
+        buffer (an object in shared L1 takes none)."""
         groups: list[list[int]] = []
         room = 0
         for i, obj in enumerate(objects):
-            need = _round_up(len(obj.byte_array))
+            shared = self.shared is not None and self.shared.offset_of(obj) is not None
+            need = 0 if shared else _round_up(len(obj.byte_array))
             if need > len(self._store_buf):
                 raise ValueError(f"an object of {need} bytes is larger than the staging buffer (staging_mib)")
             if not groups or need > room:
@@ -311,35 +369,51 @@ class L2Adapter(L2AdapterInterface):
                 raise ValueError(f"{names[i]}: LMCache's object holds {len(dest)} bytes, the publication {size}")
             return dest
 
+        # Straight into L1 where it is shared and the sizes agree; the rest
+        # through staging, each item copied on (and checked) by `into`.
+        in_place: list[tuple[pdstor.Receipt, pdstor.Buffer, int]] = []
+        in_place_of: list[int] = []
+        staged: list[int] = []
+        for i in todo:
+            at = self.shared.offset_of(objects[i]) if self.shared is not None else None
+            if at is not None:
+                with self._reader_lock:
+                    manifest = self._reader.manifest(reads[i])
+                if sum(c["len"] for c in manifest["chunks"]) == len(objects[i].byte_array):
+                    in_place.append((reads[i], self.shared.buffer, at))
+                    in_place_of.append(i)
+                    continue
+            staged.append(i)
+        if in_place:
+            self._finish(in_place, in_place_of, None, names, bits)
+            self.moved["in_place"] += len(in_place)
         at = 0
         batch: list[tuple[pdstor.Receipt, pdstor.Buffer, int]] = []
         order: list[int] = []
-
-        def flush() -> None:
-            nonlocal at
-            if not batch:
-                return
-            with self._reader_lock:
-                answers = self._reader.finish_reads(batch, into=into)
-            for i, answer in zip(order, answers):
-                if isinstance(answer, BaseException):
-                    self.failures["load"] += 1
-                    logger.error("pdstor L2 adapter: %s not loaded: %s", names[i], answer)
-                else:
-                    bits.set(i)
-            batch.clear()
-            order.clear()
-            at = 0
-
-        for i in todo:
+        for i in staged:
             need = _round_up(len(objects[i].byte_array))
             if at + need > len(self._load_buf):
-                flush()
+                self._finish(batch, order, into, names, bits)
+                batch, order, at = [], [], 0
             batch.append((reads[i], self._load_buf, at))
             order.append(i)
             at += need
-        flush()
+        self._finish(batch, order, into, names, bits)
+        self.moved["staged"] += len(staged)
         return bits
+
+    def _finish(self, batch: list, order: list[int], into: Optional[Callable], names: list[str], bits: Bitmap) -> None:
+        """Loads and ends the held reads of `batch`; sets the bit of each restored."""
+        if not batch:
+            return
+        with self._reader_lock:
+            answers = self._reader.finish_reads(batch, into=into)
+        for i, answer in zip(order, answers):
+            if isinstance(answer, BaseException):
+                self.failures["load"] += 1
+                logger.error("pdstor L2 adapter: %s not loaded: %s", names[i], answer)
+            else:
+                bits.set(i)
 
     # --- delete, listing, status ----------------------------------------------
 

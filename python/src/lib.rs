@@ -1359,6 +1359,16 @@ impl Reader {
         restore(py, &self.conn.clone(), self.verify, got, places, into, many::Finish::EndRead)
     }
 
+    /// The manifest of a claim this reader adopted, or of a read it holds.
+    fn manifest<'py>(&self, py: Python<'py>, receipt: PyRef<'_, Receipt>) -> PyResult<Bound<'py, PyAny>> {
+        match self.adopted.get(&receipt.inner.signature) {
+            Some(a) => manifest_dict(py, &a.manifest),
+            None => {
+                Err(to_py(py, Failure::Usage("manifest: this receipt is not adopted or read by this reader".into())))
+            }
+        }
+    }
+
     /// Gives up many reads (from `read` or `read_many`) for `reason`, in one
     /// round trip; answers `None` or the `pdstor.Error` of each, in order.
     fn abandon_reads<'py>(

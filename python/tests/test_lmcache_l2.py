@@ -132,6 +132,41 @@ def test_a_chunk_that_does_not_verify_fails_its_key_and_the_publication_stays(da
         a.close()
 
 
+def test_an_l1_in_shared_memory_moves_straight_to_and_from_the_device(daemon):
+    """LMCache's L1 as a shared-memory file (the server's --shm-name): no
+    staging copy either way, and the bytes still come back exactly."""
+    path = Path(f"/dev/shm/pdstor-test-l1-{os.getpid()}")
+    n = 4
+    try:
+        pool = torch.from_file(str(path), shared=True, size=(n + 1) * OBJ * 4, dtype=torch.uint8)
+        floats = pool.view(torch.float32)
+        # Objects at page-aligned places in the pool, as LMCache's allocator lays them out.
+        objs = [check._create_memory_obj(raw_data=floats[i * OBJ : (i + 1) * OBJ], obj_size=OBJ) for i in range(n)]
+        for i, o in enumerate(objs):
+            o.raw_data.copy_(torch.arange(OBJ, dtype=torch.float32) * (3.0 + i))
+        want = [o.raw_data.clone() for o in objs]
+        a = L2Adapter(params(daemon), l1_memory_desc=check._create_l1_memory_desc(pool))
+        try:
+            assert a.shared is not None and a.shared.path == str(path)
+            ks = keys(n, "shm")
+            assert store(a, ks, objs).is_successful()
+            for o in objs:
+                o.raw_data.zero_()
+            assert lock(a, ks) == [True] * n
+            assert load(a, ks, objs) == [True] * n
+            for o, w in zip(objs, want):
+                assert torch.equal(o.raw_data, w)
+            assert a.moved == {"in_place": 2 * n, "staged": 0}, a.moved
+            # An object outside the shared file still goes through staging.
+            outside = objects(1, seed=9.0)
+            assert store(a, keys(1, "anon"), outside).is_successful()
+            assert a.moved["staged"] == 1
+        finally:
+            a.close()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 _READER = """
 import json, sys, torch
 from lmcache.v1.check import check_mode_test_l2_adapter as check
