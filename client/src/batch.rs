@@ -8,6 +8,7 @@ use serde::de::DeserializeOwned;
 use serde_json::value::RawValue;
 
 use crate::layout::Manifest;
+use crate::read::{End, EndReadRequest, ReadAnswer, ReadRequest};
 use crate::wire::{
     AckRequest, AdoptRequest, BatchRequest, BatchResponse, BatchStep, ClaimRequest, Done, MAX_BATCH_STEPS,
     PrepareRequest, Prepared, PublishRequest, Published, ReceiptOnly, ReceiptResponse,
@@ -118,6 +119,52 @@ impl Client {
     pub fn release_many(&self, ready: &[&Receipt]) -> Result<Outcomes<()>, ClientError> {
         let steps = ready.iter().map(|r| BatchStep::Release(ReceiptOnly { receipt: (*r).clone() })).collect();
         let answers: Outcomes<Done> = self.batch_of(steps)?;
+        Ok(answers.into_iter().map(|r| r.map(drop)).collect())
+    }
+}
+
+impl Client {
+    /// `read` of each READY cache publication, in one round trip; answers
+    /// each read (its manifest checked against the one its READY receipt
+    /// names; a read whose manifest is not is given up and answered an error).
+    pub fn read_many(&self, reads: Vec<ReadRequest>) -> Result<Outcomes<ReadAnswer>, ClientError> {
+        let digests: Vec<String> = reads.iter().map(|r| r.receipt.manifest_digest.clone()).collect();
+        let answers: Outcomes<ReadAnswer> = self.batch_of(reads.into_iter().map(BatchStep::Read).collect())?;
+        let mut wrong = Vec::new();
+        let out = answers
+            .into_iter()
+            .zip(digests)
+            .map(|(a, digest)| {
+                let a = a?;
+                match crate::the_one_claimed(a.manifest, &digest) {
+                    Ok(manifest) => Ok(ReadAnswer { manifest, ..a }),
+                    Err(e) => {
+                        wrong.push(a.receipt);
+                        Err(e)
+                    }
+                }
+            })
+            .collect();
+        if !wrong.is_empty() {
+            let why = "the manifest answered is not the one the receipt names";
+            let _ = self.end_read_many(&wrong.iter().map(|r| (r, End::Abandoned(why))).collect::<Vec<_>>());
+        }
+        Ok(out)
+    }
+
+    /// `read/end` of each read, in one round trip.
+    pub fn end_read_many(&self, ends: &[(&Receipt, End<'_>)]) -> Result<Outcomes<()>, ClientError> {
+        let steps = ends
+            .iter()
+            .map(|(read, end)| {
+                let (restore_digest, reason) = match end {
+                    End::Done(digest) => (Some((*digest).to_owned()), None),
+                    End::Abandoned(why) => (None, Some((*why).to_owned())),
+                };
+                BatchStep::EndRead(EndReadRequest { receipt: (*read).clone(), restore_digest, reason })
+            })
+            .collect();
+        let answers: Outcomes<serde::de::IgnoredAny> = self.batch_of(steps)?;
         Ok(answers.into_iter().map(|r| r.map(drop)).collect())
     }
 }

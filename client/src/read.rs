@@ -123,53 +123,6 @@ impl Reader {
     }
 }
 
-impl Client {
-    /// `read` of each READY cache publication, in one round trip; answers
-    /// each read (its manifest checked against the one its READY receipt
-    /// names; a read whose manifest is not is given up and answered an error).
-    pub fn read_many(&self, reads: Vec<ReadRequest>) -> Result<crate::Outcomes<ReadAnswer>, ClientError> {
-        let digests: Vec<String> = reads.iter().map(|r| r.receipt.manifest_digest.clone()).collect();
-        let answers: crate::Outcomes<ReadAnswer> =
-            self.batch_of(reads.into_iter().map(crate::wire::BatchStep::Read).collect())?;
-        let mut wrong = Vec::new();
-        let out = answers
-            .into_iter()
-            .zip(digests)
-            .map(|(a, digest)| {
-                let a = a?;
-                match crate::the_one_claimed(a.manifest, &digest) {
-                    Ok(manifest) => Ok(ReadAnswer { manifest, ..a }),
-                    Err(e) => {
-                        wrong.push(a.receipt);
-                        Err(e)
-                    }
-                }
-            })
-            .collect();
-        if !wrong.is_empty() {
-            let why = "the manifest answered is not the one the receipt names";
-            let _ = self.end_read_many(&wrong.iter().map(|r| (r, End::Abandoned(why))).collect::<Vec<_>>());
-        }
-        Ok(out)
-    }
-
-    /// `read/end` of each read, in one round trip.
-    pub fn end_read_many(&self, ends: &[(&Receipt, End<'_>)]) -> Result<crate::Outcomes<()>, ClientError> {
-        let steps = ends
-            .iter()
-            .map(|(read, end)| {
-                let (restore_digest, reason) = match end {
-                    End::Done(digest) => (Some((*digest).to_owned()), None),
-                    End::Abandoned(why) => (None, Some((*why).to_owned())),
-                };
-                crate::wire::BatchStep::EndRead(EndReadRequest { receipt: (*read).clone(), restore_digest, reason })
-            })
-            .collect();
-        let answers: crate::Outcomes<serde::de::IgnoredAny> = self.batch_of(steps)?;
-        Ok(answers.into_iter().map(|r| r.map(drop)).collect())
-    }
-}
-
 /// How a read ends.
 #[derive(Debug, Clone, Copy)]
 pub enum End<'a> {

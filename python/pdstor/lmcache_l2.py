@@ -88,10 +88,11 @@ class _SharedL1:
     through its own mapping; this process checksums what it stores, and each
     chunk loaded into it is checked here against the stored crc32c)."""
 
-    def __init__(self, path: str, base: int, size: int):
+    def __init__(self, path: str, base: int, first: int, size: int):
         self.path = path
         self.buffer = pdstor.Buffer.shared_file(path, size)
-        self.base = base
+        self.base = base  # where the file's byte 0 would be mapped
+        self.first = first  # the file's first byte this mapping shows
         self.size = size
 
     @staticmethod
@@ -106,10 +107,13 @@ class _SharedL1:
                 if not lo <= ptr < hi:
                     continue
                 path = fields[5].strip() if len(fields) == 6 else ""
-                if not path.startswith("/dev/shm/"):
-                    return None
+                if not path.startswith("/dev/shm/") or fields[1][3:4] != "s":
+                    return None  # not a shared mapping of a shared-memory file
                 try:
-                    return _SharedL1(path, lo - int(fields[2], 16), os.stat(path).st_size)
+                    # What the daemon can reach: the file's bytes this mapping shows.
+                    first = int(fields[2], 16)
+                    base = lo - first
+                    return _SharedL1(path, base, first, min(os.stat(path).st_size, hi - base))
                 except (OSError, ValueError, pdstor.Error) as e:
                     logger.warning("pdstor L2 adapter: L1 in %s cannot be shared with the daemon (%s): staging", path, e)
                     return None
@@ -118,7 +122,7 @@ class _SharedL1:
     def offset_of(self, obj: Any) -> Optional[int]:
         """Where `obj`'s bytes start in the file, or None if not in it."""
         at = obj.data_ptr - self.base
-        return at if 0 <= at and at + len(obj.byte_array) <= self.size else None
+        return at if self.first <= at and at + len(obj.byte_array) <= self.size else None
 
 
 class L2Adapter(L2AdapterInterface):
@@ -170,6 +174,10 @@ class L2Adapter(L2AdapterInterface):
         self._loaded: dict[int, Bitmap] = {}
         # Reads held by lookup_and_lock, per key name, until a load or an unlock.
         self._held: dict[str, list[pdstor.Receipt]] = {}
+        # Per key, the locks a load already ended (LMCache unlocks every key
+        # it planned, loaded or not): the next unlocks of it end nothing,
+        # rather than another request's read.
+        self._ended_by_load: dict[str, int] = {}
         # Bytes of each key this adapter stored (LMCache's byte accounting).
         self._sizes: dict[str, int] = {}
         self._closed = False
@@ -224,8 +232,9 @@ class L2Adapter(L2AdapterInterface):
         return done
 
     def _store(self, keys: list, objects: list) -> L2StoreResult:
-        stored_keys, sizes, ok = [], [], True
+        total, ok = 0, True
         for group in self._groups(objects):
+            stored_keys, sizes = [], []
             items, names = [], []
             at = 0
             for i in group:
@@ -248,16 +257,18 @@ class L2Adapter(L2AdapterInterface):
                     continue  # already stored under this key: the same bytes
                 if isinstance(answer, BaseException):
                     ok = False
-                    self.failures["store"] += 1
+                    with self._lock:
+                        self.failures["store"] += 1
                     logger.warning("pdstor L2 adapter: %s not stored: %s", object_key_to_string(keys[i]), answer)
                     continue
                 stored_keys.append(keys[i])
                 sizes.append(len(objects[i].byte_array))
                 with self._lock:
                     self._sizes[object_key_to_string(keys[i])] = sizes[-1]
-        if stored_keys:
-            self._notify_keys_stored(stored_keys, sizes)
-        return L2StoreResult(ok, sum(sizes))
+            if stored_keys:  # each group counted as it lands
+                self._notify_keys_stored(stored_keys, sizes)
+                total += sum(sizes)
+        return L2StoreResult(ok, total)
 
     def _groups(self, objects: list) -> list[list[int]]:
         """Indexes of `objects` in groups whose staged bytes fit a staging
@@ -316,30 +327,49 @@ class L2Adapter(L2AdapterInterface):
         return bits
 
     def _take_held(self, names: list[str]) -> list[Optional[pdstor.Receipt]]:
+        """One held read of each name (the oldest), or None; a load takes
+        them, and what it takes the key's next unlock does not end again."""
         with self._lock:
             out = []
             for name in names:
                 held = self._held.get(name)
-                out.append(held.pop() if held else None)
+                out.append(held.pop(0) if held else None)
                 if held is not None and not held:
                     del self._held[name]
+                self._ended_by_load[name] = self._ended_by_load.get(name, 0) + 1
             return out
 
     def submit_unlock(self, keys: list) -> None:
-        reads = [r for r in self._take_held([object_key_to_string(k) for k in keys]) if r is not None]
+        reads = []
+        with self._lock:
+            for name in (object_key_to_string(k) for k in keys):
+                if self._ended_by_load.get(name, 0) > 0:
+                    self._ended_by_load[name] -= 1  # its load ended this lock's read
+                    if not self._ended_by_load[name]:
+                        del self._ended_by_load[name]
+                    continue
+                held = self._held.get(name)
+                if held:
+                    reads.append(held.pop(0))
+                    if not held:
+                        del self._held[name]
+        self._abandon(reads, "unlocked by LMCache before a load")
+
+    def _abandon(self, reads: list, why: str) -> None:
+        """Gives up `reads`; one that cannot be (the daemon unreachable)
+        stays held in the daemon until it restarts, and is counted."""
         if not reads:
             return
         try:
             with self._reader_lock:
-                answers = self._reader.abandon_reads(reads, "unlocked by LMCache before a load")
-        except pdstor.Error as e:
+                answers = self._reader.abandon_reads(reads, why)
+        except Exception as e:  # never raise into LMCache's unlock
             answers = [e] * len(reads)
         for a in answers:
             if isinstance(a, BaseException) and not isinstance(a, (pdstor.ReadEnded, pdstor.UnknownPublication)):
-                # The read stays held in the daemon until this reader's
-                # session closes (close()) or the daemon restarts.
-                self.failures["unlock"] += 1
-                logger.warning("pdstor L2 adapter: unlock: %s", a)
+                with self._lock:
+                    self.failures["unlock"] += 1
+                logger.warning("pdstor L2 adapter: a read not given up: %s", a)
 
     # --- load -----------------------------------------------------------------
 
@@ -354,10 +384,19 @@ class L2Adapter(L2AdapterInterface):
         names = [object_key_to_string(k) for k in keys]
         bits = Bitmap(len(keys))
         reads = self._take_held(names)
-        missing = [i for i, r in enumerate(reads) if r is None]
-        if missing:  # not locked first: read now
-            for i, read in zip(missing, self._read([names[i] for i in missing])):
-                reads[i] = read
+        try:
+            missing = [i for i, r in enumerate(reads) if r is None]
+            if missing:  # not locked first: read now
+                for i, read in zip(missing, self._read([names[i] for i in missing])):
+                    reads[i] = read
+            return self._load_reads(names, reads, objects, bits)
+        except BaseException:
+            # Whatever a failed call left held is given up (a read already
+            # ended answers read_ended, harmlessly).
+            self._abandon([r for r in reads if r is not None], "the load task failed")
+            raise
+
+    def _load_reads(self, names: list[str], reads: list, objects: list, bits: Bitmap) -> Bitmap:
         todo = [i for i, r in enumerate(reads) if r is not None]
         by_publication = {reads[i].publication: i for i in todo}
 
@@ -410,7 +449,8 @@ class L2Adapter(L2AdapterInterface):
             answers = self._reader.finish_reads(batch, into=into)
         for i, answer in zip(order, answers):
             if isinstance(answer, BaseException):
-                self.failures["load"] += 1
+                with self._lock:
+                    self.failures["load"] += 1
                 logger.error("pdstor L2 adapter: %s not loaded: %s", names[i], answer)
             else:
                 bits.set(i)
@@ -420,20 +460,33 @@ class L2Adapter(L2AdapterInterface):
     def delete(self, keys: list) -> None:
         names = [object_key_to_string(k) for k in keys]
         deleted, sizes = [], []
-        for key, name, ready in zip(keys, names, self._wclient.lookup(names)):
-            if ready is None:
-                continue
-            try:
-                self._wclient.release(ready)
-            except (pdstor.UnknownPublication, pdstor.WrongState) as e:
-                self.failures["delete_kept"] += 1
-                logger.info("pdstor L2 adapter: %s kept: %s", name, e)
-                continue
-            deleted.append(key)
+
+        def gone(key: Any, name: str) -> None:
             with self._lock:
-                sizes.append(self._sizes.pop(name, 0))
-        if deleted:
-            self._notify_keys_deleted(deleted, sizes)
+                size = self._sizes.pop(name, None)
+            if size is not None:  # counted as stored here: counted out
+                deleted.append(key)
+                sizes.append(size)
+
+        try:
+            for key, name, ready in zip(keys, names, self._wclient.lookup(names)):
+                if ready is None:  # already gone (another process deleted it)
+                    gone(key, name)
+                    continue
+                try:
+                    self._wclient.release(ready)
+                except pdstor.UnknownPublication:
+                    gone(key, name)
+                    continue
+                except pdstor.WrongState as e:
+                    with self._lock:
+                        self.failures["delete_kept"] += 1
+                    logger.info("pdstor L2 adapter: %s kept: %s", name, e)
+                    continue
+                gone(key, name)
+        finally:
+            if deleted:
+                self._notify_keys_deleted(deleted, sizes)
 
     def list_l2_keys(self, model_name: Optional[str] = None, page_size: int = 500, cursor: Optional[str] = None) -> KeyListPage:
         entries = []
@@ -469,14 +522,13 @@ class L2Adapter(L2AdapterInterface):
             if self._closed:
                 return
             self._closed = True
-        for pool in self._pools.values():
-            pool.shutdown(wait=True)
-        held = [r for reads in self._held.values() for r in reads]
-        self._held.clear()
-        if held:
-            try:
-                self._reader.abandon_reads(held, "the LMCache server closed its pdstor adapter")
-            except pdstor.Error as e:
-                logger.warning("pdstor L2 adapter: close: %s", e)
-        for fd in self._fds.values():
-            os.close(fd)
+        try:
+            for pool in self._pools.values():
+                pool.shutdown(wait=True)
+            with self._lock:
+                held = [r for reads in self._held.values() for r in reads]
+                self._held.clear()
+            self._abandon(held, "the LMCache server closed its pdstor adapter")
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)

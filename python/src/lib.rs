@@ -1431,9 +1431,29 @@ fn restore<'py>(
             }
         }
     }
+    // Reads a failed call leaves are given up, not left held (one it had
+    // already ended answers read_ended, harmlessly).
+    let reads: Vec<RustReceipt> = match finish {
+        many::Finish::EndRead => got
+            .iter()
+            .filter_map(|g| match g {
+                many::Got::Adopted { claim, .. } => Some(claim.clone()),
+                _ => None,
+            })
+            .collect(),
+        many::Finish::Ack => Vec::new(),
+    };
     let c = c.clone();
-    let done =
-        py.detach(move || many::restore_many(&c, verify, places, got, finish)).map_err(|e| to_py(py, e.into()))?;
+    let done = py
+        .detach(move || {
+            many::restore_many(&c, verify, places, got, finish).inspect_err(|e| {
+                let why = format!("the restore failed: {e}");
+                let ends: Vec<_> =
+                    reads.iter().map(|r| (r, pdstor_client::read::End::Abandoned(why.as_str()))).collect();
+                let _ = c.control.end_read_many(&ends);
+            })
+        })
+        .map_err(|e| to_py(py, e.into()))?;
     drop(dests);
     done.into_iter().map(|r| entry(py, r, |m| manifest_dict(py, &m))).collect()
 }

@@ -113,6 +113,28 @@ def test_store_lock_load_unlock_delete_and_the_accounting(daemon):
         a.close()
 
 
+def test_two_requests_locking_one_key_keep_their_own_locks(daemon):
+    """LMCache unlocks every key it planned after a load: a load's unlock
+    ends nothing more, so another request's lock on the key still holds."""
+    a = L2Adapter(params(daemon))
+    try:
+        (k,), objs = keys(1, "twice"), objects(1)
+        assert store(a, [k], objs).is_successful()
+        assert lock(a, [k]) == [True]  # request A
+        assert lock(a, [k]) == [True]  # request B
+        out = objects(1, seed=0.0)
+        assert load(a, [k], out) == [True]  # A loads ...
+        a.submit_unlock([k])  # ... and unlocks
+        a.delete([k])
+        assert a.failures["delete_kept"] == 1, "B's lock still holds the key"
+        assert load(a, [k], out) == [True]  # B loads
+        a.submit_unlock([k])
+        a.delete([k])
+        assert daemon.client().publications() == []
+    finally:
+        a.close()
+
+
 def test_a_chunk_that_does_not_verify_fails_its_key_and_the_publication_stays(daemon):
     a = L2Adapter(params(daemon))
     try:
@@ -298,12 +320,21 @@ def test_lmcaches_server_stores_through_the_adapter_and_a_restarted_server_loads
     first = _MPServer(daemon, tmp_path / "mp-1.log", port)
     try:
         results = _bench(port, tmp_path / "bench-1.json")
+        # The server stores to L2 behind the client's back: wait for it
+        # (2 requests x 2 chunks of 256 tokens, each an object READY on the device).
+        import time
+
+        deadline = time.monotonic() + 60
+        while True:
+            stored = [p for p in daemon.client().publications() if p.get("cache") and p["state"] == "READY"]
+            if len(stored) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(stored) == 4, stored
     finally:
         first.stop()
     # LMCache's client checked every retrieved chunk against what it stored.
     assert results["total_requests"] == 2 and results["checksum_ok"] == 2 and results["checksum_fail"] == 0, results
-    stored = [p for p in daemon.client().publications() if p.get("cache") and p["state"] == "READY"]
-    assert len(stored) == 4, stored  # 2 requests x 2 chunks of 256 tokens, each an object READY on the device
     # A new server, its L1 empty: every chunk comes back from pdstor.
     port = _free_port()
     second = _MPServer(daemon, tmp_path / "mp-2.log", port)
