@@ -7,7 +7,7 @@
 //! Who may read, and the lease each read is, are the protocol's.
 
 use super::error::StoreError;
-use super::{Live, Phase, Publication, Store, in_phase};
+use super::{Live, Phase, Store, in_phase};
 
 impl Live {
     /// Reads of `id` in progress: read leases held and loads in flight.
@@ -18,21 +18,20 @@ impl Live {
 }
 
 impl Store {
-    /// Starts a read of the READY cache publication `id` and answers it:
-    /// until [`end_read`](Self::end_read), it is neither released nor
-    /// evicted. A handoff publication is refused (it is claimed, by one
-    /// reader), as is one in any phase but READY.
-    pub fn begin_read(&self, id: u64) -> Result<Publication, StoreError> {
+    /// Starts a read of the READY cache publication `id`: until
+    /// [`end_read`](Self::end_read), it is neither released nor evicted. A
+    /// handoff publication is refused (it is claimed, by one reader), as is
+    /// one in any phase but READY.
+    pub fn begin_read(&self, id: u64) -> Result<(), StoreError> {
         let mut live = self.lock_live();
         let p = in_phase(&live.state, id, &[Phase::Ready], "only a READY publication can be read")?;
         if !p.cache {
             let what = "it is claimed by one reader (POST /storage-pd/claim), not read by many";
             return Err(StoreError::WrongClass { publication: id, class: "handoff", what });
         }
-        let p = p.clone();
         let held = live.reading.entry(id).or_default();
         *held = held.checked_add(1).ok_or(StoreError::BeingRead { publication: id, reads: u32::MAX })?;
-        Ok(p)
+        Ok(())
     }
 
     /// Ends one read of `id` that [`begin_read`](Self::begin_read) started;

@@ -51,25 +51,7 @@ impl Service {
             )
             .into());
         }
-        if reader.is_empty() || session.is_empty() {
-            let m = "reader_id and session_id must not be empty";
-            return Err(Refusal::new(RefusalCode::BadRequest, "reader_id", m).into());
-        }
-        bounded("reader_id", reader, MAX_NAME_BYTES)?;
-        bounded("session_id", session, MAX_NAME_BYTES)?;
-        if let Some(layout) = layout
-            && *layout != p.layout
-        {
-            return Err(Refusal::new(
-                RefusalCode::LayoutMismatch,
-                "layout",
-                format!(
-                    "read: publication {} was stored with layout {:?}, not this reader's {layout:?}; nothing was begun",
-                    p.id, p.layout
-                ),
-            )
-            .into());
-        }
+        Self::reader_fits(&p, "read", reader, session, layout)?;
         // The session's check and the read's entry under one lock, which a
         // close of the session takes too: no read begins in a closed session.
         let mut reads = self.lock_reads();
@@ -78,7 +60,9 @@ impl Service {
             let m = format!("session {session} was closed: begin reads in a new session");
             return Err(Refusal::new(RefusalCode::Fenced, "session_id", m).into());
         }
-        let p = self.store.begin_read(p.id)?;
+        // The manifest of a READY publication never changes: the one checked
+        // above is the one the store now holds against release.
+        self.store.begin_read(p.id)?;
         let receipt = self.signer.sign(Receipt {
             kind: ReceiptKind::Read,
             namespace: String::new(),
@@ -120,6 +104,36 @@ impl Service {
             return now;
         }
         self.read_clock.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// What a claim and a read both refuse before anything changes: an empty
+    /// or oversized reader or session name, or a layout other than `p`'s.
+    pub(super) fn reader_fits(
+        p: &Publication,
+        step: &str,
+        reader: &str,
+        session: &str,
+        layout: Option<&Layout>,
+    ) -> Result<(), Refusal> {
+        if reader.is_empty() || session.is_empty() {
+            let m = "reader_id and session_id must not be empty";
+            return Err(Refusal::new(RefusalCode::BadRequest, "reader_id", m));
+        }
+        if let Some(layout) = layout
+            && *layout != p.layout
+        {
+            let done = if step == "claim" { "claimed" } else { "begun" };
+            return Err(Refusal::new(
+                RefusalCode::LayoutMismatch,
+                "layout",
+                format!(
+                    "{step}: publication {} was stored with layout {:?}, not this reader's {layout:?}; nothing was {done} and it stays READY for a reader with its layout (configure this reader with the writer's model, dtype and chunking)",
+                    p.id, p.layout
+                ),
+            ));
+        }
+        bounded("reader_id", reader, MAX_NAME_BYTES)?;
+        bounded("session_id", session, MAX_NAME_BYTES)
     }
 
     /// Refuses `who` reading (claiming or reading) `p` when its tenant may not.

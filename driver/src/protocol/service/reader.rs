@@ -45,29 +45,7 @@ impl Service {
             )
             .into());
         }
-        if reader.is_empty() || session.is_empty() {
-            return Err(Refusal::new(
-                RefusalCode::BadRequest,
-                "reader_id",
-                "reader_id and session_id must not be empty",
-            )
-            .into());
-        }
-        if let Some(layout) = layout
-            && *layout != p.layout
-        {
-            return Err(Refusal::new(
-                RefusalCode::LayoutMismatch,
-                "layout",
-                format!(
-                    "claim: publication {} was stored with layout {:?}, not this reader's {layout:?}; nothing was claimed and it stays READY for a reader with its layout (configure this reader with the writer's model, dtype and chunking)",
-                    p.id, p.layout
-                ),
-            )
-            .into());
-        }
-        bounded("reader_id", reader, MAX_NAME_BYTES)?;
-        bounded("session_id", session, MAX_NAME_BYTES)?;
+        Self::reader_fits(&p, "claim", reader, session, layout)?;
         if !(1..=MAX_LEASE_MS).contains(&lease_ms) {
             return Err(Refusal::new(
                 RefusalCode::BadRequest,
