@@ -189,6 +189,18 @@ class Reader:
         cache: bool = False,
     ) -> list[dict[str, Any] | Error]:
         """With place: each adopted item goes where place(manifest) says."""
+    @overload
+    def get_many(
+        self,
+        items: Sequence[Receipt],
+        layout: Layout,
+        lease_ms: int = 60000,
+        *,
+        place_many: Callable[[list[dict[str, Any] | None]], Sequence[tuple[Buffer, int] | BaseException | None]],
+        cache: bool = False,
+    ) -> list[dict[str, Any] | Error]:
+        """With place_many: every item placed in one call (a batched
+        allocation), given each item's manifest (None where not adopted)."""
 
 class Timeline:
     """This process's lines of the causal timeline (`pdstor timeline check`

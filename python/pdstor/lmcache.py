@@ -38,8 +38,10 @@ How LMCache's operations map onto pdstor's protocol:
   daemon hands out by name (``lookup``: the decode process finds what the
   prefill process stored). A key already claimed by a reader is not contained.
 * **get** (``batched_get_blocking`` / ``batched_get_non_blocking``): claim →
-  adopt (the layout is checked; the manifest gives the size) → a memory
-  object allocated from LMCache's CPU allocator → load straight into it,
+  adopt (the layout is checked; the manifest gives the size) → memory
+  objects allocated from LMCache's CPU allocator (the group's objects of one
+  size in one batched allocation where the pool has the room at once, else
+  one by one) → load straight into them,
   each chunk's crc32c taken in place and checked against the manifest (or,
   without ``shm_name``, into the staging buffer and then copied on, each
   chunk checked in that copy: one pass over the bytes) → ack; a group of
@@ -465,8 +467,8 @@ class PdstorBackend(StoragePluginInterface):
 
     # --- get ----------------------------------------------------------------------
 
-    def _allocate(self, name: str, manifest: dict):
-        """A memory object of LMCache's CPU allocator for a publication's bytes."""
+    def _tokens(self, name: str, manifest: dict) -> int:
+        """How many tokens a publication's bytes hold (it must hold whole ones)."""
         size = sum(c["len"] for c in manifest["chunks"])
         tokens, rest = divmod(size, self._bytes_per_token)
         if rest or tokens == 0 or tokens > self._metadata.chunk_size:
@@ -474,6 +476,11 @@ class PdstorBackend(StoragePluginInterface):
                 f"get {name}: {size} stored bytes are not a whole number of tokens "
                 f"({self._bytes_per_token} bytes each, at most {self._metadata.chunk_size})"
             )
+        return tokens
+
+    def _allocate(self, name: str, manifest: dict):
+        """A memory object of LMCache's CPU allocator for a publication's bytes."""
+        tokens = self._tokens(name, manifest)
         obj = self.local_cpu_backend.allocate(self._metadata.get_shapes(tokens)[0], self._dtype, self._fmt)
         if obj is None:
             raise pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for {size} bytes")
@@ -487,7 +494,8 @@ class PdstorBackend(StoragePluginInterface):
         logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, why)
 
     def _get_group(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
-        """A group of gets in four round trips (``Reader.get_many``): per key
+        """A group of gets in four round trips (``Reader.get_many``) and, in
+        place, one batched allocation per object size: per key
         its memory object, None for a miss, or the exception it failed with."""
         try:
             return self._get_in_place(group) if self._pool is not None else self._get_staged(group)
@@ -498,21 +506,48 @@ class PdstorBackend(StoragePluginInterface):
 
     def _get_in_place(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
         """Each publication loaded straight into a memory object allocated
-        in LMCache's shared pool once its adopted manifest gives its size."""
+        in LMCache's shared pool once its adopted manifest gives its size:
+        the objects of one size allocated in one batch."""
         names = {receipt.publication: name for name, receipt in group}
         objs: dict[int, Any] = {}
 
-        def place(manifest: dict) -> tuple[pdstor.Buffer, int]:
-            publication = manifest["publication"]
-            obj = self._allocate(names[publication], manifest)
-            objs[publication] = obj
-            at = self._pool.offset_of(obj)
-            if at is None:
-                raise pdstor.LoadFailed(f"get {names[publication]}: LMCache allocated outside its shared pool")
-            return self._pool.buffer, at
+        def place_many(manifests: list[Optional[dict]]) -> list[Any]:
+            places: list[Any] = [None] * len(manifests)
+            by_tokens: dict[int, list[int]] = {}
+            for i, m in enumerate(manifests):
+                if m is None:
+                    continue
+                try:
+                    by_tokens.setdefault(self._tokens(names[m["publication"]], m), []).append(i)
+                except pdstor.LoadFailed as e:
+                    places[i] = e
+            for tokens, items in by_tokens.items():
+                shape = self._metadata.get_shapes(tokens)[0]
+                # All at once only where the pool has the room now (no
+                # eviction, no wait: a contiguous run may never come free);
+                # else one by one, as LMCache's own retrieves allocate.
+                batch = self.local_cpu_backend.batched_allocate(
+                    shape, self._dtype, len(items), self._fmt, eviction=False, busy_loop=False
+                )
+                if batch is None:
+                    batch = [self.local_cpu_backend.allocate(shape, self._dtype, self._fmt) for _ in items]
+                for i, obj in zip(items, batch):
+                    name = names[manifests[i]["publication"]]
+                    if obj is None:
+                        places[i] = pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for it")
+                        continue
+                    objs[manifests[i]["publication"]] = obj
+                    at = self._pool.offset_of(obj)
+                    places[i] = (
+                        (self._pool.buffer, at) if at is not None
+                        else pdstor.LoadFailed(f"get {name}: LMCache allocated outside its shared pool")
+                    )
+            return places
 
         try:
-            answers = self._conn().reader.get_many([r for _, r in group], self._layout, self._lease_ms, place=place)
+            answers = self._conn().reader.get_many(
+                [r for _, r in group], self._layout, self._lease_ms, place_many=place_many
+            )
         except pdstor.Error as e:
             answers = [e] * len(group)
         return self._answered(group, answers, objs)

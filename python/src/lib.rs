@@ -1234,6 +1234,14 @@ impl Reader {
     /// batch for every adopted item; one that raises fails that item only
     /// (RETAINED, nothing loaded).
     ///
+    /// With `place_many` instead, `items` is a list of READY receipts too,
+    /// and the places are decided for all at once — an allocator's batched
+    /// allocation, one call instead of one per item: `place_many(manifests)`
+    /// gets one entry per item, its manifest or `None` where the item was
+    /// not adopted, and answers a list of as many entries, each `(buffer,
+    /// offset)`, or `None` or an exception for an item it gives no place
+    /// (that item fails, RETAINED).
+    ///
     /// With `into`, each item's bytes are copied on out of where they were
     /// loaded (a staging buffer, `Buffer(..., staging=True)`) into
     /// `into(manifest)` — a writable, C-contiguous buffer of exactly the
@@ -1245,7 +1253,7 @@ impl Reader {
     /// With `cache=True` the receipts are of cache publications: each is
     /// read (not claimed) and its read ended once restored; one that fails
     /// is abandoned, and the publication stays READY.
-    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None, into = None, cache = false))]
+    #[pyo3(signature = (items, layout, lease_ms = 60_000, place = None, into = None, cache = false, place_many = None))]
     #[allow(clippy::too_many_arguments)] // a Python method's keyword arguments
     fn get_many<'py>(
         &self,
@@ -1256,13 +1264,17 @@ impl Reader {
         place: Option<&Bound<'py, PyAny>>,
         into: Option<&Bound<'py, PyAny>>,
         cache: bool,
+        place_many: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let layout = layout_from(layout)?;
+        if place.is_some() && place_many.is_some() {
+            return Err(PyValueError::new_err("get_many: give place or place_many, not both"));
+        }
         let mut readies = Vec::new();
         let mut places = Vec::new();
         for item in items.try_iter()? {
             let item = item?;
-            if place.is_some() {
+            if place.is_some() || place_many.is_some() {
                 let ready: PyRef<'_, Receipt> = item.extract().map_err(|_| {
                     PyTypeError::new_err(format!(
                         "get_many with place: an item is a pdstor.Receipt (READY), not {}",
@@ -1293,6 +1305,16 @@ impl Reader {
         let got = got.map_err(|e| to_py(py, e.into()))?;
         if let Some(place) = place {
             places = got.iter().map(|g| place_of(py, place, g)).collect();
+        } else if let Some(place_many) = place_many {
+            places = match places_of(py, place_many, &got) {
+                Ok(places) => places,
+                Err(e) => {
+                    // Nothing is placed: every item fails, its claim or read
+                    // reported (RETAINED, or the read given up).
+                    let why = format!("get_many: place_many(manifests) failed: {e}");
+                    got.iter().map(|_| Err(ClientError::Data(why.clone()))).collect()
+                }
+            };
         }
         restore(py, &c, verify, got, places, into, finish)
     }
@@ -1492,6 +1514,48 @@ fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result
         Ok((buffer, offset)) => Ok(many::Place { buffer, offset, into: None }),
         Err(e) => Err(ClientError::Data(format!("get_many: place(manifest) gave no (buffer, offset): {e}"))),
     }
+}
+
+/// `place_many(manifests)`: one call for every item of a get, each adopted
+/// item's manifest (`None` for the others); one place per item, or why it
+/// has none. An answer of the wrong shape is an error for the whole call.
+fn places_of(
+    py: Python<'_>,
+    place_many: &Bound<'_, PyAny>,
+    got: &[many::Got],
+) -> PyResult<Vec<Result<many::Place, ClientError>>> {
+    let manifests = got
+        .iter()
+        .map(|g| match g {
+            many::Got::Adopted { manifest, .. } => manifest_dict(py, manifest),
+            _ => Ok(py.None().into_bound(py)),
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let answer = place_many.call1((manifests,))?;
+    let answers: Vec<Bound<'_, PyAny>> = answer.try_iter()?.collect::<PyResult<_>>()?;
+    if answers.len() != got.len() {
+        return Err(PyValueError::new_err(format!(
+            "it answered {} places for {} items: answer one entry per manifest, in order",
+            answers.len(),
+            got.len()
+        )));
+    }
+    Ok(answers
+        .into_iter()
+        .zip(got)
+        .map(|(a, g)| {
+            if !matches!(g, many::Got::Adopted { .. }) {
+                return Err(ClientError::Data("not adopted".into()));
+            }
+            if a.is_none() || a.is_instance_of::<pyo3::exceptions::PyBaseException>() {
+                let why = if a.is_none() { "no place given".to_string() } else { a.to_string() };
+                return Err(ClientError::Data(format!("get_many: place_many gave this item no place: {why}")));
+            }
+            a.extract::<(PyRef<'_, Buffer>, u64)>()
+                .map(|(b, offset)| many::Place { buffer: BufferRef::from(&*b), offset, into: None })
+                .map_err(|e| ClientError::Data(format!("get_many: place_many gave no (buffer, offset): {e}")))
+        })
+        .collect())
 }
 
 /// A [`Writer.handoff`] token: the prepared publication and its total.

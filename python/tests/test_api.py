@@ -176,6 +176,46 @@ def test_a_shared_memory_file_is_moved_in_place_and_gets_are_placed_by_size(daem
         os.unlink(path)
 
 
+def test_get_many_places_every_item_in_one_call_with_place_many(daemon: Daemon):
+    """get_many(place_many=…) asks for every item's place at once (a batched
+    allocation): it gets each adopted item's manifest, in order, and None
+    for one refused at its claim; an item it answers None or an exception
+    for fails alone (RETAINED); an answer of the wrong length fails them all,
+    and every publication it claimed stays RETAINED, nothing lost."""
+    client = daemon.client()
+    data = [pattern(MIB, 500 + i) for i in range(4)]
+    src = pdstor.Buffer(4 * MIB)
+    for i, d in enumerate(data):
+        src.write(i * MIB, d)
+    receipts = pdstor.Writer(client, "prefill-0").put_many(
+        [(f"pm2-{i}", [(src, i * MIB, MIB)]) for i in range(4)], LAYOUT
+    )
+    assert all(isinstance(r, pdstor.Receipt) for r in receipts), receipts
+    pdstor.Reader(client, "decode-other").claim(receipts[3], layout=LAYOUT)  # claimed by another: refused
+    dst = pdstor.Buffer(4 * MIB)
+    calls: list[list] = []
+
+    def place_many(manifests: list) -> list:
+        calls.append([m and m["publication"] for m in manifests])
+        return [(dst, 0), MemoryError("no room for this one"), None, None]
+
+    got = pdstor.Reader(client, "decode-0").get_many(receipts, LAYOUT, place_many=place_many)
+    assert calls == [[r.publication for r in receipts[:3]] + [None]], "one call, each manifest in order"
+    assert isinstance(got[0], dict) and dst.read(0, MIB) == data[0]
+    assert isinstance(got[1], pdstor.Error) and "no room for this one" in str(got[1]), got[1]
+    assert isinstance(got[2], pdstor.Error) and "no place given" in str(got[2]), got[2]
+    assert isinstance(got[3], pdstor.Error), got[3]
+    states = {p["req_id"]: p["state"] for p in client.publications()}
+    assert states == {"pm2-1": "RETAINED", "pm2-2": "RETAINED", "pm2-3": "CLAIMED"}, states
+
+    more = pdstor.Writer(client, "prefill-0").put_many([("pm2-4", [(src, 0, MIB)])], LAYOUT)
+    got = pdstor.Reader(client, "decode-0").get_many(more, LAYOUT, place_many=lambda ms: [])
+    assert isinstance(got[0], pdstor.Error) and "one entry per manifest" in str(got[0]), got[0]
+    assert {p["req_id"]: p["state"] for p in client.publications()}["pm2-4"] == "RETAINED"
+    with pytest.raises(ValueError, match="not both"):
+        pdstor.Reader(client, "decode-0").get_many(more, LAYOUT, place=lambda m: (dst, 0), place_many=lambda ms: [])
+
+
 def test_a_shared_file_over_one_gib_moves_on_host_fixed_in_windows_and_across_their_edge(daemon: Daemon):
     """A shared file over 1 GiB (LMCache's pool, 2 GB in the docs' YAML) is
     registered in 1 GiB windows: a chunk in each window moves on host_fixed

@@ -35,8 +35,11 @@ pub struct BenchArgs {
     /// Instead: put and get through LMCache's StorageManager with pdstor's
     /// plugin, LMCache's raw_block (io_uring) and its local_disk, each on a
     /// target of its own (zram devices, or files), alternating rounds; prints
-    /// pdstor/raw_block and pdstor/local_disk, and each one's CPU per GiB
-    /// (root for zram; the venv of `cargo xtask python`).
+    /// pdstor/raw_block and pdstor/local_disk, and each one's CPU per GiB;
+    /// then pdstor's L2 adapter against raw_block's through LMCache's L2
+    /// adapter interface, each also against raw_block at pdstor's guarantees
+    /// (an fdatasync per put batch, a crc32c of every chunk got) (root for
+    /// zram; the venv of `cargo xtask python`).
     #[arg(long)]
     lmcache: bool,
     /// Instead: only pdstor's handoff (`bench-handoff`) against LMCache's
@@ -330,7 +333,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// pdstor's LMCache plugin against LMCache's own raw_block and local_disk
-/// backends (python/bench/lmcache_bench.py), on each of `--targets`: three
+/// backends (python/bench/lmcache_bench.py), its per-key latency across
+/// processes (lmcache_latency.py), and its L2 adapter against raw_block's
+/// L2 adapter (l2_bench.py), on each of `--targets`: three
 /// zram devices (pdstor's namespace, raw_block's raw device, ext4 for
 /// local_disk), or two files and a directory on the root filesystem.
 fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
@@ -341,9 +346,11 @@ fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Resul
     let rounds = args.rounds.max(5).to_string();
     let size = &args.size;
     let latency = crate::project_root().join("python/bench/lmcache_latency.py");
+    let l2 = crate::project_root().join("python/bench/l2_bench.py");
     for t in &args.targets {
         let json = out_dir.join(format!("lmcache-report-{t}.json"));
         let latency_json = out_dir.join(format!("lmcache-latency-{t}.json"));
+        let l2_json = out_dir.join(format!("lmcache-l2-{t}.json"));
         // Throughput against LMCache's own backends, then pdstor's per-key
         // latency between two processes on the same kind of target.
         let run = |a: &Path, b: &Path, disk: &Path| {
@@ -358,7 +365,13 @@ fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Resul
                 "{python} {latency} --pdstor-bin {pdstor} --pdstor-device {a} --file-size {size} --label {t} --json {latency_json}"
             )
             .run()
-            .context("the LMCache cross-process latency benchmark failed (see above)")
+            .context("the LMCache cross-process latency benchmark failed (see above)")?;
+            cmd!(
+                sh,
+                "{python} {l2} --pdstor-bin {pdstor} --pdstor-target {a} --raw-block-target {b} --file-size {size} --label {t} --rounds {rounds} --json {l2_json}"
+            )
+            .run()
+            .context("the LMCache L2 adapter benchmark failed (see above)")
         };
         match t.as_str() {
             "file" => {
@@ -392,7 +405,7 @@ fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Resul
             }
             other => bail!("unknown bench target {other:?}: expected file or zram"),
         }
-        println!("\nreports: {} {}", json.display(), latency_json.display());
+        println!("\nreports: {} {} {}", json.display(), latency_json.display(), l2_json.display());
     }
     Ok(())
 }
