@@ -91,6 +91,34 @@ impl Client {
         Ok(answers.into_iter().map(|r| r.map(|r| r.receipt)).collect())
     }
 
+    /// `claim` with `adopt` of each READY receipt (every request's `adopt`
+    /// set, and its `layout` given), in one round trip and one commit:
+    /// answers each claim receipt with its manifest, checked to be the one
+    /// claimed.
+    pub fn claim_and_adopt_many(
+        &self,
+        claims: Vec<ClaimRequest>,
+    ) -> Result<Outcomes<(Receipt, Manifest)>, ClientError> {
+        let mut layouts = Vec::with_capacity(claims.len());
+        let mut steps = Vec::with_capacity(claims.len());
+        for mut c in claims {
+            let Some(layout) = c.layout.clone() else {
+                return Err(ClientError::Data(
+                    "claim_and_adopt_many: every claim names the layout it adopts with".into(),
+                ));
+            };
+            c.adopt = true;
+            layouts.push(layout);
+            steps.push(BatchStep::Claim(c));
+        }
+        let answers: Outcomes<ReceiptResponse> = self.batch_of(steps)?;
+        Ok(answers
+            .into_iter()
+            .zip(layouts)
+            .map(|(r, layout)| r.and_then(|r| self.adopted_by_claim(r, &layout)))
+            .collect())
+    }
+
     /// `adopt` of each claim, in one round trip; answers each manifest,
     /// checked against the one its claim receipt names.
     pub fn adopt_many(&self, adopts: Vec<AdoptRequest>) -> Result<Outcomes<Manifest>, ClientError> {

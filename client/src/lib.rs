@@ -438,14 +438,39 @@ impl Client {
         lease_ms: u64,
         layout: Option<Layout>,
     ) -> Result<Receipt, ClientError> {
-        let r = ClaimRequest {
-            receipt: ready.clone(),
-            reader_id: reader.into(),
-            session_id: session.into(),
-            lease_ms,
-            layout,
-        };
+        let r = ClaimRequest::new(ready, reader, session, lease_ms, layout, false);
         self.post::<_, ReceiptResponse>("/storage-pd/claim", &r).map(|r| r.receipt)
+    }
+
+    /// `claim` with `adopt`: claims `ready` and adopts it through the daemon
+    /// with `layout` in one round trip; the claim receipt and its manifest,
+    /// checked to be the one claimed.
+    pub fn claim_and_adopt(
+        &self,
+        ready: &Receipt,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+        layout: &Layout,
+    ) -> Result<(Receipt, Manifest), ClientError> {
+        let r = ClaimRequest::new(ready, reader, session, lease_ms, Some(layout.clone()), true);
+        let answer = self.post::<_, ReceiptResponse>("/storage-pd/claim", &r)?;
+        self.adopted_by_claim(answer, layout)
+    }
+
+    /// What a claim with `adopt` answered: its receipt and manifest. A
+    /// daemon from before `adopt` answers the receipt only: it is adopted
+    /// here then, with a round trip of its own.
+    pub(crate) fn adopted_by_claim(
+        &self,
+        answer: ReceiptResponse,
+        layout: &Layout,
+    ) -> Result<(Receipt, Manifest), ClientError> {
+        let manifest = match answer.manifest {
+            Some(m) => the_one_claimed(m, &answer.receipt.manifest_digest)?,
+            None => self.adopt_claim(&answer.receipt, layout)?,
+        };
+        Ok((answer.receipt, manifest))
     }
     /// `adopt`: the claimed reader confirms what it reads; returns the manifest.
     pub fn adopt(&self, req: &AdoptRequest) -> Result<Manifest, ClientError> {

@@ -75,6 +75,34 @@ pub struct ClaimRequest {
     /// claimed, so it stays READY for a reader that can restore it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<Layout>,
+    /// Adopt the claim too, through the daemon, with `layout` (required):
+    /// the answer carries the manifest, as `adopt` would have answered it —
+    /// claim and adopt in one round trip. Should the adopt be refused once
+    /// the claim is made, the claim stays CLAIMED and the refusal says so:
+    /// an exact repeat of the claim gets its receipt again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adopt: bool,
+}
+
+impl ClaimRequest {
+    /// A claim of `ready` by `reader` in `session` for `lease_ms`.
+    pub fn new(
+        ready: &Receipt,
+        reader: &str,
+        session: &str,
+        lease_ms: u64,
+        layout: Option<Layout>,
+        adopt: bool,
+    ) -> ClaimRequest {
+        ClaimRequest {
+            receipt: ready.clone(),
+            reader_id: reader.into(),
+            session_id: session.into(),
+            lease_ms,
+            layout,
+            adopt,
+        }
+    }
 }
 
 /// A signed receipt, as `claim` answers.
@@ -83,6 +111,10 @@ pub struct ClaimRequest {
 pub struct ReceiptResponse {
     /// The receipt.
     pub receipt: Receipt,
+    /// A claim with `adopt`: the manifest its adopt answered (with the
+    /// claim's restore nonce).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<Manifest>,
 }
 
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.

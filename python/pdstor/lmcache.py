@@ -45,8 +45,8 @@ How LMCache's operations map onto pdstor's protocol:
   each chunk's crc32c taken in place and checked against the manifest (or,
   without ``shm_name``, into the staging buffer and then copied on, each
   chunk checked in that copy: one pass over the bytes) → ack; a group of
-  keys in four round trips (``Reader.get_many``: claim, adopt, one frame of
-  loads, ack). An object LMCache cannot allocate fails its key before
+  keys in three round trips (``Reader.get_many``: one batch of claims that
+  adopt too, one frame of loads, one batch of acks). An object LMCache cannot allocate fails its key before
   anything is loaded: the publication stays RETAINED. pdstor is a *handoff*: a restored key is consumed (its
   slots free); LMCache keeps its own copy in ``LocalCPUBackend``. Strict: a
   load that fails or does not verify raises (``pdstor.LoadFailed``,
@@ -494,7 +494,7 @@ class PdstorBackend(StoragePluginInterface):
         logger.warning("pdstor: get %s: gone since it was looked up (evicted or released): %s", name, why)
 
     def _get_group(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
-        """A group of gets in four round trips (``Reader.get_many``) and, in
+        """A group of gets in three round trips (``Reader.get_many``) and, in
         place, one batched allocation per object size: per key
         its memory object, None for a miss, or the exception it failed with."""
         try:

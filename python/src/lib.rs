@@ -972,6 +972,7 @@ impl Reader {
                 session_id: self.session.clone(),
                 lease_ms,
                 layout: layout.clone(),
+                adopt: false,
             })
             .collect();
         let c = self.conn.clone();
@@ -1181,9 +1182,10 @@ impl Reader {
         let verify = self.verify;
         let manifest = py
             .detach(move || -> Result<Manifest, ClientError> {
-                let claim = c.control.claim_for(&r, &reader, &session, lease_ms, &layout)?;
+                // Claimed and adopted in one round trip; an adopt refused
+                // after its claim is reported failed by the daemon itself.
+                let (claim, manifest) = c.control.claim_and_adopt(&r, &reader, &session, lease_ms, &layout)?;
                 let loaded = (|| -> Result<_, ClientError> {
-                    let manifest = c.control.adopt_claim(&claim, &layout)?;
                     let mut at = offset;
                     let places: Vec<(u32, BufferRef, u64)> = manifest
                         .chunks
@@ -1204,10 +1206,9 @@ impl Reader {
                         Ok(manifest)
                     }
                     Err(e) => {
-                        // Refused at adopt (another layout, say), or a failed
-                        // load: the claim is reported failed and the bytes
-                        // kept RETAINED — never reused while someone may
-                        // still read them.
+                        // A failed load: the claim is reported failed and the
+                        // bytes kept RETAINED — never reused while someone
+                        // may still read them.
                         let _ = c.control.fail(&claim, &e.to_string());
                         Err(e)
                     }
@@ -1219,8 +1220,8 @@ impl Reader {
 
     /// Gets many READY publications at once: `items` is a list of
     /// `(ready, buffer, offset)`, each publication's chunks landing one after
-    /// another from `offset`. Four round trips whatever their number — one
-    /// `claim` batch (each naming `layout`), one `adopt` batch, one
+    /// another from `offset`. Three round trips whatever their number — one
+    /// `claim` batch (each naming `layout` and adopting through the daemon), one
     /// data-plane frame of loads (one device submission; every chunk checked
     /// against its manifest as `get` checks it), one `ack` batch. Answers
     /// one entry per item, in order: its manifest (a dict), or the
@@ -1230,7 +1231,7 @@ impl Reader {
     ///
     /// With `place`, `items` is a list of READY receipts, and where each
     /// goes is decided once its manifest is known (its size, say):
-    /// `place(manifest)` answers `(buffer, offset)`, called after the adopt
+    /// `place(manifest)` answers `(buffer, offset)`, called after the claim
     /// batch for every adopted item; one that raises fails that item only
     /// (RETAINED, nothing loaded).
     ///
@@ -1246,7 +1247,7 @@ impl Reader {
     /// loaded (a staging buffer, `Buffer(..., staging=True)`) into
     /// `into(manifest)` — a writable, C-contiguous buffer of exactly the
     /// publication's bytes (LMCache's memory object, say), called after the
-    /// adopt batch — and each chunk is checked against its manifest in that
+    /// claim batch — and each chunk is checked against its manifest in that
     /// copy, before the ack: one pass over the bytes. One that raises or
     /// gives the wrong size fails that item only (RETAINED).
     ///

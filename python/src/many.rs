@@ -13,7 +13,7 @@ use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::read::{End, EndReadRequest, ReadRequest};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{
-    AbortRequest, AdoptRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
+    AbortRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
 };
 use pdstor_client::{ClientError, LoadChecks, Outcomes, Piece, StoreItem, Verify};
 
@@ -188,33 +188,23 @@ pub(crate) struct Place {
     pub into: Option<(usize, usize)>,
 }
 
-/// The first half of a get of many: every READY receipt claimed (each
-/// naming the layout) and adopted, in two round trips — each item `Adopted`
-/// (its manifest says how many bytes it holds, so the caller can place
-/// them) or `Failed`.
+/// The first half of a get of many: every READY receipt claimed and
+/// adopted (each naming the layout), in one round trip (`claim` with
+/// `adopt`) — each item `Adopted` (its manifest says how many bytes it
+/// holds, so the caller can place them) or `Failed`. A claim made whose
+/// adopt was refused is not known here by its receipt: the refusal says it
+/// stays CLAIMED (a fenced session or a reclaim frees it).
 pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) -> Result<Vec<Got>, ClientError> {
     let claims = readies
         .iter()
-        .map(|ready| ClaimRequest {
-            receipt: ready.clone(),
-            reader_id: who.reader.into(),
-            session_id: who.session.into(),
-            lease_ms: who.lease_ms,
-            layout: Some(who.layout.clone()),
-        })
+        .map(|ready| ClaimRequest::new(ready, who.reader, who.session, who.lease_ms, Some(who.layout.clone()), true))
         .collect();
-    let claimed = conn.control.claim_many(claims)?;
-    let adopts: Vec<AdoptRequest> =
-        claimed.iter().filter_map(|c| c.as_ref().ok()).map(|c| AdoptRequest::of_claim(c, who.layout.clone())).collect();
-    let mut adopted = if adopts.is_empty() { Vec::new() } else { conn.control.adopt_many(adopts)? }.into_iter();
-    Ok(claimed
+    Ok(conn
+        .control
+        .claim_and_adopt_many(claims)?
         .into_iter()
         .map(|c| match c {
-            Ok(claim) => match adopted.next() {
-                Some(Ok(manifest)) => Got::Adopted { claim, manifest },
-                Some(Err(error)) => Got::Failed { claim: Some(claim), error },
-                None => Got::Failed { claim: Some(claim), error: ClientError::Data("adopt answered no result".into()) },
-            },
+            Ok((claim, manifest)) => Got::Adopted { claim, manifest },
             Err(error) => Got::Failed { claim: None, error },
         })
         .collect())

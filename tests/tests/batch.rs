@@ -137,6 +137,7 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
             session_id: "s-batch".into(),
             lease_ms: 60_000,
             layout: Some(if i == 5 { other.clone() } else { layout() }),
+            adopt: false,
         })
         .collect();
     let claimed = c.claim_many(claims).unwrap();
@@ -198,6 +199,93 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
     assert!(released[0].is_ok(), "{:?}", released[0]);
     assert_eq!(released[1].as_ref().unwrap()["outcome"], "none");
     assert_eq!(state(&c, published[5].receipt.publication), None);
+}
+
+#[test]
+fn a_get_of_many_claims_and_adopts_them_in_one_round_trip_and_one_commit() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = Daemon::format_and_start(dir.path(), 16, SLOT);
+    let c = Client::new(&d.server);
+    let asks = (0..4)
+        .map(|i| PrepareRequest {
+            req_id: format!("ca-{i}"),
+            layout: layout(),
+            total_chunks: 1,
+            writer: "prefill".into(),
+            timeout_ms: None,
+            unread_release_ms: None,
+            cache: false,
+        })
+        .collect();
+    let prepared: Vec<_> = c.prepare_many(asks).unwrap().into_iter().map(Result::unwrap).collect();
+    let buffer = Buffer::memfd("ca-writer", (4 * SLOT) as usize).unwrap();
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let id = data.register_for(&buffer, PayloadPath::HostFixed).unwrap();
+    for i in 0..4u64 {
+        buffer.write_at(i * SLOT, &payload::chunk(70 + i, 0, SLOT as usize)).unwrap();
+    }
+    let items = (0..4)
+        .map(|i| StoreItem {
+            prepared: &prepared[i],
+            chunks: vec![DataChunk { index: 0, buffer: id, offset: i as u64 * SLOT, len: SLOT, crc32c: None }],
+            is_last_batch: true,
+            total_chunks: 1,
+        })
+        .collect();
+    assert!(data.store_many(items).unwrap().iter().all(Result::is_ok));
+    let tokens: Vec<_> = prepared.iter().map(|p| (p, None)).collect();
+    let published: Vec<_> = c.publish_many(&tokens).unwrap().into_iter().map(Result::unwrap).collect();
+
+    // One with another layout: refused before it is claimed, still READY.
+    let mut other = layout();
+    other.head_dim = 128;
+    let claims = published
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ClaimRequest {
+            receipt: p.receipt.clone(),
+            reader_id: "decode-0".into(),
+            session_id: "s-ca".into(),
+            lease_ms: 60_000,
+            layout: Some(if i == 1 { other.clone() } else { layout() }),
+            adopt: false, // claim_and_adopt_many sets it
+        })
+        .collect();
+    let (batches0, adopts0, commits0) =
+        (steps_of(&c, "batch"), steps_of(&c, "adopt"), sample(&c, "pdstor_commit_groups_total"));
+    let got = c.claim_and_adopt_many(claims).unwrap();
+    assert_eq!(steps_of(&c, "batch") - batches0, 1, "one round trip");
+    assert_eq!(steps_of(&c, "adopt"), adopts0, "no adopt went on its own");
+    assert!(sample(&c, "pdstor_commit_groups_total") - commits0 <= 1, "one commit");
+    assert_eq!(refusal(&got[1]), (409, "layout_mismatch"));
+    assert_eq!(state(&c, published[1].receipt.publication).as_deref(), Some("READY"));
+
+    // The others ADOPTED: loaded in one frame, byte for byte, and acknowledged.
+    let into = Buffer::memfd("ca-reader", (4 * SLOT) as usize).unwrap();
+    let into_id = data.register_for(&into, PayloadPath::HostFixed).unwrap();
+    let adopted: Vec<_> = got.into_iter().enumerate().filter(|(i, _)| *i != 1).map(|(_, g)| g.unwrap()).collect();
+    let loads = adopted
+        .iter()
+        .enumerate()
+        .map(|(k, (claim, _))| {
+            assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"));
+            (claim, vec![DataChunk { index: 0, buffer: into_id, offset: k as u64 * SLOT, len: 0, crc32c: None }])
+        })
+        .collect();
+    let loaded: Vec<_> = data.load_many(loads).unwrap().into_iter().map(Result::unwrap).collect();
+    let mut acks = Vec::new();
+    for (k, ((claim, manifest), l)) in adopted.iter().zip(&loaded).enumerate() {
+        let i = published.iter().position(|p| p.receipt.publication == claim.publication).unwrap() as u64;
+        let mut bytes = vec![0u8; SLOT as usize];
+        into.read_at(k as u64 * SLOT, &mut bytes).unwrap();
+        assert!(bytes == payload::chunk(70 + i, 0, SLOT as usize), "byte for byte");
+        acks.push((claim, restore_digest(manifest.restore_nonce.as_deref().unwrap(), &l.crc32c)));
+    }
+    let acks: Vec<_> = acks.iter().map(|(cl, dg)| (*cl, dg.as_str())).collect();
+    assert!(c.ack_many(&acks).unwrap().iter().all(Result::is_ok));
+    for (claim, _) in &adopted {
+        assert_eq!(state(&c, claim.publication), None, "acknowledged: gone");
+    }
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! closed, or its epoch past — with the reclaim only a fenced claim allows.
 
 use super::*;
+use pdstor_client::wire::ClaimRequest;
 
 impl Service {
     /// Whether `who` may read (claim) a publication `owner` made: an admin,
@@ -60,6 +61,35 @@ impl Service {
         let receipt = self.receipt(ReceiptKind::Claim, &p, epoch)?;
         self.note(who, Event::new("claim").claim(&receipt).detail(format!("reader {reader} session {session}")));
         Ok(receipt)
+    }
+
+    /// `claim` with `adopt`: the claim, then its adopt through the daemon
+    /// with the claim's own namespace, epoch and manifest digest and the
+    /// layout the claim named — one round trip. Should the adopt be refused
+    /// once the claim is made (its lease ran out in between, say), the claim
+    /// is reported failed — RETAINED, its bytes kept, as a reader that claims
+    /// and adopts apart reports it — and the refusal says so.
+    pub fn claim_and_adopt(&self, who: &Caller, r: &ClaimRequest) -> Result<(Receipt, Manifest), ProtocolError> {
+        let Some(layout) = &r.layout else {
+            let m = "a claim with adopt names the layout it adopts with: give layout, or claim and adopt apart";
+            return Err(Refusal::new(RefusalCode::BadRequest, "layout", m).into());
+        };
+        let receipt = self.claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, Some(layout))?;
+        // A store failure (the journal's) keeps its own code and words.
+        let manifest = self.adopt(who, &AdoptRequest::of_claim(&receipt, layout.clone())).map_err(|e| match e {
+            ProtocolError::Refused(f) => {
+                let failed =
+                    match self.fail(who, &receipt, &format!("claimed with adopt, adopt refused: {}", f.message)) {
+                        Ok(()) => "it is RETAINED (its bytes kept; reclaim it to read it again)".to_string(),
+                        Err(e) => format!("reporting it failed was refused too ({e}): it stays CLAIMED"),
+                    };
+                let m =
+                    format!("publication {} was claimed but not adopted: {}; {failed}", receipt.publication, f.message);
+                ProtocolError::Refused(Refusal::new(f.code, f.field, m))
+            }
+            store => store,
+        })?;
+        Ok((receipt, manifest))
     }
 
     /// A claim that repeats the live, not yet adopted claim on `p` exactly
