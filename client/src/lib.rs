@@ -538,6 +538,13 @@ impl Client {
     pub fn takeover(&self) -> Result<crate::wire::TakeoverAnswer, ClientError> {
         self.post("/storage-pd/admin/takeover", &serde_json::json!({}))
     }
+    /// `admin/end-reads`: an admin ends every read of the cache publication
+    /// `publication` (their reader gone), for `reason`; answers how many.
+    pub fn end_reads_of(&self, publication: u64, reason: &str) -> Result<u64, ClientError> {
+        let body = crate::wire::OperatorEndReadsRequest { publication, reason: reason.into() };
+        self.post::<_, crate::wire::EndedReads>("/storage-pd/admin/end-reads", &body).map(|e| e.ended)
+    }
+
     /// `session/close`: fences a reader session.
     pub fn close_session(&self, claim: &Receipt) -> Result<(), ClientError> {
         self.post::<_, Done>("/storage-pd/session/close", &SessionCloseRequest { receipt: claim.clone() }).map(drop)

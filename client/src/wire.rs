@@ -215,6 +215,26 @@ pub struct OperatorReclaimRequest {
     pub reason: String,
 }
 
+/// `POST /storage-pd/admin/end-reads`: an operator (admin) ends every read
+/// of a cache publication, by number — the way out for reads whose reader
+/// died holding them.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OperatorEndReadsRequest {
+    /// The cache publication.
+    pub publication: u64,
+    /// Why, on the timeline.
+    pub reason: String,
+}
+
+/// What `admin/end-reads` did.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndedReads {
+    /// How many reads it ended (0: none was open).
+    pub ended: u64,
+}
+
 /// `POST /storage-pd/admin/takeover` (a standby, admin): what the takeover did.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

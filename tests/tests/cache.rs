@@ -156,3 +156,48 @@ fn a_restart_keeps_the_cache_publication_and_ends_its_reads() {
     assert_eq!(r.restored_bytes(got.len).unwrap(), kv(5, 2));
     c.release(&p.receipt).unwrap();
 }
+
+/// An operator ends the reads of a reader that died holding them: by
+/// publication number (`pdstor end-reads`), each read on the timeline with
+/// the reason; their receipts are refused from then on and the publication
+/// can be released. A handoff is refused (its claim is reclaimed instead),
+/// as is an end without a reason.
+#[test]
+fn an_operator_ends_the_reads_a_dead_reader_left() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let timeline = dir.path().join("timeline.jsonl");
+    let d = started(dir.path(), &["--timeline", timeline.to_str().unwrap()]);
+    let p = put(&d, "prefix-orphaned", 9, 2, true);
+    let handoff = put(&d, "handoff-2", 10, 1, false);
+    let c = Client::new(&d.server);
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    let a = r.client.read(&p.receipt, "decode-0", "s-0", None).unwrap();
+    let loaded = r.load(&a.receipt, a.manifest.clone()).unwrap();
+    let b = c.read(&p.receipt, "decode-1", "s-1", None).unwrap();
+    assert_eq!(code(c.release(&p.receipt)), (409, "wrong_state".into()), "held by two reads");
+    let id = p.receipt.publication;
+    assert_eq!(code(c.end_reads_of(id, " ")), (400, "bad_request".into()));
+    assert_eq!(code(c.end_reads_of(handoff.receipt.publication, "gone")), (409, "wrong_state".into()));
+    assert_eq!(info(&c, id).reading, 2, "a refused end ended nothing");
+    let out = Command::new(pdstor_bin())
+        .args(["end-reads", "--server", &d.server, "--publication", &id.to_string(), "--reason", "decode host died"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("2 read(s)"), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(info(&c, id).reading, 0);
+    assert_eq!(code(c.end_read(&a.receipt, &loaded.restore_digest)), (409, "read_ended".into()));
+    assert_eq!(code(r.load(&b.receipt, b.manifest)).1, "read_ended", "no load under an ended read");
+    assert_eq!(c.end_reads_of(id, "again").unwrap(), 0, "nothing left to end");
+    c.release(&p.receipt).unwrap();
+    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let operator = lines
+        .iter()
+        .filter_map(|(_, e)| e.as_ref().ok())
+        .filter(|e| e.event == "read_end" && e.detail.as_deref().is_some_and(|d| d.contains("decode host died")))
+        .count();
+    assert_eq!(operator, 2, "each ended read on the timeline with the operator's reason");
+    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let kinds: Vec<&str> = report.violations.iter().map(|v| v.kind).filter(|k| *k != "not_native").collect();
+    assert!(kinds.is_empty(), "{:#?}", report.violations);
+}

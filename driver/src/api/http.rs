@@ -472,6 +472,14 @@ fn steps() -> Router<Shared> {
             }),
         )
         .route(
+            "/storage-pd/admin/end-reads",
+            post(|State(s): S, Extension(w): E, b: Body| {
+                step(s, w, b, |svc, w, r: OperatorEndReadsRequest| {
+                    svc.end_reads_by_operator(w, r.publication, &r.reason).map(|n| EndedReads { ended: n as u64 })
+                })
+            }),
+        )
+        .route(
             "/storage-pd/session/close",
             post(|State(s): S, Extension(w): E, b: Body| {
                 step(s, w, b, |svc, w, r: SessionCloseRequest| {

@@ -14,6 +14,7 @@ pub mod log;
 pub mod metrics;
 pub mod openapi;
 pub mod owner;
+pub mod routes;
 mod shaped;
 pub mod standby;
 pub mod steps;

@@ -322,6 +322,27 @@ impl ReclaimArgs {
 }
 
 #[derive(clap::Args)]
+pub struct EndReadsArgs {
+    #[command(flatten)]
+    daemon: Server,
+    /// The cache publication whose reads end (an admin): each held read's receipt is refused
+    /// read_ended from then on, and a release of the publication is no longer refused for them.
+    #[arg(long)]
+    publication: u64,
+    /// Why, on the timeline.
+    #[arg(long)]
+    reason: String,
+}
+
+impl EndReadsArgs {
+    pub fn run(self) -> anyhow::Result<()> {
+        let n = Client::new(&self.daemon.server).end_reads_of(self.publication, &self.reason)?;
+        println!("{n} read(s) of publication {} ended", self.publication);
+        Ok(())
+    }
+}
+
+#[derive(clap::Args)]
 pub struct TakeoverArgs {
     /// The standby's control plane (an admin's call).
     #[command(flatten)]

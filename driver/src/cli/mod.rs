@@ -45,6 +45,8 @@ enum Command {
     Fail(client::FailArgs),
     /// Free a claimed or retained publication whose reader is fenced.
     Reclaim(client::ReclaimArgs),
+    /// End every read of a cache publication whose reader is gone (an admin).
+    EndReads(client::EndReadsArgs),
     /// Fence a reader session (its claims become reclaimable).
     CloseSession(client::CloseSessionArgs),
     /// Tell a standby (`serve --standby`) to take its namespace over now: it preempts the owner's
@@ -114,6 +116,7 @@ impl Command {
             Command::Cancel(a) => a.run(),
             Command::Fail(a) => a.run(),
             Command::Reclaim(a) => a.run(),
+            Command::EndReads(a) => a.run(),
             Command::Takeover(a) => a.run(),
             Command::CloseSession(a) => a.run(),
             Command::Status(a) => a.run(),

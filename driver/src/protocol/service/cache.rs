@@ -256,6 +256,43 @@ impl Service {
         Ok(())
     }
 
+    /// The operator's way out for reads nobody will end (their reader died
+    /// holding them, its session unknown): an admin ends every read of the
+    /// cache publication `publication`, each on the timeline with `reason`.
+    /// Their receipts are refused `read_ended` from then on; a load of one
+    /// still in flight finishes (the store keeps the slots until it has).
+    /// Answers how many reads ended.
+    pub fn end_reads_by_operator(&self, who: &Caller, publication: u64, reason: &str) -> Result<usize, ProtocolError> {
+        who.require(Role::Admin, "an operator's end of a publication's reads")?;
+        bounded("reason", reason, MAX_REASON_BYTES)?;
+        if reason.trim().is_empty() {
+            let m = "an operator's end of reads needs a reason: it is on the timeline";
+            return Err(Refusal::new(RefusalCode::BadRequest, "reason", m).into());
+        }
+        let p = self.live(publication)?;
+        if !p.cache {
+            let m = format!(
+                "publication {publication} is a handoff, claimed by one reader, never read: reclaim its claim instead (POST /storage-pd/admin/reclaim)"
+            );
+            return Err(Refusal::new(RefusalCode::WrongState, "publication", m).into());
+        }
+        let ended: Vec<String> = {
+            let mut reads = self.lock_reads();
+            let keys: Vec<String> =
+                reads.iter().filter(|(_, l)| l.publication == publication).map(|(k, _)| k.clone()).collect();
+            keys.into_iter().filter(|k| reads.remove(k).is_some()).collect()
+        };
+        let n = ended.len();
+        for (i, signature) in ended.iter().enumerate() {
+            let e = Event::new("read_end").publication(publication).receipt(signature);
+            self.note(who, e.detail(format!("by an operator: {reason}; {} held", n - i - 1)));
+            if let Err(err) = self.store.end_read(publication) {
+                tracing::error!(publication, %err, "an operator's end of reads: a read the store did not count");
+            }
+        }
+        Ok(n)
+    }
+
     /// Ends every read of `session` begun by `principal` (its session
     /// closed); answers how many.
     fn end_session_reads(&self, who: &Caller, principal: &str, session: &str) -> usize {
