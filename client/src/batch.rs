@@ -93,12 +93,13 @@ impl Client {
 
     /// `claim` with `adopt` of each READY receipt (every request's `adopt`
     /// set, and its `layout` given), in one round trip and one commit:
-    /// answers each claim receipt with its manifest, checked to be the one
-    /// claimed.
+    /// answers each claim receipt with its adopt's outcome: the manifest,
+    /// checked to be the one claimed, or why not (the claim stands).
+    #[allow(clippy::type_complexity)] // each claim, then its adopt: two outcomes
     pub fn claim_and_adopt_many(
         &self,
         claims: Vec<ClaimRequest>,
-    ) -> Result<Outcomes<(Receipt, Manifest)>, ClientError> {
+    ) -> Result<Outcomes<(Receipt, Result<Manifest, ClientError>)>, ClientError> {
         let mut layouts = Vec::with_capacity(claims.len());
         let mut steps = Vec::with_capacity(claims.len());
         for mut c in claims {
@@ -112,11 +113,7 @@ impl Client {
             steps.push(BatchStep::Claim(c));
         }
         let answers: Outcomes<ReceiptResponse> = self.batch_of(steps)?;
-        Ok(answers
-            .into_iter()
-            .zip(layouts)
-            .map(|(r, layout)| r.and_then(|r| self.adopted_by_claim(r, &layout)))
-            .collect())
+        Ok(answers.into_iter().zip(layouts).map(|(r, layout)| r.map(|r| self.adopted_by_claim(r, &layout))).collect())
     }
 
     /// `adopt` of each claim, in one round trip; answers each manifest,

@@ -443,8 +443,9 @@ impl Client {
     }
 
     /// `claim` with `adopt`: claims `ready` and adopts it through the daemon
-    /// with `layout` in one round trip; the claim receipt and its manifest,
-    /// checked to be the one claimed.
+    /// with `layout` in one round trip; the claim receipt and the adopt's
+    /// outcome — its manifest, checked to be the one claimed, or why not
+    /// (then the claim stands: report it failed, or adopt it again).
     pub fn claim_and_adopt(
         &self,
         ready: &Receipt,
@@ -452,25 +453,26 @@ impl Client {
         session: &str,
         lease_ms: u64,
         layout: &Layout,
-    ) -> Result<(Receipt, Manifest), ClientError> {
+    ) -> Result<(Receipt, Result<Manifest, ClientError>), ClientError> {
         let r = ClaimRequest::new(ready, reader, session, lease_ms, Some(layout.clone()), true);
         let answer = self.post::<_, ReceiptResponse>("/storage-pd/claim", &r)?;
-        self.adopted_by_claim(answer, layout)
+        Ok(self.adopted_by_claim(answer, layout))
     }
 
-    /// What a claim with `adopt` answered: its receipt and manifest. A
-    /// daemon from before `adopt` answers the receipt only: it is adopted
-    /// here then, with a round trip of its own.
+    /// What a claim with `adopt` answered: its receipt and the adopt's
+    /// outcome. A daemon from before `adopt` answers the receipt only: it is
+    /// adopted here then, with a round trip of its own.
     pub(crate) fn adopted_by_claim(
         &self,
         answer: ReceiptResponse,
         layout: &Layout,
-    ) -> Result<(Receipt, Manifest), ClientError> {
-        let manifest = match answer.manifest {
-            Some(m) => the_one_claimed(m, &answer.receipt.manifest_digest)?,
-            None => self.adopt_claim(&answer.receipt, layout)?,
+    ) -> (Receipt, Result<Manifest, ClientError>) {
+        let adopted = match (answer.manifest, answer.adopt_refused) {
+            (Some(m), _) => the_one_claimed(m, &answer.receipt.manifest_digest),
+            (None, Some(refused)) => Err(ClientError::Api(refused)),
+            (None, None) => self.adopt_claim(&answer.receipt, layout),
         };
-        Ok((answer.receipt, manifest))
+        (answer.receipt, adopted)
     }
     /// `adopt`: the claimed reader confirms what it reads; returns the manifest.
     pub fn adopt(&self, req: &AdoptRequest) -> Result<Manifest, ClientError> {

@@ -78,8 +78,10 @@ pub struct ClaimRequest {
     /// Adopt the claim too, through the daemon, with `layout` (required):
     /// the answer carries the manifest, as `adopt` would have answered it —
     /// claim and adopt in one round trip. Should the adopt be refused once
-    /// the claim is made, the claim stays CLAIMED and the refusal says so:
-    /// an exact repeat of the claim gets its receipt again.
+    /// the claim is made, the answer carries the receipt and the adopt's
+    /// refusal (`adopt_refused`), the claim stands CLAIMED: report it failed
+    /// or adopt it again. An exact repeat of a claim that adopted answers the
+    /// same receipt and manifest.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub adopt: bool,
 }
@@ -115,6 +117,10 @@ pub struct ReceiptResponse {
     /// claim's restore nonce).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub manifest: Option<Manifest>,
+    /// A claim with `adopt` whose adopt was refused once the claim was made:
+    /// why (the claim stands, CLAIMED).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adopt_refused: Option<ErrorBody>,
 }
 
 /// `POST /storage-pd/ack`: the reader restored every chunk; the slots free.

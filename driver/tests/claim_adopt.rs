@@ -1,8 +1,9 @@
 //! `claim` with `adopt`: claim and adopt in one step. It answers the claim
 //! receipt with the manifest a separate adopt would answer, leaves the
-//! publication ADOPTED, refuses a request that names no layout before it
-//! claims anything, and where the adopt is refused once the claim is made
-//! reports the claim failed (RETAINED, its bytes kept) and says so.
+//! publication ADOPTED, answers an exact repeat the same and changes
+//! nothing, refuses a request that names no layout before it claims
+//! anything, and where the adopt is refused once the claim is made answers
+//! the receipt with the refusal, the claim standing (CLAIMED).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -89,10 +90,22 @@ fn a_claim_with_adopt_answers_the_manifest_an_adopt_would_and_leaves_it_adopted(
     let (one, two) = (ready(&svc, "one"), ready(&svc, "two"));
 
     let (receipt, manifest) = svc.claim_and_adopt(&me, &claim(&one, 60_000, Some(layout()))).unwrap();
+    let manifest = manifest.unwrap();
     assert_eq!(receipt.publication, one.publication);
     assert_eq!(manifest_digest(&manifest), receipt.manifest_digest, "the manifest claimed");
     assert!(manifest.restore_nonce.is_some(), "with the claim's restore nonce");
     assert_eq!(phase(&svc, one.publication), Phase::Adopted);
+
+    // Its answer lost, the exact repeat gets it again; another reader's is refused.
+    let (again, same) = svc.claim_and_adopt(&me, &claim(&one, 60_000, Some(layout()))).unwrap();
+    assert_eq!(again.signature, receipt.signature, "the same claim receipt");
+    assert_eq!(same.unwrap().restore_nonce, manifest.restore_nonce, "the same manifest and nonce");
+    assert_eq!(phase(&svc, one.publication), Phase::Adopted);
+    let other = ClaimRequest { reader_id: "decode-1".into(), ..claim(&one, 60_000, Some(layout())) };
+    let Err(ProtocolError::Refused(r)) = svc.claim_and_adopt(&me, &other) else {
+        panic!("another reader's claim of an adopted publication was taken");
+    };
+    assert_eq!(r.code, RefusalCode::AlreadyClaimed);
 
     // The same as claim, then adopt, apart.
     let apart = svc.claim(&me, &two, "decode-0", "s", 60_000, Some(&layout())).unwrap();
@@ -114,16 +127,17 @@ fn a_claim_with_adopt_and_no_layout_is_refused_before_it_claims() {
 }
 
 #[test]
-fn an_adopt_refused_after_its_claim_reports_the_claim_failed_and_says_so() {
+fn an_adopt_refused_after_its_claim_answers_the_receipt_and_the_refusal() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     // Every reading of the clock 5 ms on: a 1 ms lease has run out by the adopt.
     let svc = service(dir.path(), 5);
+    let me = Caller::in_process();
     let one = ready(&svc, "one");
-    let Err(ProtocolError::Refused(r)) = svc.claim_and_adopt(&Caller::in_process(), &claim(&one, 1, Some(layout())))
-    else {
-        panic!("an adopt past its lease was taken");
-    };
+    let (receipt, adopted) = svc.claim_and_adopt(&me, &claim(&one, 1, Some(layout()))).unwrap();
+    let Err(ProtocolError::Refused(r)) = adopted else { panic!("an adopt past its lease was taken") };
     assert_eq!(r.code, RefusalCode::LeaseExpired);
-    assert!(r.message.contains("claimed but not adopted") && r.message.contains("RETAINED"), "{}", r.message);
-    assert_eq!(phase(&svc, one.publication), Phase::Retained, "its bytes kept for a reclaim");
+    assert_eq!(phase(&svc, one.publication), Phase::Claimed, "the claim stands");
+    // Its holder has the receipt: it reports the claim failed, its bytes kept.
+    svc.fail(&me, &receipt, "the lease ran out before the adopt").unwrap();
+    assert_eq!(phase(&svc, one.publication), Phase::Retained);
 }

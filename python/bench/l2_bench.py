@@ -8,7 +8,7 @@ files), rounds alternating. Every round's loads are compared with what was
 stored (torch.equal), outside the timings.
 
 Reported per object size: store and load throughput (MB/s, median of the
-rounds) and CPU per GiB moved (this process's, which holds both adapters and
+rounds; a load timed from lookup-and-lock to its completion) and CPU per GiB moved (this process's, which holds both adapters and
 their I/O threads, plus pdstor's daemon's), for pdstor, raw_block as it
 ships (no flush, no checksum), and raw_block at pdstor's guarantees: each
 store batch followed by an fdatasync of its target (a no-op where the device
@@ -93,12 +93,11 @@ class Side:
         assert ok.is_successful(), f"{self.name}: store failed"
         if self.sync_fd is not None:
             self.timed("sync", lambda: os.fdatasync(self.sync_fd), record)
-        task = a.submit_lookup_and_lock_task(ks, {})
-        wait(a.get_lookup_and_lock_event_fd())
-        bits = a.query_lookup_and_lock_result(task)
-        assert all(bits.test(i) for i in range(n)), f"{self.name}: not every key found"
-
-        def load():
+        def load():  # a get as the server makes it: lookup-and-lock, then the load
+            task = a.submit_lookup_and_lock_task(ks, {})
+            wait(a.get_lookup_and_lock_event_fd())
+            bits = a.query_lookup_and_lock_result(task)
+            assert all(bits.test(i) for i in range(n)), f"{self.name}: not every key found"
             task = a.submit_load_task(ks, dst)
             wait(a.get_load_event_fd())
             return a.query_load_result(task)

@@ -530,13 +530,20 @@ class PdstorBackend(StoragePluginInterface):
                     shape, self._dtype, len(items), self._fmt, eviction=False, busy_loop=False
                 )
                 if batch is None:
-                    batch = [self.local_cpu_backend.allocate(shape, self._dtype, self._fmt) for _ in items]
+                    batch = []
+                    for i in items:
+                        obj = self.local_cpu_backend.allocate(shape, self._dtype, self._fmt)
+                        if obj is not None:  # held at once: given back however this call ends
+                            objs[manifests[i]["publication"]] = obj
+                        batch.append(obj)
+                else:
+                    for i, obj in zip(items, batch):
+                        objs[manifests[i]["publication"]] = obj
                 for i, obj in zip(items, batch):
                     name = names[manifests[i]["publication"]]
                     if obj is None:
                         places[i] = pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for it")
                         continue
-                    objs[manifests[i]["publication"]] = obj
                     at = self._pool.offset_of(obj)
                     places[i] = (
                         (self._pool.buffer, at) if at is not None
@@ -550,6 +557,10 @@ class PdstorBackend(StoragePluginInterface):
             )
         except pdstor.Error as e:
             answers = [e] * len(group)
+        except BaseException:
+            for obj in objs.values():
+                obj.ref_count_down()
+            raise
         return self._answered(group, answers, objs)
 
     def _get_staged(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:

@@ -1182,10 +1182,10 @@ impl Reader {
         let verify = self.verify;
         let manifest = py
             .detach(move || -> Result<Manifest, ClientError> {
-                // Claimed and adopted in one round trip; an adopt refused
-                // after its claim is reported failed by the daemon itself.
-                let (claim, manifest) = c.control.claim_and_adopt(&r, &reader, &session, lease_ms, &layout)?;
+                // Claimed and adopted in one round trip.
+                let (claim, adopted) = c.control.claim_and_adopt(&r, &reader, &session, lease_ms, &layout)?;
                 let loaded = (|| -> Result<_, ClientError> {
+                    let manifest = adopted?;
                     let mut at = offset;
                     let places: Vec<(u32, BufferRef, u64)> = manifest
                         .chunks
@@ -1206,9 +1206,9 @@ impl Reader {
                         Ok(manifest)
                     }
                     Err(e) => {
-                        // A failed load: the claim is reported failed and the
-                        // bytes kept RETAINED — never reused while someone
-                        // may still read them.
+                        // Refused at adopt, or a failed load: the claim is
+                        // reported failed and the bytes kept RETAINED —
+                        // never reused while someone may still read them.
                         let _ = c.control.fail(&claim, &e.to_string());
                         Err(e)
                     }
@@ -1304,6 +1304,7 @@ impl Reader {
             (py.detach(|| many::adopt_many(&c, &who, &readies)), many::Finish::Ack)
         };
         let got = got.map_err(|e| to_py(py, e.into()))?;
+        let mut interrupted = None;
         if let Some(place) = place {
             places = got.iter().map(|g| place_of(py, place, g)).collect();
         } else if let Some(place_many) = place_many {
@@ -1311,13 +1312,21 @@ impl Reader {
                 Ok(places) => places,
                 Err(e) => {
                     // Nothing is placed: every item fails, its claim or read
-                    // reported (RETAINED, or the read given up).
+                    // reported (RETAINED, or the read given up); an interrupt
+                    // (not an Exception) is raised again once they are.
                     let why = format!("get_many: place_many(manifests) failed: {e}");
+                    if !e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+                        interrupted = Some(e);
+                    }
                     got.iter().map(|_| Err(ClientError::Data(why.clone()))).collect()
                 }
             };
         }
-        restore(py, &c, verify, got, places, into, finish)
+        let answers = restore(py, &c, verify, got, places, into, finish)?;
+        match interrupted {
+            Some(e) => Err(e),
+            None => Ok(answers),
+        }
     }
 
     /// Reads many READY cache publications, holding each read (no load):

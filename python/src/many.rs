@@ -191,9 +191,9 @@ pub(crate) struct Place {
 /// The first half of a get of many: every READY receipt claimed and
 /// adopted (each naming the layout), in one round trip (`claim` with
 /// `adopt`) — each item `Adopted` (its manifest says how many bytes it
-/// holds, so the caller can place them) or `Failed`. A claim made whose
-/// adopt was refused is not known here by its receipt: the refusal says it
-/// stays CLAIMED (a fenced session or a reclaim frees it).
+/// holds, so the caller can place them) or `Failed` — with its claim
+/// where the claim was made and the adopt refused (reported failed later,
+/// RETAINED, as any item that fails once claimed).
 pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) -> Result<Vec<Got>, ClientError> {
     let claims = readies
         .iter()
@@ -204,7 +204,8 @@ pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt])
         .claim_and_adopt_many(claims)?
         .into_iter()
         .map(|c| match c {
-            Ok((claim, manifest)) => Got::Adopted { claim, manifest },
+            Ok((claim, Ok(manifest))) => Got::Adopted { claim, manifest },
+            Ok((claim, Err(error))) => Got::Failed { claim: Some(claim), error },
             Err(error) => Got::Failed { claim: None, error },
         })
         .collect())

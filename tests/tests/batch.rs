@@ -263,7 +263,12 @@ fn a_get_of_many_claims_and_adopts_them_in_one_round_trip_and_one_commit() {
     // The others ADOPTED: loaded in one frame, byte for byte, and acknowledged.
     let into = Buffer::memfd("ca-reader", (4 * SLOT) as usize).unwrap();
     let into_id = data.register_for(&into, PayloadPath::HostFixed).unwrap();
-    let adopted: Vec<_> = got.into_iter().enumerate().filter(|(i, _)| *i != 1).map(|(_, g)| g.unwrap()).collect();
+    let adopted: Vec<_> = got
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| *i != 1)
+        .map(|(_, g)| g.map(|(claim, m)| (claim, m.unwrap())).unwrap())
+        .collect();
     let loads = adopted
         .iter()
         .enumerate()

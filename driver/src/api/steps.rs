@@ -54,12 +54,16 @@ pub fn take(svc: &Service, who: &Caller, step: &BatchStep, cancel: &CancelToken)
     match step {
         BatchStep::Prepare(r) => svc.prepare_request(who, r, cancel).map(Answer::Prepared),
         BatchStep::Publish(r) => svc.publish(who, r.publication, &r.writer_token, r.first_token).map(Answer::Published),
-        BatchStep::Claim(r) if r.adopt => svc
-            .claim_and_adopt(who, r)
-            .map(|(receipt, manifest)| Answer::Receipt(ReceiptResponse { receipt, manifest: Some(manifest) })),
+        BatchStep::Claim(r) if r.adopt => svc.claim_and_adopt(who, r).map(|(receipt, adopted)| {
+            let (manifest, adopt_refused) = match adopted {
+                Ok(m) => (Some(m), None),
+                Err(e) => (None, Some(from_protocol(&e))),
+            };
+            Answer::Receipt(ReceiptResponse { receipt, manifest, adopt_refused })
+        }),
         BatchStep::Claim(r) => svc
             .claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, r.layout.as_ref())
-            .map(|receipt| Answer::Receipt(ReceiptResponse { receipt, manifest: None })),
+            .map(|receipt| Answer::Receipt(ReceiptResponse { receipt, manifest: None, adopt_refused: None })),
         BatchStep::Adopt(r) => svc.adopt(who, r).map(Answer::Manifest),
         BatchStep::Loaded(r) => {
             let chunks: Vec<(u32, u32)> = r.chunks.iter().map(|c| (c.index, c.crc32c)).collect();

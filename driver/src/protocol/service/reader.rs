@@ -5,6 +5,9 @@
 use super::*;
 use pdstor_client::wire::ClaimRequest;
 
+/// A claim with adopt's answer: the claim receipt, and the adopt's outcome.
+pub type ClaimAdopted = (Receipt, Result<Manifest, ProtocolError>);
+
 impl Service {
     /// Whether `who` may read (claim) a publication `owner` made: an admin,
     /// or a caller of a tenant the owner's tenant lets read. The one rule
@@ -65,31 +68,62 @@ impl Service {
 
     /// `claim` with `adopt`: the claim, then its adopt through the daemon
     /// with the claim's own namespace, epoch and manifest digest and the
-    /// layout the claim named — one round trip. Should the adopt be refused
-    /// once the claim is made (its lease ran out in between, say), the claim
-    /// is reported failed — RETAINED, its bytes kept, as a reader that claims
-    /// and adopts apart reports it — and the refusal says so.
-    pub fn claim_and_adopt(&self, who: &Caller, r: &ClaimRequest) -> Result<(Receipt, Manifest), ProtocolError> {
+    /// layout the claim named — one round trip. Answers the claim receipt
+    /// and the adopt's outcome: should the adopt be refused once the claim
+    /// is made (its lease ran out in between, say), the claim stands,
+    /// CLAIMED, and its holder has the receipt to report it failed or to
+    /// adopt again. An exact repeat of a claim that adopted (its answer was
+    /// lost) answers the same receipt and manifest and changes nothing.
+    pub fn claim_and_adopt(&self, who: &Caller, r: &ClaimRequest) -> Result<ClaimAdopted, ProtocolError> {
         let Some(layout) = &r.layout else {
             let m = "a claim with adopt names the layout it adopts with: give layout, or claim and adopt apart";
             return Err(Refusal::new(RefusalCode::BadRequest, "layout", m).into());
         };
+        if let Some(again) = self.adopted_again(who, r, layout)? {
+            return Ok(again);
+        }
         let receipt = self.claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, Some(layout))?;
-        // A store failure (the journal's) keeps its own code and words.
-        let manifest = self.adopt(who, &AdoptRequest::of_claim(&receipt, layout.clone())).map_err(|e| match e {
-            ProtocolError::Refused(f) => {
-                let failed =
-                    match self.fail(who, &receipt, &format!("claimed with adopt, adopt refused: {}", f.message)) {
-                        Ok(()) => "it is RETAINED (its bytes kept; reclaim it to read it again)".to_string(),
-                        Err(e) => format!("reporting it failed was refused too ({e}): it stays CLAIMED"),
-                    };
-                let m =
-                    format!("publication {} was claimed but not adopted: {}; {failed}", receipt.publication, f.message);
-                ProtocolError::Refused(Refusal::new(f.code, f.field, m))
-            }
-            store => store,
-        })?;
-        Ok((receipt, manifest))
+        let adopted = match self.adopt(who, &AdoptRequest::of_claim(&receipt, layout.clone())) {
+            // A repeat of this very request adopted it meanwhile: its answer.
+            Err(ProtocolError::Refused(refusal)) => match self.adopted_again(who, r, layout)? {
+                Some((_, manifest)) => manifest,
+                None => Err(refusal.into()),
+            },
+            other => other,
+        };
+        Ok((receipt, adopted))
+    }
+
+    /// The answer a claim with adopt had when `r` repeats it exactly and
+    /// the publication is ADOPTED by it (the same claimant, reader, session,
+    /// lease and layout, adopted through the daemon): the same receipt and
+    /// the manifest with the same nonce. `None` for anything else.
+    fn adopted_again(
+        &self,
+        who: &Caller,
+        r: &ClaimRequest,
+        layout: &Layout,
+    ) -> Result<Option<ClaimAdopted>, ProtocolError> {
+        let p = self.check(&r.receipt, ReceiptKind::Ready)?;
+        let Some(c) = p.claim.as_ref().filter(|_| p.phase == Phase::Adopted) else { return Ok(None) };
+        if c.direct
+            || c.reader != r.reader_id
+            || c.session != r.session_id
+            || c.lease_ms != r.lease_ms
+            || c.claimant != who.owner()
+            || p.layout != *layout
+        {
+            return Ok(None);
+        }
+        let receipt = self.receipt(ReceiptKind::Claim, &p, c.epoch)?;
+        let Some(manifest) = p.manifest.clone() else { return Ok(None) };
+        let nonce = self.signer.restore_nonce(&receipt.signature);
+        let detail = format!(
+            "reader {} session {}; a repeat of the same claim with adopt: the same receipt and manifest",
+            c.reader, c.session
+        );
+        self.note(who, Event::new("claim_again").claim(&receipt).detail(detail));
+        Ok(Some((receipt, Ok(Manifest { restore_nonce: Some(nonce), ..manifest }))))
     }
 
     /// A claim that repeats the live, not yet adopted claim on `p` exactly
