@@ -491,6 +491,22 @@ impl Client {
         py.detach(move || c.control.release(&r)).map_err(|e| to_py(py, e.into()))
     }
 
+    /// Closes the reader session `receipt` (a claim or read receipt of it)
+    /// names: its claims become reclaimable, its reads end, and nothing of
+    /// it claims or reads again. Its owner or an admin closes it.
+    fn close_session(&self, py: Python<'_>, receipt: PyRef<'_, Receipt>) -> PyResult<()> {
+        let (c, r) = (self.conn.clone(), receipt.inner.clone());
+        py.detach(move || c.control.close_session(&r)).map_err(|e| to_py(py, e.into()))
+    }
+
+    /// An operator's (admin's) end of every read of the cache publication
+    /// `publication`, its reader gone, for `reason` (on the timeline);
+    /// answers how many reads ended.
+    fn end_reads(&self, py: Python<'_>, publication: u64, reason: String) -> PyResult<u64> {
+        let c = self.conn.clone();
+        py.detach(move || c.control.end_reads_of(publication, &reason)).map_err(|e| to_py(py, e.into()))
+    }
+
     /// Gives up request `req_id` while it waits for capacity or is PREPARED;
     /// answers what happened (`"cancelled"`, `"aborted"`, `"not_found"`, …).
     fn cancel(&self, py: Python<'_>, req_id: String) -> PyResult<String> {

@@ -70,3 +70,30 @@ def test_a_handoff_is_not_read_and_a_cache_publication_is_not_claimed(daemon):
         r.read(handoff)
     with pytest.raises(pdstor.WrongState):
         r.claim(cached)
+
+
+def test_a_session_close_and_an_operator_end_reads_a_dead_reader_left(daemon):
+    """Client.close_session ends the reads of a session (none begins in it
+    again); Client.end_reads ends every read of a publication, by number:
+    either way their receipts are refused ReadEnded and the writer can
+    release the publication."""
+    client = daemon.client()
+    ready = publish_cache(client, "orphaned-py", bytes(2 * MIB))
+    gone = pdstor.Reader(client, "decode-gone", session="s-gone")
+    held = [gone.read(ready), gone.read(ready)]
+    assert client.publications()[0]["reading"] == 2
+    client.close_session(held[0])
+    assert client.publications()[0].get("reading", 0) == 0, "(listed only while some are open)"
+    with pytest.raises(pdstor.ReadEnded):
+        gone.abandon_read(held[1], "ended by the close")
+    with pytest.raises(pdstor.Error, match="fenced|closed"):
+        gone.read(ready)
+    other = pdstor.Reader(client, "decode-other", session="s-other")
+    left = other.read(ready)
+    with pytest.raises(pdstor.Error, match="reason"):
+        client.end_reads(ready.publication, " ")
+    assert client.end_reads(ready.publication, "the decode host died") == 1
+    with pytest.raises(pdstor.ReadEnded):
+        other.abandon_read(left, "too late")
+    client.release(ready)
+    assert client.publications() == []
