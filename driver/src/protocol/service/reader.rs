@@ -79,10 +79,14 @@ impl Service {
             let m = "a claim with adopt names the layout it adopts with: give layout, or claim and adopt apart";
             return Err(Refusal::new(RefusalCode::BadRequest, "layout", m).into());
         };
-        if let Some(again) = self.adopted_again(who, r, layout)? {
-            return Ok(again);
-        }
-        let receipt = self.claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, Some(layout))?;
+        let receipt = match self.claim(who, &r.receipt, &r.reader_id, &r.session_id, r.lease_ms, Some(layout)) {
+            Ok(receipt) => receipt,
+            // Taken already: by this very claim with adopt, its answer lost?
+            Err(ProtocolError::Refused(f)) if f.code == RefusalCode::AlreadyClaimed => {
+                return self.adopted_again(who, r, layout)?.ok_or_else(|| f.into());
+            }
+            Err(e) => return Err(e),
+        };
         let adopted = match self.adopt(who, &AdoptRequest::of_claim(&receipt, layout.clone())) {
             // A repeat of this very request adopted it meanwhile: its answer.
             Err(ProtocolError::Refused(refusal)) => match self.adopted_again(who, r, layout)? {
