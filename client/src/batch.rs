@@ -251,7 +251,30 @@ impl DataConn {
     /// Loads of each of many adopted claims in one frame: their reads reach
     /// the device together.
     pub fn load_many(&mut self, loads: Vec<(&Receipt, Vec<DataChunk>)>) -> Result<Outcomes<DataResponse>, ClientError> {
-        let requests = loads.into_iter().map(|(r, chunks)| DataRequest::Load { receipt: r.clone(), chunks }).collect();
+        self.load_many_acking(loads.into_iter().map(|(r, c)| (r, c, false)).collect())
+    }
+
+    /// Loads of each of many adopted claims in one frame, each the last of
+    /// its claim, and their acks in the same request: the daemon checks
+    /// every chunk against the manifest and commits the acks together
+    /// before it answers (each answer `acked`, or why not: then fail that
+    /// claim). Refused, loading nothing, where the daemon cannot check a
+    /// chunk (a buffer registered unchecked, a DMA-BUF it cannot map).
+    pub fn load_and_ack_many(
+        &mut self,
+        loads: Vec<(&Receipt, Vec<DataChunk>)>,
+    ) -> Result<Outcomes<DataResponse>, ClientError> {
+        self.load_many_acking(loads.into_iter().map(|(r, c)| (r, c, true)).collect())
+    }
+
+    /// Loads of many adopted claims in one frame, those marked `true`
+    /// acknowledging their claims as [`DataConn::load_and_ack_many`]'s do.
+    pub fn load_many_acking(
+        &mut self,
+        loads: Vec<(&Receipt, Vec<DataChunk>, bool)>,
+    ) -> Result<Outcomes<DataResponse>, ClientError> {
+        let requests =
+            loads.into_iter().map(|(r, chunks, ack)| DataRequest::Load { receipt: r.clone(), chunks, ack }).collect();
         self.many(requests)
     }
 }

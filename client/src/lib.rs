@@ -695,7 +695,13 @@ impl DataConn {
 
     /// Loads chunks of an adopted publication into registered buffers.
     pub fn load(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
-        self.call(&DataRequest::Load { receipt: claim.clone(), chunks }, &[])
+        self.call(&DataRequest::Load { receipt: claim.clone(), chunks, ack: false }, &[])
+    }
+
+    /// Loads the last chunks of an adopted claim and acknowledges it in the
+    /// same request ([`DataConn::load_and_ack_many`] for one claim).
+    pub fn load_and_ack(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
+        self.call(&DataRequest::Load { receipt: claim.clone(), chunks, ack: true }, &[])
     }
 
     /// Stores `chunks` of a prepared publication as one batch, each from its

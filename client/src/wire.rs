@@ -472,6 +472,18 @@ pub enum DataRequest {
         receipt: Receipt,
         /// The chunks and where to put them.
         chunks: Vec<DataChunk>,
+        /// Acknowledge the claim once this load is done (step 7 in the same
+        /// request): the daemon checks every chunk of it against the
+        /// manifest itself and commits the ACK (group-committed with the
+        /// other acks of the frame) before it answers `acked`. Refused before
+        /// anything is loaded where the daemon cannot check a chunk of this
+        /// load (a DMA-BUF it cannot map, a buffer registered unchecked) or
+        /// chunks of the claim would be left unloaded; a chunk that does not
+        /// match fails the request and acknowledges nothing (fail the claim).
+        /// The reader's own word for chunks it checked earlier (answered
+        /// `unverified`) is this flag.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        ack: bool,
     },
     /// Store and load requests of many publications in one frame, at most
     /// [`MAX_DATA_MANY`]: the I/O of consecutive stores (or loads) goes to
@@ -534,6 +546,9 @@ pub struct DataResponse {
     pub verdicts: Vec<String>,
     /// Why the request failed.
     pub error: Option<ErrorBody>,
+    /// `load` with `ack`: the claim was acknowledged (its ACK durable).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub acked: bool,
     /// `many`: the response to each of its requests, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub many: Vec<DataResponse>,

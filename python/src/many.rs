@@ -176,6 +176,21 @@ pub(crate) enum Got {
     Adopted { claim: RustReceipt, manifest: Manifest },
     /// Every chunk loaded and verified: the digest its ack takes.
     Restored { claim: RustReceipt, manifest: Manifest, digest: String },
+    /// Loaded, checked by the daemon and acknowledged with its load.
+    Acked { manifest: Manifest },
+}
+
+/// Whether an item's load can acknowledge its claim in the same request
+/// (`load` with `ack`): a claim (not a cache read), checked by the daemon
+/// (not `Local` or no verification), loaded where the daemon checks it (not
+/// a staging buffer, whose chunks this reader checks as it copies them out,
+/// nor a DMA-BUF the daemon may be unable to map).
+fn acks_with_load(verify: Verify, finish: Finish, place: &Place) -> bool {
+    finish == Finish::Ack
+        && matches!(verify, Verify::Daemon)
+        && place.into.is_none()
+        && !place.buffer.staging
+        && place.buffer.inner.dmabuf().is_none()
 }
 
 /// Where an adopted item's chunks go: one after another from `offset` of
@@ -248,7 +263,9 @@ pub(crate) enum Finish {
 /// The second half: every adopted item loaded to its place in one
 /// data-plane frame (each chunk checked against its manifest), what failed
 /// after its claim reported failed (RETAINED, its bytes kept), what was
-/// restored acknowledged — two or three round trips. `places[i]` is where
+/// restored acknowledged: with its load where the daemon checks the chunks
+/// itself (`load` with `ack`, so the frame of loads is the last round trip),
+/// else in one batch after it. `places[i]` is where
 /// item `i` goes, or why it has nowhere to go (then it fails, RETAINED).
 pub(crate) fn restore_many(
     conn: &Conn,
@@ -268,7 +285,7 @@ pub(crate) fn restore_many(
             (Err(_), _) => placed.push(None),
         }
     }
-    load_all(conn, verify, &placed, &mut got)?;
+    load_all(conn, (verify, finish), &placed, &mut got)?;
 
     // What was claimed and then failed is reported failed (RETAINED, its
     // bytes kept for a retry), all in one batch.
@@ -309,6 +326,7 @@ pub(crate) fn restore_many(
     Ok(got
         .into_iter()
         .map(|g| match g {
+            Got::Acked { manifest } => Ok(manifest),
             Got::Restored { manifest, .. } => match acked.next() {
                 Some(Ok(())) => Ok(manifest),
                 Some(Err(e)) => Err(e),
@@ -323,7 +341,12 @@ pub(crate) fn restore_many(
 /// Loads every adopted item's chunks in one data-plane frame, each checked
 /// against its manifest as a single get checks it: an item restored becomes
 /// `Restored`, one that failed `Failed`.
-fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Got]) -> Result<(), ClientError> {
+fn load_all(
+    conn: &Conn,
+    (verify, finish): (Verify, Finish),
+    places: &[Option<Place>],
+    got: &mut [Got],
+) -> Result<(), ClientError> {
     let mut data = lock(&conn.data);
     let mut asked: Vec<(usize, Vec<DataChunk>)> = Vec::new();
     for (i, place) in places.iter().enumerate() {
@@ -348,14 +371,15 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
     if asked.is_empty() {
         return Ok(());
     }
-    let loads: Vec<(&RustReceipt, Vec<DataChunk>)> = asked
+    let ack = |i: usize| places[i].as_ref().is_some_and(|p| acks_with_load(verify, finish, p));
+    let loads: Vec<(&RustReceipt, Vec<DataChunk>, bool)> = asked
         .iter()
         .filter_map(|(i, chunks)| match &got[*i] {
-            Got::Adopted { claim, .. } => Some((claim, chunks.clone())),
+            Got::Adopted { claim, .. } => Some((claim, chunks.clone(), ack(*i))),
             _ => None,
         })
         .collect();
-    let answers = data.with(|d| d.load_many(loads))?;
+    let answers = data.with(|d| d.load_many_acking(loads))?;
     drop(data);
     // Each item's chunks checked against its manifest; where this reader
     // checksums them itself (memory the daemon does not map), on as many
@@ -403,15 +427,30 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
         })
         .sum();
     let checked = in_parallel(&jobs, &check, local_bytes >= PARALLEL_CHECK_BYTES);
-    let outcomes: Vec<(usize, Result<Vec<u32>, ClientError>)> =
-        jobs.into_iter().map(|(i, _, _)| i).zip(checked).chain(refused).collect();
-    for (i, checked) in outcomes {
+    let outcomes: Vec<Outcome> = jobs
+        .into_iter()
+        .map(|(i, _, a)| (i, a.acked))
+        .zip(checked)
+        .chain(refused.into_iter().map(|(i, r)| ((i, false), r)))
+        .collect();
+    settle(got, outcomes);
+    Ok(())
+}
+
+/// An item's load: its index, whether the daemon acknowledged it with the
+/// load, and its chunks' crc32c as checked (or why not).
+type Outcome = ((usize, bool), Result<Vec<u32>, ClientError>);
+
+/// Each loaded item `Acked`, `Restored` (with the digest its ack takes) or `Failed`.
+fn settle(got: &mut [Got], outcomes: Vec<Outcome>) {
+    for ((i, acked), checked) in outcomes {
         let Got::Adopted { claim, manifest } =
             std::mem::replace(&mut got[i], Got::Failed { claim: None, error: ClientError::Data("replaced".into()) })
         else {
             continue;
         };
         got[i] = match checked {
+            Ok(_) if acked => Got::Acked { manifest },
             Ok(crcs) => {
                 let digest = restore_digest(manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
                 Got::Restored { claim, manifest, digest }
@@ -419,7 +458,6 @@ fn load_all(conn: &Conn, verify: Verify, places: &[Option<Place>], got: &mut [Go
             Err(error) => Got::Failed { claim: Some(claim), error },
         };
     }
-    Ok(())
 }
 
 /// Copies an item's chunks on from where they were loaded into `into`, each

@@ -353,7 +353,8 @@ fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     assert_eq!(manifest.chunks[0].crc32c, crc, "the declared checksum is the stored one");
     let loaded =
         data.load(&claim, vec![DataChunk { index: 0, buffer: id, offset: SLOT, len: 0, crc32c: None }]).unwrap();
-    assert_eq!(loaded.unverified, vec![0], "the reader checks what the daemon did not read");
+    assert!(loaded.unverified.is_empty(), "the daemon checks a load into it in place: {loaded:?}");
+    assert_eq!(loaded.crc32c, vec![crc], "as stored");
     let mut back = vec![0u8; SLOT as usize];
     pool.read_at(SLOT, &mut back).unwrap();
     assert!(back == kv, "the restored bytes differ from the stored ones");
@@ -368,7 +369,15 @@ fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     assert!(r.is_err(), "a store from a shrunk shm file: {r:?}");
     c.healthz().expect("the daemon is up");
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
-    w.put("after", &layout(), &kv, 1, None).unwrap();
+    let after = w.put("after", &layout(), &kv, 1, None).unwrap();
+    // A load into the shrunk file (its pages pinned by the host_fixed
+    // registration, so the read lands): the daemon's in-place check faults,
+    // the fault is caught, and the load fails — the daemon does not.
+    let claim = c.claim(&after.receipt, "r", "s2", 60_000).unwrap();
+    c.adopt(&AdoptRequest::of_claim(&claim, layout())).unwrap();
+    let r = data.load(&claim, vec![DataChunk { index: 0, buffer: id, offset: SLOT, len: 0, crc32c: None }]);
+    assert!(r.as_ref().is_err_and(|e| e.to_string().contains("shrink")), "a load into a shrunk shm file: {r:?}");
+    c.healthz().expect("the daemon is up after the fault");
 
     // Only tmpfs files are shm files.
     let file =

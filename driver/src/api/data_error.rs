@@ -117,6 +117,9 @@ pub enum DataError {
     /// The protocol refused.
     #[error(transparent)]
     Protocol(#[from] ProtocolError),
+    /// A failure several requests share (the commit of a frame's acks).
+    #[error("{}", .0.message)]
+    Shared(ErrorBody),
 }
 
 impl DataError {
@@ -139,6 +142,7 @@ impl DataError {
             DataError::NotNative { .. } => (RefusalCode::NotNative, "chunks"),
             DataError::Store(e) => return from_store(e),
             DataError::Protocol(e) => return from_protocol(e),
+            DataError::Shared(body) => return body.clone(),
         };
         ErrorBody::new(code, field, self.to_string())
     }

@@ -244,16 +244,26 @@ impl Drop for Pool {
 }
 
 /// crc32c of `r`'s range of `b`, in place in the daemon's mapping of it
-/// (see [`Worker::crc`]); `None` for memory the daemon does not read — a
-/// DMA-BUF it cannot map, a shm file its owner may shrink — whose
-/// checksums come from the client (a store's declared crc32c; a load's
-/// chunks answered `unverified`, which the reader checks itself).
+/// (see [`Worker::crc`]); `None` where the client's checksum stands instead:
+/// a store from memory the daemon does not read in place (a DMA-BUF it
+/// cannot map, a shm file its owner may shrink: the store's declared
+/// crc32c), a load into a DMA-BUF it cannot map or into a buffer registered
+/// unchecked (chunks answered `unverified`, which the reader checks itself).
+/// A load into a shm file is checked in place with a shrink caught
+/// ([`Buffer::loads_checksummed_here`]), so its reader need not check it.
 pub(super) fn crc_of(b: &Buffer, r: &IoRequest) -> Result<Option<u32>, IoError> {
-    // A buffer registered unchecked (a benchmark's reader) skips loads' checks only.
-    if !b.checksummed_in_place() || (r.op == Op::Read && b.loads_unchecked()) {
+    if !checked_here(b, r.op) {
         return Ok(None);
     }
     b.crc32c(r.buffer_offset.0, r.len as usize).map(Some).map_err(|what| IoError::Buffer { transfer: r.transfer, what })
+}
+
+/// Whether the daemon checksums a transfer of `op` with `b` (see [`crc_of`]).
+pub(super) fn checked_here(b: &Buffer, op: Op) -> bool {
+    match op {
+        Op::Read => b.loads_checksummed_here(),
+        _ => b.checksummed_in_place(),
+    }
 }
 
 #[cfg(test)]

@@ -476,7 +476,7 @@ impl Worker {
                 (r.len >= Verifier::MIN_LEN && (submitted.len() > 1 || r.len >= 2 * Verifier::PIECE))
                     .then(|| self.engine.shared_buffer(r.buffer).ok())
                     .flatten()
-                    .filter(|b| b.checksummed_in_place() && b.dmabuf().is_none())
+                    .filter(|b| super::verifier::checked_here(b, r.op) && b.dmabuf().is_none())
             })
             .collect();
         let Worker { engine, verifier, storage, .. } = self;

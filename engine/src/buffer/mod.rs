@@ -19,11 +19,13 @@ pub mod cuda_compare;
 #[cfg(feature = "cuda")]
 mod cuda_crc32c;
 pub mod dmabuf;
+mod shm_guard;
 
 pub use copy_out::Piece;
 
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::AtomicBool;
 
 use vm_memory::mmap::MmapRegion;
 use vm_memory::{FileOffset, VolatileMemory, VolatileSlice};
@@ -182,6 +184,9 @@ pub struct Buffer {
     /// Its owner asked that loads into it not be checksummed here
     /// ([`Buffer::skip_load_checks`]).
     unchecked: bool,
+    /// A file-access-only buffer's mapping was found shrunk under an in-place
+    /// check ([`shm_guard`]): its bytes are reached through the file only.
+    shrunk: AtomicBool,
 }
 
 impl Buffer {
@@ -200,6 +205,7 @@ impl Buffer {
             len,
             file_access_only: false,
             unchecked: false,
+            shrunk: AtomicBool::new(false),
         })
     }
 
@@ -264,6 +270,7 @@ impl Buffer {
             len,
             file_access_only: false,
             unchecked: false,
+            shrunk: AtomicBool::new(false),
         })
     }
 
@@ -344,6 +351,7 @@ impl Buffer {
             len,
             file_access_only: false,
             unchecked: false,
+            shrunk: AtomicBool::new(false),
         })
     }
 
@@ -383,6 +391,20 @@ impl Buffer {
     /// shrink (whose checksums therefore come from the side that owns it).
     pub fn checksummed_in_place(&self) -> bool {
         self.region.is_some() && !self.file_access_only
+    }
+
+    /// Whether this process checksums what is loaded into it: any buffer it
+    /// has mapped — a shm file its owner may shrink too, in place with a
+    /// shrink caught ([`shm_guard`]) — unless its owner asked it not to
+    /// ([`Buffer::skip_load_checks`]).
+    pub fn loads_checksummed_here(&self) -> bool {
+        self.region.is_some() && !self.unchecked
+    }
+
+    /// Whether an in-place check found this shm file buffer shrunk by its
+    /// owner (from then on its bytes are reached through the file only).
+    pub fn found_shrunk(&self) -> bool {
+        self.shrunk.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Loads into this buffer are not checksummed here (its chunks are
@@ -469,7 +491,10 @@ impl Buffer {
     pub fn crc32c(&self, offset: u64, count: usize) -> Result<u32, BufferError> {
         self.check_range(offset, count)?;
         if let Some(file) = self.through_file() {
-            return crc32c_of_file(file, offset, count);
+            return match self.crc32c_guarded(offset, count) {
+                Some(crc) => Ok(crc),
+                None => crc32c_of_file(file, offset, count),
+            };
         }
         let base = self.as_mut_ptr()?;
         let _access = self.dmabuf.as_ref().map(|d| d.begin_cpu_access(dmabuf::Access::Read)).transpose()?;
@@ -500,6 +525,25 @@ impl Buffer {
 }
 
 impl Buffer {
+    /// crc32c of a range of a shm file buffer its owner may shrink, in place
+    /// with `SIGBUS` caught ([`shm_guard`]); `None` if the file was found
+    /// shrunk (now or before): read it through the file.
+    fn crc32c_guarded(&self, offset: u64, count: usize) -> Option<u32> {
+        let region = self.region.as_ref()?;
+        let base = region.as_ptr().cast_const();
+        shm_guard::check_in_place((base, region.size()), &self.shrunk, || {
+            // SAFETY: `offset..offset + count` lies within the mapping (the
+            // caller checked the range), which lives as long as `self`; every
+            // byte pattern is a valid u8. A truncation by the owner turns a
+            // read of a page past the new end into SIGBUS, which the guard
+            // answers by mapping zero pages over the mapping (so the read
+            // completes, and its answer is discarded); concurrent writes by
+            // the owner can change the checksum's value and nothing else.
+            let bytes = unsafe { std::slice::from_raw_parts(base.add(offset as usize), count) };
+            payload_crc32c(bytes)
+        })
+    }
+
     /// The file a [`BufferKind::ShmFile`] from another process is reached
     /// through, if this is one.
     fn through_file(&self) -> Option<&File> {
@@ -644,11 +688,40 @@ mod tests {
 
         // The owner shrinks the file: every access of the received buffer
         // past the new end fails with an error, none faults.
+        assert!(!received.found_shrunk(), "checked in place, whole");
         File::from(fd).set_len(4096).unwrap();
         let err = received.crc32c(0, len).unwrap_err();
         assert!(err.to_string().contains("did its owner shrink"), "{err}");
+        assert!(received.found_shrunk(), "the in-place check's SIGBUS was caught, not fatal");
         assert!(received.read_at(8192, &mut out).is_err());
         assert_eq!(received.crc32c(0, 4096).unwrap(), crc32c::crc32c(&bytes[..4096]), "what is left still reads");
+    }
+
+    /// A SIGBUS outside a guarded check is not swallowed: the process still
+    /// dies of it (the test runs itself as a child that faults).
+    #[test]
+    fn a_fault_outside_a_guarded_check_still_kills_the_process() {
+        const CHILD: &str = "PDSTOR_TEST_SIGBUS_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let fd = unsealed_shm(8192);
+            let received = Buffer::from_shm_file(fd.try_clone().unwrap(), 8192, false).unwrap();
+            received.crc32c(0, 8192).unwrap(); // the handler is installed
+            let owner = Buffer::from_shm_file(fd.try_clone().unwrap(), 8192, true).unwrap();
+            File::from(fd).set_len(0).unwrap();
+            let mut out = [0u8; 1];
+            owner.slice(4096, 1).unwrap().copy_to(&mut out[..]); // SIGBUS, unguarded
+            std::process::exit(0);
+        }
+        let me = std::env::current_exe().unwrap();
+        let name = "buffer::tests::a_fault_outside_a_guarded_check_still_kills_the_process";
+        let status = std::process::Command::new(me)
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD, "1")
+            .stderr(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! [`Store::store_batches`]: crate::store::Store::store_batches
 //! [`Store::load_many`]: crate::store::Store::load_many
 
+use super::ack::AckAfter;
 use super::{Conn, DataError, DataResponse, about_of};
 use crate::api::wire::{DataChunk, DataRequest, MAX_DATA_MANY};
 use crate::protocol::Receipt;
@@ -81,16 +82,16 @@ impl Conn {
     /// Loads of many claims, their reads submitted together.
     fn loads(&mut self, run: Vec<DataRequest>) -> Vec<Result<DataResponse, DataError>> {
         let mut begun = Vec::with_capacity(run.len());
-        let mut asked: Vec<(Option<Receipt>, Vec<DataChunk>)> = Vec::with_capacity(run.len());
+        let mut asked: Vec<(Option<Receipt>, Vec<DataChunk>, bool)> = Vec::with_capacity(run.len());
         for r in run {
             match r {
-                DataRequest::Load { receipt, chunks } => {
-                    begun.push(self.load_begin(&receipt, &chunks));
-                    asked.push((Some(receipt), chunks));
+                DataRequest::Load { receipt, chunks, ack } => {
+                    begun.push(self.load_begin(&receipt, &chunks, ack));
+                    asked.push((Some(receipt), chunks, ack));
                 }
                 _ => {
                     begun.push(Err(DataError::BadMany("not a load among loads".into())));
-                    asked.push((None, Vec::new()));
+                    asked.push((None, Vec::new(), false));
                 }
             }
         }
@@ -99,15 +100,24 @@ impl Conn {
         let started = std::time::Instant::now();
         let mut read = self.service.store().load_many(&loads).into_iter();
         let took = started.elapsed();
-        begun
+        let mut acks = Vec::new();
+        let mut answers: Vec<_> = begun
             .into_iter()
             .zip(asked)
-            .map(|(b, (receipt, chunks))| {
+            .enumerate()
+            .map(|(at, (b, (receipt, chunks, ack)))| {
                 let (manifest, _) = b?;
                 let receipt = receipt.ok_or_else(|| DataError::BadMany("a load without its receipt".into()))?;
                 let crcs = read.next().ok_or_else(|| DataError::BadMany("a load answered nothing".into()))?;
-                self.load_end(&receipt, &manifest, &chunks, crcs, took)
+                let answer = self.load_end(&receipt, &manifest, &chunks, crcs, took)?;
+                if ack {
+                    acks.push(AckAfter { at, receipt, manifest });
+                }
+                Ok(answer)
             })
-            .collect()
+            .collect();
+        // The acks of the frame's loads share one commit.
+        self.ack_loads(acks, &mut answers);
+        answers
     }
 }

@@ -29,6 +29,7 @@ use crate::protocol::identity::{Caller, Resource, Role};
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Manifest, Phase, StoreBatch, StoreError};
 
+mod ack;
 mod idle;
 mod many;
 mod notes;
@@ -115,6 +116,7 @@ impl DataPlane {
                         next: 1,
                         stored_into: HashSet::new(),
                         unchecked: HashSet::new(),
+                        unverifiable: HashSet::new(),
                     };
                     c.serve(conn);
                     c.cleanup();
@@ -164,6 +166,10 @@ struct Conn {
     /// loads it checks as it copies them out, or a benchmark's baseline. The
     /// daemon does not checksum loads into them, and the timeline says so.
     unchecked: HashSet<u32>,
+    /// Client buffers whose loads the daemon does not check (registered
+    /// unchecked, or a DMA-BUF it cannot map): a load into them cannot
+    /// acknowledge its claim.
+    unverifiable: HashSet<u32>,
 }
 
 /// The publication a request is about, for a refusal's timeline event.
@@ -319,7 +325,7 @@ impl Conn {
             DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks } => {
                 self.store(publication, &writer_token, &chunks, is_last_batch, total_chunks)
             }
-            DataRequest::Load { receipt, chunks } => self.load(&receipt, &chunks),
+            DataRequest::Load { receipt, chunks, ack } => self.load(&receipt, &chunks, ack),
             DataRequest::Many { requests } if fds.is_empty() => self.many(requests),
             DataRequest::Many { .. } => Err(DataError::BadMany(format!(
                 "a many frame carries no fds ({} came): register each buffer with its own frame",
@@ -352,10 +358,14 @@ impl Conn {
                 buffer.skip_load_checks();
             }
             let exporter = buffer.dmabuf().map(|d| d.exporter().to_owned());
-            Ok((self.service.store().register_buffer_for(buffer, path)?, exporter))
+            let checked = buffer.loads_checksummed_here();
+            Ok((self.service.store().register_buffer_for(buffer, path)?, exporter, checked))
         });
-        let (id, exporter) =
+        let (id, exporter, checked) =
             registered.inspect_err(|_| self.service.policy().give(&self.caller, Resource::Buffer(len)))?;
+        if !checked {
+            self.unverifiable.insert(self.next);
+        }
         let client = self.next;
         self.next += 1;
         self.buffers.insert(client, (id, len));
@@ -452,18 +462,33 @@ impl Conn {
     }
 
     /// Loads chunks of a claimed, adopted publication into registered buffers.
-    fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<DataResponse, DataError> {
-        let (manifest, dests) = self.load_begin(receipt, chunks)?;
+    /// With `ack`, then acknowledges the claim ([`ack`]).
+    fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk], ack: bool) -> Result<DataResponse, DataError> {
+        let (manifest, dests) = self.load_begin(receipt, chunks, ack)?;
         let started = std::time::Instant::now();
         let crcs = self.service.store().load(manifest.publication, &dests);
-        self.load_end(receipt, &manifest, chunks, crcs, started.elapsed())
+        let mut answer = [self.load_end(receipt, &manifest, chunks, crcs, started.elapsed())];
+        if ack && answer[0].is_ok() {
+            self.ack_loads(vec![ack::AckAfter { at: 0, receipt: receipt.clone(), manifest }], &mut answer);
+        }
+        let [answer] = answer;
+        answer
     }
 
     /// A load authorized (the claim adopted, its reader this caller, not
-    /// fenced) and its destinations resolved.
-    fn load_begin(&self, receipt: &Receipt, chunks: &[DataChunk]) -> Result<(Manifest, Vec<ChunkDest>), DataError> {
+    /// fenced; with `ack`, one that may acknowledge it) and its destinations
+    /// resolved.
+    fn load_begin(
+        &self,
+        receipt: &Receipt,
+        chunks: &[DataChunk],
+        ack: bool,
+    ) -> Result<(Manifest, Vec<ChunkDest>), DataError> {
         let manifest = self.service.authorize_load(&self.caller, receipt)?;
         place::overlap(chunks, &manifest)?;
+        if ack {
+            self.check_ack(receipt, &manifest, chunks)?;
+        }
         let mut dests = Vec::with_capacity(chunks.len());
         for c in chunks {
             dests.push(ChunkDest { index: c.index, buffer: self.buffer(c)?, buffer_offset: BufferOffset(c.offset) });

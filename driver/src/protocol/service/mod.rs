@@ -16,6 +16,7 @@ pub use pdstor_client::receipt::restore_digest;
 use pdstor_client::timeline::{Event, Timeline, emit};
 pub use pdstor_client::wire::{AdoptRequest, PrepareRequest, Prepared, Published};
 
+mod ack_loaded;
 mod cache;
 mod reader;
 mod writer;
