@@ -477,11 +477,12 @@ pub enum DataRequest {
         /// manifest itself and commits the ACK (group-committed with the
         /// other acks of the frame) before it answers `acked`. Refused before
         /// anything is loaded where the daemon cannot check a chunk of this
-        /// load (a DMA-BUF it cannot map, a buffer registered unchecked) or
-        /// chunks of the claim would be left unloaded; a chunk that does not
-        /// match fails the request and acknowledges nothing (fail the claim).
-        /// The reader's own word for chunks it checked earlier (answered
-        /// `unverified`) is this flag.
+        /// load (a DMA-BUF it cannot map, a buffer registered unchecked), a
+        /// chunk loaded earlier was not checked by it (answered `unverified`:
+        /// only the reader's own ack vouches for those), chunks of the claim
+        /// would be left unloaded, or the claim is loaded by another request
+        /// of the same frame; a chunk that does not match fails the request
+        /// and acknowledges nothing (fail the claim).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         ack: bool,
     },

@@ -721,7 +721,7 @@ impl Sim {
         }
         // What the data plane records for a load it served.
         let served: Vec<(u32, u32)> = manifest.chunks.iter().map(|c| (c.index, c.crc32c)).collect();
-        self.svc().note_served(claim, &served);
+        self.svc().note_served(claim, &served, &[]);
         self.note(format!("load {id} ({} chunks) -> verified", manifest.chunks.len()));
         if let Some(m) = self.reqs.get_mut(&id) {
             m.loaded = true;

@@ -117,10 +117,21 @@ fn a_load_that_cannot_ack_is_refused_before_anything_moves() {
     assert!(bytes.iter().all(|&b| b == 0), "nothing was loaded");
     assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"), "nothing changed");
 
-    // Chunk 0 loaded alone first; then the load of chunk 1 completes the claim and acknowledges it.
+    // Chunk 0 loaded where the daemon does not check it: only the reader can
+    // vouch for it, so no load acknowledges the claim until it is loaded again.
+    let unverified = data.load(&claim, chunks(unchecked, 0, 1)).unwrap();
+    assert_eq!(unverified.unverified, vec![0]);
+    let last = || vec![DataChunk { index: 1, buffer: id, offset: SLOT, len: 0, crc32c: None }];
+    assert_eq!(refusal(data.load_and_ack(&claim, last())), "wrong_state");
+    // Two loads of the claim in one frame, one with ack: both refused.
+    let both = data.load_many_acking(vec![(&claim, chunks(id, 0, 1), false), (&claim, last(), true)]).unwrap();
+    assert!(both.into_iter().all(|r| refusal(r) == "bad_request"));
+    assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"), "nothing changed");
+
+    // Chunk 0 loaded again where the daemon checks it; then the load of chunk
+    // 1 completes the claim and acknowledges it.
     assert!(!data.load(&claim, chunks(id, 0, 1)).unwrap().acked);
-    let last = vec![DataChunk { index: 1, buffer: id, offset: SLOT, len: 0, crc32c: None }];
-    assert!(data.load_and_ack(&claim, last).unwrap().acked);
+    assert!(data.load_and_ack(&claim, last()).unwrap().acked);
     into.read_at(0, &mut bytes).unwrap();
     assert!(bytes == kv(50, 2), "byte for byte");
     assert_eq!(state(&c, claim.publication), None);

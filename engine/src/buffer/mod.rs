@@ -110,6 +110,12 @@ pub enum BufferError {
         #[source]
         source: std::io::Error,
     },
+    /// A shm file buffer an in-place check found shrunk by its owner: its
+    /// mapping is zero pages now, so no transfer may use it.
+    #[error(
+        "the shm file buffer was shrunk by its owner under a load's check: no transfer uses it again; unregister it and register the file anew once it is whole"
+    )]
+    Shrunk,
     /// The CPU view of a buffer this process reaches only through its file.
     #[error(
         "a shm file buffer is not touched through its mapping (its owner may shrink the file): use read_at, write_at or crc32c"
@@ -150,9 +156,11 @@ pub enum BufferKind {
     DmaBuf,
     /// A shared-memory file its owner can still shrink (a POSIX `shm_open`
     /// object in `/dev/shm`, an unsealed memfd): LMCache's CPU pool with
-    /// `shm_name`. Mapped for the kernel's I/O only; this process reads and
-    /// writes its bytes through the file (`pread`/`pwrite`), never through
-    /// the mapping, so a truncation fails an access instead of faulting.
+    /// `shm_name`. Mapped for the kernel's I/O; this process reads and
+    /// writes its bytes through the file (`pread`/`pwrite`), so a truncation
+    /// fails an access instead of faulting, except the checksum of a load,
+    /// taken in place with the fault a truncation raises caught
+    /// ([`shm_guard`]).
     ShmFile,
 }
 
@@ -282,7 +290,10 @@ impl Buffer {
     /// owner cut off fails with `EFAULT`). With `owner` (this process made
     /// the file and keeps it whole) the CPU may use the mapping too;
     /// otherwise every CPU access goes through the file, so that a
-    /// truncation by the owner fails that access instead of raising SIGBUS.
+    /// truncation by the owner fails that access instead of raising SIGBUS —
+    /// but [`Buffer::crc32c`], which reads the mapping in place with that
+    /// SIGBUS caught ([`shm_guard`]); once it has caught one, the buffer
+    /// takes no transfer again ([`BufferError::Shrunk`]).
     pub fn from_shm_file(fd: OwnedFd, len: usize, owner: bool) -> Result<Self, BufferError> {
         if len == 0 {
             return Err(BufferError::ZeroLength);
@@ -424,6 +435,10 @@ impl Buffer {
     /// Start address of the CPU mapping, for the kernel (io_uring SQEs,
     /// buffer registration).
     pub fn addr(&self) -> Result<u64, BufferError> {
+        // Found shrunk: the mapping is private zero pages now, not the file.
+        if self.found_shrunk() {
+            return Err(BufferError::Shrunk);
+        }
         Ok(self.region()?.as_ptr() as u64)
     }
 
@@ -693,6 +708,7 @@ mod tests {
         let err = received.crc32c(0, len).unwrap_err();
         assert!(err.to_string().contains("did its owner shrink"), "{err}");
         assert!(received.found_shrunk(), "the in-place check's SIGBUS was caught, not fatal");
+        assert!(matches!(received.addr(), Err(BufferError::Shrunk)), "no transfer uses its zero pages");
         assert!(received.read_at(8192, &mut out).is_err());
         assert_eq!(received.crc32c(0, 4096).unwrap(), crc32c::crc32c(&bytes[..4096]), "what is left still reads");
     }

@@ -16,7 +16,15 @@
 //! the buffer reaches its bytes through its file from then on (where a
 //! truncated range fails with an error, as before). A `SIGBUS` anywhere
 //! else goes to the handler that was there before (Rust's own, or the
-//! default: the process dies as it would have).
+//! default: the process dies as it would have). Once caught, the buffer
+//! takes no transfer again (its mapping is private zero pages now, which a
+//! `host`-path transfer would read or write instead of the file).
+//!
+//! The handler reads a const-initialized thread-local: a plain TLS load in
+//! the daemon's binary. In a shared library loaded with `dlopen` (the
+//! Python module) such a load may go through `__tls_get_addr`, which is not
+//! async-signal-safe on a thread that never touched it — moot there: the
+//! module owns its shm files and never takes the guarded path.
 
 use std::cell::Cell;
 use std::sync::OnceLock;
@@ -67,11 +75,20 @@ pub(super) fn check_in_place<T>(
     }
     let page = page_size();
     let len = mapping.1.div_ceil(page) * page;
+    /// Clears the mark when the check ends, however it ends (a panic too),
+    /// so no later fault finds a stale range and a dangling flag.
+    struct Unmark;
+    impl Drop for Unmark {
+        fn drop(&mut self) {
+            std::sync::atomic::compiler_fence(Ordering::SeqCst);
+            GUARDED.with(|g| g.set(Guarded { start: 0, len: 0, shrunk: std::ptr::null() }));
+        }
+    }
     GUARDED.with(|g| g.set(Guarded { start: mapping.0 as usize, len, shrunk }));
+    let unmark = Unmark;
     std::sync::atomic::compiler_fence(Ordering::SeqCst);
     let out = check();
-    std::sync::atomic::compiler_fence(Ordering::SeqCst);
-    GUARDED.with(|g| g.set(Guarded { start: 0, len: 0, shrunk: std::ptr::null() }));
+    drop(unmark);
     // A fault in another thread's check of the same mapping replaced it with
     // zeros (the flag is set before the zeros are mapped), which this check
     // may have read: it is as untrustworthy as a fault of its own.
@@ -116,9 +133,14 @@ fn installed() -> bool {
 /// `sigaction` or the previous handler.
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for a SA_SIGINFO handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
+    let (addr, code) = unsafe { ((*info).si_addr() as usize, (*info).si_code) };
     let g = GUARDED.with(|g| g.get());
-    if g.len != 0 && addr >= g.start && addr - g.start < g.len {
+    // Only an access past the file's end (BUS_ADRERR), not a memory error
+    // (BUS_MCEERR_*), is a shrink.
+    if code == libc::BUS_ADRERR && g.len != 0 && addr >= g.start && addr - g.start < g.len {
+        // SAFETY: errno is this thread's; saved and put back around mmap so
+        // the interrupted code sees it unchanged.
+        let errno = unsafe { *libc::__errno_location() };
         // Flag first, then the zeros: a thread that reads a zero page of the
         // replaced mapping finds the flag set once its check ends.
         // SAFETY: `shrunk` points at the buffer's flag, which outlives the
@@ -137,6 +159,8 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                 0,
             )
         };
+        // SAFETY: as above.
+        unsafe { *libc::__errno_location() = errno };
         if p != libc::MAP_FAILED {
             return;
         }

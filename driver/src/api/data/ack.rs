@@ -3,7 +3,7 @@
 //! a frame's loads sharing one commit, none answered before it is durable.
 
 use super::{Conn, DataError, DataResponse};
-use crate::api::wire::DataChunk;
+use crate::api::wire::{DataChunk, ErrorBody};
 use crate::protocol::Receipt;
 use crate::protocol::service::ProtocolError;
 use crate::store::Manifest;
@@ -57,7 +57,13 @@ impl Conn {
         for (l, outcome) in loads.iter().zip(acked) {
             let outcome = outcome.map_err(DataError::from).and_then(|()| match &unsaved {
                 None => Ok(()),
-                Some(body) => Err(DataError::Shared(body.clone())),
+                Some(body) => Err(DataError::Shared(ErrorBody {
+                    message: format!(
+                        "publication {}: loaded and checked, but the commit of its ack failed ({}): the ack is not durable. The store is failing (see the daemon's log); after the daemon restarts, the claim stands fenced until an operator reclaims it (pdstor reclaim)",
+                        l.manifest.publication, body.message
+                    ),
+                    ..body.clone()
+                })),
             });
             match (outcome, answers.get_mut(l.at)) {
                 (Ok(()), Some(Ok(answer))) => answer.acked = true,

@@ -83,8 +83,16 @@ impl Conn {
     fn loads(&mut self, run: Vec<DataRequest>) -> Vec<Result<DataResponse, DataError>> {
         let mut begun = Vec::with_capacity(run.len());
         let mut asked: Vec<(Option<Receipt>, Vec<DataChunk>, bool)> = Vec::with_capacity(run.len());
+        let twice = loaded_twice_with_ack(&run);
         for r in run {
             match r {
+                DataRequest::Load { receipt, chunks, ack } if twice.contains(&receipt.publication) => {
+                    begun.push(Err(DataError::BadMany(format!(
+                        "publication {} is loaded by more than one request of this frame, one of them with ack: load its chunks in one request, or ask for the ack in a later frame",
+                        receipt.publication
+                    ))));
+                    asked.push((Some(receipt), chunks, ack));
+                }
                 DataRequest::Load { receipt, chunks, ack } => {
                     begun.push(self.load_begin(&receipt, &chunks, ack));
                     asked.push((Some(receipt), chunks, ack));
@@ -120,4 +128,19 @@ impl Conn {
         self.ack_loads(acks, &mut answers);
         answers
     }
+}
+
+/// Publications loaded by more than one request of `run` where one of them
+/// asks for the ack: each is checked before any of the frame's loads runs,
+/// so neither could see the other's chunks served; all are refused.
+fn loaded_twice_with_ack(run: &[DataRequest]) -> std::collections::HashSet<u64> {
+    let mut count: std::collections::HashMap<u64, (usize, bool)> = std::collections::HashMap::new();
+    for r in run {
+        if let DataRequest::Load { receipt, ack, .. } = r {
+            let e = count.entry(receipt.publication).or_default();
+            e.0 += 1;
+            e.1 |= *ack;
+        }
+    }
+    count.into_iter().filter(|(_, (n, ack))| *n > 1 && *ack).map(|(p, _)| p).collect()
 }

@@ -533,8 +533,9 @@ impl Conn {
                 Some((c.index, crc.unwrap_or(stored)))
             })
             .collect();
-        self.service.note_served(receipt, &served);
-        let unverified = chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
+        let unverified: Vec<u32> =
+            chunks.iter().zip(&crcs).filter(|(_, r)| r.is_none()).map(|(c, _)| c.index).collect();
+        self.service.note_served(receipt, &served, &unverified);
         Ok(DataResponse {
             ok: true,
             crc32c: crcs.into_iter().flatten().collect(),

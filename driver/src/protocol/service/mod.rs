@@ -64,8 +64,10 @@ pub struct Service {
 }
 
 /// What the data plane served to one adopted claim: the claim's signature,
-/// and chunk → crc32c as served.
-type Served = (String, std::collections::BTreeMap<u32, u32>);
+/// chunk → crc32c as served, and the chunks among them whose bytes the
+/// daemon did not check (loaded where it cannot read them, or read by the
+/// reader itself): only the reader's own ack can vouch for those.
+type Served = (String, std::collections::BTreeMap<u32, u32>, std::collections::BTreeSet<u32>);
 
 /// The longest id or name a client may give (request, writer, reader,
 /// session, layout strings): every one is journaled, so none may be large.

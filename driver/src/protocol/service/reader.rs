@@ -222,7 +222,7 @@ impl Service {
         }
         let p = self.store.adopt(p.id, r.direct, r.reservation_key)?;
         let nonce = self.signer.restore_nonce(&claim.signature);
-        self.lock_served().insert(p.id, (claim.signature.clone(), Default::default()));
+        self.lock_served().insert(p.id, (claim.signature.clone(), Default::default(), Default::default()));
         let mut e = Event::new("adopt").claim(claim);
         if r.direct {
             e = e.detail("direct: the reader reads the shared namespace itself; a restart does not fence it");
@@ -238,17 +238,26 @@ impl Service {
     }
 
     /// Records chunks the data plane loaded for `claim` (chunk, crc32c as
-    /// served): what its ack may acknowledge.
-    pub fn note_served(&self, claim: &Receipt, chunks: &[(u32, u32)]) {
+    /// served), `unchecked` those among them whose bytes the daemon did not
+    /// check: what its ack may acknowledge.
+    pub fn note_served(&self, claim: &Receipt, chunks: &[(u32, u32)], unchecked: &[u32]) {
         if claim.kind == ReceiptKind::Read {
             return self.note_read_served(claim, chunks);
         }
         let mut served = self.lock_served();
-        let entry = served.entry(claim.publication).or_insert_with(|| (claim.signature.clone(), Default::default()));
+        let fresh = || (claim.signature.clone(), Default::default(), Default::default());
+        let entry = served.entry(claim.publication).or_insert_with(fresh);
         if entry.0 != claim.signature {
-            *entry = (claim.signature.clone(), Default::default());
+            *entry = fresh();
         }
-        entry.1.extend(chunks.iter().copied());
+        for &(index, crc) in chunks {
+            entry.1.insert(index, crc);
+            if unchecked.contains(&index) {
+                entry.2.insert(index);
+            } else {
+                entry.2.remove(&index);
+            }
+        }
     }
 
     /// Checks that `claim` may load now: adopted, lease running.
@@ -309,7 +318,8 @@ impl Service {
                 .into());
             }
         }
-        self.note_served(claim, chunks);
+        let indices: Vec<u32> = chunks.iter().map(|c| c.0).collect();
+        self.note_served(claim, chunks, &indices);
         for &(index, crc) in chunks {
             let mut e = Event::new("loaded").claim(claim).chunk(index).detail("read by the reader itself");
             e.crc32c = Some(crc);
@@ -332,7 +342,8 @@ impl Service {
             .into());
         }
         Self::digest_of(&p)?;
-        let served = self.lock_served().get(&p.id).filter(|(sig, _)| *sig == claim.signature).map(|(_, c)| c.clone());
+        let served =
+            self.lock_served().get(&p.id).filter(|(sig, _, _)| *sig == claim.signature).map(|(_, c, _)| c.clone());
         let served = served.unwrap_or_default();
         Self::check_restore(&p, &served, &self.signer.restore_nonce(&claim.signature), restore)?;
         self.store.ack(p.id, restore)?;
