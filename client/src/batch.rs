@@ -149,11 +149,13 @@ impl Client {
 }
 
 impl Client {
-    /// `read` of each READY cache publication, in one round trip; answers
-    /// each read (its manifest checked against the one its READY receipt
-    /// names; a read whose manifest is not is given up and answered an error).
+    /// `read` of each READY cache publication (by its receipt, or by name),
+    /// in one round trip; answers each read (its manifest checked against
+    /// the one its READY receipt names — or, read by name, its read receipt;
+    /// a read whose manifest is not is given up and answered an error).
     pub fn read_many(&self, reads: Vec<ReadRequest>) -> Result<Outcomes<ReadAnswer>, ClientError> {
-        let digests: Vec<String> = reads.iter().map(|r| r.receipt.manifest_digest.clone()).collect();
+        let digests: Vec<Option<String>> =
+            reads.iter().map(|r| r.receipt.as_ref().map(|ready| ready.manifest_digest.clone())).collect();
         let answers: Outcomes<ReadAnswer> = self.batch_of(reads.into_iter().map(BatchStep::Read).collect())?;
         let mut wrong = Vec::new();
         let out = answers
@@ -161,6 +163,7 @@ impl Client {
             .zip(digests)
             .map(|(a, digest)| {
                 let a = a?;
+                let digest = digest.unwrap_or_else(|| a.receipt.manifest_digest.clone());
                 match crate::the_one_claimed(a.manifest, &digest) {
                     Ok(manifest) => Ok(ReadAnswer { manifest, ..a }),
                     Err(e) => {

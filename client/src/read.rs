@@ -17,8 +17,15 @@ use crate::{Client, ClientError, Reader, Restored};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReadRequest {
-    /// The READY receipt.
-    pub receipt: Receipt,
+    /// The READY receipt (`lookup` answers it); or, instead, `req_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub receipt: Option<Receipt>,
+    /// Instead of a receipt, the name the publication was prepared with: the
+    /// daemon finds it READY as `lookup` would and reads it — a lookup and a
+    /// read in one step. Refused `unknown_publication` where there is no
+    /// READY publication of that name this caller may read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub req_id: Option<String>,
     /// The reader's identity.
     pub reader_id: String,
     /// The reader's session; closing it ends its reads.
@@ -67,7 +74,8 @@ impl Client {
         layout: Option<&Layout>,
     ) -> Result<ReadAnswer, ClientError> {
         let r = ReadRequest {
-            receipt: ready.clone(),
+            receipt: Some(ready.clone()),
+            req_id: None,
             reader_id: reader.into(),
             session_id: session.into(),
             layout: layout.cloned(),

@@ -155,8 +155,10 @@ class Reader:
     def read(self, ready: Receipt, layout: Layout | None = None) -> Receipt: ...
     def end_read(self, read: Receipt) -> None: ...
     def abandon_read(self, read: Receipt, reason: str) -> None: ...
-    def read_many(self, readies: Sequence[Receipt], layout: Layout | None = None) -> list[Receipt | Error]:
-        """Each READY cache publication read, the read held, in one round trip."""
+    def read_many(self, readies: Sequence[Receipt | str], layout: Layout | None = None) -> list[Receipt | Error]:
+        """Each READY cache publication read — by its receipt, or by its name
+        (found READY by the daemon in the same step) — the read held, in one
+        round trip."""
     def finish_reads(
         self,
         items: Sequence[tuple[Receipt, Buffer, int]],

@@ -18,10 +18,10 @@ operations map onto pdstor:
   bytes; a group of objects is one prepare batch, one data-plane frame and
   one publish batch (one commit) — stored only once READY, durable on the
   device. A key already stored counts as stored.
-* **lookup and lock** (``submit_lookup_and_lock_task``): the READY receipts
-  by name (one ``lookup``), then a *read* of each found publication, held
-  (one ``read`` batch): while the read is held no release or eviction takes
-  the publication, whichever process asks.
+* **lookup and lock** (``submit_lookup_and_lock_task``): a *read* of each
+  key's publication by its name, held — one ``read`` batch, the daemon
+  finding each READY as ``lookup`` would in the same step: while the read is
+  held no release or eviction takes the publication, whichever process asks.
 * **load** (``submit_load_task``): each held read loaded into a staging
   buffer and copied on into LMCache's memory object, every chunk checked
   against its crc32c in that copy, then the read ended with its restore
@@ -298,15 +298,15 @@ class L2Adapter(L2AdapterInterface):
             return self._looked_up.pop(task_id, None)
 
     def _read(self, names: list[str]) -> list[Optional[pdstor.Receipt]]:
-        """A held read of each name's cache publication, or None."""
-        found = self._rclient.lookup(names)
-        present = [(i, r) for i, r in enumerate(found) if r is not None]
+        """A held read of each name's cache publication, or None: one
+        ``read`` batch by name (the daemon finds each READY as ``lookup``
+        would, in the same step)."""
         out: list[Optional[pdstor.Receipt]] = [None] * len(names)
-        if not present:
+        if not names:
             return out
         with self._reader_lock:
-            reads = self._reader.read_many([r for _, r in present])
-        for (i, _), read in zip(present, reads):
+            reads = self._reader.read_many(names)
+        for i, read in enumerate(reads):
             if isinstance(read, pdstor.Receipt):
                 out[i] = read
             elif not isinstance(read, (pdstor.UnknownPublication, pdstor.WrongState)):

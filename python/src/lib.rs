@@ -1346,26 +1346,41 @@ impl Reader {
     }
 
     /// Reads many READY cache publications, holding each read (no load):
-    /// one round trip. Answers one entry per receipt, in order: its read
-    /// `Receipt` — for `finish_reads` or `abandon_reads` — or the
+    /// one round trip. Each item is a READY `Receipt`, or the name
+    /// (`req_id`) a publication was prepared with — found READY by the
+    /// daemon as `lookup` finds it, in the same step (a name with none
+    /// answers `UnknownPublication`). Answers one entry per item, in order:
+    /// its read `Receipt` — for `finish_reads` or `abandon_reads` — or the
     /// `pdstor.Error` that refused it.
     #[pyo3(signature = (readies, layout = None))]
     fn read_many<'py>(
         &mut self,
         py: Python<'py>,
-        readies: Vec<PyRef<'py, Receipt>>,
+        readies: Vec<Bound<'py, PyAny>>,
         layout: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let layout = layout.map(layout_from).transpose()?;
-        let asks = readies
-            .iter()
-            .map(|r| pdstor_client::read::ReadRequest {
-                receipt: r.inner.clone(),
+        let mut asks = Vec::with_capacity(readies.len());
+        for (i, item) in readies.iter().enumerate() {
+            let (receipt, req_id) = match item.cast::<Receipt>() {
+                Ok(r) => (Some(r.get().inner.clone()), None),
+                Err(_) => (
+                    None,
+                    Some(item.extract::<String>().map_err(|_| {
+                        PyTypeError::new_err(format!(
+                            "read_many: item {i} is neither a READY pdstor.Receipt nor a publication's name (str)"
+                        ))
+                    })?),
+                ),
+            };
+            asks.push(pdstor_client::read::ReadRequest {
+                receipt,
+                req_id,
                 reader_id: self.reader_id.clone(),
                 session_id: self.session.clone(),
                 layout: layout.clone(),
-            })
-            .collect();
+            });
+        }
         let c = self.conn.clone();
         let done = py.detach(move || c.control.read_many(asks)).map_err(|e| to_py(py, e.into()))?;
         let mut out = Vec::with_capacity(done.len());

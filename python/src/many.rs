@@ -233,7 +233,8 @@ pub(crate) fn read_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) 
     let asks = readies
         .iter()
         .map(|ready| ReadRequest {
-            receipt: ready.clone(),
+            receipt: Some(ready.clone()),
+            req_id: None,
             reader_id: who.reader.into(),
             session_id: who.session.into(),
             layout: Some(who.layout.clone()),

@@ -81,6 +81,13 @@ def load(a: L2Adapter, ks: list, objs: list) -> list[bool]:
     return [bits.test(i) for i in range(len(ks))]
 
 
+def step(d, name: str) -> int:
+    """How many `name` steps the daemon answered on their own route (`batch`: batches)."""
+    series = f'pdstor_step_seconds_count{{step="{name}"}} '
+    line = next((l for l in d.client().metrics().splitlines() if l.startswith(series)), None)
+    return 0 if line is None else int(float(line.split()[-1]))
+
+
 def test_store_lock_load_unlock_delete_and_the_accounting(daemon):
     a = L2Adapter(params(daemon))
     try:
@@ -90,7 +97,10 @@ def test_store_lock_load_unlock_delete_and_the_accounting(daemon):
         assert a.get_usage().total_bytes_used == 6 * OBJ * 4
         assert store(a, ks[:2], objs[:2]).is_successful(), "a key stored again is stored"
         absent = keys(2, "absent")
+        batches, lookups = step(daemon, "batch"), step(daemon, "lookup")
         assert lock(a, ks + absent) == [True] * 6 + [False] * 2
+        # A lookup and a read in one step: one batch of reads by name.
+        assert (step(daemon, "batch") - batches, step(daemon, "lookup") - lookups) == (1, 0)
         out = objects(6, seed=0.0)
         assert load(a, ks, out) == [True] * 6
         for got, want in zip(out, objs):

@@ -201,3 +201,39 @@ fn an_operator_ends_the_reads_a_dead_reader_left() {
     let kinds: Vec<&str> = report.violations.iter().map(|v| v.kind).filter(|k| *k != "not_native").collect();
     assert!(kinds.is_empty(), "{:#?}", report.violations);
 }
+
+/// A read by name: the daemon finds the READY publication as `lookup` would
+/// and reads it in the same step, one round trip for a lookup and a lock.
+#[test]
+fn a_read_by_name_is_a_lookup_and_a_read_in_one_step() {
+    use pdstor::client::read::ReadRequest;
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = started(dir.path(), &[]);
+    let cache = put(&d, "named-1", 3, 2, true);
+    put(&d, "named-handoff", 4, 1, false);
+    let c = Client::new(&d.server);
+    let by_name = |name: &str| ReadRequest {
+        receipt: None,
+        req_id: Some(name.into()),
+        reader_id: "r".into(),
+        session_id: "s-named".into(),
+        layout: Some(layout()),
+    };
+    let both = ReadRequest { receipt: Some(cache.receipt.clone()), ..by_name("named-1") };
+    let asks = vec![by_name("named-1"), by_name("named-1"), by_name("never-stored"), by_name("named-handoff"), both];
+    let mut got = c.read_many(asks).unwrap().into_iter();
+    let (a, b) = (got.next().unwrap().unwrap(), got.next().unwrap().unwrap());
+    assert_eq!(code(got.next().unwrap()), (404, "unknown_publication".into()));
+    assert_eq!(code(got.next().unwrap()), (409, "wrong_state".into()), "a handoff is claimed, not read");
+    assert_eq!(code(got.next().unwrap()), (400, "bad_request".into()), "a receipt and a name");
+    assert_eq!(a.receipt.publication, cache.receipt.publication);
+    assert_eq!(info(&c, cache.receipt.publication).reading, 2, "two reads held, by name");
+    // Each restores byte for byte and ends as a read begun by receipt does.
+    let mut r = Reader::new(&d.server, &d.data_socket).unwrap();
+    for read in [&a, &b] {
+        let restored = r.load(&read.receipt, read.manifest.clone()).unwrap();
+        assert!(r.restored_bytes(2 * SLOT).unwrap() == kv(3, 2), "byte for byte");
+        c.end_read(&read.receipt, &restored.restore_digest).unwrap();
+    }
+    assert_eq!(info(&c, cache.receipt.publication).reading, 0);
+}

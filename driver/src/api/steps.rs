@@ -88,9 +88,9 @@ pub fn take(svc: &Service, who: &Caller, step: &BatchStep, cancel: &CancelToken)
             .into()),
         },
         BatchStep::Cancel(r) => svc.cancel(who, &r.req_id).map(Answer::Cancelled),
-        BatchStep::Read(r) => svc
-            .read(who, &r.receipt, &r.reader_id, &r.session_id, r.layout.as_ref())
-            .map(|(receipt, manifest)| Answer::Read(ReadAnswer { receipt, manifest })),
+        BatchStep::Read(r) => {
+            svc.read_asked(who, r).map(|(receipt, manifest)| Answer::Read(ReadAnswer { receipt, manifest }))
+        }
         BatchStep::EndRead(r) => {
             svc.end_read(who, &r.receipt, r.restore_digest.as_deref(), r.reason.as_deref()).map(|()| DONE)
         }
@@ -112,7 +112,10 @@ pub fn names(step: &BatchStep) -> (Option<u64>, Option<String>) {
         BatchStep::Ack(r) => of(&r.receipt),
         BatchStep::Fail(r) => of(&r.receipt),
         BatchStep::Release(r) => of(&r.receipt),
-        BatchStep::Read(r) => of(&r.receipt),
+        BatchStep::Read(r) => match (&r.receipt, &r.req_id) {
+            (Some(ready), _) => of(ready),
+            (None, name) => (None, name.clone()),
+        },
         BatchStep::EndRead(r) => of(&r.receipt),
     }
 }

@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 
 use super::*;
+use pdstor_client::read::ReadRequest;
 
 /// One read in progress.
 pub(super) struct ReadLease {
@@ -25,6 +26,36 @@ pub(super) struct ReadLease {
 }
 
 impl Service {
+    /// `read` as asked: of the READY receipt it names, or of the READY
+    /// publication named `req_id` this caller may read (found as `lookup`
+    /// finds it: a lookup and a read in one step).
+    pub fn read_asked(&self, who: &Caller, r: &ReadRequest) -> Result<(Receipt, Manifest), ProtocolError> {
+        let (reader, session, layout) = (r.reader_id.as_str(), r.session_id.as_str(), r.layout.as_ref());
+        match (&r.receipt, &r.req_id) {
+            (Some(ready), None) => self.read(who, ready, reader, session, layout),
+            (None, Some(name)) => {
+                who.require(Role::Reader, "read")?;
+                let found = self.lookup(who, std::slice::from_ref(name))?.into_iter().next().flatten();
+                let ready = found.ok_or_else(|| {
+                    Refusal::new(
+                        RefusalCode::UnknownPublication,
+                        "req_id",
+                        format!(
+                            "no READY publication named {name:?} that this caller may read: never stored, not READY yet, or deleted"
+                        ),
+                    )
+                })?;
+                self.read(who, &ready, reader, session, layout)
+            }
+            _ => Err(Refusal::new(
+                RefusalCode::BadRequest,
+                "receipt",
+                "a read names its publication once: give its READY receipt or its req_id, not both, not neither",
+            )
+            .into()),
+        }
+    }
+
     /// Begins a read of the READY cache publication `ready` names, for
     /// `reader` in `session`: answers the read's receipt and the manifest
     /// with its restore nonce.
