@@ -9,6 +9,7 @@ use serde_json::value::RawValue;
 
 use crate::layout::Manifest;
 use crate::read::{End, EndReadRequest, ReadAnswer, ReadRequest};
+use crate::receipt::ReceiptKind;
 use crate::wire::{
     AckRequest, AdoptRequest, BatchRequest, BatchResponse, BatchStep, ClaimRequest, Done, MAX_BATCH_STEPS,
     PrepareRequest, Prepared, PublishRequest, Published, ReceiptOnly, ReceiptResponse,
@@ -150,19 +151,29 @@ impl Client {
 
 impl Client {
     /// `read` of each READY cache publication (by its receipt, or by name),
-    /// in one round trip; answers each read (its manifest checked against
-    /// the one its READY receipt names — or, read by name, its read receipt;
-    /// a read whose manifest is not is given up and answered an error).
+    /// in one round trip; answers each read. Read by its receipt, the
+    /// manifest answered is checked against the one that receipt names; read
+    /// by name there is no earlier word to check it against, so the answer
+    /// is checked to be a read of that name whose manifest its own read
+    /// receipt names (a consistency check). A read that fails its check is
+    /// given up and answered an error.
     pub fn read_many(&self, reads: Vec<ReadRequest>) -> Result<Outcomes<ReadAnswer>, ClientError> {
-        let digests: Vec<Option<String>> =
-            reads.iter().map(|r| r.receipt.as_ref().map(|ready| ready.manifest_digest.clone())).collect();
+        let asked: Vec<(Option<String>, Option<String>)> = reads
+            .iter()
+            .map(|r| (r.receipt.as_ref().map(|ready| ready.manifest_digest.clone()), r.req_id.clone()))
+            .collect();
         let answers: Outcomes<ReadAnswer> = self.batch_of(reads.into_iter().map(BatchStep::Read).collect())?;
         let mut wrong = Vec::new();
         let out = answers
             .into_iter()
-            .zip(digests)
-            .map(|(a, digest)| {
+            .zip(asked)
+            .map(|(a, (digest, name))| {
                 let a = a?;
+                if let Some(name) = name.filter(|n| a.receipt.req_id != *n || a.receipt.kind != ReceiptKind::Read) {
+                    let got = format!("{:?} receipt of {:?}", a.receipt.kind, a.receipt.req_id);
+                    wrong.push(a.receipt);
+                    return Err(ClientError::Data(format!("a read of {name:?} was answered with a {got}")));
+                }
                 let digest = digest.unwrap_or_else(|| a.receipt.manifest_digest.clone());
                 match crate::the_one_claimed(a.manifest, &digest) {
                     Ok(manifest) => Ok(ReadAnswer { manifest, ..a }),

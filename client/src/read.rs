@@ -13,9 +13,13 @@ use crate::layout::{Layout, Manifest};
 use crate::receipt::Receipt;
 use crate::{Client, ClientError, Reader, Restored};
 
-/// `POST /storage-pd/read`: begin a read of a READY cache publication.
+/// `POST /storage-pd/read`: begin a read of a READY cache publication, named
+/// exactly once: by its READY receipt or by its `req_id` (both, or neither,
+/// is refused `bad_request` before anything is looked at). A daemon from
+/// before `req_id` requires the receipt.
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "ReadRequestWire")]
 pub struct ReadRequest {
     /// The READY receipt (`lookup` answers it); or, instead, `req_id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -23,7 +27,9 @@ pub struct ReadRequest {
     /// Instead of a receipt, the name the publication was prepared with: the
     /// daemon finds it READY as `lookup` would and reads it — a lookup and a
     /// read in one step. Refused `unknown_publication` where there is no
-    /// READY publication of that name this caller may read.
+    /// READY publication of that name this caller may read (in a batch, a
+    /// miss as `lookup`'s `null` is: not counted as an error, not on the
+    /// timeline).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub req_id: Option<String>,
     /// The reader's identity.
@@ -34,6 +40,41 @@ pub struct ReadRequest {
     /// another is refused `layout_mismatch`, and nothing is begun.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<Layout>,
+}
+
+/// [`ReadRequest`] as it arrives, before the rule that it names its
+/// publication exactly once is checked.
+#[derive(Deserialize)]
+struct ReadRequestWire {
+    #[serde(default)]
+    receipt: Option<Receipt>,
+    #[serde(default)]
+    req_id: Option<String>,
+    reader_id: String,
+    session_id: String,
+    #[serde(default)]
+    layout: Option<Layout>,
+}
+
+impl TryFrom<ReadRequestWire> for ReadRequest {
+    type Error = String;
+    fn try_from(w: ReadRequestWire) -> Result<Self, String> {
+        match (&w.receipt, &w.req_id) {
+            (Some(_), Some(name)) => {
+                Err(format!("a read names its publication once: it gives both a receipt and req_id {name:?}; send one"))
+            }
+            (None, None) => {
+                Err("a read names its publication: give its READY receipt (lookup answers it) or its req_id".to_owned())
+            }
+            _ => Ok(ReadRequest {
+                receipt: w.receipt,
+                req_id: w.req_id,
+                reader_id: w.reader_id,
+                session_id: w.session_id,
+                layout: w.layout,
+            }),
+        }
+    }
 }
 
 /// What `read` answers.

@@ -310,7 +310,7 @@ class L2Adapter(L2AdapterInterface):
             if isinstance(read, pdstor.Receipt):
                 out[i] = read
             elif not isinstance(read, (pdstor.UnknownPublication, pdstor.WrongState)):
-                logger.warning("pdstor L2 adapter: %s found but not read: %s", names[i], read)
+                logger.warning("pdstor L2 adapter: %s not read: %s", names[i], read)
         return out
 
     def _lock_keys(self, keys: list) -> Bitmap:

@@ -219,13 +219,25 @@ fn a_read_by_name_is_a_lookup_and_a_read_in_one_step() {
         session_id: "s-named".into(),
         layout: Some(layout()),
     };
-    let both = ReadRequest { receipt: Some(cache.receipt.clone()), ..by_name("named-1") };
-    let asks = vec![by_name("named-1"), by_name("named-1"), by_name("never-stored"), by_name("named-handoff"), both];
+    let misses = || {
+        let m = c.metrics().unwrap();
+        let series = "pdstor_errors_total{code=\"unknown_publication\"} ";
+        m.lines().find_map(|l| l.strip_prefix(series)).map_or(0.0, |v| v.parse::<f64>().unwrap())
+    };
+    let before = misses();
+    let asks = vec![by_name("named-1"), by_name("named-1"), by_name("never-stored"), by_name("named-handoff")];
     let mut got = c.read_many(asks).unwrap().into_iter();
     let (a, b) = (got.next().unwrap().unwrap(), got.next().unwrap().unwrap());
     assert_eq!(code(got.next().unwrap()), (404, "unknown_publication".into()));
+    assert_eq!(misses(), before, "a miss by name is lookup's null, not an error counted");
+    // On its own route the same miss is an answer like any refusal, counted.
+    let body = r#"{"req_id": "never-stored", "reader_id": "r", "session_id": "s-named"}"#;
+    let (status, _) = pdstor_tests::http_exchange(&d.control_socket(), "POST", "/storage-pd/read", Some(body));
+    assert_eq!((status, misses()), (404, before + 1.0));
     assert_eq!(code(got.next().unwrap()), (409, "wrong_state".into()), "a handoff is claimed, not read");
-    assert_eq!(code(got.next().unwrap()), (400, "bad_request".into()), "a receipt and a name");
+    // A read that names its publication twice (or not at all) is refused whole.
+    let both = ReadRequest { receipt: Some(cache.receipt.clone()), ..by_name("named-1") };
+    assert_eq!(code(c.read_many(vec![both])), (400, "bad_request".into()), "a receipt and a name");
     assert_eq!(a.receipt.publication, cache.receipt.publication);
     assert_eq!(info(&c, cache.receipt.publication).reading, 2, "two reads held, by name");
     // Each restores byte for byte and ends as a read begun by receipt does.

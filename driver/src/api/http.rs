@@ -528,6 +528,9 @@ async fn batch(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Bo
     let ran = tokio::task::spawn_blocking(move || {
         let prepared = |req: &str, p: &Prepared| watch.prepared(&service, req, p);
         let refused = |st: &BatchStep, e: &ErrorBody| {
+            if super::steps::is_lookup_miss(st, e) {
+                return;
+            }
             metrics.error(&e.code);
             let (publication, req_id) = names(st);
             note_refusal(&service, &caller, publication, req_id, e);

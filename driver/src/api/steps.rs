@@ -97,6 +97,13 @@ pub fn take(svc: &Service, who: &Caller, step: &BatchStep, cancel: &CancelToken)
     }
 }
 
+/// A read by name that found no READY publication: what `lookup` answers
+/// `null` for, a cache's miss (frequent while a cache warms), not a refusal
+/// worth a count and a timeline line — the step's own answer still says it.
+pub fn is_lookup_miss(step: &BatchStep, e: &ErrorBody) -> bool {
+    matches!(step, BatchStep::Read(r) if r.receipt.is_none()) && e.code == RefusalCode::UnknownPublication.as_str()
+}
+
 /// What a step was about, for the timeline's `refused` event: its
 /// publication and request, where its body names them.
 pub fn names(step: &BatchStep) -> (Option<u64>, Option<String>) {

@@ -35,6 +35,7 @@ impl Service {
             (Some(ready), None) => self.read(who, ready, reader, session, layout),
             (None, Some(name)) => {
                 who.require(Role::Reader, "read")?;
+                bounded("req_id", name, MAX_NAME_BYTES)?;
                 let found = self.lookup(who, std::slice::from_ref(name))?.into_iter().next().flatten();
                 let ready = found.ok_or_else(|| {
                     Refusal::new(
@@ -47,12 +48,15 @@ impl Service {
                 })?;
                 self.read(who, &ready, reader, session, layout)
             }
-            _ => Err(Refusal::new(
-                RefusalCode::BadRequest,
-                "receipt",
-                "a read names its publication once: give its READY receipt or its req_id, not both, not neither",
-            )
-            .into()),
+            (Some(_), Some(name)) => {
+                let m =
+                    format!("a read names its publication once: it gives both a receipt and req_id {name:?}; send one");
+                Err(Refusal::new(RefusalCode::BadRequest, "req_id", m).into())
+            }
+            (None, None) => {
+                let m = "a read names its publication: give its READY receipt (lookup answers it) or its req_id";
+                Err(Refusal::new(RefusalCode::BadRequest, "receipt", m).into())
+            }
         }
     }
 
