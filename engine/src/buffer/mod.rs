@@ -160,7 +160,7 @@ pub enum BufferKind {
     /// writes its bytes through the file (`pread`/`pwrite`), so a truncation
     /// fails an access instead of faulting, except the checksum of a load,
     /// taken in place with the fault a truncation raises caught
-    /// ([`shm_guard`]).
+    /// (`buffer/shm_guard.rs`).
     ShmFile,
 }
 
@@ -193,7 +193,7 @@ pub struct Buffer {
     /// ([`Buffer::skip_load_checks`]).
     unchecked: bool,
     /// A file-access-only buffer's mapping was found shrunk under an in-place
-    /// check ([`shm_guard`]): its bytes are reached through the file only.
+    /// check (`buffer/shm_guard.rs`): its bytes are reached through the file only.
     shrunk: AtomicBool,
 }
 
@@ -292,7 +292,7 @@ impl Buffer {
     /// otherwise every CPU access goes through the file, so that a
     /// truncation by the owner fails that access instead of raising SIGBUS —
     /// but [`Buffer::crc32c`], which reads the mapping in place with that
-    /// SIGBUS caught ([`shm_guard`]); once it has caught one, the buffer
+    /// SIGBUS caught (`buffer/shm_guard.rs`); once it has caught one, the buffer
     /// takes no transfer again ([`BufferError::Shrunk`]).
     pub fn from_shm_file(fd: OwnedFd, len: usize, owner: bool) -> Result<Self, BufferError> {
         if len == 0 {
@@ -406,7 +406,7 @@ impl Buffer {
 
     /// Whether this process checksums what is loaded into it: any buffer it
     /// has mapped — a shm file its owner may shrink too, in place with a
-    /// shrink caught ([`shm_guard`]) — unless its owner asked it not to
+    /// shrink caught (`buffer/shm_guard.rs`) — unless its owner asked it not to
     /// ([`Buffer::skip_load_checks`]).
     pub fn loads_checksummed_here(&self) -> bool {
         self.region.is_some() && !self.unchecked
@@ -541,7 +541,7 @@ impl Buffer {
 
 impl Buffer {
     /// crc32c of a range of a shm file buffer its owner may shrink, in place
-    /// with `SIGBUS` caught ([`shm_guard`]); `None` if the file was found
+    /// with `SIGBUS` caught (`buffer/shm_guard.rs`); `None` if the file was found
     /// shrunk (now or before): read it through the file.
     fn crc32c_guarded(&self, offset: u64, count: usize) -> Option<u32> {
         let region = self.region.as_ref()?;
