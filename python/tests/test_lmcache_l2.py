@@ -293,7 +293,10 @@ class _MPServer:
                 "adapter_params": {**params(d), "staging_mib": 32}}
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--port", str(port), "--l1-size-gb", "0.25",
+            # An address, not "localhost": a machine without /etc/hosts (a bare
+            # root) cannot resolve that name, and zmq's bind fails (ENODEV).
+            [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1", "--port", str(port),
+             "--l1-size-gb", "0.25",
              "--eviction-policy", "LRU", "--no-l1-use-lazy", "--supported-transfer-mode", "auto",
              "--l2-adapter", json.dumps(spec)],
             stdout=open(log, "w"), stderr=subprocess.STDOUT,
