@@ -46,7 +46,7 @@ pub struct FreshArgs {
 /// kernel build, guest images), measured at 36 GiB on 2026-12-06.
 const FRESH_NEEDS_GIB: u64 = 40;
 
-fn cache_dir() -> Result<PathBuf> {
+pub(crate) fn cache_dir() -> Result<PathBuf> {
     let home = std::env::var_os("HOME").context("HOME is not set: cannot find ~/.cache/pdstor")?;
     Ok(PathBuf::from(home).join(".cache/pdstor/fresh"))
 }
@@ -204,12 +204,17 @@ pub fn run(sh: &Shell, args: &FreshArgs) -> Result<()> {
         if args.run.is_empty() { README_COMMANDS.iter().map(|c| (*c).to_owned()).collect() } else { args.run.clone() };
     let (rustup, cargo_bin) = toolchain()?;
     std::fs::create_dir_all(cache_dir()?).context("creating ~/.cache/pdstor/fresh")?;
+    crate::reclaim::before_a_long_run()?;
     crate::disk::require(&[&cache_dir()?], FRESH_NEEDS_GIB)?;
     let tarball = root_tarball(sh, args.rebuild_root)?;
 
     let work = cache_dir()?.join(format!("run-{}", std::process::id()));
     let root = work.join("root");
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
+    let _lock = crate::reclaim::lock_run(&work)?;
+    if args.keep {
+        crate::reclaim::mark_kept(&work)?;
+    }
     let laid = Instant::now();
     cmd!(sh, "tar -xf {tarball} -C {root}").run().context("laying out the fresh root")?;
     // What makes the registries answer here: the host's resolver and CA bundle.

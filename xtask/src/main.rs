@@ -12,6 +12,7 @@ mod gpu_bare;
 mod gpu_bundle;
 mod gpu_qual;
 mod python;
+mod reclaim;
 mod vllm;
 mod vmtest;
 
@@ -341,6 +342,7 @@ fn ci(sh: &Shell) -> Result<()> {
 fn ci_steps(sh: &Shell) -> Result<()> {
     let started = std::time::Instant::now();
     step("room on disk");
+    reclaim::before_a_long_run()?;
     disk::require_for_ci()?;
     step("cargo fmt --check");
     cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
