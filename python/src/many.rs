@@ -8,7 +8,6 @@
 //! back in the same few round trips (aborted before READY, `fail`ed —
 //! RETAINED — once claimed).
 
-use pdstor_client::BufferKind;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::read::{End, EndReadRequest, ReadRequest};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
@@ -84,14 +83,11 @@ pub(crate) fn put_many(
                 .map(|(index, (b, offset, len))| {
                     b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
                     let buffer = data.id_of(b)?;
-                    // The daemon does not read a shm file in place (its owner,
-                    // this process, may shrink it): the writer checksums it.
-                    let crc32c = if b.inner.kind() == BufferKind::ShmFile {
-                        Some(b.inner.crc32c(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?)
-                    } else {
-                        None
-                    };
-                    Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c })
+                    // The daemon checksums every chunk it stores from memory
+                    // it maps, a shm file its owner may shrink included (in
+                    // place, a shrink caught), as each write completes and
+                    // while the others are in flight: the writer declares none.
+                    Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c: None })
                 })
                 .collect::<Result<Vec<_>, ClientError>>();
             match chunks {

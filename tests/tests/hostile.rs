@@ -314,11 +314,11 @@ fn the_data_plane_bounds_connections_buffers_and_idle_prepares() {
 
 /// A shared-memory file its owner can still shrink (LMCache's CPU pool in
 /// /dev/shm, here an unsealed memfd: both are tmpfs files) is taken as a
-/// `shm` buffer: the daemon moves payload to and from it but never reads it
-/// through its mapping — the writer declares each chunk's crc32c, a load's
-/// chunks come back `unverified` for the reader to check — so when the
-/// owner shrinks it, transfers fail and the daemon stays up. A file that is
-/// not on tmpfs is refused.
+/// `shm` buffer: the daemon moves payload to and from it and checksums what
+/// it stores from and loads into it in place, a truncation's `SIGBUS`
+/// caught — so the writer declares no crc32c (one it declares must match),
+/// and when the owner shrinks the file, transfers fail and the daemon stays
+/// up. A file that is not on tmpfs is refused.
 #[test]
 fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     use pdstor::api::wire::AdoptRequest;
@@ -339,18 +339,19 @@ fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
         let chunk = DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c };
         data.store(p.publication, &p.writer_token, vec![chunk], true, 1).map(|r| (p, r))
     };
-    // The daemon does not read it in place: without the writer's checksum, no store.
-    match store(&mut data, "no-crc", None) {
-        Err(ClientError::Api(e)) => assert!(e.message.contains("gave no crc32c"), "{e}"),
-        other => panic!("a store from a shm file without a crc32c: {other:?}"),
-    }
+    // The daemon checks a store from it in place: a declared checksum that
+    // disagrees with the bytes is refused, none at all is not needed.
     let crc = pool.crc32c(0, SLOT as usize).unwrap();
-    let (p, stored) = store(&mut data, "shm", Some(crc)).unwrap();
+    match store(&mut data, "wrong-crc", Some(crc ^ 1)) {
+        Err(ClientError::Api(e)) => assert!(e.message.contains("declared crc32c"), "{e}"),
+        other => panic!("a store from a shm file with a wrong crc32c: {other:?}"),
+    }
+    let (p, stored) = store(&mut data, "shm", None).unwrap();
     assert_eq!(stored.publishable, Some(true));
     let ready = c.publish(p.publication, &p.writer_token, None).unwrap().receipt;
     let claim = c.claim(&ready, "r", "s", 60_000).unwrap();
     let manifest = c.adopt(&AdoptRequest::of_claim(&claim, layout())).unwrap();
-    assert_eq!(manifest.chunks[0].crc32c, crc, "the declared checksum is the stored one");
+    assert_eq!(manifest.chunks[0].crc32c, crc, "the daemon's checksum of the stored bytes");
     let loaded =
         data.load(&claim, vec![DataChunk { index: 0, buffer: id, offset: SLOT, len: 0, crc32c: None }]).unwrap();
     assert!(loaded.unverified.is_empty(), "the daemon checks a load into it in place: {loaded:?}");
@@ -368,6 +369,7 @@ fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     let r = data.store(p.publication, &p.writer_token, vec![chunk], true, 1);
     assert!(r.is_err(), "a store from a shrunk shm file: {r:?}");
     c.healthz().expect("the daemon is up");
+
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
     let after = w.put("after", &layout(), &kv, 1, None).unwrap();
     // A load into the shrunk file (its pages pinned by the host_fixed
@@ -377,6 +379,19 @@ fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     c.adopt(&AdoptRequest::of_claim(&claim, layout())).unwrap();
     let r = data.load(&claim, vec![DataChunk { index: 0, buffer: id, offset: SLOT, len: 0, crc32c: None }]);
     assert!(r.as_ref().is_err_and(|e| e.to_string().contains("shrink")), "a load into a shrunk shm file: {r:?}");
+    c.healthz().expect("the daemon is up after the fault");
+    // The same for a store from another pool, shrunk under its host_fixed
+    // registration (the write lands): the store's in-place check faults.
+    let shm2 = memfd("pool2", SLOT, false);
+    let pool2 = Buffer::from_shm_file(shm2.try_clone().unwrap(), SLOT as usize, true).unwrap();
+    pool2.write_at(0, &kv).unwrap();
+    let id2 = data.register(&pool2).unwrap();
+    std::fs::File::from(shm2).set_len(0).unwrap();
+    let p = c.prepare("shrunk-fixed", &layout(), 1, "w").unwrap();
+    let chunk = DataChunk { index: 0, buffer: id2, offset: 0, len: SLOT, crc32c: None };
+    let r = data.store(p.publication, &p.writer_token, vec![chunk], true, 1);
+    assert!(r.as_ref().is_err_and(|e| e.to_string().contains("shrink")), "a store from a shrunk shm file: {r:?}");
+    c.healthz().expect("the daemon is up after the fault");
     c.healthz().expect("the daemon is up after the fault");
 
     // Only tmpfs files are shm files.

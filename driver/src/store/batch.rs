@@ -168,7 +168,7 @@ fn chunk_checksum(publication: u64, c: &ChunkSource, read: Option<u32>) -> Resul
         (Some(r), _) => Ok(r),
         (None, Some(d)) => Ok(d),
         (None, None) => Err(refuse(
-            "the buffer is memory the daemon does not read (a DMA-BUF it cannot map, or a shm file its owner may shrink) and the client gave no crc32c: send each chunk's crc32c with the store batch".into(),
+            "the buffer is memory the daemon cannot read (a DMA-BUF it cannot map) and the client gave no crc32c: send each chunk's crc32c with the store batch".into(),
         )),
     }
 }

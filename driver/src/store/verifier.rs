@@ -245,12 +245,11 @@ impl Drop for Pool {
 
 /// crc32c of `r`'s range of `b`, in place in the daemon's mapping of it
 /// (see [`Worker::crc`]); `None` where the client's checksum stands instead:
-/// a store from memory the daemon does not read in place (a DMA-BUF it
-/// cannot map, a shm file its owner may shrink: the store's declared
-/// crc32c), a load into a DMA-BUF it cannot map or into a buffer registered
-/// unchecked (chunks answered `unverified`, which the reader checks itself).
-/// A load into a shm file is checked in place with a shrink caught
-/// ([`Buffer::loads_checksummed_here`]), so its reader need not check it.
+/// a store from a DMA-BUF the daemon cannot map (the store's declared
+/// crc32c), a load into one or into a buffer registered unchecked (chunks
+/// answered `unverified`, which the reader checks itself). A store from or
+/// a load into a shm file is checked in place with a shrink caught
+/// ([`Buffer::stores_checksummed_here`], [`Buffer::loads_checksummed_here`]).
 pub(super) fn crc_of(b: &Buffer, r: &IoRequest) -> Result<Option<u32>, IoError> {
     if !checked_here(b, r.op) {
         return Ok(None);
@@ -262,7 +261,7 @@ pub(super) fn crc_of(b: &Buffer, r: &IoRequest) -> Result<Option<u32>, IoError> 
 pub(super) fn checked_here(b: &Buffer, op: Op) -> bool {
     match op {
         Op::Read => b.loads_checksummed_here(),
-        _ => b.checksummed_in_place(),
+        _ => b.stores_checksummed_here(),
     }
 }
 

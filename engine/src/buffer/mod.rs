@@ -113,7 +113,7 @@ pub enum BufferError {
     /// A shm file buffer an in-place check found shrunk by its owner: its
     /// mapping is zero pages now, so no transfer may use it.
     #[error(
-        "the shm file buffer was shrunk by its owner under a load's check: no transfer uses it again; unregister it and register the file anew once it is whole"
+        "the shm file buffer was shrunk by its owner under the daemon's in-place check of a transfer: no transfer uses it again; unregister it and register the file anew once it is whole"
     )]
     Shrunk,
     /// The CPU view of a buffer this process reaches only through its file.
@@ -397,11 +397,12 @@ impl Buffer {
         self.region.is_some()
     }
 
-    /// Whether this process may checksum the bytes in place, through its
-    /// mapping: not a DMA-BUF it cannot map, nor a shm file its owner may
-    /// shrink (whose checksums therefore come from the side that owns it).
-    pub fn checksummed_in_place(&self) -> bool {
-        self.region.is_some() && !self.file_access_only
+    /// Whether this process checksums what is stored from it: any buffer it
+    /// has mapped — a shm file its owner may shrink too, in place with a
+    /// shrink caught (`buffer/shm_guard.rs`) — but not a DMA-BUF it cannot
+    /// map (whose checksums come from the side that can).
+    pub fn stores_checksummed_here(&self) -> bool {
+        self.region.is_some()
     }
 
     /// Whether this process checksums what is loaded into it: any buffer it
