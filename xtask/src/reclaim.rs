@@ -10,9 +10,10 @@
 //!
 //! A run holds an exclusive `flock` on `run-<pid>/lock` for its whole life,
 //! inherited by every process it starts (the descriptor is not close-on-exec),
-//! so a root is stale exactly when that lock can be taken: its run and all of
-//! its children have exited, however they ended. A root laid out before runs
-//! took the lock is stale unless process `<pid>` is an xtask. A root kept on
+//! so a root is stale when that lock can be taken: its run and all of its
+//! children have exited, however they ended — unless process `<pid>` is an
+//! xtask still running (a run between creating its lock file and taking it;
+//! a root laid out before runs took the lock is judged by that alone). A root kept on
 //! purpose (`--keep`, marked `kept`) or with a mount still under it is never
 //! touched; the refusal that follows names it.
 
@@ -72,18 +73,19 @@ fn kept_because(dir: &Path) -> Option<String> {
     if !mounts.is_empty() {
         return Some(format!("still mounted: {}", mounts.join(", ")));
     }
-    match File::options().write(true).open(dir.join("lock")) {
-        Ok(lock) if try_lock(&lock) => None,
-        Ok(_) => Some("its run is still going".into()),
-        Err(_) => {
-            let pid = dir.file_name()?.to_str()?.strip_prefix("run-")?;
-            let cmdline = std::fs::read(Path::new("/proc").join(pid).join("cmdline")).ok()?;
-            let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
-            let name = argv0.rsplit(|b| *b == b'/').next().unwrap_or_default();
-            let is_xtask = name.starts_with(b"xtask");
-            is_xtask.then(|| format!("process {pid} is an xtask still running"))
-        }
+    if let Ok(lock) = File::options().write(true).open(dir.join("lock"))
+        && !try_lock(&lock)
+    {
+        return Some("its run is still going".into());
     }
+    // No lock file, or a free one: stale unless `<pid>` is an xtask still
+    // running (a root laid out before runs took the lock, or a run between
+    // creating its lock file and taking it).
+    let pid = dir.file_name()?.to_str()?.strip_prefix("run-")?;
+    let cmdline = std::fs::read(Path::new("/proc").join(pid).join("cmdline")).ok()?;
+    let argv0 = cmdline.split(|b| *b == 0).next().unwrap_or_default();
+    let name = argv0.rsplit(|b| *b == b'/').next().unwrap_or_default();
+    name.starts_with(b"xtask").then(|| format!("process {pid} is an xtask still running"))
 }
 
 /// Removes every stale fresh root under `fresh_dir`, saying what it freed and

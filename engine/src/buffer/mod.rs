@@ -402,7 +402,7 @@ impl Buffer {
     /// shrink caught (`buffer/shm_guard.rs`) — but not a DMA-BUF it cannot
     /// map (whose checksums come from the side that can).
     pub fn stores_checksummed_here(&self) -> bool {
-        self.region.is_some()
+        self.is_mapped()
     }
 
     /// Whether this process checksums what is loaded into it: any buffer it
