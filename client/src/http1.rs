@@ -204,6 +204,21 @@ fn chunks_end(mut b: &[u8]) -> Option<()> {
     }
 }
 
+/// How a request over TLS failed.
+pub enum TlsFailed {
+    /// The daemon refused this client's certificate in the handshake, for
+    /// this reason (the TLS alert it sent, in words): nothing was done.
+    CertificateRefused(&'static str),
+    /// Anything else.
+    Other(String),
+}
+
+impl From<String> for TlsFailed {
+    fn from(s: String) -> TlsFailed {
+        TlsFailed::Other(s)
+    }
+}
+
 /// Sends the request over TLS to `host:port`, verifying the daemon as `host`.
 pub fn tls(
     config: &Arc<rustls::ClientConfig>,
@@ -212,7 +227,7 @@ pub fn tls(
     method: &str,
     path: &str,
     json: Option<&[u8]>,
-) -> Result<Answer, String> {
+) -> Result<Answer, TlsFailed> {
     let name = rustls::pki_types::ServerName::try_from(host.to_owned())
         .map_err(|e| format!("{host:?} is not a server name: {e}"))?;
     let conn = rustls::ClientConnection::new(config.clone(), name).map_err(|e| e.to_string())?;
@@ -221,8 +236,31 @@ pub fn tls(
     request(rustls::StreamOwned::new(conn, tcp), method, path, json)
 }
 
+/// Why the daemon refused this client's certificate, from the fatal TLS
+/// alert `e` carries; `None` when `e` is no such refusal.
+fn certificate_refused(e: &std::io::Error) -> Option<&'static str> {
+    use rustls::AlertDescription as A;
+    let Some(rustls::Error::AlertReceived(alert)) = e.get_ref()?.downcast_ref::<rustls::Error>() else { return None };
+    Some(match alert {
+        A::CertificateRevoked => "it is revoked: a CRL the daemon reads lists it",
+        A::CertificateExpired => "it has expired, or is not valid yet",
+        A::UnknownCA => {
+            "the daemon's client CA did not sign it, or no CRL the daemon reads gives its revocation status"
+        }
+        A::BadCertificate | A::UnsupportedCertificate | A::CertificateUnknown => {
+            "the daemon cannot use it (its encoding, extensions or key usage: a client certificate needs clientAuth)"
+        }
+        A::CertificateRequired | A::AccessDenied => "the daemon requires a certificate it accepts",
+        _ => return None,
+    })
+}
+
 /// Sends one request on `s` and reads the whole answer.
-fn request(mut s: impl Read + Write, method: &str, path: &str, json: Option<&[u8]>) -> Result<Answer, String> {
+fn request(mut s: impl Read + Write, method: &str, path: &str, json: Option<&[u8]>) -> Result<Answer, TlsFailed> {
+    let failed = |what: &str, e: std::io::Error| match certificate_refused(&e) {
+        Some(why) => TlsFailed::CertificateRefused(why),
+        None => TlsFailed::Other(format!("{what}: {e}")),
+    };
     let body = json.unwrap_or_default();
     let mut head =
         format!("{method} {path} HTTP/1.1\r\nhost: pdstor\r\nconnection: close\r\naccept: application/json\r\n");
@@ -230,16 +268,24 @@ fn request(mut s: impl Read + Write, method: &str, path: &str, json: Option<&[u8
         head.push_str(&format!("content-type: application/json\r\ncontent-length: {}\r\n", body.len()));
     }
     head.push_str("\r\n");
-    s.write_all(head.as_bytes()).and_then(|()| s.write_all(body)).map_err(|e| format!("sending: {e}"))?;
-    s.flush().map_err(|e| format!("sending: {e}"))?;
+    let sent = s.write_all(head.as_bytes()).and_then(|()| s.write_all(body)).and_then(|()| s.flush());
+    if let Err(e) = sent {
+        // The daemon may have refused the handshake and closed: its alert,
+        // if it came, says why better than the write's error.
+        let mut byte = [0u8; 1];
+        return Err(match s.read(&mut byte).map_err(|r| certificate_refused(&r)) {
+            Err(Some(why)) => TlsFailed::CertificateRefused(why),
+            _ => failed("sending", e),
+        });
+    }
     let mut raw = Vec::new();
     match s.take(MAX_ANSWER).read_to_end(&mut raw) {
         Ok(_) => {}
         // A TLS peer that closes without close_notify after a whole answer.
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {}
-        Err(e) => return Err(format!("receiving: {e}")),
+        Err(e) => return Err(failed("receiving", e)),
     }
-    parse(&raw)
+    Ok(parse(&raw)?)
 }
 
 /// Parses a whole `connection: close` response.

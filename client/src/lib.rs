@@ -215,7 +215,18 @@ impl Daemon {
                 let config = config
                     .as_ref()
                     .map_err(|e| Failed::NotSent(ClientError::Transport { url: url.clone(), message: e.clone() }))?;
-                let a = http1::tls(config, host, *port, method, path, json).map_err(transport)?;
+                let a = http1::tls(config, host, *port, method, path, json).map_err(|f| match f {
+                    http1::TlsFailed::Other(message) => transport(message),
+                    // Final: the handshake failed before the request was read.
+                    http1::TlsFailed::CertificateRefused(why) => Failed::Unknown(ClientError::Api(ErrorBody::new(
+                        crate::code::RefusalCode::Unauthenticated,
+                        "certificate",
+                        format!(
+                            "the daemon at {} refused this client's certificate in the TLS handshake: {why}; nothing was done. Ask its operator for a certificate it accepts (PDSTOR_TLS_CERT, PDSTOR_TLS_KEY)",
+                            self.base
+                        ),
+                    ))),
+                })?;
                 Ok((a.status, a.body))
             }
             Transport::Http(agent) => {

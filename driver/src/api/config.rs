@@ -36,12 +36,12 @@
 //! `default` and nobody else can reach the 0600 sockets.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
-use crate::protocol::identity::{Policy, Principal, Quota, Roles, Tenant};
+use crate::protocol::identity::{DEFAULT_TENANT, Principal, Quota, Roles, Rules, Tenant};
 
 /// The file as written.
 #[derive(Debug, Default, Deserialize)]
@@ -119,15 +119,15 @@ struct PlaintextFile {
 #[derive(Debug)]
 pub struct Config {
     /// Who is who.
-    pub policy: Policy,
+    pub rules: Rules,
     /// The group the sockets (0660) and their directory (0750) are given to.
     pub socket_group: Option<u32>,
 }
 
 impl Config {
-    /// No config: [`Policy::local`], owner-only sockets.
+    /// No config: [`Rules::local`], owner-only sockets.
     pub fn local() -> Config {
-        Config { policy: Policy::local(), socket_group: None }
+        Config { rules: Rules::local(), socket_group: None }
     }
 
     /// Reads and checks `path`; every mistake names its place.
@@ -139,8 +139,7 @@ impl Config {
     /// Parses a config's text.
     pub fn parse(text: &str) -> anyhow::Result<Config> {
         let file: File = toml::from_str(text)?;
-        let mut policy = Policy::local();
-        policy.plaintext = None;
+        let mut rules = Rules { plaintext: None, ..Rules::local() };
         for (name, t) in &file.tenant {
             for r in &t.readers_from {
                 if !file.tenant.contains_key(r) && !file.principal.iter().any(|p| &p.tenant == r) {
@@ -164,7 +163,7 @@ impl Config {
                 prepares: q.prepares,
             };
             let tenant = Tenant { readers_from: t.readers_from.clone(), quota, evict_unread: t.evict_unread };
-            policy.tenants.insert(name.clone(), tenant);
+            rules.tenants.insert(name.clone(), tenant);
         }
         for (i, p) in file.principal.iter().enumerate() {
             let at = format!("principal #{} (tenant {})", i + 1, p.tenant);
@@ -186,7 +185,7 @@ impl Config {
             if uids.is_empty() && gids.is_empty() && p.cert_names.is_empty() {
                 bail!("{at}: names no caller: give users, uids, groups, gids or cert_names");
             }
-            policy.principals.push(Principal {
+            rules.principals.push(Principal {
                 tenant: p.tenant.clone(),
                 roles,
                 uids,
@@ -197,10 +196,35 @@ impl Config {
         if let Some(pt) = &file.plaintext {
             let roles =
                 Roles::parse(pt.roles.iter().map(String::as_str)).map_err(|e| anyhow::anyhow!("[plaintext]: {e}"))?;
-            policy.plaintext = Some(Principal { tenant: pt.tenant.clone(), roles, ..Default::default() });
+            rules.plaintext = Some(Principal { tenant: pt.tenant.clone(), roles, ..Default::default() });
         }
         let socket_group = file.sockets.group.as_deref().map(group_id).transpose()?;
-        Ok(Config { policy, socket_group })
+        Ok(Config { rules, socket_group })
+    }
+}
+
+/// Where the daemon's config comes from: read at start, and again at every
+/// reload.
+#[derive(Debug, Clone, Default)]
+pub struct ConfigSource {
+    /// `--config` (none: [`Config::local`]).
+    pub path: Option<PathBuf>,
+    /// `--evict-unread`: tenant `default` evicts unread publications under
+    /// pressure, whatever the file says.
+    pub evict_unread: bool,
+}
+
+impl ConfigSource {
+    /// Reads the config as the daemon runs with it.
+    pub fn load(&self) -> anyhow::Result<Config> {
+        let mut config = match &self.path {
+            Some(path) => Config::load(path)?,
+            None => Config::local(),
+        };
+        if self.evict_unread {
+            config.rules.tenants.entry(DEFAULT_TENANT.to_owned()).or_default().evict_unread = true;
+        }
+        Ok(config)
     }
 }
 
@@ -236,14 +260,14 @@ mod tests {
             .replace("group = \"pdstor\"", "group = \"0\"");
         let c = Config::parse(&example).expect("the example in the module's documentation parses");
         assert_eq!(c.socket_group, Some(0));
-        let p = &c.policy.principals[0];
+        let p = &c.rules.principals[0];
         assert_eq!((p.tenant.as_str(), p.roles.writer, p.uids.as_slice()), ("team-a", true, &[1001, 0][..]));
-        let q = c.policy.quota("team-a");
+        let q = c.rules.quota("team-a");
         assert_eq!((q.slots, q.pinned_bytes, q.prepares), (Some(4096), Some(16 << 30), Some(32)));
-        assert!(c.policy.may_read("team-a", "team-b"));
-        assert!(c.policy.evicts_unread(Some("team-a")) && c.policy.any_evicts());
-        assert!(!c.policy.evicts_unread(Some("team-b")) && !c.policy.evicts_unread(None), "opted in per tenant");
-        assert_eq!(c.policy.plaintext.as_ref().map(|p| p.roles.reader), Some(true));
+        assert!(c.rules.may_read("team-a", "team-b"));
+        assert!(c.rules.evicts_unread(Some("team-a")) && c.rules.any_evicts());
+        assert!(!c.rules.evicts_unread(Some("team-b")) && !c.rules.evicts_unread(None), "opted in per tenant");
+        assert_eq!(c.rules.plaintext.as_ref().map(|p| p.roles.reader), Some(true));
     }
 
     #[test]

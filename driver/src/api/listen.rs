@@ -5,25 +5,25 @@
 //! hyper's own answers to what it cannot parse in the JSON error shape too
 //! (`shaped`).
 //!
-//! Each connection's caller is resolved once, when it is accepted: a Unix
-//! peer by `SO_PEERCRED`, a TCP client by what its transport proved. Handlers
-//! find it as an `Extension<Caller>`; a tenant over its connection quota is
-//! answered 429 `quota_exceeded` and closed.
+//! Each connection's transport proves who is on its other end once, when it
+//! is accepted: a Unix peer by `SO_PEERCRED`, a TLS client by its
+//! certificate (`peer`). Handlers find the caller that proof resolves to as
+//! an `Extension<Caller>`, resolved again after a reload; a tenant over its
+//! connection quota is answered 429 `quota_exceeded` and closed.
 
 use std::future::Future;
 use std::sync::Arc;
 
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 
 use super::Limits;
+use super::peer::{Peer, Proof};
 use super::wire::ErrorBody;
 use crate::protocol::RefusalCode;
-use crate::protocol::identity::{Caller, Policy, Resource};
 
 /// Anything the loop can accept connections from (a Unix socket, plaintext
 /// TCP, or TCP with mutual TLS).
@@ -36,13 +36,9 @@ pub trait Accept {
     const PLAINTEXT: bool = true;
     /// The next connection.
     fn accept(&self) -> impl Future<Output = std::io::Result<Self::Raw>> + Send;
-    /// Its handshake, if any, and who is on its other end, by `policy`.
-    /// Runs on the connection's own task, so a slow client holds up no other.
-    fn establish(
-        &self,
-        raw: Self::Raw,
-        policy: Arc<Policy>,
-    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static;
+    /// Its handshake, if any, and what it proved of its other end. Runs on
+    /// the connection's own task, so a slow client holds up no other.
+    fn establish(&self, raw: Self::Raw) -> impl Future<Output = std::io::Result<(Self::Io, Proof)>> + Send + 'static;
 }
 
 impl Accept for tokio::net::TcpListener {
@@ -53,13 +49,9 @@ impl Accept for tokio::net::TcpListener {
         let _ = s.set_nodelay(true);
         Ok(s)
     }
-    fn establish(
-        &self,
-        s: Self::Raw,
-        policy: Arc<Policy>,
-    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static {
-        let caller = s.peer_addr().map(|a| policy.plaintext(a.to_string()));
-        std::future::ready(caller.map(|c| (s, c)))
+    fn establish(&self, s: Self::Raw) -> impl Future<Output = std::io::Result<(Self::Io, Proof)>> + Send + 'static {
+        let proof = s.peer_addr().map(|a| Proof::Plain { addr: a.to_string() });
+        std::future::ready(proof.map(|p| (s, p)))
     }
 }
 
@@ -69,13 +61,9 @@ impl Accept for tokio::net::UnixListener {
     async fn accept(&self) -> std::io::Result<Self::Raw> {
         Ok(tokio::net::UnixListener::accept(self).await?.0)
     }
-    fn establish(
-        &self,
-        s: Self::Raw,
-        policy: Arc<Policy>,
-    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static {
-        let caller = s.peer_cred().map(|c| policy.unix(c.uid(), c.gid(), c.pid().unwrap_or(0)));
-        std::future::ready(caller.map(|c| (s, c)))
+    fn establish(&self, s: Self::Raw) -> impl Future<Output = std::io::Result<(Self::Io, Proof)>> + Send + 'static {
+        let proof = s.peer_cred().map(|c| Proof::Unix { uid: c.uid(), gid: c.gid(), pid: c.pid().unwrap_or(0) });
+        std::future::ready(proof.map(|p| (s, p)))
     }
 }
 
@@ -83,8 +71,8 @@ impl Accept for tokio::net::UnixListener {
 pub struct TlsListener {
     /// The TCP listener.
     pub tcp: tokio::net::TcpListener,
-    /// The handshake.
-    pub acceptor: tokio_rustls::TlsAcceptor,
+    /// Where each handshake's configuration is taken from (a reload replaces it).
+    pub live: Arc<super::reload::Live>,
 }
 
 impl Accept for TlsListener {
@@ -94,24 +82,38 @@ impl Accept for TlsListener {
     async fn accept(&self) -> std::io::Result<Self::Raw> {
         Accept::accept(&self.tcp).await
     }
-    fn establish(
-        &self,
-        s: Self::Raw,
-        policy: Arc<Policy>,
-    ) -> impl Future<Output = std::io::Result<(Self::Io, Caller)>> + Send + 'static {
-        let acceptor = self.acceptor.clone();
+    fn establish(&self, s: Self::Raw) -> impl Future<Output = std::io::Result<(Self::Io, Proof)>> + Send + 'static {
+        let tls = self.live.tls();
         async move {
             let addr = s.peer_addr()?.to_string();
-            let tls = acceptor.accept(s).await?;
-            let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first().cloned());
-            let caller = match cert {
-                // rustls verified it against the client CA.
-                Some(c) => policy.certificate(super::tls::names(&c), addr),
-                None => policy.anonymous_tls(addr),
+            let tls = tls.ok_or_else(|| std::io::Error::other("no TLS configuration is loaded"))?;
+            let stream = match tokio_rustls::TlsAcceptor::from(tls.config).accept(s).into_fallible().await {
+                Ok(stream) => stream,
+                Err((e, tcp)) => {
+                    HANDSHAKES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::info!(client = %addr, error = %e, "TLS handshake refused");
+                    linger(tcp).await;
+                    return Err(e);
+                }
             };
-            Ok((tls, caller))
+            // rustls verified it against the client CA and the CRLs.
+            let chain = stream.get_ref().1.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
+            Ok((stream, Proof::Tls { addr, chain }))
         }
     }
+}
+
+/// Closes a connection whose handshake failed so that its client reads the
+/// alert that says why: the alert was written; a FIN follows it, and what
+/// the client sent meanwhile (its request, in TLS 1.3) is read and dropped
+/// until it closes (2 s at most). Closed with that request unread, the
+/// socket would answer a reset, which can overtake the alert.
+async fn linger(mut tcp: tokio::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let _ = tcp.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let drain = async { while matches!(tcp.read(&mut sink).await, Ok(n) if n > 0) {} };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), drain).await;
 }
 
 /// Writes `answer` and closes, on a task of its own (at most a second).
@@ -147,23 +149,33 @@ fn over_capacity(max: usize) -> Vec<u8> {
 /// that keep their connections alive, far fewer than the requests.
 static ACCEPTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// TLS handshakes that failed: a certificate refused (unknown CA, revoked,
+/// expired), or a client that gave up (`/metrics`).
+static HANDSHAKES_REFUSED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Control-plane connections accepted since the daemon started.
 pub fn accepted_connections() -> u64 {
     ACCEPTED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// TLS handshakes that failed since the daemon started.
+pub fn handshakes_refused() -> u64 {
+    HANDSHAKES_REFUSED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves, then lets open
-/// requests finish (up to `drain` long).
+/// requests finish (up to `drain` long). Callers are resolved by `live`'s
+/// rules, again on the next request after each reload.
 pub async fn serve<L: Accept>(
     listener: L,
-    policy: Arc<Policy>,
+    live: Arc<super::reload::Live>,
     app: Router,
     limits: Limits,
     shutdown: impl Future<Output = ()>,
     drain: std::time::Duration,
 ) {
     let open = Arc::new(Semaphore::new(limits.max_http_connections));
-    let graceful = GracefulShutdown::new();
+    let (stopping, stop) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
         let raw = tokio::select! {
@@ -186,39 +198,40 @@ pub async fn serve<L: Accept>(
             continue;
         };
         ACCEPTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let pending = listener.establish(raw, policy.clone());
-        let (policy, app, watcher) = (policy.clone(), app.clone(), graceful.watcher());
+        let pending = listener.establish(raw);
+        let (live, app, mut stop) = (live.clone(), app.clone(), stop.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let (io, caller) = match tokio::time::timeout(limits.header_timeout, pending).await {
+            let (io, proof) = match tokio::time::timeout(limits.header_timeout, pending).await {
                 Ok(Ok(established)) => established,
                 Ok(Err(e)) => return tracing::debug!(error = %e, "control plane handshake failed"),
                 Err(_) => return tracing::debug!("control plane handshake timed out"),
             };
-            if let Err(r) = policy.take(&caller, Resource::Connection) {
-                let answer = last_word("429 Too Many Requests", &ErrorBody::new(r.code, r.field, r.message));
-                return refuse(answer, io);
-            }
-            let _quota = ConnectionQuota { policy, caller: caller.clone() };
-            let service = TowerToHyperService::new(app.layer(axum::Extension(caller)));
+            let peer = match Peer::new(live, proof) {
+                Ok(peer) => Arc::new(peer),
+                Err(r) => {
+                    let answer = last_word("429 Too Many Requests", &ErrorBody::new(r.code, r.field, r.message));
+                    return refuse(answer, io);
+                }
+            };
+            let app = app.layer(axum::middleware::from_fn_with_state(peer, super::peer::per_request));
+            let service = TowerToHyperService::new(app);
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(limits.header_timeout)
                 .serve_connection(TokioIo::new(super::shaped::Shaped::new(io)), service);
-            let _ = watcher.watch(conn).await;
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                Ok(_) = stop.wait_for(|s| *s) => {}
+            }
+            // Stopping: its request in flight is answered; then it closes (an idle one at once).
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
         });
     }
-    let _ = tokio::time::timeout(drain, graceful.shutdown()).await;
-}
-
-/// A connection counted against its tenant's quota until dropped.
-struct ConnectionQuota {
-    policy: Arc<Policy>,
-    caller: Caller,
-}
-
-impl Drop for ConnectionQuota {
-    fn drop(&mut self) {
-        self.policy.give(&self.caller, Resource::Connection);
-    }
+    let _ = stopping.send(true);
+    // Every connection's task holds a permit until it ends.
+    let all = u32::try_from(limits.max_http_connections).unwrap_or(u32::MAX);
+    let _ = tokio::time::timeout(drain, open.acquire_many(all)).await;
 }

@@ -126,6 +126,31 @@ fn help(text: &str) -> &str {
 }
 
 impl Scrape {
+    /// The daemon's own counters: connections, handshakes, reloads, log writes.
+    fn process(&mut self) {
+        self.counter(
+            "pdstor_control_connections",
+            "Control-plane connections accepted (clients keep theirs alive across requests).",
+            super::listen::accepted_connections(),
+        );
+        self.counter(
+            "pdstor_tls_handshakes_refused",
+            "TLS handshakes that failed: a client certificate refused (unknown CA, revoked, expired) or a client that gave up.",
+            super::listen::handshakes_refused(),
+        );
+        let (applied, failed) = super::reload::reloads();
+        self.counters(
+            "pdstor_reloads",
+            "Reloads of the config and TLS files (SIGHUP or a file's change): applied, or failed and nothing changed.",
+            [(vec![("result", "applied".to_owned())], applied), (vec![("result", "failed".to_owned())], failed)],
+        );
+        self.counter(
+            "pdstor_log_write_failures",
+            "Log writes that failed (standard error on a full disk, say): those lines were dropped.",
+            super::log::failed_writes(),
+        );
+    }
+
     fn gauge(&mut self, name: &str, text: &str, v: u64) {
         let g = Gauge::<i64>::default();
         g.set(i64::try_from(v).unwrap_or(i64::MAX));
@@ -187,16 +212,7 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
         "Protocol steps the control plane handled.",
         metrics.requests.load(Ordering::Relaxed),
     );
-    m.counter(
-        "pdstor_control_connections",
-        "Control-plane connections accepted (clients keep theirs alive across requests).",
-        super::listen::accepted_connections(),
-    );
-    m.counter(
-        "pdstor_log_write_failures",
-        "Log writes that failed (standard error on a full disk, say): those lines were dropped.",
-        super::log::failed_writes(),
-    );
+    m.process();
     let bytes = [
         ("host", &metrics.bytes_host),
         ("host_fixed", &metrics.bytes_host_fixed),

@@ -14,6 +14,8 @@ pub mod log;
 pub mod metrics;
 pub mod openapi;
 pub mod owner;
+pub mod peer;
+pub mod reload;
 pub mod routes;
 mod shaped;
 pub mod standby;
@@ -26,7 +28,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::protocol::identity::Policy;
 use crate::protocol::service::Service;
 use crate::store::{Store, StoreOptions};
 
@@ -102,11 +103,10 @@ pub struct ServeConfig {
     pub allow_readable_target: bool,
     /// Serve plaintext TCP (warned at start).
     pub insecure_tcp: bool,
-    /// Who is who (`--config`; [`Policy::local`] without one).
-    pub policy: Arc<Policy>,
-    /// The group the sockets (0660) and their directory (0750) are given to.
-    pub socket_group: Option<u32>,
-    /// Mutual TLS for a TCP control plane.
+    /// Who is who, and the sockets' group (`--config`, read again on each
+    /// reload; [`crate::protocol::identity::Rules::local`] without one).
+    pub config: config::ConfigSource,
+    /// Mutual TLS for a TCP control plane (its files read again on each reload).
     pub tls: Option<tls::TlsFiles>,
 }
 
@@ -166,7 +166,7 @@ impl Default for Limits {
 pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     hygiene::check_target(&cfg.target, cfg.allow_readable_target)?;
     let tls = match (&cfg.listen, &cfg.tls) {
-        (Listen::Tcp(_), Some(files)) => Some(tls::server_config(files)?),
+        (Listen::Tcp(_), Some(files)) => Some(files.clone()),
         (Listen::Tcp(addr), None) => {
             hygiene::check_tcp(addr, cfg.insecure_tcp)?;
             None
@@ -177,8 +177,13 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         ),
         (Listen::Unix(_), None) => None,
     };
+    let live = Arc::new(reload::Live::load(cfg.config.clone(), tls)?);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let Some((held, store)) = own(&cfg, tls.clone(), &rt)? else {
+    {
+        let _entered = rt.enter();
+        rt.spawn(live.clone().watch(reload::Live::hangups(), Duration::from_secs(1)));
+    }
+    let Some((held, store)) = own(&cfg, &live, &rt)? else {
         tracing::info!("stopped (a standby to the end)");
         return Ok(());
     };
@@ -189,7 +194,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, &format!("daemon-e{}", store.epoch()))?)),
         None => None,
     };
-    let mut service = Service::new(store.clone()).with_timeline(timeline).with_policy(cfg.policy.clone());
+    let mut service = Service::new(store.clone()).with_timeline(timeline).with_policy(live.policy().clone());
     let mut watcher = None;
     if let Some(held) = held {
         let key = held.key;
@@ -217,7 +222,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     };
     let data = data::DataPlane::start(
         &cfg.data_socket,
-        cfg.socket_group,
+        live.socket_group(),
         service.clone(),
         metrics.clone(),
         provenance,
@@ -234,15 +239,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         prepares: Default::default(),
     }))
     .layer(axum::middleware::from_fn_with_state(store.clone(), owner::refuse_when_lost));
-    rt.block_on(control_plane(
-        cfg.listen.clone(),
-        tls,
-        cfg.socket_group,
-        cfg.policy.clone(),
-        app,
-        cfg.limits,
-        signalled(),
-    ))?;
+    rt.block_on(control_plane(cfg.listen.clone(), live, app, cfg.limits, signalled()))?;
     reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = reaper.join();
     if let Some((stop, handle)) = watcher {
@@ -265,11 +262,11 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
 /// takes over (`None`: stopped while standing by) — and opens its store.
 fn own(
     cfg: &ServeConfig,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    live: &Arc<reload::Live>,
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<Option<(Option<owner::Held>, Store)>> {
     let (held, store, report) = match (&cfg.standby, cfg.reservation_key) {
-        (Some(sb), Some(key)) => match standby::run(cfg, sb, key, tls, rt)? {
+        (Some(sb), Some(key)) => match standby::run(cfg, sb, key, live, rt)? {
             Some((held, store, report)) => (Some(held), store, report),
             None => return Ok(None),
         },
@@ -369,9 +366,7 @@ fn spawn_reaper(
 /// lets in-flight requests drain (up to 30 s).
 async fn control_plane(
     listen: Listen,
-    tls: Option<Arc<rustls::ServerConfig>>,
-    group: Option<u32>,
-    policy: Arc<Policy>,
+    live: Arc<reload::Live>,
     app: axum::Router,
     limits: Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
@@ -381,22 +376,22 @@ async fn control_plane(
         Listen::Tcp(addr) => {
             let l =
                 tokio::net::TcpListener::bind(addr).await.map_err(|e| anyhow::anyhow!("listening on {addr}: {e}"))?;
-            match tls {
-                Some(config) => {
+            match live.tls() {
+                Some(_) => {
                     tracing::info!(%addr, "control plane listening (mutual TLS)");
-                    let l = listen::TlsListener { tcp: l, acceptor: tokio_rustls::TlsAcceptor::from(config) };
-                    listen::serve(l, policy, app, limits, shutdown, drain).await;
+                    let l = listen::TlsListener { tcp: l, live: live.clone() };
+                    listen::serve(l, live, app, limits, shutdown, drain).await;
                 }
                 None => {
                     tracing::info!(%addr, "control plane listening (plaintext TCP)");
-                    listen::serve(l, policy, app, limits, shutdown, drain).await;
+                    listen::serve(l, live, app, limits, shutdown, drain).await;
                 }
             }
         }
         Listen::Unix(path) => {
-            let l = hygiene::bind_socket(path, group, |p| tokio::net::UnixListener::bind(p))?;
+            let l = hygiene::bind_socket(path, live.socket_group(), |p| tokio::net::UnixListener::bind(p))?;
             tracing::info!(path = %path.display(), "control plane listening");
-            listen::serve(l, policy, app, limits, shutdown, drain).await;
+            listen::serve(l, live, app, limits, shutdown, drain).await;
             let _ = std::fs::remove_file(path);
         }
     }

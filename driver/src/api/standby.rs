@@ -59,7 +59,7 @@ pub(super) fn run(
     cfg: &ServeConfig,
     standby: &StandbyConfig,
     key: u64,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    live: &Arc<super::reload::Live>,
     rt: &tokio::runtime::Runtime,
 ) -> anyhow::Result<Option<TakenOver>> {
     let about = stand(cfg, standby, key)?;
@@ -69,9 +69,7 @@ pub(super) fn run(
         let (stop_server, stopped) = oneshot::channel::<()>();
         let server = tokio::spawn(super::control_plane(
             cfg.listen.clone(),
-            tls,
-            cfg.socket_group,
-            cfg.policy.clone(),
+            live.clone(),
             app,
             cfg.limits,
             async {

@@ -1,17 +1,21 @@
 //! Mutual TLS for the control plane over TCP (`serve --listen host:port
-//! --tls-cert --tls-key --tls-client-ca`): the daemon proves itself with its
-//! certificate; a client proves who it is with a certificate the client CA
-//! signed, whose names (subject CN, DNS names) the config maps to a tenant.
+//! --tls-cert --tls-key --tls-client-ca [--tls-crl]`): the daemon proves
+//! itself with its certificate; a client proves who it is with a certificate
+//! the client CA signed and no CRL revokes, whose names (subject CN, DNS
+//! names) the config maps to a tenant. Every file is read again on a reload
+//! (`reload`), so a certificate can be renewed or revoked without a restart.
 //!
 //! A client that presents no certificate completes the handshake and is
 //! answered 401 `unauthenticated` on every step; one whose certificate the CA
-//! did not sign is refused in the handshake.
+//! did not sign, or a CRL revokes, or that has expired, is refused in the
+//! handshake with the TLS alert that says which.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context;
-use rustls::pki_types::CertificateDer;
+use anyhow::{Context, bail};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, CertificateRevocationListDer};
 
 pub use pdstor_client::tls::{certs, key, provider, roots};
 
@@ -24,23 +28,109 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// The CA that signs client certificates (PEM).
     pub client_ca: PathBuf,
+    /// Revocation lists of the CAs that sign clients (PEM or DER); with any,
+    /// a client whose revocation status none of them gives is refused.
+    pub crls: Vec<PathBuf>,
+}
+
+impl TlsFiles {
+    /// Every file, for the reload watcher.
+    pub fn paths(&self) -> Vec<&Path> {
+        let mut all = vec![self.cert.as_path(), self.key.as_path(), self.client_ca.as_path()];
+        all.extend(self.crls.iter().map(PathBuf::as_path));
+        all
+    }
+}
+
+/// The server side as loaded: the handshake's configuration, and its client
+/// certificate verifier (which also judges a kept-alive connection's
+/// certificate again after a reload).
+#[derive(Clone)]
+pub struct ServerTls {
+    /// What each handshake uses.
+    pub config: Arc<rustls::ServerConfig>,
+    /// The client CA and the CRLs, as the handshake checks them.
+    pub verifier: Arc<dyn rustls::server::danger::ClientCertVerifier>,
 }
 
 /// The server side: the daemon's certificate, client certificates verified
-/// against the client CA (optional, so a client without one is answered 401).
-pub fn server_config(files: &TlsFiles) -> anyhow::Result<Arc<rustls::ServerConfig>> {
-    let roots = Arc::new(roots(&files.client_ca)?);
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider())
+/// against the client CA and the CRLs (optional, so a client without one is
+/// answered 401). Reads every file; any failure names its file.
+pub fn server_config(files: &TlsFiles) -> anyhow::Result<ServerTls> {
+    let roots = roots(&files.client_ca)?;
+    let mut crls = Vec::new();
+    for path in &files.crls {
+        crls.extend(revocation_lists(path)?);
+    }
+    check_coverage(&files.client_ca, &roots_subjects(&files.client_ca)?, &crls, &files.crls);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+        .with_crls(crls)
         .allow_unauthenticated()
         .build()
-        .context("building the client certificate verifier")?;
+        .with_context(|| format!("building the client certificate verifier from {}", files.client_ca.display()))?;
     let config = rustls::ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .context("choosing TLS versions")?
-        .with_client_cert_verifier(verifier)
+        .with_client_cert_verifier(verifier.clone())
         .with_single_cert(certs(&files.cert)?, key(&files.key)?)
         .with_context(|| format!("using {} with {}", files.cert.display(), files.key.display()))?;
-    Ok(Arc::new(config))
+    Ok(ServerTls { config: Arc::new(config), verifier })
+}
+
+/// Every CRL in `path`: PEM blocks, or one DER list (as CAs publish them).
+pub fn revocation_lists(path: &Path) -> anyhow::Result<Vec<CertificateRevocationListDer<'static>>> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading the CRL {}", path.display()))?;
+    let lists: Vec<CertificateRevocationListDer<'static>> = if bytes.starts_with(b"-----BEGIN") {
+        CertificateRevocationListDer::pem_slice_iter(&bytes)
+            .collect::<Result<_, _>>()
+            .with_context(|| format!("parsing the PEM CRLs in {}", path.display()))?
+    } else {
+        vec![CertificateRevocationListDer::from(bytes)]
+    };
+    if lists.is_empty() {
+        bail!("{} holds no CRL (a PEM X509 CRL block, or a DER CRL)", path.display());
+    }
+    for (i, der) in lists.iter().enumerate() {
+        let (_, crl) = x509_parser::parse_x509_crl(der.as_ref())
+            .map_err(|e| anyhow::anyhow!("CRL #{} in {} does not parse: {e}", i + 1, path.display()))?;
+        let stale = crl.next_update().is_some_and(|next| next < x509_parser::time::ASN1Time::now());
+        if stale {
+            tracing::warn!(
+                crl = %path.display(),
+                issuer = %crl.issuer(),
+                "the CRL is past its next update: it still revokes what it lists, but ask its CA for the newer one"
+            );
+        }
+    }
+    Ok(lists)
+}
+
+/// The subjects of the client CA's certificates.
+fn roots_subjects(path: &Path) -> anyhow::Result<Vec<String>> {
+    Ok(certs(path)?
+        .iter()
+        .filter_map(|c| x509_parser::parse_x509_certificate(c.as_ref()).ok().map(|(_, x)| x.subject().to_string()))
+        .collect())
+}
+
+/// Warns of each client CA no CRL comes from: with CRLs given, the clients
+/// it signed are refused (their revocation status is unknown).
+fn check_coverage(ca: &Path, subjects: &[String], crls: &[CertificateRevocationListDer<'_>], files: &[PathBuf]) {
+    if crls.is_empty() {
+        return;
+    }
+    let issuers: Vec<String> = crls
+        .iter()
+        .filter_map(|c| x509_parser::parse_x509_crl(c.as_ref()).ok().map(|(_, l)| l.issuer().to_string()))
+        .collect();
+    for s in subjects.iter().filter(|s| !issuers.contains(s)) {
+        tracing::warn!(
+            client_ca = %ca.display(),
+            ca = %s,
+            crls = ?files,
+            "no --tls-crl comes from this client CA: every client it signed is refused (unknown revocation status); add its CRL"
+        );
+    }
 }
 
 /// The names a verified client certificate carries: its subject's common

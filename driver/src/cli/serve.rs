@@ -97,6 +97,12 @@ pub struct ServeArgs {
     /// The CA (PEM) that signs client certificates.
     #[arg(long, requires = "tls_cert")]
     tls_client_ca: Option<PathBuf>,
+    /// A certificate revocation list (PEM or DER) of a CA that signs clients; repeat it for
+    /// each such CA. A revoked client is refused in the handshake, and so is one whose
+    /// revocation status no list gives. Every TLS file and --config is read again on SIGHUP and
+    /// when it changes: a new CRL shuts a stolen certificate out without a restart.
+    #[arg(long, requires = "tls_cert")]
+    tls_crl: Vec<PathBuf>,
     /// The same as --listen unix:PATH.
     #[arg(long)]
     listen_unix: Option<PathBuf>,
@@ -179,14 +185,6 @@ impl ServeArgs {
             // serve.log) gets plain lines, and the daemon skips their escapes.
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init();
-        let mut config = match &self.config {
-            Some(path) => pdstor::api::config::Config::load(path)?,
-            None => pdstor::api::config::Config::local(),
-        };
-        if self.evict_unread {
-            let default = pdstor::protocol::identity::DEFAULT_TENANT.to_owned();
-            config.policy.tenants.entry(default).or_default().evict_unread = true;
-        }
         pdstor::api::serve(pdstor::api::ServeConfig {
             target: self.target,
             listen: match self.listen_unix {
@@ -212,10 +210,11 @@ impl ServeArgs {
             limits: self.limits.limits(),
             allow_readable_target: self.allow_readable_target,
             insecure_tcp: self.insecure_tcp,
-            policy: std::sync::Arc::new(config.policy),
-            socket_group: config.socket_group,
+            config: pdstor::api::config::ConfigSource { path: self.config, evict_unread: self.evict_unread },
             tls: match (self.tls_cert, self.tls_key, self.tls_client_ca) {
-                (Some(cert), Some(key), Some(client_ca)) => Some(pdstor::api::tls::TlsFiles { cert, key, client_ca }),
+                (Some(cert), Some(key), Some(client_ca)) => {
+                    Some(pdstor::api::tls::TlsFiles { cert, key, client_ca, crls: self.tls_crl })
+                }
                 _ => None,
             },
         })

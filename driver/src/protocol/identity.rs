@@ -2,7 +2,7 @@
 //!
 //! Every request reaches the protocol with a [`Caller`]: the identity the
 //! transport proved (a Unix peer's uid by `SO_PEERCRED`, a TLS client's
-//! certificate names) resolved by the [`Policy`] to a tenant and its roles.
+//! certificate names) resolved by the [`Rules`] to a tenant and its roles.
 //! Publications belong to the identity that prepared them ([`Owner`]);
 //! claims to the identity that claimed them. The refusals are distinct:
 //! `unauthenticated` (no identity could be proven), `forbidden` (the identity
@@ -11,7 +11,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
@@ -272,9 +271,10 @@ pub struct Tenant {
 }
 
 /// Who is who: principals, tenants and their quotas. Built from
-/// `serve --config`, or [`Policy::local`] without one.
-#[derive(Debug, Default)]
-pub struct Policy {
+/// `serve --config` ([`Rules::local`] without one), and replaced whole when
+/// the daemon reloads it ([`super::policy::Policy`] holds the current ones).
+#[derive(Debug, Clone, Default)]
+pub struct Rules {
     /// Matched in order; the first rule naming the identity wins.
     pub principals: Vec<Principal>,
     /// By name.
@@ -284,52 +284,16 @@ pub struct Policy {
     /// Who a plaintext TCP client (`--insecure-tcp`) is taken to be, unproven;
     /// `None`: nobody (every step refused `unauthenticated`).
     pub plaintext: Option<Principal>,
-    /// What each tenant holds now (quota accounting).
-    usage: Mutex<BTreeMap<String, Usage>>,
 }
 
-/// What one tenant holds now, counted where it is taken and given back.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Open connections, both planes.
-    pub connections: usize,
-    /// Registered buffers.
-    pub buffers: usize,
-    /// Bytes of registered buffers.
-    pub pinned_bytes: u64,
-    /// Prepares being handled (waiting or running).
-    pub prepares: usize,
-    /// Slots asked for by prepares being handled.
-    pub pending_slots: u64,
-}
-
-/// A quota resource, for [`Policy::take`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Resource {
-    /// One connection.
-    Connection,
-    /// One buffer of this many bytes.
-    Buffer(u64),
-    /// One prepare of this many slots, of which `held` are the tenant's live
-    /// publications' now and `outstanding` its PREPARED publications.
-    Prepare {
-        /// Slots asked for.
-        slots: u64,
-        /// Slots its live publications hold.
-        held: u64,
-        /// Its PREPARED publications.
-        outstanding: usize,
-    },
-}
-
-impl Policy {
+impl Rules {
     /// No config: the daemon's own uid and root are admins of tenant
     /// `default`; nobody else is anyone (and cannot reach the 0600 sockets).
     /// A plaintext TCP client, which only `--insecure-tcp` lets in, is taken
     /// to be the daemon's user: that is what the flag's warning says.
-    pub fn local() -> Policy {
+    pub fn local() -> Rules {
         let plaintext = Principal { tenant: DEFAULT_TENANT.into(), roles: Roles::ALL, ..Default::default() };
-        Policy { daemon_uid: nix::unistd::geteuid().as_raw(), plaintext: Some(plaintext), ..Default::default() }
+        Rules { daemon_uid: nix::unistd::geteuid().as_raw(), plaintext: Some(plaintext), ..Default::default() }
     }
 
     /// The caller a Unix peer is.
@@ -402,86 +366,14 @@ impl Policy {
     pub fn quota(&self, tenant: &str) -> Quota {
         self.tenants.get(tenant).map(|t| t.quota).unwrap_or_default()
     }
-
-    /// Takes `r` from `caller`'s tenant's quota, or refuses `quota_exceeded`
-    /// naming the limit; given back by [`Policy::give`]. Callers without a
-    /// tenant are not counted (they are refused before they hold anything).
-    pub fn take(&self, caller: &Caller, r: Resource) -> Result<(), Refusal> {
-        let Some(tenant) = &caller.tenant else { return Ok(()) };
-        let q = self.quota(tenant);
-        let mut all = self.usage.lock().unwrap_or_else(|p| p.into_inner());
-        let u = all.entry(tenant.clone()).or_default();
-        let over = |what: &str, have: String, max: String| {
-            Err(Refusal::new(
-                RefusalCode::QuotaExceeded,
-                "tenant",
-                format!(
-                    "tenant {tenant} holds {have} of its quota of {max} {what}: release some first, or raise the quota in the config"
-                ),
-            ))
-        };
-        match r {
-            Resource::Connection => {
-                if let Some(max) = q.connections.filter(|&m| u.connections >= m) {
-                    return over("connections", u.connections.to_string(), max.to_string());
-                }
-                u.connections += 1;
-            }
-            Resource::Buffer(len) => {
-                if let Some(max) = q.buffers.filter(|&m| u.buffers >= m) {
-                    return over("buffers", u.buffers.to_string(), max.to_string());
-                }
-                if let Some(max) = q.pinned_bytes.filter(|&m| u.pinned_bytes.saturating_add(len) > m) {
-                    return over("pinned bytes", format!("{} (+{len})", u.pinned_bytes), max.to_string());
-                }
-                u.buffers += 1;
-                u.pinned_bytes += len;
-            }
-            Resource::Prepare { slots, held, outstanding } => {
-                if let Some(max) = q.prepares.filter(|&m| u.prepares + outstanding >= m) {
-                    return over("outstanding prepares", (u.prepares + outstanding).to_string(), max.to_string());
-                }
-                let have = held + u.pending_slots;
-                if let Some(max) = q.slots.filter(|&m| have.saturating_add(slots) > m) {
-                    return over("slots", format!("{have} (+{slots})"), max.to_string());
-                }
-                u.prepares += 1;
-                u.pending_slots += slots;
-            }
-        }
-        Ok(())
-    }
-
-    /// Gives back what [`Policy::take`] took.
-    pub fn give(&self, caller: &Caller, r: Resource) {
-        let Some(tenant) = &caller.tenant else { return };
-        let mut all = self.usage.lock().unwrap_or_else(|p| p.into_inner());
-        let u = all.entry(tenant.clone()).or_default();
-        match r {
-            Resource::Connection => u.connections = u.connections.saturating_sub(1),
-            Resource::Buffer(len) => {
-                u.buffers = u.buffers.saturating_sub(1);
-                u.pinned_bytes = u.pinned_bytes.saturating_sub(len);
-            }
-            Resource::Prepare { slots, .. } => {
-                u.prepares = u.prepares.saturating_sub(1);
-                u.pending_slots = u.pending_slots.saturating_sub(slots);
-            }
-        }
-    }
-
-    /// What `tenant` holds now.
-    pub fn usage(&self, tenant: &str) -> Usage {
-        self.usage.lock().unwrap_or_else(|p| p.into_inner()).get(tenant).copied().unwrap_or_default()
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn policy() -> Policy {
-        let mut p = Policy { daemon_uid: 4242, ..Default::default() };
+    fn rules() -> Rules {
+        let mut p = Rules { daemon_uid: 4242, ..Default::default() };
         p.principals.push(Principal {
             tenant: "a".into(),
             roles: Roles { writer: true, ..Default::default() },
@@ -509,7 +401,7 @@ mod tests {
 
     #[test]
     fn peers_resolve_by_uid_then_gid_and_the_daemon_user_is_admin() {
-        let p = policy();
+        let p = rules();
         let a = p.unix(1000, 5, 1);
         assert_eq!((a.tenant.as_deref(), a.roles.writer, a.roles.reader), (Some("a"), true, false));
         let b = p.unix(1001, 2000, 1);
@@ -529,25 +421,12 @@ mod tests {
 
     #[test]
     fn owners_and_readers() {
-        let p = policy();
+        let p = rules();
         let (a, b) = (p.unix(1000, 5, 1), p.unix(1001, 2000, 1));
         let owner = a.owner().expect("a has a tenant");
         assert!(a.require_owner(Some(&owner), "publication 1").is_ok());
         assert_eq!(b.require_owner(Some(&owner), "publication 1").unwrap_err().code, RefusalCode::NotOwner);
         assert!(p.unix(0, 0, 1).require_owner(Some(&owner), "publication 1").is_ok(), "admin acts for anyone");
         assert!(p.may_read("a", "b") && p.may_read("b", "b") && !p.may_read("b", "a"));
-    }
-
-    #[test]
-    fn quotas_refuse_past_the_limit_and_give_back() {
-        let p = policy();
-        let a = p.unix(1000, 5, 1);
-        p.take(&a, Resource::Connection).expect("the first connection");
-        let e = p.take(&a, Resource::Connection).unwrap_err();
-        assert_eq!(e.code, RefusalCode::QuotaExceeded);
-        assert!(e.message.contains("tenant a holds 1 of its quota of 1 connections"), "{}", e.message);
-        p.give(&a, Resource::Connection);
-        p.take(&a, Resource::Connection).expect("given back, taken again");
-        assert_eq!(p.usage("a").connections, 1);
     }
 }

@@ -8,6 +8,7 @@
 //! a [`Refusal`] naming the field; it changes nothing.
 
 pub mod identity;
+pub mod policy;
 pub mod service;
 
 pub use pdstor_client::code;

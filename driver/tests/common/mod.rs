@@ -212,8 +212,7 @@ pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPl
         allow_readable_target: false,
         // Plaintext TCP, asked for by name: the caller is taken to be this user.
         insecure_tcp: true,
-        policy: std::sync::Arc::new(pdstor::protocol::identity::Policy::local()),
-        socket_group: None,
+        config: Default::default(),
         tls: None,
     };
     let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));

@@ -25,7 +25,8 @@ use crate::buffer::Buffer;
 use crate::buffer::dmabuf::DmaBuf;
 use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
 use crate::protocol::Receipt;
-use crate::protocol::identity::{Caller, Resource, Role};
+use crate::protocol::identity::{Caller, Role};
+use crate::protocol::policy::Resource;
 use crate::protocol::service::{ProtocolError, Service};
 use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Manifest, Phase, StoreBatch, StoreError};
 
@@ -75,7 +76,7 @@ impl DataPlane {
         let stop2 = stop.clone();
         // One thread per connection, at most `max_data_connections` of them,
         // shared among the config's tenants (`shares`).
-        let shares = shares::Shares::new(limits.max_data_connections, service.policy().tenant_names());
+        let shares = shares::Shares::new(limits.max_data_connections);
         let thread = std::thread::Builder::new().name("pdstor-data".into()).spawn(move || {
             for conn in listener.incoming() {
                 if stop2.load(Ordering::SeqCst) {
@@ -84,14 +85,15 @@ impl DataPlane {
                 let Ok(mut conn) = conn else { continue };
                 // Who is on the other end, proven by the kernel.
                 let Ok((uid, gid, pid)) = super::hygiene::peer_cred(&conn) else { continue };
-                let caller = service.policy().unix(uid, gid, pid);
+                let rules = service.policy().rules();
+                let caller = rules.unix(uid, gid, pid);
                 let refuse = |conn: &mut UnixStream, e: ErrorBody| {
                     metrics.error(&e.code);
                     let _ = conn.set_write_timeout(Some(std::time::Duration::from_secs(1)));
                     last_word(conn, e);
                 };
                 let key = caller.tenant.clone().unwrap_or_else(|| caller.principal.clone());
-                let share = match shares.take(&key) {
+                let share = match shares.take(&key, &rules.tenant_names()) {
                     Ok(share) => share,
                     Err(why) => {
                         refuse(&mut conn, ErrorBody::new(crate::protocol::RefusalCode::TooManyConnections, "", why));

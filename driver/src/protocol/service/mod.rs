@@ -6,7 +6,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::identity::{Caller, Policy, Resource, Role};
+use super::identity::{Caller, Role};
+use super::policy::{Policy, Resource};
 use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClock};
 use std::time::Duration;
 

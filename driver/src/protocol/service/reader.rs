@@ -13,7 +13,7 @@ impl Service {
     /// or a caller of a tenant the owner's tenant lets read. The one rule
     /// `claim` enforces and `lookup` answers by.
     pub(super) fn may_read(&self, who: &Caller, owner: &Owner) -> bool {
-        who.roles.admin || who.tenant.as_deref().is_some_and(|t| self.policy.may_read(&owner.tenant, t))
+        who.roles.admin || who.tenant.as_deref().is_some_and(|t| self.policy.rules().may_read(&owner.tenant, t))
     }
 
     /// Step 4: binds one reader and session to a READY publication; returns the claim receipt.

@@ -126,11 +126,12 @@ impl Service {
     /// becomes READY — the two moments demand or something evictable appears.
     /// A retry of a PREPARED request needs no room.
     fn evict_for(&self, who: &Caller, req_id: Option<&str>, chunks: u32) -> Result<(), ProtocolError> {
-        if !self.policy.any_evicts() || req_id.is_some_and(|r| self.store.publication_of(r).is_some()) {
+        let rules = self.policy.rules();
+        if !rules.any_evicts() || req_id.is_some_and(|r| self.store.publication_of(r).is_some()) {
             return Ok(());
         }
         let for_whom = req_id.map_or_else(|| "the waiting prepares".to_owned(), str::to_owned);
-        let evictable = |owner: Option<&Owner>| self.policy.evicts_unread(owner.map(|o| o.tenant.as_str()));
+        let evictable = |owner: Option<&Owner>| rules.evicts_unread(owner.map(|o| o.tenant.as_str()));
         for e in self.store.evict_unread(chunks as u64, &evictable)? {
             let tenant = e.owner.as_ref().map_or(crate::protocol::identity::DEFAULT_TENANT, |o| o.tenant.as_str());
             tracing::info!(
@@ -152,7 +153,7 @@ impl Service {
     /// What a prepare of `chunks` by `who` takes from its tenant's quota: the
     /// tenant's live holdings are counted only when it has a quota to compare.
     fn quota_for_prepare(&self, who: &Caller, chunks: u32) -> Resource {
-        let q = who.tenant.as_deref().map(|t| self.policy.quota(t)).unwrap_or_default();
+        let q = who.tenant.as_deref().map(|t| self.policy.rules().quota(t)).unwrap_or_default();
         let (mut held, mut outstanding) = (0, 0);
         if q.slots.is_some() || q.prepares.is_some() {
             for p in self.store.publications() {
