@@ -291,11 +291,11 @@ fn unread_publications_are_released_after_the_window_and_claimed_ones_never() {
     let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| e.publication).collect::<Vec<_>>();
 
     // Each call measures from its own start: one first seen in it is 0 old.
-    assert_eq!(ids(s.release_unread_after(Some(Duration::from_secs(3600))).unwrap()), Vec::<u64>::new());
+    assert_eq!(ids(s.release_unread_after(|_| Some(Duration::from_secs(3600))).unwrap()), Vec::<u64>::new());
     thread::sleep(window + Duration::from_millis(10));
     let late = put("late");
     assert_eq!(
-        ids(s.release_unread_after(Some(window)).unwrap()),
+        ids(s.release_unread_after(|_| Some(window)).unwrap()),
         vec![unread],
         "the old unread one: not the claimed, not the new"
     );
@@ -307,14 +307,14 @@ fn unread_publications_are_released_after_the_window_and_claimed_ones_never() {
     let left: Vec<(u64, Phase)> = s.publications().iter().map(|p| (p.id, p.phase)).collect();
     assert_eq!(left, vec![(claimed, Phase::Claimed), (late, Phase::Ready)], "the release was durable");
     assert_eq!(
-        ids(s.release_unread_after(Some(window)).unwrap()),
+        ids(s.release_unread_after(|_| Some(window)).unwrap()),
         Vec::<u64>::new(),
         "recovered READY: a whole window again"
     );
     thread::sleep(window + Duration::from_millis(10));
-    assert_eq!(ids(s.release_unread_after(Some(window)).unwrap()), vec![late]);
+    assert_eq!(ids(s.release_unread_after(|_| Some(window)).unwrap()), vec![late]);
     assert_eq!(
-        ids(s.release_unread_after(Some(Duration::ZERO)).unwrap()),
+        ids(s.release_unread_after(|_| Some(Duration::ZERO)).unwrap()),
         Vec::<u64>::new(),
         "claimed: never, whatever its age"
     );
@@ -353,18 +353,22 @@ fn a_writers_own_unread_window_applies_bounded_by_the_daemons_and_survives_a_reo
     assert!(matches!(again(None), Err(store::StoreError::DuplicateRequest { .. })));
     assert_eq!(s.abort(first.publication).unwrap(), store::AbortOutcome::Aborted { slots: 1 });
     let ids = |v: Vec<store::Evicted>| v.into_iter().map(|e| (e.publication, e.window)).collect::<Vec<_>>();
-    assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![], "each first seen now");
+    assert_eq!(ids(s.release_unread_after(|_| None).unwrap()), vec![], "each first seen now");
     drop(s);
     let (s, _) = open(&path);
-    assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![], "recovered: a whole window again");
+    assert_eq!(ids(s.release_unread_after(|_| None).unwrap()), vec![], "recovered: a whole window again");
     thread::sleep(Duration::from_millis(short + 10));
     let ms = Duration::from_millis;
-    assert_eq!(ids(s.release_unread_after(None).unwrap()), vec![(own, Some(ms(short)))], "its own window, journaled");
+    assert_eq!(
+        ids(s.release_unread_after(|_| None).unwrap()),
+        vec![(own, Some(ms(short)))],
+        "its own window, journaled"
+    );
     let daemons = Some(ms(short));
-    assert_eq!(ids(s.release_unread_after(daemons).unwrap()), vec![(longer, daemons)], "the daemon's: the shorter");
-    assert_eq!(ids(s.release_unread_after(daemons).unwrap()), vec![], "none of its own: first seen now");
+    assert_eq!(ids(s.release_unread_after(|_| daemons).unwrap()), vec![(longer, daemons)], "the daemon's: the shorter");
+    assert_eq!(ids(s.release_unread_after(|_| daemons).unwrap()), vec![], "none of its own: first seen now");
     thread::sleep(Duration::from_millis(short + 10));
-    assert_eq!(ids(s.release_unread_after(daemons).unwrap()), vec![(none, daemons)], "the daemon's: the only one");
+    assert_eq!(ids(s.release_unread_after(|_| daemons).unwrap()), vec![(none, daemons)], "the daemon's: the only one");
     s.check().unwrap();
 }
 
@@ -394,13 +398,43 @@ fn a_cache_publication_being_read_is_never_released_evicted_expired_or_claimed()
     assert!(matches!(s.claim(id, "r", "s", 1000, 0, None), Err(store::StoreError::WrongClass { .. })));
     assert!(s.evict_unread(2, &|_| true).unwrap().is_empty(), "held: not evicted for room");
     thread::sleep(Duration::from_millis(5));
-    assert!(s.release_unread_after(Some(Duration::from_millis(1))).unwrap().is_empty(), "held: not expired");
+    assert!(s.release_unread_after(|_| Some(Duration::from_millis(1))).unwrap().is_empty(), "held: not expired");
     assert_eq!(s.end_read(id).unwrap(), 1);
     assert!(s.evict_unread(2, &|_| true).unwrap().is_empty(), "one read still held");
     assert_eq!(s.end_read(id).unwrap(), 0);
     assert!(s.end_read(id).is_err(), "a read ended twice is a bug, reported");
     let evicted: Vec<u64> = s.evict_unread(2, &|_| true).unwrap().into_iter().map(|e| e.publication).collect();
     assert_eq!(evicted, vec![id], "no read held: evicted for room");
+    s.check().unwrap();
+}
+
+/// A cache publication's unread window counts from its last read, not its
+/// publish: one read more often than its window is never released however
+/// long it lives; left unread, it is, a window after its last read.
+#[test]
+fn a_cache_publications_unread_window_counts_from_its_last_read() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let path = format_file(dir.path(), 2);
+    let (s, _) = open(&path);
+    let b = shared(&s, 1);
+    fill(&b, 13, 1);
+    let l = layout();
+    let window = 80u64;
+    let ask = store::Ask { cache: true, unread_release_ms: Some(window), ..store::Ask::new("hot", "writer", &l, 1) };
+    let id = s.prepare_with(&ask, Duration::from_secs(1), &Default::default()).unwrap().publication;
+    assert!(s.store_batch(&batch(id, &b, &[0], true, 1)).unwrap().publishable);
+    s.publish(id, None).unwrap();
+    assert!(s.release_unread_after(|_| None).unwrap().is_empty(), "first seen now");
+    let born = std::time::Instant::now();
+    while born.elapsed() < Duration::from_millis(4 * window) {
+        thread::sleep(Duration::from_millis(window / 4));
+        s.begin_read(id).unwrap();
+        s.end_read(id).unwrap();
+        assert!(s.release_unread_after(|_| None).unwrap().is_empty(), "read within its window: kept");
+    }
+    thread::sleep(Duration::from_millis(window + 10));
+    let expired: Vec<u64> = s.release_unread_after(|_| None).unwrap().into_iter().map(|e| e.publication).collect();
+    assert_eq!(expired, vec![id], "a window after its last read: released");
     s.check().unwrap();
 }
 

@@ -80,6 +80,11 @@ class Client:
     def close_session(self, receipt: Receipt) -> None:
         """Closes the reader session a claim or read receipt names: its
         claims become reclaimable, its reads end."""
+    def reclaim(self, receipt: Receipt) -> None:
+        """Frees a fenced claim's slots (its session closed, or from an earlier epoch)."""
+    def reclaim_publication(self, publication: int, reason: str) -> None:
+        """An admin reclaims a publication whose reader is gone: its session
+        closed first, then its claim reclaimed."""
     def end_reads(self, publication: int, reason: str) -> int:
         """An admin ends every read of a cache publication; how many."""
     def cancel(self, req_id: str) -> str: ...
@@ -127,6 +132,7 @@ class Writer:
         first_token: int | None = None,
         timeout_ms: int | None = None,
         cache: bool = False,
+        unread_release_ms: int | None = None,
     ) -> list[Receipt | Error]: ...
 
 class Reader:

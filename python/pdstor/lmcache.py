@@ -77,7 +77,12 @@ every thread's group within this many MiB, at least one chunk per thread;
 default 256), ``pdstor.lease_ms`` (default 60000),
 ``pdstor.admission_timeout_ms`` (how long a put waits for free slots,
 default 5000; a put that cannot be admitted is dropped and logged, as LMCache
-drops puts a full backend refuses).
+drops puts a full backend refuses), ``pdstor.unread_release_s`` (a key no
+reader claims this long after it is stored is released unread by the daemon —
+a decode that never came, a prefill whose consumer crashed — as the vLLM
+connector's are; default 480, vLLM's own bound on a prefill's blocks no
+decode reads; 0 keeps every key until LMCache removes it or an operator
+acts).
 
 Failing loudly: at start-up the backend checks both planes — the control
 socket answers (``pdstor.server``) and the data socket takes its staging
@@ -100,6 +105,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 import pdstor
+from pdstor._policy import unread_window_ms
 
 try:  # LMCache is needed only to load this module as its plugin.
     from lmcache.v1.memory_management import MemoryFormat
@@ -216,6 +222,7 @@ class PdstorBackend(StoragePluginInterface):
         self._reader_id = str(extra.get("pdstor.reader_id", who))
         self._lease_ms = int(extra.get("pdstor.lease_ms", 60_000))
         self._admission_timeout_ms = int(extra.get("pdstor.admission_timeout_ms", 5_000))
+        self._unread_release_ms = unread_window_ms("pdstor.unread_release_s", extra.get("pdstor.unread_release_s", 480))
         threads = int(extra.get("pdstor.io_threads", 8))
         if threads < 1:
             raise ValueError(f"pdstor.io_threads must be at least 1, not {threads}")
@@ -403,7 +410,12 @@ class PdstorBackend(StoragePluginInterface):
                     if obj is not None:
                         obj.ref_count_down()
             try:
-                answers = self._conn().writer.put_many(items, self._layout, timeout_ms=self._admission_timeout_ms)
+                answers = self._conn().writer.put_many(
+                    items,
+                    self._layout,
+                    timeout_ms=self._admission_timeout_ms,
+                    unread_release_ms=self._unread_release_ms,
+                )
             except pdstor.Error as e:
                 answers = [e] * len(items)
             for key, (name, _), answer in zip(sent, items, answers):

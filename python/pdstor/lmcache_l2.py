@@ -43,7 +43,11 @@ and data sockets), ``reader_id`` / ``writer_id`` (default
 ``lmcache-l2-<pid>``), ``staging_mib`` (each of the store and load staging
 buffers, default 256), ``admission_timeout_ms`` (how long a store waits for
 free slots, default 5000), ``max_capacity_bytes`` (what LMCache's global
-eviction measures usage against; default the daemon's capacity).
+eviction measures usage against; default the daemon's capacity),
+``unread_release_s`` (a key no one reads for this long is released by the
+daemon; default 0: none — LMCache's own eviction governs its L2, and a
+restarted server finds its keys again through ``list_l2_keys``; set it where
+servers come and go for good, so that their keys do not outlive them).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.storage_backend.raw_block.key_codec import decode_object_key, object_key_to_string
 
 import pdstor
+from pdstor._policy import unread_window_ms
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +140,7 @@ class L2Adapter(L2AdapterInterface):
         who = f"lmcache-l2-{os.getpid()}"
         staging = int(params.get("staging_mib", 256)) << 20
         self._timeout_ms = int(params.get("admission_timeout_ms", 5_000))
+        self._unread_release_ms = unread_window_ms("unread_release_s", params.get("unread_release_s", 0))
         try:
             control = pdstor.Client(self._server, self._data_socket)
             control.healthz()
@@ -251,7 +257,9 @@ class L2Adapter(L2AdapterInterface):
                 chunks = [(buf, place + o, min(self._slot, n - o)) for o in range(0, n, self._slot)]
                 items.append((object_key_to_string(keys[i]), chunks))
                 names.append(i)
-            answers = self._writer.put_many(items, _LAYOUT, timeout_ms=self._timeout_ms, cache=True)
+            answers = self._writer.put_many(
+                items, _LAYOUT, timeout_ms=self._timeout_ms, cache=True, unread_release_ms=self._unread_release_ms
+            )
             for i, answer in zip(names, answers):
                 if isinstance(answer, pdstor.DuplicateRequest):
                     continue  # already stored under this key: the same bytes

@@ -499,6 +499,21 @@ impl Client {
         py.detach(move || c.control.close_session(&r)).map_err(|e| to_py(py, e.into()))
     }
 
+    /// Frees the slots of a fenced claim (its session closed, or from an
+    /// earlier epoch): the claim `receipt`'s holder, or an admin.
+    fn reclaim(&self, py: Python<'_>, receipt: PyRef<'_, Receipt>) -> PyResult<()> {
+        let (c, r) = (self.conn.clone(), receipt.inner.clone());
+        py.detach(move || c.control.reclaim(&r)).map_err(|e| to_py(py, e.into()))
+    }
+
+    /// An operator's (admin's) reclaim of publication `publication`, whose
+    /// reader is gone and cannot repeat its claim: its session is closed
+    /// first, then the claim reclaimed, for `reason` (on the timeline).
+    fn reclaim_publication(&self, py: Python<'_>, publication: u64, reason: String) -> PyResult<()> {
+        let c = self.conn.clone();
+        py.detach(move || c.control.reclaim_publication(publication, &reason)).map_err(|e| to_py(py, e.into()))
+    }
+
     /// An operator's (admin's) end of every read of the cache publication
     /// `publication`, its reader gone, for `reason` (on the timeline);
     /// answers how many reads ended.
@@ -799,8 +814,11 @@ impl Writer {
     /// batch (one commit). Answers one entry per item, in order: its READY
     /// `Receipt`, or the `pdstor.Error` it failed with (nothing of it is
     /// left prepared); one item's failure never raises. With `cache=True`,
-    /// cache publications (read by many, never claimed).
-    #[pyo3(signature = (items, layout, first_token = None, timeout_ms = None, cache = false))]
+    /// cache publications (read by many, never claimed). With
+    /// `unread_release_ms`, the daemon releases an item no reader claims
+    /// (a cache item: reads) for that long.
+    #[pyo3(signature = (items, layout, first_token = None, timeout_ms = None, cache = false, unread_release_ms = None))]
+    #[allow(clippy::too_many_arguments)] // a Python method's keyword arguments
     fn put_many<'py>(
         &self,
         py: Python<'py>,
@@ -809,6 +827,7 @@ impl Writer {
         first_token: Option<u32>,
         timeout_ms: Option<u64>,
         cache: bool,
+        unread_release_ms: Option<u64>,
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         if self.current.is_some() {
             return Err(to_py(py, Failure::Usage("put_many: a publication is still open on this writer".into())));
@@ -833,7 +852,15 @@ impl Writer {
         }
         let (c, writer) = (self.conn.clone(), self.writer_id.clone());
         let done = py
-            .detach(move || many::put_many(&c, &writer, &layout, list, many::Asked { first_token, timeout_ms, cache }))
+            .detach(move || {
+                many::put_many(
+                    &c,
+                    &writer,
+                    &layout,
+                    list,
+                    many::Asked { first_token, timeout_ms, unread_release_ms, cache },
+                )
+            })
             .map_err(|e| to_py(py, e.into()))?;
         done.into_iter()
             .map(|r| entry(py, r, |receipt| Ok(Bound::new(py, Receipt { inner: receipt })?.into_any())))

@@ -40,6 +40,8 @@ pub(crate) struct Asked {
     pub first_token: Option<u32>,
     /// How long a prepare waits for capacity.
     pub timeout_ms: Option<u64>,
+    /// Release each item unread after this long with no reader (cache: no read).
+    pub unread_release_ms: Option<u64>,
     /// Cache publications (read by many) instead of handoffs.
     pub cache: bool,
 }
@@ -53,7 +55,7 @@ pub(crate) fn put_many(
     items: Vec<PutItem>,
     asked: Asked,
 ) -> Result<Outcomes<RustReceipt>, ClientError> {
-    let Asked { first_token, timeout_ms, cache } = asked;
+    let Asked { first_token, timeout_ms, unread_release_ms, cache } = asked;
     let asks = items
         .iter()
         .map(|i| PrepareRequest {
@@ -62,7 +64,7 @@ pub(crate) fn put_many(
             total_chunks: i.chunks.len() as u32,
             writer: writer.into(),
             timeout_ms,
-            unread_release_ms: None,
+            unread_release_ms,
             cache,
         })
         .collect();

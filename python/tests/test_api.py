@@ -472,6 +472,28 @@ def test_a_corrupt_chunk_raises_load_failed_and_is_retained(daemon: Daemon, veri
         pdstor.Reader(client, verify="sometimes")
 
 
+def test_a_failed_claim_is_reclaimed_by_its_holder_and_a_gone_readers_by_an_admin(daemon: Daemon):
+    """A decode that fails its load leaves the publication RETAINED; closing
+    its session fences the claim and its holder reclaims it (the slots
+    free). A reader that is gone cannot: an admin reclaims by number."""
+    client = daemon.client()
+    buf = pdstor.Buffer(MIB)
+    buf.write(0, pattern(MIB, 4))
+    failed, gone = (pdstor.Writer(client).put(r, LAYOUT, [(buf, 0, MIB)]) for r in ("req-failed", "req-gone"))
+    reader = pdstor.Reader(client, "decode-0")
+    claim = reader.claim(failed)
+    reader.fail(claim, "the decode's load failed")
+    with pytest.raises(pdstor.NotFenced):
+        client.reclaim(claim)
+    client.close_session(claim)
+    client.reclaim(claim)
+    pdstor.Reader(client, "decode-1").claim(gone)
+    (held,) = client.publications()
+    assert held["state"] == "CLAIMED"
+    client.reclaim_publication(gone.publication, "its reader host died")
+    assert client.publications() == []
+
+
 def test_the_data_survives_a_daemon_kill_between_put_and_get(tmp_path):
     target = tmp_path / "t.img"
     format_target(target, "64M", "1M")

@@ -36,7 +36,7 @@ KV_SHAPE = (16, 2, 256, 8, 64)  # layers, K/V, tokens, KV heads, head size
 _POOLS = iter(range(1 << 30))
 
 
-def config_file(dir: Path, d: Daemon, shm: bool = True) -> Path:
+def config_file(dir: Path, d: Daemon, shm: bool = True, extra: str = "") -> Path:
     """The YAML an LMCache user writes to load the plugin: LMCache's CPU pool
     in shared memory (`shm_name`, a name of its own) so that the daemon
     moves bytes straight to and from its memory objects, or (`shm=False`)
@@ -54,7 +54,7 @@ extra_config:
   pdstor.server: "{d.server}"
   pdstor.data_socket: "{d.data_socket}"
   pdstor.io_threads: 4
-{pool}"""
+{pool}{extra}"""
     )
     return path
 
@@ -321,6 +321,32 @@ def test_keys_nobody_reads_make_room_where_the_operator_opted_in(tmp_path: Path)
         d.stop()
 
 
+def test_a_key_no_decode_claims_is_released_after_the_plugins_unread_window(tmp_path: Path, big_daemon: Daemon):
+    """Every key carries the plugin's unread window (``pdstor.unread_release_s``,
+    480 s by default, as the vLLM connector's): set short, the daemon — with
+    no window of its own — releases a key no decode claimed once it has
+    passed, counted; its slots are free again."""
+    sm = manager(config_file(tmp_path, big_daemon))
+    try:
+        put(sm, [0])
+        [listed] = big_daemon.client().publications()
+        assert listed["unread_release_ms"] == 480_000, listed
+        assert sm.storage_backends["pdstor"].remove(key(0))
+    finally:
+        sm.close()
+    sm = manager(config_file(tmp_path, big_daemon, extra="  pdstor.unread_release_s: 0.5\n"))
+    try:
+        put(sm, [1])
+        assert [p["unread_release_ms"] for p in big_daemon.client().publications()] == [500]
+        deadline = time.monotonic() + 30
+        while big_daemon.client().publications() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert big_daemon.client().publications() == [], "released unread, its slots free"
+        assert "pdstor_unread_expired_total 1" in big_daemon.client().metrics()
+    finally:
+        sm.close()
+
+
 class _Records(logging.Handler):
     """Every record the plugin's logger emits (LMCache's loggers do not
     propagate to the root logger that pytest's caplog watches)."""
@@ -376,5 +402,8 @@ def test_bad_configuration_gives_python_exceptions(tmp_path: Path, big_daemon: D
         PdstorBackend(config=cfg, metadata=md, local_cpu_backend=object())
     cfg.extra_config = dict(cfg.extra_config, **{"pdstor.server": big_daemon.server, "pdstor.io_threads": 0})
     with pytest.raises(ValueError, match="io_threads"):
+        PdstorBackend(config=cfg, metadata=md, local_cpu_backend=object())
+    cfg.extra_config = dict(cfg.extra_config, **{"pdstor.io_threads": 2, "pdstor.unread_release_s": "soon"})
+    with pytest.raises(ValueError, match="pdstor.unread_release_s is a number of seconds"):
         PdstorBackend(config=cfg, metadata=md, local_cpu_backend=object())
     big_daemon.client().healthz()

@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from conftest import serve  # noqa: E402
 
 import pdstor  # noqa: E402
 from pdstor.lmcache_l2 import L2Adapter  # noqa: E402
+from lmcache.v1.storage_backend.raw_block.key_codec import object_key_to_string  # noqa: E402
 
 OBJ = 512 * 1024 // 4  # float32 elements: 512 KiB objects
 
@@ -121,6 +123,37 @@ def test_store_lock_load_unlock_delete_and_the_accounting(daemon):
         assert a.report_status()["is_healthy"]
     finally:
         a.close()
+
+
+def test_a_key_no_one_reads_goes_after_the_adapters_unread_window_and_a_read_key_stays(daemon):
+    """Without ``unread_release_s`` (the default) a key carries no window:
+    LMCache's eviction governs its L2. With it, the daemon releases a key no
+    one has read for that long — counted from its last read, so one read
+    more often stays."""
+    a = L2Adapter(params(daemon))
+    try:
+        assert store(a, keys(1, "kept"), objects(1)).is_successful()
+        assert [p.get("unread_release_ms") for p in daemon.client().publications()] == [None]
+    finally:
+        a.close()
+    a = L2Adapter(dict(params(daemon), unread_release_s=2.0))
+    try:
+        hot, cold = keys(1, "hot"), keys(1, "cold")
+        assert store(a, hot + cold, objects(2)).is_successful()
+        names = lambda: {p["req_id"] for p in daemon.client().publications()}  # noqa: E731
+        cold_name, hot_name = object_key_to_string(cold[0]), object_key_to_string(hot[0])
+        assert {cold_name, hot_name} <= names()
+        deadline = time.monotonic() + 30
+        while cold_name in names() and time.monotonic() < deadline:
+            assert lock(a, hot) == [True] and load(a, hot, objects(1, seed=0.0)) == [True]
+            time.sleep(0.2)
+        assert cold_name not in names(), "the key no one read went"
+        assert hot_name in names(), "read every 0.2 s: kept past its 2 s window"
+        assert "pdstor_unread_expired_total 1" in daemon.client().metrics()
+    finally:
+        a.close()
+    with pytest.raises(ValueError, match="unread_release_s is a number of seconds"):
+        L2Adapter(dict(params(daemon), unread_release_s=-1))
 
 
 def test_two_requests_locking_one_key_keep_their_own_locks(daemon):

@@ -326,3 +326,39 @@ fn unread_publications_make_room_only_where_the_operator_opted_in() {
         report.violations
     );
 }
+
+/// A batch of prepares answers its first ones only when its last is done,
+/// which may wait for capacity: those first publications are not idle
+/// meanwhile (the reaper would abort them under their writer's feet); their
+/// idle clock starts with the answer. Found by the soak (issue 54).
+#[test]
+fn a_batchs_first_prepares_are_not_idle_while_its_last_waits_for_room() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
+    let d = Daemon::start_with(&target, dir.path(), &["--prepare-idle-timeout-ms", "200"]);
+    let c = Client::new(&d.server);
+    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let held = w.put("held", &layout(), &pdstor::payload::chunk(1, 0, SLOT as usize), 1, None).unwrap();
+    let batch = {
+        let server = d.server.clone();
+        thread::spawn(move || {
+            Client::new(&server).prepare_many(vec![request("first", 1, Some(5_000)), request("last", 1, Some(5_000))])
+        })
+    };
+    until("the last prepare waits", || metric(&c, "pdstor_admission_waiting") == 1);
+    // Five idle timeouts pass while "first" is PREPARED, its answer not sent.
+    thread::sleep(Duration::from_millis(1_000));
+    c.release(&held.receipt).unwrap();
+    let answers = batch.join().unwrap().unwrap();
+    let first = answers[0].as_ref().expect("first prepared");
+    assert!(answers[1].is_ok(), "last prepared once room was made: {:?}", answers[1]);
+    assert_eq!(metric(&c, "pdstor_prepared_reaped_total"), 0, "nothing aborted while the batch was answered");
+    let mut data = DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor::Buffer::memfd("batch", SLOT as usize).unwrap();
+    let b = data.register(&buf).unwrap();
+    let chunk = DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
+    data.store(first.publication, &first.writer_token, vec![chunk], true, 1).expect("first is still PREPARED");
+    c.publish(first.publication, &first.writer_token, None).expect("and publishes");
+    // Answered, the idle clock runs: "last", never stored, is aborted.
+    until("last is reaped", || metric(&c, "pdstor_prepared_reaped_total") == 1);
+}

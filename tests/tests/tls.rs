@@ -401,17 +401,26 @@ fn a_kept_alive_connection_is_judged_again_after_a_reload() {
     let crl = d.join("keep.crl");
     ca.revoke(&crl, &[]);
     let config = d.join("pdstor.toml");
-    let rule = "[[principal]]\ntenant = \"team-a\"\nroles = [\"reader\"]\ncert_names = [\"keeper.team-a\"]\n";
+    let rule =
+        "[[principal]]\ntenant = \"team-a\"\nroles = [\"reader\", \"admin\"]\ncert_names = [\"keeper.team-a\"]\n";
     std::fs::write(&config, rule).expect("the config");
     let daemon = tls_daemon(d, &ca, Some(&config), Some(&crl));
 
     let tls = pdstor::client::tls::client_config(&ca.pem, Some((&keeper.0, &keeper.1))).expect("the client's TLS");
-    let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("a server name");
-    let conn = rustls::ClientConnection::new(tls, name).expect("a TLS client");
-    let tcp = std::net::TcpStream::connect(&daemon.addr).expect("connecting");
-    let mut kept = rustls::StreamOwned::new(conn, tcp);
+    let over = |tcp: std::net::TcpStream| {
+        let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("a server name");
+        rustls::StreamOwned::new(rustls::ClientConnection::new(tls.clone(), name).expect("a TLS client"), tcp)
+    };
+    let mut kept = over(std::net::TcpStream::connect(&daemon.addr).expect("connecting"));
     let (status, _, body) = get_kept_alive(&mut kept, "/storage-pd/publications");
     assert_eq!(status, 200, "{body}");
+    // A connection whose handshake has not begun when the reload lands.
+    let stalled = std::net::TcpStream::connect(&daemon.addr).expect("connecting");
+    eventually(&daemon.log, || {
+        let (_, _, metrics) = get_kept_alive(&mut kept, "/metrics");
+        let accepted = metrics.lines().find_map(|l| l.strip_prefix("pdstor_control_connections_total "));
+        (accepted.and_then(|n| n.trim().parse::<u64>().ok()) >= Some(2)).then_some(())
+    });
 
     // The CA revokes the certificate while the connection stays open.
     ca.revoke(&crl, &[77]);
@@ -425,4 +434,8 @@ fn a_kept_alive_connection_is_judged_again_after_a_reload() {
     let mut rest = Vec::new();
     let _ = std::io::Read::read_to_end(&mut kept, &mut rest);
     assert!(rest.is_empty(), "the daemon closed the connection after its answer");
+    // The stalled one shook hands with the files it took before the reload: its first request is judged again.
+    let (status, _, body) = get_kept_alive(&mut over(stalled), "/storage-pd/publications");
+    assert_eq!(status, 401, "{body}");
+    assert!(body.contains("no longer accepted"), "{body}");
 }

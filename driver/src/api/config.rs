@@ -20,6 +20,7 @@
 //! [tenant.team-a]
 //! readers_from = ["team-b"]    # other tenants whose readers may claim team-a's publications
 //! evict_unread = true          # under capacity pressure, release its READY publications nobody claimed, oldest first
+//! unread_release_ms = 600000   # release its READY publications no reader claimed (cache ones: read) for this long
 //! [tenant.team-a.quota]
 //! slots = 4096
 //! pinned_bytes = "16G"
@@ -86,6 +87,7 @@ struct TenantFile {
     readers_from: Vec<String>,
     #[serde(default)]
     evict_unread: bool,
+    unread_release_ms: Option<u64>,
     #[serde(default)]
     quota: QuotaFile,
 }
@@ -162,7 +164,17 @@ impl Config {
                 connections: q.connections,
                 prepares: q.prepares,
             };
-            let tenant = Tenant { readers_from: t.readers_from.clone(), quota, evict_unread: t.evict_unread };
+            if t.unread_release_ms == Some(0) {
+                bail!(
+                    "tenant {name}: unread_release_ms = 0 would release every publication at once: leave it out to keep them"
+                );
+            }
+            let tenant = Tenant {
+                readers_from: t.readers_from.clone(),
+                quota,
+                evict_unread: t.evict_unread,
+                unread_release: t.unread_release_ms.map(std::time::Duration::from_millis),
+            };
             rules.tenants.insert(name.clone(), tenant);
         }
         for (i, p) in file.principal.iter().enumerate() {
@@ -267,6 +279,8 @@ mod tests {
         assert!(c.rules.may_read("team-a", "team-b"));
         assert!(c.rules.evicts_unread(Some("team-a")) && c.rules.any_evicts());
         assert!(!c.rules.evicts_unread(Some("team-b")) && !c.rules.evicts_unread(None), "opted in per tenant");
+        assert_eq!(c.rules.unread_release(Some("team-a")), Some(std::time::Duration::from_secs(600)));
+        assert_eq!(c.rules.unread_release(Some("team-b")), None, "none unless the tenant sets one");
         assert_eq!(c.rules.plaintext.as_ref().map(|p| p.roles.reader), Some(true));
     }
 

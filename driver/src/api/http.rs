@@ -310,7 +310,11 @@ impl PrepareWatch {
         match &mut *self.lock() {
             // Nobody will read this answer: give the publication the grace.
             Watch::Abandoned => service.orphan(p.publication, req_id),
-            Watch::Running(made) => made.push((p.publication, req_id.to_owned())),
+            Watch::Running(made) => {
+                // Not idle while the rest of its batch is prepared.
+                service.store().answering(p.publication);
+                made.push((p.publication, req_id.to_owned()));
+            }
         }
     }
 }
@@ -324,10 +328,16 @@ pub(super) struct Abandon {
 
 impl Drop for Abandon {
     fn drop(&mut self) {
+        let mut w = self.watch.lock();
         if self.delivered {
+            // Each publication's idle clock starts as its writer gets the answer.
+            if let Watch::Running(made) = &*w {
+                for (publication, _) in made {
+                    self.service.store().answered(*publication);
+                }
+            }
             return;
         }
-        let mut w = self.watch.lock();
         if let Watch::Running(made) = std::mem::replace(&mut *w, Watch::Abandoned) {
             self.watch.token.cancel();
             drop(w);

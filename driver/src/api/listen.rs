@@ -83,6 +83,10 @@ impl Accept for TlsListener {
         Accept::accept(&self.tcp).await
     }
     fn establish(&self, s: Self::Raw) -> impl Future<Output = std::io::Result<(Self::Io, Proof)>> + Send + 'static {
+        // The generation first: a reload between the two leaves the handshake
+        // on files older than the generation says, and the first request
+        // verifies the certificate again (`Peer`).
+        let seen = self.live.generation();
         let tls = self.live.tls();
         async move {
             let addr = s.peer_addr()?.to_string();
@@ -91,14 +95,15 @@ impl Accept for TlsListener {
                 Ok(stream) => stream,
                 Err((e, tcp)) => {
                     HANDSHAKES_REFUSED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::info!(client = %addr, error = %e, "TLS handshake refused");
-                    linger(tcp).await;
+                    tracing::debug!(client = %addr, error = %e, "TLS handshake refused");
+                    // On a task of its own, so the header timeout cannot cut it short.
+                    tokio::spawn(linger(tcp));
                     return Err(e);
                 }
             };
             // rustls verified it against the client CA and the CRLs.
             let chain = stream.get_ref().1.peer_certificates().map(<[_]>::to_vec).unwrap_or_default();
-            Ok((stream, Proof::Tls { addr, chain }))
+            Ok((stream, Proof::Tls { addr, chain, seen }))
         }
     }
 }
@@ -202,12 +207,17 @@ pub async fn serve<L: Accept>(
         let (live, app, mut stop) = (live.clone(), app.clone(), stop.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            let (io, proof) = match tokio::time::timeout(limits.header_timeout, pending).await {
+            let established = tokio::select! {
+                r = tokio::time::timeout(limits.header_timeout, pending) => r,
+                // Stopping: a handshake not done yet holds up no drain.
+                Ok(_) = stop.wait_for(|s| *s) => return,
+            };
+            let (io, proof) = match established {
                 Ok(Ok(established)) => established,
                 Ok(Err(e)) => return tracing::debug!(error = %e, "control plane handshake failed"),
                 Err(_) => return tracing::debug!("control plane handshake timed out"),
             };
-            let peer = match Peer::new(live, proof) {
+            let peer = match Peer::new(live, proof, limits.body_timeout) {
                 Ok(peer) => Arc::new(peer),
                 Err(r) => {
                     let answer = last_word("429 Too Many Requests", &ErrorBody::new(r.code, r.field, r.message));

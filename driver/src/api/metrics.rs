@@ -304,6 +304,13 @@ fn slot_gauges(m: &mut Scrape, store: &Store) {
         a.total_reserved(),
     );
     m.gauge("pdstor_admission_waiting", "Prepares waiting for capacity.", a.waiting as u64);
+    let (journal, half) = store.journal_usage();
+    m.gauge(
+        "pdstor_journal_bytes",
+        "Bytes of journal records queued in the active journal half (a checkpoint keeps it under half the half).",
+        journal,
+    );
+    m.gauge("pdstor_journal_half_bytes", "The size of one journal half.", half);
     let c = st.admission;
     for (name, help, v) in [
         ("admissions", "Prepares admitted (at once or after a wait).", c.admitted),

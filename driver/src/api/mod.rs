@@ -106,6 +106,9 @@ pub struct ServeConfig {
     /// Who is who, and the sockets' group (`--config`, read again on each
     /// reload; [`crate::protocol::identity::Rules::local`] without one).
     pub config: config::ConfigSource,
+    /// How often the files a reload reads are checked for a change (none:
+    /// only SIGHUP reloads).
+    pub reload_check: Option<Duration>,
     /// Mutual TLS for a TCP control plane (its files read again on each reload).
     pub tls: Option<tls::TlsFiles>,
 }
@@ -181,7 +184,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     {
         let _entered = rt.enter();
-        rt.spawn(live.clone().watch(reload::Live::hangups(), Duration::from_secs(1)));
+        rt.spawn(live.clone().watch(reload::Live::hangups(), cfg.reload_check));
     }
     let Some((held, store)) = own(&cfg, &live, &rt)? else {
         tracing::info!("stopped (a standby to the end)");

@@ -6,7 +6,8 @@
 //! certificate against the client CA and CRLs now in force (a revoked one is
 //! answered 401 and the connection closed), the identity by the rules now in
 //! force (its connection counted against its new tenant's quota). A reload
-//! closes no connection and loses no request.
+//! closes no connection and loses no request. A handshake under way when a
+//! reload lands is judged again on its first request.
 
 use std::sync::{Arc, Mutex};
 
@@ -44,6 +45,9 @@ pub enum Proof {
         addr: String,
         /// Its certificate, then the intermediates it sent.
         chain: Vec<CertificateDer<'static>>,
+        /// The reload generation read before the handshake took its TLS
+        /// files: a later one means the chain is verified again.
+        seen: u64,
     },
 }
 
@@ -53,16 +57,22 @@ pub struct Peer {
     live: Arc<Live>,
     proof: Proof,
     now: Mutex<(u64, Caller)>,
+    body_timeout: std::time::Duration,
 }
 
 impl Peer {
     /// Resolves `proof` by the rules in force, and counts the connection
-    /// against its tenant's quota (refused: over it).
-    pub fn new(live: Arc<Live>, proof: Proof) -> Result<Peer, Refusal> {
-        let generation = live.generation();
+    /// against its tenant's quota (refused: over it). A refusal's request
+    /// body is read for at most `body_timeout`.
+    pub fn new(live: Arc<Live>, proof: Proof, body_timeout: std::time::Duration) -> Result<Peer, Refusal> {
+        let generation = match &proof {
+            // As of its handshake: a reload since, and the first request verifies again.
+            Proof::Tls { seen, .. } => *seen,
+            _ => live.generation(),
+        };
         let caller = resolve(&live, &proof, false)?;
         live.policy().take(&caller, Resource::Connection)?;
-        Ok(Peer { live, proof, now: Mutex::new((generation, caller)) })
+        Ok(Peer { live, proof, now: Mutex::new((generation, caller)), body_timeout })
     }
 
     /// Who the connection's next request comes from: as resolved, or
@@ -100,7 +110,7 @@ fn resolve(live: &Live, proof: &Proof, again: bool) -> Result<Caller, Refusal> {
     Ok(match proof {
         Proof::Unix { uid, gid, pid } => rules.unix(*uid, *gid, *pid),
         Proof::Plain { addr } => rules.plaintext(addr.clone()),
-        Proof::Tls { addr, chain } => match chain.split_first() {
+        Proof::Tls { addr, chain, .. } => match chain.split_first() {
             None => rules.anonymous_tls(addr.clone()),
             Some((cert, intermediates)) => {
                 if again {
@@ -121,7 +131,7 @@ fn still_accepted(live: &Live, cert: &CertificateDer<'_>, intermediates: &[Certi
             RefusalCode::Unauthenticated,
             "certificate",
             format!(
-                "this connection's client certificate is no longer accepted since the daemon reloaded its TLS files: {e}; nothing was done. Ask its operator for a certificate it accepts"
+                "this connection's client certificate is no longer accepted by the client CA and CRLs in force: {e}; nothing was done. Ask the daemon's operator for a certificate it accepts"
             ),
         )),
     }
@@ -130,6 +140,8 @@ fn still_accepted(live: &Live, cert: &CertificateDer<'_>, intermediates: &[Certi
 /// Middleware: puts the request's [`Caller`] in its extensions, or answers
 /// the refusal and closes the connection.
 pub async fn per_request(State(peer): State<Arc<Peer>>, mut req: Request, next: Next) -> Response {
+    #[cfg(debug_assertions)]
+    planted_leak();
     match peer.caller() {
         Ok(caller) => {
             req.extensions_mut().insert(caller);
@@ -138,7 +150,7 @@ pub async fn per_request(State(peer): State<Arc<Peer>>, mut req: Request, next: 
         Err(r) => {
             // Read what the client sends first: answering over a body still
             // being sent would cut it off mid-write instead of telling it why.
-            let _ = axum::body::to_bytes(req.into_body(), 1 << 20).await;
+            let _ = tokio::time::timeout(peer.body_timeout, axum::body::to_bytes(req.into_body(), 1 << 20)).await;
             let body = ErrorBody::new(r.code, r.field, r.message);
             let status =
                 axum::http::StatusCode::from_u16(body.status).unwrap_or(axum::http::StatusCode::INTERNAL_SERVER_ERROR);
@@ -146,5 +158,19 @@ pub async fn per_request(State(peer): State<Arc<Peer>>, mut req: Request, next: 
                 [(axum::http::header::CONTENT_TYPE, "application/json"), (axum::http::header::CONNECTION, "close")];
             (status, headers, serde_json::to_vec(&body).unwrap_or_default()).into_response()
         }
+    }
+}
+
+/// A fault for `cargo xtask soak --plant-leak`, which checks that the soak
+/// catches a leak: with `PDSTOR_DEBUG_LEAK_FD_PER_REQUEST` set, a debug
+/// build leaks one descriptor per control-plane request. Release builds
+/// have no such code.
+#[cfg(debug_assertions)]
+fn planted_leak() {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var_os("PDSTOR_DEBUG_LEAK_FD_PER_REQUEST").is_some())
+        && let Ok(f) = std::fs::File::open("/dev/null")
+    {
+        std::mem::forget(f);
     }
 }

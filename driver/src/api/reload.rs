@@ -1,11 +1,13 @@
 //! Reloading without a restart: the config (`--config`) and the TLS files
 //! (`--tls-cert`, `--tls-key`, `--tls-client-ca`, `--tls-crl`) are read
-//! again on SIGHUP, and once any of them changes (checked every second; a
-//! changed file must hold still for one check before it is read, so a file
-//! being written is not). Every file is read and checked first; only if all
-//! of them are good are the new rules and TLS configuration put in place,
-//! together. A reload that fails changes nothing: the daemon keeps serving
-//! with what it had and logs what failed, on which file.
+//! again on SIGHUP, and once any of them changes (checked every
+//! `--reload-check-ms`, a second by default; a changed file must hold still
+//! for one check before it is read, so a file being written is not — tools
+//! that write a new file and rename it over the old are never seen half
+//! done). Every file is read and checked first; only if all of them are good
+//! are the new rules and TLS configuration put in place, together. A reload
+//! that fails changes nothing: the daemon keeps serving with what it had and
+//! logs what failed, on which file.
 //!
 //! What a reload does not touch: publications, claims, leases and the
 //! quota each tenant holds (a lowered quota refuses more, never takes back);
@@ -141,21 +143,23 @@ impl Live {
     }
 
     /// Reloads on each SIGHUP `hangups` delivers, and once a file changed
-    /// and held still for one check of `every`. Runs until the runtime stops.
-    pub async fn watch(self: Arc<Self>, mut hangups: Option<Signal>, every: Duration) {
+    /// and held still for one check of `every` (none: SIGHUP only). Runs
+    /// until the runtime stops.
+    pub async fn watch(self: Arc<Self>, mut hangups: Option<Signal>, every: Option<Duration>) {
         let files = self.files();
         let mut applied = fingerprint(&files);
         let mut seen = applied.clone();
-        let mut tick = tokio::time::interval(every);
+        let mut tick = tokio::time::interval(every.unwrap_or(Duration::from_secs(3600)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 Some(()) = async { hangups.as_mut()?.recv().await } => {
-                    self.reload_logged("SIGHUP");
+                    // Before the files are read: one changed after this is seen next.
                     applied = fingerprint(&files);
                     seen = applied.clone();
+                    self.reload_logged("SIGHUP");
                 }
-                _ = tick.tick() => {
+                _ = tick.tick(), if every.is_some() => {
                     let now = fingerprint(&files);
                     if now != applied && now == seen {
                         let changed: Vec<String> = files
@@ -174,10 +178,11 @@ impl Live {
     }
 }
 
-/// What says a file changed: its device, inode, size and modification time
-/// (through symlinks, so a Kubernetes secret's swapped link counts), or why
-/// it could not be read.
-type Stamp = Result<(u64, u64, u64, i64, i64), String>;
+/// What says a file changed: its device, inode, size, and modification and
+/// change times (through symlinks, so a Kubernetes secret's swapped link
+/// counts; the change time, so an in-place copy that keeps size and
+/// modification time does too), or why it could not be read.
+type Stamp = Result<(u64, u64, u64, i64, i64, i64, i64), String>;
 
 /// Each file's [`Stamp`] now.
 fn fingerprint(files: &[PathBuf]) -> Vec<Stamp> {
@@ -186,7 +191,7 @@ fn fingerprint(files: &[PathBuf]) -> Vec<Stamp> {
         .iter()
         .map(|f| {
             std::fs::metadata(f)
-                .map(|m| (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec()))
+                .map(|m| (m.dev(), m.ino(), m.len(), m.mtime(), m.mtime_nsec(), m.ctime(), m.ctime_nsec()))
                 .map_err(|e| e.kind().to_string())
         })
         .collect()

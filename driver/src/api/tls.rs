@@ -17,7 +17,7 @@ use anyhow::{Context, bail};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer};
 
-pub use pdstor_client::tls::{certs, key, provider, roots};
+pub use pdstor_client::tls::{certs, key, provider};
 
 /// The daemon's TLS files.
 #[derive(Debug, Clone)]
@@ -28,8 +28,10 @@ pub struct TlsFiles {
     pub key: PathBuf,
     /// The CA that signs client certificates (PEM).
     pub client_ca: PathBuf,
-    /// Revocation lists of the CAs that sign clients (PEM or DER); with any,
-    /// a client whose revocation status none of them gives is refused.
+    /// Revocation lists of the CAs that issue client certificates (PEM or
+    /// DER); with any, a client certificate whose revocation status none of
+    /// them gives is refused. The client's own certificate is checked, not
+    /// the intermediates above it.
     pub crls: Vec<PathBuf>,
 }
 
@@ -57,14 +59,22 @@ pub struct ServerTls {
 /// against the client CA and the CRLs (optional, so a client without one is
 /// answered 401). Reads every file; any failure names its file.
 pub fn server_config(files: &TlsFiles) -> anyhow::Result<ServerTls> {
-    let roots = roots(&files.client_ca)?;
+    let cas = certs(&files.client_ca)?;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in &cas {
+        roots.add(c.clone()).with_context(|| format!("adding a CA certificate from {}", files.client_ca.display()))?;
+    }
     let mut crls = Vec::new();
     for path in &files.crls {
         crls.extend(revocation_lists(path)?);
     }
-    check_coverage(&files.client_ca, &roots_subjects(&files.client_ca)?, &crls, &files.crls);
+    check_coverage(&files.client_ca, &cas, &crls, &files.crls);
     let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
         .with_crls(crls)
+        // A stolen key is a client's: its certificate is what a CRL revokes.
+        // Checking the intermediates too would refuse every client of a CA
+        // whose parent's list the operator did not give.
+        .only_check_end_entity_revocation()
         .allow_unauthenticated()
         .build()
         .with_context(|| format!("building the client certificate verifier from {}", files.client_ca.display()))?;
@@ -105,20 +115,17 @@ pub fn revocation_lists(path: &Path) -> anyhow::Result<Vec<CertificateRevocation
     Ok(lists)
 }
 
-/// The subjects of the client CA's certificates.
-fn roots_subjects(path: &Path) -> anyhow::Result<Vec<String>> {
-    Ok(certs(path)?
-        .iter()
-        .filter_map(|c| x509_parser::parse_x509_certificate(c.as_ref()).ok().map(|(_, x)| x.subject().to_string()))
-        .collect())
-}
-
-/// Warns of each client CA no CRL comes from: with CRLs given, the clients
-/// it signed are refused (their revocation status is unknown).
-fn check_coverage(ca: &Path, subjects: &[String], crls: &[CertificateRevocationListDer<'_>], files: &[PathBuf]) {
+/// Warns of each client CA no CRL comes from: with CRLs given, the client
+/// certificates it issues itself are refused (their revocation status is
+/// unknown).
+fn check_coverage(ca: &Path, cas: &[CertificateDer<'_>], crls: &[CertificateRevocationListDer<'_>], files: &[PathBuf]) {
     if crls.is_empty() {
         return;
     }
+    let subjects: Vec<String> = cas
+        .iter()
+        .filter_map(|c| x509_parser::parse_x509_certificate(c.as_ref()).ok().map(|(_, x)| x.subject().to_string()))
+        .collect();
     let issuers: Vec<String> = crls
         .iter()
         .filter_map(|c| x509_parser::parse_x509_crl(c.as_ref()).ok().map(|(_, l)| l.issuer().to_string()))
@@ -128,7 +135,7 @@ fn check_coverage(ca: &Path, subjects: &[String], crls: &[CertificateRevocationL
             client_ca = %ca.display(),
             ca = %s,
             crls = ?files,
-            "no --tls-crl comes from this client CA: every client it signed is refused (unknown revocation status); add its CRL"
+            "no --tls-crl comes from this client CA: every client certificate it issues itself is refused (unknown revocation status); add its CRL"
         );
     }
 }

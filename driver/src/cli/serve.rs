@@ -46,9 +46,10 @@ pub struct LimitArgs {
     /// A READY publication no reader claims for this long (ms) is released unread (an exact
     /// unread release, an `expire` on the timeline); claimed ones are never freed by time.
     /// A writer may ask for its own window at prepare (`unread_release_ms`; the vLLM connector
-    /// asks for 480000, vLLM's own bound on a prefill's blocks no decode reads): the shorter
-    /// applies. 0 (the default): only those writers' windows, every other publication kept
-    /// until its writer or an operator releases it, as LMCache's keys are.
+    /// and the LMCache storage plugin ask for 480000, vLLM's own bound on a prefill's blocks no
+    /// decode reads), and the config may give a tenant one (`unread_release_ms`): the shortest
+    /// applies. 0 (the default): only those windows, every other publication kept until its
+    /// writer or an operator releases it, as the LMCache L2 adapter's cache keys are.
     #[arg(long, default_value_t = 0)]
     unread_release_ms: u64,
 }
@@ -103,6 +104,10 @@ pub struct ServeArgs {
     /// when it changes: a new CRL shuts a stolen certificate out without a restart.
     #[arg(long, requires = "tls_cert")]
     tls_crl: Vec<PathBuf>,
+    /// How often (ms) --config and the TLS files are checked for a change, which reloads them
+    /// once the changed file has held still for one check; 0: only SIGHUP reloads them.
+    #[arg(long, default_value_t = 1_000)]
+    reload_check_ms: u64,
     /// The same as --listen unix:PATH.
     #[arg(long)]
     listen_unix: Option<PathBuf>,
@@ -211,6 +216,7 @@ impl ServeArgs {
             allow_readable_target: self.allow_readable_target,
             insecure_tcp: self.insecure_tcp,
             config: pdstor::api::config::ConfigSource { path: self.config, evict_unread: self.evict_unread },
+            reload_check: (self.reload_check_ms > 0).then(|| Duration::from_millis(self.reload_check_ms)),
             tls: match (self.tls_cert, self.tls_key, self.tls_client_ca) {
                 (Some(cert), Some(key), Some(client_ca)) => {
                     Some(pdstor::api::tls::TlsFiles { cert, key, client_ca, crls: self.tls_crl })

@@ -268,6 +268,10 @@ pub struct Tenant {
     /// Its READY publications nobody has claimed may be released, oldest
     /// first, when a prepare finds too few free slots (the operator opts in).
     pub evict_unread: bool,
+    /// Its READY publications no reader claims (or, cache ones, reads) for
+    /// this long are released unread; the shorter of this, the writer's own
+    /// window and `--unread-release-ms` applies.
+    pub unread_release: Option<std::time::Duration>,
 }
 
 /// Who is who: principals, tenants and their quotas. Built from
@@ -357,6 +361,17 @@ impl Rules {
         names
     }
 
+    /// `tenant`'s unread window, if its table sets one (a publication with
+    /// no owner counts as [`DEFAULT_TENANT`]'s).
+    pub fn unread_release(&self, tenant: Option<&str>) -> Option<std::time::Duration> {
+        self.tenants.get(tenant.unwrap_or(DEFAULT_TENANT)).and_then(|t| t.unread_release)
+    }
+
+    /// Whether any tenant has an unread window.
+    pub fn any_unread_release(&self) -> bool {
+        self.tenants.values().any(|t| t.unread_release.is_some())
+    }
+
     /// Whether any tenant opted into eviction.
     pub fn any_evicts(&self) -> bool {
         self.tenants.values().any(|t| t.evict_unread)
@@ -394,6 +409,7 @@ mod tests {
                 readers_from: vec!["b".into()],
                 quota: Quota { connections: Some(1), ..Default::default() },
                 evict_unread: false,
+                unread_release: None,
             },
         );
         p

@@ -2,9 +2,10 @@
 //! reload replaces whole (`serve --config`, on SIGHUP or the file's change),
 //! and what each tenant holds against its quota, which a reload keeps.
 //!
-//! A caller is resolved once, when its connection is accepted, by the rules
-//! current then; a reload closes the control plane's idle connections and
-//! those that finish their request, so the next request is resolved afresh.
+//! A control-plane caller is resolved when its connection is accepted, and
+//! again on its next request after each reload (`api::peer`); a check
+//! (who may read, quotas, eviction, unread windows) reads the rules in force
+//! when it runs.
 //! Quota use is counted by tenant name: a tenant whose quota a reload lowers
 //! below what it holds keeps what it holds and is refused more until it
 //! gives some back.

@@ -213,10 +213,29 @@ impl Store {
     /// reaper rolls it back after the orphan grace.
     pub fn orphan(&self, id: u64) {
         let mut live = self.lock_live();
-        if let Some(b) = live.batches.get_mut(&id)
-            && b.claimed.is_empty()
-        {
-            b.orphaned = Some(Instant::now());
+        if let Some(b) = live.batches.get_mut(&id) {
+            b.answering = false;
+            if b.claimed.is_empty() {
+                b.orphaned = Some(Instant::now());
+            }
+        }
+    }
+
+    /// Holds the idle clock of PREPARED publication `id` until
+    /// [`answered`](Self::answered) or [`orphan`](Self::orphan): its
+    /// prepare's answer waits for the rest of its batch.
+    pub fn answering(&self, id: u64) {
+        if let Some(b) = self.lock_live().batches.get_mut(&id) {
+            b.answering = true;
+        }
+    }
+
+    /// The answer of PREPARED publication `id`'s prepare is on its way to
+    /// its writer: its idle clock starts now.
+    pub fn answered(&self, id: u64) {
+        if let Some(b) = self.lock_live().batches.get_mut(&id) {
+            b.answering = false;
+            b.touched = Some(Instant::now());
         }
     }
 
@@ -231,7 +250,7 @@ impl Store {
             let live = self.lock_live();
             let due = |id: u64| -> Option<bool> {
                 let Some(b) = live.batches.get(&id) else { return Some(false) };
-                if b.inflight > 0 || b.published {
+                if b.inflight > 0 || b.published || b.answering {
                     return None;
                 }
                 let orphaned = b.orphaned.is_some_and(|t| now.duration_since(t) >= orphan_grace);

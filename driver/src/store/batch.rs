@@ -35,6 +35,10 @@ pub(super) struct Batches {
     /// When its prepare's answer was found undelivered (the client went
     /// away); cleared by a repeat of the prepare.
     pub orphaned: Option<Instant>,
+    /// Its prepare's answer is still being made: a batch of prepares
+    /// answers its first ones when its last is done, which may wait for
+    /// capacity. Not idle until answered (`Store::answered`).
+    pub answering: bool,
 }
 
 /// One chunk of a store batch: where its bytes are.

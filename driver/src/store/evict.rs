@@ -81,18 +81,18 @@ impl Store {
 
     /// The unread window: releases every READY publication nobody has
     /// claimed within its window since this first found it READY and
-    /// unclaimed — the window its writer asked for at prepare, or `after`
-    /// (the daemon's), the shorter where both are set; a publication with
-    /// neither is kept. The daemon's reaper calls it every tick, so the
+    /// unclaimed — the window its writer asked for at prepare, or the one
+    /// `window` gives its owner (the daemon's and its tenant's), the shorter
+    /// where both are set; a publication with neither is kept. The daemon's reaper calls it every tick, so the
     /// window starts at most a tick after the publish, and a publication
     /// recovered READY at open is given the whole window again. Each is an
     /// exact unread release (a RELEASE record), durable when this returns;
     /// a claimed, adopted or failed publication is never touched, whatever
     /// its age.
-    pub fn release_unread_after(&self, after: Option<std::time::Duration>) -> Result<Vec<Evicted>, StoreError> {
-        if after.is_none() && !self.any_unread_window() {
-            return Ok(Vec::new());
-        }
+    pub fn release_unread_after(
+        &self,
+        window: impl Fn(Option<&Owner>) -> Option<std::time::Duration>,
+    ) -> Result<Vec<Evicted>, StoreError> {
         let now = std::time::Instant::now();
         let mut expired = Vec::new();
         let mut freeing: Vec<(String, Vec<SlotIndex>)> = Vec::new();
@@ -106,6 +106,7 @@ impl Store {
                 .filter(|p| p.phase == Phase::Ready && p.claim.is_none() && live.reads_of(p.id) == 0)
                 .filter_map(|p| {
                     let own = p.unread_release_ms.map(std::time::Duration::from_millis);
+                    let after = window(p.owner.as_ref());
                     own.map_or(after, |o| Some(after.map_or(o, |a| a.min(o)))).map(|w| (p.id, w))
                 })
                 .collect();

@@ -31,6 +31,9 @@ impl Store {
         }
         let held = live.reading.entry(id).or_default();
         *held = held.checked_add(1).ok_or(StoreError::BeingRead { publication: id, reads: u32::MAX })?;
+        // A read restarts its unread window (`release_unread_after`): the
+        // window counts from the last read, however short, not the publish.
+        live.unread_since.remove(&id);
         Ok(())
     }
 

@@ -213,6 +213,7 @@ pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPl
         // Plaintext TCP, asked for by name: the caller is taken to be this user.
         insecure_tcp: true,
         config: Default::default(),
+        reload_check: None,
         tls: None,
     };
     let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pdstor
+from pdstor._policy import unread_window_ms
 
 from ._context import Context
 from ._format import prompt_digest
@@ -170,8 +171,7 @@ class Producer:
     def _prepare_shards(self, name: str, total: int, deadline: float | None) -> _Prepared:
         """Prepares every rank's shard, waiting for room until `deadline`
         (None: not at all); where one cannot be, rolls back the ones that were."""
-        unread = self.cfg.unread_release_s
-        unread_ms = max(1, int(unread * 1000)) if unread > 0 else None
+        unread_ms = unread_window_ms("unread_release_s", self.cfg.unread_release_s)
         done: list[tuple[str, int]] = []
         try:
             for rank, layout in enumerate(self.ctx.shard_layouts):

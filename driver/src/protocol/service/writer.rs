@@ -280,16 +280,20 @@ impl Service {
     }
 
     /// Releases the READY publications no reader claimed within their
-    /// unread window — their writer's, or `after` (the daemon's
-    /// `--unread-release-ms`), the shorter ([`Store::release_unread_after`]),
-    /// each an `expire` on the timeline; returns how many.
+    /// unread window — their writer's, their tenant's (the config's
+    /// `unread_release_ms`) or `after` (the daemon's `--unread-release-ms`),
+    /// the shortest ([`Store::release_unread_after`]), each an `expire` on
+    /// the timeline; returns how many.
     pub fn release_unread_after(&self, after: Option<Duration>) -> Result<usize, ProtocolError> {
-        if after.is_none() && !self.store.any_unread_window() {
+        let rules = self.policy.rules();
+        if after.is_none() && !rules.any_unread_release() && !self.store.any_unread_window() {
             return Ok(0); // no window to look at (LMCache's keys alone): no lock taken
         }
         // Never recorded before the publish that made it READY.
         self.after_publishes();
-        let expired = self.store.release_unread_after(after)?;
+        let tenants = |owner: Option<&Owner>| rules.unread_release(owner.map(|o| o.tenant.as_str()));
+        let shortest = |a: Option<Duration>, b: Option<Duration>| a.map_or(b, |a| Some(b.map_or(a, |b| a.min(b))));
+        let expired = self.store.release_unread_after(|owner| shortest(after, tenants(owner)))?;
         for e in &expired {
             let window = e.window.map_or(0, |w| w.as_millis());
             tracing::warn!(
@@ -298,7 +302,13 @@ impl Service {
                 e.req_id,
                 e.slots,
             );
-            let whose = if e.window == after { "--unread-release-ms" } else { "its writer's unread_release_ms" };
+            let whose = if e.window == after {
+                "--unread-release-ms"
+            } else if e.window == tenants(e.owner.as_ref()) {
+                "its tenant's unread_release_ms"
+            } else {
+                "its writer's unread_release_ms"
+            };
             let detail = format!("unread for {window} ms ({whose}), {} slots", e.slots);
             self.note(
                 &Caller::in_process(),
