@@ -13,6 +13,7 @@ mod gpu_bundle;
 mod gpu_qual;
 mod python;
 mod reclaim;
+mod soak;
 mod vllm;
 mod vmtest;
 
@@ -62,6 +63,11 @@ enum Command {
     /// The README's two commands on a bare Debian root with only the host's Rust toolchain (root;
     /// the root is cached under ~/.cache/pdstor/fresh/). Prints each command's wall time.
     Fresh(fresh::FreshArgs),
+    /// The real daemon under a serving-like load for N minutes on a file and on zram (the Python
+    /// client from several processes, with clients and the daemon killed, a full disk, a hung
+    /// connection and reloads at random times), judged at the end (nothing lost, corrupt or held;
+    /// memory, descriptors and threads back; latency steady): target/soak/<target>/soak.{json,svg}.
+    Soak(soak::SoakArgs),
     /// The crash campaign, longer than CI's: kill -9 the daemon at random points during
     /// concurrent puts on a 256 KiB journal; every READY receipt must load byte-identical after.
     Crash {
@@ -110,6 +116,7 @@ fn main() -> Result<()> {
         Command::Bench(args) => bench::run(&sh, &args),
         Command::Python(args) => python::run(&sh, &args),
         Command::Vllm(args) => vllm::run(&sh, &args),
+        Command::Soak(args) => soak::run(&sh, &args),
         Command::Vmtest(args) => vmtest::run(&sh, &args),
         Command::CudaPtx(args) => cuda_ptx::run(&sh, &args),
         Command::GpuBundle(args) => gpu_bundle::run(&sh, &args),
@@ -150,6 +157,13 @@ pub fn build_pdstor(sh: &Shell) -> Result<PathBuf> {
         .run()
         .context("building pdstor")?;
     Ok(project_root().join("target/release/pdstor"))
+}
+
+/// Builds the debug `pdstor` binary (its debug-only faults, for the soak's
+/// self-test) and returns its path.
+pub fn build_debug_pdstor(sh: &Shell) -> Result<PathBuf> {
+    cmd!(sh, "cargo build --quiet -p pdstor --bin pdstor").run().context("building pdstor (debug)")?;
+    Ok(project_root().join("target/debug/pdstor"))
 }
 
 /// Each step begun so far, and when: `cargo xtask ci` reports where its time went.
@@ -333,6 +347,21 @@ fn print_demo_summary(summary: &Path, timeline: &Path, svg: &Path, target: &Path
     Ok(())
 }
 
+/// The Python package's tests, then the soak in the same environment.
+fn python_and_soak(sh: &Shell) -> Result<()> {
+    step("cargo xtask python (the wheel in a venv with vLLM 0.33 and LMCache 0.5.6 from PyPI; its tests)");
+    let venv = python::venv(sh)?;
+    python::clippy(sh, &venv)?;
+    python::install(sh, &venv)?;
+    python::test(sh, &venv, &[])?;
+    step("cargo xtask soak --minutes 5 (the daemon under a serving mix with faults, on a file and on zram at once)");
+    let soak =
+        |minutes, target: &str, plant_leak| soak::SoakArgs { minutes, target: target.into(), seed: 1, plant_leak };
+    soak::soak(sh, &venv, &soak(5.0, "both", false))?;
+    step("cargo xtask soak --plant-leak (the soak fails a debug daemon that leaks a descriptor per request)");
+    soak::soak(sh, &venv, &soak(1.5, "file", true))
+}
+
 fn ci(sh: &Shell) -> Result<()> {
     let outcome = ci_steps(sh);
     print_step_times();
@@ -377,11 +406,7 @@ fn ci_steps(sh: &Shell) -> Result<()> {
         print!("{skips}");
     }
     tested.context("tests failed")?;
-    step("cargo xtask python (the wheel in a venv with vLLM 0.33 and LMCache 0.5.6 from PyPI; its tests)");
-    let venv = python::venv(sh)?;
-    python::clippy(sh, &venv)?;
-    python::install(sh, &venv)?;
-    python::test(sh, &venv, &[])?;
+    python_and_soak(sh)?;
     step(
         "cargo xtask cuda-ptx --check (the GPU CRC-32C kernel's PTX is what nvcc makes of its source; ptxas accepts it)",
     );
