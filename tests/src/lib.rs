@@ -225,6 +225,30 @@ impl Daemon {
         self.spawn();
     }
 
+    /// SIGHUP: the daemon reads its config and TLS files again.
+    pub fn hangup(&self) {
+        let pid = self.pid().expect("the daemon runs") as libc::pid_t;
+        // SAFETY: kill(2) on our own child, not reaped yet.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0, "SIGHUP to the daemon");
+    }
+
+    /// What `f` answers once it answers something, polled every 20 ms for
+    /// 20 s at most; then a panic naming `what`, with the daemon's log.
+    pub fn eventually<T>(&self, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(v) = f() {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never: {what}\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// SIGTERM and wait: a graceful stop.
     pub fn stop(&mut self) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");

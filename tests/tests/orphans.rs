@@ -41,18 +41,6 @@ fn state(c: &Client, req: &str) -> Option<String> {
     c.publications(None, false).expect("the listing").into_iter().find(|p| p.req_id == req).map(|p| p.state)
 }
 
-fn until(what: &str, log: &Path, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(15),
-            "never: {what}\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn a_tenants_unread_window_releases_its_orphans_and_never_a_claimed_one() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
@@ -69,7 +57,7 @@ fn a_tenants_unread_window_releases_its_orphans_and_never_a_claimed_one() {
     c.claim(&claimed, "decode-0", "s-0", 600_000).expect("a claim");
     put(&daemon, "orphan", 2);
     let published = Instant::now();
-    until("the orphan is released", &daemon.log, || state(&c, "orphan").is_none());
+    daemon.eventually("the orphan is released", || state(&c, "orphan").is_none().then_some(()));
     assert!(published.elapsed() >= Duration::from_millis(400), "not before its window");
     std::thread::sleep(Duration::from_millis(1_200));
     assert_eq!(state(&c, "claimed").as_deref(), Some("CLAIMED"), "a claimed publication is never released by time");
@@ -86,11 +74,9 @@ fn a_tenants_unread_window_releases_its_orphans_and_never_a_claimed_one() {
 
     // The operator takes the window away; SIGHUP: the next orphan is kept.
     std::fs::write(&cfg, config("evict_unread = false")).expect("the config without a window");
-    let pid = daemon.pid().expect("the daemon runs") as libc::pid_t;
-    // SAFETY: kill(2) on our own child, not reaped yet.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0);
-    until("the reload", &daemon.log, || {
-        std::fs::read_to_string(&daemon.log).is_ok_and(|l| l.contains("reloaded the config"))
+    daemon.hangup();
+    daemon.eventually("the reload", || {
+        std::fs::read_to_string(&daemon.log).is_ok_and(|l| l.contains("reloaded the config")).then_some(())
     });
     put(&daemon, "kept", 3);
     std::thread::sleep(Duration::from_millis(1_500));

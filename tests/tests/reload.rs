@@ -57,22 +57,8 @@ fn handoff(c: &Client, server: &str, data: &Path, req: &str, seed: u64, chunks: 
     c.ack(&claim, &restored.restore_digest)
 }
 
-fn hangup(d: &Daemon) {
-    let pid = d.pid().expect("the daemon runs") as libc::pid_t;
-    // SAFETY: kill(2) on our own child, not reaped yet.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0, "SIGHUP to the daemon");
-}
-
-fn await_applied(c: &Client, n: u64, log: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while sample(c, "pdstor_reloads_total{result=\"applied\"}") < n {
-        assert!(
-            Instant::now() < deadline,
-            "{n} reloads never applied: {}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn await_applied(d: &Daemon, c: &Client, n: u64) {
+    d.eventually("the reloads applied", || (sample(c, "pdstor_reloads_total{result=\"applied\"}") >= n).then_some(()));
 }
 
 #[test]
@@ -109,11 +95,11 @@ fn a_reload_under_load_loses_no_step_and_the_next_request_is_judged_by_the_new_r
         changes += 1;
         std::fs::write(&cfg, config(all, 48 + changes % 2)).expect("a new config");
         if changes % 2 == 0 {
-            hangup(&daemon);
+            daemon.hangup();
         }
         std::thread::sleep(Duration::from_millis(if changes % 2 == 0 { 150 } else { 1_300 }));
     }
-    await_applied(&c, 3, &daemon.log);
+    await_applied(&daemon, &c, 3);
     done.store(true, Ordering::Relaxed);
     let handoffs: u64 = workers.into_iter().map(|w| w.join().expect("no step was lost")).sum();
     assert!(handoffs >= 18, "{handoffs} handoffs");
@@ -137,8 +123,10 @@ fn a_reload_under_load_loses_no_step_and_the_next_request_is_judged_by_the_new_r
     std::fs::write(&cfg, config("\"reader\"", 48)).expect("the demoted config");
     std::thread::sleep(Duration::from_millis(2_500));
     assert_eq!(sample(&c, "pdstor_reloads_total{result=\"applied\"}"), 0, "no SIGHUP, no reload");
-    hangup(&daemon);
-    eventually(&daemon.log, || matches!(c.cancel("nothing"), Err(ClientError::Api(e)) if e.code == "forbidden"));
+    daemon.hangup();
+    daemon.eventually("the reload to take effect", || {
+        (matches!(c.cancel("nothing"), Err(ClientError::Api(e)) if e.code == "forbidden")).then_some(())
+    });
     match c.prepare("demoted", &layout(), 1, "w") {
         Err(ClientError::Api(e)) => {
             assert_eq!((e.status, e.code.as_str()), (403, "forbidden"), "{e}");
@@ -147,16 +135,7 @@ fn a_reload_under_load_loses_no_step_and_the_next_request_is_judged_by_the_new_r
         other => panic!("a writer the reload demoted prepared: {other:?}"),
     }
     std::fs::write(&cfg, config(all, 48)).expect("the config again");
-    hangup(&daemon);
-    eventually(&daemon.log, || c.metrics().is_ok());
+    daemon.hangup();
+    daemon.eventually("the reload to take effect", || (c.metrics().is_ok()).then_some(()));
     assert_eq!(sample(&c, "pdstor_control_connections_total"), accepted, "every request came on the kept connection");
-}
-
-/// Waits (20 s at most) until `f` holds.
-fn eventually(log: &Path, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !f() {
-        assert!(Instant::now() < deadline, "never came: {}", std::fs::read_to_string(log).unwrap_or_default());
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }

@@ -218,12 +218,6 @@ fn replace(path: &Path, bytes: &[u8]) {
     std::fs::rename(&tmp, path).expect("renaming it into place");
 }
 
-fn hangup(d: &Daemon) {
-    let pid = d.pid().expect("the daemon runs") as libc::pid_t;
-    // SAFETY: kill(2) on our own child, not reaped yet.
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGHUP) }, 0, "SIGHUP to the daemon");
-}
-
 /// The daemon's reloads that ended `result` (applied or failed), by `c`.
 fn reloads(c: &Client, result: &str) -> u64 {
     let series = format!("pdstor_reloads_total{{result=\"{result}\"}} ");
@@ -232,8 +226,8 @@ fn reloads(c: &Client, result: &str) -> u64 {
 }
 
 /// Waits (20 s at most) until `c` sees `n` reloads ended `result`.
-fn await_reloads(c: &Client, result: &str, n: u64, log: &Path) {
-    eventually(log, || (reloads(c, result) >= n).then_some(()));
+fn await_reloads(d: &Daemon, c: &Client, result: &str, n: u64) {
+    d.eventually(&format!("{n} {result} reloads"), || (reloads(c, result) >= n).then_some(()));
 }
 
 /// A daemon in `d` serving mutual TLS with a certificate `ca` signed, and
@@ -290,15 +284,15 @@ fn a_revoked_certificate_is_shut_out_on_its_next_connection_while_others_carry_o
 
     // The CA revokes the stolen certificate; the new CRL replaces the file: read on its change alone.
     ca.revoke(&crl, &[1002]);
-    eventually(&daemon.log, || thief.publications(None, false).err());
+    daemon.eventually("the reload to take effect", || thief.publications(None, false).err());
     let told = certificate_refused(thief.prepare("after", &layout(), 1, "prefill-2"));
     assert!(told.contains("revoked"), "{told}");
     assert!(reloads(&ops, "applied") >= 1);
 
     // A CRL that does not parse is refused whole: what was in force stays, and the log says why.
     replace(&crl, b"-----BEGIN X509 CRL-----\nbm90IGEgQ1JM\n-----END X509 CRL-----\n");
-    hangup(&daemon);
-    await_reloads(&ops, "failed", 1, &daemon.log);
+    daemon.hangup();
+    await_reloads(&daemon, &ops, "failed", 1);
     let told = certificate_refused(thief.prepare("broken", &layout(), 1, "x"));
     assert!(told.contains("revoked"), "{told}");
     let log = std::fs::read_to_string(&daemon.log).unwrap_or_default();
@@ -319,8 +313,8 @@ fn a_revoked_certificate_is_shut_out_on_its_next_connection_while_others_carry_o
     replace(&crl, format!("{}{}", pem(&crl), pem(&crl2)).as_bytes());
     // The daemon was started with --tls-client-ca fleet-ca.pem: the bundle takes its place.
     replace(&ca.pem, pem(&bundle).as_bytes());
-    hangup(&daemon);
-    eventually(&daemon.log, || fresh.prepare("new", &layout(), 1, "prefill-3").ok());
+    daemon.hangup();
+    daemon.eventually("the reload to take effect", || fresh.prepare("new", &layout(), 1, "prefill-3").ok());
     certificate_refused(thief.prepare("still", &layout(), 1, "x"));
 
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -330,22 +324,6 @@ fn a_revoked_certificate_is_shut_out_on_its_next_connection_while_others_carry_o
     let mut held: Vec<&str> = listed.iter().map(|p| p.req_id.as_str()).collect();
     held.sort();
     assert_eq!(held, ["before", "new"], "nothing else is held");
-}
-
-/// What `f` answers once it answers something (20 s at most).
-fn eventually<T>(log: &Path, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "never came: {}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -416,7 +394,7 @@ fn a_kept_alive_connection_is_judged_again_after_a_reload() {
     assert_eq!(status, 200, "{body}");
     // A connection whose handshake has not begun when the reload lands.
     let stalled = std::net::TcpStream::connect(&daemon.addr).expect("connecting");
-    eventually(&daemon.log, || {
+    daemon.eventually("the stalled connection accepted", || {
         let (_, _, metrics) = get_kept_alive(&mut kept, "/metrics");
         let accepted = metrics.lines().find_map(|l| l.strip_prefix("pdstor_control_connections_total "));
         (accepted.and_then(|n| n.trim().parse::<u64>().ok()) >= Some(2)).then_some(())
@@ -424,9 +402,9 @@ fn a_kept_alive_connection_is_judged_again_after_a_reload() {
 
     // The CA revokes the certificate while the connection stays open.
     ca.revoke(&crl, &[77]);
-    hangup(&daemon);
+    daemon.hangup();
     let fresh = Client::with_tls(&daemon.server, &ca.pem, Some((&keeper.0, &keeper.1)));
-    eventually(&daemon.log, || fresh.publications(None, false).err());
+    daemon.eventually("the reload to take effect", || fresh.publications(None, false).err());
     let (status, connection, body) = get_kept_alive(&mut kept, "/storage-pd/publications");
     assert_eq!((status, connection.as_str()), (401, "close"), "{body}");
     assert!(body.contains("\"field\":\"certificate\"") && body.contains("no longer accepted"), "{body}");
