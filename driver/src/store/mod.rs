@@ -494,6 +494,15 @@ impl Store {
     pub fn publications(&self) -> Vec<Publication> {
         self.lock_live().state.pubs.values().cloned().collect()
     }
+
+    /// The sessions holding a claim now: (claimant principal, session).
+    pub fn claim_sessions(&self) -> std::collections::HashSet<(String, String)> {
+        let live = self.lock_live();
+        let claims = live.state.pubs.values().filter_map(|p| p.claim.as_ref());
+        claims
+            .map(|c| (c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default(), c.session.clone()))
+            .collect()
+    }
 }
 
 impl Drop for Store {

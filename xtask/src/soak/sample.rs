@@ -31,6 +31,11 @@ pub struct Sample {
     /// Per step, and per payload transfer (`store host_fixed`, …): (p50,
     /// p99) in ms over the interval, where it ran.
     pub latency_ms: BTreeMap<String, (f64, f64)>,
+    /// Per step and transfer, the interval's histogram: (upper bound in s,
+    /// cumulative count). The latency verdict sums a window's; not written
+    /// to `soak.json` (the p50/p99 above are).
+    #[serde(skip)]
+    pub hist: BTreeMap<String, Vec<(f64, f64)>>,
     /// Bytes of the active journal half in use.
     pub journal_bytes: u64,
     /// Publications by state.
@@ -74,7 +79,7 @@ pub fn take(pid: u32, control: &Path, t: f64, last: &mut Counters) -> Result<Sam
     let restarted = last.pid != pid;
     let bytes: f64 = m.iter().filter(|(k, _)| k.starts_with("pdstor_payload_bytes_total{")).map(|(_, v)| v).sum();
     let moved = if restarted || bytes < last.bytes { bytes } else { bytes - last.bytes };
-    let mut latency_ms = BTreeMap::new();
+    let (mut latency_ms, mut hist) = (BTreeMap::new(), BTreeMap::new());
     let mut buckets: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     for (k, v) in &m {
         let (step, labels) = if let Some(labels) = k.strip_prefix("pdstor_step_seconds_bucket{") {
@@ -100,6 +105,7 @@ pub fn take(pid: u32, control: &Path, t: f64, last: &mut Counters) -> Result<Sam
             .collect();
         if let (Some(p50), Some(p99)) = (quantile(&delta, 0.50), quantile(&delta, 0.99)) {
             latency_ms.insert(step.clone(), (p50 * 1e3, p99 * 1e3));
+            hist.insert(step.clone(), delta);
         }
     }
     let interval = (t - last.t).max(1.0);
@@ -112,6 +118,7 @@ pub fn take(pid: u32, control: &Path, t: f64, last: &mut Counters) -> Result<Sam
         threads,
         mib_per_s: moved / interval / 1048576.0,
         latency_ms,
+        hist,
         journal_bytes: m.get("pdstor_journal_bytes").copied().unwrap_or(0.0) as u64,
         publications: labelled(&m, "pdstor_publications{", "state"),
         slots: labelled(&m, "pdstor_slots{", "kind"),

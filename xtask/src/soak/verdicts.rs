@@ -185,10 +185,12 @@ fn resources(run: &Run, length: f64) -> Vec<Verdict> {
 }
 
 /// Each step's and transfer's p99 in the last window of the load against
-/// the first (a window: a fifth of the load, at most 10 minutes), leaving
-/// out the 30 s after a daemon restart or a full disk. `prepare` and `batch`
-/// (whose prepares wait for room, as long as the store is full) and the
-/// soak's own `/metrics` and `/healthz` are reported, not judged.
+/// the first (a window: a fifth of the load, at most 10 minutes), each the
+/// p99 of the window's summed histogram, leaving out the 30 s after a daemon
+/// restart or a full disk. A step with fewer than [`JUDGED_EVENTS`] in
+/// either window is reported, not judged (its p99 is a handful of events),
+/// as are `prepare` and `batch` (whose prepares wait for room, as long as
+/// the store is full) and the soak's own `/metrics` and `/healthz`.
 fn steady(run: &Run, length: f64, enforced: bool) -> Verdict {
     let window = (0.2 * length).min(600.0);
     let start = baseline(run, length).first().map_or(0.0, |s| s.t);
@@ -197,47 +199,63 @@ fn steady(run: &Run, length: f64, enforced: bool) -> Verdict {
             .iter()
             .any(|(at, m)| (m.starts_with("daemon") || m.contains("disk full")) && t >= *at && t < at + 30.0)
     };
-    let mean_p99 = |from: f64, to: f64, step: &str| -> Option<f64> {
-        let v: Vec<f64> = run
-            .samples
-            .iter()
-            .filter(|s| s.t >= from && s.t < to && !disturbed(s.t))
-            .filter_map(|s| s.latency_ms.get(step).map(|l| l.1))
-            .collect();
-        (v.len() >= 2).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    let in_window = |from: f64, to: f64| -> Vec<&Sample> {
+        run.samples.iter().filter(|s| s.t >= from && s.t < to && !disturbed(s.t)).collect()
     };
-    let steps: std::collections::BTreeSet<&String> = run.samples.iter().flat_map(|s| s.latency_ms.keys()).collect();
+    let (first, last) = (in_window(start, start + window), in_window(length - window, length));
+    let steps: std::collections::BTreeSet<&String> = run.samples.iter().flat_map(|s| s.hist.keys()).collect();
     let mut worst = (String::new(), 0.0_f64);
     let mut judged = Vec::new();
     for step in steps {
-        if let (Some(first), Some(last)) =
-            (mean_p99(start, start + window, step), mean_p99(length - window, length, step))
-        {
-            let ratio = last / first.max(1e-6);
-            // Prepares wait for room while the store is full; /metrics and
-            // /healthz are the soak's own, not the load's.
-            let waits = matches!(step.as_str(), "prepare" | "batch" | "metrics" | "healthz");
-            judged.push(format!("{step} {first:.2}→{last:.2} ms{}", if waits { " (not judged)" } else { "" }));
-            if !waits && ratio > worst.1 {
-                worst = (step.clone(), ratio);
-            }
+        let (Some((a, na)), Some((b, nb))) = (window_p99(&first, step), window_p99(&last, step)) else { continue };
+        // Prepares wait for room while the store is full; /metrics and
+        // /healthz are the soak's own, not the load's.
+        let waits = matches!(step.as_str(), "prepare" | "batch" | "metrics" | "healthz");
+        let few = na.min(nb) < JUDGED_EVENTS;
+        let why = if waits {
+            " (waits for room: not judged)"
+        } else if few {
+            " (too few: not judged)"
+        } else {
+            ""
+        };
+        judged.push(format!("{step} {:.2}→{:.2} ms of {na:.0}/{nb:.0}{why}", a * 1e3, b * 1e3));
+        let ratio = b / a.max(1e-9);
+        if !waits && !few && ratio > worst.1 {
+            worst = (step.clone(), ratio);
         }
     }
-    if judged.is_empty() {
-        let detail = "no step ran in both windows (a run this short has too few samples)".to_owned();
-        return Verdict {
-            name: "latency steady (p99, last window against the first)",
-            pass: !enforced,
-            enforced,
-            detail,
-        };
+    let name = "latency steady (p99, last window against the first)";
+    if worst.0.is_empty() {
+        let detail = format!("no step ran {JUDGED_EVENTS} times in both windows (a run this short is too few samples)");
+        return Verdict { name, pass: !enforced, enforced, detail };
     }
     Verdict {
-        name: "latency steady (p99, last window against the first)",
+        name,
         pass: worst.1 <= 1.2,
         enforced,
         detail: format!("worst {} {:.2}×; {}", worst.0, worst.1, judged.join(", ")),
     }
+}
+
+/// A step's events in a window before its p99 is judged.
+const JUDGED_EVENTS: f64 = 1000.0;
+
+/// The p99 (s) of `step`'s histograms summed over `samples`, and how many
+/// events they hold; `None` where it never ran.
+fn window_p99(samples: &[&Sample], step: &str) -> Option<(f64, f64)> {
+    let mut sum: Vec<(f64, f64)> = Vec::new();
+    for h in samples.iter().filter_map(|s| s.hist.get(step)) {
+        for &(le, c) in h {
+            match sum.iter_mut().find(|(l, _)| *l == le) {
+                Some(slot) => slot.1 += c,
+                None => sum.push((le, c)),
+            }
+        }
+    }
+    sum.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = sum.last()?.1;
+    Some((super::sample::quantile(&sum, 0.99)?, total))
 }
 
 impl Judged {
@@ -297,5 +315,52 @@ impl Judged {
             .context("writing soak.svg")?;
         println!("soak on {kind}: {} and {}", dir.join("soak.json").display(), dir.join("soak.svg").display());
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run of 60 samples 10 s apart whose `claim` takes `fast` s in each
+    /// interval (`n` times) and, from `slow_from` s on, 1 in 50 at `slow`.
+    fn run(n: f64, slow_from: f64, slow: bool) -> Run {
+        let bounds = [0.001, 0.002, 0.004, 0.008, f64::INFINITY];
+        let samples = (0..60)
+            .map(|i| {
+                let t = 10.0 * i as f64;
+                let late = slow && t >= slow_from;
+                // All under 1 ms, or 2 % of them in 4–8 ms.
+                let counts = if late { [0.98 * n, 0.98 * n, 0.98 * n, n, n] } else { [n; 5] };
+                let h: Vec<(f64, f64)> = bounds.iter().copied().zip(counts).collect();
+                Sample { t, hist: [("claim".to_owned(), h)].into_iter().collect(), ..Default::default() }
+            })
+            .collect();
+        Run {
+            samples,
+            marks: Vec::new(),
+            crashes: Vec::new(),
+            gaps: Vec::new(),
+            stopped: 600.0,
+            rest: None,
+            started: std::time::Instant::now(),
+            counters: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_step_slower_in_the_last_window_fails_and_a_steady_one_passes() {
+        let steady_run = steady(&run(200.0, 0.0, false), 600.0, true);
+        assert!(steady_run.pass, "{}", steady_run.detail);
+        let slowed = steady(&run(200.0, 480.0, true), 600.0, true);
+        assert!(!slowed.pass, "the last window's p99 is in 4–8 ms, the first's under 1 ms: {}", slowed.detail);
+        assert!(slowed.detail.starts_with("worst claim"), "{}", slowed.detail);
+    }
+
+    #[test]
+    fn a_step_run_too_few_times_is_reported_not_judged() {
+        let few = steady(&run(5.0, 480.0, true), 600.0, true);
+        assert!(!few.pass && few.detail.starts_with("no step ran"), "enforced and nothing judged: {}", few.detail);
+        assert!(steady(&run(5.0, 480.0, true), 600.0, false).pass, "not enforced: a note");
     }
 }

@@ -333,7 +333,7 @@ impl Service {
     fn end_session_reads(&self, who: &Caller, principal: &str, session: &str) -> usize {
         let ended: Vec<(String, u64, usize)> = {
             let mut reads = self.lock_reads();
-            self.lock_closed().insert((principal.to_owned(), session.to_owned()));
+            self.close_session_key((principal.to_owned(), session.to_owned()));
             let mine = |l: &ReadLease| {
                 l.session == session && l.reader_owner.as_ref().map_or("", |o| o.principal.as_str()) == principal
             };

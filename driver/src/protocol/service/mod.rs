@@ -3,7 +3,7 @@
 //! manifest digest, reader, session), then runs the store transition. The HTTP
 //! control plane and the data plane are thin shells around it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::identity::{Caller, Role};
@@ -19,6 +19,7 @@ pub use pdstor_client::wire::{AdoptRequest, PrepareRequest, Prepared, Published}
 
 mod ack_loaded;
 mod cache;
+mod closed;
 mod reader;
 mod writer;
 
@@ -42,7 +43,7 @@ pub struct Service {
     policy: Arc<Policy>,
     /// Closed sessions, by (claimant principal, session name): a session is
     /// its claimant's, so one principal cannot fence another's.
-    closed_sessions: Mutex<HashSet<(String, String)>>,
+    closed_sessions: Mutex<closed::ClosedSessions>,
     /// Prepares being handled now: request → the principal that asked.
     preparing: Mutex<HashMap<String, String>>,
     /// Held (shared: publishes still share the journal's flushes) by a
@@ -102,7 +103,7 @@ impl Service {
             clock: Arc::new(SystemClock),
             timeline: None,
             policy: Arc::new(Policy::local()),
-            closed_sessions: Mutex::new(HashSet::new()),
+            closed_sessions: Mutex::new(closed::ClosedSessions::default()),
             preparing: Mutex::new(HashMap::new()),
             publishing: RwLock::new(()),
             served: Mutex::new(HashMap::new()),

@@ -467,7 +467,7 @@ impl Service {
         let detail = match &live {
             Some(c) => self.fence_session(c)?,
             None => {
-                self.lock_closed().insert((who.principal.clone(), session.clone()));
+                self.close_session_key((who.principal.clone(), session.clone()));
                 session
             }
         };
@@ -512,12 +512,17 @@ impl Service {
             (None, _) => session.clone(),
         };
         let principal = c.claimant.as_ref().map(|o| o.principal.clone()).unwrap_or_default();
-        self.lock_closed().insert((principal, session.clone()));
+        self.close_session_key((principal, session.clone()));
         Ok(detail)
     }
 
-    pub(super) fn lock_closed(&self) -> std::sync::MutexGuard<'_, HashSet<(String, String)>> {
+    pub(super) fn lock_closed(&self) -> std::sync::MutexGuard<'_, super::closed::ClosedSessions> {
         self.closed_sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Closes a session: (its claimant's principal, its name).
+    pub(super) fn close_session_key(&self, key: super::closed::SessionKey) {
+        self.lock_closed().close(key, || self.store.claim_sessions());
     }
 
     /// The operator's way out for a claim nobody holds a receipt for (the
