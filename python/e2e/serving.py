@@ -325,8 +325,14 @@ def metric(url: str, series: str) -> float | None:
     status, body = request(url, "GET", "/metrics", None)
     if status != 200:
         return None
-    lines = [x for x in body.decode().splitlines() if x.startswith(series + "{")]
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines)
+    return metric_text(body.decode(), series) or 0.0
+
+
+def metric_text(text: str, series: str) -> float | None:
+    """The sum of one series' samples (every label set, or none) in a
+    `/metrics` exposition; None where it has none."""
+    lines = [x for x in text.splitlines() if x.startswith((series + "{", series + " "))]
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines) if lines else None
 
 
 def post(url: str, path: str, body: dict) -> tuple[int, dict, dict[str, str]]:

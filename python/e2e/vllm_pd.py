@@ -48,6 +48,9 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 PREPARE_IDLE_MS = 20_000
+# The orphan control's prefill: its connector's unread window, seconds.
+ORPHAN_S = 10
+
 
 def prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 7919 + i * 104729) % 1000 for i in range(n)]
@@ -247,6 +250,55 @@ def killed_prefill_control(run: Run, prefill: Process, decode: Process, daemon: 
     return result
 
 
+def orphan_control(run: Run, daemon: Any, serve: Any, decode: Process) -> dict:
+    """A decode that never comes (the proxy died after the prefill answered):
+    a prefill server whose connector says ``unread_release_s`` = ORPHAN_S
+    hands a request over, nobody claims it, and the daemon releases it
+    unread once the window has passed, counted, its slots free. A decode
+    that comes after that fails through vLLM's load-error path, and the
+    pair serves the next request. `serve` starts the prefill server."""
+    prefill = serve()
+    prefill.wait_healthy()
+    client = daemon.client()
+    try:
+        ids = prompt(GROUPS["exact"], 30_000)
+        body = {**completion(ids), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        status, pre, _ = post(prefill.url, COMPLETIONS, body)
+        params = pre.get("kv_transfer_params") if status == 200 else None
+        name = ((params or {}).get("pdstor") or {}).get("req")
+        if name is None:
+            run.fail(f"orphan control: the prefill handed nothing over ({status}: {pre})")
+            return {}
+        expired = serving.metric_text(client.metrics(), "pdstor_unread_expired_total") or 0.0
+        await_ready(client, name)
+        windows = [x["unread_release_ms"] for x in client.publications() if x["req_id"] == name]
+        ready_at = time.monotonic()
+        while client.lookup([name]) != [None] and time.monotonic() < ready_at + ORPHAN_S + 30:
+            time.sleep(0.1)
+        held_s = round(time.monotonic() - ready_at, 1)
+        left = [x["state"] for x in client.publications() if x["req_id"] == name]
+        counted = (serving.metric_text(client.metrics(), "pdstor_unread_expired_total") or 0.0) - expired
+        late, _, _ = post(decode.url, COMPLETIONS, {**completion(ids), "kv_transfer_params": params})
+        ids = prompt(GROUPS["exact"], 30_001)
+        status, pre, _ = post(prefill.url, COMPLETIONS, {**body, **completion(ids), "max_tokens": 1})
+        params = pre.get("kv_transfer_params") if status == 200 else None
+        await_ready(client, ((params or {}).get("pdstor") or {}).get("req", ""))
+        after, _, _ = post(decode.url, COMPLETIONS, {**completion(ids), "kv_transfer_params": params})
+    finally:
+        prefill.stop()
+    result = {"window_ms": windows, "released_after_s": held_s, "left": left, "counted": counted, "late_decode": late, "next_pair": [status, after]}
+    if windows != [ORPHAN_S * 1000] or left or counted != 1 or held_s < ORPHAN_S - 1 or late == 200 or [status, after] != [200, 200]:
+        run.fail(f"a handoff no decode claimed was not released unread by the connector's window alone: {result}")
+    return result
+
+
+def await_ready(client: Any, name: str) -> None:
+    """Until `name` is READY (the prefill answers before its stores are durable), at most 30 s."""
+    deadline = time.monotonic() + 30
+    while client.lookup([name]) == [None] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def catch_mid_store(client: Any, prefill: Process) -> tuple[list[dict], int]:
     """Eight long prompts at once to the prefill server, until the daemon
     shows a publication with chunks stored and not yet published; then the
@@ -309,6 +361,7 @@ def main() -> int:
     procs: list[Process] = []
     corrupt: dict = {}
     killed: dict = {}
+    orphans: dict = {}
     seen: dict = {}
     try:
         # The oracle answers each request before the proxy is asked: it
@@ -337,6 +390,9 @@ def main() -> int:
             run.fail(f"chosen-token log-probability delta {run.max_delta:.4f} > {MAX_DELTA} ({run.worst})")
         corrupt = corrupt_control(run, prefill, decode, daemon, target)
         killed = killed_prefill_control(run, prefill, decode, daemon)
+        short = {**connector("kv_producer")}
+        short["kv_connector_extra_config"] = {**short["kv_connector_extra_config"], "unread_release_s": ORPHAN_S}
+        orphans = orphan_control(run, daemon, lambda: serving.vllm_serve("prefill-orphans", model, out, short, cores=first), decode)
     finally:
         for p in procs:
             p.stop()
@@ -349,7 +405,7 @@ def main() -> int:
     if check.returncode != 0:
         run.fail(f"pdstor timeline check: {check.stdout.strip()[-2000:]} {check.stderr.strip()}")
     timeline_report = json.loads(check.stdout) if check.stdout.strip().startswith("{") else check.stdout
-    return report(run, corrupt, killed, seen, timeline_report, check.returncode == 0, time.monotonic() - started)
+    return report(run, corrupt, killed, orphans, seen, timeline_report, check.returncode == 0, time.monotonic() - started)
 
 
 def connector_metrics(run: Run, prefill: Process, decode: Process) -> dict:
@@ -377,7 +433,7 @@ def connector_metrics(run: Run, prefill: Process, decode: Process) -> dict:
     return seen
 
 
-def report(run: Run, corrupt: dict, killed: dict, metrics: dict, timeline: Any, clean: bool, seconds: float) -> int:
+def report(run: Run, corrupt: dict, killed: dict, orphans: dict, metrics: dict, timeline: Any, clean: bool, seconds: float) -> int:
     out = {
         "requests": sum(c.get("batch", 1) for c in run.cases),
         "tokens_compared": run.compared,
@@ -387,6 +443,7 @@ def report(run: Run, corrupt: dict, killed: dict, metrics: dict, timeline: Any, 
         "cases": run.cases,
         "corrupt_chunk_control": corrupt,
         "killed_prefill_control": killed,
+        "orphan_control": orphans,
         "connector_metrics": metrics,
         "timeline": timeline,
         "seconds": round(seconds, 1),
@@ -401,6 +458,7 @@ def report(run: Run, corrupt: dict, killed: dict, metrics: dict, timeline: Any, 
         f"- connector counters on the engines' /metrics: {metrics}",
         f"- corrupted chunk: {corrupt}",
         f"- prefill killed mid-store: {killed}",
+        f"- a decode that never came: {orphans}",
         f"- timeline check: {'clean' if clean else 'FAILED'}",
         f"- time: {out['seconds']} s",
         "",

@@ -98,7 +98,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -121,6 +121,9 @@ except ImportError:  # pragma: no cover - an LMCache without lmcache.logging
     logger = logging.getLogger("pdstor.lmcache")
 
 _PAGE = 4096
+# READY receipts a backend keeps at most (the newest): older ones the daemon
+# hands out again by name.
+READY_KEPT = 8192
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -270,8 +273,13 @@ class PdstorBackend(StoragePluginInterface):
         self._local = threading.local()
         self._threads = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="pdstor-lmcache")
         self._lock = threading.Lock()
-        self._ready: dict[str, pdstor.Receipt] = {}
+        # READY receipts by key, newest last: a cache of what the daemon
+        # hands out by name (`lookup`), bounded: a prefill's keys are consumed
+        # by another process, and a map of every key ever put only grew.
+        self._ready: OrderedDict[str, pdstor.Receipt] = OrderedDict()
         self._put_tasks: set[str] = set()
+        # Reader sessions begun: each thread's reader is of the newest.
+        self._sessions = 0
         self._closed = False
 
     def __str__(self) -> str:
@@ -327,7 +335,12 @@ class PdstorBackend(StoragePluginInterface):
         if not hasattr(t, "client"):
             t.client = pdstor.Client(self._server, self._data_socket)
             t.writer = pdstor.Writer(t.client, self._writer_id)
+        if getattr(t, "sessions", None) != self._sessions:
+            # A reader session of its own per thread, a new one after a claim
+            # was fenced: the operator who reclaims a fenced claim closes its
+            # session, and every later claim made in it would be fenced too.
             t.reader = pdstor.Reader(t.client, self._reader_id)
+            t.sessions = self._sessions
         return t
 
     def _chunks(self, buffer: pdstor.Buffer, offset: int, size: int) -> list[tuple[pdstor.Buffer, int, int]]:
@@ -421,7 +434,7 @@ class PdstorBackend(StoragePluginInterface):
             for key, (name, _), answer in zip(sent, items, answers):
                 if isinstance(answer, pdstor.Receipt):
                     with self._lock:
-                        self._ready[name] = answer
+                        self._remember(name, answer)
                     stored.append(key)
                 elif isinstance(answer, pdstor.DuplicateRequest):
                     logger.debug("put %s: already published", name)
@@ -453,11 +466,19 @@ class PdstorBackend(StoragePluginInterface):
             known = [r if r is not None else found[n] for n, r in zip(names, known)]
             with self._lock:
                 for n, r in found.items():
-                    if r is not None:
-                        self._ready.setdefault(n, r)
+                    if r is not None and n not in self._ready:
+                        self._remember(n, r)
         if stop_at_miss and None in known:
             known = known[: known.index(None)]
         return known
+
+    def _remember(self, name: str, receipt: pdstor.Receipt) -> None:
+        """Keeps `name`'s READY receipt, forgetting the oldest past
+        READY_KEPT (with the lock held)."""
+        self._ready[name] = receipt
+        self._ready.move_to_end(name)
+        while len(self._ready) > READY_KEPT:
+            self._ready.popitem(last=False)
 
     def contains(self, key, pin: bool = False) -> bool:
         del pin
@@ -633,6 +654,8 @@ class PdstorBackend(StoragePluginInterface):
             except BaseException as e:  # the group as a whole
                 got = [e]
             for o in got:
+                if isinstance(o, pdstor.Fenced):
+                    self._sessions += 1
                 if isinstance(o, BaseException):
                     failure = failure or o
                     with self._lock:

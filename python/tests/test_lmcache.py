@@ -179,6 +179,22 @@ def test_a_partial_last_chunk_keeps_its_token_count(sm_factory):
     obj.ref_count_down()
 
 
+def test_a_backend_keeps_a_bounded_number_of_receipts(sm_factory, monkeypatch):
+    """A prefill's keys are consumed elsewhere: the receipts it keeps are
+    the newest READY_KEPT, and an older key is still found, by name."""
+    import pdstor.lmcache
+
+    monkeypatch.setattr(pdstor.lmcache, "READY_KEPT", 2)
+    sm = sm_factory()
+    put(sm, [20, 21, 22, 23])
+    backend = sm.storage_backends["pdstor"]
+    assert list(backend._ready) == [key(22).to_string(), key(23).to_string()]
+    assert backend.contains(key(20)), "forgotten here, handed out again by the daemon"
+    got = retrieve(sm, [key(20)])
+    assert torch.equal(got[0].tensor, kv(20))
+    got[0].ref_count_down()
+
+
 WRITER = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[2])

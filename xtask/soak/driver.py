@@ -4,6 +4,8 @@
     driver.py reader --id N ...     (takes writer N's handoffs)
     driver.py hang --dir D --data-socket P     (a data-plane connection that stalls mid-frame)
     driver.py verdict --dir D --server S --data-socket P
+    driver.py lmcache-prefill|lmcache-decode|vllm-prefill|vllm-decode --id N ...
+                                    (LMCache with the plugin, vLLM with the connector: engines.py, vllm_engines.py)
 
 Every process appends what it did to its ledger (`D/ledger-<role>-<id>.jsonl`,
 one JSON object a line, written before it is acted on where a kill could
@@ -49,6 +51,8 @@ MAX_CHUNKS = 512
 # What a daemon going away (killed, restarting) looks like to a client.
 GONE = (pdstor.TransportError, pdstor.DataPlaneError)
 ORPHAN_WINDOW_MS = 15_000
+# The engines' roles (engines.py, vllm_engines.py).
+ENGINES = ["lmcache-prefill", "lmcache-decode", "vllm-prefill", "vllm-decode"]
 
 
 class Payload:
@@ -490,7 +494,7 @@ def verdict(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("role", choices=["writer", "reader", "hang", "verdict"])
+    p.add_argument("role", choices=["writer", "reader", "hang", "verdict", *ENGINES])
     p.add_argument("--id", type=int, default=0)
     p.add_argument("--dir", required=True)
     p.add_argument("--server", default="unix:/run/pdstor/control.sock")
@@ -499,6 +503,18 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--slow-s", type=float, default=20.0)
     args = p.parse_args()
+    if args.role.startswith("lmcache-"):
+        import engines  # LMCache and torch: only in the processes that are LMCache
+
+        if args.role == "lmcache-prefill":
+            return engines.lmcache_prefill(args, Ledger, stopping, chunks_drawn)
+        return engines.lmcache_decode(args, Ledger, stopping, tail)
+    if args.role.startswith("vllm-"):
+        import vllm_engines  # vLLM's scheduler and the connector: only in the processes that are vLLM
+
+        if args.role == "vllm-prefill":
+            return vllm_engines.vllm_prefill(args, Ledger, stopping)
+        return vllm_engines.vllm_decode(args, Ledger, stopping, tail)
     {"writer": writer_to_end, "reader": reader, "hang": hang, "verdict": verdict}[args.role](args)
 
 

@@ -126,7 +126,7 @@ fn soak_one(kind: &str, pdstor: &Path, venv: &Path, minutes: f64, seed: u64, lea
     };
     target.format(pdstor)?;
     let config = dir.join("pdstor.toml");
-    std::fs::write(&config, config_text(120_000)).context("writing the soak's config")?;
+    std::fs::write(&config, config_text(0)).context("writing the soak's config")?;
     let root = crate::deps::is_root(&Shell::new()?);
     let logs = LogDisk::mount(dir.join("log"), dir.join("serve.log"), root)?;
     let mut daemon = Daemon::new(pdstor, target.path(), &dir, logs.dir.join("serve.log"), &config);
@@ -145,12 +145,18 @@ fn soak_one(kind: &str, pdstor: &Path, venv: &Path, minutes: f64, seed: u64, lea
         drivers.spawn("writer", id, &daemon)?;
         drivers.spawn("reader", id, &daemon)?;
     }
+    // LMCache with the plugin, and vLLM's scheduler with the connector: a pair of engines each.
+    for role in ["lmcache-prefill", "lmcache-decode", "vllm-prefill", "vllm-decode"] {
+        drivers.spawn(role, 0, &daemon)?;
+    }
     let length = Duration::from_secs_f64(minutes * 60.0);
     let faults = if leak { Vec::new() } else { schedule(length.as_secs_f64(), seed, logs.fillable()) };
     let mut run = Run {
         samples: Vec::new(),
         marks: Vec::new(),
         crashes: Vec::new(),
+        reloads: 0,
+        reloads_missed: Vec::new(),
         gaps: Vec::new(),
         stopped: 0.0,
         rest: None,
@@ -167,13 +173,24 @@ fn soak_one(kind: &str, pdstor: &Path, venv: &Path, minutes: f64, seed: u64, lea
 }
 
 /// The config the soak's daemon runs with: this user as tenant `soak`, an
-/// admin (for /metrics), its publications' unread window `window_ms`.
-fn config_text(window_ms: u64) -> String {
+/// admin (for /metrics). Each reload applies the other `version`: the
+/// tenant's unread window 120 s or 100 s, and a second tenant (`standby`,
+/// another user) there or not — rules replaced under load.
+fn config_text(version: u32) -> String {
     // SAFETY: geteuid(2) has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
-    format!(
-        "[[principal]]\ntenant = \"soak\"\nroles = [\"writer\", \"reader\", \"admin\"]\nuids = [{me}]\n\n[tenant.soak]\nunread_release_ms = {window_ms}\n"
-    )
+    let soak = format!(
+        "[[principal]]\ntenant = \"soak\"\nroles = [\"writer\", \"reader\", \"admin\"]\nuids = [{me}]\n\n[tenant.soak]\nunread_release_ms = {}\n",
+        if version.is_multiple_of(2) { 120_000 } else { 100_000 }
+    );
+    let standby = "\n[[principal]]\ntenant = \"standby\"\nroles = [\"reader\"]\nuids = [65534]\n\n[tenant.standby]\nunread_release_ms = 30000\n";
+    if version.is_multiple_of(2) { soak } else { soak + standby }
+}
+
+/// The daemon's count of reloads applied, if it answers.
+fn reloads_applied(control: &Path) -> Option<f64> {
+    let m = sample::parse(&sample::metrics(control).ok()?);
+    m.get("pdstor_reloads_total{result=\"applied\"}").copied()
 }
 
 /// The faults of a run `length` seconds long, at times `seed` draws.
@@ -210,6 +227,10 @@ pub struct Run {
     pub marks: Vec<(f64, String)>,
     /// Processes that died on their own: what, and how.
     pub crashes: Vec<String>,
+    /// Reloads done (each applies the other config), and those the daemon
+    /// did not count applied within 10 s.
+    pub reloads: u32,
+    pub reloads_missed: Vec<String>,
     /// Samples that could not be taken: when, and why.
     pub gaps: Vec<String>,
     /// When the load stopped.
@@ -286,10 +307,26 @@ impl Run {
             }
             Fault::Reload => {
                 // The config rewritten as deployment tooling does, then SIGHUP.
+                let before = reloads_applied(&daemon.control);
+                self.reloads += 1;
                 let tmp = config.with_extension("new");
-                std::fs::write(&tmp, config_text(120_000))?;
+                std::fs::write(&tmp, config_text(self.reloads))?;
                 std::fs::rename(&tmp, config)?;
                 daemon.signal(libc::SIGHUP);
+                // Applied within 10 s (the load going on), or said why not.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    let now = reloads_applied(&daemon.control);
+                    if now.zip(before).is_some_and(|(n, b)| n > b) {
+                        break;
+                    }
+                    if Instant::now() > deadline {
+                        let t = self.t();
+                        self.reloads_missed.push(format!("{t:.0} s: applied {before:?} before, {now:?} 10 s after"));
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
                 "reload".to_owned()
             }
         };

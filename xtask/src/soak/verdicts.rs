@@ -91,6 +91,16 @@ pub fn judge(
         ),
         check("no process crashed", run.crashes.is_empty(), run.crashes.join("; ")),
         check(
+            "every reload applied under load",
+            run.reloads_missed.is_empty(),
+            format!(
+                "{} of {} reloads (the config's rules replaced) applied: {}",
+                run.reloads as usize - run.reloads_missed.len(),
+                run.reloads,
+                run.reloads_missed.join("; ")
+            ),
+        ),
+        check(
             "the daemon stopped cleanly",
             status.as_ref().is_ok_and(|s| s.success()),
             match &status {
@@ -302,6 +312,8 @@ impl Judged {
             "samples": run.samples,
             "faults": run.marks,
             "crashes": run.crashes,
+            "reloads": run.reloads,
+            "reloads_missed": run.reloads_missed,
             "gaps": run.gaps,
             "rest": run.rest,
             "verdicts": self.verdicts,
@@ -340,6 +352,8 @@ mod tests {
             samples,
             marks: Vec::new(),
             crashes: Vec::new(),
+            reloads: 0,
+            reloads_missed: Vec::new(),
             gaps: Vec::new(),
             stopped: 600.0,
             rest: None,

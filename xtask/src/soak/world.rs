@@ -11,14 +11,16 @@ use anyhow::{Context, Result, bail};
 
 /// Where the namespace lives.
 pub enum Target {
-    /// A file (1 GiB, made by `pdstor format`).
+    /// A file (512 MiB, made by `pdstor format`).
     File(PathBuf),
     /// A zram device (its number), reset and removed when dropped.
     Zram(u32, PathBuf),
 }
 
 impl Target {
-    /// A 1 GiB target of `kind` in `dir`; `Err(reason)` inside where this
+    /// A 512 MiB target of `kind` in `dir` (about 7,900 slots of 64 KiB:
+    /// fewer than the mix keeps held, so prepares contend for room);
+    /// `Err(reason)` inside where this
     /// machine cannot make one.
     pub fn make(kind: &str, dir: &Path) -> Result<std::result::Result<Target, String>> {
         match kind {
@@ -32,7 +34,7 @@ impl Target {
                 };
                 let n: u32 = n.trim().parse().context("zram hot_add answered no device number")?;
                 let t = Target::Zram(n, PathBuf::from(format!("/dev/zram{n}")));
-                std::fs::write(format!("/sys/block/zram{n}/disksize"), "1G").context("sizing the zram device")?;
+                std::fs::write(format!("/sys/block/zram{n}/disksize"), "512M").context("sizing the zram device")?;
                 Ok(Ok(t))
             }
             other => bail!("no target kind {other:?}: file or zram"),
@@ -51,7 +53,7 @@ impl Target {
         c.args(["format", "--chunk-slot", "64K", "--journal", "16M", "--force", "--target"]).arg(self.path());
         if let Target::File(p) = self {
             let _ = std::fs::remove_file(p);
-            c.args(["--size", "1G"]);
+            c.args(["--size", "512M"]);
         }
         let out = c.output().context("running pdstor format")?;
         if !out.status.success() {

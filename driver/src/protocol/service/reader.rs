@@ -527,8 +527,8 @@ impl Service {
 
     /// The operator's way out for a claim nobody holds a receipt for (the
     /// claim committed, its answer was lost with the client or the daemon):
-    /// an admin fences the claim's session and reclaims `publication`, by
-    /// number. Journaled as a reclaim and on the timeline with `reason`.
+    /// an admin fences the claim's session (unless the claim can no longer
+    /// act) and reclaims `publication`, by number. Journaled as a reclaim and on the timeline with `reason`.
     pub fn reclaim_by_operator(&self, who: &Caller, publication: u64, reason: &str) -> Result<(), ProtocolError> {
         who.require(Role::Admin, "an operator's reclaim by publication")?;
         bounded("reason", reason, MAX_REASON_BYTES)?;
@@ -553,10 +553,19 @@ impl Service {
             )
             .into());
         };
-        let fenced = self.fence_session(c)?;
+        // A claim that can no longer act leaves its session open: fenced
+        // already (a restart's epoch, its session closed), or RETAINED and
+        // read through the daemon (its reader failed it: nothing loads from
+        // it again). Closing the session would fence every later claim of a
+        // reader that carries on in it, as a serving engine does.
+        let closed = match self.fenced(&p) {
+            Some(why) => format!("its claim fenced already ({why})"),
+            None if p.phase == Phase::Retained && !c.direct => "its claim failed, its session left open".to_owned(),
+            None => format!("session {} closed", self.fence_session(c)?),
+        };
         self.store.reclaim(p.id)?;
         self.lock_served().remove(&p.id);
-        let detail = format!("by an operator, without the claim receipt; session {fenced} closed; {reason}");
+        let detail = format!("by an operator, without the claim receipt; {closed}; {reason}");
         self.note(who, Event::new("reclaim").req(&p.req_id).publication(p.id).detail(detail));
         Ok(())
     }
