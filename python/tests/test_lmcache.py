@@ -195,6 +195,31 @@ def test_a_backend_keeps_a_bounded_number_of_receipts(sm_factory, monkeypatch):
     got[0].ref_count_down()
 
 
+def test_after_a_fenced_claim_the_plugin_claims_in_a_new_session(tmp_path: Path, big_daemon: Daemon):
+    """The operator closed the session a plugin thread claims in (its host
+    was believed gone): the get in it fails, Fenced, and the next claims are
+    made in a new session — the plugin is not fenced for good."""
+    sm = manager(config_file(tmp_path, big_daemon, extra="  pdstor.io_threads: 1\n"))
+    try:
+        backend = sm.storage_backends["pdstor"]
+        session = backend._threads.submit(lambda: backend._conn().reader.session).result()
+        put(sm, [30, 31, 32])
+        client = big_daemon.client()
+        (ready,) = client.lookup([key(30).to_string()])
+        claim = pdstor.Reader(client, "lmcache-0", session=session).claim(ready)
+        client.close_session(claim)
+        client.reclaim(claim)
+        with pytest.raises(pdstor.Fenced):
+            retrieve(sm, [key(31)])
+        (fenced,) = [p for p in client.publications() if p["req_id"] == key(31).to_string()]
+        client.reclaim_publication(fenced["publication"], "its claim was fenced")
+        got = retrieve(sm, [key(32)])
+        assert torch.equal(got[0].tensor, kv(32)), "claimed in a new session and restored"
+        got[0].ref_count_down()
+    finally:
+        sm.close()
+
+
 WRITER = r"""
 import sys, time, torch
 sys.path.insert(0, sys.argv[2])
