@@ -51,7 +51,11 @@ How LMCache's operations map onto pdstor's protocol:
   slots free); LMCache keeps its own copy in ``LocalCPUBackend``. Strict: a
   load that fails or does not verify raises (``pdstor.LoadFailed``,
   ``pdstor.VerifyFailed``) through LMCache's ``get``/``batched_get`` — never a
-  silent miss — and the publication stays RETAINED, its bytes kept.
+  silent miss — and the publication stays RETAINED, its bytes kept. A
+  claim fenced (a daemon restart, or its session closed by an operator)
+  raises ``pdstor.Fenced``, and the plugin's next claims are made in a new
+  reader session. The READY receipts of this process's puts are kept, the
+  newest ``READY_KEPT`` (8,192); an older key is found again by name.
 * **remove**: an exact unread release of a READY publication.
 * **pin / unpin**: a containment check. pdstor evicts nothing unless the
   operator opted in (``pdstor serve --evict-unread``, or ``evict_unread`` for
@@ -516,7 +520,7 @@ class PdstorBackend(StoragePluginInterface):
         tokens = self._tokens(name, manifest)
         obj = self.local_cpu_backend.allocate(self._metadata.get_shapes(tokens)[0], self._dtype, self._fmt)
         if obj is None:
-            raise pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for {size} bytes")
+            raise pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for {tokens} tokens")
         return obj
 
     def _missed(self, name: str, why: Exception) -> None:
@@ -655,7 +659,8 @@ class PdstorBackend(StoragePluginInterface):
                 got = [e]
             for o in got:
                 if isinstance(o, pdstor.Fenced):
-                    self._sessions += 1
+                    with self._lock:
+                        self._sessions += 1
                 if isinstance(o, BaseException):
                     failure = failure or o
                     with self._lock:

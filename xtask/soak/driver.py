@@ -459,9 +459,18 @@ def verdict(args: argparse.Namespace) -> None:
     ready: dict[str, dict[str, Any]] = {}
     ends: dict[str, str] = {}
     counts: dict[str, int] = {}
+    # Per decoding process (reader, LMCache decode, vLLM decode): what it
+    # acknowledged, and what it found gone after the daemon cut it short.
+    decoders: dict[str, dict[str, int]] = {}
     for path in sorted(dir.glob("ledger-*.jsonl")):
+        decoding = path.stem.startswith(("ledger-reader-", "ledger-lmcache-decode-", "ledger-vllm-decode-"))
+        mine = {"acked": 0, "acked_unrecorded": 0}
+        if decoding:
+            decoders[path.stem.removeprefix("ledger-")] = mine
         for e in Ledger.read(path):
             counts[e["ev"]] = counts.get(e["ev"], 0) + 1
+            if e["ev"] in mine:
+                mine[e["ev"]] += 1
             if e["ev"] == "ready":
                 ready[e["req"]] = e
             elif e["ev"] in TERMINAL:
@@ -477,6 +486,7 @@ def verdict(args: argparse.Namespace) -> None:
     hangs = [e for e in Ledger.read(dir / "ledger-hang-0.jsonl")]
     out = {
         "counts": counts,
+        "decoders": decoders,
         "handoffs": len(handoffs),
         "orphans": len(orphans),
         "lost": lost[:50],

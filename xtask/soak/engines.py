@@ -44,7 +44,7 @@ MODEL = "soak/lmcache"
 # One chunk of 256 tokens of (1 layer, K and V, 1 head of 64, BF16): 64 KiB, one slot.
 KV_SHAPE = (1, 2, 256, 1, 64)
 MAX_KEYS = 64
-WINDOW_S = 60
+WINDOW_S = 120
 
 
 def manager(args: Any, role: str) -> StorageManager:
@@ -150,6 +150,8 @@ def lmcache_decode(args: Any, ledger_cls: Any, stopping: Any, tail: Any) -> None
     queue, offset = dir / f"queue-lmcache-{args.id}.jsonl", 0
     sm = manager(args, "decode")
     client = pdstor.Client(args.server, args.data_socket)
+    # A decode started in place of one that died takes up where it stopped.
+    done = {e["req"] for e in ledger_cls.read(ledger.path)}
     while True:
         ended = stopping(dir) and (dir / f"lmcache-prefill-{args.id}.done").exists()
         entries, offset = tail(queue, offset)
@@ -159,7 +161,9 @@ def lmcache_decode(args: Any, ledger_cls: Any, stopping: Any, tail: Any) -> None
             time.sleep(0.05)
             continue
         for e in entries:
-            retrieve(sm, client, e["seeds"], ledger)
+            seeds = [s for s in e["seeds"] if key(s).to_string() not in done]
+            if seeds:
+                retrieve(sm, client, seeds, ledger)
     sm.close()
 
 
@@ -205,21 +209,40 @@ def interrupted(client: pdstor.Client, keys: list[CacheEngineKey], ledger: Any) 
     """After a get the daemon cut short: the keys still READY (to get again);
     one claimed and fenced by the restart is reclaimed; one gone was
     acknowledged before the answer was lost."""
-    while True:
-        try:
-            held = {p["req_id"]: p for p in client.publications()}
-            break
-        except pdstor.Error:
-            time.sleep(0.5)
     again = []
     for k in keys:
         name = k.to_string()
-        p = held.get(name)
-        if p is None:
-            ledger.put(ev="acked_unrecorded", req=name)
-        elif p["state"] == "READY":
-            again.append(k)
+        for _ in range(120):
+            p = state_of(client, name)
+            if p is None:
+                ledger.put(ev="acked_unrecorded", req=name)
+            elif p["state"] == "READY":
+                again.append(k)
+            elif reclaimed(client, p, f"soak: its LMCache get was cut short ({p['state']})"):
+                ledger.put(ev="reclaimed", req=name, code=p["state"])
+            else:
+                time.sleep(0.5)  # acked or reclaimed meanwhile, or the daemon away: looked at again
+                continue
+            break
         else:
-            client.reclaim_publication(p["publication"], f"soak: its LMCache get was cut short ({p['state']})")
-            ledger.put(ev="reclaimed", req=name, code=p["state"])
+            ledger.put(ev="lost", req=name, why="neither READY, nor gone, nor reclaimed for 60 s")
     return again
+
+
+def state_of(client: pdstor.Client, name: str) -> dict[str, Any] | None:
+    """`name`'s publication as the daemon lists it, once it answers."""
+    while True:
+        try:
+            return next((p for p in client.publications() if p["req_id"] == name), None)
+        except pdstor.Error:
+            time.sleep(0.5)
+
+
+def reclaimed(client: pdstor.Client, p: dict[str, Any], why: str) -> bool:
+    """An operator's reclaim of `p`; False where it did not happen (the
+    daemon away, the publication acked or gone meanwhile)."""
+    try:
+        client.reclaim_publication(p["publication"], why)
+        return True
+    except pdstor.Error:
+        return False

@@ -124,10 +124,33 @@ pub fn judge(
             format!("{} of {hangs} hangs reported, {} not closed by the daemon", n("hangs"), n("hangs_not_closed")),
         ),
     ];
+    v.push(decoders(&ledger));
     v.push(pressure(run, length));
     v.extend(resources(run, length));
     v.push(steady(run, length, latency));
     Judged { verdicts: v, ledger }
+}
+
+/// Whether every decoding process (each reader, the LMCache and the vLLM
+/// decode) restored handoffs, and found few of its handoffs gone after the
+/// daemon cut it short (acknowledged, their answer lost: at most 1 % of
+/// what it acknowledged) — not an engine that only ever failed, its
+/// handoffs reclaimed or gone.
+fn decoders(ledger: &Value) -> Verdict {
+    let Some(all) = ledger["decoders"].as_object().filter(|d| !d.is_empty()) else {
+        return check("every decoder restored", false, "no decoder acknowledged anything".into());
+    };
+    let mut wrong = Vec::new();
+    let mut seen = Vec::new();
+    for (name, d) in all {
+        let (acked, gone) = (d["acked"].as_u64().unwrap_or(0), d["acked_unrecorded"].as_u64().unwrap_or(0));
+        seen.push(format!("{name} {acked}"));
+        if acked == 0 || gone as f64 > 0.01 * acked as f64 {
+            wrong.push(format!("{name}: {acked} acknowledged, {gone} found gone"));
+        }
+    }
+    let detail = if wrong.is_empty() { format!("acknowledged: {}", seen.join(", ")) } else { wrong.join("; ") };
+    check("every decoder restored", wrong.is_empty(), detail)
 }
 
 /// Whether the load did what it says: the store at least 90 % taken (used

@@ -50,7 +50,9 @@ impl ClosedSessions {
         self.next += 1;
         self.closed.insert(key.clone(), seq);
         self.order.push_back((seq, key));
-        if self.closed.len() <= REMEMBERED + REMEMBERED / 4 {
+        // A session closed again leaves its older entry in `order` behind:
+        // those are dropped once they are as many as the remembered.
+        if self.closed.len() <= REMEMBERED + REMEMBERED / 4 && self.order.len() <= 2 * (REMEMBERED + REMEMBERED / 4) {
             return;
         }
         let holding = holding();
@@ -109,5 +111,15 @@ mod tests {
         assert!(s.contains(&key(0)), "closed again: as new as its last close");
         assert!(!s.contains(&key(1)), "older than it: forgotten");
         assert_eq!(s.len(), REMEMBERED);
+    }
+
+    #[test]
+    fn one_session_closed_over_and_over_is_one_entry() {
+        let mut s = ClosedSessions::default();
+        for _ in 0..10 * REMEMBERED {
+            s.close(key(0), HashSet::new);
+        }
+        assert_eq!(s.len(), 1);
+        assert!(s.order.len() <= 2 * (REMEMBERED + REMEMBERED / 4) + 1, "{} entries kept", s.order.len());
     }
 }

@@ -558,10 +558,12 @@ impl Service {
         // read through the daemon (its reader failed it: nothing loads from
         // it again). Closing the session would fence every later claim of a
         // reader that carries on in it, as a serving engine does.
+        // A direct claim is fenced here all the same: its host is cut off at
+        // the target, which no earlier close of its session need have done.
         let closed = match self.fenced(&p) {
-            Some(why) => format!("its claim fenced already ({why})"),
+            Some(why) if !c.direct => format!("its claim fenced already ({why})"),
             None if p.phase == Phase::Retained && !c.direct => "its claim failed, its session left open".to_owned(),
-            None => format!("session {} closed", self.fence_session(c)?),
+            _ => format!("session {} closed", self.fence_session(c)?),
         };
         self.store.reclaim(p.id)?;
         self.lock_served().remove(&p.id);
