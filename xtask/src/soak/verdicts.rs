@@ -307,7 +307,12 @@ impl Judged {
                 wrong.push(format!("the planted leak was not caught: {}", v.detail));
             } else if !leak
                 && !v.pass
-                && !matches!(v.name, "orphans released by policy" | "the store kept at least 90 % full")
+                // A run of a minute and a half: too short to fill the store,
+                // see a window pass, or give every engine time to start.
+                && !matches!(
+                    v.name,
+                    "orphans released by policy" | "the store kept at least 90 % full" | "every decoder restored"
+                )
             {
                 wrong.push(format!("{}: {}", v.name, v.detail));
             }
