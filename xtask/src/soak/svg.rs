@@ -123,7 +123,9 @@ fn panel(svg: &mut String, top: f64, end: f64, name: &str, unit: &str, lines: &[
     let _ =
         writeln!(svg, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>", LEFT - 4.0, y0 + 8.0, round(max));
     let _ = writeln!(svg, "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">0</text>", LEFT - 4.0, y0 + plot_h);
-    for minute in 0..=((end / 60.0) as u64) {
+    // A label a minute up to 20 minutes, every 5 beyond: they stay apart.
+    let every = if end > 1200.0 { 5 } else { 1 };
+    for minute in (0..=((end / 60.0) as u64)).step_by(every) {
         let x = LEFT + (minute as f64 * 60.0 / end) * plot_w;
         let _ = writeln!(
             svg,
