@@ -306,6 +306,23 @@ def reading(args, buf, payload, ledger: Ledger, rng: random.Random) -> None:
         done.update(e["req"] for e in group)
 
 
+def queued(dir: Path, name: str, ended_by: str):
+    """The entries of `D/queue-<name>.jsonl` as they are appended, until the
+    load stops and `D/<ended_by>` (its writer's end) exists."""
+    offset = 0
+    while True:
+        # The writer's end first, then the queue: an entry written before
+        # the writer ended is read before this ends.
+        ended = stopping(dir) and (dir / ended_by).exists()
+        entries, offset = tail(dir / f"queue-{name}.jsonl", offset)
+        if not entries:
+            if ended:
+                return
+            time.sleep(0.05)
+            continue
+        yield from entries
+
+
 def next_group(waiting: list[dict[str, Any]], slow_s: float) -> list[dict[str, Any]]:
     """The handoffs to take now, together: due (a slow one 20 s after it was
     handed over), at most 512 chunks in all (the reader's buffer)."""
@@ -518,13 +535,13 @@ def main() -> None:
 
         if args.role == "lmcache-prefill":
             return engines.lmcache_prefill(args, Ledger, stopping, chunks_drawn)
-        return engines.lmcache_decode(args, Ledger, stopping, tail)
+        return engines.lmcache_decode(args, Ledger, queued)
     if args.role.startswith("vllm-"):
         import vllm_engines  # vLLM's scheduler and the connector: only in the processes that are vLLM
 
         if args.role == "vllm-prefill":
             return vllm_engines.vllm_prefill(args, Ledger, stopping)
-        return vllm_engines.vllm_decode(args, Ledger, stopping, tail)
+        return vllm_engines.vllm_decode(args, Ledger, queued)
     {"writer": writer_to_end, "reader": reader, "hang": hang, "verdict": verdict}[args.role](args)
 
 

@@ -144,26 +144,17 @@ def held_now(backend: Any, k: CacheEngineKey) -> bool:
         return False
 
 
-def lmcache_decode(args: Any, ledger_cls: Any, stopping: Any, tail: Any) -> None:
+def lmcache_decode(args: Any, ledger_cls: Any, queued: Any) -> None:
     dir = Path(args.dir)
     ledger = ledger_cls(dir / f"ledger-lmcache-decode-{args.id}.jsonl")
-    queue, offset = dir / f"queue-lmcache-{args.id}.jsonl", 0
     sm = manager(args, "decode")
     client = pdstor.Client(args.server, args.data_socket)
     # A decode started in place of one that died takes up where it stopped.
     done = {e["req"] for e in ledger_cls.read(ledger.path)}
-    while True:
-        ended = stopping(dir) and (dir / f"lmcache-prefill-{args.id}.done").exists()
-        entries, offset = tail(queue, offset)
-        if not entries:
-            if ended:
-                break
-            time.sleep(0.05)
-            continue
-        for e in entries:
-            seeds = [s for s in e["seeds"] if key(s).to_string() not in done]
-            if seeds:
-                retrieve(sm, client, seeds, ledger)
+    for e in queued(dir, f"lmcache-{args.id}", f"lmcache-prefill-{args.id}.done"):
+        seeds = [s for s in e["seeds"] if key(s).to_string() not in done]
+        if seeds:
+            retrieve(sm, client, seeds, ledger)
     sm.close()
 
 

@@ -109,25 +109,16 @@ def await_ready(client: pdstor.Client, names: list[str]) -> set[str]:
     return ready
 
 
-def vllm_decode(args: Any, ledger_cls: Any, stopping: Any, tail: Any) -> None:
+def vllm_decode(args: Any, ledger_cls: Any, queued: Any) -> None:
     dir = Path(args.dir)
     ledger = ledger_cls(dir / f"ledger-vllm-decode-{args.id}.jsonl")
-    queue, offset = dir / f"queue-vllm-{args.id}.jsonl", 0
     c = engine(args, "kv_consumer")
     client = pdstor.Client(args.server, args.data_socket)
     # A decode started in place of one that died takes up where it stopped.
     done = {e["req"] for e in ledger_cls.read(ledger.path)}
-    while True:
-        ended = stopping(dir) and (dir / f"vllm-prefill-{args.id}.done").exists()
-        entries, offset = tail(queue, offset)
-        if not entries:
-            if ended:
-                break
-            time.sleep(0.05)
-            continue
-        for e in entries:
-            if e["req"] not in done:
-                decode(c, client, e, ledger)
+    for e in queued(dir, f"vllm-{args.id}", f"vllm-prefill-{args.id}.done"):
+        if e["req"] not in done:
+            decode(c, client, e, ledger)
     c.shutdown()
 
 
