@@ -2,6 +2,7 @@
 //! skeleton. `src/bpf/vmlinux.h` is committed: regenerate it with
 //! `bpftool btf dump file /sys/kernel/btf/vmlinux format c > ebpf/src/bpf/vmlinux.h`
 //! (CO-RE relocations make one object run on 6.1–6.18).
+#![deny(clippy::unwrap_used)]
 
 use std::env;
 use std::path::PathBuf;

@@ -15,6 +15,7 @@
 //!   whole of `prepare → store → publish` and `claim → adopt → load → ack`,
 //!   verifying every restored chunk's crc32c; [`RemoteReader`] reads a shared
 //!   namespace itself, from another host.
+#![deny(clippy::unwrap_used)]
 
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;

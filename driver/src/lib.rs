@@ -2,6 +2,7 @@
 //! pdstor: hands an LLM's KV cache from a prefill engine to a decode engine
 //! through NVMe storage, and proves every step. The design this code cites as
 //! "DESIGN §N" is `docs/design.md`; the rest of the book is beside it in `docs/`.
+#![deny(clippy::unwrap_used)]
 
 pub mod admission;
 pub mod api;

@@ -1,4 +1,5 @@
 //! The `pdstor` command line (see `cli/`).
+#![deny(clippy::unwrap_used)]
 
 mod cli;
 

@@ -7,6 +7,7 @@
 //! gather per-transfer [`Signals`]; [`Probes`] loads and attaches them;
 //! [`judge`] turns signals into a verdict. Nothing here claims `native`
 //! without a signal that says so.
+#![deny(clippy::unwrap_used)]
 
 mod facility;
 mod hooks;

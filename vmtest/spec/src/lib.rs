@@ -4,6 +4,7 @@
 //!
 //! This crate is the one place a disk or a suite name is declared. It depends
 //! on nothing that needs a system package, so `xtask` builds on a bare machine.
+#![deny(clippy::unwrap_used)]
 
 use serde::{Deserialize, Serialize};
 
