@@ -3,7 +3,7 @@
 //! the probes know nothing of the engine; the daemon and the ladder compose
 //! the two through this module.
 
-use crate::io::{PayloadPath, SEGMENT_BITS, TargetKind};
+use pdstor_engine::io::{PayloadPath, SEGMENT_BITS, TargetKind};
 use pdstor_probes::{Declared, TargetClass};
 
 // The BPF programs recover a transfer id from `user_data` by shifting out
@@ -47,7 +47,7 @@ impl ProbeJudge {
 }
 
 impl pdstor_client::Judge for ProbeJudge {
-    fn verdict(&self, transfer: crate::io::TransferId, path: PayloadPath, target: TargetKind) -> String {
+    fn verdict(&self, transfer: pdstor_engine::io::TransferId, path: PayloadPath, target: TargetKind) -> String {
         self.reader.verdict(transfer.0, declared(path), target_class(target)).to_string()
     }
 }

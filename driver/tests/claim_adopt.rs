@@ -9,15 +9,18 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use pdstor::Buffer;
 use pdstor::admission::CancelToken;
-use pdstor::io::BufferOffset;
+use pdstor::protocol::Clock;
 use pdstor::protocol::identity::Caller;
 use pdstor::protocol::service::{ProtocolError, Service};
-use pdstor::protocol::{Clock, Receipt, RefusalCode};
-use pdstor::store::{self, ChunkSource, FormatOptions, Layout, Phase, Store, StoreBatch, StoreOptions};
+use pdstor::store::{self, ChunkSource, FormatOptions, Phase, Store, StoreBatch, StoreOptions};
+use pdstor_client::code::RefusalCode;
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
 use pdstor_client::receipt::manifest_digest;
 use pdstor_client::wire::{AdoptRequest, ClaimRequest};
+use pdstor_engine::Buffer;
+use pdstor_engine::io::BufferOffset;
 
 const SLOT: u64 = 64 * 1024;
 

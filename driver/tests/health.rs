@@ -4,8 +4,9 @@
 //! The device is failed by the store's fault plan, in this process: the
 //! test sends SIGTERM to itself, which the daemon's handler takes.
 
-use pdstor::client::{ClientError, Writer};
-use pdstor::store::{FaultPlan, Layout};
+use pdstor::store::FaultPlan;
+use pdstor_client::layout::Layout;
+use pdstor_client::{ClientError, Writer};
 
 mod common;
 
@@ -40,7 +41,7 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
     let mut failure = None;
     for i in 0..200 {
         let mut w = Writer::new(&server, &socket, 1 << 20, 1).unwrap();
-        match w.put(&format!("r{i}"), &layout, &pdstor::payload::chunk(i, 0, 1 << 20), 1, None) {
+        match w.put(&format!("r{i}"), &layout, &pdstor_engine::payload::chunk(i, 0, 1 << 20), 1, None) {
             Ok(_) => continue,
             Err(e) => {
                 failure = Some(e);
@@ -53,11 +54,11 @@ fn health_turns_503_when_the_store_fails_and_the_exit_status_says_so() {
     // Every later change is refused, and both probes say so in JSON.
     let (status, body) = get(&format!("{server}/healthz"));
     assert_eq!(status, 503, "{body}");
-    let e: pdstor::api::wire::ErrorBody = serde_json::from_str(&body).unwrap();
+    let e: pdstor_client::wire::ErrorBody = serde_json::from_str(&body).unwrap();
     assert_eq!(e.code, "store_failed", "{body}");
     let (status, body) = get(&format!("{server}/readyz"));
     assert_eq!(status, 503, "{body}");
-    let e: pdstor::api::wire::ErrorBody = serde_json::from_str(&body).unwrap();
+    let e: pdstor_client::wire::ErrorBody = serde_json::from_str(&body).unwrap();
     assert!(e.code == "not_ready" && e.message.contains("failed"), "{body}");
 
     // SIGTERM: a clean stop, but not a successful one.

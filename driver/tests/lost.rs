@@ -11,8 +11,9 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use pdstor::client::{ClientError, Writer};
-use pdstor::store::{FaultPlan, Layout, Phase};
+use pdstor::store::{FaultPlan, Phase};
+use pdstor_client::layout::Layout;
+use pdstor_client::{ClientError, Writer};
 
 mod common;
 
@@ -25,7 +26,7 @@ fn get(url: &str) -> (u16, String) {
 }
 
 fn code(body: &str) -> String {
-    serde_json::from_str::<pdstor::api::wire::ErrorBody>(body).map(|e| e.code).unwrap_or_else(|_| body.to_owned())
+    serde_json::from_str::<pdstor_client::wire::ErrorBody>(body).map(|e| e.code).unwrap_or_else(|_| body.to_owned())
 }
 
 #[test]
@@ -42,7 +43,7 @@ fn an_owner_fenced_by_a_takeover_acknowledges_nothing_more_and_says_so() {
         chunk_tokens: 16,
         kv_format: "lost".into(),
     };
-    let bytes = |seed: u64| pdstor::payload::chunk(seed, 0, 1 << 20);
+    let bytes = |seed: u64| pdstor_engine::payload::chunk(seed, 0, 1 << 20);
     // Acknowledged before the takeover: it must survive it.
     let mut w1 = Writer::new(&server, &socket, 1 << 20, 1).unwrap();
     let kept = w1.put("before", &layout, &bytes(1), 1, Some(7)).unwrap();
@@ -61,7 +62,7 @@ fn an_owner_fenced_by_a_takeover_acknowledges_nothing_more_and_says_so() {
     }
     let (status, body) = get(&format!("{server}/metrics"));
     assert_eq!(status, 200, "{body}");
-    let e = pdstor::client::Client::new(&server).claim(&kept.receipt, "r", "s", 60_000).unwrap_err();
+    let e = pdstor_client::Client::new(&server).claim(&kept.receipt, "r", "s", 60_000).unwrap_err();
     assert!(matches!(&e, ClientError::Api(b) if b.code == "namespace_lost"), "{e}");
 
     drop((w1, w)); // their data connections hold the daemon's store while open

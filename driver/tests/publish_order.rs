@@ -10,13 +10,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use pdstor::Buffer;
 use pdstor::admission::CancelToken;
-use pdstor::io::BufferOffset;
 use pdstor::protocol::identity::Caller;
 use pdstor::protocol::service::Service;
-use pdstor::store::{self, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
+use pdstor::store::{self, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
+use pdstor_client::layout::Layout;
 use pdstor_client::timeline::Timeline;
+use pdstor_engine::Buffer;
+use pdstor_engine::io::BufferOffset;
 
 const SLOT: u64 = 64 * 1024;
 const ROUNDS: usize = 300;

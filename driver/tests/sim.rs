@@ -56,12 +56,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use pdstor::admission::{CancelToken, WaitClock};
-use pdstor::protocol::Receipt;
-use pdstor::protocol::service::{Prepared, ProtocolError, Service, restore_digest};
-use pdstor::store::{
-    self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Layout, Phase, Store, StoreBatch, StoreOptions,
-};
-use pdstor::{Buffer, payload};
+use pdstor::protocol::service::{ProtocolError, Service};
+use pdstor::store::{self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreOptions};
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
+use pdstor_client::receipt::restore_digest;
+use pdstor_client::wire::Prepared;
+use pdstor_engine::{Buffer, payload};
 
 const SLOT: u64 = 16 << 10;
 const SLOTS: u64 = 12;
@@ -190,8 +191,8 @@ struct Sim {
     service: Option<Arc<Service>>,
     /// The one prepare waiting for capacity, if any.
     waiter: Option<Waiter>,
-    writer: (Buffer, pdstor::io::BufferId),
-    reader: (Buffer, pdstor::io::BufferId),
+    writer: (Buffer, pdstor_engine::io::BufferId),
+    reader: (Buffer, pdstor_engine::io::BufferId),
     /// Live requests by publication id.
     reqs: BTreeMap<u64, Req>,
     /// Publications freed by a step that may not be durable yet (ack,
@@ -221,7 +222,7 @@ fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
 }
 
 /// A buffer of `MAX_CHUNKS` slots shared with the store (another mapping of one memfd).
-fn shared(store: &Store) -> (Buffer, pdstor::io::BufferId) {
+fn shared(store: &Store) -> (Buffer, pdstor_engine::io::BufferId) {
     let len = (MAX_CHUNKS as u64 * SLOT) as usize;
     let mine = Buffer::memfd("sim", len).expect("memfd");
     let fd = mine.memfd_fd().expect("memfd fd").try_clone_to_owned().expect("dup");
@@ -429,7 +430,7 @@ impl Sim {
         }
         // Idempotent: a second cancel finds nothing.
         match self.svc().cancel(&me(), &req) {
-            Ok(pdstor::store::CancelOutcome::None) => Ok(()),
+            Ok(pdstor_client::wire::CancelOutcome::None) => Ok(()),
             other => Err(format!("a second cancel of {req} did something: {other:?}")),
         }
     }
@@ -564,7 +565,7 @@ impl Sim {
                 .map(|&c| ChunkSource {
                     index: c,
                     buffer: self.writer.1,
-                    buffer_offset: pdstor::io::BufferOffset((c % MAX_CHUNKS) as u64 * SLOT),
+                    buffer_offset: pdstor_engine::io::BufferOffset((c % MAX_CHUNKS) as u64 * SLOT),
                     len: SLOT,
                     crc32c: None,
                 })
@@ -638,7 +639,7 @@ impl Sim {
         let Some(claim) = self.reqs[&id].claim.clone() else { return Ok(()) };
         let ns = self.svc().namespace().to_owned();
         let direct = self.rng.chance(50);
-        let request = pdstor::api::wire::AdoptRequest {
+        let request = pdstor_client::wire::AdoptRequest {
             receipt: claim.clone(),
             namespace: ns,
             epoch: claim.epoch,
@@ -696,7 +697,7 @@ impl Sim {
             .map(|c| ChunkDest {
                 index: c,
                 buffer: self.reader.1,
-                buffer_offset: pdstor::io::BufferOffset(c as u64 * SLOT),
+                buffer_offset: pdstor_engine::io::BufferOffset(c as u64 * SLOT),
             })
             .collect();
         match self.store().load(id, &dests) {

@@ -13,12 +13,13 @@ use std::thread;
 use std::time::Duration;
 
 use pdstor::admission::AdmitError;
-use pdstor::io::{BufferId, BufferOffset};
 use pdstor::store::{
     self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreError,
-    StoreOptions, Superblock, journal,
+    StoreOptions, journal,
 };
-use pdstor::{Buffer, payload};
+use pdstor_client::superblock::Superblock;
+use pdstor_engine::io::{BufferId, BufferOffset};
+use pdstor_engine::{Buffer, payload};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -128,7 +129,7 @@ fn format_refuses_signatures_unless_forced_and_names_them() {
         std::fs::File::create(&img).unwrap().set_len(320 << 20).unwrap();
         let ok = std::process::Command::new(mkfs).args(&args).arg(&img).status().is_ok_and(|s| s.success());
         if !ok {
-            common::skip("format_refuses_signatures", &format!("{mkfs} unavailable"));
+            pdstor_testkit::skip("format_refuses_signatures", &format!("{mkfs} unavailable"));
             continue;
         }
         let e = store::format(&img, &opts).unwrap_err();

@@ -11,9 +11,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::layout;
-use pdstor::io::{BufferOffset, WriteCache};
 use pdstor::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
-use pdstor::{Buffer, payload};
+use pdstor_engine::io::{BufferOffset, WriteCache};
+use pdstor_engine::{Buffer, payload};
 
 const SLOT: u64 = 64 * 1024;
 const JOURNAL: u64 = 256 * 1024;
@@ -31,7 +31,7 @@ fn format(path: &Path, create_len: Option<u64>) {
 
 /// Publishes one two-chunk publication of `seed`'s bytes; answers the
 /// flushes (issued, elided) it took.
-fn put(s: &Store, b: &(Buffer, pdstor::io::BufferId), req: &str, seed: u64) -> (u64, u64) {
+fn put(s: &Store, b: &(Buffer, pdstor_engine::io::BufferId), req: &str, seed: u64) -> (u64, u64) {
     let before = s.stats();
     for i in 0..2 {
         b.0.write_at(i * SLOT, &payload::chunk(seed, i, SLOT as usize)).unwrap();
@@ -52,7 +52,7 @@ fn put(s: &Store, b: &(Buffer, pdstor::io::BufferId), req: &str, seed: u64) -> (
     (after.flushes - before.flushes, after.flushes_elided - before.flushes_elided)
 }
 
-fn shared(s: &Store) -> (Buffer, pdstor::io::BufferId) {
+fn shared(s: &Store) -> (Buffer, pdstor_engine::io::BufferId) {
     let mine = Buffer::memfd("client", 2 * SLOT as usize).unwrap();
     let fd = mine.memfd_fd().unwrap().try_clone_to_owned().unwrap();
     let id = s.register_buffer(Buffer::from_memfd(fd, 2 * SLOT as usize).unwrap()).unwrap();
@@ -79,12 +79,12 @@ fn reopened_holds(path: &Path, seeds: &[u64]) {
 
 #[test]
 fn zram_keeps_no_write_cache_so_no_flush_is_issued() {
-    let z = match common::Zram::new(LEN) {
+    let z = match pdstor_testkit::Zram::new(LEN) {
         Ok(z) => z,
-        Err(why) => return common::skip("zram_keeps_no_write_cache_so_no_flush_is_issued", &why),
+        Err(why) => return pdstor_testkit::skip("zram_keeps_no_write_cache_so_no_flush_is_issued", &why),
     };
-    format(&z.device, None);
-    let s = open(&z.device);
+    format(&z.path, None);
+    let s = open(&z.path);
     assert!(matches!(s.write_cache(), WriteCache::None { .. }), "{:?}", s.write_cache());
     assert!(s.write_cache().to_string().contains("write through"), "{}", s.write_cache());
     let b = shared(&s);
@@ -92,22 +92,22 @@ fn zram_keeps_no_write_cache_so_no_flush_is_issued() {
     assert_eq!(issued, 0, "zram has no write cache: nothing to flush");
     assert!(elided == 1, "the payload's flush, counted elided: {elided}");
     drop(s);
-    reopened_holds(&z.device, &[1]);
+    reopened_holds(&z.path, &[1]);
 }
 
 #[test]
 fn a_loop_devices_write_cache_is_read_again_when_switched_under_the_store() {
     let name = "a_loop_devices_write_cache_is_read_again_when_switched_under_the_store";
-    let dev = match common::LoopDevice::new(LEN, 4096) {
+    let dev = match pdstor_testkit::LoopDevice::scratch(LEN, 4096) {
         Ok(d) => d,
-        Err(why) => return common::skip(name, &why),
+        Err(why) => return pdstor_testkit::skip(name, &why),
     };
-    let loop_name = dev.device.file_name().unwrap().to_string_lossy().into_owned();
+    let loop_name = dev.path.file_name().unwrap().to_string_lossy().into_owned();
     let attr = format!("/sys/block/{loop_name}/queue/write_cache");
     let switch = |to: &str| std::fs::write(&attr, to).unwrap_or_else(|e| panic!("writing {to:?} to {attr}: {e}"));
     switch("write back");
-    format(&dev.device, None);
-    let s = open(&dev.device);
+    format(&dev.path, None);
+    let s = open(&dev.path);
     let b = shared(&s);
     assert!(matches!(s.write_cache(), WriteCache::Volatile { .. }), "{:?}", s.write_cache());
     let (issued, elided) = put(&s, &b, "req-back", 1);
@@ -119,7 +119,7 @@ fn a_loop_devices_write_cache_is_read_again_when_switched_under_the_store() {
     let (issued, elided) = put(&s, &b, "req-back-again", 3);
     assert!(issued == 1 && elided == 0, "switched back, flushed again: {issued} issued, {elided} elided");
     drop(s);
-    reopened_holds(&dev.device, &[1, 2, 3]);
+    reopened_holds(&dev.path, &[1, 2, 3]);
 }
 
 #[test]

@@ -9,20 +9,7 @@
 pub mod buffer;
 pub mod crc32c;
 pub mod io;
+pub mod payload;
 
 pub use buffer::{Buffer, BufferKind};
 pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};
-
-/// Test support: says `SKIP: <test>: <reason>` on stderr and, when
-/// `PDSTOR_SKIP_LOG` names a file, appends it there for CI's skip list.
-#[cfg(test)]
-pub(crate) fn test_skip(test: &str, reason: &str) {
-    let line = format!("SKIP: {test}: {reason}");
-    eprintln!("{line}");
-    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}

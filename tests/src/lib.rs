@@ -1,6 +1,7 @@
 //! Helpers for pdstor's end-to-end tests: the `pdstor` binary that
 //! `cargo test --workspace` built, a daemon running in its own process on a
-//! scratch target, and a reader of target bytes that is not pdstor.
+//! scratch target, and one HTTP exchange by hand. What they ask of the
+//! machine (a skip, root, loop devices, `dd`) is `pdstor-testkit`.
 #![deny(clippy::unwrap_used)]
 
 pub mod mallory;
@@ -25,37 +26,6 @@ pub fn pdstor_bin() -> PathBuf {
         assert!(status.success(), "cargo build -p pdstor failed");
     }
     bin
-}
-
-/// Reports a skipped test on stderr and in `PDSTOR_SKIP_LOG` (which
-/// `cargo xtask ci` lists at the end).
-pub fn skip(test: &str, reason: &str) {
-    let line = format!("SKIP: {test}: {reason}");
-    eprintln!("{line}");
-    if let Ok(log) = std::env::var("PDSTOR_SKIP_LOG") {
-        use std::io::Write;
-        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(log) {
-            let _ = writeln!(f, "{line}");
-        }
-    }
-}
-
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// Reads `len` bytes at `offset` of `path` with `dd iflag=direct`.
-pub fn dd_direct(path: &Path, offset: u64, len: u64) -> Vec<u8> {
-    let out = Command::new("dd")
-        .arg(format!("if={}", path.display()))
-        .args(["iflag=direct,skip_bytes,count_bytes", "bs=1M", "status=none"])
-        .arg(format!("skip={offset}"))
-        .arg(format!("count={len}"))
-        .output()
-        .expect("running dd");
-    assert!(out.status.success(), "dd failed: {}", String::from_utf8_lossy(&out.stderr));
-    out.stdout
 }
 
 /// Formats `dir/target.img`: `slots` slots of `slot` bytes behind a 256 KiB
@@ -187,7 +157,7 @@ impl Daemon {
             let answers = if self.server.starts_with("https://") {
                 std::net::TcpStream::connect(&self.addr).is_ok()
             } else {
-                pdstor::client::Client::new(&self.server).healthz().is_ok()
+                pdstor_client::Client::new(&self.server).healthz().is_ok()
             };
             let up = answers && self.data_socket.exists();
             if up {
@@ -266,42 +236,6 @@ impl Drop for Daemon {
             let _ = c.kill();
             let _ = c.wait();
         }
-    }
-}
-
-/// A loop device over a scratch file (direct I/O on, so its requests reach
-/// the backing file without the page cache), detached when dropped.
-pub struct LoopDevice {
-    pub path: PathBuf,
-}
-
-impl LoopDevice {
-    /// Attaches `image` (created at `len` bytes if missing). Needs root and
-    /// `losetup`.
-    pub fn attach(image: &Path, len: u64) -> LoopDevice {
-        if !image.exists() {
-            std::fs::File::create(image).and_then(|f| f.set_len(len)).expect("creating the loop device's backing file");
-        }
-        let out = Command::new("losetup")
-            .args(["--find", "--show", "--direct-io=on"])
-            .arg(image)
-            .output()
-            .expect("running losetup");
-        assert!(out.status.success(), "losetup {}: {}", image.display(), String::from_utf8_lossy(&out.stderr));
-        LoopDevice { path: PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()) }
-    }
-
-    /// `/sys/block/<name>/queue/<attr>`, written (the device's queue limits and scheduler).
-    pub fn set_queue(&self, attr: &str, value: &str) {
-        let name = self.path.file_name().expect("a /dev/loopN path").to_string_lossy().into_owned();
-        let file = Path::new("/sys/block").join(name).join("queue").join(attr);
-        std::fs::write(&file, value).unwrap_or_else(|e| panic!("writing {value} to {}: {e}", file.display()));
-    }
-}
-
-impl Drop for LoopDevice {
-    fn drop(&mut self) {
-        let _ = Command::new("losetup").arg("-d").arg(&self.path).status();
     }
 }
 

@@ -8,10 +8,10 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pdstor::api::wire::{AdoptRequest, DataChunk};
-use pdstor::client::{Client, ClientError, DataConn};
-use pdstor::protocol::Receipt;
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
+use pdstor_client::wire::{AdoptRequest, DataChunk};
+use pdstor_client::{Client, ClientError, DataConn};
 use serde::{Deserialize, Serialize};
 
 use crate::Daemon;
@@ -192,7 +192,8 @@ pub fn run(attack: Attack) -> Outcome {
         Attack::Cancel { server, req } => Outcome::of(Client::new(&server).cancel(&req)),
         Attack::StoreAndVanish { server: _, data, publication, token } => Outcome::of((|| {
             let mut conn = DataConn::connect(&data)?;
-            let evil = pdstor::Buffer::memfd("evil", SLOT as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let evil =
+                pdstor_engine::Buffer::memfd("evil", SLOT as usize).map_err(|e| ClientError::Data(e.to_string()))?;
             let b = conn.register(&evil)?;
             let chunk = DataChunk { index: 1, buffer: b, offset: 0, len: SLOT, crc32c: None };
             conn.store(publication, &token, vec![chunk], true, 2)
@@ -210,8 +211,8 @@ pub fn run(attack: Attack) -> Outcome {
         })),
         Attack::Load { data, receipt } => Outcome::of((|| {
             let mut conn = DataConn::connect(&data)?;
-            let into =
-                pdstor::Buffer::memfd("loot", 2 * SLOT as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let into = pdstor_engine::Buffer::memfd("loot", 2 * SLOT as usize)
+                .map_err(|e| ClientError::Data(e.to_string()))?;
             let b = conn.register(&into)?;
             let chunks =
                 (0..2).map(|i| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None });
@@ -240,7 +241,7 @@ pub fn run(attack: Attack) -> Outcome {
 /// Holds as many data connections, each with a buffer registered, as the
 /// daemon lets it; prints `HOARDING` once it has them all.
 fn hoard(data: &Path, n: usize, secs: u64) -> Outcome {
-    let buf = match pdstor::Buffer::memfd("hoard", 4096) {
+    let buf = match pdstor_engine::Buffer::memfd("hoard", 4096) {
         Ok(b) => b,
         Err(e) => return Outcome { ok: false, code: None, detail: e.to_string() },
     };
@@ -288,7 +289,7 @@ pub fn squat(path: &Path, secs: u64) -> Outcome {
 
 /// Why the attacker cannot be run here, if it cannot.
 pub fn unavailable() -> Option<String> {
-    if !crate::is_root() {
+    if !pdstor_testkit::is_root() {
         return Some("needs root to run a second uid with setpriv".into());
     }
     match Command::new("setpriv").arg("--version").output() {

@@ -9,9 +9,10 @@ use std::os::unix::net::UnixStream;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use pdstor::api::wire::{DataChunk, PrepareRequest};
-use pdstor::client::{Client, ClientError, DataConn};
-use pdstor::store::{CancelOutcome, Layout};
+use pdstor_client::layout::Layout;
+use pdstor_client::wire::CancelOutcome;
+use pdstor_client::wire::{DataChunk, PrepareRequest};
+use pdstor_client::{Client, ClientError, DataConn};
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 1 << 20;
@@ -171,7 +172,7 @@ fn a_short_or_inconsistent_stream_is_rolled_back() {
     let d = Daemon::format_and_start(dir.path(), 10, SLOT);
     let c = Client::new(&d.server);
     let mut data = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("short", 4 * SLOT as usize).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("short", 4 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = |i: u32| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
     let p = c.prepare("short", &layout(), 4, "w").unwrap();
@@ -245,8 +246,8 @@ fn the_daemon_answers_after_a_client_vanished_mid_wait() {
 #[test]
 fn unread_publications_make_room_only_where_the_operator_opted_in() {
     let put = |d: &Daemon, req: &str, seed: u64| {
-        let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
-        w.put(req, &layout(), &pdstor::payload::chunk(seed, 0, SLOT as usize), 1, None).unwrap()
+        let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+        w.put(req, &layout(), &pdstor_engine::payload::chunk(seed, 0, SLOT as usize), 1, None).unwrap()
     };
     let states = |c: &Client| -> Vec<(String, String)> {
         c.publications(None, false).unwrap().into_iter().map(|p| (p.req_id, p.state)).collect()
@@ -299,7 +300,7 @@ fn unread_publications_make_room_only_where_the_operator_opted_in() {
     let n1 = c.prepare_request(&request("n-1", 1, None)).unwrap();
     let token = n1.writer_token;
     let mut data = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("evict", SLOT as usize).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("evict", SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
     data.store(n1.publication, &token, vec![chunk], true, 1).unwrap();
@@ -312,12 +313,12 @@ fn unread_publications_make_room_only_where_the_operator_opted_in() {
     );
     assert_eq!(metric(&c, "pdstor_evicted_total"), 4);
 
-    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let events: Vec<_> = lines.iter().map(|(_, e)| e.clone().unwrap()).collect();
     let evicted: Vec<&str> =
         events.iter().filter(|e| e.event == "evict").map(|e| e.req_id.as_deref().unwrap_or("?")).collect();
     assert_eq!(evicted, ["u-1", "u-2", "u-3", "n-1"]);
-    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     let evict_lines: Vec<usize> =
         lines.iter().filter(|(_, e)| e.as_ref().is_ok_and(|e| e.event == "evict")).map(|(l, _)| *l).collect();
     assert!(
@@ -337,8 +338,8 @@ fn a_batchs_first_prepares_are_not_idle_while_its_last_waits_for_room() {
     let target = pdstor_tests::format_file(dir.path(), 2, SLOT);
     let d = Daemon::start_with(&target, dir.path(), &["--prepare-idle-timeout-ms", "200"]);
     let c = Client::new(&d.server);
-    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
-    let held = w.put("held", &layout(), &pdstor::payload::chunk(1, 0, SLOT as usize), 1, None).unwrap();
+    let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let held = w.put("held", &layout(), &pdstor_engine::payload::chunk(1, 0, SLOT as usize), 1, None).unwrap();
     let batch = {
         let server = d.server.clone();
         thread::spawn(move || {
@@ -354,7 +355,7 @@ fn a_batchs_first_prepares_are_not_idle_while_its_last_waits_for_room() {
     assert!(answers[1].is_ok(), "last prepared once room was made: {:?}", answers[1]);
     assert_eq!(metric(&c, "pdstor_prepared_reaped_total"), 0, "nothing aborted while the batch was answered");
     let mut data = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("batch", SLOT as usize).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("batch", SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
     data.store(first.publication, &first.writer_token, vec![chunk], true, 1).expect("first is still PREPARED");

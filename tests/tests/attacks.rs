@@ -10,8 +10,8 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 
-use pdstor::api::wire::DataChunk;
-use pdstor::client::{Client, ClientError, DataConn};
+use pdstor_client::wire::DataChunk;
+use pdstor_client::{Client, ClientError, DataConn};
 use pdstor_tests::mallory::{
     Attack, Lab, MALLORY, Outcome, SLOT, as_mallory, as_uid_4002, layout, mallory_cmd, refused, unavailable,
 };
@@ -31,7 +31,7 @@ fn state(c: &Client, publication: u64) -> Option<String> {
 #[test]
 fn a_daemon_with_defaults_exposes_nothing_to_another_uid() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("a_daemon_with_defaults_exposes_nothing_to_another_uid", &why);
+        return pdstor_testkit::skip("a_daemon_with_defaults_exposes_nothing_to_another_uid", &why);
     }
     let lab = Lab::with(8, "slots = 2");
     let d = Daemon::start(&lab.target, lab.dir.path());
@@ -62,7 +62,7 @@ fn a_daemon_with_defaults_exposes_nothing_to_another_uid() {
 #[test]
 fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own", &why);
+        return pdstor_testkit::skip("another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own", &why);
     }
     let lab = Lab::with(8, "slots = 2");
     let d = lab.daemon(&[]);
@@ -71,8 +71,8 @@ fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
     // The victim prepares and stores its first chunk.
     let p = c.prepare("victim", &layout(), 2, "writer-a").expect("prepare");
     let mut writer = DataConn::connect(&d.data_socket).expect("the data plane");
-    let kv: Vec<u8> = (0..2).flat_map(|i| pdstor::payload::chunk(9, i, SLOT as usize)).collect();
-    let buf = pdstor::Buffer::memfd("victim", kv.len()).expect("a memfd");
+    let kv: Vec<u8> = (0..2).flat_map(|i| pdstor_engine::payload::chunk(9, i, SLOT as usize)).collect();
+    let buf = pdstor_engine::Buffer::memfd("victim", kv.len()).expect("a memfd");
     buf.write_at(0, &kv).expect("writing the payload");
     let b = writer.register(&buf).expect("register");
     let chunk = |i: u32| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
@@ -133,7 +133,7 @@ fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
     let claim = c.claim(&ready, "reader-a", "session-a", 60_000).expect("claim");
     let ns = ready.namespace.clone();
     refused(as_mallory(&Attack::Adopt { server: server.clone(), receipt: claim.clone(), namespace: ns }), "not_owner");
-    let mut reader = pdstor::client::Reader::new(&server, &d.data_socket).expect("a reader");
+    let mut reader = pdstor_client::Reader::new(&server, &d.data_socket).expect("a reader");
     let manifest = reader.adopt(&claim, &layout()).expect("adopt");
     refused(as_mallory(&Attack::Load { data: data.clone(), receipt: claim.clone() }), "not_owner");
     refused(as_mallory(&Attack::Ack { server: server.clone(), receipt: claim.clone() }), "not_owner");
@@ -152,7 +152,7 @@ fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
         .expect("pdstor abort");
     assert_eq!(
         out.status.code(),
-        Some(pdstor::api::error::EXIT_DENIED as i32),
+        Some(pdstor_client::code::EXIT_DENIED as i32),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -175,7 +175,7 @@ fn own_publication(c: &Client, _server: &str) -> String {
 #[test]
 fn a_squatted_socket_receives_nothing() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("a_squatted_socket_receives_nothing", &why);
+        return pdstor_testkit::skip("a_squatted_socket_receives_nothing", &why);
     }
     let lab = Lab::with(8, "slots = 2");
     let d = lab.daemon(&[]);
@@ -198,7 +198,7 @@ fn a_squatted_socket_receives_nothing() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     let kv = lab.dir.path().join("kv.bin");
-    std::fs::write(&kv, pdstor::payload::chunk(1, 0, SLOT as usize)).expect("the payload");
+    std::fs::write(&kv, pdstor_engine::payload::chunk(1, 0, SLOT as usize)).expect("the payload");
     let layout_file = lab.dir.path().join("layout.json");
     std::fs::write(&layout_file, serde_json::to_vec(&layout()).expect("a layout")).expect("the layout");
     let put = |server: &str, data: &Path| {
@@ -248,7 +248,7 @@ fn a_plaintext_tcp_caller_is_nobody() {
     }
     let out =
         Command::new(pdstor_bin()).args(["cancel", "--req", "r", "--server", &d.server]).output().expect("cancel");
-    assert_eq!(out.status.code(), Some(pdstor::api::error::EXIT_DENIED as i32));
+    assert_eq!(out.status.code(), Some(pdstor_client::code::EXIT_DENIED as i32));
     let log = std::fs::read_to_string(&d.log).expect("the log");
     assert!(log.contains("plaintext TCP (--insecure-tcp)"), "the start did not warn: {log}");
 }

@@ -11,9 +11,9 @@ use std::path::Path;
 use std::process::Command;
 
 use io_uring::{IoUring, opcode, squeue, types};
-use pdstor::{Buffer, payload};
+use pdstor_engine::{Buffer, payload};
 use pdstor_probes::{Declared, Probes, Signals, SkipRuns, TargetClass, Verdict, judge};
-use pdstor_tests::{LoopDevice, is_root, skip};
+use pdstor_testkit::{LoopDevice, is_root, skip};
 
 /// One test at a time: the probes trace the whole process, and the stress
 /// test's load would reach into the others.
@@ -133,7 +133,8 @@ fn direct_io_an_io_wq_worker_issues_is_charged_to_its_own_transfer() {
         return;
     };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let lo = LoopDevice::attach(&dir.path().join("disk.img"), 64 << 20);
+    let lo = LoopDevice::attach(&dir.path().join("disk.img"), 64 << 20)
+        .unwrap_or_else(|e| panic!("attaching a loop device: {e}"));
     let dev = open_direct(&lo.path);
     const N: u64 = 8;
     const LEN: u32 = 256 << 10;
@@ -166,7 +167,8 @@ fn io_no_transfer_made_is_never_charged_to_one() {
     const TEST: &str = "io_no_transfer_made_is_never_charged_to_one";
     let Some((_serial, probes)) = setup(TEST) else { return };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let lo = LoopDevice::attach(&dir.path().join("disk.img"), 256 << 20);
+    let lo = LoopDevice::attach(&dir.path().join("disk.img"), 256 << 20)
+        .unwrap_or_else(|e| panic!("attaching a loop device: {e}"));
     let mkfs = Command::new("mkfs.ext4").args(["-q", "-F"]).arg(&lo.path).output().expect("running mkfs.ext4");
     assert!(mkfs.status.success(), "mkfs.ext4: {}", String::from_utf8_lossy(&mkfs.stderr));
     let mnt = dir.path().join("mnt");
@@ -236,8 +238,9 @@ fn io_no_transfer_made_is_never_charged_to_one() {
 fn a_bio_split_at_the_device_limit_is_charged_part_by_part() {
     let Some((_serial, probes)) = setup("a_bio_split_at_the_device_limit_is_charged_part_by_part") else { return };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let lo = LoopDevice::attach(&dir.path().join("disk.img"), 64 << 20);
-    lo.set_queue("max_sectors_kb", "64");
+    let lo = LoopDevice::attach(&dir.path().join("disk.img"), 64 << 20)
+        .unwrap_or_else(|e| panic!("attaching a loop device: {e}"));
+    lo.set_queue("max_sectors_kb", "64").unwrap_or_else(|e| panic!("{e}"));
     let dev = open_direct(&lo.path);
     const LEN: u32 = 4 << 20;
     let mut ring = Ring::new(4, LEN as usize, 10);
@@ -268,8 +271,9 @@ fn verdicts_stand_on_their_second_witness_when_runs_are_skipped() {
     // requests are at most `max_kb`, with the programs skipping `runs`.
     let write = |runs: SkipRuns, transfer: u64, max_kb: &str| -> Option<(Signals, Verdict)> {
         let (_serial, probes) = setup_skipping(TEST, runs)?;
-        let lo = LoopDevice::attach(&dir.path().join(format!("{transfer}.img")), 16 << 20);
-        lo.set_queue("max_sectors_kb", max_kb);
+        let lo = LoopDevice::attach(&dir.path().join(format!("{transfer}.img")), 16 << 20)
+            .unwrap_or_else(|e| panic!("attaching a loop device: {e}"));
+        lo.set_queue("max_sectors_kb", max_kb).unwrap_or_else(|e| panic!("{e}"));
         let dev = open_direct(&lo.path);
         let mut ring = Ring::new(4, LEN as usize, transfer);
         let sqe = ring.fixed(&dev, false, transfer, 0, 0, LEN);
@@ -317,10 +321,11 @@ fn under_load_every_transfer_keeps_its_requests_and_its_verdict() {
         hog: true,
         first_id: 200_000,
     };
-    let lo = LoopDevice::attach(&dir.path().join("disk.img"), opts.threads * opts.per_thread * u64::from(opts.len));
+    let lo = LoopDevice::attach(&dir.path().join("disk.img"), opts.threads * opts.per_thread * u64::from(opts.len))
+        .unwrap_or_else(|e| panic!("attaching a loop device: {e}"));
     // Eight requests a transfer, 64 transfers in flight a thread, 128 tags.
-    lo.set_queue("max_sectors_kb", "64");
-    lo.set_queue("scheduler", "mq-deadline");
+    lo.set_queue("max_sectors_kb", "64").unwrap_or_else(|e| panic!("{e}"));
+    lo.set_queue("scheduler", "mq-deadline").unwrap_or_else(|e| panic!("{e}"));
     let opts = pdstor::harness::probe_load::LoadOptions { target: lo.path.clone(), ..opts };
     let report = pdstor::harness::probe_load::run(&probes, &opts).unwrap();
     eprintln!("{TEST}: {report:?}");

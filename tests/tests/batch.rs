@@ -3,13 +3,13 @@
 //! (a refused one changes nothing and stops nothing), and one commit for a
 //! run of steps that commit.
 
-use pdstor::Buffer;
-use pdstor::api::wire::{AdoptRequest, BatchStep, ClaimRequest, DataChunk, PrepareRequest, Prepared};
-use pdstor::client::receipt::restore_digest;
-use pdstor::client::{Client, ClientError, DataConn, StoreItem};
-use pdstor::io::PayloadPath;
-use pdstor::payload;
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::restore_digest;
+use pdstor_client::wire::{AdoptRequest, BatchStep, ClaimRequest, DataChunk, PrepareRequest, Prepared};
+use pdstor_client::{Client, ClientError, DataConn, StoreItem};
+use pdstor_engine::Buffer;
+use pdstor_engine::io::PayloadPath;
+use pdstor_engine::payload;
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 1 << 20;
@@ -192,8 +192,8 @@ fn a_batch_takes_each_step_of_many_publications_in_one_round_trip_and_each_answe
     // release is taken, the other refused.
     let released = c
         .batch(vec![
-            BatchStep::Release(pdstor::api::wire::ReceiptOnly { receipt: published[5].receipt.clone() }),
-            BatchStep::Cancel(pdstor::api::wire::CancelRequest { req_id: "never-prepared".into() }),
+            BatchStep::Release(pdstor_client::wire::ReceiptOnly { receipt: published[5].receipt.clone() }),
+            BatchStep::Cancel(pdstor_client::wire::CancelRequest { req_id: "never-prepared".into() }),
         ])
         .unwrap();
     assert!(released[0].is_ok(), "{:?}", released[0]);

@@ -7,10 +7,11 @@
 
 use std::process::Command;
 
-use pdstor::client::read::ReadAnswer;
-use pdstor::client::{Client, ClientError, Reader, Writer};
-use pdstor::store::Layout;
-use pdstor::{payload, protocol::service::Published};
+use pdstor_client::layout::Layout;
+use pdstor_client::read::ReadAnswer;
+use pdstor_client::wire::Published;
+use pdstor_client::{Client, ClientError, Reader, Writer};
+use pdstor_engine::payload;
 use pdstor_tests::{Daemon, pdstor_bin};
 
 const SLOT: u64 = 1 << 20;
@@ -44,7 +45,7 @@ fn code(r: Result<impl std::fmt::Debug, ClientError>) -> (u16, String) {
     }
 }
 
-fn info(c: &Client, publication: u64) -> pdstor::api::wire::PublicationInfo {
+fn info(c: &Client, publication: u64) -> pdstor_client::wire::PublicationInfo {
     c.publications(None, false).unwrap().into_iter().find(|p| p.publication == publication).expect("live")
 }
 
@@ -100,12 +101,12 @@ fn two_readers_share_a_cache_publication_that_no_release_takes_while_read() {
     assert_eq!(r1.restored_bytes(got.len).unwrap(), want);
     c.release(&p.receipt).unwrap();
     assert!(c.publications(None, false).unwrap().is_empty());
-    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let steps: Vec<String> = lines.iter().map(|(_, e)| e.as_ref().unwrap().event.clone()).collect();
     assert_eq!(steps.iter().filter(|s| *s == "read").count(), 3, "{steps:?}");
     assert_eq!(steps.iter().filter(|s| *s == "read_done").count(), 2, "{steps:?}");
     assert_eq!(steps.iter().filter(|s| *s == "read_end").count(), 1, "{steps:?}");
-    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     let kinds: Vec<&str> = report.violations.iter().map(|v| v.kind).filter(|k| *k != "not_native").collect();
     assert!(kinds.is_empty(), "{:#?}", report.violations);
 }
@@ -190,14 +191,14 @@ fn an_operator_ends_the_reads_a_dead_reader_left() {
     assert_eq!(code(r.load(&b.receipt, b.manifest)).1, "read_ended", "no load under an ended read");
     assert_eq!(c.end_reads_of(id, "again").unwrap(), 0, "nothing left to end");
     c.release(&p.receipt).unwrap();
-    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let operator = lines
         .iter()
         .filter_map(|(_, e)| e.as_ref().ok())
         .filter(|e| e.event == "read_end" && e.detail.as_deref().is_some_and(|d| d.contains("decode host died")))
         .count();
     assert_eq!(operator, 2, "each ended read on the timeline with the operator's reason");
-    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     let kinds: Vec<&str> = report.violations.iter().map(|v| v.kind).filter(|k| *k != "not_native").collect();
     assert!(kinds.is_empty(), "{:#?}", report.violations);
 }
@@ -206,7 +207,7 @@ fn an_operator_ends_the_reads_a_dead_reader_left() {
 /// and reads it in the same step, one round trip for a lookup and a lock.
 #[test]
 fn a_read_by_name_is_a_lookup_and_a_read_in_one_step() {
-    use pdstor::client::read::ReadRequest;
+    use pdstor_client::read::ReadRequest;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = started(dir.path(), &[]);
     let cache = put(&d, "named-1", 3, 2, true);

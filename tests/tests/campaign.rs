@@ -8,8 +8,8 @@
 
 use std::time::{Duration, Instant};
 
-use pdstor::client::{Client, ClientError, Reader, Writer};
-use pdstor::protocol::Receipt;
+use pdstor_client::receipt::Receipt;
+use pdstor_client::{Client, ClientError, Reader, Writer};
 use pdstor_tests::mallory::{Attack, Lab, MALLORY, SLOT, as_mallory, layout, refused, unavailable};
 use pdstor_tests::{Daemon, pdstor_bin};
 
@@ -50,7 +50,7 @@ fn metric(c: &Client, name: &str) -> u64 {
 #[test]
 fn a_refused_prepare_cannot_make_another_tenants_waiting_prepare_its_own() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("a_refused_prepare_cannot_make_another_tenants_waiting_prepare_its_own", &why);
+        return pdstor_testkit::skip("a_refused_prepare_cannot_make_another_tenants_waiting_prepare_its_own", &why);
     }
     let lab = Lab::with(4, "slots = 2");
     let d = lab.daemon(&["--admission-timeout-ms", "60000"]);
@@ -81,7 +81,7 @@ fn a_refused_prepare_cannot_make_another_tenants_waiting_prepare_its_own() {
 /// published by the victim; its payload comes back for byte checks.
 fn ready(d: &Daemon, req: &str, chunks: u32) -> (Receipt, Vec<u8>) {
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, chunks).expect("a writer");
-    let kv: Vec<u8> = (0..chunks).flat_map(|i| pdstor::payload::chunk(7, u64::from(i), SLOT as usize)).collect();
+    let kv: Vec<u8> = (0..chunks).flat_map(|i| pdstor_engine::payload::chunk(7, u64::from(i), SLOT as usize)).collect();
     (w.put(req, &layout(), &kv, chunks, Some(11)).expect("put").receipt, kv)
 }
 
@@ -112,7 +112,7 @@ fn a_claim_whose_answer_was_lost_is_answered_again() {
     let restored = r.get(&again, &layout()).expect("the reader restores with the repeated answer");
     assert_eq!(r.restored_bytes(restored.len).expect("the bytes"), kv, "byte for byte");
     c.ack(&again, &restored.restore_digest).expect("ack");
-    let lines = pdstor::timeline::read(&timeline).expect("the timeline");
+    let lines = pdstor_client::timeline::read(&timeline).expect("the timeline");
     assert!(
         lines.iter().any(|(_, e)| e.as_ref().is_ok_and(|e| e.event == "claim_again")),
         "no repeated claim on the timeline"
@@ -120,7 +120,7 @@ fn a_claim_whose_answer_was_lost_is_answered_again() {
     // The repeat is no second claim, and names the first's receipt (this
     // reader writes no timeline of its own, and no probes judge the paths:
     // the checker's other findings are not this test's).
-    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::Host);
+    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::Host);
     let about_the_claim: Vec<_> = report
         .violations
         .iter()
@@ -161,7 +161,7 @@ fn a_claim_lost_to_a_kill_is_answered_again_and_reclaimed_by_its_claimant() {
 #[test]
 fn an_operator_reclaims_a_claim_nobody_holds_a_receipt_for() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("an_operator_reclaims_a_claim_nobody_holds_a_receipt_for", &why);
+        return pdstor_testkit::skip("an_operator_reclaims_a_claim_nobody_holds_a_receipt_for", &why);
     }
     let lab = Lab::with(4, "");
     let timeline = lab.dir.path().join("timeline.jsonl");
@@ -300,7 +300,7 @@ fn serve_in(lab: &Lab, sockets: &std::path::Path) -> std::process::Command {
 #[test]
 fn a_group_writable_socket_directory_is_refused() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("a_group_writable_socket_directory_is_refused", &why);
+        return pdstor_testkit::skip("a_group_writable_socket_directory_is_refused", &why);
     }
     let lab = Lab::with(2, "");
     let socks = lab_dir(&lab, "sockets", (Some(0), Some(MALLORY)), 0o770);
@@ -316,7 +316,7 @@ fn a_group_writable_socket_directory_is_refused() {
 #[test]
 fn a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory", &why);
+        return pdstor_testkit::skip("a_daemon_does_not_follow_another_users_symlink_to_its_socket_directory", &why);
     }
     const VICTIM: u32 = 4001;
     let lab = Lab::with(2, "");
@@ -399,7 +399,7 @@ fn every_refusal_hyper_makes_itself_has_the_json_error_shape() {
     for (what, raw, status, code) in cases {
         let (got, body) = raw_exchange(&socket, &raw);
         assert_eq!(got, status, "{what}: {body}");
-        let e: pdstor::api::wire::ErrorBody = serde_json::from_str(&body)
+        let e: pdstor_client::wire::ErrorBody = serde_json::from_str(&body)
             .unwrap_or_else(|err| panic!("{what}: not the JSON error shape ({err}): {body:?}"));
         assert_eq!((e.status, e.code.as_str()), (status, code), "{what}: {}", e.message);
         assert!(!e.message.is_empty(), "{what}: no message");
@@ -429,7 +429,7 @@ fn idle_and_trickling_data_connections_are_closed_and_their_threads_come_back() 
     until("the daemon settles", || threads(&d) > 0);
     // A client that connects early and registers late is not hurt: its
     // connection, closed as idle, is replaced (it held nothing).
-    let mut late = pdstor::client::DataConn::connect(&d.data_socket).expect("an early data connection");
+    let mut late = pdstor_client::DataConn::connect(&d.data_socket).expect("an early data connection");
     std::thread::sleep(Duration::from_millis(100));
     let baseline = threads(&d) - 1;
     let mut idle: Vec<std::os::unix::net::UnixStream> =
@@ -450,7 +450,7 @@ fn idle_and_trickling_data_connections_are_closed_and_their_threads_come_back() 
     let mut answer = Vec::new();
     trickle.read_to_end(&mut answer).expect("the trickler is closed");
     assert!(String::from_utf8_lossy(&answer).contains("body_timeout"), "{}", String::from_utf8_lossy(&answer));
-    let buf = pdstor::Buffer::memfd("late", 4096).expect("a memfd");
+    let buf = pdstor_engine::Buffer::memfd("late", 4096).expect("a memfd");
     late.register(&buf).expect("the late registration, on a connection the daemon closed as idle");
     drop(late);
     let (receipt, _) = ready(&d, "after-the-flood", 1);
@@ -466,7 +466,7 @@ fn idle_and_trickling_data_connections_are_closed_and_their_threads_come_back() 
 #[test]
 fn one_tenant_cannot_take_every_data_connection() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("one_tenant_cannot_take_every_data_connection", &why);
+        return pdstor_testkit::skip("one_tenant_cannot_take_every_data_connection", &why);
     }
     use std::io::BufRead;
     let lab = Lab::with(4, "");
@@ -544,11 +544,12 @@ fn a_log_on_a_full_disk_fails_no_step() {
 }
 
 fn journal_enospc(test: &str, log_on_the_full_disk: bool) {
-    if !pdstor_tests::is_root() {
-        return pdstor_tests::skip(test, "needs root for a loop device and a mount");
+    if !pdstor_testkit::is_root() {
+        return pdstor_testkit::skip(test, "needs root for a loop device and a mount");
     }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("a temporary directory");
-    let lo = pdstor_tests::LoopDevice::attach(&dir.path().join("fs.img"), 48 << 20);
+    let lo = pdstor_testkit::LoopDevice::attach(&dir.path().join("fs.img"), 48 << 20)
+        .unwrap_or_else(|e| panic!("attaching a loop device: {e}"));
     let mkfs = std::process::Command::new("mkfs.ext4").args(["-q", "-F", "-b", "4096"]).arg(&lo.path).output();
     assert!(mkfs.expect("mkfs.ext4").status.success(), "mkfs.ext4 failed");
     let mnt = dir.path().join("mnt");
@@ -657,7 +658,7 @@ fn a_vanished_or_replaced_target_makes_the_daemon_unhealthy() {
     std::fs::rename(&target, &moved).expect("the target moved away");
     for route in ["/healthz", "/readyz"] {
         let (status, body) = pdstor_tests::http_exchange(&socket, "GET", route, None);
-        let e: pdstor::api::wire::ErrorBody = serde_json::from_str(&body).expect("the JSON error shape");
+        let e: pdstor_client::wire::ErrorBody = serde_json::from_str(&body).expect("the JSON error shape");
         assert_eq!((status, e.code.as_str()), (503, "target_gone"), "{route}: {body}");
         assert!(e.message.contains("was removed") && e.message.contains("put the target back"), "{}", e.message);
     }
@@ -685,10 +686,11 @@ fn a_load_into_overlapping_places_names_the_overlap() {
     let claim = c.claim(&receipt, "reader-a", "session-a", 60_000).expect("claim");
     let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
     let manifest = r.adopt(&claim, &layout()).expect("adopt");
-    let mut conn = pdstor::client::DataConn::connect(&d.data_socket).expect("a data connection");
-    let into = pdstor::Buffer::memfd("into", 2 * SLOT as usize).expect("a memfd");
+    let mut conn = pdstor_client::DataConn::connect(&d.data_socket).expect("a data connection");
+    let into = pdstor_engine::Buffer::memfd("into", 2 * SLOT as usize).expect("a memfd");
     let b = conn.register(&into).expect("register");
-    let at = |index: u32, offset: u64| pdstor::api::wire::DataChunk { index, buffer: b, offset, len: 0, crc32c: None };
+    let at =
+        |index: u32, offset: u64| pdstor_client::wire::DataChunk { index, buffer: b, offset, len: 0, crc32c: None };
     for (what, chunks) in
         [("the same offset", vec![at(0, 0), at(1, 0)]), ("half a chunk apart", vec![at(1, SLOT / 2), at(0, 0)])]
     {
@@ -712,7 +714,7 @@ fn a_load_into_overlapping_places_names_the_overlap() {
 #[test]
 fn a_timeline_planted_by_another_user_is_refused() {
     if let Some(why) = unavailable() {
-        return pdstor_tests::skip("a_timeline_planted_by_another_user_is_refused", &why);
+        return pdstor_testkit::skip("a_timeline_planted_by_another_user_is_refused", &why);
     }
     let lab = Lab::with(2, "");
     // A directory uid 4002 controls (in a sticky shared one the kernel's
@@ -799,10 +801,10 @@ fn after_each_hostile_client_the_daemon_holds_what_it_held_before() {
     settled("unparsable requests");
     {
         let p = c.prepare("vanishing", &layout(), 2, "w").expect("prepare");
-        let mut conn = pdstor::client::DataConn::connect(&d.data_socket).expect("a data connection");
-        let buf = pdstor::Buffer::memfd("vanishing", 2 * SLOT as usize).expect("a memfd");
+        let mut conn = pdstor_client::DataConn::connect(&d.data_socket).expect("a data connection");
+        let buf = pdstor_engine::Buffer::memfd("vanishing", 2 * SLOT as usize).expect("a memfd");
         let b = conn.register(&buf).expect("register");
-        let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
+        let chunk = pdstor_client::wire::DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
         conn.store(p.publication, &p.writer_token, vec![chunk], false, 2).expect("store one chunk");
     }
     until("the vanished writer's publication is rolled back", || {
@@ -810,13 +812,13 @@ fn after_each_hostile_client_the_daemon_holds_what_it_held_before() {
     });
     settled("a writer that vanished mid-store");
     {
-        let mut conn = pdstor::client::DataConn::connect(&d.data_socket).expect("a data connection");
+        let mut conn = pdstor_client::DataConn::connect(&d.data_socket).expect("a data connection");
         let bufs: Vec<_> =
-            (0..16).map(|i| pdstor::Buffer::memfd(&format!("b{i}"), 1 << 20).expect("a memfd")).collect();
+            (0..16).map(|i| pdstor_engine::Buffer::memfd(&format!("b{i}"), 1 << 20).expect("a memfd")).collect();
         for b in &bufs {
             conn.register(b).expect("register");
         }
-        let extra = pdstor::Buffer::memfd("extra", 1 << 20).expect("a memfd");
+        let extra = pdstor_engine::Buffer::memfd("extra", 1 << 20).expect("a memfd");
         match conn.register(&extra) {
             Err(ClientError::Api(e)) => assert_eq!(e.code, "too_many_buffers", "{}", e.message),
             other => panic!("a 17th buffer: {other:?}"),

@@ -26,7 +26,7 @@ fn inputs(dir: &Path, chunks: u64) -> (String, String) {
     )
     .unwrap();
     let from = dir.join(format!("kv-{chunks}.bin"));
-    let bytes: Vec<u8> = (0..chunks).flat_map(|i| pdstor::payload::chunk(7, i, SLOT as usize)).collect();
+    let bytes: Vec<u8> = (0..chunks).flat_map(|i| pdstor_engine::payload::chunk(7, i, SLOT as usize)).collect();
     std::fs::write(&from, bytes).unwrap();
     (layout.display().to_string(), from.display().to_string())
 }
@@ -134,8 +134,8 @@ fn put_names_its_writer_get_acks_and_publications_show_extents() {
         // The extent is where the bytes are: read them there, outside pdstor.
         let offset = e["offset"].as_u64().unwrap();
         offsets.insert(offset);
-        let on_disk = pdstor_tests::dd_direct(&d.target, offset, SLOT);
-        assert_eq!(on_disk, pdstor::payload::chunk(7, i as u64, SLOT as usize), "chunk {i} at byte {offset}");
+        let on_disk = pdstor_testkit::dd_direct(&d.target, offset, SLOT);
+        assert_eq!(on_disk, pdstor_engine::payload::chunk(7, i as u64, SLOT as usize), "chunk {i} at byte {offset}");
         assert_eq!(e["crc32c"], crc32c::crc32c(&on_disk));
     }
     assert_eq!(offsets.len(), 3, "distinct extents");

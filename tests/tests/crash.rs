@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdstor::client::{Client, Reader, Writer};
-use pdstor::protocol::Receipt;
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
+use pdstor_client::{Client, Reader, Writer};
 use pdstor_tests::{Daemon, pdstor_bin};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -36,7 +36,7 @@ fn layout() -> Layout {
 }
 
 fn kv(seed: u64, chunks: u32) -> Vec<u8> {
-    (0..chunks as u64).flat_map(|i| pdstor::payload::chunk(seed, i, CHUNK as usize)).collect()
+    (0..chunks as u64).flat_map(|i| pdstor_engine::payload::chunk(seed, i, CHUNK as usize)).collect()
 }
 
 fn env_or(name: &str, default: u64) -> u64 {
@@ -172,16 +172,16 @@ fn records_that_never_commit_cannot_wrap_the_journal() {
     // The 1.9 MB request id is refused before it is read (the body
     // limit), and one just over the bound before it is journaled.
     match c.prepare(&"x".repeat(1_900_000), &layout(), 1, "w") {
-        Err(pdstor::client::ClientError::Api(e)) => {
+        Err(pdstor_client::ClientError::Api(e)) => {
             assert_eq!((e.status, e.code.as_str()), (413, "body_too_large"), "{e}")
         }
         // The daemon answers 413 after reading 1 MiB and closes the
         // connection; a client still sending the rest may see the reset first.
-        Err(pdstor::client::ClientError::Transport { .. }) => {}
+        Err(pdstor_client::ClientError::Transport { .. }) => {}
         other => panic!("a 1.9 MB req_id must be refused: {other:?}"),
     }
     match c.prepare(&"x".repeat(257), &layout(), 1, "w") {
-        Err(pdstor::client::ClientError::Api(e)) => assert_eq!((e.status, e.field.as_str()), (400, "req_id"), "{e}"),
+        Err(pdstor_client::ClientError::Api(e)) => assert_eq!((e.status, e.field.as_str()), (400, "req_id"), "{e}"),
         other => panic!("a 257-byte req_id must be refused: {other:?}"),
     }
     // ~2,000 prepare + abort pairs of the largest accepted strings: ~12 MB of

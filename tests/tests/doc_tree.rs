@@ -64,6 +64,7 @@ fn named_sources() -> Vec<String> {
         "xtask/src",
         "xtask/soak",
         "tests/src",
+        "testkit/src",
         "python/src",
         "python/pdstor",
         "python/e2e",

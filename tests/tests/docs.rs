@@ -11,7 +11,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pdstor_tests::{is_root, pdstor_bin, skip};
+use pdstor_testkit::{is_root, skip};
+use pdstor_tests::pdstor_bin;
 use serde_json::Value;
 
 fn root() -> PathBuf {

@@ -6,10 +6,11 @@ use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 
-use pdstor::api::data::{read_frame, write_frame};
-use pdstor::api::wire::{DataChunk, DataResponse};
-use pdstor::client::{Client, ClientError, DataConn, Writer};
-use pdstor::store::Layout;
+use pdstor_client::frame::read_frame;
+use pdstor_client::frame::write_frame;
+use pdstor_client::layout::Layout;
+use pdstor_client::wire::{DataChunk, DataResponse};
+use pdstor_client::{Client, ClientError, DataConn, Writer};
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 1 << 20;
@@ -85,7 +86,7 @@ fn buffers_a_client_could_shrink_are_refused() {
     let fd = w.buffer().memfd_fd().unwrap().as_raw_fd();
     // SAFETY: ftruncate on a descriptor the writer owns; it must fail.
     assert_eq!(unsafe { libc::ftruncate(fd, 0) }, -1);
-    w.put("after", &layout(), &pdstor::payload::chunk(1, 0, SLOT as usize), 1, None).unwrap();
+    w.put("after", &layout(), &pdstor_engine::payload::chunk(1, 0, SLOT as usize), 1, None).unwrap();
 }
 
 /// Issue 13 item 4: frames with more descriptors than a register takes leak
@@ -128,7 +129,7 @@ fn client_numbers_are_refused_with_a_reason() {
 
     // A lease that would overflow the clock is refused, the publication still READY.
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
-    let kv: Vec<u8> = (0..2).flat_map(|i| pdstor::payload::chunk(4, i, SLOT as usize)).collect();
+    let kv: Vec<u8> = (0..2).flat_map(|i| pdstor_engine::payload::chunk(4, i, SLOT as usize)).collect();
     let ready = w.put("lease", &layout(), &kv, 2, None).unwrap().receipt;
     let c = Client::new(&d.server);
     match c.claim(&ready, "r", "s", u64::MAX) {
@@ -139,9 +140,9 @@ fn client_numbers_are_refused_with_a_reason() {
 
     // A chunk index the manifest does not have, and a buffer offset beyond
     // the buffer: the client's mistakes, 422, not the daemon's 500.
-    let mut reader = pdstor::client::Reader::new(&d.server, &d.data_socket).unwrap();
+    let mut reader = pdstor_client::Reader::new(&d.server, &d.data_socket).unwrap();
     let manifest = reader.adopt(&claim, &layout()).unwrap();
-    let b = pdstor::Buffer::memfd("dest", SLOT as usize).unwrap();
+    let b = pdstor_engine::Buffer::memfd("dest", SLOT as usize).unwrap();
     let mut data = DataConn::connect(&d.data_socket).unwrap();
     let id = data.register(&b).unwrap();
     let chunk = |index, offset| DataChunk { index, buffer: id, offset, len: 0, crc32c: None };
@@ -167,7 +168,7 @@ fn daemon_with(dir: &std::path::Path, extra: &[&str]) -> Daemon {
     Daemon::start_with(&pdstor_tests::format_file(dir, 8, SLOT), dir, &extra)
 }
 
-fn http_error(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> pdstor::api::wire::ErrorBody {
+fn http_error(r: Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> pdstor_client::wire::ErrorBody {
     let mut r = r.expect("an HTTP answer");
     assert!(r.status().as_u16() >= 400, "expected an error status, got {}", r.status());
     let ct = r.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
@@ -227,7 +228,7 @@ fn the_control_plane_bounds_connections_bodies_and_waiting_prepares() {
     // Two prepares wait for capacity (a READY publication holds every slot);
     // a third is refused at once instead of taking another blocking thread.
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 8).unwrap();
-    let kv: Vec<u8> = (0..8).flat_map(|i| pdstor::payload::chunk(9, i, SLOT as usize)).collect();
+    let kv: Vec<u8> = (0..8).flat_map(|i| pdstor_engine::payload::chunk(9, i, SLOT as usize)).collect();
     w.put("holds-all", &layout(), &kv, 4, None).unwrap();
     // Their pooled keep-alive connections would count against the cap of 4.
     drop((w, a));
@@ -321,14 +322,14 @@ fn the_data_plane_bounds_connections_buffers_and_idle_prepares() {
 /// up. A file that is not on tmpfs is refused.
 #[test]
 fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
-    use pdstor::api::wire::AdoptRequest;
-    use pdstor::client::{Buffer, PayloadPath};
+    use pdstor_client::wire::AdoptRequest;
+    use pdstor_client::{Buffer, PayloadPath};
 
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let shm = memfd("pool", 4 * SLOT, false);
     let pool = Buffer::from_shm_file(shm.try_clone().unwrap(), (4 * SLOT) as usize, true).unwrap();
-    let kv = pdstor::payload::chunk(9, 0, SLOT as usize);
+    let kv = pdstor_engine::payload::chunk(9, 0, SLOT as usize);
     pool.write_at(0, &kv).unwrap();
 
     let mut data = DataConn::connect(&d.data_socket).unwrap();

@@ -5,13 +5,13 @@
 
 use std::os::fd::OwnedFd;
 
-use pdstor::Buffer;
-use pdstor::api::wire::DataChunk;
-use pdstor::client::{Client, ClientError, DataConn, Writer};
-use pdstor::io::PayloadPath;
-use pdstor::payload;
-use pdstor::protocol::Receipt;
-use pdstor::store::{Layout, Manifest};
+use pdstor_client::layout::{Layout, Manifest};
+use pdstor_client::receipt::Receipt;
+use pdstor_client::wire::DataChunk;
+use pdstor_client::{Client, ClientError, DataConn, Writer};
+use pdstor_engine::Buffer;
+use pdstor_engine::io::PayloadPath;
+use pdstor_engine::payload;
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 1 << 20;

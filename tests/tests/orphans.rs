@@ -7,8 +7,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use pdstor::client::{Client, Writer};
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::{Client, Writer};
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 256 << 10;
@@ -32,9 +32,9 @@ fn config(table: &str) -> String {
     format!("[[principal]]\ntenant = \"team-a\"\nroles = [\"admin\"]\nuids = [{me}]\n\n[tenant.team-a]\n{table}\n")
 }
 
-fn put(d: &Daemon, req: &str, seed: u64) -> pdstor::protocol::Receipt {
+fn put(d: &Daemon, req: &str, seed: u64) -> pdstor_client::receipt::Receipt {
     let mut w = Writer::new(&d.server, &d.data_socket, SLOT, 1).expect("a writer");
-    w.put(req, &layout(), &pdstor::payload::chunk(seed, 0, SLOT as usize), 1, None).expect("a put").receipt
+    w.put(req, &layout(), &pdstor_engine::payload::chunk(seed, 0, SLOT as usize), 1, None).expect("a put").receipt
 }
 
 fn state(c: &Client, req: &str) -> Option<String> {
@@ -62,7 +62,7 @@ fn a_tenants_unread_window_releases_its_orphans_and_never_a_claimed_one() {
     std::thread::sleep(Duration::from_millis(1_200));
     assert_eq!(state(&c, "claimed").as_deref(), Some("CLAIMED"), "a claimed publication is never released by time");
 
-    let lines = pdstor::timeline::read(&timeline).expect("the timeline");
+    let lines = pdstor_client::timeline::read(&timeline).expect("the timeline");
     let expired: Vec<(String, String)> = lines
         .iter()
         .filter_map(|(_, e)| e.as_ref().ok().filter(|e| e.event == "expire"))

@@ -3,9 +3,9 @@
 //! aborting it, or storing into it and disconnecting so the daemon aborts it
 //! — are refused with `not_owner`, and the writer finishes undisturbed.
 
-use pdstor::api::wire::DataChunk;
-use pdstor::client::{Client, ClientError, DataConn};
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::wire::DataChunk;
+use pdstor_client::{Client, ClientError, DataConn};
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 1 << 20;
@@ -41,9 +41,9 @@ fn only_the_writer_stores_publishes_or_aborts_its_publication() {
     // The writer prepares and stores its two chunks.
     let p = c.prepare("victim", &layout(), 2, "writer-a").unwrap();
     let mut writer = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("victim", 2 * SLOT as usize).unwrap();
-    buf.write_at(0, &pdstor::payload::chunk(5, 0, SLOT as usize)).unwrap();
-    buf.write_at(SLOT, &pdstor::payload::chunk(5, 1, SLOT as usize)).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("victim", 2 * SLOT as usize).unwrap();
+    buf.write_at(0, &pdstor_engine::payload::chunk(5, 0, SLOT as usize)).unwrap();
+    buf.write_at(SLOT, &pdstor_engine::payload::chunk(5, 1, SLOT as usize)).unwrap();
     let b = writer.register(&buf).unwrap();
     let chunk = |buffer: u32, i: u32| DataChunk { index: i, buffer, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
     writer.store(p.publication, &p.writer_token, vec![chunk(b, 0)], false, 2).unwrap();
@@ -55,7 +55,7 @@ fn only_the_writer_stores_publishes_or_aborts_its_publication() {
     // Storing into it on its own connection, then vanishing (the daemon aborts
     // what a vanished connection stored into — its own, never another's).
     let mut attacker = DataConn::connect(&d.data_socket).unwrap();
-    let evil = pdstor::Buffer::memfd("evil", SLOT as usize).unwrap();
+    let evil = pdstor_engine::Buffer::memfd("evil", SLOT as usize).unwrap();
     let eb = attacker.register(&evil).unwrap();
     let evil_chunk = DataChunk { index: 1, buffer: eb, offset: 0, len: SLOT, crc32c: None };
     assert_eq!(code(attacker.store(p.publication, &forged, vec![evil_chunk], true, 2)), (403, "not_owner".into()));
@@ -93,8 +93,8 @@ fn only_a_holder_of_the_session_closes_it() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 4, SLOT);
     let c = Client::new(&d.server);
-    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
-    let published = w.put("s", &layout(), &pdstor::payload::chunk(3, 0, SLOT as usize), 1, None).unwrap();
+    let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let published = w.put("s", &layout(), &pdstor_engine::payload::chunk(3, 0, SLOT as usize), 1, None).unwrap();
     let claim = c.claim(&published.receipt, "victim", "victim-session", 60_000).unwrap();
     let mut forged = claim.clone();
     forged.session = Some("victim-session".into());
@@ -102,7 +102,7 @@ fn only_a_holder_of_the_session_closes_it() {
     assert_eq!(code(c.close_session(&forged)), (403, "bad_signature".into()));
     assert_eq!(code(c.close_session(&published.receipt)), (403, "wrong_receipt".into()));
     assert_eq!(code(c.reclaim(&claim)), (409, "not_fenced".into()), "the victim's claim is not fenced");
-    let mut r = pdstor::client::Reader::new(&d.server, &d.data_socket).unwrap();
+    let mut r = pdstor_client::Reader::new(&d.server, &d.data_socket).unwrap();
     let restored = r.get(&claim, &layout()).expect("the victim reads undisturbed");
     c.ack(&claim, &restored.restore_digest).unwrap();
 }
@@ -114,8 +114,8 @@ fn a_rotated_key_voids_every_earlier_receipt() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let mut d = Daemon::format_and_start(dir.path(), 4, SLOT);
     let c = Client::new(&d.server);
-    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
-    let old = w.put("before", &layout(), &pdstor::payload::chunk(4, 0, SLOT as usize), 1, None).unwrap().receipt;
+    let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let old = w.put("before", &layout(), &pdstor_engine::payload::chunk(4, 0, SLOT as usize), 1, None).unwrap().receipt;
     drop(w);
     d.stop();
     let target = d.target.clone();
@@ -142,8 +142,8 @@ fn a_rotated_key_voids_every_earlier_receipt() {
     assert_eq!(printed["key_id"], old.key_id + 1);
     d.restart();
     assert_eq!(code(c.claim(&old, "r", "s", 60_000)), (403, "key_rotated".into()));
-    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
-    let new = w.put("after", &layout(), &pdstor::payload::chunk(5, 0, SLOT as usize), 1, None).unwrap().receipt;
+    let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 1).unwrap();
+    let new = w.put("after", &layout(), &pdstor_engine::payload::chunk(5, 0, SLOT as usize), 1, None).unwrap().receipt;
     assert_eq!(new.key_id, old.key_id + 1);
     c.release(&new).unwrap();
 }
@@ -156,8 +156,8 @@ fn lookup_finds_ready_receipts_by_name_and_nothing_else() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let c = Client::new(&d.server);
-    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
-    let kv = pdstor::payload::chunk(3, 0, SLOT as usize);
+    let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
+    let kv = pdstor_engine::payload::chunk(3, 0, SLOT as usize);
     let ready = w.put("ready", &layout(), &kv, 1, None).unwrap().receipt;
     let _open = c.prepare("prepared", &layout(), 1, "writer-b").unwrap();
     let names: Vec<String> = ["ready", "prepared", "unknown"].map(String::from).to_vec();

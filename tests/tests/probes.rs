@@ -3,11 +3,11 @@
 
 use std::os::fd::AsRawFd;
 
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath, payload};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath, payload};
 use pdstor_probes::{Declared, Probes, TargetClass, Verdict, judge};
 
-use pdstor_tests::{is_root, skip};
+use pdstor_testkit::{is_root, skip};
 
 /// The tests here run one at a time: another test's I/O on the same disk
 /// can keep the device queue busy, so the block layer issues our request
@@ -59,8 +59,8 @@ fn provenance_controls_on_the_host_kernel() {
         op,
         path,
         buffer,
-        buffer_offset: pdstor::io::BufferOffset(0),
-        target_offset: pdstor::io::TargetOffset(0),
+        buffer_offset: pdstor_engine::io::BufferOffset(0),
+        target_offset: pdstor_engine::io::TargetOffset(0),
         len: 1 << 20,
     };
     engine.execute_all(&[req(1001, Op::Write, PayloadPath::HostFixed, fixed)]).unwrap();
@@ -125,8 +125,8 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
         .unwrap();
     assert!(out.status.success());
     let d = pdstor_tests::Daemon::start_with(&target, dir.path(), &["--provenance", "--require-native"]);
-    let c = pdstor::client::Client::new(&d.server);
-    let layout = pdstor::store::Layout {
+    let c = pdstor_client::Client::new(&d.server);
+    let layout = pdstor_client::layout::Layout {
         model_id: "p".into(),
         dtype: "bf16".into(),
         layers: 1,
@@ -135,11 +135,11 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
         chunk_tokens: 256,
         kv_format: "p".into(),
     };
-    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
     let buf = Buffer::memfd("p", 2 << 20).unwrap();
     buf.write_at(0, &payload::chunk(3, 0, 2 << 20)).unwrap();
     let b = data.register(&buf).unwrap();
-    let chunk = |i: u32| pdstor::api::wire::DataChunk {
+    let chunk = |i: u32| pdstor_client::wire::DataChunk {
         index: i,
         buffer: b,
         offset: i as u64 * (1 << 20),
@@ -151,7 +151,7 @@ fn the_daemon_stamps_each_transfer_with_its_verdict() {
     assert_eq!(stored.verdicts, vec!["native", "native"], "{stored:?}");
     let published = c.publish(p.publication, &p.writer_token, None).unwrap();
     let claim = c.claim(&published.receipt, "r", "s", 60_000).unwrap();
-    let adopt = pdstor::api::wire::AdoptRequest::of_claim(&claim, layout.clone());
+    let adopt = pdstor_client::wire::AdoptRequest::of_claim(&claim, layout.clone());
     c.adopt(&adopt).unwrap();
     let loaded = data.load(&claim, vec![chunk(0), chunk(1)]).unwrap();
     assert_eq!(loaded.verdicts, vec!["native", "native"], "{loaded:?}");

@@ -6,10 +6,11 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdstor::api::wire::AdoptRequest;
-use pdstor::client::{Client, ClientError, Reader, Verify, Writer};
-use pdstor::store::Layout;
-use pdstor::{payload, protocol::service::Published};
+use pdstor_client::layout::Layout;
+use pdstor_client::wire::AdoptRequest;
+use pdstor_client::wire::Published;
+use pdstor_client::{Client, ClientError, Reader, Verify, Writer};
+use pdstor_engine::payload;
 use pdstor_tests::{Daemon, pdstor_bin};
 
 const SLOT: u64 = 1 << 20;
@@ -44,7 +45,7 @@ fn code(r: Result<impl std::fmt::Debug, ClientError>) -> (u16, String, String) {
 
 /// An adopt of `claim` with every field as claimed; `direct`: the reader
 /// reads the namespace itself.
-fn adopt_request(claim: &pdstor::protocol::Receipt, direct: bool) -> AdoptRequest {
+fn adopt_request(claim: &pdstor_client::receipt::Receipt, direct: bool) -> AdoptRequest {
     AdoptRequest {
         receipt: claim.clone(),
         namespace: claim.namespace.clone(),
@@ -57,7 +58,7 @@ fn adopt_request(claim: &pdstor::protocol::Receipt, direct: bool) -> AdoptReques
 }
 
 /// Adopts `claim` with every field as claimed.
-fn adopt(c: &Client, claim: &pdstor::protocol::Receipt) -> pdstor::store::Manifest {
+fn adopt(c: &Client, claim: &pdstor_client::receipt::Receipt) -> pdstor_client::layout::Manifest {
     c.adopt(&adopt_request(claim, false)).unwrap()
 }
 
@@ -189,11 +190,16 @@ fn the_refusal_matrix_leaves_state_unchanged() {
 
     // Publish before the last batch; store after publish.
     let prep = c.prepare("m2", &layout(), 2, "w").unwrap();
-    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("t", 2 * SLOT as usize).unwrap();
+    let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("t", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
-    let chunk =
-        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
+    let chunk = |i: u32| pdstor_client::wire::DataChunk {
+        index: i,
+        buffer: b,
+        offset: i as u64 * SLOT,
+        len: SLOT,
+        crc32c: None,
+    };
     data.store(prep.publication, &prep.writer_token, vec![chunk(0)], false, 2).unwrap();
     assert_eq!(code(c.publish(prep.publication, &prep.writer_token, None)).1, "not_publishable");
     data.store(prep.publication, &prep.writer_token, vec![chunk(1)], true, 2).unwrap();
@@ -461,10 +467,10 @@ fn pressure_and_disconnects_leave_no_slot_behind() {
                         // Disconnect mid-request: prepared and stored, never published.
                         let p = c.prepare(&format!("drop-{t}-{i}"), &layout(), chunks, "w");
                         if let Ok(p) = p {
-                            let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
-                            let buf = pdstor::Buffer::memfd("t", SLOT as usize).unwrap();
+                            let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
+                            let buf = pdstor_engine::Buffer::memfd("t", SLOT as usize).unwrap();
                             let b = data.register(&buf).unwrap();
-                            let chunk = pdstor::api::wire::DataChunk {
+                            let chunk = pdstor_client::wire::DataChunk {
                                 index: 0,
                                 buffer: b,
                                 offset: 0,
@@ -544,10 +550,10 @@ fn cli_exit_codes_tell_a_refusal_from_a_failure() {
 }
 
 /// Sends one raw `register` frame with `fds` and returns the daemon's answer.
-fn raw_register(d: &Daemon, body: serde_json::Value, fds: &[i32]) -> pdstor::api::wire::DataResponse {
+fn raw_register(d: &Daemon, body: serde_json::Value, fds: &[i32]) -> pdstor_client::wire::DataResponse {
     let mut s = std::os::unix::net::UnixStream::connect(&d.data_socket).unwrap();
-    pdstor::api::data::write_frame(&mut s, &serde_json::to_vec(&body).unwrap(), fds).unwrap();
-    let (resp, _) = pdstor::api::data::read_frame(&mut s).unwrap().unwrap();
+    pdstor_client::frame::write_frame(&mut s, &serde_json::to_vec(&body).unwrap(), fds).unwrap();
+    let (resp, _) = pdstor_client::frame::read_frame(&mut s).unwrap().unwrap();
     serde_json::from_slice(&resp).unwrap()
 }
 
@@ -556,7 +562,7 @@ fn dmabuf_registrations_that_cannot_work_are_refused_and_hold_nothing() {
     use std::os::fd::AsRawFd;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
-    let memfd = pdstor::Buffer::memfd("not-a-dmabuf", SLOT as usize).unwrap();
+    let memfd = pdstor_engine::Buffer::memfd("not-a-dmabuf", SLOT as usize).unwrap();
     let fd = memfd.memfd_fd().unwrap().as_raw_fd();
     let refused = |body: serde_json::Value, fds: &[i32], code: &str, says: &str| {
         let r = raw_register(&d, body.clone(), fds);
@@ -591,12 +597,12 @@ fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let c = Client::new(&d.server);
-    let b = pdstor::Buffer::memfd("small", SLOT as usize).unwrap();
-    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
+    let b = pdstor_engine::Buffer::memfd("small", SLOT as usize).unwrap();
+    let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
     let id = data.register(&b).unwrap();
     let p = c.prepare("beyond", &layout(), 2, "w").unwrap();
     let chunks = (0..2)
-        .map(|i| pdstor::api::wire::DataChunk {
+        .map(|i| pdstor_client::wire::DataChunk {
             index: i,
             buffer: id,
             offset: i as u64 * SLOT,
@@ -610,7 +616,8 @@ fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
     // A declared checksum that disagrees with the bytes is refused too.
     let p = c.prepare("bad-crc", &layout(), 1, "w").unwrap();
     b.write_at(0, &payload::chunk(5, 0, SLOT as usize)).unwrap();
-    let chunk = pdstor::api::wire::DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c: Some(0xdead_beef) };
+    let chunk =
+        pdstor_client::wire::DataChunk { index: 0, buffer: id, offset: 0, len: SLOT, crc32c: Some(0xdead_beef) };
     let r = data.store(p.publication, &p.writer_token, vec![chunk], true, 1);
     assert!(matches!(&r, Err(ClientError::Api(e)) if e.message.contains("declared crc32c 0xdeadbeef")), "{r:?}");
     assert!(c.publications(None, false).unwrap().is_empty());
@@ -639,7 +646,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     let restored = r.get(&claim, &layout()).unwrap();
     c.ack(&claim, &restored.restore_digest).unwrap();
     assert_eq!(code(c.ack(&claim, &restored.restore_digest)).0, 404, "a second ack is refused");
-    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let events: Vec<_> = lines.iter().map(|(_, e)| e.clone().unwrap()).collect();
     let steps: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
     assert_eq!(
@@ -665,7 +672,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     assert_eq!(events[3].crcs.as_deref(), Some(stored.as_slice()));
     assert_eq!(events[6..8].iter().map(|e| e.crc32c.unwrap()).collect::<Vec<_>>(), stored);
     let nonce = events[5].nonce.clone().expect("the adopt records its nonce");
-    assert_eq!(events[8].digest, Some(pdstor::protocol::service::restore_digest(&nonce, &stored)));
+    assert_eq!(events[8].digest, Some(pdstor_client::receipt::restore_digest(&nonce, &stored)));
     assert_eq!(events[8].digest.as_deref(), Some(restored.restore_digest.as_str()));
     assert_eq!(events[9].publication, Some(claim.publication), "the refusal names its publication");
     for e in &events[4..9] {
@@ -680,7 +687,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         let checked = e.checked.as_deref().unwrap_or_default();
         assert!(checked.starts_with("daemon, in place in the reader's buffer, on the CPU ("), "{e:?}");
     }
-    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     let kinds: Vec<(&str, usize)> = report.violations.iter().map(|v| (v.kind, v.line)).collect();
     assert_eq!(
         kinds,
@@ -707,10 +714,10 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     let mut d = d;
     d.kill9_and_restart();
     let p2 = put(&d, "tl-2", 5, 1);
-    let lines = pdstor::timeline::read(&timeline).unwrap();
+    let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let nodes: std::collections::BTreeSet<String> = lines.iter().map(|(_, e)| e.clone().unwrap().node).collect();
     assert_eq!(nodes.len(), 2, "{nodes:?}");
-    let report = pdstor::timeline::check::check(&lines, pdstor::PayloadPath::HostFixed);
+    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     assert!(report.violations.iter().all(|v| v.kind != "out_of_order"), "{:#?}", report.violations);
     assert!(report.violations.iter().all(|v| v.line <= 10 || v.kind == "not_native"), "{:#?}", report.violations);
     assert_eq!(p2.manifest.chunks.len(), 1);
@@ -741,16 +748,16 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
     let claim = c.claim(&p.receipt, "decode-0", "s-late", 60_000).unwrap();
     let m = adopt(&c, &claim);
     c.close_session(&claim).unwrap();
-    let digest = pdstor::protocol::service::restore_digest(
+    let digest = pdstor_client::receipt::restore_digest(
         m.restore_nonce.as_deref().unwrap_or(""),
         &m.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>(),
     );
     assert_eq!(code(c.ack(&claim, &digest)).1, "fenced");
-    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("fenced", 2 * SLOT as usize).unwrap();
+    let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("fenced", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk =
-        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
+        |i: u32| pdstor_client::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
     assert_eq!(code(data.load(&claim, vec![chunk(0), chunk(1)])).1, "fenced");
     c.reclaim(&claim).unwrap();
     // A claim from before a kill -9: the restart fences it.
@@ -781,7 +788,7 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
 /// every chunk is loaded the nonce-bound digest acks.
 #[test]
 fn an_ack_without_a_load_is_refused() {
-    use pdstor::protocol::service::restore_digest;
+    use pdstor_client::receipt::restore_digest;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let c = Client::new(&d.server);
@@ -799,11 +806,11 @@ fn an_ack_without_a_load_is_refused() {
     );
     assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"), "the refusal changed nothing");
 
-    let mut data = pdstor::client::DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor::Buffer::memfd("restore", 2 * SLOT as usize).unwrap();
+    let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
+    let buf = pdstor_engine::Buffer::memfd("restore", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk =
-        |i: u32| pdstor::api::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
+        |i: u32| pdstor_client::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
     data.load(&claim, vec![chunk(0)]).unwrap();
     let e = c.ack(&claim, &digest).unwrap_err();
     assert!(matches!(&e, ClientError::Api(b) if b.code == "not_loaded" && b.message.contains("[1]")), "{e}");
@@ -824,8 +831,8 @@ fn an_ack_without_a_load_is_refused() {
 /// cannot write.
 #[test]
 fn a_reader_on_the_shared_namespace_loads_it_directly() {
-    use pdstor::api::wire::LoadedChunk;
-    use pdstor::client::RemoteReader;
+    use pdstor_client::RemoteReader;
+    use pdstor_client::wire::LoadedChunk;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let c = Client::new(&d.server);
@@ -841,7 +848,7 @@ fn a_reader_on_the_shared_namespace_loads_it_directly() {
     assert_eq!(state(&c, claim.publication).as_deref(), Some("CLAIMED"), "nothing was adopted");
     let info = c.namespace().unwrap();
     assert_eq!(info.namespace, claim.namespace, "the owner says which namespace it serves");
-    assert_eq!(info.device, pdstor::io::DeviceIds::default(), "a file has no NVMe identifiers");
+    assert_eq!(info.device, pdstor_engine::io::DeviceIds::default(), "a file has no NVMe identifiers");
 
     // The owner's namespace, opened read-only while the daemon holds it.
     let mut r = RemoteReader::open(&d.server, &d.target).unwrap();
@@ -855,22 +862,25 @@ fn a_reader_on_the_shared_namespace_loads_it_directly() {
     assert_eq!(state(&c, claim.publication), None, "acknowledged and freed");
 
     // Its engine cannot write the namespace.
-    let t = pdstor::io::Target::open(&d.target, &pdstor::io::TargetOptions { read_only: true, ..Default::default() })
-        .unwrap();
-    let mut e = pdstor::io::Engine::new(t, Default::default()).unwrap();
-    let id = e.register(pdstor::Buffer::memfd("ro", 4096).unwrap()).unwrap();
-    let w = pdstor::io::IoRequest {
-        transfer: pdstor::io::TransferId(9),
-        op: pdstor::io::Op::Write,
-        path: pdstor::PayloadPath::HostFixed,
+    let t = pdstor_engine::io::Target::open(
+        &d.target,
+        &pdstor_engine::io::TargetOptions { read_only: true, ..Default::default() },
+    )
+    .unwrap();
+    let mut e = pdstor_engine::io::Engine::new(t, Default::default()).unwrap();
+    let id = e.register(pdstor_engine::Buffer::memfd("ro", 4096).unwrap()).unwrap();
+    let w = pdstor_engine::io::IoRequest {
+        transfer: pdstor_engine::io::TransferId(9),
+        op: pdstor_engine::io::Op::Write,
+        path: pdstor_engine::PayloadPath::HostFixed,
         buffer: id,
-        buffer_offset: pdstor::io::BufferOffset(0),
-        target_offset: pdstor::io::TargetOffset(0),
+        buffer_offset: pdstor_engine::io::BufferOffset(0),
+        target_offset: pdstor_engine::io::TargetOffset(0),
         len: 4096,
     };
     let err = e.execute_all(&[w]).unwrap_err();
-    assert!(matches!(err, pdstor::io::IoError::ReadOnlyTarget { .. }), "{err}");
-    assert!(matches!(e.flush().unwrap_err(), pdstor::io::IoError::ReadOnlyTarget { .. }));
+    assert!(matches!(err, pdstor_engine::io::IoError::ReadOnlyTarget { .. }), "{err}");
+    assert!(matches!(e.flush().unwrap_err(), pdstor_engine::io::IoError::ReadOnlyTarget { .. }));
 }
 
 /// A reader that reads the shared namespace itself (another host's view of
@@ -884,7 +894,7 @@ fn a_reader_on_the_shared_namespace_loads_it_directly() {
 /// session.
 #[test]
 fn a_direct_reader_outlives_the_owners_restart_and_its_slots_stay_taken() {
-    use pdstor::client::RemoteReader;
+    use pdstor_client::RemoteReader;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let mut d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let c = Client::new(&d.server);
@@ -981,9 +991,9 @@ fn reservation_keys_are_refused_where_they_cannot_fence() {
 /// files in an order no message allows are refused.
 #[test]
 fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
-    use pdstor::client::RemoteReader;
-    if !pdstor_tests::is_root() {
-        pdstor_tests::skip("a_direct_readers_timeline_merges_with_the_owners_and_checks", "the probes need root");
+    use pdstor_client::RemoteReader;
+    if !pdstor_testkit::is_root() {
+        pdstor_testkit::skip("a_direct_readers_timeline_merges_with_the_owners_and_checks", "the probes need root");
         return;
     }
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
@@ -992,7 +1002,7 @@ fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
     let target = pdstor_tests::format_file(dir.path(), 8, SLOT);
     let d = Daemon::start_with(&target, dir.path(), &["--provenance", "--timeline", owner_tl.to_str().unwrap()]);
     let p = put(&d, "two-hosts", 61, 4);
-    let t = std::sync::Arc::new(pdstor::timeline::Timeline::open(&reader_tl, "remote-reader").unwrap());
+    let t = std::sync::Arc::new(pdstor_client::timeline::Timeline::open(&reader_tl, "remote-reader").unwrap());
     let judge = pdstor::provenance::ProbeJudge::attach().unwrap();
     let mut r = RemoteReader::open(&d.server, &target).unwrap().with_judge(Box::new(judge)).with_timeline(t);
     let claim = r.claim(&p.receipt, "decode-remote", "s-two", 60_000).unwrap();
@@ -1020,7 +1030,7 @@ fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
     let lines = std::fs::read_to_string(&merged).unwrap();
     let order: Vec<String> = lines
         .lines()
-        .map(|l| serde_json::from_str::<pdstor::timeline::Event>(l).unwrap())
+        .map(|l| serde_json::from_str::<pdstor_client::timeline::Event>(l).unwrap())
         .filter(|e| e.node == "remote-reader" || matches!(e.event.as_str(), "adopt" | "loaded" | "ack"))
         .map(|e| format!("{}:{}", if e.node == "remote-reader" { "reader" } else { "daemon" }, e.event))
         .collect();
@@ -1075,7 +1085,7 @@ fn get_direct_restores_acks_and_records_its_reads() {
     assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
     assert_eq!(std::fs::read(&out).unwrap(), kv(71, 4), "the writer's bytes");
     assert_eq!(state(&c, claim.publication), None, "acknowledged");
-    let events: Vec<pdstor::timeline::Event> =
+    let events: Vec<pdstor_client::timeline::Event> =
         std::fs::read_to_string(&reader_tl).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let kinds: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
     assert_eq!(kinds, ["load", "load", "load", "load", "restored", "ack"], "{kinds:?}");

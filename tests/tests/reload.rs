@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use pdstor::client::{Client, ClientError, Reader, Writer};
-use pdstor::payload;
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::{Client, ClientError, Reader, Writer};
+use pdstor_engine::payload;
 use pdstor_tests::Daemon;
 
 const SLOT: u64 = 256 << 10;

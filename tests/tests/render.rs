@@ -8,7 +8,7 @@ use std::process::Command;
 
 use pdstor::timeline::mutate;
 use pdstor::timeline::render::{FALLBACK_RED, HEADER, HOST_ORANGE, render};
-use pdstor_tests::skip;
+use pdstor_testkit::skip;
 
 fn chromium() -> Option<&'static str> {
     ["chromium", "chromium-browser", "google-chrome"]

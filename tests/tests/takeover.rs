@@ -6,7 +6,7 @@
 
 use std::process::Command;
 
-use pdstor::client::{Client, ClientError};
+use pdstor_client::{Client, ClientError};
 use pdstor_tests::{Daemon, pdstor_bin};
 
 const SLOT: u64 = 1 << 20;
@@ -73,8 +73,8 @@ fn a_takeover_is_asked_of_a_standby_not_of_the_owner() {
     );
 }
 
-fn layout() -> pdstor::store::Layout {
-    pdstor::store::Layout {
+fn layout() -> pdstor_client::layout::Layout {
+    pdstor_client::layout::Layout {
         model_id: "owners".into(),
         dtype: "bf16".into(),
         layers: 2,
@@ -85,9 +85,9 @@ fn layout() -> pdstor::store::Layout {
     }
 }
 
-fn put(d: &Daemon, req: &str, seed: u64) -> pdstor::protocol::Receipt {
-    let mut w = pdstor::client::Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
-    let bytes: Vec<u8> = (0..2).flat_map(|i| pdstor::payload::chunk(seed, i, SLOT as usize)).collect();
+fn put(d: &Daemon, req: &str, seed: u64) -> pdstor_client::receipt::Receipt {
+    let mut w = pdstor_client::Writer::new(&d.server, &d.data_socket, SLOT, 2).unwrap();
+    let bytes: Vec<u8> = (0..2).flat_map(|i| pdstor_engine::payload::chunk(seed, i, SLOT as usize)).collect();
     w.put(req, &layout(), &bytes, 2, Some(1)).unwrap().receipt
 }
 

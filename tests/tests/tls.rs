@@ -9,8 +9,8 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use pdstor::client::{Client, ClientError};
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::{Client, ClientError};
 use pdstor_tests::{Daemon, pdstor_bin};
 use rcgen::{
     BasicConstraints, CertificateParams, CertificateRevocationListParams, CertifiedIssuer, DnType,
@@ -189,7 +189,7 @@ fn a_tcp_caller_is_who_its_certificate_says_and_nobody_without_one() {
     let out = cancel(None);
     assert_eq!(
         out.status.code(),
-        Some(pdstor::api::error::EXIT_DENIED as i32),
+        Some(pdstor_client::code::EXIT_DENIED as i32),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
@@ -344,7 +344,7 @@ fn an_expired_certificate_is_told_so_in_words() {
         .output()
         .expect("pdstor cancel");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(pdstor::api::error::EXIT_DENIED as i32), "{stderr}");
+    assert_eq!(out.status.code(), Some(pdstor_client::code::EXIT_DENIED as i32), "{stderr}");
     assert!(stderr.contains("refused this client's certificate") && stderr.contains("expired"), "{stderr}");
 }
 
@@ -384,7 +384,7 @@ fn a_kept_alive_connection_is_judged_again_after_a_reload() {
     std::fs::write(&config, rule).expect("the config");
     let daemon = tls_daemon(d, &ca, Some(&config), Some(&crl));
 
-    let tls = pdstor::client::tls::client_config(&ca.pem, Some((&keeper.0, &keeper.1))).expect("the client's TLS");
+    let tls = pdstor_client::tls::client_config(&ca.pem, Some((&keeper.0, &keeper.1))).expect("the client's TLS");
     let over = |tcp: std::net::TcpStream| {
         let name = rustls::pki_types::ServerName::try_from("127.0.0.1").expect("a server name");
         rustls::StreamOwned::new(rustls::ClientConnection::new(tls.clone(), name).expect("a TLS client"), tcp)

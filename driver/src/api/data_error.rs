@@ -4,11 +4,11 @@
 
 use super::error::{from_protocol, from_store};
 use super::wire::{ErrorBody, SharedKind};
-use crate::buffer::BufferError;
-use crate::buffer::dmabuf::DmaBufError;
-use crate::protocol::RefusalCode;
 use crate::protocol::service::ProtocolError;
 use crate::store::StoreError;
+use pdstor_client::code::RefusalCode;
+use pdstor_engine::buffer::BufferError;
+use pdstor_engine::buffer::dmabuf::DmaBufError;
 
 /// A data-plane request refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -109,7 +109,7 @@ pub enum DataError {
         /// The probes' verdict.
         verdict: String,
         /// The path declared.
-        path: crate::io::PayloadPath,
+        path: pdstor_engine::io::PayloadPath,
     },
     /// The store refused or failed.
     #[error(transparent)]

@@ -1,15 +1,13 @@
 //! The one place where failures become stable codes; each code's HTTP status
-//! and CLI exit status come from [`RefusalCode`](crate::protocol::RefusalCode), never from a table here.
+//! and CLI exit status come from [`RefusalCode`](pdstor_client::code::RefusalCode), never from a table here.
 
 use crate::admission::AdmitError;
-use crate::io::IoError;
-use crate::protocol::RefusalCode as Code;
 use crate::protocol::service::ProtocolError;
 use crate::store::StoreError;
+use pdstor_client::code::RefusalCode as Code;
+use pdstor_engine::io::IoError;
 
 use super::wire::ErrorBody;
-
-pub use crate::protocol::code::{EXIT_DENIED, EXIT_FAILED, EXIT_REFUSED};
 
 /// The wire body of a protocol error.
 pub fn from_protocol(e: &ProtocolError) -> ErrorBody {
@@ -79,6 +77,6 @@ pub fn from_store(e: &StoreError) -> ErrorBody {
 pub fn exit_code(e: &ErrorBody) -> u8 {
     match Code::parse(&e.code) {
         Some(c) if c.is_identity() => c.exit_code(),
-        _ => crate::protocol::code::exit_code_for_status(e.status),
+        _ => pdstor_client::code::exit_code_for_status(e.status),
     }
 }

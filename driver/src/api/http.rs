@@ -22,9 +22,10 @@ use super::metrics::{Metrics, exposition};
 use super::steps::{Answer, names, run_batch, take};
 use super::wire::*;
 use crate::admission::CancelToken;
-use crate::protocol::RefusalCode;
 use crate::protocol::identity::{Caller, Role};
-use crate::protocol::service::{Prepared, ProtocolError, Service};
+use crate::protocol::service::{ProtocolError, Service};
+use pdstor_client::code::RefusalCode;
+use pdstor_client::wire::Prepared;
 
 /// What every control-plane handler shares.
 pub struct AppState {
@@ -265,7 +266,7 @@ pub(super) fn note_refusal(
         tracing::warn!(by = %who.audit(), code = %refusal.code, message = %refusal.message, "refused for who the caller is");
     }
     if let Some(timeline) = service.timeline() {
-        let mut e = crate::timeline::Event::new("refused")
+        let mut e = pdstor_client::timeline::Event::new("refused")
             .detail(format!("{} ({}): {}", refusal.code, refusal.field, refusal.message))
             .by(who.audit());
         e.publication = publication;

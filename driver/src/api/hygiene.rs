@@ -11,8 +11,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 
-pub use pdstor_client::peer_uid;
-
 /// The directory the daemon's sockets live in by default: `/run/pdstor` for
 /// root; the user's runtime directory (`$XDG_RUNTIME_DIR/pdstor`) otherwise,
 /// or a 0700 directory of the user's own under the temporary directory.

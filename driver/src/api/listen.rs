@@ -23,7 +23,7 @@ use tokio::sync::{Semaphore, watch};
 use super::Limits;
 use super::peer::{Peer, Proof};
 use super::wire::ErrorBody;
-use crate::protocol::RefusalCode;
+use pdstor_client::code::RefusalCode;
 
 /// Anything the loop can accept connections from (a Unix socket, plaintext
 /// TCP, or TCP with mutual TLS).

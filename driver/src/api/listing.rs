@@ -20,7 +20,7 @@ pub(super) fn namespace(service: &Service, who: &Caller) -> Result<NamespaceInfo
         epoch: sb.epoch,
         slot_size: sb.slot_size,
         slot_count: sb.slot_count,
-        device: crate::io::DeviceIds::of(store.path()),
+        device: pdstor_engine::io::DeviceIds::of(store.path()),
         reservations: service.holds_reservation(),
         write_cache: Some(store.write_cache()),
     };
@@ -57,7 +57,7 @@ pub(super) fn publications(
             reading: service.store().reads(p.id),
             extents: verbose.then(|| {
                 let stored = |i: usize| p.chunks.get(i).and_then(Option::as_ref);
-                let extent = |(i, &slot): (usize, &crate::store::SlotIndex)| Extent {
+                let extent = |(i, &slot): (usize, &pdstor_client::layout::SlotIndex)| Extent {
                     chunk: i as u32,
                     slot: slot.0,
                     offset: sb.slot_offset(slot).0,

@@ -223,7 +223,7 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
     m.counter(
         "pdstor_dmabuf_cpu_accesses",
         "CPU accesses the daemon made to DMA-BUF memory (checksums), each bracketed by DMA_BUF_IOCTL_SYNC.",
-        crate::buffer::dmabuf::cpu_accesses(),
+        pdstor_engine::buffer::dmabuf::cpu_accesses(),
     );
     m.counter(
         "pdstor_prepared_reaped",

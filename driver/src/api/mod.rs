@@ -21,7 +21,7 @@ mod shaped;
 pub mod standby;
 pub mod steps;
 pub mod tls;
-pub use pdstor_client::wire;
+use pdstor_client::wire;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -194,7 +194,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     let timeline = match &cfg.timeline {
         // One node per daemon incarnation: a restarted daemon appending to the
         // same file starts its line numbers afresh under its own name.
-        Some(p) => Some(Arc::new(crate::timeline::Timeline::open(p, &format!("daemon-e{}", store.epoch()))?)),
+        Some(p) => Some(Arc::new(pdstor_client::timeline::Timeline::open(p, &format!("daemon-e{}", store.epoch()))?)),
         None => None,
     };
     let mut service = Service::new(store.clone()).with_timeline(timeline).with_policy(live.policy().clone());

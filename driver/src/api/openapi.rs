@@ -11,7 +11,10 @@ use utoipa::ToSchema;
 
 pub use super::routes::{Body, Method, Param, ROUTES, Route};
 use super::wire::*;
-use crate::store::{ChunkEntry, Layout, Manifest};
+
+use pdstor_client::layout::ChunkEntry;
+use pdstor_client::layout::Layout;
+use pdstor_client::layout::Manifest;
 use pdstor_client::read::{EndReadRequest, ReadAnswer, ReadRequest};
 use pdstor_client::receipt::{Receipt, ReceiptKind};
 use pdstor_engine::io::{DeviceIds, WriteCache};

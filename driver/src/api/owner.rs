@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
-use crate::client::superblock::{SUPERBLOCK_BYTES, Superblock};
-use crate::io::persistent_reservation::{ReservationFailure, Reservations};
-use crate::io::{Engine, EngineOptions, Target, TargetOptions};
 use crate::store::Store;
+use pdstor_client::superblock::{SUPERBLOCK_BYTES, Superblock};
+use pdstor_engine::io::persistent_reservation::{ReservationFailure, Reservations};
+use pdstor_engine::io::{Engine, EngineOptions, Target, TargetOptions};
 
 /// The namespace, held: this host's registration and reservation with `key`.
 #[derive(Debug)]
@@ -58,7 +58,7 @@ pub fn read_superblock(path: &Path) -> anyhow::Result<Superblock> {
         Ok(sb) => vec![sb.copy_b_offset()],
         Err(_) => crate::store::JOURNAL_HALF_CHOICES.map(|j| SUPERBLOCK_BYTES as u64 + 2 * j).to_vec(),
     };
-    let mut b = Err(crate::client::superblock::SuperblockError::NotPdstor { found: "(copy B not found)".into() });
+    let mut b = Err(pdstor_client::superblock::SuperblockError::NotPdstor { found: "(copy B not found)".into() });
     for offset in offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
         match Superblock::decode(&read(offset)?) {
             Ok(sb) if sb.copy_b_offset() == offset => {
@@ -70,7 +70,7 @@ pub fn read_superblock(path: &Path) -> anyhow::Result<Superblock> {
             Err(_) => {}
         }
     }
-    let (sb, _) = crate::client::superblock::choose(a, b).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let (sb, _) = pdstor_client::superblock::choose(a, b).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     Ok(sb)
 }
 
@@ -197,7 +197,7 @@ pub async fn refuse_when_lost(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    use crate::protocol::RefusalCode;
+    use pdstor_client::code::RefusalCode;
     let path = req.uri().path().to_owned();
     let lost = store.lost().filter(|_| path != "/metrics");
     let Some(why) = lost else { return next.run(req).await };
@@ -225,7 +225,7 @@ pub async fn refuse_when_lost(
 pub fn takeover_asked_of_owner(store: &Store) -> super::wire::ErrorBody {
     let sb = store.superblock();
     super::wire::ErrorBody::new(
-        crate::protocol::RefusalCode::TakeoverFailed,
+        pdstor_client::code::RefusalCode::TakeoverFailed,
         "",
         format!(
             "this daemon owns namespace {} already (epoch {}): a takeover is asked of a standby",

@@ -18,9 +18,10 @@ use rustls::pki_types::{CertificateDer, UnixTime};
 
 use super::reload::Live;
 use super::wire::ErrorBody;
+use crate::protocol::Refusal;
 use crate::protocol::identity::Caller;
 use crate::protocol::policy::Resource;
-use crate::protocol::{Refusal, RefusalCode};
+use pdstor_client::code::RefusalCode;
 
 /// What a connection's transport proved about its other end.
 pub enum Proof {

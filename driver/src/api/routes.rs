@@ -9,7 +9,7 @@ use std::borrow::Cow;
 use utoipa::ToSchema;
 
 use super::wire::*;
-use crate::store::Manifest;
+use pdstor_client::layout::Manifest;
 use pdstor_client::read::{EndReadRequest, ReadAnswer, ReadRequest};
 
 /// The HTTP method of a route.

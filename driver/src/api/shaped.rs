@@ -19,7 +19,7 @@ use std::task::{Context, Poll, ready};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::wire::ErrorBody;
-use crate::protocol::RefusalCode;
+use pdstor_client::code::RefusalCode;
 
 /// A connection whose writes pass through, except hyper's automatic error
 /// answers, which are replaced (see the module's documentation).

@@ -24,9 +24,9 @@ use tokio::sync::{mpsc, oneshot};
 use super::owner::{self, Held};
 use super::wire::{ErrorBody, TakeoverAnswer};
 use super::{ServeConfig, open_store};
-use crate::protocol::RefusalCode;
 use crate::protocol::identity::{Caller, Role};
 use crate::store::{RecoveryReport, Store};
+use pdstor_client::code::RefusalCode;
 
 /// How a standby watches its owner.
 #[derive(Debug, Clone)]
@@ -108,7 +108,7 @@ pub(super) fn run(
                     if check.is_none() {
                         let o = owner.clone();
                         check = Some(tokio::task::spawn_blocking(move || {
-                            crate::client::Client::new(&o).healthz().map_err(|e| e.to_string())
+                            pdstor_client::Client::new(&o).healthz().map_err(|e| e.to_string())
                         }));
                     }
                     match healthy {
@@ -151,7 +151,7 @@ fn answers_again(failing_since: &mut Option<Instant>, owner: &str) {
 /// namespace is, refuses what a takeover could not make safe, and answers
 /// what the standby says of itself.
 fn stand(cfg: &ServeConfig, standby: &StandbyConfig, key: u64) -> anyhow::Result<String> {
-    let r = crate::io::persistent_reservation::Reservations::open(&cfg.target)?;
+    let r = pdstor_engine::io::persistent_reservation::Reservations::open(&cfg.target)?;
     // A registrant may read: the superblock says whose the namespace is.
     r.register(key).map_err(|e| {
         anyhow::anyhow!(

@@ -19,10 +19,13 @@ use pdstor_client::read::ReadAnswer;
 
 use super::wire::{AbortResponse, BatchResult, BatchStep, CancelOutcome, Done, ErrorBody, Published, ReceiptResponse};
 use crate::admission::CancelToken;
+use crate::protocol::Refusal;
 use crate::protocol::identity::Caller;
-use crate::protocol::service::{Prepared, ProtocolError, Service};
-use crate::protocol::{Refusal, RefusalCode};
-use crate::store::{AbortOutcome, Manifest};
+use crate::protocol::service::{ProtocolError, Service};
+use crate::store::AbortOutcome;
+use pdstor_client::code::RefusalCode;
+use pdstor_client::layout::Manifest;
+use pdstor_client::wire::Prepared;
 
 /// What a step answers, serialized as its own route's body.
 #[derive(Debug, Serialize)]
@@ -107,7 +110,7 @@ pub fn is_lookup_miss(step: &BatchStep, e: &ErrorBody) -> bool {
 /// What a step was about, for the timeline's `refused` event: its
 /// publication and request, where its body names them.
 pub fn names(step: &BatchStep) -> (Option<u64>, Option<String>) {
-    let of = |r: &crate::protocol::Receipt| (Some(r.publication), Some(r.req_id.clone()));
+    let of = |r: &pdstor_client::receipt::Receipt| (Some(r.publication), Some(r.req_id.clone()));
     match step {
         BatchStep::Prepare(r) => (None, Some(r.req_id.clone())),
         BatchStep::Cancel(r) => (None, Some(r.req_id.clone())),

@@ -17,7 +17,7 @@ use anyhow::{Context, bail};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, CertificateRevocationListDer};
 
-pub use pdstor_client::tls::{certs, key, provider};
+use pdstor_client::tls::{certs, key, provider};
 
 /// The daemon's TLS files.
 #[derive(Debug, Clone)]

@@ -4,13 +4,15 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use pdstor::client::{Client, Reader, Writer};
-use pdstor::protocol::Receipt;
-use pdstor::store::Layout;
-use pdstor::timeline::{Event, Timeline};
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
+
 use pdstor::units::parse_size;
+use pdstor_client::{Client, Reader, Writer};
 
 use super::common::{BufferArgs, Daemon, STATES, Server, print_json, read_json};
+use pdstor_client::timeline::Event;
+use pdstor_client::timeline::Timeline;
 
 #[derive(clap::Args)]
 pub struct PutArgs {
@@ -139,7 +141,7 @@ pub struct GetArgs {
 /// Who restored: the daemon's data plane, or this host itself from the shared namespace.
 enum Restorer {
     Daemon(Client),
-    Direct(Box<pdstor::client::RemoteReader>),
+    Direct(Box<pdstor_client::RemoteReader>),
 }
 
 impl GetArgs {
@@ -154,7 +156,7 @@ impl GetArgs {
         let (restored, bytes, restorer) = match &self.direct {
             Some(device) => {
                 // A direct reader records its own reads, restore and ack on the timeline.
-                let mut r = pdstor::client::RemoteReader::open_with(&self.daemon.server, device, self.reservation_key)?;
+                let mut r = pdstor_client::RemoteReader::open_with(&self.daemon.server, device, self.reservation_key)?;
                 if let Some(tl) = &tl {
                     r = r.with_timeline(tl.clone());
                 }

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pdstor::PayloadPath;
+use pdstor_engine::PayloadPath;
 
 /// The payload paths, as `--path` takes them.
 pub const PATHS: &[&str] = &["host", "host_fixed", "dmabuf_fixed"];
@@ -46,8 +46,8 @@ pub struct Daemon {
 #[derive(clap::Args, Clone, Copy)]
 pub struct BufferArgs {
     /// Buffer memory: memfd, udmabuf (a DMA-BUF from /dev/udmabuf) or dma-heap (/dev/dma_heap/system).
-    #[arg(long = "buffer", default_value = "memfd", value_parser = one_of::<pdstor::client::Exporter>(&["memfd", "udmabuf", "dma-heap"]))]
-    pub exporter: pdstor::client::Exporter,
+    #[arg(long = "buffer", default_value = "memfd", value_parser = one_of::<pdstor_client::Exporter>(&["memfd", "udmabuf", "dma-heap"]))]
+    pub exporter: pdstor_client::Exporter,
     /// Payload path: dmabuf_fixed needs a DMA-BUF buffer, a raw block device target and a kernel
     /// with the rw-dmabuf series.
     #[arg(long, default_value = "host_fixed", value_parser = one_of::<PayloadPath>(PATHS))]
@@ -56,8 +56,8 @@ pub struct BufferArgs {
 
 impl BufferArgs {
     /// The buffer the client library makes for these options.
-    pub fn spec(self) -> pdstor::client::BufferSpec {
-        pdstor::client::BufferSpec { exporter: self.exporter, path: self.path }
+    pub fn spec(self) -> pdstor_client::BufferSpec {
+        pdstor_client::BufferSpec { exporter: self.exporter, path: self.path }
     }
 }
 

@@ -4,12 +4,12 @@
 
 use std::path::PathBuf;
 
-use pdstor::PayloadPath;
 use pdstor::harness::bench::store::StoreBenchConfig;
 use pdstor::harness::bench::{self, BenchConfig, Pattern};
 use pdstor::harness::roundtrip::{self, RoundtripConfig};
 use pdstor::harness::{ladder, qualify};
 use pdstor::units::parse_size;
+use pdstor_engine::PayloadPath;
 
 use super::common::{BufferArgs, Daemon, PATHS, one_of, print_report, read_json, refuse_signature};
 use super::process_handoff;
@@ -153,7 +153,7 @@ pub struct BenchHandoffArgs {
     /// buffer; the reader checks the answer against its manifest) or `local`
     /// (the reader checksums every chunk again).
     #[arg(long, default_value = "daemon")]
-    verify: pdstor::client::Verify,
+    verify: pdstor_client::Verify,
     /// Benchmark only: nothing checked by anyone (the reader's buffer registered unchecked, the
     /// manifest's crc32c taken for what was read), to measure what verification costs.
     #[arg(long, conflicts_with = "verify")]
@@ -180,7 +180,7 @@ impl BenchHandoffArgs {
             latency_samples: self.latency_samples,
             reloads: self.reloads,
             copy_out: self.copy_out,
-            verify: if self.no_verify { pdstor::client::Verify::None } else { self.verify },
+            verify: if self.no_verify { pdstor_client::Verify::None } else { self.verify },
         };
         let r = bench::handoff::run(&cfg)?;
         print_report(self.json, &r, |r| {

@@ -14,7 +14,7 @@ mod timeline;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use pdstor::client::ClientError;
+use pdstor_client::ClientError;
 
 #[derive(Parser)]
 #[command(name = "pdstor", version, about = "Hands LLM KV cache from prefill to decode through NVMe, and proves it")]
@@ -167,7 +167,7 @@ pub fn main() -> ExitCode {
             }
             Some(other) => {
                 eprintln!("pdstor: error: {other}");
-                ExitCode::from(pdstor::api::error::EXIT_FAILED)
+                ExitCode::from(pdstor_client::code::EXIT_FAILED)
             }
             None => {
                 eprintln!("pdstor: error: {e:#}");

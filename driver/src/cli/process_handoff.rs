@@ -14,7 +14,7 @@ pub struct HandoffArgs {
     pub data_socket: PathBuf,
     pub bytes: u64,
     pub chunk_size: u64,
-    pub buffer: pdstor::client::BufferSpec,
+    pub buffer: pdstor_client::BufferSpec,
     /// The writer's and the reader's steps go to this timeline.
     pub timeline: Option<PathBuf>,
     /// The handoff's figures go to this JSON file.
@@ -75,7 +75,7 @@ fn buffer_args(a: &HandoffArgs) -> [String; 4] {
 /// Writes the payload (seeded chunks) and its layout under `dir`; returns the payload.
 fn write_inputs(dir: &Path, a: &HandoffArgs) -> anyhow::Result<Vec<u8>> {
     let payload: Vec<u8> = (0..a.bytes.div_ceil(a.chunk_size))
-        .flat_map(|i| pdstor::payload::chunk(0x4b56, i, a.chunk_size as usize))
+        .flat_map(|i| pdstor_engine::payload::chunk(0x4b56, i, a.chunk_size as usize))
         .take(a.bytes as usize)
         .collect();
     pdstor_client::private::write(&dir.join("kv.bin"), &payload)?;
@@ -151,7 +151,7 @@ pub fn run(a: &HandoffArgs) -> anyhow::Result<()> {
     let (got, restore_s) = reader(a, &dir, &req)?;
 
     let restored = std::fs::read(dir.join("restored.bin"))?;
-    if let Some(at) = pdstor::payload::first_difference(&payload, &restored) {
+    if let Some(at) = pdstor_engine::payload::first_difference(&payload, &restored) {
         bail!("the restored bytes differ from the stored ones at byte {at}");
     }
     println!("handoff: {} bytes restored byte for byte (compared outside the daemon)", restored.len());

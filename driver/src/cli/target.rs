@@ -3,9 +3,9 @@
 
 use std::path::PathBuf;
 
-use pdstor::io::{Engine, EngineOptions, Target, TargetOptions};
 use pdstor::store::{self, FormatOptions};
 use pdstor::units::parse_size;
+use pdstor_engine::io::{Engine, EngineOptions, Target, TargetOptions};
 
 use super::common::print_json;
 
@@ -25,7 +25,7 @@ impl InfoArgs {
             "kind": engine.target().kind(),
             "geometry": engine.geometry(),
             "dmabuf_rw": engine.dmabuf_rw(),
-            "dmabuf_exporters": pdstor::buffer::dmabuf::exporters(),
+            "dmabuf_exporters": pdstor_engine::buffer::dmabuf::exporters(),
             "cuda": cuda_facts(),
         }))
     }
@@ -35,7 +35,7 @@ impl InfoArgs {
 /// there is none to describe.
 #[cfg(feature = "cuda")]
 fn cuda_facts() -> serde_json::Value {
-    match pdstor::buffer::cuda::device_info(0) {
+    match pdstor_engine::buffer::cuda::device_info(0) {
         Ok(info) => serde_json::json!({ "device": info }),
         Err(e) => serde_json::json!({ "unavailable": e.to_string() }),
     }

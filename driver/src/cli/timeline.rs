@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use pdstor::PayloadPath;
+use pdstor_engine::PayloadPath;
 
 use super::common::{PATHS, one_of, print_json};
 
@@ -76,7 +76,7 @@ impl TimelineCmd {
 }
 
 fn check(file: &std::path::Path, require_path: PayloadPath, json: bool) -> anyhow::Result<()> {
-    let lines = pdstor::timeline::read(file)?;
+    let lines = pdstor_client::timeline::read(file)?;
     let report = pdstor::timeline::check::check(&lines, require_path);
     if json {
         print_json(&report)?;
@@ -108,7 +108,7 @@ fn check(file: &std::path::Path, require_path: PayloadPath, json: bool) -> anyho
 fn merge(files: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<()> {
     let mut inputs = Vec::with_capacity(files.len());
     for f in files {
-        inputs.push((f.display().to_string(), pdstor::timeline::read(f)?));
+        inputs.push((f.display().to_string(), pdstor_client::timeline::read(f)?));
     }
     let merged = pdstor::timeline::merge::merge(&inputs)?;
     let mut text = String::new();
@@ -127,7 +127,7 @@ fn merge(files: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<
 }
 
 fn render(file: &std::path::Path, output: &std::path::Path, title: Option<String>) -> anyhow::Result<()> {
-    let lines = pdstor::timeline::read(file)?;
+    let lines = pdstor_client::timeline::read(file)?;
     let bad: Vec<usize> = lines.iter().filter(|(_, e)| e.is_err()).map(|(n, _)| *n).collect();
     if !bad.is_empty() {
         anyhow::bail!("{}: lines {bad:?} are not timeline events (run `pdstor timeline check`)", file.display());
@@ -156,7 +156,7 @@ fn mutate(
     json: bool,
 ) -> anyhow::Result<()> {
     use pdstor::timeline::{check, mutate};
-    let lines = pdstor::timeline::read(file)?;
+    let lines = pdstor_client::timeline::read(file)?;
     let clean = check::check(&lines, require_path);
     if !clean.ok() {
         anyhow::bail!(

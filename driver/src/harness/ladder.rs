@@ -25,9 +25,9 @@ use anyhow::{Context, bail};
 
 mod verify;
 
-use crate::buffer::Buffer;
-use crate::buffer::dmabuf::DmaBuf;
-use crate::io::{
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::buffer::dmabuf::DmaBuf;
+use pdstor_engine::io::{
     BufferOffset, Engine, EngineOptions, IoRequest, Op, PayloadPath, Target, TargetKind, TargetOffset, TargetOptions,
     TransferId,
 };
@@ -76,17 +76,17 @@ impl Memory for Buffer {
     fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)> {
         let mut back = vec![0u8; expected.len()];
         self.read_at(0, &mut back)?;
-        Ok((crate::payload::first_difference(expected, &back).map(|at| at as u64), "on the CPU"))
+        Ok((pdstor_engine::payload::first_difference(expected, &back).map(|at| at as u64), "on the CPU"))
     }
     fn crc32c(&self, offset: u64, len: usize) -> anyhow::Result<(u32, &'static str)> {
         let mut bytes = vec![0u8; len];
         self.read_at(offset, &mut bytes)?;
-        Ok((crate::crc32c::checksum(&bytes), "on the CPU"))
+        Ok((pdstor_engine::crc32c::checksum(&bytes), "on the CPU"))
     }
 }
 
 #[cfg(feature = "cuda")]
-impl Memory for crate::buffer::cuda::CudaBuffer {
+impl Memory for pdstor_engine::buffer::cuda::CudaBuffer {
     fn fill(&self, offset: u64, src: &[u8]) -> anyhow::Result<()> {
         Ok(self.copy_from_host(offset, src)?)
     }
@@ -110,10 +110,10 @@ impl Memory for crate::buffer::cuda::CudaBuffer {
         Ok(unsafe { self.copy_from_host_ptr(0, src, len) }?)
     }
     fn first_difference(&self, expected: &[u8]) -> anyhow::Result<(Option<u64>, &'static str)> {
-        Ok((crate::buffer::cuda::CudaBuffer::first_difference(self, 0, expected)?, "on the GPU"))
+        Ok((pdstor_engine::buffer::cuda::CudaBuffer::first_difference(self, 0, expected)?, "on the GPU"))
     }
     fn crc32c(&self, offset: u64, len: usize) -> anyhow::Result<(u32, &'static str)> {
-        Ok((crate::buffer::cuda::CudaBuffer::crc32c(self, offset, len)?, "on the GPU"))
+        Ok((pdstor_engine::buffer::cuda::CudaBuffer::crc32c(self, offset, len)?, "on the GPU"))
     }
 }
 
@@ -209,7 +209,7 @@ pub struct LadderReport {
     /// What the exporter says of it.
     pub exporter_detail: serde_json::Value,
     /// Whether the kernel has the rw-dmabuf UAPI.
-    pub dmabuf_rw: crate::io::DmabufRw,
+    pub dmabuf_rw: pdstor_engine::io::DmabufRw,
     /// The probes that attached.
     pub probes: Vec<String>,
     /// Every rung, in ladder order.
@@ -385,12 +385,12 @@ fn ladder_memory(cfg: &LadderConfig) -> anyhow::Result<(Box<dyn Memory>, serde_j
     Ok(match cfg.exporter {
         LadderExporter::Udmabuf => {
             let b = Buffer::udmabuf("pdstor-ladder", cfg.bytes as usize)?;
-            let exp = crate::buffer::dmabuf::exporters();
+            let exp = pdstor_engine::buffer::dmabuf::exporters();
             (Box::new(b), serde_json::json!({ "udmabuf_limit_mb": exp.udmabuf_limit_mb }))
         }
         #[cfg(feature = "cuda")]
         LadderExporter::Cuda => {
-            let b = crate::buffer::cuda::CudaBuffer::alloc(0, cfg.bytes as usize)?;
+            let b = pdstor_engine::buffer::cuda::CudaBuffer::alloc(0, cfg.bytes as usize)?;
             let info = serde_json::to_value(b.info())?;
             (Box::new(b), info)
         }
@@ -420,7 +420,7 @@ impl RungCtx<'_> {
     }
 
     fn pattern(&self) -> Vec<u8> {
-        (0..self.chunks()).flat_map(|i| crate::payload::chunk(self.seed, i, self.cfg.chunk as usize)).collect()
+        (0..self.chunks()).flat_map(|i| pdstor_engine::payload::chunk(self.seed, i, self.cfg.chunk as usize)).collect()
     }
 
     fn run(&mut self) -> anyhow::Result<()> {
@@ -454,7 +454,7 @@ impl RungCtx<'_> {
         result
     }
 
-    fn requests(&self, id: crate::io::BufferId, op: Op) -> Vec<IoRequest> {
+    fn requests(&self, id: pdstor_engine::io::BufferId, op: Op) -> Vec<IoRequest> {
         let dir = if op == Op::Write { 0 } else { 1 << 20 };
         (0..self.chunks())
             .map(|i| IoRequest {
@@ -479,7 +479,7 @@ impl RungCtx<'_> {
         }
     }
 
-    fn transfers(&mut self, id: crate::io::BufferId, pattern: &[u8]) -> anyhow::Result<()> {
+    fn transfers(&mut self, id: pdstor_engine::io::BufferId, pattern: &[u8]) -> anyhow::Result<()> {
         let (bytes, mib) = (self.cfg.bytes as usize, self.cfg.bytes as f64 / 1048576.0);
         let staged = self.rung.path != PayloadPath::DmabufFixed;
         let writes = self.requests(id, Op::Write);
@@ -548,7 +548,7 @@ impl RungCtx<'_> {
             }
             aligned.read_at(0, &mut got)?;
             let want = &pattern[(i * self.cfg.chunk) as usize..][..got.len()];
-            if let Some(at) = crate::payload::first_difference(want, &got) {
+            if let Some(at) = pdstor_engine::payload::first_difference(want, &got) {
                 bail!("independent readback: the target differs from the written bytes at byte {}", off + at as u64);
             }
         }

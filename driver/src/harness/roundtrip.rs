@@ -10,12 +10,12 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use crate::buffer::{Buffer, BufferError};
-use crate::io::{
+use pdstor_engine::buffer::{Buffer, BufferError};
+use pdstor_engine::io::{
     BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetKind,
     TargetOffset, TargetOptions, TransferId,
 };
-use crate::payload;
+use pdstor_engine::payload;
 
 /// Largest single buffer the round trip registers (io_uring allows 1 GiB).
 const REGION_BYTES: u64 = 256 << 20;

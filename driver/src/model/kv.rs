@@ -17,7 +17,7 @@
 //! bf16 is the top half of an f32, rounded to nearest even.
 
 use super::{Config, KvCache};
-use crate::store::Layout;
+use pdstor_client::layout::Layout;
 
 const MAGIC: &[u8; 8] = b"PDKVBF16";
 const HEADER: usize = 64;

@@ -11,9 +11,8 @@ pub mod identity;
 pub mod policy;
 pub mod service;
 
-pub use pdstor_client::code;
-pub use pdstor_client::code::RefusalCode;
-pub use pdstor_client::receipt::{Receipt, ReceiptKind, manifest_digest};
+use pdstor_client::code::RefusalCode;
+use pdstor_client::receipt::{Receipt, ReceiptKind};
 
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::Sha256;
@@ -70,7 +69,7 @@ impl Signer {
     }
 
     /// The signer of the namespace `sb` describes: its key, key id and uuid.
-    pub fn for_namespace(sb: &crate::store::Superblock) -> Signer {
+    pub fn for_namespace(sb: &pdstor_client::superblock::Superblock) -> Signer {
         Signer::new(sb.hmac_key, sb.hmac_key_id, sb.uuid.to_string())
     }
 

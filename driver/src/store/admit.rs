@@ -16,9 +16,10 @@
 use std::time::{Duration, Instant};
 
 use super::error::{Invariant, StoreError};
-use super::{AbortOutcome, Batches, Layout, Live, Owner, Phase, Record, Store, TransferId};
+use super::{AbortOutcome, Batches, Live, Owner, Phase, Record, Store, TransferId};
 use crate::admission::{AdmitError, CancelToken};
-pub use pdstor_client::wire::CancelOutcome;
+use pdstor_client::layout::Layout;
+use pdstor_client::wire::CancelOutcome;
 
 /// What a prepare did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

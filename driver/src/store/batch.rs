@@ -9,9 +9,11 @@ use std::time::Instant;
 
 use super::error::{Invariant, StoreError};
 use super::worker::PayloadResults;
-use super::{ChunkEntry, Manifest, Phase, Record};
 use super::{Live, Store, in_phase};
-use crate::io::{BufferId, BufferOffset, IoError, IoRequest, Op, PayloadPath, TransferId};
+use super::{Phase, Record};
+use pdstor_client::layout::ChunkEntry;
+use pdstor_client::layout::Manifest;
+use pdstor_engine::io::{BufferId, BufferOffset, IoError, IoRequest, Op, PayloadPath, TransferId};
 
 /// Per-request batch accounting (DESIGN §5).
 #[derive(Debug, Default)]

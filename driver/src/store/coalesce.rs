@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use crate::io::{IoRequest, PayloadPath};
+use pdstor_engine::io::{IoRequest, PayloadPath};
 
 /// One request as submitted, and the chunks (indexes into the batch) it covers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,7 +56,7 @@ fn continues(run: &IoRequest, next: &IoRequest, merge_bytes: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io::{BufferId, BufferOffset, Op, TargetOffset, TransferId};
+    use pdstor_engine::io::{BufferId, BufferOffset, Op, TargetOffset, TransferId};
 
     fn req(i: u32, buffer: u32, buffer_offset: u64, target_offset: u64, len: u64) -> IoRequest {
         IoRequest {

@@ -8,11 +8,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::admission::AdmitError;
-use crate::buffer::BufferError;
-use crate::io::IoError;
+use pdstor_engine::buffer::BufferError;
+use pdstor_engine::io::IoError;
 
-use super::publication::{Phase, SlotIndex};
+use super::publication::Phase;
 use super::superblock::SuperblockError;
+use pdstor_client::layout::SlotIndex;
 
 /// What a store operation refused or failed on.
 #[derive(Debug, thiserror::Error)]

@@ -11,7 +11,8 @@
 //! `--unread-release-ms`, the shorter).
 
 use super::error::StoreError;
-use super::{Live, Owner, Phase, SlotIndex, Store};
+use super::{Live, Owner, Phase, Store};
+use pdstor_client::layout::SlotIndex;
 
 /// One publication an eviction released.
 #[derive(Debug, Clone, PartialEq, Eq)]

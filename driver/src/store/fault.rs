@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use super::error::WorkerError;
 use super::storage::{Inspect, Media, Storage};
 use super::worker::JOURNAL_BLOCK;
-use crate::io::{Completion, Engine, IoError, IoRequest, Op};
+use pdstor_engine::io::{Completion, Engine, IoError, IoRequest, Op};
 
 /// Kills the device after `writes` more writes (payload, journal or superblock).
 #[derive(Debug)]

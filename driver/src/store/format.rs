@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use super::StoreError;
 use super::error::WorkerError;
 use super::superblock::{self, FORMAT_VERSION, SUPERBLOCK_BYTES, Superblock};
-use crate::io::{Engine, EngineOptions, IoError, Target, TargetOptions};
+use pdstor_engine::io::{Engine, EngineOptions, IoError, Target, TargetOptions};
 
 /// Journal half sizes `format` accepts (powers of two, so a reader that lost
 /// superblock copy A can still find copy B).

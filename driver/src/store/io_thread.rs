@@ -17,8 +17,8 @@ use super::error::{StoreError, WorkerError};
 use super::storage::Storage;
 use super::superblock::{self, Superblock};
 use super::worker::{CommitReply, Job, PayloadCounters, PayloadResults, Worker};
-use crate::buffer::Buffer;
-use crate::io::{BufferId, DmabufRw, IoRequest, PayloadPath, Target, TargetKind};
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::{BufferId, DmabufRw, IoRequest, PayloadPath, Target, TargetKind};
 
 /// What the I/O thread read while opening the target.
 pub(super) struct Opened {

@@ -9,7 +9,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::publication::{Layout, Manifest, Owner, Publication, SlotIndex};
+use super::publication::{Owner, Publication};
+use pdstor_client::layout::Layout;
+use pdstor_client::layout::Manifest;
+use pdstor_client::layout::SlotIndex;
 
 /// The first word of every record frame ("PJDR").
 pub const RECORD_MAGIC: u32 = 0x5244_4a50; // "PJDR"

@@ -6,11 +6,12 @@
 //! whole (one request refused before anything ran), each runs again alone,
 //! so one bad request fails only its own publication.
 
+use super::Store;
 use super::batch::{BatchOutcome, ChunkDest, StoreBatch, finish_load};
 use super::error::StoreError;
 use super::worker::PayloadResults;
-use super::{Manifest, Store};
-use crate::io::IoRequest;
+use pdstor_client::layout::Manifest;
+use pdstor_engine::io::IoRequest;
 
 /// What each item's requests answered, run together (in item order).
 fn together(store: &Store, items: &[&[IoRequest]]) -> Vec<Result<PayloadResults, StoreError>> {

@@ -36,7 +36,8 @@ mod read;
 mod recovery;
 mod scope;
 pub mod state;
-pub use pdstor_client::superblock;
+use pdstor_client::layout::SlotIndex;
+use pdstor_client::superblock::{self, Superblock};
 mod stats;
 mod storage;
 mod transitions;
@@ -51,20 +52,19 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::admission::{MonotonicClock, ReservationManager, WaitClock};
-use crate::buffer::Buffer;
-use crate::io::{BufferId, DmabufRw, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::{BufferId, DmabufRw, PayloadPath, Target, TargetKind, TargetOptions, TransferId};
 
-pub use admit::{Accounting, Ask, CancelOutcome, Prepared, Reaped};
+pub use admit::{Accounting, Ask, Prepared, Reaped};
 pub use batch::{BatchOutcome, ChunkDest, ChunkSource, StoreBatch};
 pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use evict::Evicted;
 pub use fault::{FaultPlan, PowerLoss};
 pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, signature_of};
 pub use journal::Record;
-pub use publication::{ChunkEntry, ClaimInfo, Layout, Manifest, Owner, Phase, Publication, SlotIndex};
+pub use publication::{ClaimInfo, Owner, Phase, Publication};
 pub use recovery::{Inspection, inspect};
 pub use stats::StoreStats;
-pub use superblock::Superblock;
 pub use worker::CommitInfo;
 
 use batch::Batches;

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use super::Store;
 use super::error::WorkerError;
-use crate::io::{WriteCache, WriteCacheProbe};
+use pdstor_engine::io::{WriteCache, WriteCacheProbe};
 
 /// The device and inode the store opened at its path.
 #[derive(Debug)]
@@ -97,7 +97,7 @@ impl Store {
     }
 
     /// The target's write cache now: whether a commit's flushes are issued
-    /// ([`crate::io::WriteCache`]).
+    /// ([`pdstor_engine::io::WriteCache`]).
     pub fn write_cache(&self) -> WriteCache {
         self.presence.write_cache.as_ref().map_or_else(
             || WriteCache::Volatile { source: "not probed: assumed volatile".into() },

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-pub use pdstor_client::layout::{ChunkEntry, Layout, Manifest, SlotIndex};
+use pdstor_client::layout::{ChunkEntry, Layout, Manifest, SlotIndex};
 
 /// Where a publication is in its life (DESIGN §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -93,7 +93,7 @@ impl Store {
 #[derive(Debug, Clone)]
 pub struct Inspection {
     /// The superblock copy recovery would choose.
-    pub superblock: super::Superblock,
+    pub superblock: pdstor_client::superblock::Superblock,
     /// What replay found; `epoch` is the current one (not bumped), and
     /// `rolled_back` lists what the next open would roll back.
     pub report: RecoveryReport,
@@ -106,7 +106,7 @@ pub struct Inspection {
 /// Replays the journal of `path` read-only: no epoch bump, no record, no
 /// rollback written — outstanding claims stay exactly as fenced as they were.
 pub fn inspect(path: &Path) -> Result<Inspection, StoreError> {
-    use crate::io::{Target, TargetOptions};
+    use pdstor_engine::io::{Target, TargetOptions};
     let target = Target::open(path, &TargetOptions { create_len: None, allocate: false, read_only: false })?;
     let (io, opened) =
         super::io_thread::IoThread::start(path, target, 8, 0, 1, std::sync::Arc::new(super::storage::Media))?;

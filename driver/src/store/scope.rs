@@ -15,9 +15,10 @@
 
 use std::cell::RefCell;
 
+use super::Store;
 use super::error::StoreError;
 use super::worker::CommitInfo;
-use super::{SlotIndex, Store};
+use pdstor_client::layout::SlotIndex;
 
 /// What a scope has held back until its commit.
 #[derive(Debug, Default)]

@@ -7,8 +7,11 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::error::{Invariant, StateError};
 use super::journal::Record;
-pub use super::publication::{ChunkEntry, ClaimInfo, Layout, Manifest, Owner, Phase, Publication, SlotIndex};
-use crate::io::TargetOffset;
+pub use super::publication::{ClaimInfo, Owner, Phase, Publication};
+use pdstor_client::layout::ChunkEntry;
+use pdstor_client::layout::Layout;
+use pdstor_client::layout::SlotIndex;
+use pdstor_engine::io::TargetOffset;
 
 /// Every publication and slot owner the journal describes: rebuilt by replay, changed only by records.
 #[derive(Debug, Clone, Default)]
@@ -336,6 +339,7 @@ pub(crate) fn test_layout() -> Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdstor_client::layout::Manifest;
 
     fn prepare(id: u64, slots: Vec<u32>) -> Record {
         Record::Prepare {

@@ -7,8 +7,8 @@
 //! used by the simulation and the crash tests through the same seam
 //! (`super::fault`).
 
-use crate::buffer::Buffer;
-use crate::io::{Completion, Engine, IoError, IoRequest};
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::{Completion, Engine, IoError, IoRequest};
 
 use super::error::WorkerError;
 

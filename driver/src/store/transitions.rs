@@ -7,7 +7,8 @@
 //! (receipts, leases, fencing) is the protocol's to check, before it calls here.
 
 use super::error::StoreError;
-use super::{Live, Phase, Publication, Record, SlotIndex, Store, in_phase};
+use super::{Live, Phase, Publication, Record, Store, in_phase};
+use pdstor_client::layout::SlotIndex;
 
 /// When a transition's record must be durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,9 +7,9 @@
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 
-use crate::buffer::Buffer;
-use crate::crc32c;
-use crate::io::{BufferOffset, IoError, IoRequest, Op};
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::crc32c;
+use pdstor_engine::io::{BufferOffset, IoError, IoRequest, Op};
 
 /// Per request, the crc32c of its bytes (`None` for memory the daemon cannot
 /// map) or its failure.
@@ -268,7 +268,7 @@ pub(super) fn checked_here(b: &Buffer, op: Op) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::io::{BufferId, Op, PayloadPath, TargetOffset, TransferId};
+    use pdstor_engine::io::{BufferId, Op, PayloadPath, TargetOffset, TransferId};
 
     fn request(chunk: u32, offset: u64, len: u64) -> IoRequest {
         IoRequest {

@@ -11,8 +11,8 @@
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 
-use crate::buffer::Buffer;
-use crate::io::{
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::{
     BufferId, BufferOffset, Completion, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target,
     TargetOffset, TransferId,
 };
@@ -523,7 +523,7 @@ impl Worker {
         Arc::clone(&self.counters)
     }
 
-    pub(super) fn dmabuf_rw(&self) -> crate::io::DmabufRw {
+    pub(super) fn dmabuf_rw(&self) -> pdstor_engine::io::DmabufRw {
         self.engine.dmabuf_rw().clone()
     }
 }

@@ -7,8 +7,8 @@ use std::sync::mpsc::channel;
 
 use super::storage::Media;
 use super::worker::{Job, PayloadReply, Worker};
-use crate::buffer::Buffer;
-use crate::io::{
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::{
     BufferId, BufferOffset, IoError, IoRequest, Op, PayloadPath, Target, TargetOffset, TargetOptions, TransferId,
 };
 

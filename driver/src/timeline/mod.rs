@@ -8,4 +8,4 @@ pub mod merge;
 pub mod mutate;
 pub mod render;
 
-pub use pdstor_client::timeline::*;
+use pdstor_client::timeline::*;

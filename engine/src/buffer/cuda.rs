@@ -313,7 +313,7 @@ mod tests {
         match CudaBuffer::alloc(0, len) {
             Ok(b) => Some(b),
             Err(CudaError::Unavailable(why)) => {
-                crate::test_skip(&format!("buffer::cuda::{test}"), &format!("no CUDA device ({why})"));
+                pdstor_testkit::skip(&format!("buffer::cuda::{test}"), &format!("no CUDA device ({why})"));
                 None
             }
             Err(e) => panic!("{e}"),

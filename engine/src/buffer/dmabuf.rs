@@ -507,7 +507,7 @@ mod tests {
         let (buf, memfd) = match create_udmabuf("pdstor-unit", 1 << 20) {
             Ok(b) => b,
             Err(DmaBufError::NoExporter { .. }) => {
-                crate::test_skip(
+                pdstor_testkit::skip(
                     "buffer::dmabuf::udmabuf_round_trip_when_the_kernel_has_it",
                     "no /dev/udmabuf on this kernel (the vmtest dmabuf suite covers it)",
                 );

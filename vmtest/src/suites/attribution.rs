@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, Probes, Signals, TargetClass, Verdict, judge};
 
 use super::{Checked, skip};
@@ -75,8 +75,8 @@ fn fixed_writes(probes: &Probes, device: &Path, first: u64, count: u64, len: u64
             op: Op::Write,
             path: PayloadPath::HostFixed,
             buffer: id,
-            buffer_offset: pdstor::io::BufferOffset(i * len),
-            target_offset: pdstor::io::TargetOffset(i * len),
+            buffer_offset: pdstor_engine::io::BufferOffset(i * len),
+            target_offset: pdstor_engine::io::TargetOffset(i * len),
             len,
         })
         .collect();

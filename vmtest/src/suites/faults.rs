@@ -8,8 +8,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath, payload};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath, payload};
 
 use super::{Checked, Suite, Test};
 use crate::DiskRole;
@@ -73,15 +73,15 @@ fn engine_on(dev: &Path) -> Checked<Engine> {
         .map_err(|e| e.to_string())?)
 }
 
-fn requests(op: Op, id: pdstor::io::BufferId, n: u64) -> Vec<IoRequest> {
+fn requests(op: Op, id: pdstor_engine::io::BufferId, n: u64) -> Vec<IoRequest> {
     (0..n)
         .map(|i| IoRequest {
             transfer: TransferId(100 + i),
             op,
             path: PayloadPath::HostFixed,
             buffer: id,
-            buffer_offset: pdstor::io::BufferOffset(i * CHUNK),
-            target_offset: pdstor::io::TargetOffset(i * CHUNK),
+            buffer_offset: pdstor_engine::io::BufferOffset(i * CHUNK),
+            target_offset: pdstor_engine::io::TargetOffset(i * CHUNK),
             len: CHUNK,
         })
         .collect()
@@ -221,13 +221,13 @@ fn nvme_errors(ctx: &Ctx) -> Checked {
                     op,
                     path,
                     buffer: id,
-                    buffer_offset: pdstor::io::BufferOffset(chunk * CHUNK),
-                    target_offset: pdstor::io::TargetOffset(mib << 20),
+                    buffer_offset: pdstor_engine::io::BufferOffset(chunk * CHUNK),
+                    target_offset: pdstor_engine::io::TargetOffset(mib << 20),
                     len: CHUNK,
                 })
                 .collect()
         };
-        let check = |what: &str, done: &[pdstor::io::Completion], plan: &[(u64, u64, bool)]| {
+        let check = |what: &str, done: &[pdstor_engine::io::Completion], plan: &[(u64, u64, bool)]| {
             for (c, &(_, mib, fails)) in done.iter().zip(plan) {
                 match (&c.result, fails) {
                     (Ok(()), false) => {}

@@ -8,8 +8,8 @@
 
 use std::path::Path;
 
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath, payload};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath, payload};
 
 use super::{Checked, Suite, Test};
 use crate::guest::{Ctx, sh};
@@ -155,8 +155,8 @@ fn round_trip(
                 op,
                 path,
                 buffer: id,
-                buffer_offset: pdstor::io::BufferOffset(i * CHUNK),
-                target_offset: pdstor::io::TargetOffset(base + i * CHUNK),
+                buffer_offset: pdstor_engine::io::BufferOffset(i * CHUNK),
+                target_offset: pdstor_engine::io::TargetOffset(base + i * CHUNK),
                 len: CHUNK,
             })
             .collect()

@@ -22,8 +22,8 @@ pub struct Test {
 }
 
 /// The KV layout the suites' handoffs store under `model_id`.
-pub(crate) fn test_layout(model_id: &str) -> pdstor::store::Layout {
-    pdstor::store::Layout {
+pub(crate) fn test_layout(model_id: &str) -> pdstor_client::layout::Layout {
+    pdstor_client::layout::Layout {
         model_id: model_id.into(),
         dtype: "bf16".into(),
         layers: 4,

@@ -11,8 +11,8 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath};
 
 use super::{Checked, Suite, Test, attribution};
 use crate::DiskRole;
@@ -140,8 +140,8 @@ fn write_verdict_skipping(
         op: Op::Write,
         path,
         buffer: id,
-        buffer_offset: pdstor::io::BufferOffset(0),
-        target_offset: pdstor::io::TargetOffset(64 << 20),
+        buffer_offset: pdstor_engine::io::BufferOffset(0),
+        target_offset: pdstor_engine::io::TargetOffset(64 << 20),
         len,
     };
     engine.execute_all(&[req]).map_err(|e| e.to_string())?;
@@ -243,7 +243,7 @@ fn passthrough_verdicts(ctx: &Ctx) -> Checked {
 /// One 4 KiB NVMe Write from a buffer one byte off alignment, by raw
 /// `URING_CMD`, judged as a `host` transfer.
 fn misaligned_passthrough(ng: &Path, transfer: u64) -> Checked<(pdstor_probes::Verdict, pdstor_probes::Signals)> {
-    use pdstor::io::nvme;
+    use pdstor_engine::io::nvme;
     let probes = attach()?;
     let file =
         std::fs::OpenOptions::new().read(true).write(true).open(ng).map_err(|e| format!("{}: {e}", ng.display()))?;
@@ -312,8 +312,8 @@ fn bpftool_dump(ctx: &Ctx) -> Checked {
         op: Op::Write,
         path: PayloadPath::HostFixed,
         buffer: id,
-        buffer_offset: pdstor::io::BufferOffset(0),
-        target_offset: pdstor::io::TargetOffset(0),
+        buffer_offset: pdstor_engine::io::BufferOffset(0),
+        target_offset: pdstor_engine::io::TargetOffset(0),
         len: 1 << 20,
     };
     engine.execute_all(&[req]).map_err(|e| e.to_string())?;

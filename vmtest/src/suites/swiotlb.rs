@@ -7,8 +7,10 @@
 //! Run it with `cargo xtask vmtest --suite swiotlb --append swiotlb=force`
 //! (and `--kernel-series DIR`); in a normal boot it says SKIP.
 
-use pdstor::io::{BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_engine::io::{
+    BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId,
+};
+use pdstor_engine::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use super::probes::{expect, fixed_write_verdict};

@@ -4,9 +4,9 @@
 
 use super::{Conn, DataError, DataResponse};
 use crate::api::wire::{DataChunk, ErrorBody};
-use crate::protocol::Receipt;
 use crate::protocol::service::ProtocolError;
-use crate::store::Manifest;
+use pdstor_client::layout::Manifest;
+use pdstor_client::receipt::Receipt;
 
 /// A load that ran and asked to acknowledge its claim: its answer's index
 /// among the frame's, its receipt and manifest.
@@ -28,7 +28,7 @@ impl Conn {
     ) -> Result<(), DataError> {
         if let Some(c) = chunks.iter().find(|c| self.unverifiable.contains(&c.buffer)) {
             return Err(DataError::Protocol(ProtocolError::from(crate::protocol::Refusal::new(
-                crate::protocol::RefusalCode::WrongState,
+                pdstor_client::code::RefusalCode::WrongState,
                 "ack",
                 format!(
                     "chunk {} goes to buffer {}, whose loads the daemon does not check (registered unchecked, or a DMA-BUF it cannot map): load without ack, check the chunks, then ack",

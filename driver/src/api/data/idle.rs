@@ -26,7 +26,7 @@ impl Conn {
             match poll(&mut fds, timeout) {
                 Ok(0) => {
                     return Err(ErrorBody::new(
-                        crate::protocol::RefusalCode::Timeout,
+                        pdstor_client::code::RefusalCode::Timeout,
                         "connection",
                         format!(
                             "no request within {} ms on a data connection holding no buffer (--data-idle-timeout-ms): closed; connect when there is a buffer to register",

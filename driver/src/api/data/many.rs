@@ -10,7 +10,7 @@
 use super::ack::AckAfter;
 use super::{Conn, DataError, DataResponse, about_of};
 use crate::api::wire::{DataChunk, DataRequest, MAX_DATA_MANY};
-use crate::protocol::Receipt;
+use pdstor_client::receipt::Receipt;
 
 impl Conn {
     pub(super) fn many(&mut self, requests: Vec<DataRequest>) -> Result<DataResponse, DataError> {

@@ -21,14 +21,14 @@ use std::thread::JoinHandle;
 use super::data_error::DataError;
 use super::metrics::Metrics;
 use super::wire::{DataChunk, DataRequest, DataResponse, ErrorBody, SharedKind};
-use crate::buffer::Buffer;
-use crate::buffer::dmabuf::DmaBuf;
-use crate::io::{BufferId, BufferOffset, PayloadPath, TransferId};
-use crate::protocol::Receipt;
 use crate::protocol::identity::{Caller, Role};
 use crate::protocol::policy::Resource;
 use crate::protocol::service::{ProtocolError, Service};
-use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Manifest, Phase, StoreBatch, StoreError};
+use crate::store::{BatchOutcome, ChunkDest, ChunkSource, Phase, StoreBatch, StoreError};
+use pdstor_client::receipt::Receipt;
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::buffer::dmabuf::DmaBuf;
+use pdstor_engine::io::{BufferId, BufferOffset, PayloadPath, TransferId};
 
 mod ack;
 mod idle;
@@ -36,7 +36,8 @@ mod many;
 mod notes;
 mod place;
 mod shares;
-pub use pdstor_client::frame::{read_frame, write_frame};
+use pdstor_client::frame::write_frame;
+use pdstor_client::layout::Manifest;
 
 /// Provenance checking for the data plane (`pdstor serve --provenance`).
 pub struct Provenance {
@@ -96,7 +97,10 @@ impl DataPlane {
                 let share = match shares.take(&key, &rules.tenant_names()) {
                     Ok(share) => share,
                     Err(why) => {
-                        refuse(&mut conn, ErrorBody::new(crate::protocol::RefusalCode::TooManyConnections, "", why));
+                        refuse(
+                            &mut conn,
+                            ErrorBody::new(pdstor_client::code::RefusalCode::TooManyConnections, "", why),
+                        );
                         continue;
                     }
                 };
@@ -215,7 +219,7 @@ impl Conn {
                 Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                     let ms = self.limits.body_timeout.as_millis();
                     let e = ErrorBody::new(
-                        crate::protocol::RefusalCode::BodyTimeout,
+                        pdstor_client::code::RefusalCode::BodyTimeout,
                         "frame",
                         format!("a request frame did not arrive whole within {ms} ms (--body-timeout-ms): closed"),
                     );
@@ -248,14 +252,14 @@ impl Conn {
         resp.unwrap_or_else(|e| {
             let e = e.body();
             self.metrics.error(&e.code);
-            if crate::protocol::RefusalCode::parse(&e.code).is_some_and(|c| c.is_identity()) {
+            if pdstor_client::code::RefusalCode::parse(&e.code).is_some_and(|c| c.is_identity()) {
                 let by = self.caller.audit();
                 tracing::warn!(by = %by, code = %e.code, message = %e.message, "refused for who the caller is");
-                let mut refused = crate::timeline::Event::new("refused")
+                let mut refused = pdstor_client::timeline::Event::new("refused")
                     .detail(format!("{} ({}): {}", e.code, e.field, e.message))
                     .by(by);
                 refused.publication = about;
-                crate::timeline::emit(self.service.timeline(), refused);
+                pdstor_client::timeline::emit(self.service.timeline(), refused);
             }
             DataResponse { ok: false, error: Some(e), ..Default::default() }
         })

@@ -5,7 +5,7 @@
 use super::Conn;
 use crate::api::data_error::DataError;
 use crate::api::wire::DataChunk;
-use crate::protocol::Receipt;
+use pdstor_client::receipt::Receipt;
 
 impl Conn {
     /// One timeline line per chunk moved, with its path, bytes and verdict
@@ -27,7 +27,7 @@ impl Conn {
         }
         let Some(t) = self.service.timeline() else { return };
         for (i, c) in chunks.iter().enumerate() {
-            let e = crate::timeline::Event::new(event);
+            let e = pdstor_client::timeline::Event::new(event);
             let e = match claim {
                 Some(r) => e.claim(r),
                 None => e.publication(publication),
@@ -38,7 +38,7 @@ impl Conn {
                 e.checked = Some(match e.crc32c {
                     Some(_) => format!(
                         "daemon, in place in the reader's buffer, on the CPU ({})",
-                        crate::crc32c::chosen().imp.name()
+                        pdstor_engine::crc32c::chosen().imp.name()
                     ),
                     None if self.unchecked.contains(&c.buffer) => {
                         "not by the daemon: the reader registered its buffer unchecked (staging it checks as it copies each chunk out, or a benchmark's unchecked baseline)".into()
@@ -56,9 +56,9 @@ impl Conn {
 
     pub(super) fn note_failure(&self, event: &str, publication: u64, e: &DataError) {
         let body = e.body();
-        crate::timeline::emit(
+        pdstor_client::timeline::emit(
             self.service.timeline(),
-            crate::timeline::Event::new(event)
+            pdstor_client::timeline::Event::new(event)
                 .publication(publication)
                 .detail(format!("{} ({}): {}", body.code, body.field, body.message))
                 .by(self.caller.audit()),

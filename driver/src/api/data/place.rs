@@ -2,7 +2,7 @@
 
 use super::DataError;
 use crate::api::wire::DataChunk;
-use crate::store::Manifest;
+use pdstor_client::layout::Manifest;
 
 /// Refuses a load whose chunks would land on overlapping bytes of one
 /// buffer (each chunk's length is the manifest's): the last to finish would

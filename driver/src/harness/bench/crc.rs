@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::crc32c::{self, Impl};
+use pdstor_engine::crc32c::{self, Impl};
 
 /// What to measure.
 #[derive(Debug, Clone)]

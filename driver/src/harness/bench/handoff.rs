@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use hdrhistogram::Histogram;
 
-use crate::client::layout::Manifest;
-use crate::client::{ClientError, Reader, Writer};
-use crate::store::Layout;
+use pdstor_client::layout::Layout;
+use pdstor_client::layout::Manifest;
+use pdstor_client::{ClientError, Reader, Writer};
 
 /// What `pdstor bench-handoff` runs against a daemon.
 #[derive(Debug, Clone)]
@@ -35,7 +35,7 @@ pub struct HandoffBenchConfig {
     /// checked in the copy (unless `verify` is `None`: a plain copy).
     pub copy_out: bool,
     /// Who checksums the reader's loads.
-    pub verify: crate::client::Verify,
+    pub verify: pdstor_client::Verify,
 }
 
 /// One step's latency percentiles.
@@ -172,7 +172,7 @@ fn reloads(
     let mut staging = if cfg.copy_out { Some(Reader::new(&cfg.server, &cfg.data_socket)?) } else { None };
     let r = match staging.as_mut() {
         Some(s) => {
-            s.set_verify(crate::client::Verify::None);
+            s.set_verify(pdstor_client::Verify::None);
             s
         }
         None => r,
@@ -193,7 +193,7 @@ fn reloads(
         let restored = r.load(&claim, manifest.clone())?;
         if cfg.copy_out {
             let b = r.buffer().ok_or_else(|| ClientError::Data("the reader loaded into no buffer".into()))?;
-            copy_out(b, &manifest, &mut dest, cfg.verify != crate::client::Verify::None)?;
+            copy_out(b, &manifest, &mut dest, cfg.verify != pdstor_client::Verify::None)?;
         }
         last = Some(restored);
         reload_seconds.push(t.elapsed().as_secs_f64());
@@ -217,14 +217,16 @@ fn reloads(
 /// Copies every chunk of `manifest` out of `b` (laid one after another)
 /// into `dest`: with `check`, each checked against the manifest in the
 /// copy; without, a plain copy.
-fn copy_out(b: &crate::Buffer, manifest: &Manifest, dest: &mut [u8], check: bool) -> Result<(), ClientError> {
+fn copy_out(b: &pdstor_engine::Buffer, manifest: &Manifest, dest: &mut [u8], check: bool) -> Result<(), ClientError> {
     let mut at = 0usize;
     for c in &manifest.chunks {
         let len = c.len as usize;
         let dst = dest.get_mut(at..at + len).ok_or_else(|| ClientError::Data("copy-out: past its memory".into()))?;
-        let e = |e: crate::buffer::BufferError| ClientError::Data(format!("copy-out of chunk {}: {e}", c.index));
+        let e =
+            |e: pdstor_engine::buffer::BufferError| ClientError::Data(format!("copy-out of chunk {}: {e}", c.index));
         if check {
-            let crc = b.copy_out_checked(at as u64, len, &mut [crate::buffer::Piece { at: 0, dst }]).map_err(e)?;
+            let crc =
+                b.copy_out_checked(at as u64, len, &mut [pdstor_engine::buffer::Piece { at: 0, dst }]).map_err(e)?;
             if crc != c.crc32c {
                 return Err(ClientError::Verify {
                     chunk: c.index,
@@ -250,11 +252,12 @@ fn step_latencies(
     for k in steps {
         hist.insert(k, Histogram::new(3).map_err(|e| ClientError::Data(e.to_string()))?);
     }
-    let client = crate::client::Client::new(&cfg.server);
-    let mut data = crate::client::DataConn::connect(&cfg.data_socket)?;
-    let small = crate::buffer::Buffer::memfd("bench-small", 4096).map_err(|e| ClientError::Data(e.to_string()))?;
+    let client = pdstor_client::Client::new(&cfg.server);
+    let mut data = pdstor_client::DataConn::connect(&cfg.data_socket)?;
+    let small =
+        pdstor_engine::buffer::Buffer::memfd("bench-small", 4096).map_err(|e| ClientError::Data(e.to_string()))?;
     let b = data.register(&small)?;
-    let chunk = crate::api::wire::DataChunk { index: 0, buffer: b, offset: 0, len: 4096, crc32c: None };
+    let chunk = pdstor_client::wire::DataChunk { index: 0, buffer: b, offset: 0, len: 4096, crc32c: None };
     for i in 0..cfg.latency_samples {
         let req = format!("lat-{run_id}-{i}");
         let mut times = Vec::with_capacity(steps.len());
@@ -271,13 +274,13 @@ fn step_latencies(
         lap(&mut times);
         let claim = client.claim(&published.receipt, "lat", &req, 60_000)?;
         lap(&mut times);
-        let adopt = crate::api::wire::AdoptRequest::of_claim(&claim, layout());
+        let adopt = pdstor_client::wire::AdoptRequest::of_claim(&claim, layout());
         let manifest = client.adopt(&adopt)?;
         lap(&mut times);
         let loaded = data.load(&claim, vec![chunk])?;
         lap(&mut times);
         let nonce = manifest.restore_nonce.unwrap_or_default();
-        client.ack(&claim, &crate::protocol::service::restore_digest(&nonce, &loaded.crc32c))?;
+        client.ack(&claim, &pdstor_client::receipt::restore_digest(&nonce, &loaded.crc32c))?;
         lap(&mut times);
         for (k, us) in steps.iter().zip(times) {
             if let Some(h) = hist.get_mut(k) {
@@ -293,7 +296,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
     let chunks = cfg.bytes.div_ceil(cfg.chunk) as u32;
     let mut w = Writer::new(&cfg.server, &cfg.data_socket, cfg.chunk, chunks)?;
     let payload: Vec<u8> = (0..chunks as u64)
-        .flat_map(|i| crate::payload::chunk(7, i, cfg.chunk as usize))
+        .flat_map(|i| pdstor_engine::payload::chunk(7, i, cfg.chunk as usize))
         .take(cfg.bytes as usize)
         .collect();
     w.buffer().write_at(0, &payload).map_err(|e| ClientError::Data(e.to_string()))?;

@@ -15,8 +15,8 @@ use hdrhistogram::Histogram;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
-use crate::buffer::Buffer;
-use crate::io::{
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::{
     BufferId, BufferOffset, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOffset,
     TargetOptions, TransferId,
 };
@@ -112,7 +112,7 @@ pub struct BenchReport {
     /// The target.
     pub target: PathBuf,
     /// Its kind.
-    pub target_kind: crate::io::TargetKind,
+    pub target_kind: pdstor_engine::io::TargetKind,
     /// The path the requests took.
     pub path: PayloadPath,
     /// fio's pattern.
@@ -147,7 +147,7 @@ pub enum BenchError {
     Io(#[from] IoError),
     /// A buffer could not be made.
     #[error(transparent)]
-    Buffer(#[from] crate::buffer::BufferError),
+    Buffer(#[from] pdstor_engine::buffer::BufferError),
     /// A configuration that cannot run (sizes, queue depth).
     #[error("bench: {0}")]
     Config(String),
@@ -178,7 +178,7 @@ pub fn run(cfg: &BenchConfig) -> Result<BenchReport, BenchError> {
     let buffer = Buffer::host(region)?;
     // Writes carry real (incompressible) bytes; reads land over them.
     let mut scratch = vec![0u8; region];
-    crate::payload::fill(cfg.seed, 0, &mut scratch);
+    pdstor_engine::payload::fill(cfg.seed, 0, &mut scratch);
     buffer.write_at(0, &scratch)?;
     drop(scratch);
     let id: BufferId = match cfg.path {

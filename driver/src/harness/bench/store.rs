@@ -11,9 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::buffer::Buffer;
-use crate::io::BufferOffset;
-use crate::store::{self, ChunkDest, ChunkSource, FormatOptions, Layout, Store, StoreBatch, StoreOptions};
+use crate::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
+use pdstor_client::layout::Layout;
+use pdstor_engine::buffer::Buffer;
+use pdstor_engine::io::BufferOffset;
 
 /// What `pdstor bench-store` runs.
 #[derive(Debug, Clone)]
@@ -90,7 +91,7 @@ pub fn run(cfg: &StoreBenchConfig) -> anyhow::Result<StoreBenchReport> {
             let (s, layout, chunk, handoffs) = (s.clone(), layout.clone(), cfg.chunk, cfg.handoffs);
             std::thread::spawn(move || -> anyhow::Result<()> {
                 let buf = Buffer::host(chunk as usize)?;
-                buf.write_at(0, &crate::payload::chunk(w as u64, 0, chunk as usize))?;
+                buf.write_at(0, &pdstor_engine::payload::chunk(w as u64, 0, chunk as usize))?;
                 let id = s.register_buffer(buf)?;
                 let into = s.register_buffer(Buffer::host(chunk as usize)?)?;
                 for i in 0..per_writer {

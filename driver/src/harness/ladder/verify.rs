@@ -13,7 +13,7 @@ use super::Memory;
 /// Checks every `chunk`-byte chunk of `memory` against `pattern`'s; what was
 /// checked, where, and the check's GiB/s.
 pub(super) fn where_landed(memory: &dyn Memory, pattern: &[u8], chunk: u64) -> anyhow::Result<(String, f64)> {
-    let stored: Vec<u32> = pattern.chunks(chunk as usize).map(crate::crc32c::checksum).collect();
+    let stored: Vec<u32> = pattern.chunks(chunk as usize).map(pdstor_engine::crc32c::checksum).collect();
     let mut place = "";
     let t = Instant::now();
     for (i, want) in stored.iter().enumerate() {

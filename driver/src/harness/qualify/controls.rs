@@ -9,8 +9,8 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 
 use super::{ControlResult, Prepared, ReaderMode, Run, compare, prompt};
-use crate::client::Client;
-use crate::protocol::Receipt;
+use pdstor_client::Client;
+use pdstor_client::receipt::Receipt;
 
 impl Run<'_> {
     pub(super) fn controls(&mut self) -> Vec<ControlResult> {
@@ -90,8 +90,8 @@ impl Run<'_> {
         let c = self.client();
         let mut forged = published.receipt.clone();
         forged.manifest_digest = "00".repeat(32);
-        let refused = |r: Result<Receipt, crate::client::ClientError>, what: &str| match r {
-            Err(crate::client::ClientError::Api(e)) => Ok(e.code),
+        let refused = |r: Result<Receipt, pdstor_client::ClientError>, what: &str| match r {
+            Err(pdstor_client::ClientError::Api(e)) => Ok(e.code),
             other => Err(anyhow::anyhow!("{what} was not refused: {other:?}")),
         };
         let a =
@@ -99,7 +99,7 @@ impl Run<'_> {
         let claim = self.claim(&published.receipt, "control-receipts")?;
         let mut other_reader = claim.clone();
         other_reader.reader = Some("someone-else".into());
-        let adopt = crate::api::wire::AdoptRequest {
+        let adopt = pdstor_client::wire::AdoptRequest {
             receipt: other_reader,
             namespace: claim.namespace.clone(),
             epoch: claim.epoch,
@@ -109,14 +109,14 @@ impl Run<'_> {
             reservation_key: None,
         };
         let b = match c.adopt(&adopt) {
-            Err(crate::client::ClientError::Api(e)) => e.code,
+            Err(pdstor_client::ClientError::Api(e)) => e.code,
             other => bail!("an adopt with another reader's receipt was not refused: {other:?}"),
         };
         let mut wrong_layout = adopt.clone();
         wrong_layout.receipt = claim.clone();
         wrong_layout.layout.chunk_tokens += 1;
         let d = match c.adopt(&wrong_layout) {
-            Err(crate::client::ClientError::Api(e)) => e.code,
+            Err(pdstor_client::ClientError::Api(e)) => e.code,
             other => bail!("an adopt with another layout was not refused: {other:?}"),
         };
         // The genuine claim still restores afterwards: refusals changed nothing.
@@ -133,12 +133,12 @@ impl Run<'_> {
         self.restore(&p, claim.clone(), 8, None, ReaderMode::Restore)?;
         // The reader process acked with the claim's nonce; any digest will do
         // for the second ack, which must be refused for the ack already made.
-        let digest = crate::protocol::service::restore_digest(
+        let digest = pdstor_client::receipt::restore_digest(
             "",
             &published.manifest.chunks.iter().map(|c| c.crc32c).collect::<Vec<_>>(),
         );
         match self.client().ack(&claim, &digest) {
-            Err(crate::client::ClientError::Api(e)) => Ok(format!("the second ack was refused ({})", e.code)),
+            Err(pdstor_client::ClientError::Api(e)) => Ok(format!("the second ack was refused ({})", e.code)),
             other => bail!("a second ack was not refused: {other:?}"),
         }
     }
@@ -148,7 +148,7 @@ impl Run<'_> {
         let c = self.client();
         c.release(&published.receipt)?;
         match c.claim(&published.receipt, "decode-late", "control-release", 60_000) {
-            Err(crate::client::ClientError::Api(e)) => {
+            Err(pdstor_client::ClientError::Api(e)) => {
                 Ok(format!("released unread; a later claim was refused ({})", e.code))
             }
             other => bail!("a claim after release was not refused: {other:?}"),
@@ -202,7 +202,7 @@ fn corrupt(path: &Path, offset: u64) -> anyhow::Result<()> {
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .with_context(|| format!("opening {} to corrupt a chunk", path.display()))?;
-    let b = crate::Buffer::host(4096)?;
+    let b = pdstor_engine::Buffer::host(4096)?;
     b.write_at(0, &[0xa5; 4096])?;
     let addr = b.slice(0, 4096)?.ptr_guard().as_ptr();
     // SAFETY: `b` owns 4096 page-aligned bytes at `addr` for the call.

@@ -23,13 +23,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use serde::Serialize;
 
-use crate::client::{BufferSpec, Client, Exporter, Writer};
-use crate::io::PayloadPath;
 use crate::model::{self, Config, Continuation, Model, kv};
-use crate::protocol::Receipt;
-use crate::protocol::service::Published;
-use crate::store::Layout;
-use crate::timeline::{Event, Timeline, tokens_digest};
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
+use pdstor_client::timeline::Event;
+use pdstor_client::timeline::Timeline;
+use pdstor_client::timeline::tokens_digest;
+use pdstor_client::wire::Published;
+use pdstor_client::{BufferSpec, Client, Exporter, Writer};
+use pdstor_engine::io::PayloadPath;
 
 mod controls;
 mod reader;
@@ -181,9 +183,9 @@ impl QualifyReport {
 /// The buffer memory a path takes: a udmabuf for `dmabuf_fixed` (its DMA-BUF
 /// moves the bytes; its memfd is how the model reads and writes them), a
 /// memfd otherwise.
-pub(crate) fn exporter_for(path: crate::PayloadPath) -> Exporter {
+pub(crate) fn exporter_for(path: pdstor_engine::PayloadPath) -> Exporter {
     match path {
-        crate::PayloadPath::DmabufFixed => Exporter::Udmabuf,
+        pdstor_engine::PayloadPath::DmabufFixed => Exporter::Udmabuf,
         _ => Exporter::Memfd,
     }
 }
@@ -508,7 +510,7 @@ pub fn run(cfg: &QualifyConfig) -> anyhow::Result<QualifyReport> {
     }
     drop(run);
     drop(daemon);
-    let lines = crate::timeline::read(&timeline_path)?;
+    let lines = pdstor_client::timeline::read(&timeline_path)?;
     let check = crate::timeline::check::check(&lines, cfg.path);
     let events: Vec<Event> = lines.into_iter().filter_map(|(_, e)| e.ok()).collect();
     std::fs::write(cfg.out.join("timeline.svg"), crate::timeline::render::render(&events, "pdstor qualify"))?;

@@ -7,12 +7,14 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::client::{BufferSpec, Reader};
-use crate::io::PayloadPath;
 use crate::model::{Config, Continuation, Model, kv};
-use crate::protocol::Receipt;
-use crate::store::Layout;
-use crate::timeline::{Event, Timeline, tokens_digest};
+use pdstor_client::layout::Layout;
+use pdstor_client::receipt::Receipt;
+use pdstor_client::timeline::Event;
+use pdstor_client::timeline::Timeline;
+use pdstor_client::timeline::tokens_digest;
+use pdstor_client::{BufferSpec, Reader};
+use pdstor_engine::io::PayloadPath;
 
 /// What the reader process is asked to do with one claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

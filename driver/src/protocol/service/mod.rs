@@ -12,10 +12,13 @@ use super::{Clock, Receipt, ReceiptKind, Refusal, RefusalCode, Signer, SystemClo
 use std::time::Duration;
 
 use crate::admission::CancelToken;
-use crate::store::{AbortOutcome, Ask, CancelOutcome, Layout, Manifest, Owner, Phase, Publication, Store, StoreError};
-pub use pdstor_client::receipt::restore_digest;
+use crate::store::{AbortOutcome, Ask, Owner, Phase, Publication, Store, StoreError};
+use pdstor_client::layout::Layout;
+use pdstor_client::layout::Manifest;
+use pdstor_client::receipt::restore_digest;
 use pdstor_client::timeline::{Event, Timeline, emit};
-pub use pdstor_client::wire::{AdoptRequest, PrepareRequest, Prepared, Published};
+use pdstor_client::wire::CancelOutcome;
+use pdstor_client::wire::{AdoptRequest, PrepareRequest, Prepared, Published};
 
 mod ack_loaded;
 mod cache;
@@ -58,7 +61,7 @@ pub struct Service {
     served: Mutex<HashMap<u64, Served>>,
     /// The owner's persistent reservation on the namespace and its key
     /// (`serve --reservation-key`): fencing a direct reader preempts its key.
-    reservations: Option<(crate::io::persistent_reservation::Reservations, u64)>,
+    reservations: Option<(pdstor_engine::io::persistent_reservation::Reservations, u64)>,
     /// Reads of cache publications in progress, by their receipt's signature.
     reads: Mutex<HashMap<String, cache::ReadLease>>,
     /// The last read receipt's issue time (ms): each read's is later.
@@ -116,7 +119,11 @@ impl Service {
     /// Fences direct readers by preempting their keys at the target, as
     /// the holder of the namespace's Exclusive Access — All Registrants
     /// reservation with `key` (taken by [`crate::api::owner::hold`]).
-    pub fn with_reservations(mut self, r: crate::io::persistent_reservation::Reservations, key: u64) -> Service {
+    pub fn with_reservations(
+        mut self,
+        r: pdstor_engine::io::persistent_reservation::Reservations,
+        key: u64,
+    ) -> Service {
         self.reservations = Some((r, key));
         self
     }

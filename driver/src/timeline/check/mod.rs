@@ -46,7 +46,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use serde::Serialize;
 
 use super::{Event, tokens_digest};
-use crate::io::PayloadPath;
+use pdstor_engine::io::PayloadPath;
 
 mod reads;
 mod steps;

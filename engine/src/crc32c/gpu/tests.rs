@@ -91,7 +91,7 @@ fn on_emulated_gpu(exe: &Path, addr: u64, data: &[u8]) -> u32 {
 fn the_kernel_run_on_the_cpu_is_the_reference_and_sees_a_flipped_byte() {
     let exe = match harness() {
         Ok(exe) => exe,
-        Err(why) => return crate::test_skip("crc32c::gpu::the_kernel_run_on_the_cpu_is_the_reference", &why),
+        Err(why) => return pdstor_testkit::skip("crc32c::gpu::the_kernel_run_on_the_cpu_is_the_reference", &why),
     };
     let data: Vec<u8> = (0..(300u32 << 10) + 37).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
     // Rows: none, one, a warp's part, several warps, several blocks; every

@@ -4,9 +4,9 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use pdstor::api::wire::DataChunk;
-use pdstor::client::{Client, ClientError, DataConn};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_client::wire::DataChunk;
+use pdstor_client::{Client, ClientError, DataConn};
+use pdstor_engine::{Buffer, PayloadPath};
 
 use crate::DiskRole;
 use crate::guest::{Ctx, expects_rw_dmabuf, sh};
@@ -49,7 +49,7 @@ pub(super) fn bad_input(ctx: &Ctx) -> Checked {
     }
     for (n, path) in paths.into_iter().enumerate() {
         let b = Buffer::udmabuf("vmtest-closed", CHUNK as usize).map_err(e("udmabuf"))?;
-        let payload = pdstor::payload::chunk(0xc105 + n as u64, 0, CHUNK as usize);
+        let payload = pdstor_engine::payload::chunk(0xc105 + n as u64, 0, CHUNK as usize);
         b.write_at(0, &payload).map_err(e("fill"))?;
         let id = data.register_for(&b, path).map_err(e("register"))?;
         let memfd = b.memfd_fd().ok_or("the udmabuf has no memfd")?.as_raw_fd();
@@ -94,7 +94,8 @@ pub(super) fn device_errors(ctx: &Ctx) -> Checked {
     let mut data = DataConn::connect(Path::new(SOCKET)).map_err(e("data plane"))?;
     let room = CHUNK as usize * CHUNKS as usize;
     let wbuf = Buffer::udmabuf("vmtest-faulty-w", room).map_err(e("writer buffer"))?;
-    let payload: Vec<u8> = (0..CHUNKS as u64).flat_map(|i| pdstor::payload::chunk(0xbad, i, CHUNK as usize)).collect();
+    let payload: Vec<u8> =
+        (0..CHUNKS as u64).flat_map(|i| pdstor_engine::payload::chunk(0xbad, i, CHUNK as usize)).collect();
     wbuf.write_at(0, &payload).map_err(e("filling the writer buffer"))?;
     let wid = data.register_for(&wbuf, path).map_err(e("registering the writer buffer"))?;
     let chunks = |buffer| -> Vec<DataChunk> {
@@ -116,7 +117,7 @@ pub(super) fn device_errors(ctx: &Ctx) -> Checked {
     data.store(p.publication, &p.writer_token, chunks(wid), true, CHUNKS).map_err(e("store below 48 MiB"))?;
     let published = client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
     let claim = client.claim(&published.receipt, "decode-0", "faulty", 60_000).map_err(e("claim"))?;
-    let manifest = client.adopt(&pdstor::api::wire::AdoptRequest::of_claim(&claim, layout())).map_err(e("adopt"))?;
+    let manifest = client.adopt(&pdstor_client::wire::AdoptRequest::of_claim(&claim, layout())).map_err(e("adopt"))?;
     if manifest.chunks.iter().all(|c| c.offset.0 < 4 << 20) {
         return Err("every chunk landed below 4 MiB: the read fault cannot be reached".into());
     }

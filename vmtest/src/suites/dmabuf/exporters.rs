@@ -5,9 +5,9 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 
-use pdstor::buffer::dmabuf::{Access, DmaBuf};
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_engine::buffer::dmabuf::{Access, DmaBuf};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use crate::DiskRole;
@@ -54,9 +54,9 @@ pub(super) fn cpu_access(ctx: &Ctx) -> Checked {
         return Err("no hook on dma_buf_begin_cpu_access attached in the guest".into());
     }
     let buf = Buffer::udmabuf("vmtest-cpu", 2 * CHUNK as usize).map_err(e("creating a udmabuf"))?;
-    let pattern = pdstor::payload::chunk(0xd0a, 1, CHUNK as usize);
+    let pattern = pdstor_engine::payload::chunk(0xd0a, 1, CHUNK as usize);
     buf.write_at(0, &pattern).map_err(e("filling the udmabuf"))?;
-    let before = pdstor::buffer::dmabuf::cpu_accesses();
+    let before = pdstor_engine::buffer::dmabuf::cpu_accesses();
     {
         let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw block device"))?;
         let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
@@ -67,14 +67,16 @@ pub(super) fn cpu_access(ctx: &Ctx) -> Checked {
             path: PayloadPath::HostFixed,
             buffer: id,
             buffer_offset,
-            target_offset: pdstor::io::TargetOffset(64 * CHUNK),
+            target_offset: pdstor_engine::io::TargetOffset(64 * CHUNK),
             len: CHUNK,
         };
-        engine.execute_all(&[req(0x7701, Op::Write, pdstor::io::BufferOffset(0))]).map_err(e("fixed write"))?;
-        engine.execute_all(&[req(0x7702, Op::Read, pdstor::io::BufferOffset(CHUNK))]).map_err(e("fixed read"))?;
+        engine.execute_all(&[req(0x7701, Op::Write, pdstor_engine::io::BufferOffset(0))]).map_err(e("fixed write"))?;
+        engine
+            .execute_all(&[req(0x7702, Op::Read, pdstor_engine::io::BufferOffset(CHUNK))])
+            .map_err(e("fixed read"))?;
         let mut back = vec![0u8; CHUNK as usize];
         engine.buffer(id).map_err(e("buffer"))?.read_at(CHUNK, &mut back).map_err(e("reading back"))?;
-        if let Some(at) = pdstor::payload::first_difference(&pattern, &back) {
+        if let Some(at) = pdstor_engine::payload::first_difference(&pattern, &back) {
             return Err(format!("the udmabuf read back differs at byte {at}").into());
         }
         for t in [0x7701u64, 0x7702] {
@@ -88,7 +90,7 @@ pub(super) fn cpu_access(ctx: &Ctx) -> Checked {
             }
         }
     }
-    let touched = pdstor::buffer::dmabuf::cpu_accesses() - before;
+    let touched = pdstor_engine::buffer::dmabuf::cpu_accesses() - before;
     if touched < 1 {
         return Err("reading the udmabuf back was not counted as a CPU access".into());
     }

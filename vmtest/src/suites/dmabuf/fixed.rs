@@ -5,10 +5,10 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use pdstor::buffer::dmabuf::DmaBuf;
-use pdstor::client::{Client, ClientError, DataConn};
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_client::{Client, ClientError, DataConn};
+use pdstor_engine::buffer::dmabuf::DmaBuf;
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath};
 
 use crate::DiskRole;
 use crate::guest::{Ctx, expects_rw_dmabuf, sh};
@@ -54,7 +54,7 @@ pub(super) const PIECES: [(u64, u64); 4] =
 
 /// One `dmabuf_fixed` request per piece of [`PIECES`]: DMA-BUF offset `at`
 /// to target offset `base + at`, transfers numbered from `first`.
-pub(super) fn pieces(op: Op, id: pdstor::io::BufferId, base: u64, first: u64) -> Vec<IoRequest> {
+pub(super) fn pieces(op: Op, id: pdstor_engine::io::BufferId, base: u64, first: u64) -> Vec<IoRequest> {
     PIECES
         .iter()
         .enumerate()
@@ -63,8 +63,8 @@ pub(super) fn pieces(op: Op, id: pdstor::io::BufferId, base: u64, first: u64) ->
             op,
             path: PayloadPath::DmabufFixed,
             buffer: id,
-            buffer_offset: pdstor::io::BufferOffset(at),
-            target_offset: pdstor::io::TargetOffset(base + at),
+            buffer_offset: pdstor_engine::io::BufferOffset(at),
+            target_offset: pdstor_engine::io::TargetOffset(base + at),
             len: n,
         })
         .collect()
@@ -88,7 +88,7 @@ pub(super) fn dmabuf_fixed_engine(ctx: &Ctx) -> Checked {
         }
         .map_err(e("allocating the DMA-BUF"))?;
         let pattern: Vec<u8> =
-            (0..4).flat_map(|i| pdstor::payload::chunk(0xf1 + n as u64, i, CHUNK as usize)).collect();
+            (0..4).flat_map(|i| pdstor_engine::payload::chunk(0xf1 + n as u64, i, CHUNK as usize)).collect();
         buf.write_at(0, &pattern).map_err(e("filling the DMA-BUF"))?;
         let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
         let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
@@ -99,13 +99,13 @@ pub(super) fn dmabuf_fixed_engine(ctx: &Ctx) -> Checked {
         engine.flush().map_err(e("flush"))?;
         for &(at, n) in &PIECES {
             let want = &pattern[at as usize..(at + n) as usize];
-            if pdstor::payload::first_difference(want, &dd_direct(&disk.block, base + at, n)?).is_some() {
+            if pdstor_engine::payload::first_difference(want, &dd_direct(&disk.block, base + at, n)?).is_some() {
                 return Err(
                     format!("{exporter}: the piece at +{at} on the device (dd) is not the DMA-BUF's bytes").into()
                 );
             }
             let by_nvme = nvme_read(&disk.generic, base + at, n, 4096, 512 << 10)?;
-            if pdstor::payload::first_difference(want, &by_nvme).is_some() {
+            if pdstor_engine::payload::first_difference(want, &by_nvme).is_some() {
                 return Err(
                     format!("{exporter}: the piece at +{at} read by `nvme read` is not the DMA-BUF's bytes").into()
                 );
@@ -120,7 +120,7 @@ pub(super) fn dmabuf_fixed_engine(ctx: &Ctx) -> Checked {
         for &(at, n) in &PIECES {
             want[at as usize..(at + n) as usize].copy_from_slice(&pattern[at as usize..(at + n) as usize]);
         }
-        if let Some(at) = pdstor::payload::first_difference(&want, &back) {
+        if let Some(at) = pdstor_engine::payload::first_difference(&want, &back) {
             return Err(format!("{exporter}: the DMA-BUF read back differs at byte {at} (pieces, zero gaps)").into());
         }
     }
@@ -130,7 +130,7 @@ pub(super) fn dmabuf_fixed_engine(ctx: &Ctx) -> Checked {
 /// Installs `dmabuf` in slot 0 of `ring`'s (sparse) buffer table for
 /// `target` with `IORING_RSRC_UPDATE_EXTENDED`, as the engine does.
 pub(super) fn install_dmabuf(ring: &io_uring::IoUring, dmabuf: &DmaBuf, target: &std::fs::File) -> Checked {
-    use pdstor::buffer::dmabuf::uapi;
+    use pdstor_engine::buffer::dmabuf::uapi;
     ring.submitter().register_buffers_sparse(1).map_err(e("a sparse buffer table"))?;
     let desc = uapi::IoUringRegbufDesc {
         kind: uapi::IO_REGBUF_TYPE_DMABUF,
@@ -243,7 +243,7 @@ pub(super) fn eagain(ctx: &Ctx) -> Checked {
     let disk = ctx.disk(DiskRole::Raw)?;
     let file = open_direct(&disk.block)?;
     let region = Buffer::udmabuf("vmtest-eagain", CHUNK as usize).map_err(e("udmabuf"))?;
-    let pattern = pdstor::payload::chunk(0xea, 0, CHUNK as usize);
+    let pattern = pdstor_engine::payload::chunk(0xea, 0, CHUNK as usize);
     region.write_at(0, &pattern).map_err(e("filling the udmabuf"))?;
     let mut ring = IoUring::new(4).map_err(e("io_uring setup"))?;
     install_dmabuf(&ring, region.dmabuf().ok_or("no DMA-BUF")?, &file)?;
@@ -275,7 +275,7 @@ pub(super) fn eagain(ctx: &Ctx) -> Checked {
 
     let len = 4 * CHUNK as usize;
     let buf = Buffer::udmabuf("vmtest-eagain-engine", len).map_err(e("udmabuf"))?;
-    let pattern: Vec<u8> = (0..4).flat_map(|i| pdstor::payload::chunk(0xeb, i, CHUNK as usize)).collect();
+    let pattern: Vec<u8> = (0..4).flat_map(|i| pdstor_engine::payload::chunk(0xeb, i, CHUNK as usize)).collect();
     buf.write_at(0, &pattern).map_err(e("filling the DMA-BUF"))?;
     let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
     let mut engine = Engine::new(t, EngineOptions { nowait_first: true, ..Default::default() }).map_err(e("engine"))?;
@@ -288,8 +288,8 @@ pub(super) fn eagain(ctx: &Ctx) -> Checked {
         op: Op::Read,
         path: PayloadPath::DmabufFixed,
         buffer: id,
-        buffer_offset: pdstor::io::BufferOffset(0),
-        target_offset: pdstor::io::TargetOffset(base),
+        buffer_offset: pdstor_engine::io::BufferOffset(0),
+        target_offset: pdstor_engine::io::TargetOffset(base),
         len: 4096,
     };
     engine.execute_all(&[warm]).map_err(e("the first READ_FIXED"))?;
@@ -348,7 +348,7 @@ pub(super) fn one_gib(ctx: &Ctx) -> Checked {
         let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
         let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
         match engine.register_dmabuf(big) {
-            Err(err @ pdstor::io::IoError::DmabufTooLarge { .. }) => {
+            Err(err @ pdstor_engine::io::IoError::DmabufTooLarge { .. }) => {
                 let msg = err.to_string();
                 if !msg.contains("1 GiB") || !msg.contains("nothing was installed") {
                     return Err(format!("the refusal does not say what to do: {msg}").into());
@@ -358,7 +358,7 @@ pub(super) fn one_gib(ctx: &Ctx) -> Checked {
         }
     }
     let exact = Buffer::dma_heap("system", gib).map_err(e("a 1 GiB system-heap DMA-BUF"))?;
-    let tail = pdstor::payload::chunk(0x1a1b, 0, CHUNK as usize);
+    let tail = pdstor_engine::payload::chunk(0x1a1b, 0, CHUNK as usize);
     exact.write_at(gib as u64 - CHUNK, &tail).map_err(e("filling the last MiB"))?;
     let t = Target::open(&disk.block, &TargetOptions::default()).map_err(e("opening the raw namespace"))?;
     let mut engine = Engine::new(t, EngineOptions::default()).map_err(e("engine"))?;
@@ -369,8 +369,8 @@ pub(super) fn one_gib(ctx: &Ctx) -> Checked {
         op: Op::Write,
         path: PayloadPath::DmabufFixed,
         buffer: id,
-        buffer_offset: pdstor::io::BufferOffset(gib as u64 - CHUNK),
-        target_offset: pdstor::io::TargetOffset(at),
+        buffer_offset: pdstor_engine::io::BufferOffset(gib as u64 - CHUNK),
+        target_offset: pdstor_engine::io::TargetOffset(at),
         len: CHUNK,
     };
     engine.execute_all(&[req]).map_err(e("WRITE_FIXED from the last MiB of a 1 GiB DMA-BUF"))?;

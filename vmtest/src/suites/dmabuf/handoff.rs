@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use pdstor::api::wire::DataChunk;
-use pdstor::client::{Client, ClientError, DataConn};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_client::wire::DataChunk;
+use pdstor_client::{Client, ClientError, DataConn};
+use pdstor_engine::{Buffer, PayloadPath};
 
 use crate::DiskRole;
 use crate::guest::{Ctx, expects_rw_dmabuf, sh};
@@ -41,7 +41,8 @@ pub(super) fn handoff_at(
     let total = CHUNK * CHUNKS as u64;
     let room = (total + base).next_multiple_of(CHUNK) as usize;
     let wbuf = alloc(writer.0, room).map_err(e("writer buffer"))?;
-    let payload: Vec<u8> = (0..CHUNKS as u64).flat_map(|i| pdstor::payload::chunk(0xd3a, i, CHUNK as usize)).collect();
+    let payload: Vec<u8> =
+        (0..CHUNKS as u64).flat_map(|i| pdstor_engine::payload::chunk(0xd3a, i, CHUNK as usize)).collect();
     wbuf.write_at(base, &payload).map_err(e("filling the writer buffer"))?;
     let wid = data.register_for(&wbuf, writer.1).map_err(e("registering the writer buffer"))?;
     let p = client.prepare(req, &layout(), CHUNKS, "vmtest").map_err(e("prepare"))?;
@@ -52,12 +53,12 @@ pub(super) fn handoff_at(
     check_chunks("store", &stored.paths, &stored.verdicts, writer.1)?;
     let published = client.publish(p.publication, &p.writer_token, Some(7)).map_err(e("publish"))?;
     let claim = client.claim(&published.receipt, "decode-0", req, 60_000).map_err(e("claim"))?;
-    let manifest = client.adopt(&pdstor::api::wire::AdoptRequest::of_claim(&claim, layout())).map_err(e("adopt"))?;
+    let manifest = client.adopt(&pdstor_client::wire::AdoptRequest::of_claim(&claim, layout())).map_err(e("adopt"))?;
     // Independent: every chunk as it lies on the target, read by busybox dd.
     for c in &manifest.chunks {
         let on_disk = dd_direct(target, c.offset.0, c.len)?;
         let want = &payload[(c.index as u64 * CHUNK) as usize..][..c.len as usize];
-        if let Some(at) = pdstor::payload::first_difference(want, &on_disk) {
+        if let Some(at) = pdstor_engine::payload::first_difference(want, &on_disk) {
             return Err(format!("chunk {} on the target differs from the writer's bytes at byte {at}", c.index).into());
         }
     }
@@ -73,12 +74,12 @@ pub(super) fn handoff_at(
     check_chunks("load", &loaded.paths, &loaded.verdicts, reader.1)?;
     let mut back = vec![0u8; total as usize];
     rbuf.read_at(base, &mut back).map_err(e("reading the reader buffer"))?;
-    if let Some(at) = pdstor::payload::first_difference(&payload, &back) {
+    if let Some(at) = pdstor_engine::payload::first_difference(&payload, &back) {
         return Err(format!("the reader's {} buffer differs from the writer's at byte {at}", reader.0).into());
     }
     // The bytes were just compared with the writer's: their crcs are the manifest's.
     let crcs: Vec<u32> = manifest.chunks.iter().map(|c| c.crc32c).collect();
-    let digest = pdstor::protocol::service::restore_digest(manifest.restore_nonce.as_deref().unwrap_or(""), &crcs);
+    let digest = pdstor_client::receipt::restore_digest(manifest.restore_nonce.as_deref().unwrap_or(""), &crcs);
     client.ack(&claim, &digest).map_err(e("ack"))?;
     Ok(())
 }

@@ -11,7 +11,7 @@
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
-use pdstor::store::Layout;
+use pdstor_client::layout::Layout;
 
 use crate::DiskRole;
 use crate::guest::{expects_rw_dmabuf, sh};

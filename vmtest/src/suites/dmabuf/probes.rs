@@ -4,9 +4,9 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
-use pdstor::buffer::dmabuf::{Access, DmaBuf};
-use pdstor::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath};
+use pdstor_engine::buffer::dmabuf::{Access, DmaBuf};
+use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
+use pdstor_engine::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use crate::DiskRole;
@@ -47,8 +47,8 @@ pub(super) fn dmabuf_fixed_probes(ctx: &Ctx) -> Checked {
         op,
         path,
         buffer,
-        buffer_offset: pdstor::io::BufferOffset(0),
-        target_offset: pdstor::io::TargetOffset(176 * CHUNK),
+        buffer_offset: pdstor_engine::io::BufferOffset(0),
+        target_offset: pdstor_engine::io::TargetOffset(176 * CHUNK),
         len: CHUNK,
     };
     engine.execute_all(&[req(0x7901, Op::Write, PayloadPath::DmabufFixed, fixed)]).map_err(e("dmabuf_fixed write"))?;

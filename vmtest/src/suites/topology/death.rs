@@ -31,7 +31,7 @@ pub(super) fn reader_death(_: &Ctx) -> Checked {
 }
 
 pub(super) fn death_owner() -> Checked {
-    use pdstor::client::{Client, Writer};
+    use pdstor_client::{Client, Writer};
     let _daemon = serve_owner("/tmp/vmtest/topology-serve-death.log")?;
     let server = format!("http://{CONTROL}");
     let socket = DATA_SOCKET;
@@ -41,8 +41,9 @@ pub(super) fn death_owner() -> Checked {
     let published = w.put("topology-doomed", &kv_layout(), &payload, 8, Some(42)).map_err(|e| format!("put: {e}"))?;
     let receipt = serde_json::to_string(&published.receipt).map_err(|e| e.to_string())?;
     let line = serve_once(DEATH_PORT, Some(&receipt))?;
-    let claim: pdstor::protocol::Receipt = serde_json::from_str(line.trim().strip_prefix("adopted ").unwrap_or(""))
-        .map_err(|e| format!("the reader host's claim {line:?}: {e}"))?;
+    let claim: pdstor_client::receipt::Receipt =
+        serde_json::from_str(line.trim().strip_prefix("adopted ").unwrap_or(""))
+            .map_err(|e| format!("the reader host's claim {line:?}: {e}"))?;
     // Its host is gone when it stops answering.
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut silent = 0;
@@ -84,19 +85,20 @@ pub(super) fn death_owner() -> Checked {
 }
 
 pub(super) fn death_reader() -> Checked {
-    use pdstor::client::{Client, RemoteReader};
+    use pdstor_client::{Client, RemoteReader};
     connect()?;
     let dev = fabric_namespace()?;
     let (mut peer, line) = from_owner(DEATH_PORT)?;
-    let ready: pdstor::protocol::Receipt =
+    let ready: pdstor_client::receipt::Receipt =
         serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
     let server = format!("http://{CONTROL}");
     let c = Client::new(&server);
     let claim = c.claim(&ready, "decode-doomed", "doomed", 600_000).map_err(|e| format!("claim: {e}"))?;
     let r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
     r.check_namespace(&claim).map_err(|e| e.to_string())?;
-    let m =
-        c.adopt(&pdstor::api::wire::AdoptRequest::of_claim(&claim, kv_layout())).map_err(|e| format!("adopt: {e}"))?;
+    let m = c
+        .adopt(&pdstor_client::wire::AdoptRequest::of_claim(&claim, kv_layout()))
+        .map_err(|e| format!("adopt: {e}"))?;
     // Mid-load: half the chunks read, nothing reported, no ack.
     for chunk in m.chunks.iter().take(m.chunks.len() / 2) {
         dd_direct(&dev, chunk.offset.0, chunk.len)?;

@@ -26,7 +26,7 @@ pub(super) fn durability(ctx: &Ctx) -> Checked {
 }
 
 pub(super) fn durable_owner(ctx: &Ctx) -> Checked {
-    use pdstor::client::Client;
+    use pdstor_client::Client;
     let backing = ctx.disk(DiskRole::Raw)?.block.clone();
     let dev = fabric_namespace()?;
     format_namespace(&dev)?;
@@ -75,18 +75,18 @@ pub(super) fn durable_owner(ctx: &Ctx) -> Checked {
 }
 
 pub(super) fn durable_reader() -> Checked {
-    use pdstor::client::{Client, RemoteReader};
+    use pdstor_client::{Client, RemoteReader};
     connect()?;
     let dev = fabric_namespace()?;
     let mut peer = Peer::dial(DURABLE_PORT)?;
     let result = (|| -> Checked {
         let line = peer.recv()?;
-        let at: Vec<pdstor::api::wire::Extent> =
+        let at: Vec<pdstor_client::wire::Extent> =
             parse("the extents", line.strip_prefix("gone ").ok_or(format!("the owner sent {line:?}"))?)?;
         let want = seeded(0xd0ab, DURABLE_CHUNKS);
         same_bytes(&dev, &at, &want, "read right after READY with the writer host gone")?;
         peer.send("ok")?;
-        let ready: pdstor::protocol::Receipt = parse("the receipt", &peer.recv()?)?;
+        let ready: pdstor_client::receipt::Receipt = parse("the receipt", &peer.recv()?)?;
         let server = format!("http://{CONTROL}");
         let claim = Client::new(&server).claim(&ready, "decode-durable", "durable", 120_000).map_err(api("claim"))?;
         let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;

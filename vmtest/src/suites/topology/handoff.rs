@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use pdstor::payload;
+use pdstor_engine::payload;
 
 use crate::SHARED_NQN;
 use crate::guest::{Ctx, console, sh};
@@ -36,7 +36,7 @@ pub(super) fn handoff(_: &Ctx) -> Checked {
 }
 
 pub(super) fn handoff_writer() -> Checked {
-    use pdstor::client::{Client, Writer};
+    use pdstor_client::{Client, Writer};
     let dev = fabric_namespace()?;
     format_namespace(&dev)?;
     let owner_tl = "/tmp/vmtest/topology-owner.jsonl";
@@ -70,7 +70,7 @@ pub(super) fn handoff_writer() -> Checked {
     let merged = "/tmp/vmtest/topology-merged.jsonl";
     sh("/bin/pdstor", &["timeline", "merge", owner_tl, reader_tl, "-o", merged])?;
     let report = sh("/bin/pdstor", &["timeline", "check", "--require-path", "host_fixed", merged])?;
-    let nodes: std::collections::BTreeSet<String> = pdstor::timeline::read(Path::new(merged))
+    let nodes: std::collections::BTreeSet<String> = pdstor_client::timeline::read(Path::new(merged))
         .map_err(|e| e.to_string())?
         .into_iter()
         .filter_map(|(_, e)| e.ok().map(|e| e.node))
@@ -84,17 +84,17 @@ pub(super) fn handoff_writer() -> Checked {
 }
 
 pub(super) fn handoff_reader() -> Checked {
-    use pdstor::client::RemoteReader;
+    use pdstor_client::RemoteReader;
     let (mut peer, line) = from_owner(HANDOFF_PORT)?;
     let result = (|| -> Checked<String> {
-        let ready: pdstor::protocol::Receipt =
+        let ready: pdstor_client::receipt::Receipt =
             serde_json::from_str(line.trim()).map_err(|e| format!("the receipt {line:?}: {e}"))?;
         let server = format!("http://{CONTROL}");
         connect()?;
         let dev = fabric_namespace()?;
         let tl = "/tmp/vmtest/topology-reader-host.jsonl";
         let _ = std::fs::remove_file(tl);
-        let timeline = pdstor::timeline::Timeline::open(Path::new(tl), "remote-reader-host")
+        let timeline = pdstor_client::timeline::Timeline::open(Path::new(tl), "remote-reader-host")
             .map_err(|e| format!("the reader host's timeline: {e}"))?;
         let judge = pdstor::provenance::ProbeJudge::attach()?;
         let mut r = RemoteReader::open(&server, &dev)

@@ -31,7 +31,7 @@ pub(super) fn identity_owner() -> Checked {
 }
 
 pub(super) fn identity_reader() -> Checked {
-    use pdstor::client::{Client, RemoteReader};
+    use pdstor_client::{Client, RemoteReader};
     let (mut peer, _serving) = from_owner(IDENTITY_PORT)?;
     let result = (|| -> Checked {
         connect()?;

@@ -6,7 +6,7 @@
 //! `O_DIRECT`. `cargo xtask vmtest --suite topology` boots both; a guest
 //! booted alone says SKIP.
 
-use pdstor::payload;
+use pdstor_engine::payload;
 
 use crate::Failure;
 use crate::guest::cmdline;
@@ -72,7 +72,7 @@ pub const SUITE: Suite = Suite {
 /// else is on that network; `--insecure-tcp` says so at every start).
 const CONTROL: &str = "10.77.0.1:7078";
 
-fn kv_layout() -> pdstor::store::Layout {
+fn kv_layout() -> pdstor_client::layout::Layout {
     crate::suites::test_layout("vmtest-topology")
 }
 

@@ -2,8 +2,10 @@
 //! with pdstor's engine and exports the namespace over NVMe/TCP; the reader
 //! host reads it back with `dd iflag=direct` and reports its crc32c.
 
-use pdstor::io::{BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId};
-use pdstor::{Buffer, PayloadPath, payload};
+use pdstor_engine::io::{
+    BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId,
+};
+use pdstor_engine::{Buffer, PayloadPath, payload};
 
 use crate::guest::{Ctx, console, sh};
 use crate::suites::Checked;

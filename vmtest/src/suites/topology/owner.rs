@@ -33,7 +33,7 @@ pub(super) fn start_owner(d: &Path, log: &str) -> Checked<crate::suites::protoco
 }
 
 pub(super) fn start_owner_with(d: &Path, log: &str, extra: &[&str]) -> Checked<crate::suites::protocol::Daemon> {
-    use pdstor::client::Client;
+    use pdstor_client::Client;
     let d = d.to_string_lossy().into_owned();
     let socket = DATA_SOCKET;
     let _ = std::fs::remove_file(socket);
@@ -70,7 +70,7 @@ pub(super) fn read_cached(dev: &std::fs::File, offset: u64, len: u64) -> Checked
 }
 
 /// The chunks' places on the target, as the owner lists them (`?verbose=1`).
-pub(super) fn extents(c: &pdstor::client::Client, publication: u64) -> Checked<Vec<pdstor::api::wire::Extent>> {
+pub(super) fn extents(c: &pdstor_client::Client, publication: u64) -> Checked<Vec<pdstor_client::wire::Extent>> {
     let infos = c.publications(None, true).map_err(api("listing the publications"))?;
     let p = infos
         .into_iter()
@@ -80,7 +80,7 @@ pub(super) fn extents(c: &pdstor::client::Client, publication: u64) -> Checked<V
 }
 
 /// Checks, outside pdstor, that each extent on `dev` holds the writer's chunk.
-pub(super) fn same_bytes(dev: &Path, extents: &[pdstor::api::wire::Extent], want: &[u8], what: &str) -> Checked {
+pub(super) fn same_bytes(dev: &Path, extents: &[pdstor_client::wire::Extent], want: &[u8], what: &str) -> Checked {
     for e in extents {
         let len = e.len.unwrap_or(HANDOFF_CHUNK);
         let got = dd_direct(dev, e.offset, len)?;
@@ -110,11 +110,11 @@ pub(super) fn flushes(dev: &Path) -> Checked<u64> {
 }
 
 /// The first `n` chunks' places, as the adopted manifest gives them.
-pub(super) fn manifest_extents(m: &pdstor::store::Manifest, n: usize) -> Vec<pdstor::api::wire::Extent> {
+pub(super) fn manifest_extents(m: &pdstor_client::layout::Manifest, n: usize) -> Vec<pdstor_client::wire::Extent> {
     m.chunks
         .iter()
         .take(n)
-        .map(|c| pdstor::api::wire::Extent {
+        .map(|c| pdstor_client::wire::Extent {
             chunk: c.index,
             slot: 0,
             offset: c.offset.0,
@@ -127,18 +127,18 @@ pub(super) fn manifest_extents(m: &pdstor::store::Manifest, n: usize) -> Vec<pds
 /// prepare → store every chunk of `payload` in one batch, not published
 /// (so never flushed by pdstor): the publication stays PREPARED.
 pub(super) fn store_unpublished(
-    c: &pdstor::client::Client,
+    c: &pdstor_client::Client,
     req_id: &str,
     payload: &[u8],
-) -> Checked<(pdstor::protocol::service::Prepared, pdstor::client::DataConn)> {
+) -> Checked<(pdstor_client::wire::Prepared, pdstor_client::DataConn)> {
     let n = (payload.len() as u64 / HANDOFF_CHUNK) as u32;
     let p = c.prepare(req_id, &kv_layout(), n, "w-topology").map_err(api("prepare"))?;
-    let mut data = pdstor::client::DataConn::connect(Path::new(DATA_SOCKET)).map_err(api("the data plane"))?;
-    let buf = pdstor::Buffer::memfd(req_id, payload.len()).map_err(|e| e.to_string())?;
+    let mut data = pdstor_client::DataConn::connect(Path::new(DATA_SOCKET)).map_err(api("the data plane"))?;
+    let buf = pdstor_engine::Buffer::memfd(req_id, payload.len()).map_err(|e| e.to_string())?;
     buf.write_at(0, payload).map_err(|e| e.to_string())?;
     let id = data.register(&buf).map_err(api("registering"))?;
     let chunks = (0..n)
-        .map(|i| pdstor::api::wire::DataChunk {
+        .map(|i| pdstor_client::wire::DataChunk {
             index: i,
             buffer: id,
             offset: i as u64 * HANDOFF_CHUNK,
@@ -160,9 +160,13 @@ pub(super) fn kill9(mut daemon: crate::suites::protocol::Daemon) -> Checked {
 }
 
 /// A reclaim of `claim` must be refused `not_fenced` (`when`: the moment, for the error).
-pub(super) fn reclaim_refused(c: &pdstor::client::Client, claim: &pdstor::protocol::Receipt, when: &str) -> Checked {
+pub(super) fn reclaim_refused(
+    c: &pdstor_client::Client,
+    claim: &pdstor_client::receipt::Receipt,
+    when: &str,
+) -> Checked {
     match c.reclaim(claim) {
-        Err(pdstor::client::ClientError::Api(b)) if b.code == "not_fenced" => Ok(()),
+        Err(pdstor_client::ClientError::Api(b)) if b.code == "not_fenced" => Ok(()),
         other => Err(format!("a reclaim {when} was not refused not_fenced: {other:?}").into()),
     }
 }
@@ -170,8 +174,8 @@ pub(super) fn reclaim_refused(c: &pdstor::client::Client, claim: &pdstor::protoc
 /// A writer puts 4-chunk publications (`tag-0`, `tag-1`, …, seeded from
 /// `seed`) until admission refuses one: every free slot is taken. Returns
 /// their READY receipts.
-pub(super) fn fill_free_slots(server: &str, tag: &str, seed: u64) -> Checked<Vec<pdstor::protocol::Receipt>> {
-    use pdstor::client::Writer;
+pub(super) fn fill_free_slots(server: &str, tag: &str, seed: u64) -> Checked<Vec<pdstor_client::receipt::Receipt>> {
+    use pdstor_client::Writer;
     let mut fillers = Vec::new();
     let mut fill = Writer::new(server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4).map_err(|e| e.to_string())?;
     loop {

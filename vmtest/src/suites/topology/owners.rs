@@ -52,9 +52,9 @@ pub(super) fn two_owners(_: &Ctx) -> Checked {
 
 /// Publishes `n` publications of `owner`'s payload through the owner at
 /// `server` (its data plane on this host's [`DATA_SOCKET`]).
-fn publish(server: &str, owner: char, n: usize) -> Checked<Vec<pdstor::protocol::Receipt>> {
-    let mut w = pdstor::client::Writer::new(server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, CHUNKS)
-        .map_err(|e| e.to_string())?;
+fn publish(server: &str, owner: char, n: usize) -> Checked<Vec<pdstor_client::receipt::Receipt>> {
+    let mut w =
+        pdstor_client::Writer::new(server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, CHUNKS).map_err(|e| e.to_string())?;
     (0..n)
         .map(|i| {
             let req = format!("owner-{owner}-{i}");
@@ -106,7 +106,7 @@ fn owner_b_and_reader() -> Checked {
     // The reservations outlive the daemons (they are the host's): cleared,
     // so that the next test formats freely.
     let clear = |dev: &Path, key: u64| {
-        pdstor::io::persistent_reservation::Reservations::open(dev)
+        pdstor_engine::io::persistent_reservation::Reservations::open(dev)
             .and_then(|r| r.clear(key))
             .map_err(|e| format!("clearing the reservation of {}: {e}", dev.display()).into())
     };
@@ -117,14 +117,14 @@ fn owner_b_and_reader() -> Checked {
 }
 
 fn side_by_side(dev1: &Path, dev3: &Path, peer: &mut Peer) -> Checked {
-    use pdstor::client::{Client, ClientError, RemoteReader};
+    use pdstor_client::{Client, ClientError, RemoteReader};
     let (a, b, standby) =
         (format!("http://{CONTROL}"), format!("http://{B_CONTROL}"), format!("http://{STANDBY_CONTROL}"));
-    let a_receipts: Vec<pdstor::protocol::Receipt> = parse("owner A's receipts", &peer.recv()?)?;
+    let a_receipts: Vec<pdstor_client::receipt::Receipt> = parse("owner A's receipts", &peer.recv()?)?;
     let b_receipts = publish(&b, 'b', 2)?;
     let b_before = Client::new(&b).namespace().map_err(api("B's namespace"))?;
     // Each owner refuses the other's receipt, changing nothing.
-    let mismatch = |server: &str, r: &pdstor::protocol::Receipt| -> Checked {
+    let mismatch = |server: &str, r: &pdstor_client::receipt::Receipt| -> Checked {
         match Client::new(server).claim(r, "decode-owners", "mismatch", 600_000) {
             Err(ClientError::Api(e)) if e.code == "namespace_mismatch" => Ok(()),
             other => Err(format!("{server} answered a claim of another owner's receipt: {other:?}").into()),
@@ -161,7 +161,8 @@ fn side_by_side(dev1: &Path, dev3: &Path, peer: &mut Peer) -> Checked {
     if b_after.epoch != b_before.epoch || b_after.namespace != b_before.namespace {
         return Err(format!("B changed when A was taken over: {b_before:?} -> {b_after:?}").into());
     }
-    let registered = pdstor::io::persistent_reservation::Reservations::open(dev3).and_then(|r| r.registered(B_KEY));
+    let registered =
+        pdstor_engine::io::persistent_reservation::Reservations::open(dev3).and_then(|r| r.registered(B_KEY));
     if !matches!(registered, Ok(true)) {
         return Err(format!("B's reservation key on namespace 3 after A's takeover: {registered:?}").into());
     }
@@ -183,9 +184,9 @@ fn side_by_side(dev1: &Path, dev3: &Path, peer: &mut Peer) -> Checked {
 /// Claims `ready` through `r`'s client, adopts, checks every chunk outside
 /// pdstor, loads, compares and acks.
 fn load_direct(
-    r: &mut pdstor::client::RemoteReader,
+    r: &mut pdstor_client::RemoteReader,
     dev: &Path,
-    ready: &pdstor::protocol::Receipt,
+    ready: &pdstor_client::receipt::Receipt,
     want: &[u8],
     what: &str,
 ) -> Checked {

@@ -44,7 +44,7 @@ pub(super) fn partition(_: &Ctx) -> Checked {
 
 /// The storage guest: formats, stands by, takes over, serves the old receipts.
 fn partition_standby() -> Checked {
-    use pdstor::client::{Client, Reader};
+    use pdstor_client::{Client, Reader};
     let dev = fabric_namespace()?;
     format_namespace(&dev)?;
     let mut peer = Peer::accept(PARTITION_PORT)?;
@@ -60,7 +60,7 @@ fn partition_standby() -> Checked {
         standby = Some(spawn_serve(&dev, &flags, CONTROL, DATA_SOCKET, "/tmp/vmtest/topology-partition-standby.log")?);
         peer.send("standing-by")?;
         let line = peer.recv()?;
-        let receipts: Vec<pdstor::protocol::Receipt> =
+        let receipts: Vec<pdstor_client::receipt::Receipt> =
             parse("the receipts", line.strip_prefix("cutting ").ok_or(format!("the owner said {line:?}"))?)?;
         let cut = Instant::now();
         let server = format!("http://{CONTROL}");
@@ -75,7 +75,7 @@ fn partition_standby() -> Checked {
         let serving = cut.elapsed();
         let took = std::fs::read_to_string("/tmp/vmtest/topology-partition-standby.log").unwrap_or_default();
         let took = took.lines().filter(|l| l.contains("took the namespace over")).collect::<Vec<_>>().join(" ");
-        let keys = pdstor::io::persistent_reservation::Reservations::open(&dev).and_then(|r| r.keys());
+        let keys = pdstor_engine::io::persistent_reservation::Reservations::open(&dev).and_then(|r| r.keys());
         console(&format!("pdstor-vminit: partition: the standby: {took}; keys at the target now {keys:?}"));
         if info.epoch <= receipts[0].epoch {
             return Err(
@@ -115,7 +115,7 @@ fn partition_standby() -> Checked {
     })();
     drop(standby);
     // The reservation outlives the daemon (it is the host's): cleared first.
-    let cleared = pdstor::io::persistent_reservation::Reservations::open(&dev)
+    let cleared = pdstor_engine::io::persistent_reservation::Reservations::open(&dev)
         .and_then(|r| r.clear(PARTITION_STANDBY_KEY))
         .map_err(|e| format!("clearing the reservation: {e}").into());
     let result = result.and(cleared);
@@ -125,7 +125,7 @@ fn partition_standby() -> Checked {
 
 /// The reader guest: owns, publishes, is cut off, comes back lost.
 fn partition_owner() -> Checked {
-    use pdstor::client::{ClientError, Writer};
+    use pdstor_client::{ClientError, Writer};
     connect()?;
     let dev = fabric_namespace()?;
     let mut peer = Peer::dial(PARTITION_PORT)?;
@@ -154,7 +154,7 @@ fn partition_owner() -> Checked {
         sh("ip", &["link", "set", "eth0", "up"])?;
         let back = Instant::now();
         let probe = |when: &str| {
-            let r = pdstor::io::persistent_reservation::Reservations::open(&dev);
+            let r = pdstor_engine::io::persistent_reservation::Reservations::open(&dev);
             let keys = r.as_ref().map_err(|e| e.to_string()).and_then(|r| r.keys().map_err(|e| e.to_string()));
             let registered = r
                 .as_ref()
@@ -164,7 +164,7 @@ fn partition_owner() -> Checked {
                 "pdstor-vminit: partition: the old owner's host {when}: keys {keys:?}, registered {registered:?}"
             ));
         };
-        let c = pdstor::client::Client::new(&server);
+        let c = pdstor_client::Client::new(&server);
         // Its own check finds its key preempted once the target answers again.
         let lost_after = loop {
             match c.healthz() {

@@ -110,6 +110,6 @@ pub(super) fn parse<T: serde::de::DeserializeOwned>(what: &str, s: &str) -> Chec
     Ok(serde_json::from_str(s).map_err(|e| format!("{what} {s:?}: {e}"))?)
 }
 
-pub(super) fn api(what: &str) -> impl FnOnce(pdstor::client::ClientError) -> String + '_ {
+pub(super) fn api(what: &str) -> impl FnOnce(pdstor_client::ClientError) -> String + '_ {
     move |e| format!("{what}: {e}")
 }

@@ -46,7 +46,7 @@ pub(super) fn power_payload() -> Vec<u8> {
 }
 
 pub(super) fn power_owner_before() -> Checked {
-    use pdstor::client::Writer;
+    use pdstor_client::Writer;
     let dev = fabric_namespace_n(3)?;
     format_namespace(&dev)?;
     let _daemon = start_owner(&dev, "/tmp/vmtest/topology-serve-power.log")?;
@@ -66,7 +66,7 @@ pub(super) fn power_owner_before() -> Checked {
 }
 
 pub(super) fn power_owner_after(ctx: &Ctx) -> Checked {
-    use pdstor::client::Client;
+    use pdstor_client::Client;
     // The target again, reachable from this host alone for now: its port
     // listens on loopback, so the reader host's reconnects are refused and
     // retried. (Exporting to the writer's host NQN alone raced: a reconnect
@@ -81,7 +81,7 @@ pub(super) fn power_owner_after(ctx: &Ctx) -> Checked {
     let mut peer = Peer::accept(REBORN_PORT)?;
     let result = (|| -> Checked {
         let line = peer.recv()?;
-        let claim: pdstor::protocol::Receipt =
+        let claim: pdstor_client::receipt::Receipt =
             parse("the claim", line.strip_prefix("claim ").ok_or(format!("reader: {line:?}"))?)?;
         let held = c.publications(None, false).map_err(api("listing"))?;
         let state = held.iter().find(|p| p.publication == claim.publication).map(|p| p.state.clone());
@@ -113,13 +113,13 @@ pub(super) fn power_owner_after(ctx: &Ctx) -> Checked {
 }
 
 pub(super) fn power_reader() -> Checked {
-    use pdstor::client::RemoteReader;
+    use pdstor_client::RemoteReader;
     connect()?;
     let dev = fabric_namespace_n(3)?;
     let server = format!("http://{CONTROL}");
     let want = power_payload();
     let mut peer = Peer::dial(POWER_PORT)?;
-    let ready: pdstor::protocol::Receipt = parse("the receipt", &peer.recv()?)?;
+    let ready: pdstor_client::receipt::Receipt = parse("the receipt", &peer.recv()?)?;
     let mut r = RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?;
     let claim = r.claim(&ready, "decode-power", "power", 900_000).map_err(api("claim"))?;
     let m = r.adopt(&claim, &kv_layout()).map_err(api("adopt"))?;

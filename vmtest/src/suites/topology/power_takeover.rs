@@ -44,7 +44,7 @@ fn payload(i: usize) -> Vec<u8> {
 
 /// What the owner hands over before its power goes: one READY receipt per
 /// point, and the publication stored but never published.
-type Handed = (Vec<pdstor::protocol::Receipt>, u64);
+type Handed = (Vec<pdstor_client::receipt::Receipt>, u64);
 
 pub(super) fn power_takeover(_: &Ctx) -> Checked {
     needs_reservations(", so a standby cannot fence an owner")?;
@@ -56,7 +56,7 @@ pub(super) fn power_takeover(_: &Ctx) -> Checked {
 /// when the owner's power goes, finishes every handoff, and hears from the
 /// owner's host once it is back.
 fn power_standby() -> Checked {
-    use pdstor::client::{Client, RemoteReader};
+    use pdstor_client::{Client, RemoteReader};
     let dev = fabric_namespace_n(3)?;
     format_namespace(&dev)?;
     let mut peer = Peer::accept(BEFORE_PORT)?;
@@ -119,7 +119,7 @@ fn power_standby() -> Checked {
     })();
     drop(standby);
     // The reservation outlives the daemon (it is the host's): cleared first.
-    let cleared = pdstor::io::persistent_reservation::Reservations::open(&dev)
+    let cleared = pdstor_engine::io::persistent_reservation::Reservations::open(&dev)
         .and_then(|r| r.clear(STANDBY_KEY))
         .map_err(|e| format!("clearing the reservation: {e}").into());
     let result = result.and(cleared);
@@ -135,7 +135,7 @@ fn power_standby() -> Checked {
 /// The reader guest, first boot: owns the namespace, publishes, hands over
 /// three handoffs, and loses its power.
 fn doomed_owner() -> Checked {
-    use pdstor::client::{Client, Writer};
+    use pdstor_client::{Client, Writer};
     connect()?;
     let dev = fabric_namespace_n(3)?;
     let mut peer = Peer::dial(BEFORE_PORT)?;

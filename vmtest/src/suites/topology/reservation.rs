@@ -33,7 +33,7 @@ pub(super) fn reservation(_: &Ctx) -> Checked {
 }
 
 pub(super) fn reserve_owner() -> Checked {
-    use pdstor::client::{Client, Writer};
+    use pdstor_client::{Client, Writer};
     let dev = fabric_namespace()?;
     format_namespace(&dev)?;
     let key = format!("{OWNER_KEY:#x}");
@@ -52,7 +52,7 @@ pub(super) fn reserve_owner() -> Checked {
             w.put("reserved", &kv_layout(), &seeded(0x5e5, RESERVE_CHUNKS), 4, Some(42)).map_err(api("put"))?;
         peer.send(&json(&published.receipt)?)?;
         let line = peer.recv()?;
-        let claim: pdstor::protocol::Receipt =
+        let claim: pdstor_client::receipt::Receipt =
             parse("the claim", line.strip_prefix("adopted ").ok_or(format!("reader: {line:?}"))?)?;
         reclaim_refused(&c, &claim, "before fencing")?;
         c.close_session(&claim).map_err(api("fencing the reader (its key preempted)"))?;
@@ -64,20 +64,20 @@ pub(super) fn reserve_owner() -> Checked {
     })();
     drop(daemon);
     // The reservation outlives the daemon (it is the host's): clear it for the tests after.
-    let cleared = pdstor::io::persistent_reservation::Reservations::open(&dev)
+    let cleared = pdstor_engine::io::persistent_reservation::Reservations::open(&dev)
         .and_then(|r| r.clear(OWNER_KEY))
         .map_err(|e| e.to_string());
     result.and(Ok(cleared?))
 }
 
 pub(super) fn reserve_reader() -> Checked {
-    use pdstor::client::RemoteReader;
+    use pdstor_client::RemoteReader;
     connect()?;
     let dev = fabric_namespace()?;
     let server = format!("http://{CONTROL}");
     let mut peer = Peer::dial(RESERVE_PORT)?;
     let result = (|| -> Checked {
-        let ready: pdstor::protocol::Receipt = parse("the receipt", &peer.recv()?)?;
+        let ready: pdstor_client::receipt::Receipt = parse("the receipt", &peer.recv()?)?;
         // Unregistered: the target refuses this host, and pdstor says why first.
         if dd_direct(&dev, 0, 4096).is_ok() {
             return Err("an unregistered host read the reserved namespace".into());

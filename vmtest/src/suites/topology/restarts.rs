@@ -35,7 +35,7 @@ pub(super) fn restart_payload(i: usize) -> Vec<u8> {
 }
 
 pub(super) fn restart_owner() -> Checked {
-    use pdstor::client::{Client, Writer};
+    use pdstor_client::{Client, Writer};
     let dev = fabric_namespace_n(3)?;
     format_namespace(&dev)?;
     let log = "/tmp/vmtest/topology-serve-restart.log";
@@ -49,7 +49,7 @@ pub(super) fn restart_owner() -> Checked {
             w.put(&format!("restart-{point}"), &kv_layout(), &restart_payload(i), 8, Some(42)).map_err(api("put"))?;
         peer.send(&format!("{point} {}", json(&published.receipt)?))?;
         let line = peer.recv()?;
-        let claim: pdstor::protocol::Receipt =
+        let claim: pdstor_client::receipt::Receipt =
             parse("the claim", line.strip_prefix(&format!("at {point} ")).ok_or(format!("reader: {line:?}"))?)?;
         kill9(daemon)?;
         daemon = start_owner(&dev, log)?;
@@ -91,7 +91,7 @@ pub(super) fn restart_owner() -> Checked {
 }
 
 pub(super) fn restart_reader() -> Checked {
-    use pdstor::client::{ClientError, RemoteReader};
+    use pdstor_client::{ClientError, RemoteReader};
     connect()?;
     let dev = fabric_namespace_n(3)?;
     let server = format!("http://{CONTROL}");
@@ -105,7 +105,7 @@ pub(super) fn restart_reader() -> Checked {
             }
             let (point, receipt) = line.split_once(' ').ok_or(format!("the owner sent {line:?}"))?;
             let i = POINTS.iter().position(|p| *p == point).ok_or(format!("unknown point {point:?}"))?;
-            let ready: pdstor::protocol::Receipt = parse("the receipt", receipt)?;
+            let ready: pdstor_client::receipt::Receipt = parse("the receipt", receipt)?;
             let r = match &mut reader {
                 Some(r) => r,
                 None => reader.insert(RemoteReader::open(&server, &dev).map_err(|e| e.to_string())?),

@@ -60,7 +60,7 @@ fn kept_payload(point: usize, i: u32) -> Vec<u8> {
 
 /// What the owner tells the reader host before the kill: the READY
 /// receipts and the one stored but never published.
-type Handed = (Vec<pdstor::protocol::Receipt>, u64);
+type Handed = (Vec<pdstor_client::receipt::Receipt>, u64);
 
 pub(super) fn takeover(_: &Ctx) -> Checked {
     needs_reservations(", so a standby cannot fence an owner and refuses to start")?;
@@ -86,13 +86,13 @@ fn takeover_owner() -> Checked {
 /// the receipts over, be killed where the reader host says, and check that
 /// this host can no longer write or serve.
 fn owner_round(dev: &Path, peer: &mut Peer, i: usize, point: &str) -> Checked {
-    use pdstor::client::Writer;
+    use pdstor_client::Writer;
     format_namespace(dev)?;
     let key = format!("{OWNER_KEY:#x}");
     let log = "/tmp/vmtest/topology-serve-takeover.log";
     let daemon = start_owner_with(dev, log, &["--reservation-key", key.as_str()])?;
     let server = format!("http://{CONTROL}");
-    let c = pdstor::client::Client::new(&server);
+    let c = pdstor_client::Client::new(&server);
     let mut w = Writer::new(&server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, CHUNKS).map_err(|e| e.to_string())?;
     let mut receipts = Vec::new();
     for k in 0..KEPT {
@@ -154,7 +154,7 @@ fn standby_round(dev: &Path, peer: &mut Peer, i: usize, point: &str) -> Checked 
     let flags = ["--standby", "--owner", owner.as_str(), "--reservation-key", key.as_str()];
     let standby = spawn_serve(dev, &flags, STANDBY_CONTROL, DATA_SOCKET, log);
     let result = standby.and_then(|_standby| handoff_across(dev, peer, i, point, &handed, log));
-    let cleared = pdstor::io::persistent_reservation::Reservations::open(dev)
+    let cleared = pdstor_engine::io::persistent_reservation::Reservations::open(dev)
         .and_then(|r| r.clear(STANDBY_KEY))
         .map_err(|e| format!("clearing the reservation: {e}").into());
     let result = result.and(cleared);
@@ -168,7 +168,7 @@ fn standby_round(dev: &Path, peer: &mut Peer, i: usize, point: &str) -> Checked 
 /// the handoff to `point`, lets the owner be killed, waits for the
 /// takeover, and finishes the handoff with the new owner.
 fn handoff_across(dev: &Path, peer: &mut Peer, i: usize, point: &str, handed: &Handed, log: &str) -> Checked {
-    use pdstor::client::{Client, ClientError, RemoteReader};
+    use pdstor_client::{Client, ClientError, RemoteReader};
     let (receipts, unpublished) = handed;
     let (owner, standby_server) = (format!("http://{CONTROL}"), format!("http://{STANDBY_CONTROL}"));
     let c = Client::new(&standby_server);
@@ -213,7 +213,7 @@ fn handoff_across(dev: &Path, peer: &mut Peer, i: usize, point: &str, handed: &H
         return Err("the unpublished publication survived the takeover".into());
     }
     // The new owner takes new work.
-    let mut w = pdstor::client::Writer::new(&standby_server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4)
+    let mut w = pdstor_client::Writer::new(&standby_server, Path::new(DATA_SOCKET), HANDOFF_CHUNK, 4)
         .map_err(|e| e.to_string())?;
     w.put(&format!("after-takeover-{point}"), &kv_layout(), &seeded(0x7b0, 4), 4, Some(42))
         .map_err(api("put after the takeover"))?;
@@ -229,17 +229,17 @@ fn handoff_across(dev: &Path, peer: &mut Peer, i: usize, point: &str, handed: &H
 /// A handoff where the owner died: published, claimed (never adopted), or
 /// adopted by a direct reader (which may have read some of it).
 pub(super) enum Caught {
-    Published(pdstor::protocol::Receipt),
-    Claimed(pdstor::protocol::Receipt),
-    Adopted(pdstor::protocol::Receipt, pdstor::store::Manifest),
+    Published(pdstor_client::receipt::Receipt),
+    Claimed(pdstor_client::receipt::Receipt),
+    Adopted(pdstor_client::receipt::Receipt, pdstor_client::layout::Manifest),
 }
 
 /// Takes the handoff of `ready` to `point` with the direct reader `r`:
 /// `published` (nothing), `claimed`, `adopted`, or `half_read` (adopted,
 /// and half its chunks read and checked against `want`).
 pub(super) fn catch(
-    r: &pdstor::client::RemoteReader,
-    ready: &pdstor::protocol::Receipt,
+    r: &pdstor_client::RemoteReader,
+    ready: &pdstor_client::receipt::Receipt,
     point: &str,
     dev: &Path,
     want: &[u8],
@@ -271,15 +271,15 @@ pub(super) fn catch(
 ///   none of them: the reader still reads the old writer's bytes, loads
 ///   them and acks with its old receipt.
 pub(super) fn finish_caught(
-    r: &mut pdstor::client::RemoteReader,
+    r: &mut pdstor_client::RemoteReader,
     (server, dev): (&str, &Path),
     reader_dev: &Path,
     caught: Caught,
     want: &[u8],
     t0: Instant,
 ) -> Checked<Duration> {
-    use pdstor::client::ClientError;
-    let c = pdstor::client::Client::new(server);
+    use pdstor_client::ClientError;
+    let c = pdstor_client::Client::new(server);
     match caught {
         Caught::Published(ready) => restore_by_old_receipts(server, DATA_SOCKET, dev, &[ready], |_| want.to_vec(), t0),
         Caught::Claimed(claim) => {
@@ -327,10 +327,10 @@ pub(super) fn finish_caught(
 
 /// Waits (60 s at most) until the standby at `c` serves the namespace as its owner.
 pub(super) fn serving_after(
-    c: &pdstor::client::Client,
+    c: &pdstor_client::Client,
     killed: Instant,
     log: &str,
-) -> Checked<pdstor::api::wire::NamespaceInfo> {
+) -> Checked<pdstor_client::wire::NamespaceInfo> {
     loop {
         match c.namespace() {
             Ok(info) => return Ok(info),
@@ -367,7 +367,7 @@ pub(super) fn spawn_serve(
         .spawn()
         .map_err(|e| format!("starting pdstor serve {flags:?}: {e}"))?;
     let daemon = crate::suites::protocol::Daemon(child);
-    let c = pdstor::client::Client::new(&format!("http://{control}"));
+    let c = pdstor_client::Client::new(&format!("http://{control}"));
     let deadline = Instant::now() + Duration::from_secs(30);
     while c.healthz().is_err() {
         if Instant::now() > deadline {
@@ -424,11 +424,11 @@ pub(super) fn restore_by_old_receipts(
     server: &str,
     data: &str,
     dev: &Path,
-    receipts: &[pdstor::protocol::Receipt],
+    receipts: &[pdstor_client::receipt::Receipt],
     payload: impl Fn(usize) -> Vec<u8>,
     t0: Instant,
 ) -> Checked<Duration> {
-    let mut reader = pdstor::client::Reader::new(server, Path::new(data)).map_err(|e| e.to_string())?;
+    let mut reader = pdstor_client::Reader::new(server, Path::new(data)).map_err(|e| e.to_string())?;
     let mut first_step = None;
     for (i, ready) in receipts.iter().enumerate() {
         let claim = reader.client.claim(ready, "decode-takeover", "takeover", 600_000).map_err(api("claim"))?;

@@ -28,7 +28,7 @@ pub(super) fn visibility(_: &Ctx) -> Checked {
 }
 
 pub(super) fn visible_owner() -> Checked {
-    use pdstor::client::{Client, Writer};
+    use pdstor_client::{Client, Writer};
     let dev = fabric_namespace_n(3)?;
     format_namespace(&dev)?;
     let log = "/tmp/vmtest/topology-serve-visible.log";
@@ -68,7 +68,7 @@ pub(super) fn visible_owner() -> Checked {
 }
 
 pub(super) fn visible_reader() -> Checked {
-    use pdstor::client::{Client, RemoteReader};
+    use pdstor_client::{Client, RemoteReader};
     connect()?;
     let dev = fabric_namespace_n(3)?;
     let mut peer = Peer::dial(VISIBLE_PORT)?;
@@ -80,8 +80,8 @@ pub(super) fn visible_reader() -> Checked {
         peer.send("cached")?;
         let line = peer.recv()?;
         let (receipt, at) = line.split_once(' ').ok_or_else(|| format!("the owner sent {line:?}"))?;
-        let ready: pdstor::protocol::Receipt = parse("the receipt", receipt)?;
-        let at: Vec<pdstor::api::wire::Extent> = parse("the extents", at)?;
+        let ready: pdstor_client::receipt::Receipt = parse("the receipt", receipt)?;
+        let at: Vec<pdstor_client::wire::Extent> = parse("the extents", at)?;
         let want = seeded(0x7151, VISIBLE_CHUNKS);
         // Through the cache: the old bytes (the hazard O_DIRECT avoids).
         let stale = at.iter().filter(|e| {

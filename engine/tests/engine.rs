@@ -3,15 +3,13 @@
 //! independently with `dd iflag=direct`, compared byte for byte; and refusals
 //! that write nothing.
 
-mod common;
-
 use std::path::Path;
 
-use common::{Filesystem, LoopDevice, Zram, dd_direct, skip};
-use pdstor::io::{
+use pdstor_engine::io::{
     BufferId, Engine, EngineOptions, IoError, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
 };
-use pdstor::{Buffer, PayloadPath, payload};
+use pdstor_engine::{Buffer, PayloadPath, payload};
+use pdstor_testkit::{Filesystem, LoopDevice, Zram, dd_direct, skip};
 
 const CHUNK: u64 = 256 * 1024;
 const CHUNKS: u64 = 24;
@@ -37,8 +35,8 @@ fn batch(op: Op, path: PayloadPath, buffer: BufferId, base: u64, chunks: u64, ch
             op,
             path,
             buffer,
-            buffer_offset: pdstor::io::BufferOffset(i * chunk),
-            target_offset: pdstor::io::TargetOffset(base + i * chunk),
+            buffer_offset: pdstor_engine::io::BufferOffset(i * chunk),
+            target_offset: pdstor_engine::io::TargetOffset(base + i * chunk),
             len: chunk,
         })
         .collect()
@@ -94,12 +92,12 @@ fn file_on_root_filesystem() {
 
 #[test]
 fn raw_loop_device() {
-    let dev = match LoopDevice::new(64 << 20, 4096) {
+    let dev = match LoopDevice::scratch(64 << 20, 4096) {
         Ok(d) => d,
         Err(why) => return skip("raw_loop_device", &why),
     };
-    both_paths(&dev.device, None);
-    let engine = open(&dev.device, None, EngineOptions::default());
+    both_paths(&dev.path, None);
+    let engine = open(&dev.path, None, EngineOptions::default());
     assert_eq!(engine.target().kind(), TargetKind::BlockDevice);
     assert_eq!(engine.geometry().logical_block, 4096);
     assert_eq!(engine.geometry().capacity, 64 << 20);
@@ -126,15 +124,15 @@ fn a_device_that_refuses_nowait_is_submitted_async() {
         Ok(z) => z,
         Err(why) => return skip("a_device_that_refuses_nowait_is_submitted_async", &why),
     };
-    let mut engine = open(&z.device, None, EngineOptions::default());
+    let mut engine = open(&z.path, None, EngineOptions::default());
     assert_eq!(engine.target().kind(), TargetKind::BlockDevice);
     assert!(engine.target().blocks(), "zram refuses RWF_NOWAIT");
     for path in [PayloadPath::Host, PayloadPath::HostFixed] {
-        round_trip(&mut engine, &z.device, path, 21, 0);
+        round_trip(&mut engine, &z.path, path, 21, 0);
     }
     drop(engine);
-    if let Ok(dev) = LoopDevice::new(16 << 20, 4096) {
-        assert!(!open(&dev.device, None, EngineOptions::default()).target().blocks(), "a loop device takes RWF_NOWAIT");
+    if let Ok(dev) = LoopDevice::scratch(16 << 20, 4096) {
+        assert!(!open(&dev.path, None, EngineOptions::default()).target().blocks(), "a loop device takes RWF_NOWAIT");
     }
 }
 
@@ -214,8 +212,8 @@ fn write_req(buffer: BufferId, path: PayloadPath, buffer_offset: u64, target_off
         op: Op::Write,
         path,
         buffer,
-        buffer_offset: pdstor::io::BufferOffset(buffer_offset),
-        target_offset: pdstor::io::TargetOffset(target_offset),
+        buffer_offset: pdstor_engine::io::BufferOffset(buffer_offset),
+        target_offset: pdstor_engine::io::TargetOffset(target_offset),
         len,
     }
 }
@@ -315,11 +313,11 @@ fn a_block_device_with_a_mounted_filesystem_is_refused() {
         Ok(f) => f,
         Err(why) => return skip("a_block_device_with_a_mounted_filesystem_is_refused", &why),
     };
-    let before = dd_direct(&fs.dev.device, 0, 1 << 20);
-    let err = Target::open(&fs.dev.device, &TargetOptions::default()).unwrap_err();
+    let before = dd_direct(&fs.dev.path, 0, 1 << 20);
+    let err = Target::open(&fs.dev.path, &TargetOptions::default()).unwrap_err();
     assert!(matches!(err, IoError::Busy { .. }), "{err}");
     assert!(err.to_string().contains(&fs.mount.display().to_string()), "names the mount point: {err}");
-    assert_eq!(dd_direct(&fs.dev.device, 0, 1 << 20), before);
+    assert_eq!(dd_direct(&fs.dev.path, 0, 1 << 20), before);
 }
 
 #[test]
@@ -362,14 +360,14 @@ fn the_rw_dmabuf_probe_reports_and_leaves_the_buffer_table_alone() {
     let target = dir.path().join("probe.img");
     let mut engine = open(&target, Some(CHUNK * CHUNKS), EngineOptions { buffer_slots: 2, ..Default::default() });
     match engine.dmabuf_rw() {
-        pdstor::io::DmabufRw::Missing(why) => {
+        pdstor_engine::io::DmabufRw::Missing(why) => {
             assert!(why.contains("EINVAL") || why.contains("probe"), "{why}");
             skip(
                 "the_rw_dmabuf_probe_reports_and_leaves_the_buffer_table_alone (dmabuf_fixed half)",
                 &format!("this kernel lacks the rw-dmabuf series: {why}"),
             );
         }
-        pdstor::io::DmabufRw::Available => {}
+        pdstor_engine::io::DmabufRw::Available => {}
     }
     // Both slots, including the last one the probe used, still take buffers.
     let a = buffer_for(&mut engine, PayloadPath::HostFixed, 1 << 20);
