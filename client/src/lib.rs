@@ -24,8 +24,8 @@ use std::path::Path;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-pub use pdstor_engine::buffer::{BufferKind, Piece};
-pub use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::buffer::BufferKind;
+use pdstor_engine::{Buffer, PayloadPath};
 
 pub mod code;
 pub mod frame;

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use crate::loader::ProbeError;
+use crate::program::ProbeError;
 
 /// Where the tracepoint programs find their ids.
 pub const TRACEFS: &str = "/sys/kernel/tracing";

@@ -4,8 +4,7 @@
 use libbpf_rs::Link;
 
 use crate::facility::attach_failure;
-use crate::loader::ProgramStatus;
-use crate::loader::skel;
+use crate::program::{ProgramStatus, skel};
 
 /// One optional function hook: the function, the status names of its two
 /// kinds, and its programs. Each is an fentry (fexit) program where the

@@ -13,10 +13,12 @@ mod facility;
 mod hooks;
 mod kallsyms;
 mod loader;
+mod program;
 mod signals;
 
 pub use facility::{TRACEFS, ensure_tracefs};
-pub use loader::{PIN_DIR, ProbeError, Probes, ProgramStatus, SignalReader, SkipRuns, detach_pinned, read_pinned};
+pub use loader::{PIN_DIR, Probes, SignalReader, SkipRuns, detach_pinned, read_pinned};
+pub use program::{ProbeError, ProgramStatus};
 pub use signals::{Attached, Declared, Signals, TargetClass, judge};
 
 use std::fmt;

@@ -120,7 +120,7 @@ static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
 /// you use the view.
 #[pyclass(module = "pdstor", frozen)]
 struct Buffer {
-    inner: Arc<pdstor_client::Buffer>,
+    inner: Arc<pdstor_engine::Buffer>,
     /// Unique for the process's life, so a registration is never mistaken
     /// for one of a freed buffer at the same address.
     id: u64,
@@ -143,7 +143,7 @@ impl Buffer {
                 "Buffer({size}): the size must be a positive multiple of 4096 (direct I/O moves whole pages)"
             )));
         }
-        let b = pdstor_client::Buffer::memfd(name, size)
+        let b = pdstor_engine::Buffer::memfd(name, size)
             .map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
         Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), staging })
     }
@@ -171,7 +171,7 @@ impl Buffer {
             Some(n) => n,
             None => usize::try_from(file.metadata().map_err(|e| what(&e))?.len()).map_err(|e| what(&e))?,
         };
-        let b = pdstor_client::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
+        let b = pdstor_engine::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
         Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), staging: false })
     }
 
@@ -363,7 +363,7 @@ struct DataPlane {
     conn: Option<DataConn>,
     socket: PathBuf,
     /// Buffer id (ours) → (the buffer, kept alive while registered; its id on this connection).
-    registered: HashMap<u64, (Arc<pdstor_client::Buffer>, u32)>,
+    registered: HashMap<u64, (Arc<pdstor_engine::Buffer>, u32)>,
 }
 
 impl DataPlane {
@@ -380,7 +380,7 @@ impl DataPlane {
         if let Some((_, id)) = self.registered.get(&b.id) {
             return Ok(*id);
         }
-        let id = self.conn()?.register_checked(&b.inner, pdstor_client::PayloadPath::HostFixed, !b.staging)?;
+        let id = self.conn()?.register_checked(&b.inner, pdstor_engine::PayloadPath::HostFixed, !b.staging)?;
         self.registered.insert(b.id, (b.inner.clone(), id));
         Ok(id)
     }
@@ -400,7 +400,7 @@ impl DataPlane {
 /// A buffer as a call uses it, outside the GIL.
 #[derive(Clone)]
 struct BufferRef {
-    inner: Arc<pdstor_client::Buffer>,
+    inner: Arc<pdstor_engine::Buffer>,
     id: u64,
     staging: bool,
 }

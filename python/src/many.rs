@@ -14,7 +14,8 @@ use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{
     AbortRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
 };
-use pdstor_client::{ClientError, LoadChecks, Outcomes, Piece, StoreItem, Verify};
+use pdstor_client::{ClientError, LoadChecks, Outcomes, StoreItem, Verify};
+use pdstor_engine::buffer::Piece;
 
 use super::staged::StagedChunk;
 use super::{BufferRef, Conn, lock};

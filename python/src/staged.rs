@@ -5,15 +5,16 @@
 //! memory object, into the paged cache's blocks. The daemon does not
 //! checksum loads into a staging buffer (it is registered unchecked);
 //! instead each chunk's crc32c is taken by the copy out of it
-//! ([`pdstor_client::Buffer::copy_out_checked`]) and compared with the
+//! ([`pdstor_engine::Buffer::copy_out_checked`]) and compared with the
 //! manifest before the chunk counts as restored: one pass over the bytes
 //! where a check in place and then a copy made two. A chunk loaded into
 //! staging and never copied out is never acknowledged.
 
+use pdstor_client::ClientError;
 use pdstor_client::layout::Manifest;
 use pdstor_client::receipt::Receipt as RustReceipt;
 use pdstor_client::wire::DataChunk;
-use pdstor_client::{ClientError, Piece};
+use pdstor_engine::buffer::Piece;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

@@ -323,7 +323,7 @@ fn the_data_plane_bounds_connections_buffers_and_idle_prepares() {
 #[test]
 fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     use pdstor_client::wire::AdoptRequest;
-    use pdstor_client::{Buffer, PayloadPath};
+    use pdstor_engine::{Buffer, PayloadPath};
 
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);

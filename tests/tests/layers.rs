@@ -1,7 +1,9 @@
-//! The code's layers, checked from its source: no import loop between the
-//! folders of `driver/src` (and of `engine/src`, `client/src`), none between
-//! the files of one folder, and the size rules (no file of `driver/src` over
-//! 600 lines, no function outside tests over 100 in any crate's `src`).
+//! The code's layers, checked from its source: in every crate, each folder
+//! imports only the folders of the layers declared below it ([`LAYERS`]), no
+//! file imports a sibling that imports it back, and each crate depends only
+//! on the crates below it ([`CRATES`]); and the size rules (no file of
+//! `driver/src` over 600 lines, no function outside tests over 100 in any
+//! crate's `src`).
 //!
 //! A reference is any `crate::a::…` path (in a `use` or inline) and, inside a
 //! folder, any `super::b::…` or `use super::{b, …}`; doc comments and tests
@@ -159,22 +161,201 @@ fn graphs(src: &Path) -> (Graph, BTreeMap<String, Graph>) {
     (folders, files)
 }
 
-#[test]
-fn no_import_loops_between_or_inside_folders() {
-    let mut problems = Vec::new();
-    for krate in ["driver", "engine", "client"] {
-        let src = root().join(krate).join("src");
-        let (folders, files) = graphs(&src);
-        for c in cycles(&folders) {
-            problems.push(format!("{krate}/src folders: {}", c.join(" → ")));
-        }
-        for (folder, graph) in &files {
-            for c in cycles(graph) {
-                problems.push(format!("{krate}/src/{folder}: {}", c.join(" → ")));
+/// Every crate's `src`, with its folders in layers, top first: a folder
+/// may import only folders of the layers below its own (not its own layer's,
+/// not above). A folder left out of its crate's list is an error too: say
+/// where a new one stands.
+const LAYERS: &[(&str, &[&[&str]])] = &[
+    (
+        "driver/src",
+        &[
+            &["cli"],
+            &["harness"],
+            &["api"],
+            &["timeline", "model"],
+            &["protocol"],
+            &["provenance"],
+            &["store"],
+            &["admission"],
+            &["units"],
+        ],
+    ),
+    ("engine/src", &[&["io"], &["buffer"], &["crc32c", "payload"]]),
+    (
+        "client/src",
+        &[
+            &["remote", "batch"],
+            &["step_de"],
+            &["wire"],
+            &["read"],
+            &["timeline"],
+            &["receipt", "superblock"],
+            &["layout", "private", "code", "frame", "tls", "http1"],
+        ],
+    ),
+    ("ebpf/src", &[&["loader"], &["hooks"], &["facility", "kallsyms", "signals"], &["program"]]),
+    ("vmtest/src", &[&["bin"], &["guest"], &["suites"], &["machine"]]),
+    ("vmtest/spec/src", &[]),
+    (
+        "xtask/src",
+        &[
+            &["ci"],
+            &["bench", "gpu_qual", "soak", "vmtest"],
+            &["gpu_bundle"],
+            &["gpu_bare"],
+            &["fresh", "vllm", "cuda_ptx"],
+            &["deps", "reclaim", "disk", "python"],
+            &["docs"],
+        ],
+    ),
+    ("testkit/src", &[]),
+    ("tests/src", &[&["mallory"]]),
+    ("python/src", &[&["many", "staged", "timeline"]]),
+];
+
+/// The crates, top first: a crate may depend (normally, for its build or its
+/// tests) only on crates of the layers below its own.
+const CRATES: &[&[&str]] = &[
+    &["xtask"],
+    &["pdstor-tests", "pdstor-vmtest"],
+    &["pdstor"],
+    &["pdstor-probes", "pdstor-python"],
+    &["pdstor-client"],
+    &["pdstor-engine"],
+    &["pdstor-vmtest-spec", "pdstor-testkit"],
+];
+
+/// The imports of `graph` that go to the same layer or up, and the nodes no
+/// layer names, as sentences.
+fn upward(graph: &Graph, layers: &[&[&str]], what: &str) -> Vec<String> {
+    let level = |n: &str| layers.iter().position(|l| l.contains(&n));
+    let mut out = Vec::new();
+    for (from, to) in graph {
+        let Some(a) = level(from) else {
+            out.push(format!("{what}: `{from}` is in no layer: add it to its crate's list in tests/tests/layers.rs"));
+            continue;
+        };
+        for t in to {
+            match level(t) {
+                None => out.push(format!("{what}: `{t}` is in no layer: add it to its crate's list")),
+                Some(b) if b <= a => out.push(format!("{what}: `{from}` imports `{t}`, which is not below it")),
+                Some(_) => {}
             }
         }
     }
-    assert!(problems.is_empty(), "import loops:\n{}", problems.join("\n"));
+    out
+}
+
+#[test]
+fn every_crate_imports_only_the_layers_below_and_no_loop() {
+    let mut problems = Vec::new();
+    for (dir, layers) in LAYERS {
+        let (mut folders, files) = graphs(&root().join(dir));
+        for c in cycles(&folders) {
+            problems.push(format!("{dir} folders: a loop {}", c.join(" → ")));
+        }
+        for (folder, graph) in &files {
+            for c in cycles(graph) {
+                problems.push(format!("{dir}/{folder}: a loop {}", c.join(" → ")));
+            }
+        }
+        // Every folder and file of the crate stands in a layer, imports or not.
+        for f in rust_files(&root().join(dir)) {
+            let (folder, _) = module_of(&root().join(dir), &f);
+            if !matches!(folder.as_str(), "lib" | "main") {
+                folders.entry(folder).or_default();
+            }
+        }
+        problems.extend(upward(&folders, layers, dir));
+    }
+    assert!(problems.is_empty(), "layers broken:\n{}", problems.join("\n"));
+}
+
+/// Each workspace crate's name and the crates of this repository it depends
+/// on (normal, build and dev dependencies), from its `Cargo.toml`.
+fn crate_graph() -> Graph {
+    let mut graph = Graph::new();
+    for manifest in
+        ["driver", "engine", "client", "ebpf", "vmtest", "vmtest/spec", "xtask", "testkit", "tests", "python"]
+    {
+        let text = std::fs::read_to_string(root().join(manifest).join("Cargo.toml")).expect("reading a Cargo.toml");
+        let name = text
+            .lines()
+            .find_map(|l| l.strip_prefix("name = \""))
+            .and_then(|l| l.strip_suffix('"'))
+            .expect("a package name")
+            .to_owned();
+        let deps = text
+            .lines()
+            .filter(|l| l.contains("path = \""))
+            .filter_map(|l| l.split_once(" = {").map(|(n, _)| n.trim().to_owned()));
+        graph.entry(name).or_default().extend(deps);
+    }
+    graph
+}
+
+#[test]
+fn every_crate_depends_only_on_the_crates_below() {
+    let graph = crate_graph();
+    assert!(graph.len() >= 10, "found the crates {:?}", graph.keys());
+    let problems = upward(&graph, CRATES, "crates");
+    assert!(problems.is_empty(), "crate layers broken:\n{}", problems.join("\n"));
+}
+
+/// The `pub use`s of `code` that give another crate of this repository's
+/// items a second path (`pub use pdstor_client::wire;`).
+fn second_names(code: &str) -> Vec<String> {
+    code.lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.strip_prefix("pub use ")
+                .and_then(|path| path.split("::").next())
+                .is_some_and(|krate| krate == "pdstor" || krate.starts_with("pdstor_"))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn no_crate_gives_another_crates_items_a_second_path() {
+    let mut found = Vec::new();
+    for (dir, _) in LAYERS {
+        for f in rust_files(&root().join(dir)) {
+            let text = code(&std::fs::read_to_string(&f).expect("reading a source file"));
+            for line in second_names(&text) {
+                found.push(format!("{}: {line}", f.strip_prefix(root()).unwrap_or(&f).display()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "re-exports of another crate's items: name them where they are defined\n{}",
+        found.join("\n")
+    );
+    assert_eq!(
+        second_names("pub use pdstor_client::wire;\npub use store::Layout;\nuse pdstor_engine::io;"),
+        ["pub use pdstor_client::wire;"]
+    );
+}
+
+#[test]
+fn the_layer_check_finds_an_upward_import() {
+    let layers: &[&[&str]] = &[&["api"], &["protocol", "timeline"], &["store"]];
+    let graph: Graph = [
+        ("api".to_owned(), ["store".to_owned()].into()),
+        ("store".to_owned(), ["api".to_owned()].into()),
+        ("protocol".to_owned(), ["timeline".to_owned()].into()),
+        ("model".to_owned(), BTreeSet::new()),
+    ]
+    .into();
+    assert_eq!(
+        upward(&graph, layers, "x"),
+        [
+            "x: `model` is in no layer: add it to its crate's list in tests/tests/layers.rs",
+            "x: `protocol` imports `timeline`, which is not below it",
+            "x: `store` imports `api`, which is not below it",
+        ]
+    );
 }
 
 #[test]
@@ -270,7 +451,7 @@ fn no_function_outside_tests_is_over_100_lines() {
             if f.file_name().is_some_and(|n| n == "tests.rs") {
                 continue;
             }
-            let text = std::fs::read_to_string(&f).unwrap();
+            let text = std::fs::read_to_string(&f).expect("reading a source file");
             for (name, line, lines) in long_functions(&text, 100) {
                 long.push(format!("{}:{line} {name} ({lines} lines)", f.strip_prefix(root()).unwrap_or(&f).display()));
             }

@@ -13,58 +13,16 @@ use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use nix::mount::{MsFlags, mount, umount};
 
-use crate::{
+use crate::machine::{Ctx, GuestDisk, cmdline, console, sh};
+use crate::suites;
+use pdstor_vmtest_spec::{
     BOOT_MARKER, DISKS, DiskRole, FINISHED_TEST, Failure, GUEST_CONFIG_PATH, GuestConfig, Outcome, RESULT_PORT_NAME,
-    TestResult, suites,
+    TestResult,
 };
-
-/// One NVMe namespace in the guest.
-#[derive(Debug, Clone)]
-pub struct GuestDisk {
-    pub role: DiskRole,
-    /// `/dev/nvmeXnY`.
-    pub block: PathBuf,
-    /// `/dev/ngXnY`.
-    pub generic: PathBuf,
-    /// Where its filesystem is mounted (ext4 and XFS disks).
-    pub mount: Option<PathBuf>,
-}
-
-/// What a suite gets.
-pub struct Ctx {
-    pub disks: BTreeMap<DiskRole, GuestDisk>,
-    pub scratch: PathBuf,
-}
-
-impl Ctx {
-    /// A disk the test needs: a setup failure if the guest has none.
-    pub fn disk(&self, role: DiskRole) -> Result<&GuestDisk, Failure> {
-        self.disks
-            .get(&role)
-            .ok_or_else(|| Failure::Setup { message: format!("no {role} disk was found in the guest") })
-    }
-}
-
-/// Whether the host booted this guest on a kernel with the rw-dmabuf series
-/// (`pdstor.rw_dmabuf=1` on the command line): the ground truth the engine's
-/// own capability probe is checked against, and what suites branch on.
-pub fn expects_rw_dmabuf() -> bool {
-    std::fs::read_to_string("/proc/cmdline").is_ok_and(|c| c.split_whitespace().any(|a| a == "pdstor.rw_dmabuf=1"))
-}
-
-/// The value of `pdstor.<key>=…` on the kernel command line, if given: how the
-/// host tells each guest of a topology its role (`pdstor.role`), its address
-/// (`pdstor.ip`) and whether it has disks of its own (`pdstor.nodisks`).
-pub fn cmdline(key: &str) -> Option<String> {
-    let c = std::fs::read_to_string("/proc/cmdline").ok()?;
-    let prefix = format!("pdstor.{key}=");
-    c.split_whitespace().find_map(|a| a.strip_prefix(&prefix).map(str::to_owned))
-}
 
 /// Brings up the topology's private network, when the host gave this guest
 /// an address (`pdstor.ip=ADDR/PREFIX` on `eth0`, the one virtio-net card).
@@ -74,32 +32,6 @@ fn network() -> Result<(), String> {
     sh("ip", &["addr", "add", &ip, "dev", "eth0"])?;
     console(&format!("pdstor-vminit: eth0 {ip} ({})", cmdline("role").unwrap_or_default()));
     Ok(())
-}
-
-pub fn console(line: &str) {
-    // PID 1's stdout is /dev/console, the serial port the host logs.
-    println!("{line}");
-}
-
-/// Runs a tool and returns its stdout, or a [`Failure::Command`] with its
-/// stderr.
-pub fn sh(program: &str, args: &[&str]) -> Result<String, Failure> {
-    let command = format!("{program} {}", args.join(" "));
-    let out = Command::new(program)
-        .args(args)
-        .env("PATH", "/sbin:/bin:/usr/sbin:/usr/bin")
-        .output()
-        .map_err(|e| Failure::Command { command: command.clone(), detail: format!("could not run it: {e}") })?;
-    if !out.status.success() {
-        let detail = format!(
-            "exited with {}: {}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim(),
-            String::from_utf8_lossy(&out.stdout).trim()
-        );
-        return Err(Failure::Command { command, detail });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// Entry point of `/init`. Never returns: the guest powers off.
@@ -277,7 +209,7 @@ fn find_disks(timeout: Duration) -> Result<BTreeMap<DiskRole, GuestDisk>, String
                     continue;
                 }
                 let serial = serial_of(&e.path());
-                let Some(spec) = crate::disk_by_serial(&serial) else {
+                let Some(spec) = pdstor_vmtest_spec::disk_by_serial(&serial) else {
                     continue;
                 };
                 let generic = Path::new("/dev").join(name.replacen("nvme", "ng", 1));

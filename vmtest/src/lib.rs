@@ -1,11 +1,10 @@
 //! The guest side of `cargo xtask vmtest`: the guest `/init` ([`guest`]) and
 //! the contract suites ([`suites::SUITES`]). What host and guest agree on (the
 //! disk table, suite names, guest configuration, result records) lives in
-//! `pdstor-vmtest-spec`, re-exported here; the QEMU launcher and the
+//! `pdstor-vmtest-spec`; the QEMU launcher and the
 //! initramfs builder live in `xtask/src/vmtest/`.
 #![deny(clippy::unwrap_used)]
 
 pub mod guest;
+pub mod machine;
 pub mod suites;
-
-pub use pdstor_vmtest_spec::*;

@@ -15,6 +15,7 @@
 //! exactly as written. It prints each command's wall time and result and
 //! fails if either failed.
 
+use crate::reclaim;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -45,11 +46,6 @@ pub struct FreshArgs {
 /// A whole fresh run's root at its largest (the CI in it: target, venvs,
 /// kernel build, guest images), measured at 36 GiB on 2026-12-06.
 const FRESH_NEEDS_GIB: u64 = 40;
-
-pub(crate) fn cache_dir() -> Result<PathBuf> {
-    let home = std::env::var_os("HOME").context("HOME is not set: cannot find ~/.cache/pdstor")?;
-    Ok(PathBuf::from(home).join(".cache/pdstor/fresh"))
-}
 
 /// This machine's Debian codename, from `/etc/os-release`.
 fn codename() -> Result<String> {
@@ -100,7 +96,7 @@ fn root_tarball(sh: &Shell, rebuild: bool) -> Result<PathBuf> {
 /// mmdebstrap when missing, or when asked to).
 pub(crate) fn debian_root(sh: &Shell, name: &str, packages: &str, rebuild: bool) -> Result<PathBuf> {
     let release = codename()?;
-    let dir = cache_dir()?;
+    let dir = reclaim::cache_dir()?;
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let tarball = dir.join(format!("debian-{release}-{name}.tar"));
     if tarball.exists() && !rebuild {
@@ -121,19 +117,7 @@ pub(crate) fn debian_root(sh: &Shell, name: &str, packages: &str, rebuild: bool)
 
 /// Where the cached roots and their runs live.
 pub(crate) fn roots_dir() -> Result<PathBuf> {
-    cache_dir()
-}
-
-/// Mount points under `dir` in this (the host's) mount namespace.
-pub(crate) fn mounts_under(dir: &Path) -> Vec<String> {
-    let prefix = dir.to_string_lossy().into_owned();
-    std::fs::read_to_string("/proc/self/mounts")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(1))
-        .filter(|m| m.starts_with(&prefix))
-        .map(str::to_owned)
-        .collect()
+    reclaim::cache_dir()
 }
 
 /// The kernel patch series CI builds its second guest kernel from is an input
@@ -203,17 +187,17 @@ pub fn run(sh: &Shell, args: &FreshArgs) -> Result<()> {
     let commands: Vec<String> =
         if args.run.is_empty() { README_COMMANDS.iter().map(|c| (*c).to_owned()).collect() } else { args.run.clone() };
     let (rustup, cargo_bin) = toolchain()?;
-    std::fs::create_dir_all(cache_dir()?).context("creating ~/.cache/pdstor/fresh")?;
-    crate::reclaim::before_a_long_run()?;
-    crate::disk::require(&[&cache_dir()?], FRESH_NEEDS_GIB)?;
+    std::fs::create_dir_all(reclaim::cache_dir()?).context("creating ~/.cache/pdstor/fresh")?;
+    reclaim::before_a_long_run()?;
+    crate::disk::require(&[&reclaim::cache_dir()?], FRESH_NEEDS_GIB)?;
     let tarball = root_tarball(sh, args.rebuild_root)?;
 
-    let work = cache_dir()?.join(format!("run-{}", std::process::id()));
+    let work = reclaim::cache_dir()?.join(format!("run-{}", std::process::id()));
     let root = work.join("root");
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
-    let _lock = crate::reclaim::lock_run(&work)?;
+    let _lock = reclaim::lock_run(&work)?;
     if args.keep {
-        crate::reclaim::mark_kept(&work)?;
+        reclaim::mark_kept(&work)?;
     }
     let laid = Instant::now();
     cmd!(sh, "tar -xf {tarball} -C {root}").run().context("laying out the fresh root")?;
@@ -250,7 +234,7 @@ pub fn run(sh: &Shell, args: &FreshArgs) -> Result<()> {
     let status = child.wait().context("waiting for the fresh run")?;
     let total = started.elapsed().as_secs_f64();
 
-    let left = mounts_under(&work);
+    let left = reclaim::mounts_under(&work);
     if args.keep || !left.is_empty() {
         if !left.is_empty() {
             println!("fresh: not removing {}: still mounted here: {}", work.display(), left.join(", "));

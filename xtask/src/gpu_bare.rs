@@ -44,7 +44,7 @@ pub fn run(sh: &Shell, archive: &Path) -> Result<()> {
         .context("unshare --mount --net: entering a private mount and network namespace")?;
     let report = root.join("root/out/report.json");
     let text = std::fs::read_to_string(&report);
-    let left = crate::fresh::mounts_under(&work);
+    let left = crate::reclaim::mounts_under(&work);
     if left.is_empty() {
         let _ = std::fs::remove_dir_all(&work);
     } else {

@@ -69,7 +69,7 @@ fn kept_because(dir: &Path) -> Option<String> {
     if dir.join("kept").exists() {
         return Some("kept on purpose (--keep)".into());
     }
-    let mounts = crate::fresh::mounts_under(dir);
+    let mounts = mounts_under(dir);
     if !mounts.is_empty() {
         return Some(format!("still mounted: {}", mounts.join(", ")));
     }
@@ -113,7 +113,26 @@ pub fn stale_fresh_roots(fresh_dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// [`stale_fresh_roots`] under `~/.cache/pdstor/fresh`.
 pub fn before_a_long_run() -> Result<()> {
-    stale_fresh_roots(&crate::fresh::cache_dir()?).map(drop)
+    stale_fresh_roots(&cache_dir()?).map(drop)
+}
+
+/// Where `cargo xtask fresh` keeps its Debian root and its runs:
+/// `~/.cache/pdstor/fresh`.
+pub fn cache_dir() -> Result<PathBuf> {
+    let home = std::env::var_os("HOME").context("HOME is not set: cannot find ~/.cache/pdstor")?;
+    Ok(PathBuf::from(home).join(".cache/pdstor/fresh"))
+}
+
+/// Mount points under `dir` in this (the host's) mount namespace.
+pub fn mounts_under(dir: &Path) -> Vec<String> {
+    let prefix = dir.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .filter(|m| m.starts_with(&prefix))
+        .map(str::to_owned)
+        .collect()
 }
 
 #[cfg(test)]

@@ -13,8 +13,8 @@ use pdstor_engine::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, Probes, Signals, TargetClass, Verdict, judge};
 
 use super::{Checked, skip};
-use crate::DiskRole;
-use crate::guest::Ctx;
+use crate::machine::Ctx;
+use pdstor_vmtest_spec::DiskRole;
 
 /// The scsi_debug disk the module made at boot, as `sdX`.
 fn scsi_debug_disk() -> Checked<String> {
@@ -27,7 +27,7 @@ fn scsi_debug_disk() -> Checked<String> {
     });
     match found {
         Some(disk) => Ok(disk),
-        None if crate::guest::expects_rw_dmabuf() => {
+        None if crate::machine::expects_rw_dmabuf() => {
             Err(skip("the series kernel is built without scsi_debug (Debian's kernel runs this)"))
         }
         None => Err("no scsi_debug disk: the module was loaded at boot and should have made one".into()),
@@ -112,7 +112,7 @@ fn scsi_debug_batch(settings: &[(&str, &str)], first: u64, happened: fn(&Signals
     let sys = Path::new("/sys/block").join(&disk);
     let _kept: Vec<Setting> =
         settings.iter().map(|(path, value)| Setting::set(sys.join(path), value)).collect::<Result<_, _>>()?;
-    let probes = crate::suites::probes::attach()?;
+    let probes = super::attach_probes()?;
     const LEN: u64 = 64 << 10;
     let all = fixed_writes(&probes, &Path::new("/dev").join(&disk), first, 8, LEN)?;
     if all.iter().map(happened).sum::<u64>() == 0 {
@@ -156,7 +156,7 @@ pub fn under_load(ctx: &Ctx) -> Checked {
     let dev = ctx.disk(DiskRole::Raw)?.block.clone();
     let name = dev.file_name().ok_or("a /dev path")?.to_string_lossy().into_owned();
     let _limit = Setting::set(Path::new("/sys/block").join(name).join("queue/max_sectors_kb"), "32")?;
-    let probes = crate::suites::probes::attach()?;
+    let probes = super::attach_probes()?;
     let opts = pdstor::harness::probe_load::LoadOptions {
         target: dev,
         // Past what the other probes tests write (64 and 96 MiB).

@@ -12,8 +12,8 @@ use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOpti
 use pdstor_engine::{Buffer, PayloadPath, payload};
 
 use super::{Checked, Suite, Test};
-use crate::DiskRole;
-use crate::guest::{Ctx, sh};
+use crate::machine::{Ctx, sh};
+use pdstor_vmtest_spec::DiskRole;
 
 const CHUNK: u64 = 1 << 20;
 /// Sentinel the read buffer holds before a read; a failed read must leave it.
@@ -194,7 +194,7 @@ fn flakey_everything(ctx: &Ctx) -> Checked {
 fn nvme_errors(ctx: &Ctx) -> Checked {
     let dev = ctx.disk(DiskRole::Faulty)?.block.clone();
     let mut paths = vec![PayloadPath::HostFixed];
-    if crate::guest::expects_rw_dmabuf() {
+    if crate::machine::expects_rw_dmabuf() {
         paths.push(PayloadPath::DmabufFixed);
     }
     for path in paths {

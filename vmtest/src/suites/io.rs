@@ -12,8 +12,8 @@ use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetKind
 use pdstor_engine::{Buffer, PayloadPath, payload};
 
 use super::{Checked, Suite, Test};
-use crate::guest::{Ctx, sh};
-use crate::{DiskRole, NVME_MDTS};
+use crate::machine::{Ctx, sh};
+use pdstor_vmtest_spec::{DiskRole, NVME_MDTS};
 
 /// 1 MiB + 64 KiB: three commands under a 512 KiB MDTS, the last one short.
 const CHUNK: u64 = (1 << 20) + (64 << 10);

@@ -11,8 +11,8 @@ mod protocol;
 mod swiotlb;
 mod topology;
 
-use crate::guest::Ctx;
-use crate::{DiskRole, Failure, Outcome};
+use crate::machine::Ctx;
+use pdstor_vmtest_spec::{DiskRole, Failure, Outcome};
 
 /// One test: a name, the disk it exercises, and the function that runs it.
 pub struct Test {
@@ -55,6 +55,12 @@ impl std::fmt::Display for Stop {
 /// What a test (and a helper that may skip it) answers.
 pub type Checked<T = ()> = Result<T, Stop>;
 
+/// The provenance probes, attached for this process (the probes and
+/// attribution suites both watch their own transfers).
+pub(crate) fn attach_probes() -> Checked<pdstor_probes::Probes> {
+    Ok(pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())?)
+}
+
 /// The test cannot run here: `reason` says what it needs and what runs it.
 pub fn skip(reason: impl Into<String>) -> Stop {
     Stop::Skip(reason.into())
@@ -79,14 +85,14 @@ impl From<&str> for Stop {
     }
 }
 
-/// A suite: its name (one of [`crate::SUITES`], which says what it proves) and its tests.
+/// A suite: its name (one of [`pdstor_vmtest_spec::SUITES`], which says what it proves) and its tests.
 pub struct Suite {
     pub name: &'static str,
     pub tests: &'static [Test],
 }
 
 /// Every suite, in the order `--suite all` runs them: the order and names of
-/// [`crate::SUITES`], which the host reads without building the suites.
+/// [`pdstor_vmtest_spec::SUITES`], which the host reads without building the suites.
 pub const SUITES: &[Suite] = &[
     io::SUITE,
     faults::SUITE,
@@ -162,7 +168,7 @@ mod tests {
     #[test]
     fn suites_are_the_ones_the_host_names() {
         let here: Vec<&str> = SUITES.iter().map(|s| s.name).collect();
-        let host: Vec<&str> = crate::SUITES.iter().map(|(n, _)| *n).collect();
+        let host: Vec<&str> = pdstor_vmtest_spec::SUITES.iter().map(|(n, _)| *n).collect();
         assert_eq!(here, host, "vmtest/spec/src/lib.rs SUITES must list these suites in this order");
     }
 }

@@ -9,8 +9,8 @@
 use std::path::Path;
 
 use super::{Checked, Suite, Test, skip};
-use crate::DiskRole;
-use crate::guest::{Ctx, sh};
+use crate::machine::{Ctx, sh};
+use pdstor_vmtest_spec::DiskRole;
 
 pub const SUITE: Suite = Suite {
     name: "oracle",
@@ -98,7 +98,7 @@ fn qualify(ctx: &Ctx) -> Checked {
 /// (udmabuf buffers on the raw namespace), and its timeline passing the
 /// checker's default requirement, `dmabuf_fixed`.
 fn qualify_dmabuf_fixed(ctx: &Ctx) -> Checked {
-    if !crate::guest::expects_rw_dmabuf() {
+    if !crate::machine::expects_rw_dmabuf() {
         return Err(skip("Debian's kernel has no rw-dmabuf series (vmtest --kernel-series runs this)"));
     }
     let disk = ctx.disk(DiskRole::Raw)?;

@@ -14,9 +14,9 @@ use std::path::Path;
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
 use pdstor_engine::{Buffer, PayloadPath};
 
-use super::{Checked, Suite, Test, attribution};
-use crate::DiskRole;
-use crate::guest::Ctx;
+use super::{Checked, Suite, Test, attach_probes, attribution};
+use crate::machine::Ctx;
+use pdstor_vmtest_spec::DiskRole;
 
 pub const SUITE: Suite = Suite {
     name: "probes",
@@ -53,10 +53,6 @@ pub const SUITE: Suite = Suite {
     ],
 };
 
-pub(crate) fn attach() -> Checked<pdstor_probes::Probes> {
-    Ok(pdstor_probes::Probes::attach(std::process::id()).map_err(|e| e.to_string())?)
-}
-
 /// Programs on functions only the rw-dmabuf series adds (named by their
 /// kprobe fallback, as a program that attaches nowhere is).
 const SERIES_ONLY: [&str; 3] =
@@ -82,13 +78,13 @@ fn skip_proof_kinds(status: &[pdstor_probes::ProgramStatus]) -> Checked {
 }
 
 fn every_program_attaches(_: &Ctx) -> Checked {
-    let p = attach()?;
+    let p = attach_probes()?;
     let missing: Vec<String> = p
         .status()
         .iter()
         .filter(|s| !s.attached && !s.detail.starts_with("not built yet"))
         // The DMA-token functions exist only on a kernel with the rw-dmabuf series.
-        .filter(|s| !SERIES_ONLY.contains(&s.name) || crate::guest::expects_rw_dmabuf())
+        .filter(|s| !SERIES_ONLY.contains(&s.name) || crate::machine::expects_rw_dmabuf())
         .map(|s| format!("{}: {}", s.name, s.detail))
         .collect();
     if !missing.is_empty() {
@@ -244,7 +240,7 @@ fn passthrough_verdicts(ctx: &Ctx) -> Checked {
 /// `URING_CMD`, judged as a `host` transfer.
 fn misaligned_passthrough(ng: &Path, transfer: u64) -> Checked<(pdstor_probes::Verdict, pdstor_probes::Signals)> {
     use pdstor_engine::io::nvme;
-    let probes = attach()?;
+    let probes = attach_probes()?;
     let file =
         std::fs::OpenOptions::new().read(true).write(true).open(ng).map_err(|e| format!("{}: {e}", ng.display()))?;
     let buffer = Buffer::host(3 * 4096).map_err(|e| e.to_string())?;
@@ -276,7 +272,7 @@ fn misaligned_passthrough(ng: &Path, transfer: u64) -> Checked<(pdstor_probes::V
 
 fn page_cache_control(ctx: &Ctx) -> Checked {
     use std::os::fd::AsRawFd;
-    let probes = attach()?;
+    let probes = attach_probes()?;
     let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
     let file = std::fs::File::create(mount.join("buffered.img")).map_err(|e| e.to_string())?;
     let data = vec![0x5au8; 1 << 20];
@@ -300,7 +296,7 @@ fn page_cache_control(ctx: &Ctx) -> Checked {
 fn bpftool_dump(ctx: &Ctx) -> Checked {
     let dir = Path::new(pdstor_probes::PIN_DIR);
     let _ = pdstor_probes::detach_pinned(dir);
-    let mut probes = attach()?;
+    let mut probes = attach_probes()?;
     probes.pin(dir).map_err(|e| e.to_string())?;
     let mount = ctx.disk(DiskRole::Xfs)?.mount.clone().ok_or("not mounted")?;
     let t = Target::open(&mount.join("pin.img"), &TargetOptions { create_len: Some(8 << 20), ..Default::default() })
@@ -317,8 +313,9 @@ fn bpftool_dump(ctx: &Ctx) -> Checked {
         len: 1 << 20,
     };
     engine.execute_all(&[req]).map_err(|e| e.to_string())?;
-    let out = crate::guest::sh("bpftool", &["--json", "map", "dump", "pinned", &dir.join("signals").to_string_lossy()]);
-    let links = crate::guest::sh("bpftool", &["--json", "link", "show"]);
+    let out =
+        crate::machine::sh("bpftool", &["--json", "map", "dump", "pinned", &dir.join("signals").to_string_lossy()]);
+    let links = crate::machine::sh("bpftool", &["--json", "link", "show"]);
     let _ = pdstor_probes::detach_pinned(dir);
     let rows: serde_json::Value = serde_json::from_str(&out?).map_err(|e| format!("bpftool JSON: {e}"))?;
     let row = rows
@@ -383,7 +380,7 @@ fn tracepoint_counts(ctx: &Ctx) -> Checked {
     let pin = "/sys/fs/bpf/pdstor-vmtest-counter";
     sys::pin(&prog, pin)?;
     // bpftool, not our own code, must see the pinned program as a tracepoint program.
-    let shown = crate::guest::sh("bpftool", &["--json", "prog", "show", "pinned", pin]);
+    let shown = crate::machine::sh("bpftool", &["--json", "prog", "show", "pinned", pin]);
     let _ = std::fs::remove_file(pin);
     let shown: serde_json::Value = serde_json::from_str(&shown?).map_err(|e| format!("bpftool --json output: {e}"))?;
     if shown["type"] != "tracepoint" {

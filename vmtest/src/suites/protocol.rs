@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::{Checked, Suite, Test};
-use crate::DiskRole;
-use crate::guest::{Ctx, sh};
+use crate::machine::{Ctx, sh};
+use pdstor_vmtest_spec::DiskRole;
 
 pub const SUITE: Suite = Suite {
     name: "protocol",

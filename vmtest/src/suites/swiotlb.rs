@@ -15,8 +15,8 @@ use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use super::probes::{expect, fixed_write_verdict};
 use super::{Checked, Suite, Test, skip};
-use crate::DiskRole;
-use crate::guest::{Ctx, expects_rw_dmabuf};
+use crate::machine::{Ctx, expects_rw_dmabuf};
+use pdstor_vmtest_spec::DiskRole;
 
 pub const SUITE: Suite = Suite {
     name: "swiotlb",

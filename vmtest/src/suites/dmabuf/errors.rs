@@ -8,11 +8,11 @@ use pdstor_client::wire::DataChunk;
 use pdstor_client::{Client, ClientError, DataConn};
 use pdstor_engine::{Buffer, PayloadPath};
 
-use crate::DiskRole;
-use crate::guest::{Ctx, expects_rw_dmabuf, sh};
+use crate::machine::{Ctx, expects_rw_dmabuf, sh};
 use crate::suites::Checked;
 use crate::suites::io::dd_direct;
 use crate::suites::protocol::{SERVER, SOCKET, serve_with};
+use pdstor_vmtest_spec::DiskRole;
 
 use super::*;
 

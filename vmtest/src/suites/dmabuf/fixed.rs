@@ -10,11 +10,11 @@ use pdstor_engine::buffer::dmabuf::DmaBuf;
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
 use pdstor_engine::{Buffer, PayloadPath};
 
-use crate::DiskRole;
-use crate::guest::{Ctx, expects_rw_dmabuf, sh};
+use crate::machine::{Ctx, expects_rw_dmabuf, sh};
 use crate::suites::io::{dd_direct, nvme_read};
 use crate::suites::protocol::{SERVER, SOCKET, serve_with};
 use crate::suites::{Checked, skip};
+use pdstor_vmtest_spec::DiskRole;
 
 use super::*;
 

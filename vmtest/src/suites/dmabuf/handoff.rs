@@ -8,11 +8,11 @@ use pdstor_client::wire::DataChunk;
 use pdstor_client::{Client, ClientError, DataConn};
 use pdstor_engine::{Buffer, PayloadPath};
 
-use crate::DiskRole;
-use crate::guest::{Ctx, expects_rw_dmabuf, sh};
+use crate::machine::{Ctx, expects_rw_dmabuf, sh};
 use crate::suites::Checked;
 use crate::suites::io::dd_direct;
 use crate::suites::protocol::{SERVER, SOCKET, serve_with};
+use pdstor_vmtest_spec::DiskRole;
 
 use super::*;
 
@@ -219,7 +219,7 @@ pub(super) fn ladder(ctx: &Ctx) -> Checked {
     let md = std::fs::read_to_string(out.join("ladder.md")).map_err(e("ladder.md"))?;
     // The figures, for the host's console.log.
     for line in md.lines().filter(|l| l.starts_with('|') || l.starts_with("- kernel")) {
-        crate::guest::console(&format!("ladder: {line}"));
+        crate::machine::console(&format!("ladder: {line}"));
     }
     let dmabuf_row = if series { "| dmabuf_fixed | yes |" } else { "| dmabuf_fixed | **no** |" };
     if !md.contains("| host_fixed | yes |") || !md.contains(dmabuf_row) {

@@ -13,11 +13,11 @@ use std::path::Path;
 
 use pdstor_client::layout::Layout;
 
-use crate::DiskRole;
-use crate::guest::{expects_rw_dmabuf, sh};
+use crate::machine::{expects_rw_dmabuf, sh};
 use crate::suites::io::dd_direct;
 use crate::suites::protocol::serve_with;
 use crate::suites::{Checked, Suite, Test, skip};
+use pdstor_vmtest_spec::DiskRole;
 
 mod errors;
 mod exporters;

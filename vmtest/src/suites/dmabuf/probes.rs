@@ -9,9 +9,9 @@ use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOpti
 use pdstor_engine::{Buffer, PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
-use crate::DiskRole;
-use crate::guest::Ctx;
+use crate::machine::Ctx;
 use crate::suites::Checked;
+use pdstor_vmtest_spec::DiskRole;
 
 use super::*;
 

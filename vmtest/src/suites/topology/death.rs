@@ -5,10 +5,10 @@ use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::guest::{Ctx, console};
+use crate::machine::{Ctx, console};
 use crate::suites::Checked;
 use crate::suites::io::dd_direct;
-use crate::{KILL_ME, READER_ADDR};
+use pdstor_vmtest_spec::{KILL_ME, READER_ADDR};
 
 use super::*;
 

@@ -2,9 +2,9 @@
 //! NVMe Flush over TCP that reaches the target's device; the writer host is
 //! then cut off at once, and the reader host finds every chunk.
 
-use crate::guest::{Ctx, console, sh};
+use crate::machine::{Ctx, console, sh};
 use crate::suites::Checked;
-use crate::{DiskRole, SHARED_NQN};
+use pdstor_vmtest_spec::{DiskRole, SHARED_NQN};
 
 use super::*;
 

@@ -5,9 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::guest::{Ctx, sh};
+use crate::machine::{Ctx, sh};
 use crate::suites::Checked;
-use crate::{DiskRole, NVME_TCP_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR};
+use pdstor_vmtest_spec::{DiskRole, NVME_TCP_PORT, SHARED_NQN, SHARED_SERIAL, STORAGE_ADDR};
 
 use super::*;
 
@@ -157,7 +157,7 @@ fn fabrics_connect(options: &str) -> Result<(), String> {
     f.write_all(options.as_bytes()).map_err(|e| format!("connecting with {options:?}: {e}"))?;
     let mut answer = String::new();
     f.read_to_string(&mut answer).map_err(|e| format!("reading the new controller's instance: {e}"))?;
-    crate::guest::console(&format!("pdstor-vminit: connected {options:?}: {}", answer.trim()));
+    crate::machine::console(&format!("pdstor-vminit: connected {options:?}: {}", answer.trim()));
     Ok(())
 }
 

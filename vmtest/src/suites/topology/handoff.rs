@@ -6,9 +6,9 @@ use std::path::Path;
 
 use pdstor_engine::payload;
 
-use crate::SHARED_NQN;
-use crate::guest::{Ctx, console, sh};
+use crate::machine::{Ctx, console, sh};
 use crate::suites::Checked;
+use pdstor_vmtest_spec::SHARED_NQN;
 
 use super::*;
 

@@ -1,9 +1,9 @@
 //! The reader host proves the namespace it reads is the owner's (its
 //! superblock and NVMe identifiers) before it reads anything.
 
-use crate::SHARED_NQN;
-use crate::guest::{Ctx, sh};
+use crate::machine::{Ctx, sh};
 use crate::suites::Checked;
+use pdstor_vmtest_spec::SHARED_NQN;
 
 use super::*;
 

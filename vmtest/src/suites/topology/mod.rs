@@ -8,9 +8,9 @@
 
 use pdstor_engine::payload;
 
-use crate::Failure;
-use crate::guest::cmdline;
+use crate::machine::cmdline;
 use crate::suites::{Checked, Suite, Test, skip};
+use pdstor_vmtest_spec::Failure;
 
 mod death;
 mod durability;

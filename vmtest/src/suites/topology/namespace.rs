@@ -7,10 +7,10 @@ use pdstor_engine::io::{
 };
 use pdstor_engine::{Buffer, PayloadPath, payload};
 
-use crate::guest::{Ctx, console, sh};
+use crate::machine::{Ctx, console, sh};
 use crate::suites::Checked;
 use crate::suites::io::dd_direct;
-use crate::{DiskRole, NVME_TCP_PORT, READER_ADDR, REPORT_PORT, SHARED_NQN, STORAGE_ADDR};
+use pdstor_vmtest_spec::{DiskRole, NVME_TCP_PORT, READER_ADDR, REPORT_PORT, SHARED_NQN, STORAGE_ADDR};
 
 use super::*;
 

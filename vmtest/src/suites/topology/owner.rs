@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::guest::sh;
+use crate::machine::sh;
 use crate::suites::Checked;
 use crate::suites::io::dd_direct;
 

@@ -12,9 +12,9 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::SHARED_NQN;
-use crate::guest::{Ctx, console, sh};
+use crate::machine::{Ctx, console, sh};
 use crate::suites::Checked;
+use pdstor_vmtest_spec::SHARED_NQN;
 
 use super::takeover::{raw_write_refused, spawn_serve};
 use super::*;

@@ -5,8 +5,8 @@ use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::STORAGE_ADDR;
 use crate::suites::Checked;
+use pdstor_vmtest_spec::STORAGE_ADDR;
 
 /// Listens on the storage address for the reader guest, sends it `send` (if
 /// any), and returns the line it answers (then says `bye`).

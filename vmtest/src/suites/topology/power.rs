@@ -7,9 +7,9 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::guest::{Ctx, cmdline, console, sh};
+use crate::machine::{Ctx, cmdline, console, sh};
 use crate::suites::Checked;
-use crate::{POWER_CUT_ME, SHARED_NQN, STORAGE_ADDR};
+use pdstor_vmtest_spec::{POWER_CUT_ME, SHARED_NQN, STORAGE_ADDR};
 
 use super::*;
 

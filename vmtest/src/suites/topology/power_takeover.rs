@@ -14,9 +14,9 @@
 use std::path::Path;
 use std::time::Instant;
 
-use crate::guest::{Ctx, cmdline, console, sh};
+use crate::machine::{Ctx, cmdline, console, sh};
 use crate::suites::Checked;
-use crate::{POWER_CUT_ME, SHARED_NQN};
+use pdstor_vmtest_spec::{POWER_CUT_ME, SHARED_NQN};
 
 use super::takeover::{Caught, catch, cut_off, finish_caught, serving_after, spawn_serve};
 use super::*;

@@ -24,10 +24,10 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::SHARED_NQN;
-use crate::guest::{Ctx, console, sh};
+use crate::machine::{Ctx, console, sh};
 use crate::suites::Checked;
 use crate::suites::io::dd_direct;
+use pdstor_vmtest_spec::SHARED_NQN;
 
 use super::*;
 

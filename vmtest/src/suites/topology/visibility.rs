@@ -4,9 +4,9 @@
 
 use std::path::Path;
 
-use crate::SHARED_NQN;
-use crate::guest::{Ctx, sh};
+use crate::machine::{Ctx, sh};
 use crate::suites::Checked;
+use pdstor_vmtest_spec::SHARED_NQN;
 
 use super::*;
 
