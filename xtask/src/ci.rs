@@ -65,21 +65,10 @@ const STEPS: &[Step] = &[
         run: |sh, _| vllm::run(sh, &vllm::VllmArgs::ci()),
     },
     Step {
-        title: "cargo xtask vmtest (every suite, in a QEMU guest)",
-        run: |sh, _| vmtest::run(sh, &vmtest::VmtestArgs::all()),
+        title: "cargo xtask vmtest: the matrix on Debian's 6.12 (every suite; swiotlb with swiotlb=force; topology, two guests over NVMe/TCP)",
+        run: |sh, _| vmtest::run_matrix(sh, vmtest::Kernel::Debian, None),
     },
-    Step {
-        title: "cargo xtask vmtest --suite swiotlb --append swiotlb=force",
-        run: |sh, _| vmtest::run(sh, &vmtest::VmtestArgs::swiotlb_forced()),
-    },
-    Step {
-        title: "cargo xtask vmtest --suite topology (a storage guest and a reader guest over NVMe/TCP)",
-        run: |sh, _| vmtest::run(sh, &vmtest::VmtestArgs::topology()),
-    },
-    Step {
-        title: "the rw-dmabuf series kernel (built once, then cached), and vmtest on it: every suite, swiotlb, topology",
-        run: series,
-    },
+    Step { title: "the rw-dmabuf series kernel (built once, then cached), and the same matrix on it", run: series },
     Step { title: "demo round trip (small)", run: roundtrip },
     Step {
         title: "model oracle, short profile (pdstor qualify --short on a file; its timeline checked, its mutants caught, drawn)",
@@ -195,12 +184,7 @@ fn series(sh: &Shell, _: &mut Run) -> Result<()> {
     println!("cargo xtask kernel build (Debian linux-source-7.2 + the rw-dmabuf series; built once, then cached)");
     let jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
     vmtest::series::build(sh, &dir, vmtest::series::DEFAULT_SOURCE, jobs)?;
-    println!("cargo xtask vmtest --kernel-series {} (the series kernel built above)", dir.display());
-    vmtest::run(sh, &vmtest::VmtestArgs::series(dir.clone()))?;
-    println!("cargo xtask vmtest --kernel-series … --suite swiotlb --append swiotlb=force");
-    vmtest::run(sh, &vmtest::VmtestArgs::series_swiotlb_forced(dir.clone()))?;
-    println!("cargo xtask vmtest --kernel-series … --suite topology (its nvmet has persistent reservations)");
-    vmtest::run(sh, &vmtest::VmtestArgs::series_topology(dir))
+    vmtest::run_matrix(sh, vmtest::Kernel::Series, Some(dir))
 }
 
 fn ci_dir() -> PathBuf {
