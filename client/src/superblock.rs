@@ -25,6 +25,63 @@ pub const FORMAT_VERSION: u32 = 1;
 /// Bytes of one superblock copy (one 4 KiB block).
 pub const SUPERBLOCK_BYTES: usize = 4096;
 
+/// The superblock's first 160 bytes as they lie on the media, every number
+/// little-endian; the rest of the 4 KiB block is zero. Never built: it is the
+/// format's one statement of where each field lies. [`Superblock::encode`]
+/// and [`Superblock::decode`] take each place from it (`offset_of!`), and the
+/// assertions below pin every offset at compile time, so a field moved by
+/// accident fails the build instead of every namespace formatted before.
+#[repr(C)]
+#[allow(dead_code)] // read only by offset_of! and size_of
+struct OnMedia {
+    magic: [u8; 8],
+    version: u32,
+    /// CRC-32C of the whole block with this field zero.
+    crc: u32,
+    generation: u64,
+    uuid: [u8; 16],
+    epoch: u64,
+    block_size: u32,
+    _zero0: u32,
+    slot_size: u64,
+    slot_count: u64,
+    data_offset: u64,
+    journal_half: u64,
+    active_half: u8,
+    _zero1: [u8; 7],
+    journal_start_seq: u64,
+    hmac_key_id: u32,
+    _zero2: u32,
+    hmac_key: [u8; 32],
+    created_unix: u64,
+    owner_key: u64,
+}
+
+/// Where a field of [`OnMedia`] lies: its byte range in the block.
+macro_rules! field {
+    ($f:ident) => {{
+        const AT: usize = std::mem::offset_of!(OnMedia, $f);
+        const fn size<T>(_: fn(&OnMedia) -> &T) -> usize {
+            std::mem::size_of::<T>()
+        }
+        AT..AT + size(|m: &OnMedia| &m.$f)
+    }};
+}
+
+const _: () = {
+    use std::mem::{offset_of, size_of};
+    assert!(size_of::<OnMedia>() == 160 && size_of::<OnMedia>() <= SUPERBLOCK_BYTES);
+    assert!(offset_of!(OnMedia, magic) == 0 && offset_of!(OnMedia, version) == 8);
+    assert!(offset_of!(OnMedia, crc) == 12 && offset_of!(OnMedia, generation) == 16);
+    assert!(offset_of!(OnMedia, uuid) == 24 && offset_of!(OnMedia, epoch) == 40);
+    assert!(offset_of!(OnMedia, block_size) == 48 && offset_of!(OnMedia, slot_size) == 56);
+    assert!(offset_of!(OnMedia, slot_count) == 64 && offset_of!(OnMedia, data_offset) == 72);
+    assert!(offset_of!(OnMedia, journal_half) == 80 && offset_of!(OnMedia, active_half) == 88);
+    assert!(offset_of!(OnMedia, journal_start_seq) == 96 && offset_of!(OnMedia, hmac_key_id) == 104);
+    assert!(offset_of!(OnMedia, hmac_key) == 112 && offset_of!(OnMedia, created_unix) == 144);
+    assert!(offset_of!(OnMedia, owner_key) == 152);
+};
+
 /// The namespace's root (DESIGN §3): its geometry, journal, epoch and receipt key. Two copies, A at 0 and B after the journal.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Superblock {
@@ -147,72 +204,76 @@ impl Superblock {
     /// The copy as written to the media (checksummed).
     pub fn encode(&self) -> [u8; SUPERBLOCK_BYTES] {
         let mut b = [0u8; SUPERBLOCK_BYTES];
-        b[0..8].copy_from_slice(MAGIC);
-        b[8..12].copy_from_slice(&self.version.to_le_bytes());
-        // 12..16: crc32c of the block with this field zero.
-        b[16..24].copy_from_slice(&self.generation.to_le_bytes());
-        b[24..40].copy_from_slice(self.uuid.as_bytes());
-        b[40..48].copy_from_slice(&self.epoch.to_le_bytes());
-        b[48..52].copy_from_slice(&self.block_size.to_le_bytes());
-        b[56..64].copy_from_slice(&self.slot_size.to_le_bytes());
-        b[64..72].copy_from_slice(&self.slot_count.to_le_bytes());
-        b[72..80].copy_from_slice(&self.data_offset.to_le_bytes());
-        b[80..88].copy_from_slice(&self.journal_half.to_le_bytes());
-        b[88] = self.active_half;
-        b[96..104].copy_from_slice(&self.journal_start_seq.to_le_bytes());
-        b[104..108].copy_from_slice(&self.hmac_key_id.to_le_bytes());
-        b[112..144].copy_from_slice(&self.hmac_key);
-        b[144..152].copy_from_slice(&self.created_unix.to_le_bytes());
-        b[152..160].copy_from_slice(&self.owner_key.to_le_bytes());
+        b[field!(magic)].copy_from_slice(MAGIC);
+        b[field!(version)].copy_from_slice(&self.version.to_le_bytes());
+        b[field!(generation)].copy_from_slice(&self.generation.to_le_bytes());
+        b[field!(uuid)].copy_from_slice(self.uuid.as_bytes());
+        b[field!(epoch)].copy_from_slice(&self.epoch.to_le_bytes());
+        b[field!(block_size)].copy_from_slice(&self.block_size.to_le_bytes());
+        b[field!(slot_size)].copy_from_slice(&self.slot_size.to_le_bytes());
+        b[field!(slot_count)].copy_from_slice(&self.slot_count.to_le_bytes());
+        b[field!(data_offset)].copy_from_slice(&self.data_offset.to_le_bytes());
+        b[field!(journal_half)].copy_from_slice(&self.journal_half.to_le_bytes());
+        b[field!(active_half)].copy_from_slice(&[self.active_half]);
+        b[field!(journal_start_seq)].copy_from_slice(&self.journal_start_seq.to_le_bytes());
+        b[field!(hmac_key_id)].copy_from_slice(&self.hmac_key_id.to_le_bytes());
+        b[field!(hmac_key)].copy_from_slice(&self.hmac_key);
+        b[field!(created_unix)].copy_from_slice(&self.created_unix.to_le_bytes());
+        b[field!(owner_key)].copy_from_slice(&self.owner_key.to_le_bytes());
+        // The checksum covers the block with its own field zero.
         let crc = crc32c::crc32c(&b);
-        b[12..16].copy_from_slice(&crc.to_le_bytes());
+        b[field!(crc)].copy_from_slice(&crc.to_le_bytes());
         b
     }
 
     /// Reads a copy, checking magic, checksum, version and geometry.
     pub fn decode(b: &[u8]) -> Result<Superblock, SuperblockError> {
-        if b.len() < SUPERBLOCK_BYTES || &b[0..8] != MAGIC {
+        if b.len() < SUPERBLOCK_BYTES || b[field!(magic)] != MAGIC[..] {
             let found = String::from_utf8_lossy(&b[..8.min(b.len())]).escape_debug().to_string();
             return Err(SuperblockError::NotPdstor { found });
         }
-        let u32_at = |at: usize| u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-        let u64_at = |at: usize| {
+        let u32_of = |r: std::ops::Range<usize>| {
+            let mut x = [0u8; 4];
+            x.copy_from_slice(&b[r]);
+            u32::from_le_bytes(x)
+        };
+        let u64_of = |r: std::ops::Range<usize>| {
             let mut x = [0u8; 8];
-            x.copy_from_slice(&b[at..at + 8]);
+            x.copy_from_slice(&b[r]);
             u64::from_le_bytes(x)
         };
-        let stored = u32_at(12);
+        let stored = u32_of(field!(crc));
         let mut copy = [0u8; SUPERBLOCK_BYTES];
         copy.copy_from_slice(&b[..SUPERBLOCK_BYTES]);
-        copy[12..16].fill(0);
+        copy[field!(crc)].fill(0);
         let computed = crc32c::crc32c(&copy);
         if stored != computed {
             return Err(SuperblockError::Checksum { stored, computed });
         }
-        let version = u32_at(8);
+        let version = u32_of(field!(version));
         if version > FORMAT_VERSION {
             return Err(SuperblockError::NewerVersion { found: version });
         }
         let mut uuid = [0u8; 16];
-        uuid.copy_from_slice(&b[24..40]);
+        uuid.copy_from_slice(&b[field!(uuid)]);
         let mut hmac_key = [0u8; 32];
-        hmac_key.copy_from_slice(&b[112..144]);
+        hmac_key.copy_from_slice(&b[field!(hmac_key)]);
         let sb = Superblock {
             version,
-            generation: u64_at(16),
+            generation: u64_of(field!(generation)),
             uuid: Uuid::from_bytes(uuid),
-            epoch: u64_at(40),
-            block_size: u32_at(48),
-            slot_size: u64_at(56),
-            slot_count: u64_at(64),
-            data_offset: u64_at(72),
-            journal_half: u64_at(80),
-            active_half: b[88],
-            journal_start_seq: u64_at(96),
-            hmac_key_id: u32_at(104),
+            epoch: u64_of(field!(epoch)),
+            block_size: u32_of(field!(block_size)),
+            slot_size: u64_of(field!(slot_size)),
+            slot_count: u64_of(field!(slot_count)),
+            data_offset: u64_of(field!(data_offset)),
+            journal_half: u64_of(field!(journal_half)),
+            active_half: b[field!(active_half).start],
+            journal_start_seq: u64_of(field!(journal_start_seq)),
+            hmac_key_id: u32_of(field!(hmac_key_id)),
             hmac_key,
-            created_unix: u64_at(144),
-            owner_key: u64_at(152),
+            created_unix: u64_of(field!(created_unix)),
+            owner_key: u64_of(field!(owner_key)),
         };
         if sb.active_half > 1
             || sb.slot_size == 0
@@ -269,6 +330,35 @@ mod tests {
             created_unix: 1,
             owner_key: 0x5d0e,
         }
+    }
+
+    /// The bytes version 1 puts where (written out by hand, apart from the
+    /// layout the code takes its places from): the format is unchanged.
+    #[test]
+    fn every_field_lies_where_version_1_put_it() {
+        let sb = sample();
+        let b = sb.encode();
+        assert_eq!(&b[0..8], MAGIC);
+        assert_eq!(b[8..12], 1u32.to_le_bytes());
+        assert_eq!(b[16..24], 3u64.to_le_bytes());
+        assert_eq!(b[24..40], *Uuid::from_u128(0x1234).as_bytes());
+        assert_eq!(b[40..48], 7u64.to_le_bytes());
+        assert_eq!(b[48..52], 4096u32.to_le_bytes());
+        assert_eq!(b[56..64], (1u64 << 20).to_le_bytes());
+        assert_eq!(b[64..72], 10u64.to_le_bytes());
+        assert_eq!(b[72..80], sb.data_offset.to_le_bytes());
+        assert_eq!(b[80..88], 65536u64.to_le_bytes());
+        assert_eq!(b[88], 1);
+        assert_eq!(b[96..104], 42u64.to_le_bytes());
+        assert_eq!(b[104..108], 1u32.to_le_bytes());
+        assert_eq!(b[112..144], [9; 32]);
+        assert_eq!(b[144..152], 1u64.to_le_bytes());
+        assert_eq!(b[152..160], 0x5d0eu64.to_le_bytes());
+        let mut zeroed = b;
+        zeroed[12..16].fill(0);
+        assert_eq!(b[12..16], crc32c::crc32c(&zeroed).to_le_bytes());
+        let padding = [52..56, 89..96, 108..112, 160..SUPERBLOCK_BYTES];
+        assert!(padding.into_iter().all(|r| b[r].iter().all(|x| *x == 0)), "padding is zero");
     }
 
     #[test]

@@ -17,7 +17,34 @@ use pdstor_client::layout::SlotIndex;
 /// The first word of every record frame ("PJDR").
 pub const RECORD_MAGIC: u32 = 0x5244_4a50; // "PJDR"
 /// Bytes of a frame's header: magic, checksum, sequence number, kind, length.
-pub const HEADER_BYTES: usize = 24;
+pub const HEADER_BYTES: usize = std::mem::size_of::<FrameHeader>();
+
+/// A frame's header as it lies on the media, every number little-endian.
+/// Never built: it is the format's one statement of where each field lies;
+/// [`encode`] and [`replay`] take each place from it, and the assertions
+/// below pin every offset at compile time.
+#[repr(C)]
+#[allow(dead_code)] // read only by offset_of! and size_of
+struct FrameHeader {
+    magic: u32,
+    /// CRC-32C of everything after this field: the rest of the header and the payload.
+    crc: u32,
+    seq: u64,
+    kind: u8,
+    _zero: [u8; 3],
+    /// Bytes of the JSON payload that follows (then zeros to 8 bytes).
+    len: u32,
+}
+
+const MAGIC_AT: usize = std::mem::offset_of!(FrameHeader, magic);
+const CRC_AT: usize = std::mem::offset_of!(FrameHeader, crc);
+const SEQ_AT: usize = std::mem::offset_of!(FrameHeader, seq);
+const KIND_AT: usize = std::mem::offset_of!(FrameHeader, kind);
+const LEN_AT: usize = std::mem::offset_of!(FrameHeader, len);
+const _: () = {
+    assert!(HEADER_BYTES == 24);
+    assert!(MAGIC_AT == 0 && CRC_AT == 4 && SEQ_AT == 8 && KIND_AT == 16 && LEN_AT == 20);
+};
 
 /// One journal record (DESIGN §3).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -190,19 +217,17 @@ pub enum EncodeError {
 pub fn encode(seq: u64, record: &Record) -> Result<Vec<u8>, EncodeError> {
     let payload = serde_json::to_vec(record).map_err(|source| EncodeError::Json { seq, source })?;
     let len = u32::try_from(payload.len()).map_err(|_| EncodeError::TooLong { seq, bytes: payload.len() })?;
-    let mut f = Vec::with_capacity(HEADER_BYTES + payload.len() + 8);
-    f.extend_from_slice(&RECORD_MAGIC.to_le_bytes());
-    f.extend_from_slice(&[0; 4]);
-    f.extend_from_slice(&seq.to_le_bytes());
-    f.push(record.kind_byte());
-    f.extend_from_slice(&[0; 3]);
-    f.extend_from_slice(&len.to_le_bytes());
+    let mut f = vec![0u8; HEADER_BYTES];
+    f[MAGIC_AT..MAGIC_AT + 4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+    f[SEQ_AT..SEQ_AT + 8].copy_from_slice(&seq.to_le_bytes());
+    f[KIND_AT] = record.kind_byte();
+    f[LEN_AT..LEN_AT + 4].copy_from_slice(&len.to_le_bytes());
     f.extend_from_slice(&payload);
-    while f.len() % 8 != 0 {
+    while !f.len().is_multiple_of(8) {
         f.push(0);
     }
-    let crc = crc32c::crc32c(&f[8..HEADER_BYTES + payload.len()]);
-    f[4..8].copy_from_slice(&crc.to_le_bytes());
+    let crc = crc32c::crc32c(&f[CRC_AT + 4..HEADER_BYTES + payload.len()]);
+    f[CRC_AT..CRC_AT + 4].copy_from_slice(&crc.to_le_bytes());
     Ok(f)
 }
 
@@ -231,7 +256,7 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
         }
         let h = &bytes[at..at + HEADER_BYTES];
         let u32_at = |o: usize| u32::from_le_bytes([h[o], h[o + 1], h[o + 2], h[o + 3]]);
-        let magic = u32_at(0);
+        let magic = u32_at(MAGIC_AT);
         if magic == 0 && h.iter().all(|b| *b == 0) {
             return (out, at, None);
         }
@@ -239,19 +264,19 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
             return (out, at, stop(at, seq, format!("no record header (magic {magic:#010x})")));
         }
         let mut s8 = [0u8; 8];
-        s8.copy_from_slice(&h[8..16]);
+        s8.copy_from_slice(&h[SEQ_AT..SEQ_AT + 8]);
         let rec_seq = u64::from_le_bytes(s8);
-        let len = u32_at(20) as usize;
+        let len = u32_at(LEN_AT) as usize;
         let end = at + HEADER_BYTES + len;
         if end > bytes.len() {
             return (out, at, stop(at, seq, format!("record of {len} bytes runs past the journal (torn write)")));
         }
-        let crc = crc32c::crc32c(&bytes[at + 8..end]);
-        if crc != u32_at(4) {
+        let crc = crc32c::crc32c(&bytes[at + CRC_AT + 4..end]);
+        if crc != u32_at(CRC_AT) {
             return (
                 out,
                 at,
-                stop(at, seq, format!("checksum mismatch (stored {:#010x}, computed {crc:#010x})", u32_at(4))),
+                stop(at, seq, format!("checksum mismatch (stored {:#010x}, computed {crc:#010x})", u32_at(CRC_AT))),
             );
         }
         if rec_seq < start_seq {
@@ -279,8 +304,8 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
             Ok(r) => r,
             Err(e) => return (out, at, stop(at, seq, format!("undecodable payload: {e}"))),
         };
-        if record.kind_byte() != h[16] {
-            return (out, at, stop(at, seq, format!("kind byte {} disagrees with the payload", h[16])));
+        if record.kind_byte() != h[KIND_AT] {
+            return (out, at, stop(at, seq, format!("kind byte {} disagrees with the payload", h[KIND_AT])));
         }
         out.push((seq, record));
         seq += 1;
@@ -291,6 +316,23 @@ pub fn replay(bytes: &[u8], start_seq: u64) -> (Vec<(u64, Record)>, usize, Optio
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A frame's bytes where the format has always put them (written out by
+    /// hand, apart from the layout the code takes its places from).
+    #[test]
+    fn a_frame_lies_where_the_format_puts_it() {
+        let record = Record::Epoch { epoch: 9 };
+        let f = encode(0x0102_0304_0506_0708, &record).unwrap();
+        let payload = serde_json::to_vec(&record).unwrap();
+        assert_eq!(f[0..4], 0x5244_4a50u32.to_le_bytes());
+        assert_eq!(f[8..16], 0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(f[16], record.kind_byte());
+        assert_eq!(f[17..20], [0, 0, 0]);
+        assert_eq!(f[20..24], (payload.len() as u32).to_le_bytes());
+        assert_eq!(f[24..24 + payload.len()], payload[..]);
+        assert_eq!(f.len() % 8, 0);
+        assert_eq!(f[4..8], crc32c::crc32c(&f[8..24 + payload.len()]).to_le_bytes());
+    }
 
     fn epoch(e: u64) -> Record {
         Record::Epoch { epoch: e }
