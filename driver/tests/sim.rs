@@ -886,9 +886,41 @@ impl Sim {
         self.recover(pdstor::store::PowerLoss::default(), "TAKEOVER")
     }
 
+    /// A restart whose recovery meets a medium error: the device fails the
+    /// `read`-th metadata read (0: superblock copy A; then copy B, or the
+    /// journal half). The open must fail, name the read, and write nothing;
+    /// the next open (`recover`) must find everything as if it had not
+    /// happened. An open that made fewer reads is a restart like any other.
+    fn recovery_read_fails(&mut self, read: u64, what: &str) -> Result<(), String> {
+        let before = std::fs::read(&self.path).map_err(|e| e.to_string())?;
+        let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
+        plan.fail_metadata_read(read);
+        let opened = Store::open(&self.path, options(&plan, &self.clock));
+        match (opened, plan.metadata_read_faults()) {
+            (Err(e), 1) => {
+                self.note(format!("{what}: recovery read {read} fails -> {e}"));
+                let after = std::fs::read(&self.path).map_err(|e| e.to_string())?;
+                if after != before {
+                    return Err(format!("an open whose recovery read {read} failed changed the target ({e})"));
+                }
+                Ok(())
+            }
+            (Err(e), _) => Err(format!("recovery failed with no read fault injected: {e}")),
+            (Ok(_), 0) => {
+                self.note(format!("{what}: recovery made fewer than {} reads: a plain restart", read + 1));
+                Ok(())
+            }
+            (Ok(_), _) => Err(format!("recovery read {read} failed and the open went on as if it had read it")),
+        }
+    }
+
     /// Opens the store again (a restart after a power loss, or a new owner
     /// after a takeover) and checks what it recovered against the model.
     fn recover(&mut self, loss: pdstor::store::PowerLoss, what: &str) -> Result<(), String> {
+        if self.rng.chance(30) {
+            let read = self.rng.below(3);
+            self.recovery_read_fails(read, what)?;
+        }
         let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
         let (store, report) =
             Store::open(&self.path, options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;

@@ -18,6 +18,10 @@ use pdstor_engine::io::{Completion, Engine, IoError, IoRequest, Op};
 #[derive(Debug)]
 pub struct FaultPlan {
     writes_left: AtomicI64,
+    /// Metadata reads to let through before one fails (negative: none fails).
+    reads_before_fault: AtomicI64,
+    /// Metadata reads refused by [`FaultPlan::fail_metadata_read`].
+    read_faults: AtomicI64,
     torn: bool,
     dead: AtomicBool,
     /// Dead because this host was fenced (its reservation key preempted):
@@ -54,6 +58,8 @@ impl FaultPlan {
     pub fn die_after_writes(writes: u64, torn: bool) -> Arc<FaultPlan> {
         Arc::new(FaultPlan {
             writes_left: AtomicI64::new(writes as i64),
+            reads_before_fault: AtomicI64::new(-1),
+            read_faults: AtomicI64::new(0),
             torn,
             dead: AtomicBool::new(false),
             fenced: AtomicBool::new(false),
@@ -68,6 +74,8 @@ impl FaultPlan {
         let file = std::fs::File::options().read(true).write(true).open(path)?;
         Ok(Arc::new(FaultPlan {
             writes_left: AtomicI64::new(i64::MAX),
+            reads_before_fault: AtomicI64::new(-1),
+            read_faults: AtomicI64::new(0),
             torn: false,
             dead: AtomicBool::new(false),
             fenced: AtomicBool::new(false),
@@ -202,6 +210,18 @@ impl FaultPlan {
         let _ = c.file.sync_all();
         report
     }
+    /// The device lets `reads` more metadata reads through (superblock
+    /// copies, a journal half: what recovery reads), then fails the next one
+    /// with EIO, once: a medium error under recovery.
+    pub fn fail_metadata_read(&self, reads: u64) {
+        self.reads_before_fault.store(reads as i64, Ordering::SeqCst);
+    }
+
+    /// How many metadata reads the device failed ([`fail_metadata_read`](Self::fail_metadata_read)).
+    pub fn metadata_read_faults(&self) -> u64 {
+        self.read_faults.load(Ordering::SeqCst) as u64
+    }
+
     /// Whether the device has died.
     pub fn is_dead(&self) -> bool {
         self.dead.load(Ordering::SeqCst)
@@ -291,6 +311,25 @@ impl Storage for FaultPlan {
         let r = Media.write(engine, request);
         self.after_writes();
         r
+    }
+
+    fn read(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError> {
+        if self.is_dead() {
+            return Err(self.refused(&request));
+        }
+        if self.reads_before_fault.fetch_sub(1, Ordering::SeqCst) == 0 {
+            self.read_faults.fetch_add(1, Ordering::SeqCst);
+            let source = std::io::Error::from_raw_os_error(libc::EIO);
+            let r = request;
+            return Err(IoError::Transfer {
+                transfer: r.transfer,
+                op: r.op,
+                offset: r.target_offset.0,
+                len: r.len,
+                source,
+            });
+        }
+        Media.read(engine, request)
     }
 
     fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError> {

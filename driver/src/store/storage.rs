@@ -1,5 +1,7 @@
 //! The device beneath the store's I/O thread, as the worker sees it: every
-//! payload batch, metadata write and flush goes through a [`Storage`].
+//! payload batch, metadata read and write, and flush goes through a
+//! [`Storage`] (recovery's reads of the superblock copies and the journal
+//! too).
 //! [`Media`] is the device itself, the engine with nothing added: the
 //! production worker has no fault branches. `FaultPlan` is a faulty,
 //! simulated device (it dies after a number of writes, tears the write that
@@ -7,8 +9,8 @@
 //! used by the simulation and the crash tests through the same seam
 //! (`super::fault`).
 
-use pdstor_engine::buffer::Buffer;
-use pdstor_engine::io::{Completion, Engine, IoError, IoRequest};
+use pdstor_engine::io::{BufferOffset, Completion, Engine, IoError, IoRequest, Op, TargetOffset, TransferId};
+use pdstor_engine::{Buffer, PayloadPath};
 
 use super::error::WorkerError;
 
@@ -29,6 +31,9 @@ pub(crate) trait Storage: Send + Sync {
 
     /// One metadata write: journal blocks, a superblock copy.
     fn write(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError>;
+
+    /// One metadata read: a superblock copy or a journal half, at open.
+    fn read(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError>;
 
     /// Makes every completed write durable.
     fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError>;
@@ -52,7 +57,39 @@ impl Storage for Media {
         engine.execute_all(&[request]).map(drop)
     }
 
+    fn read(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError> {
+        engine.execute_all(&[request]).map(drop)
+    }
+
     fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError> {
         engine.flush().map_err(|source| WorkerError::Flush { source })
     }
+}
+
+/// Reads `len` bytes at `offset` through `storage`, into a buffer registered
+/// for the read alone.
+pub(crate) fn read_to_vec(
+    storage: &dyn Storage,
+    engine: &mut Engine,
+    offset: u64,
+    len: u64,
+) -> Result<Vec<u8>, IoError> {
+    let transfer = TransferId(0);
+    let buffer = Buffer::host(len as usize).map_err(|what| IoError::Buffer { transfer, what })?;
+    let id = engine.register(buffer)?;
+    let request = IoRequest {
+        transfer,
+        op: Op::Read,
+        path: PayloadPath::HostFixed,
+        buffer: id,
+        buffer_offset: BufferOffset(0),
+        target_offset: TargetOffset(offset),
+        len,
+    };
+    let read = storage.read(engine, request);
+    let buffer = engine.remove(id)?;
+    read?;
+    let mut out = vec![0u8; len as usize];
+    buffer.read_at(0, &mut out).map_err(|what| IoError::Buffer { transfer, what })?;
+    Ok(out)
 }

@@ -19,7 +19,7 @@ use pdstor_engine::io::{
 
 use super::coalesce::{Run, coalesce};
 use super::error::WorkerError;
-use super::storage::Storage;
+use super::storage::{Storage, read_to_vec};
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
 pub(crate) use super::verifier::PayloadResults;
 use super::verifier::{Verifier, crc_of};
@@ -121,7 +121,7 @@ impl Worker {
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
         let mut engine =
             Engine::new(target, EngineOptions { queue_depth, buffer_slots: BUFFER_TABLE, ..Default::default() })?;
-        let a = engine.read_to_vec(0, SUPERBLOCK_BYTES as u64)?;
+        let a = read_to_vec(&*storage, &mut engine, 0, SUPERBLOCK_BYTES as u64)?;
         let capacity = engine.geometry().capacity;
         // Copy B sits after the journal, whose size copy A gives. If A is
         // unreadable, try every size `format` can choose (powers of two).
@@ -131,7 +131,7 @@ impl Worker {
         };
         let mut b = Vec::new();
         for off in b_offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
-            let bytes = engine.read_to_vec(off, SUPERBLOCK_BYTES as u64)?;
+            let bytes = read_to_vec(&*storage, &mut engine, off, SUPERBLOCK_BYTES as u64)?;
             if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty() {
                 let found = Superblock::decode(&bytes).is_ok();
                 b = bytes;
@@ -171,8 +171,8 @@ impl Worker {
         self.image_len = sb.journal_half;
         let _ = self.engine.remove(old);
         let off = sb.journal_offset(sb.active_half);
-        self.io_one(Op::Read, self.image, 0, off, sb.journal_half)
-            .map_err(|source| WorkerError::ReadJournal { source })?;
+        let read = request(Op::Read, self.image, 0, off, sb.journal_half);
+        self.storage.read(&mut self.engine, read).map_err(|source| WorkerError::ReadJournal { source })?;
         let mut bytes = vec![0u8; sb.journal_half as usize];
         self.engine.buffer(self.image)?.read_at(0, &mut bytes)?;
         Ok(bytes)
@@ -407,17 +407,6 @@ impl Worker {
         len: u64,
     ) -> Result<(), IoError> {
         self.storage.write(&mut self.engine, request(op, buffer, buffer_offset, target_offset, len))
-    }
-
-    fn io_one(
-        &mut self,
-        op: Op,
-        buffer: BufferId,
-        buffer_offset: u64,
-        target_offset: u64,
-        len: u64,
-    ) -> Result<(), IoError> {
-        self.engine.execute_all(&[request(op, buffer, buffer_offset, target_offset, len)]).map(|_| ())
     }
 
     fn payload(&mut self, requests: &[IoRequest]) -> PayloadReply {
