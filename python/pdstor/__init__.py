@@ -53,4 +53,15 @@ def layout(
     }
 
 
-__all__ = ["Buffer", "Client", "Reader", "Receipt", "Timeline", "Writer", "errors", "layout", "refusal_codes", *errors.__all__]
+__all__ = [
+    "Buffer",
+    "Client",
+    "Reader",
+    "Receipt",
+    "Timeline",
+    "Writer",
+    "errors",
+    "layout",
+    "refusal_codes",
+    *errors.__all__,
+]

@@ -2,22 +2,25 @@
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, overload
+from typing import Any, Literal, Self, TypeAlias, final, overload
 
 from typing_extensions import Buffer as _BufferLike
 
 from pdstor.errors import Error  # collections.abc.Buffer from Python 3.12
 
-Layout = dict[str, Any]
+__all__ = ["Buffer", "Client", "Reader", "Receipt", "Timeline", "Writer", "refusal_codes", "version"]
+
+_Layout: TypeAlias = dict[str, Any]
 """model_id: str, dtype: str, layers, kv_heads, head_dim, chunk_tokens: int, kv_format: str"""
 
+@final
 class Buffer:
     """Memory the daemon reads stores from and loads into: a memfd, mapped here
     and shared with the daemon once over the data socket. Implements the
     buffer protocol (writable): numpy.frombuffer / torch.frombuffer view it
     with no copy."""
 
-    def __init__(self, size: int, name: str = "pdstor", staging: bool = False) -> None:
+    def __new__(cls, size: int, name: str = "pdstor", staging: bool = False) -> Self:
         """With staging, loads into it are checked as a reader copies them
         out (Reader.scatter, get_many's into): one pass over the bytes."""
     @property
@@ -41,6 +44,7 @@ class Buffer:
     def crc32c(self, offset: int, len: int) -> int:
         """crc32c of len bytes at offset, computed in place."""
 
+@final
 class Receipt:
     """A signed receipt: READY (publish, lookup) or a claim (claim)."""
 
@@ -64,12 +68,13 @@ class Receipt:
     @property
     def session(self) -> str | None: ...
 
+@final
 class Client:
     """A connection to one `pdstor serve`: control plane and data socket."""
 
-    def __init__(
-        self, server: str = "unix:/run/pdstor/control.sock", data_socket: str = "/run/pdstor/data.sock"
-    ) -> None: ...
+    def __new__(
+        cls, server: str = "unix:/run/pdstor/control.sock", data_socket: str = "/run/pdstor/data.sock"
+    ) -> Self: ...
     def healthz(self) -> None: ...
     def metrics(self) -> str: ...
     def register(self, buffer: Buffer) -> None: ...
@@ -89,16 +94,17 @@ class Client:
         """An admin ends every read of a cache publication; how many."""
     def cancel(self, req_id: str) -> str: ...
 
+@final
 class Writer:
     """The prefill side of one publication at a time."""
 
-    def __init__(self, client: Client, writer_id: str = "python") -> None: ...
+    def __new__(cls, client: Client, writer_id: str = "python") -> Self: ...
     @property
     def publication(self) -> int | None: ...
     def prepare(
         self,
         req_id: str,
-        layout: Layout,
+        layout: _Layout,
         total_chunks: int,
         timeout_ms: int | None = None,
         unread_release_ms: int | None = None,
@@ -119,7 +125,7 @@ class Writer:
     def put(
         self,
         req_id: str,
-        layout: Layout,
+        layout: _Layout,
         chunks: Iterable[tuple[Buffer, int, int]],
         batch: int = 16,
         first_token: int | None = None,
@@ -128,13 +134,14 @@ class Writer:
     def put_many(
         self,
         items: Sequence[tuple[str, Sequence[tuple[Buffer, int, int]]]],
-        layout: Layout,
+        layout: _Layout,
         first_token: int | None = None,
         timeout_ms: int | None = None,
         cache: bool = False,
         unread_release_ms: int | None = None,
     ) -> list[Receipt | Error]: ...
 
+@final
 class Reader:
     """The decode side: claim → adopt → load (verified in place) → ack, or get.
 
@@ -142,26 +149,26 @@ class Reader:
     place in this process's buffer (checked against the manifest);
     verify="local" checksums every chunk in this process as well."""
 
-    def __init__(
-        self, client: Client, reader_id: str = "python", session: str | None = None, verify: str = "daemon"
-    ) -> None: ...
+    def __new__(
+        cls, client: Client, reader_id: str = "python", session: str | None = None, verify: str = "daemon"
+    ) -> Self: ...
     @property
     def session(self) -> str: ...
-    def claim(self, ready: Receipt, lease_ms: int = 60000, layout: Layout | None = None) -> Receipt: ...
+    def claim(self, ready: Receipt, lease_ms: int = 60000, layout: _Layout | None = None) -> Receipt: ...
     def claim_many(
-        self, readies: Sequence[Receipt], lease_ms: int = 60000, layout: Layout | None = None
+        self, readies: Sequence[Receipt], lease_ms: int = 60000, layout: _Layout | None = None
     ) -> list[Receipt | Error]: ...
-    def adopt(self, claim: Receipt, layout: Layout) -> dict[str, Any]: ...
+    def adopt(self, claim: Receipt, layout: _Layout) -> dict[str, Any]: ...
     def load(self, claim: Receipt, chunks: Iterable[tuple[int, Buffer, int]]) -> None: ...
     def scatter(self, claim: Receipt, index: int, pieces: Iterable[tuple[int, _BufferLike]]) -> None:
         """Copies chunk index, loaded into a staging buffer, out: each
         (at, dest) takes len(dest) bytes from at within the chunk; the whole
         chunk is checked against the manifest in the same pass."""
     def ack(self, claim: Receipt) -> None: ...
-    def read(self, ready: Receipt, layout: Layout | None = None) -> Receipt: ...
+    def read(self, ready: Receipt, layout: _Layout | None = None) -> Receipt: ...
     def end_read(self, read: Receipt) -> None: ...
     def abandon_read(self, read: Receipt, reason: str) -> None: ...
-    def read_many(self, readies: Sequence[Receipt | str], layout: Layout | None = None) -> list[Receipt | Error]:
+    def read_many(self, readies: Sequence[Receipt | str], layout: _Layout | None = None) -> list[Receipt | Error]:
         """Each READY cache publication read — by its receipt, or by its name
         (found READY by the daemon in the same step) — the read held, in one
         round trip."""
@@ -177,13 +184,13 @@ class Reader:
         """The manifest of a claim this reader adopted, or of a read it holds."""
     def fail(self, claim: Receipt, reason: str) -> None: ...
     def get(
-        self, ready: Receipt, layout: Layout, buffer: Buffer, offset: int = 0, lease_ms: int = 60000
+        self, ready: Receipt, layout: _Layout, buffer: Buffer, offset: int = 0, lease_ms: int = 60000
     ) -> dict[str, Any]: ...
     @overload
     def get_many(
         self,
         items: Sequence[tuple[Receipt, Buffer, int]],
-        layout: Layout,
+        layout: _Layout,
         lease_ms: int = 60000,
         *,
         into: Callable[[dict[str, Any]], _BufferLike] | None = None,
@@ -195,7 +202,7 @@ class Reader:
     def get_many(
         self,
         items: Sequence[Receipt],
-        layout: Layout,
+        layout: _Layout,
         lease_ms: int = 60000,
         *,
         place: Callable[[dict[str, Any]], tuple[Buffer, int]],
@@ -206,7 +213,7 @@ class Reader:
     def get_many(
         self,
         items: Sequence[Receipt],
-        layout: Layout,
+        layout: _Layout,
         lease_ms: int = 60000,
         *,
         place_many: Callable[[list[dict[str, Any] | None]], Sequence[tuple[Buffer, int] | BaseException | None]],
@@ -215,11 +222,12 @@ class Reader:
         """With place_many: every item placed in one call (a batched
         allocation), given each item's manifest (None where not adopted)."""
 
+@final
 class Timeline:
     """This process's lines of the causal timeline (`pdstor timeline check`
     reads them beside the daemon's): appended to `path` as `node`."""
 
-    def __init__(self, path: str | os.PathLike[str], node: str) -> None: ...
+    def __new__(cls, path: str | os.PathLike[str], node: str) -> Self: ...
     @property
     def node(self) -> str: ...
     def emit(

@@ -76,8 +76,8 @@ Further ``extra_config`` keys: ``pdstor.reader_id`` / ``pdstor.writer_id``
 (default: ``lmcache-<worker id>``), ``pdstor.io_threads`` (groups of puts and
 gets in parallel, default 8), ``pdstor.batch_keys`` (keys per group, default
 128: a batch of up to that many keys takes a constant number of round trips;
-a bigger one is split into groups that overlap), ``pdstor.staging_mib`` (the staging buffer the daemon shares: enough for
-every thread's group within this many MiB, at least one chunk per thread;
+a bigger one is split into groups that overlap), ``pdstor.staging_mib`` (the staging buffer the
+daemon shares: enough for every thread's group within this many MiB, at least one chunk per thread;
 default 256), ``pdstor.lease_ms`` (default 60000),
 ``pdstor.admission_timeout_ms`` (how long a put waits for free slots,
 default 5000; a put that cannot be admitted is dropped and logged, as LMCache
@@ -103,8 +103,9 @@ import asyncio
 import logging
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -173,7 +174,7 @@ class _SharedPool:
         self.size = size
 
     @staticmethod
-    def of(local_cpu_backend) -> Optional["_SharedPool"]:
+    def of(local_cpu_backend) -> _SharedPool | None:
         allocator = getattr(local_cpu_backend, "memory_allocator", None)
         name = getattr(allocator, "shm_name", None)
         pool = getattr(allocator, "buffer", None)
@@ -186,7 +187,7 @@ class _SharedPool:
             logger.warning("pdstor: LMCache's pool %s cannot be shared with the daemon (%s): staging instead", path, e)
             return None
 
-    def offset_of(self, obj) -> Optional[int]:
+    def offset_of(self, obj) -> int | None:
         """Where `obj`'s bytes start in the pool, or None if they are not in it."""
         # `data_ptr`, not `obj.tensor`: the tensor property builds a fresh
         # view of the object each time (a third of a get's Python time).
@@ -207,7 +208,7 @@ class PdstorBackend(StoragePluginInterface):
         config=None,
         metadata=None,
         local_cpu_backend=None,
-        loop: Optional[asyncio.AbstractEventLoop] = None,
+        loop: asyncio.AbstractEventLoop | None = None,
         dst_device: str = "cpu",
     ):
         super().__init__(
@@ -360,10 +361,10 @@ class PdstorBackend(StoragePluginInterface):
     def batched_submit_put_task(
         self,
         keys: Sequence[Any],
-        objs: List[Any],
+        objs: list[Any],
         transfer_spec: Any = None,
-        on_complete_callback: Optional[Callable[[Any], None]] = None,
-    ) -> Optional[List[Future]]:
+        on_complete_callback: Callable[[Any], None] | None = None,
+    ) -> list[Future] | None:
         del transfer_spec
         accepted: list[tuple[Any, str, Any]] = []
         for key, obj in zip(keys, objs, strict=True):
@@ -375,7 +376,8 @@ class PdstorBackend(StoragePluginInterface):
             obj.ref_count_up()
             accepted.append((key, name, obj))
         futures = [
-            self._threads.submit(self._put_group, group, on_complete_callback) for group in _groups(accepted, self._group)
+            self._threads.submit(self._put_group, group, on_complete_callback)
+            for group in _groups(accepted, self._group)
         ]
         return futures or None
 
@@ -386,11 +388,12 @@ class PdstorBackend(StoragePluginInterface):
             self.failures["put_dropped"] += 1
         logger.warning("pdstor: put %s dropped, not stored: %s", name, why)
 
-    def _put_group(self, group: list[tuple[Any, str, Any]], on_complete: Optional[Callable[[Any], None]]) -> None:
+    def _put_group(self, group: list[tuple[Any, str, Any]], on_complete: Callable[[Any], None] | None) -> None:
         """A group of puts in three round trips (``Writer.put_many``): the
         daemon reads each object in place in LMCache's shared pool, or from
         a staging copy of it."""
-        places = [self._pool.offset_of(obj) if self._pool is not None else None for _, _, obj in group]
+        pool = self._pool
+        places = [pool.offset_of(obj) if pool is not None else None for _, _, obj in group]
         # Every staging region the group needs, taken at once (at most all).
         offsets = self._staging.acquire(min(self._staging.regions, sum(at is None for at in places)))
         free = iter(offsets)
@@ -410,8 +413,8 @@ class PdstorBackend(StoragePluginInterface):
                         raise pdstor.UsageError(
                             f"put {name}: {size} bytes is more than a full chunk ({self._staging.region_bytes})"
                         )
-                    if at is not None:
-                        items.append((name, self._chunks(self._pool.buffer, at, size)))
+                    if pool is not None and at is not None:
+                        items.append((name, self._chunks(pool.buffer, at, size)))
                         in_place.append(obj)
                         obj = None
                     else:
@@ -460,7 +463,7 @@ class PdstorBackend(StoragePluginInterface):
 
     # --- contains -----------------------------------------------------------------
 
-    def _receipts(self, names: list[str], stop_at_miss: bool) -> list[Optional[pdstor.Receipt]]:
+    def _receipts(self, names: list[str], stop_at_miss: bool) -> list[pdstor.Receipt | None]:
         """The READY receipt of each name: this process's own, else the daemon's."""
         with self._lock:
             known = [self._ready.get(n) for n in names]
@@ -488,11 +491,11 @@ class PdstorBackend(StoragePluginInterface):
         del pin
         return self._receipts([key.to_string()], False)[0] is not None
 
-    def batched_contains(self, keys: List[Any], pin: bool = False) -> int:
+    def batched_contains(self, keys: list[Any], pin: bool = False) -> int:
         del pin
         return len(self._receipts([k.to_string() for k in keys], True))
 
-    async def batched_async_contains(self, lookup_id: str, keys: List[Any], pin: bool = False) -> int:
+    async def batched_async_contains(self, lookup_id: str, keys: list[Any], pin: bool = False) -> int:
         del lookup_id
         return await asyncio.to_thread(self.batched_contains, keys, pin)
 
@@ -535,27 +538,28 @@ class PdstorBackend(StoragePluginInterface):
         place, one batched allocation per object size: per key
         its memory object, None for a miss, or the exception it failed with."""
         try:
-            return self._get_in_place(group) if self._pool is not None else self._get_staged(group)
+            pool = self._pool
+            return self._get_in_place(pool, group) if pool is not None else self._get_staged(group)
         finally:
             with self._lock:
                 for name, _ in group:
                     self._ready.pop(name, None)
 
-    def _get_in_place(self, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
+    def _get_in_place(self, pool: _SharedPool, group: list[tuple[str, pdstor.Receipt]]) -> list[Any]:
         """Each publication loaded straight into a memory object allocated
         in LMCache's shared pool once its adopted manifest gives its size:
         the objects of one size allocated in one batch."""
         names = {receipt.publication: name for name, receipt in group}
         objs: dict[int, Any] = {}
 
-        def place_many(manifests: list[Optional[dict]]) -> list[Any]:
+        def place_many(manifests: list[dict | None]) -> list[Any]:
             places: list[Any] = [None] * len(manifests)
-            by_tokens: dict[int, list[int]] = {}
+            by_tokens: dict[int, list[tuple[int, dict]]] = {}
             for i, m in enumerate(manifests):
                 if m is None:
                     continue
                 try:
-                    by_tokens.setdefault(self._tokens(names[m["publication"]], m), []).append(i)
+                    by_tokens.setdefault(self._tokens(names[m["publication"]], m), []).append((i, m))
                 except pdstor.LoadFailed as e:
                     places[i] = e
             for tokens, items in by_tokens.items():
@@ -568,22 +572,23 @@ class PdstorBackend(StoragePluginInterface):
                 )
                 if batch is None:
                     batch = []
-                    for i in items:
+                    for _, m in items:
                         obj = self.local_cpu_backend.allocate(shape, self._dtype, self._fmt)
                         if obj is not None:  # held at once: given back however this call ends
-                            objs[manifests[i]["publication"]] = obj
+                            objs[m["publication"]] = obj
                         batch.append(obj)
                 else:
-                    for i, obj in zip(items, batch):
-                        objs[manifests[i]["publication"]] = obj
-                for i, obj in zip(items, batch):
-                    name = names[manifests[i]["publication"]]
+                    for (_, m), obj in zip(items, batch):
+                        objs[m["publication"]] = obj
+                for (i, m), obj in zip(items, batch):
+                    name = names[m["publication"]]
                     if obj is None:
                         places[i] = pdstor.LoadFailed(f"get {name}: LMCache's CPU allocator has no room for it")
                         continue
-                    at = self._pool.offset_of(obj)
+                    at = pool.offset_of(obj)
                     places[i] = (
-                        (self._pool.buffer, at) if at is not None
+                        (pool.buffer, at)
+                        if at is not None
                         else pdstor.LoadFailed(f"get {name}: LMCache allocated outside its shared pool")
                     )
             return places
@@ -647,7 +652,7 @@ class PdstorBackend(StoragePluginInterface):
             obj.ref_count_down()
         return out
 
-    def batched_get_blocking(self, keys: List[Any]) -> List[Optional[Any]]:
+    def batched_get_blocking(self, keys: list[Any]) -> list[Any | None]:
         names = [k.to_string() for k in keys]
         receipts = self._receipts(names, True)
         futures = [self._threads.submit(self._get_group, g) for g in _groups(list(zip(names, receipts)), self._group)]
@@ -675,7 +680,7 @@ class PdstorBackend(StoragePluginInterface):
             raise failure
         return [*objs, *([None] * (len(keys) - len(objs)))]
 
-    def get_blocking(self, key) -> Optional[Any]:
+    def get_blocking(self, key) -> Any | None:
         return self.batched_get_blocking([key])[0]
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[Any], transfer_spec: Any = None) -> list[Any]:

@@ -55,8 +55,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any
 
 from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.api import KeyEntry, KeyListPage
@@ -101,7 +102,7 @@ class _SharedL1:
         self.size = size
 
     @staticmethod
-    def of(desc: Any) -> Optional["_SharedL1"]:
+    def of(desc: Any) -> _SharedL1 | None:
         ptr = getattr(desc, "ptr", None)
         if not ptr:
             return None
@@ -120,11 +121,13 @@ class _SharedL1:
                     base = lo - first
                     return _SharedL1(path, base, first, min(os.stat(path).st_size, hi - base))
                 except (OSError, ValueError, pdstor.Error) as e:
-                    logger.warning("pdstor L2 adapter: L1 in %s cannot be shared with the daemon (%s): staging", path, e)
+                    logger.warning(
+                        "pdstor L2 adapter: L1 in %s cannot be shared with the daemon (%s): staging", path, e
+                    )
                     return None
         return None
 
-    def offset_of(self, obj: Any) -> Optional[int]:
+    def offset_of(self, obj: Any) -> int | None:
         """Where `obj`'s bytes start in the file, or None if not in it."""
         at = obj.data_ptr - self.base
         return at if self.first <= at and at + len(obj.byte_array) <= self.size else None
@@ -146,7 +149,9 @@ class L2Adapter(L2AdapterInterface):
             control.healthz()
             ns = control.namespace()
         except pdstor.Error as e:
-            logger.error("pdstor L2 adapter: no daemon answers on server = %s (%s): start `pdstor serve`", self._server, e)
+            logger.error(
+                "pdstor L2 adapter: no daemon answers on server = %s (%s): start `pdstor serve`", self._server, e
+            )
             raise
         self._slot = int(ns["slot_size"])
         capacity = int(params.get("max_capacity_bytes", int(ns["slot_size"]) * int(ns["slot_count"])))
@@ -243,11 +248,12 @@ class L2Adapter(L2AdapterInterface):
             stored_keys, sizes = [], []
             items, names = [], []
             at = 0
+            shared = self.shared
             for i in group:
                 n = len(objects[i].byte_array)
-                place = self.shared.offset_of(objects[i]) if self.shared is not None else None
-                if place is not None:
-                    buf = self.shared.buffer
+                place = shared.offset_of(objects[i]) if shared is not None else None
+                if shared is not None and place is not None:
+                    buf = shared.buffer
                     self.moved["in_place"] += 1
                 else:
                     buf, place = self._store_buf, at
@@ -301,15 +307,15 @@ class L2Adapter(L2AdapterInterface):
         del group_layout_descs
         return self._submit("lookup", self._looked_up, lambda: self._lock_keys(keys), lambda: Bitmap(len(keys)))
 
-    def query_lookup_and_lock_result(self, task_id: int) -> Optional[Bitmap]:
+    def query_lookup_and_lock_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
             return self._looked_up.pop(task_id, None)
 
-    def _read(self, names: list[str]) -> list[Optional[pdstor.Receipt]]:
+    def _read(self, names: list[str]) -> list[pdstor.Receipt | None]:
         """A held read of each name's cache publication, or None: one
         ``read`` batch by name (the daemon finds each READY as ``lookup``
         would, in the same step)."""
-        out: list[Optional[pdstor.Receipt]] = [None] * len(names)
+        out: list[pdstor.Receipt | None] = [None] * len(names)
         if not names:
             return out
         with self._reader_lock:
@@ -334,7 +340,7 @@ class L2Adapter(L2AdapterInterface):
             self._notify_keys_accessed([k for k, r in zip(keys, reads) if r is not None])
         return bits
 
-    def _take_held(self, names: list[str]) -> list[Optional[pdstor.Receipt]]:
+    def _take_held(self, names: list[str]) -> list[pdstor.Receipt | None]:
         """One held read of each name (the oldest), or None; a load takes
         them, and what it takes the key's next unlock does not end again."""
         with self._lock:
@@ -368,9 +374,10 @@ class L2Adapter(L2AdapterInterface):
         stays held in the daemon until it restarts, and is counted."""
         if not reads:
             return
+        answers: list[BaseException | None]
         try:
             with self._reader_lock:
-                answers = self._reader.abandon_reads(reads, why)
+                answers = list(self._reader.abandon_reads(reads, why))
         except Exception as e:  # never raise into LMCache's unlock
             answers = [e] * len(reads)
         for a in answers:
@@ -384,7 +391,7 @@ class L2Adapter(L2AdapterInterface):
     def submit_load_task(self, keys: list, objects: list) -> int:
         return self._submit("load", self._loaded, lambda: self._load(keys, objects), lambda: Bitmap(len(keys)))
 
-    def query_load_result(self, task_id: int) -> Optional[Bitmap]:
+    def query_load_result(self, task_id: int) -> Bitmap | None:
         with self._lock:
             return self._loaded.pop(task_id, None)
 
@@ -421,13 +428,14 @@ class L2Adapter(L2AdapterInterface):
         in_place: list[tuple[pdstor.Receipt, pdstor.Buffer, int]] = []
         in_place_of: list[int] = []
         staged: list[int] = []
+        shared = self.shared
         for i in todo:
-            at = self.shared.offset_of(objects[i]) if self.shared is not None else None
-            if at is not None:
+            at = shared.offset_of(objects[i]) if shared is not None else None
+            if shared is not None and at is not None:
                 with self._reader_lock:
                     manifest = self._reader.manifest(reads[i])
                 if sum(c["len"] for c in manifest["chunks"]) == len(objects[i].byte_array):
-                    in_place.append((reads[i], self.shared.buffer, at))
+                    in_place.append((reads[i], shared.buffer, at))
                     in_place_of.append(i)
                     continue
             staged.append(i)
@@ -449,7 +457,7 @@ class L2Adapter(L2AdapterInterface):
         self.moved["staged"] += len(staged)
         return bits
 
-    def _finish(self, batch: list, order: list[int], into: Optional[Callable], names: list[str], bits: Bitmap) -> None:
+    def _finish(self, batch: list, order: list[int], into: Callable | None, names: list[str], bits: Bitmap) -> None:
         """Loads and ends the held reads of `batch`; sets the bit of each restored."""
         if not batch:
             return
@@ -496,7 +504,9 @@ class L2Adapter(L2AdapterInterface):
             if deleted:
                 self._notify_keys_deleted(deleted, sizes)
 
-    def list_l2_keys(self, model_name: Optional[str] = None, page_size: int = 500, cursor: Optional[str] = None) -> KeyListPage:
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
         entries = []
         for p in sorted(self._wclient.publications(state="READY"), key=lambda p: p["req_id"]):
             if not p.get("cache") or (cursor is not None and p["req_id"] <= cursor):

@@ -206,11 +206,15 @@ class Proxy:
         started = time.monotonic()
         status, data = post(up, path, prefill_body(body), self.timeout_s, "prefill")
         if status != 200:
-            raise Refused(status, f"the prefill at {up.url} answered {status}: {data[:2000].decode(errors='replace')}", "prefill")
+            raise Refused(
+                status, f"the prefill at {up.url} answered {status}: {data[:2000].decode(errors='replace')}", "prefill"
+            )
         try:
             kv = json.loads(data).get("kv_transfer_params")
         except (ValueError, AttributeError) as e:
-            raise Refused(502, f"the prefill at {up.url} answered something that is not a JSON object: {e}", "prefill") from e
+            raise Refused(
+                502, f"the prefill at {up.url} answered something that is not a JSON object: {e}", "prefill"
+            ) from e
         if not isinstance(kv, dict):
             raise Refused(
                 502,
@@ -255,7 +259,9 @@ class Handler(BaseHTTPRequestHandler):
             with proxy.lock:
                 self.reply_json(200, dict(proxy.counts))
         else:
-            self.reply_json(404, {"error": {"message": f"{self.path}: this proxy serves {list(ROUTES)}, /v1/models, /health"}})
+            self.reply_json(
+                404, {"error": {"message": f"{self.path}: this proxy serves {list(ROUTES)}, /v1/models, /health"}}
+            )
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         proxy = self.server.proxy
@@ -287,7 +293,12 @@ class Handler(BaseHTTPRequestHandler):
             proxy.count("decode_failed")
         log.info(
             "pdstor.proxy: %s %s publication %s: prefill %.3f s, decode %s in %.3f s",
-            self.path, up.url, name, prefill_s, status, time.monotonic() - started - prefill_s,
+            self.path,
+            up.url,
+            name,
+            prefill_s,
+            status,
+            time.monotonic() - started - prefill_s,
         )
 
     def relay_post(self, up: Upstream, body: dict[str, Any], publication: str | None) -> int:
@@ -397,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"pdstor.proxy: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    log.info("pdstor.proxy: on http://%s:%d, prefill %s, decode %s", args.host, server.server_port, args.prefill, args.decode)
+    log.info(
+        "pdstor.proxy: on http://%s:%d, prefill %s, decode %s", args.host, server.server_port, args.prefill, args.decode
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

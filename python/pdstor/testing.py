@@ -24,7 +24,9 @@ def pdstor_binary() -> str:
     return found
 
 
-def format_target(binary: str, target: str | Path, *, slot: str | int, size: str | None = None, journal: str = "1M") -> None:
+def format_target(
+    binary: str, target: str | Path, *, slot: str | int, size: str | None = None, journal: str = "1M"
+) -> None:
     """`pdstor format`: a file (created `size` large) or a device, `slot` bytes per chunk."""
     cmd = [binary, "format", "--target", str(target), "--chunk-slot", str(slot), "--journal", journal, "--force"]
     if size is not None:
@@ -51,8 +53,17 @@ class Daemon:
         """Starts the daemon and waits until it answers `healthz` and its data socket exists."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "serve", "--target", str(self.target), "--listen", self.server,
-                 "--data-socket", self.data_socket, *self.extra],
+                [
+                    self.binary,
+                    "serve",
+                    "--target",
+                    str(self.target),
+                    "--listen",
+                    self.server,
+                    "--data-socket",
+                    self.data_socket,
+                    *self.extra,
+                ],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )

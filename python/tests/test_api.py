@@ -446,6 +446,10 @@ def test_every_refusal_code_has_its_class():
         cls = pdstor.errors.error_for(code, status, "", "m")
         assert type(cls) is not pdstor.Error, code
         assert cls.code == code
+    # `__all__` is written out for type checkers: it names every class, each once.
+    classes = {n for n, v in vars(pdstor.errors).items() if isinstance(v, type) and issubclass(v, pdstor.Error)}
+    assert sorted(pdstor.errors.__all__) == sorted(classes)
+    assert all(hasattr(pdstor, n) for n in classes)
 
 
 @pytest.mark.parametrize("verify", ["daemon", "local"])

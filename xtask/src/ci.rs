@@ -41,7 +41,7 @@ const STEPS: &[Step] = &[
     Step { title: "the book (mdbook build docs/, every internal link checked)", run: |sh, _| docs::build(sh) },
     Step { title: "cargo test --workspace (then the list of tests it skipped, and why)", run: tests },
     Step {
-        title: "cargo xtask python (the wheel in a venv with vLLM 0.33 and LMCache 0.5.6 from PyPI; its tests)",
+        title: "cargo xtask python (the wheel in a venv with vLLM 0.33 and LMCache 0.5.6 from PyPI; ruff, mypy and stubtest; its tests)",
         run: python,
     },
     Step {
@@ -153,7 +153,8 @@ fn tests(sh: &Shell, run: &mut Run) -> Result<()> {
 fn python(sh: &Shell, run: &mut Run) -> Result<()> {
     let venv = python::venv(sh)?;
     python::clippy(sh, &venv)?;
-    python::install(sh, &venv)?;
+    let wheel = python::install(sh, &venv)?;
+    python::lint(sh, &wheel)?;
     python::test(sh, &venv, &[])?;
     run.venv = Some(venv);
     Ok(())

@@ -68,17 +68,28 @@ pub(crate) fn interpreter(sh: &Shell) -> Result<(String, String)> {
     Ok((python, version.trim().to_owned()))
 }
 
+/// The lint tools, pinned so that a new release never fails a run by itself:
+/// ruff (lint and format) and mypy (and its stubtest).
+pub const LINT_REQUIREMENTS: &str = "ruff==0.17.6\nmypy==2.4.1\n";
+
 /// The cached environment (made if missing or incomplete); returns its directory.
 pub fn venv(sh: &Shell) -> Result<PathBuf> {
-    let (python, version) = interpreter(sh)?;
+    let (_, version) = interpreter(sh)?;
     check_interpreter(&version)?;
+    cached_venv(sh, "python", REQUIREMENTS)
+}
+
+/// A venv with `requirements`, made once per requirement set and interpreter
+/// under `~/.cache/pdstor/<kind>/<key>/venv`.
+fn cached_venv(sh: &Shell, kind: &str, requirements: &str) -> Result<PathBuf> {
+    let (python, version) = interpreter(sh)?;
     // FNV-1a over what decides the environment: the interpreter and the requirements.
-    let key = format!("{version}\n{REQUIREMENTS}")
+    let key = format!("{version}\n{requirements}")
         .bytes()
         .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
     let key = format!("{key:016x}");
     let home = std::env::var_os("HOME").context("HOME is not set: cannot find ~/.cache/pdstor")?;
-    let root = PathBuf::from(home).join(".cache/pdstor/python").join(&key);
+    let root = PathBuf::from(home).join(".cache/pdstor").join(kind).join(&key);
     let venv = root.join("venv");
     if venv.join(COMPLETE).exists() {
         println!("python: environment {} ({version}, cached)", venv.display());
@@ -87,16 +98,16 @@ pub fn venv(sh: &Shell) -> Result<PathBuf> {
     let started = Instant::now();
     let _ = std::fs::remove_dir_all(&venv);
     std::fs::create_dir_all(&root).with_context(|| format!("creating {}", root.display()))?;
-    println!("python: making {} ({version}): pip install {}", venv.display(), REQUIREMENTS.replace('\n', " "));
+    println!("python: making {} ({version}): pip install {}", venv.display(), requirements.replace('\n', " "));
     cmd!(sh, "{python} -m venv {venv}")
         .run()
         .with_context(|| format!("{python} -m venv: install python3-venv (cargo xtask deps)"))?;
-    let requirements = root.join("requirements.txt");
-    std::fs::write(&requirements, REQUIREMENTS).context("writing requirements.txt")?;
+    let listed = root.join("requirements.txt");
+    std::fs::write(&listed, requirements).context("writing requirements.txt")?;
     let pip = venv.join("bin/pip");
-    pip_env(cmd!(sh, "{pip} install --quiet -r {requirements}"))
+    pip_env(cmd!(sh, "{pip} install --quiet -r {listed}"))
         .run()
-        .context("pip install of LMCache and the test tools (PyPI must be reachable)")?;
+        .with_context(|| format!("pip install of {} (PyPI must be reachable)", requirements.replace('\n', " ")))?;
     let frozen = cmd!(sh, "{pip} freeze").quiet().read().context("pip freeze")?;
     std::fs::write(root.join("freeze.txt"), frozen).context("writing freeze.txt")?;
     std::fs::write(venv.join(COMPLETE), "").context("marking the environment complete")?;
@@ -146,14 +157,50 @@ fn wheels_in(dir: &Path) -> Result<Vec<PathBuf>> {
 }
 
 /// Builds the wheel and `pip install`s it into `venv`, exactly as a user
-/// installs it.
-pub fn install(sh: &Shell, venv: &Path) -> Result<()> {
+/// installs it; answers the wheel.
+pub fn install(sh: &Shell, venv: &Path) -> Result<PathBuf> {
     let wheel = wheel(sh, venv)?;
     let pip = venv.join("bin/pip");
     pip_env(cmd!(sh, "{pip} install --quiet --force-reinstall --no-deps {wheel}"))
         .run()
         .with_context(|| format!("pip install {} failed (its output is above)", wheel.display()))?;
     println!("python: pip install {}", wheel.display());
+    Ok(wheel)
+}
+
+/// The package held to its ecosystem's checks, in a small venv of the lint
+/// tools (cached like the main one) with `wheel` installed: `ruff check` and
+/// `ruff format --check` over `python/pdstor`, `mypy` over it (the settings
+/// are `python/pyproject.toml`'s), and `mypy.stubtest` of the built module
+/// against the hand-written `_native.pyi` (its exceptions, each with its
+/// reason, in `python/stubtest-allowlist.txt`).
+pub fn lint(sh: &Shell, wheel: &Path) -> Result<()> {
+    let tools = cached_venv(sh, "pylint", LINT_REQUIREMENTS)?;
+    let pip = tools.join("bin/pip");
+    pip_env(cmd!(sh, "{pip} install --quiet --force-reinstall --no-deps {wheel}"))
+        .run()
+        .with_context(|| format!("pip install {} into the lint venv failed", wheel.display()))?;
+    let (ruff, mypy, python) = (tools.join("bin/ruff"), tools.join("bin/mypy"), tools.join("bin/python"));
+    let package = project_root().join("python");
+    let allowlist = package.join("stubtest-allowlist.txt");
+    sh.change_dir(&package);
+    let checked = (|| -> Result<()> {
+        cmd!(sh, "{ruff} check")
+            .run()
+            .context("ruff found problems in python/pdstor (`ruff check --fix` fixes some)")?;
+        cmd!(sh, "{ruff} format --check")
+            .run()
+            .context("python/pdstor is not formatted: run `ruff format` in python/")?;
+        cmd!(sh, "{mypy}").run().context("mypy found type errors in python/pdstor (see above)")?;
+        Ok(())
+    })();
+    // From the workspace root, where no source tree shadows the installed module.
+    sh.change_dir(project_root());
+    checked?;
+    cmd!(sh, "{python} -m mypy.stubtest pdstor._native --allowlist {allowlist}")
+        .run()
+        .context("python/pdstor/_native.pyi does not match the built module (stubtest, above): fix the stub")?;
+    println!("python: ruff, mypy and stubtest found nothing");
     Ok(())
 }
 
@@ -176,11 +223,12 @@ pub fn run(sh: &Shell, args: &PythonArgs) -> Result<()> {
         println!("{}", wheel(sh, &venv)?.display());
         return Ok(());
     }
-    install(sh, &venv)?;
+    let wheel = install(sh, &venv)?;
     if args.env_only {
         println!("{}", venv.display());
         return Ok(());
     }
+    lint(sh, &wheel)?;
     test(sh, &venv, &args.pytest)
 }
 

@@ -180,12 +180,13 @@ fn chunk_checksum(publication: u64, c: &ChunkSource, read: Option<u32>) -> Resul
 }
 
 impl Store {
-    /// Step 2: one store batch. Batches may run concurrently and complete out
-    /// of order. A violation or any failure rolls back the whole request.
+    /// Step 2: one store batch, as a batch of one of
+    /// [`store_batches`](Self::store_batches) (the one path). Batches may run
+    /// concurrently and complete out of order. A violation or any failure
+    /// rolls back the whole request.
     pub fn store_batch(&self, batch: &StoreBatch) -> Result<BatchOutcome, StoreError> {
-        let requests = self.validate_batch(batch)?;
-        let io = if requests.is_empty() { Ok(Vec::new()) } else { self.io.payload(requests) };
-        self.settle_batch(batch, io)
+        let one = self.store_batches(std::slice::from_ref(batch)).pop();
+        one.unwrap_or(Err(StoreError::Invariant(super::Invariant::MissingResult(batch.publication))))
     }
 
     /// Checks `batch` against its publication; claims its chunk indexes and
@@ -353,11 +354,11 @@ impl Store {
     /// each against its recorded checksum. A mismatch is an error, never data.
     /// Returns each chunk's crc32c as read, or `None` where the buffer is
     /// memory this process cannot map (the reader must verify those itself).
+    ///
+    /// A load of one, through [`load_many`](Self::load_many) (the one path).
     pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<Option<u32>>, StoreError> {
-        let (manifest, _loading, requests) = self.begin_load(id, dests)?;
-        // The I/O thread computes each read chunk's crc32c from the bytes it landed.
-        let results = self.io.payload(requests)?;
-        finish_load(id, &manifest, dests, results)
+        let one = self.load_many(&[(id, dests.to_vec())]).pop();
+        one.unwrap_or(Err(StoreError::Invariant(super::Invariant::MissingResult(id))))
     }
 
     /// The first half of a load: the publication's manifest, the count of

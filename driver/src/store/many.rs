@@ -1,10 +1,11 @@
-//! The payload of many publications in one submission: the store batches
-//! of many PREPARED publications ([`Store::store_batches`]) and the loads of
-//! many READY ones ([`Store::load_many`]). Each is validated and settled
-//! exactly as it is alone (`batch`); only their I/O is one job for the I/O
-//! thread, so the device sees them together. Should that job fail as a
-//! whole (one request refused before anything ran), each runs again alone,
-//! so one bad request fails only its own publication.
+//! The payload of publications, one or many in one submission: the store
+//! batches of PREPARED publications ([`Store::store_batches`]) and the loads
+//! of READY ones ([`Store::load_many`]); a single store batch or load is a
+//! batch of one of these. Each is validated and settled on its own
+//! (`batch`); their I/O is one job for the I/O thread, so the device sees
+//! them together. Should that job fail as a whole (one request refused
+//! before anything ran), each of several runs again alone, so one bad
+//! request fails only its own publication.
 
 use super::Store;
 use super::batch::{BatchOutcome, ChunkDest, StoreBatch, finish_load};
@@ -20,10 +21,12 @@ fn together(store: &Store, items: &[&[IoRequest]]) -> Vec<Result<PayloadResults,
         return items.iter().map(|_| Ok(Vec::new())).collect();
     }
     match store.io.payload(all) {
+        // The I/O thread computes each read chunk's crc32c from the bytes it landed.
         Ok(results) => {
             let mut results = results.into_iter();
             items.iter().map(|r| Ok(results.by_ref().take(r.len()).collect())).collect()
         }
+        Err(e) if items.len() == 1 => vec![Err(e)],
         Err(_) => items.iter().map(|r| store.io.payload(r.to_vec())).collect(),
     }
 }

@@ -56,9 +56,7 @@ class Config:
         known = (set(Config.__dataclass_fields__) - {"recompute"}) | {"model_identity"}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ValueError(
-                f"pdstor.vllm: unknown kv_connector_extra_config keys {unknown}; it takes {sorted(known)}"
-            )
+            raise ValueError(f"pdstor.vllm: unknown kv_connector_extra_config keys {unknown}; it takes {sorted(known)}")
         fields = {k: v for k, v in extra.items() if k in Config.__dataclass_fields__ and k != "recompute"}
         return Config(**fields)
 
@@ -107,7 +105,11 @@ class PdstorConnector(KVConnectorBase_V1):
         self._vllm_config = vllm_config
         log.info(
             "pdstor.vllm: %s role (rank %d of %d) on %s, layout %s",
-            role.name, self.rank, self.kv.tp_size, self.cfg.server, self.layout,
+            role.name,
+            self.rank,
+            self.kv.tp_size,
+            self.cfg.server,
+            self.layout,
         )
 
     def _check_fit(self) -> None:
@@ -128,7 +130,10 @@ class PdstorConnector(KVConnectorBase_V1):
             log.warning(
                 "pdstor.vllm: %s; the namespace's slots are %d bytes: %.0f%% of each slot stays unused "
                 "(`pdstor format --chunk-slot %dK` fits this model)",
-                what, slot, 100 * (slot - need) / slot, need // 1024,
+                what,
+                slot,
+                100 * (slot - need) / slot,
+                need // 1024,
             )
 
     @property

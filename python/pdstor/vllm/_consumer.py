@@ -212,7 +212,11 @@ class Consumer:
             self.counters.first_token_mismatches += 1
             log.error(
                 "pdstor.vllm: request %s (%s): the decode's first token %d differs from the producer's %d: "
-                "the two engines do not compute alike (model, dtype, sampling) or the restored KV is not the producer's",
-                rid, name, outputs[0], token,
+                "the two engines do not compute alike (model, dtype, sampling) "
+                "or the restored KV is not the producer's",
+                rid,
+                name,
+                outputs[0],
+                token,
             )
         self.ctx.note("continuation", req_id=name, tokens=outputs)

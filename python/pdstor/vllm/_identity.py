@@ -121,8 +121,7 @@ def engine_kv(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]) -> 
             "each stage holds other layers, and a stage's shape is not the scheduler's to know"
         )
     context = {
-        k: int(getattr(pc, k, 1) or 1)
-        for k in ("decode_context_parallel_size", "prefill_context_parallel_size")
+        k: int(getattr(pc, k, 1) or 1) for k in ("decode_context_parallel_size", "prefill_context_parallel_size")
     }
     if any(v != 1 for v in context.values()):
         raise UnsupportedEngine(

@@ -22,7 +22,14 @@ from typing import Any
 CUDA_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
 
 # The model the views are computed for, and that the bundle's rung uses.
-REFERENCE = {"layers": 4, "blocks": 64, "kv_heads": 8, "block_tokens": 16, "head_size": 128, "dtype": "bfloat16"}
+REFERENCE: dict[str, Any] = {
+    "layers": 4,
+    "blocks": 64,
+    "kv_heads": 8,
+    "block_tokens": 16,
+    "head_size": 128,
+    "dtype": "bfloat16",
+}
 
 
 def bundled() -> dict[str, Any]:
@@ -75,7 +82,9 @@ def read_from_vllm() -> dict[str, Any]:
         made = create_kv_cache_views(raw, spec, ref["blocks"], layout, tensor)
         views[layout.name] = {
             "raw_bytes": size,
-            "layers": [{"shape": list(v.shape), "stride": list(v.stride()), "offset": v.storage_offset()} for v in made],
+            "layers": [
+                {"shape": list(v.shape), "stride": list(v.stride()), "offset": v.storage_offset()} for v in made
+            ],
         }
     return {"vllm": vllm.__version__, "reference": ref, "backends": backends, "views": views}
 

@@ -14,13 +14,15 @@ through ``get_finished`` and ``get_block_ids_with_load_errors``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import pdstor
 
@@ -134,7 +136,7 @@ class Mover:
                 if ends or loads:
                     self._flush(ends, loads)
                     ends, loads = [], []
-                self._guarded(job, lambda j=job: self.side.save_one(j))
+                self._guarded(job, functools.partial(self.side.save_one, job))
             elif isinstance(job, EndSpec):
                 ends.append(job)
             elif isinstance(job, LoadSpec):
@@ -147,12 +149,13 @@ class Mover:
         named left to the lookup rounds."""
         publish: list[EndSpec] = []
         for end in ends:
-            self._guarded(end, lambda j=end: self._end(j, publish))
+            self._guarded(end, functools.partial(self._end, end, publish))
         if publish:
             self._guarded(publish[0], lambda: self.side.publish_all(publish))
         with self.lock:
             self.sent.update(j.req_id for j in ends if j.release)
-        now, ready = time.monotonic(), []
+        now = time.monotonic()
+        ready: list[tuple[LoadSpec, str | pdstor.Receipt | None]] = []
         for spec in loads:
             if spec.error is None and spec.ready is None:
                 self.waiting.append(_Waiting(spec, now, now + self.ready_timeout_s))
@@ -170,7 +173,7 @@ class Mover:
         except Exception as e:  # noqa: BLE001 - a dead mover would hold every block it owes vLLM
             log.exception("pdstor.vllm: the mover's %s for request %s failed: %s", type(job).__name__, job.req_id, e)
 
-    def _finish_loads(self, loads: list[tuple[LoadSpec, str | pdstor.Receipt | None]]) -> None:
+    def _finish_loads(self, loads: Sequence[tuple[LoadSpec, str | pdstor.Receipt | None]]) -> None:
         """Restores `loads` (their claims in one round trip) and reports
         each; a restore that cannot even start reports every block failed."""
         if not loads:
@@ -204,7 +207,8 @@ class Mover:
             log.warning("pdstor.vllm: looking the handed-over publications up failed (asked again): %s", e)
             return self._expire(f"their lookup kept failing ({e})")
         now = time.monotonic()
-        keep, done = [], []
+        keep: list[_Waiting] = []
+        done: list[tuple[LoadSpec, str | pdstor.Receipt | None]] = []
         for w, ready, name in zip(self.waiting, found, names):
             state = states.get(name, "READY" if ready is not None else None)
             if ready is not None:
@@ -222,7 +226,9 @@ class Mover:
                 why = f"no publication is named {name!r} (its producer rolled it back, or it was released)"
                 done.append(self._failing(w.spec, why))
             else:
-                done.append(self._failing(w.spec, f"publication {name!r} is {state}, not READY: another reader took it"))
+                done.append(
+                    self._failing(w.spec, f"publication {name!r} is {state}, not READY: another reader took it")
+                )
         self.waiting = keep
         self._finish_loads(done)
         return bool(done)

@@ -130,7 +130,9 @@ class Producer:
             prepared = future.result()
         except Exception as e:  # noqa: BLE001 - a prepare that failed, however, is a request not handed over
             kind = "no room" if isinstance(e, pdstor.AdmissionTimeout) else "prepare refused"
-            self.store_failed[rid] = f"{kind} for {total} chunks (admission_timeout_s={self.cfg.admission_timeout_s}): {e}"
+            self.store_failed[rid] = (
+                f"{kind} for {total} chunks (admission_timeout_s={self.cfg.admission_timeout_s}): {e}"
+            )
             log.error("pdstor.vllm: request %s is not handed over: %s", rid, self.store_failed[rid])
             return 0, False
         prompt = list(request.prompt_token_ids or [])

@@ -11,8 +11,10 @@ COUNTS = {
     # scheduler half
     "prepared": "Publications prepared for requests handed over (producer).",
     "aborted": "Publications rolled back before READY: a request aborted, a store failed, the engine stopped.",
-    "admission_waits": "Prepares that found no room in the namespace within admission_timeout_s (served without a handoff).",
-    "load_refused": "Handed-over requests refused before their load (bad kv_transfer_params, a prompt not the producer's).",
+    "admission_waits": "Prepares that found no room in the namespace within admission_timeout_s "
+    "(served without a handoff).",
+    "load_refused": "Handed-over requests refused before their load "
+    "(bad kv_transfer_params, a prompt not the producer's).",
     "first_token_mismatches": "Restored requests whose first generated token differed from the producer's.",
     # worker half
     "stored_chunks": "KV chunks stored (each a block's pages and its header).",

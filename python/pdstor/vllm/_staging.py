@@ -129,7 +129,9 @@ class Staging:
         if event is not None:
             event.synchronize()
 
-    def copy_out(self, reader: pdstor.Reader, claim: pdstor.Receipt, first: int, batch: list[int], fill: dict[int, int]) -> int:
+    def copy_out(
+        self, reader: pdstor.Reader, claim: pdstor.Receipt, first: int, batch: list[int], fill: dict[int, int]
+    ) -> int:
         """CPU: copies each slot's chunk (slots from `first`, chunk indexes
         `batch`) out into its block of every layer (`fill`: chunk → block;
         a chunk with none is checked only), the whole chunk checked against
@@ -140,7 +142,7 @@ class Staging:
         for slot, index in enumerate(batch):
             block = fill.get(index)
             pages = [] if block is None else [kv[block] for kv in self.layers]
-            if all(p.is_contiguous() for p in pages):
+            if block is None or all(p.is_contiguous() for p in pages):
                 pieces = [(self.shape.page_offset(layer), p.view(torch.uint8).numpy()) for layer, p in enumerate(pages)]
                 reader.scatter(claim, index, pieces)
                 in_copy += self.shape.chunk_bytes

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -204,8 +205,9 @@ class WorkerSide:
         """Publishes READY in one round trip and one commit; a publication
         refused is rolled back."""
         began = time.monotonic()
+        answers: list[pdstor.Receipt | Exception]
         try:
-            answers = pdstor.Writer.publish_many(self.client, [(self.handoff(s), s.first_token) for s in publish])
+            answers = list(pdstor.Writer.publish_many(self.client, [(self.handoff(s), s.first_token) for s in publish]))
         except Exception as e:  # noqa: BLE001 - each publication is still rolled back, none left PREPARED
             answers = [e] * len(publish)
         took = time.monotonic() - began
@@ -235,7 +237,7 @@ class WorkerSide:
         if meta.ends or meta.loads:
             self._mover().submit(*meta.ends, *meta.loads)
 
-    def load_many(self, loads: list[tuple[LoadSpec, str | pdstor.Receipt | None]]) -> list[list[int]]:
+    def load_many(self, loads: Sequence[tuple[LoadSpec, str | pdstor.Receipt | None]]) -> list[list[int]]:
         """Restores handed-over requests (on the mover), their claims in one
         round trip and one commit; for each, the blocks that were not
         restored (none when it was)."""
@@ -247,6 +249,7 @@ class WorkerSide:
             except LoadRefused as e:
                 readies.append(e)
         asked = [r for r in readies if isinstance(r, pdstor.Receipt)]
+        claimed: list[pdstor.Receipt | pdstor.Error]
         try:
             claimed = self.reader.claim_many(asked, lease_ms=self.cfg.lease_ms, layout=self.layout) if asked else []
         except pdstor.Error as e:
@@ -254,8 +257,8 @@ class WorkerSide:
         claiming = time.monotonic() - began
         claims = iter(claimed)
         out = []
-        for (spec, _), ready in zip(loads, readies):
-            claim = next(claims) if isinstance(ready, pdstor.Receipt) else ready
+        for (spec, _), got in zip(loads, readies):
+            claim = next(claims) if isinstance(got, pdstor.Receipt) else got
             # Each restore's time: the claim batch's, then its own.
             out.append(self._load_one(spec, claim, time.monotonic() - claiming))
         return out
@@ -288,7 +291,9 @@ class WorkerSide:
             self.ctx.stats.count("restore_failures")
             self.failed_loads += 1
             blocks = [b for _, b in spec.fill]
-            log.error("pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e)
+            log.error(
+                "pdstor.vllm: request %s not restored (%d blocks reported failed): %s", spec.req_id, len(blocks), e
+            )
             # Named by vLLM's request id only: the publication may
             # already have ended (a duplicate, a release).
             event = "recompute" if self.cfg.recompute else "load_failed"
@@ -317,7 +322,8 @@ class WorkerSide:
         expected = self.shape.chunks_for(spec.prompt_tokens)
         if chunks != list(range(expected)):
             raise LoadRefused(
-                f"the publication holds chunks {chunks}; a prompt of {spec.prompt_tokens} tokens needs 0..{expected - 1}"
+                f"the publication holds chunks {chunks}; "
+                f"a prompt of {spec.prompt_tokens} tokens needs 0..{expected - 1}"
             )
         fill = dict(spec.fill)
         staging = self._staging()
