@@ -1,8 +1,9 @@
-//! `many`: the store and load requests of many publications in one frame.
-//! Consecutive stores run as one [`Store::store_batches`] and consecutive
-//! loads as one [`Store::load_many`], so their I/O reaches the device as one
-//! submission; each request is checked, judged and answered exactly as it
-//! would be alone, in order, and one refused stops none of the others.
+//! Stores and loads, one path for one or many: a `store` or `load` frame is
+//! a run of one, and a `many` frame carries the requests of many
+//! publications. Consecutive stores run as one [`Store::store_batches`] and
+//! consecutive loads as one [`Store::load_many`], so their I/O reaches the
+//! device as one submission; each request is checked, judged and answered on
+//! its own, in order, and one refused stops none of the others.
 //!
 //! [`Store::store_batches`]: crate::store::Store::store_batches
 //! [`Store::load_many`]: crate::store::Store::load_many
@@ -13,6 +14,15 @@ use crate::api::wire::{DataChunk, DataRequest, MAX_DATA_MANY};
 use pdstor_client::receipt::Receipt;
 
 impl Conn {
+    /// A `store` or `load` frame: a run of one.
+    pub(super) fn one(&mut self, request: DataRequest) -> Result<DataResponse, DataError> {
+        let answered = match &request {
+            DataRequest::Store { .. } => self.stores(vec![request]),
+            _ => self.loads(vec![request]),
+        };
+        answered.into_iter().next().unwrap_or_else(|| Err(DataError::BadMany("a request answered nothing".into())))
+    }
+
     pub(super) fn many(&mut self, requests: Vec<DataRequest>) -> Result<DataResponse, DataError> {
         if requests.len() > MAX_DATA_MANY {
             return Err(DataError::BadMany(format!(

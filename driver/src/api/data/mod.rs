@@ -328,10 +328,7 @@ impl Conn {
     fn handle(&mut self, req: DataRequest, fds: Vec<OwnedFd>) -> Result<DataResponse, DataError> {
         match req {
             DataRequest::Register { len, kind, path, unchecked } => self.register(len, (kind, unchecked), path, fds),
-            DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks } => {
-                self.store(publication, &writer_token, &chunks, is_last_batch, total_chunks)
-            }
-            DataRequest::Load { receipt, chunks, ack } => self.load(&receipt, &chunks, ack),
+            DataRequest::Store { .. } | DataRequest::Load { .. } => self.one(req),
             DataRequest::Many { requests } if fds.is_empty() => self.many(requests),
             DataRequest::Many { .. } => Err(DataError::BadMany(format!(
                 "a many frame carries no fds ({} came): register each buffer with its own frame",
@@ -385,21 +382,6 @@ impl Conn {
             exporter,
             ..Default::default()
         })
-    }
-
-    /// One store batch from registered buffers, judged by the probes.
-    fn store(
-        &mut self,
-        publication: u64,
-        writer_token: &str,
-        chunks: &[DataChunk],
-        is_last_batch: bool,
-        total_chunks: u32,
-    ) -> Result<DataResponse, DataError> {
-        let batch = self.store_begin(publication, writer_token, chunks, is_last_batch, total_chunks)?;
-        let started = std::time::Instant::now();
-        let out = self.service.store().store_batch(&batch);
-        self.store_end(publication, chunks, out, started.elapsed())
     }
 
     /// A store batch checked and made ready to run: only its writer stores
@@ -465,20 +447,6 @@ impl Conn {
             paths: chunks.iter().map(|c| self.path_of(c).to_string()).collect(),
             ..Default::default()
         })
-    }
-
-    /// Loads chunks of a claimed, adopted publication into registered buffers.
-    /// With `ack`, then acknowledges the claim ([`ack`]).
-    fn load(&mut self, receipt: &Receipt, chunks: &[DataChunk], ack: bool) -> Result<DataResponse, DataError> {
-        let (manifest, dests) = self.load_begin(receipt, chunks, ack)?;
-        let started = std::time::Instant::now();
-        let crcs = self.service.store().load(manifest.publication, &dests);
-        let mut answer = [self.load_end(receipt, &manifest, chunks, crcs, started.elapsed())];
-        if ack && answer[0].is_ok() {
-            self.ack_loads(vec![ack::AckAfter { at: 0, receipt: receipt.clone(), manifest }], &mut answer);
-        }
-        let [answer] = answer;
-        answer
     }
 
     /// A load authorized (the claim adopted, its reader this caller, not
