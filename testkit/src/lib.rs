@@ -130,6 +130,12 @@ pub struct Zram {
 impl Zram {
     /// A new zram device of `size` bytes (loading the module if need be).
     pub fn new(size: u64) -> Result<Zram, String> {
+        Zram::sized(&size.to_string())
+    }
+
+    /// A new zram device of `size` as its `disksize` file takes it (`512M`,
+    /// `2G`, or bytes).
+    pub fn sized(size: &str) -> Result<Zram, String> {
         if !is_root() {
             return Err("zram devices need root".into());
         }
@@ -139,8 +145,8 @@ impl Zram {
         }
         let id = std::fs::read_to_string(control).map_err(|e| format!("no zram here ({}: {e})", control.display()))?;
         let z = Zram { path: PathBuf::from(format!("/dev/zram{}", id.trim())), id: id.trim().to_owned() };
-        std::fs::write(format!("/sys/block/zram{}/disksize", z.id), size.to_string())
-            .map_err(|e| format!("sizing zram{} to {size} bytes: {e}", z.id))?;
+        std::fs::write(format!("/sys/block/zram{}/disksize", z.id), size)
+            .map_err(|e| format!("sizing zram{} to {size}: {e}", z.id))?;
         Ok(z)
     }
 }

@@ -14,6 +14,7 @@ mod verify;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use pdstor_testkit::Zram;
 use serde::Serialize;
 use serde_json::Value;
 use xshell::{Shell, cmd};
@@ -158,7 +159,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
         return nixl(sh, &pdstor, &out_dir, args);
     }
     if args.probes {
-        return handoff_probe_overhead(sh, &pdstor, &out_dir, args);
+        return handoff_probe_overhead(&pdstor, &out_dir, args);
     }
     if args.verify {
         return verify::run(sh, &pdstor, &out_dir, args);
@@ -175,8 +176,8 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
                 reports.extend(measure(sh, &pdstor, "file (root fs)", &file, args)?);
                 let _ = std::fs::remove_file(&file);
             }
-            "zram" => match Zram::new(sh, &args.size) {
-                Ok(z) => reports.extend(measure(sh, &pdstor, "zram", &z.device, args)?),
+            "zram" => match zram(&args.size) {
+                Ok(z) => reports.extend(measure(sh, &pdstor, "zram", &z.path, args)?),
                 Err(why) => println!("SKIP: zram target: {why:#}"),
             },
             other => bail!("unknown bench target {other:?}: expected file or zram"),
@@ -231,7 +232,7 @@ pub fn run(sh: &Shell, args: &BenchArgs) -> Result<()> {
     raw_block(sh, &pdstor, &out_dir, args)?;
     nixl(sh, &pdstor, &out_dir, args)?;
     probe_overhead(sh, &pdstor, &out_dir, args)?;
-    handoff_probe_overhead(sh, &pdstor, &out_dir, args)?;
+    handoff_probe_overhead(&pdstor, &out_dir, args)?;
     let report = out_dir.join("report.json");
     std::fs::write(&report, serde_json::to_string_pretty(&reports)?)?;
     println!("\nreport: {}", report.display());
@@ -392,13 +393,13 @@ fn lmcache(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Resul
                 // local_disk's filesystem holds every round: LMCache 0.5.6's
                 // remove() does not give back the space its admission counts
                 // (zram allocates lazily).
-                let (ours, raw, disk) = (Zram::new(sh, size)?, Zram::new(sh, size)?, Zram::new(sh, "8G")?);
-                let disk_dev = &disk.device;
+                let (ours, raw, disk) = (zram(size)?, zram(size)?, zram("8G")?);
+                let disk_dev = &disk.path;
                 cmd!(sh, "mkfs.ext4 -q -F {disk_dev}").run().context("mkfs.ext4 on the local_disk zram")?;
                 let mnt = out_dir.join("lmcache-disk");
                 sh.create_dir(&mnt)?;
                 cmd!(sh, "mount {disk_dev} {mnt}").run().context("mounting the local_disk zram")?;
-                let ran = run(&ours.device, &raw.device, &mnt);
+                let ran = run(&ours.path, &raw.path, &mnt);
                 let _ = cmd!(sh, "umount {mnt}").run();
                 drop((ours, raw, disk));
                 ran?;
@@ -444,8 +445,8 @@ fn raw_block(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Res
                 let _ = std::fs::remove_file(&b);
                 ran?;
             }
-            "zram" => match (Zram::new(sh, "2G"), Zram::new(sh, "2G")) {
-                (Ok(a), Ok(b)) => run(&a.device, &b.device)?,
+            "zram" => match (zram("2G"), zram("2G")) {
+                (Ok(a), Ok(b)) => run(&a.path, &b.path)?,
                 (Err(why), _) | (_, Err(why)) => println!("SKIP: raw_block on zram: {why:#}"),
             },
             other => bail!("unknown bench target {other:?}: expected file or zram"),
@@ -485,8 +486,8 @@ fn nixl(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<(
                 let _ = std::fs::remove_file(&file);
                 ran?;
             }
-            "zram" => match Zram::new(sh, "512M") {
-                Ok(z) => run(&z.device)?,
+            "zram" => match zram("512M") {
+                Ok(z) => run(&z.path)?,
                 Err(why) => println!("SKIP: NIXL on zram: {why:#}"),
             },
             other => bail!("unknown bench target {other:?}: expected file or zram"),
@@ -496,43 +497,9 @@ fn nixl(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<(
     Ok(())
 }
 
-/// A zram device made for the bench and reset and removed after it.
-struct Zram {
-    id: String,
-    device: PathBuf,
-}
-
-impl Zram {
-    fn new(sh: &Shell, size: &str) -> Result<Zram> {
-        let control = Path::new("/sys/class/zram-control/hot_add");
-        if !control.exists() {
-            let _ = cmd!(sh, "modprobe zram num_devices=0").quiet().ignore_stderr().run();
-        }
-        let id = std::fs::read_to_string(control)
-            .with_context(|| format!("reading {} (zram needs root and the zram module)", control.display()))?
-            .trim()
-            .to_owned();
-        let z = Zram { device: PathBuf::from(format!("/dev/zram{id}")), id };
-        // Room for the data plus fio's and pdstor's alignment slack.
-        std::fs::write(format!("/sys/block/zram{}/disksize", z.id), size)
-            .with_context(|| format!("sizing zram{} to {size}", z.id))?;
-        Ok(z)
-    }
-}
-
-impl Drop for Zram {
-    /// Resets and removes the device. The last user's io_uring may still hold
-    /// it for a moment (ring teardown is asynchronous), so `reset` is retried.
-    fn drop(&mut self) {
-        for _ in 0..100 {
-            if std::fs::write(format!("/sys/block/zram{}/reset", self.id), "1").is_ok() {
-                let _ = std::fs::write("/sys/class/zram-control/hot_remove", &self.id);
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        eprintln!("bench: could not reset zram{0}: run `echo 1 > /sys/block/zram{0}/reset`", self.id);
-    }
+/// A zram device of `size` (`disksize` syntax), reset and removed when dropped.
+fn zram(size: &str) -> Result<Zram> {
+    Zram::sized(size).map_err(|why| anyhow::anyhow!("{why} (zram needs root and the zram module)"))
 }
 
 /// The full handoff (512 MiB in 8 MiB chunks) through `pdstor serve` on a file
@@ -713,7 +680,7 @@ impl Drop for BenchDaemon {
 /// alternating, as the median throughput ratio with/without (goal >= 0.95),
 /// on each of `--targets`: two files on the root filesystem, or two zram
 /// devices (memory speed, where the probes' CPU cost shows).
-fn handoff_probe_overhead(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
+fn handoff_probe_overhead(pdstor: &Path, out_dir: &Path, args: &BenchArgs) -> Result<()> {
     println!("\nprovenance probe overhead on the handoff: 512 MiB, 8 MiB chunks, a daemon with probes and one without");
     let mut report = serde_json::Map::new();
     for t in &args.targets {
@@ -723,10 +690,10 @@ fn handoff_probe_overhead(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &Benc
                 BenchDaemon::start(pdstor, out_dir, "probes-off", &[])?,
                 None,
             ),
-            "zram" => match (Zram::new(sh, "1300M"), Zram::new(sh, "1300M")) {
+            "zram" => match (zram("1300M"), zram("1300M")) {
                 (Ok(a), Ok(b)) => (
-                    BenchDaemon::start_on(pdstor, out_dir, "probes-on", Some(&a.device), &["--provenance"])?,
-                    BenchDaemon::start_on(pdstor, out_dir, "probes-off", Some(&b.device), &[])?,
+                    BenchDaemon::start_on(pdstor, out_dir, "probes-on", Some(&a.path), &["--provenance"])?,
+                    BenchDaemon::start_on(pdstor, out_dir, "probes-off", Some(&b.path), &[])?,
                     Some((a, b)),
                 ),
                 (Err(why), _) | (_, Err(why)) => {

@@ -14,7 +14,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use xshell::{Shell, cmd};
 
-use super::{BenchArgs, BenchDaemon, Zram, median};
+use super::{BenchArgs, BenchDaemon, median};
 
 /// Reloads per measurement (each 512 MiB).
 const RELOADS: &str = "6";
@@ -29,7 +29,7 @@ pub(super) fn run(sh: &Shell, pdstor: &Path, out_dir: &Path, args: &BenchArgs) -
     for t in &args.targets {
         let mut by_threads = serde_json::Map::new();
         for threads in [1, cores] {
-            let Some(m) = measure_pool(sh, pdstor, out_dir, t, threads, args.rounds.max(3))? else { break };
+            let Some(m) = measure_pool(pdstor, out_dir, t, threads, args.rounds.max(3))? else { break };
             by_threads.insert(threads.to_string(), m);
             if cores == 1 {
                 break;
@@ -65,20 +65,13 @@ fn print_crc(crc: &Value) {
 /// One daemon with `threads` verifiers on `target`: `rounds` alternating
 /// pairs of verified and unverified reloads. `None` where the target is
 /// not available here (said as a SKIP).
-fn measure_pool(
-    sh: &Shell,
-    pdstor: &Path,
-    out_dir: &Path,
-    target: &str,
-    threads: usize,
-    rounds: u32,
-) -> Result<Option<Value>> {
+fn measure_pool(pdstor: &Path, out_dir: &Path, target: &str, threads: usize, rounds: u32) -> Result<Option<Value>> {
     let n = threads.to_string();
     let extra = ["--verify-threads", n.as_str()];
     let (daemon, _zram) = match target {
         "file" => (BenchDaemon::start(pdstor, out_dir, "verify", &extra)?, None),
-        "zram" => match Zram::new(sh, "1300M") {
-            Ok(z) => (BenchDaemon::start_on(pdstor, out_dir, "verify", Some(&z.device), &extra)?, Some(z)),
+        "zram" => match super::zram("1300M") {
+            Ok(z) => (BenchDaemon::start_on(pdstor, out_dir, "verify", Some(&z.path), &extra)?, Some(z)),
             Err(why) => {
                 println!("SKIP: the verifier pool on zram: {why:#}");
                 return Ok(None);

@@ -13,8 +13,8 @@ use anyhow::{Context, Result, bail};
 pub enum Target {
     /// A file (512 MiB, made by `pdstor format`).
     File(PathBuf),
-    /// A zram device (its number), reset and removed when dropped.
-    Zram(u32, PathBuf),
+    /// A zram device, reset and removed when dropped.
+    Zram(pdstor_testkit::Zram),
 }
 
 impl Target {
@@ -25,25 +25,15 @@ impl Target {
     pub fn make(kind: &str, dir: &Path) -> Result<std::result::Result<Target, String>> {
         match kind {
             "file" => Ok(Ok(Target::File(dir.join("kv.img")))),
-            "zram" => {
-                if !crate::deps::is_root(&xshell::Shell::new()?) {
-                    return Ok(Err("zram needs root".into()));
-                }
-                let Ok(n) = std::fs::read_to_string("/sys/class/zram-control/hot_add") else {
-                    return Ok(Err("no /sys/class/zram-control (modprobe zram)".into()));
-                };
-                let n: u32 = n.trim().parse().context("zram hot_add answered no device number")?;
-                let t = Target::Zram(n, PathBuf::from(format!("/dev/zram{n}")));
-                std::fs::write(format!("/sys/block/zram{n}/disksize"), "512M").context("sizing the zram device")?;
-                Ok(Ok(t))
-            }
+            "zram" => Ok(pdstor_testkit::Zram::sized("512M").map(Target::Zram)),
             other => bail!("no target kind {other:?}: file or zram"),
         }
     }
 
     pub fn path(&self) -> &Path {
         match self {
-            Target::File(p) | Target::Zram(_, p) => p,
+            Target::File(p) => p,
+            Target::Zram(z) => &z.path,
         }
     }
 
@@ -60,19 +50,6 @@ impl Target {
             bail!("pdstor format {}: {}", self.path().display(), String::from_utf8_lossy(&out.stderr));
         }
         Ok(())
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        if let Target::Zram(n, _) = self {
-            let reset = std::fs::write(format!("/sys/block/zram{n}/reset"), "1");
-            if let Err(e) = reset.and_then(|()| std::fs::write("/sys/class/zram-control/hot_remove", n.to_string())) {
-                eprintln!(
-                    "soak: giving zram{n} back failed ({e}): echo 1 > /sys/block/zram{n}/reset; echo {n} > /sys/class/zram-control/hot_remove"
-                );
-            }
-        }
     }
 }
 
