@@ -260,3 +260,30 @@ pub fn http_exchange(socket: &Path, method: &str, path: &str, body: Option<&str>
     let body = answer.split_once("\r\n\r\n").map(|(_, b)| b.to_owned()).unwrap_or_default();
     (status, body)
 }
+
+/// Every file under `dir`, recursively and sorted, leaving out what is no
+/// source of ours: build outputs, venvs, caches, git's own folder.
+pub fn tree_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            let ignored = matches!(
+                name.to_str(),
+                Some("target" | ".git" | ".venv" | "venv" | "__pycache__" | "node_modules" | ".pytest_cache")
+            );
+            if path.is_dir() {
+                if !ignored {
+                    stack.push(path);
+                }
+            } else {
+                out.push(path);
+            }
+        }
+    }
+    out.sort();
+    out
+}

@@ -23,31 +23,12 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
 }
 
-/// Folders that hold no source of ours: build outputs, venvs, caches.
-fn ignored(name: &str) -> bool {
-    matches!(name, "target" | ".git" | ".venv" | "venv" | "__pycache__" | "node_modules" | ".pytest_cache")
-}
-
 /// Every file under `dir` (relative to the root), recursively, sorted.
 fn files_under(dir: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut stack = vec![root().join(dir)];
-    while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else { continue };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if path.is_dir() {
-                if !ignored(&name) {
-                    stack.push(path);
-                }
-            } else if let Ok(rel) = path.strip_prefix(root()) {
-                out.push(rel.to_string_lossy().into_owned());
-            }
-        }
-    }
-    out.sort();
-    out
+    pdstor_tests::tree_files(&root().join(dir))
+        .into_iter()
+        .filter_map(|p| Some(p.strip_prefix(root()).ok()?.to_string_lossy().into_owned()))
+        .collect()
 }
 
 const SOURCE_EXTENSIONS: &[&str] = &["rs", "py", "pyi", "c", "h", "cu", "cpp", "ptx", "sh", "json"];

@@ -45,26 +45,11 @@ fn check_generated(rel: &str, generated: &str) {
 
 /// Every source file under the repository's code folders.
 fn sources() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack: Vec<PathBuf> = ["driver", "engine", "client", "ebpf", "tests", "vmtest", "xtask", "python"]
+    ["driver", "engine", "client", "ebpf", "tests", "vmtest", "xtask", "python"]
         .iter()
-        .map(|d| root().join(d))
-        .collect();
-    while let Some(dir) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if path.is_dir() {
-                if !matches!(name.as_str(), "target" | ".venv" | "venv" | "__pycache__") {
-                    stack.push(path);
-                }
-            } else if ["rs", "c", "h", "py"].iter().any(|ext| name.ends_with(&format!(".{ext}"))) {
-                out.push(path);
-            }
-        }
-    }
-    out
+        .flat_map(|d| pdstor_tests::tree_files(&root().join(d)))
+        .filter(|p| p.extension().is_some_and(|e| ["rs", "c", "h", "py"].iter().any(|x| e == *x)))
+        .collect()
 }
 
 #[test]

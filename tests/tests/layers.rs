@@ -22,20 +22,7 @@ fn root() -> PathBuf {
 
 /// Every `.rs` file under `dir`, recursively.
 fn rust_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("reading {}: {e}", d.display())).flatten() {
-            let p = entry.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|e| e == "rs") {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
+    pdstor_tests::tree_files(dir).into_iter().filter(|p| p.extension().is_some_and(|e| e == "rs")).collect()
 }
 
 /// The code of a file without comments and without its unit tests.

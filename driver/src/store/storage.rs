@@ -9,8 +9,8 @@
 //! used by the simulation and the crash tests through the same seam
 //! (`super::fault`).
 
-use pdstor_engine::io::{BufferOffset, Completion, Engine, IoError, IoRequest, Op, TargetOffset, TransferId};
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::Buffer;
+use pdstor_engine::io::{Completion, Engine, IoError, IoRequest};
 
 use super::error::WorkerError;
 
@@ -74,22 +74,5 @@ pub(crate) fn read_to_vec(
     offset: u64,
     len: u64,
 ) -> Result<Vec<u8>, IoError> {
-    let transfer = TransferId(0);
-    let buffer = Buffer::host(len as usize).map_err(|what| IoError::Buffer { transfer, what })?;
-    let id = engine.register(buffer)?;
-    let request = IoRequest {
-        transfer,
-        op: Op::Read,
-        path: PayloadPath::HostFixed,
-        buffer: id,
-        buffer_offset: BufferOffset(0),
-        target_offset: TargetOffset(offset),
-        len,
-    };
-    let read = storage.read(engine, request);
-    let buffer = engine.remove(id)?;
-    read?;
-    let mut out = vec![0u8; len as usize];
-    buffer.read_at(0, &mut out).map_err(|what| IoError::Buffer { transfer, what })?;
-    Ok(out)
+    engine.read_to_vec_by(offset, len, |engine, request| storage.read(engine, request))
 }

@@ -469,6 +469,17 @@ impl Engine {
     /// Reads `len` bytes at `offset` through a temporary registered buffer
     /// (metadata-sized I/O: superblocks, signatures, journals).
     pub fn read_to_vec(&mut self, offset: u64, len: u64) -> Result<Vec<u8>, IoError> {
+        self.read_to_vec_by(offset, len, |engine, req| engine.execute_all(&[req]).map(drop))
+    }
+
+    /// [`read_to_vec`](Self::read_to_vec) with the read itself done by
+    /// `read` (a caller's seam over the device, which may fail it).
+    pub fn read_to_vec_by(
+        &mut self,
+        offset: u64,
+        len: u64,
+        read: impl FnOnce(&mut Engine, IoRequest) -> Result<(), IoError>,
+    ) -> Result<Vec<u8>, IoError> {
         let transfer = TransferId(0);
         let buffer = Buffer::host(len as usize).map_err(|what| IoError::Buffer { transfer, what })?;
         let id = self.register(buffer)?;
@@ -481,7 +492,7 @@ impl Engine {
             target_offset: TargetOffset(offset),
             len,
         };
-        let result = self.execute_all(&[req]);
+        let result = read(self, req);
         let buffer = self.remove(id)?;
         result?;
         let mut out = vec![0u8; len as usize];
