@@ -357,7 +357,7 @@ impl Store {
     ///
     /// A load of one, through [`load_many`](Self::load_many) (the one path).
     pub fn load(&self, id: u64, dests: &[ChunkDest]) -> Result<Vec<Option<u32>>, StoreError> {
-        let one = self.load_many(&[(id, dests.to_vec())]).pop();
+        let one = self.load_many(&[(id, dests)]).pop();
         one.unwrap_or(Err(StoreError::Invariant(super::Invariant::MissingResult(id))))
     }
 

@@ -322,8 +322,8 @@ mod tests {
     #[test]
     fn a_frame_lies_where_the_format_puts_it() {
         let record = Record::Epoch { epoch: 9 };
-        let f = encode(0x0102_0304_0506_0708, &record).unwrap();
-        let payload = serde_json::to_vec(&record).unwrap();
+        let f = encode(0x0102_0304_0506_0708, &record).expect("an epoch record encodes");
+        let payload = serde_json::to_vec(&record).expect("an epoch record is JSON");
         assert_eq!(f[0..4], 0x5244_4a50u32.to_le_bytes());
         assert_eq!(f[8..16], 0x0102_0304_0506_0708u64.to_le_bytes());
         assert_eq!(f[16], record.kind_byte());

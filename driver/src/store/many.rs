@@ -53,7 +53,7 @@ impl Store {
 
     /// Loads of many publications (`(publication, destinations)` each), their
     /// reads submitted together; each answers what [`load`](Self::load) would.
-    pub fn load_many(&self, loads: &[(u64, Vec<ChunkDest>)]) -> Vec<Result<Vec<Option<u32>>, StoreError>> {
+    pub fn load_many(&self, loads: &[(u64, &[ChunkDest])]) -> Vec<Result<Vec<Option<u32>>, StoreError>> {
         let begun: Vec<_> = loads.iter().map(|(id, dests)| self.begin_load(*id, dests)).collect();
         let items: Vec<&[IoRequest]> =
             begun.iter().filter_map(|b| b.as_ref().ok().map(|(_, _, r)| r.as_slice())).collect();

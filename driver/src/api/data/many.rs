@@ -114,7 +114,7 @@ impl Conn {
             }
         }
         let loads: Vec<_> =
-            begun.iter().filter_map(|b| b.as_ref().ok().map(|(m, dests)| (m.publication, dests.clone()))).collect();
+            begun.iter().filter_map(|b| b.as_ref().ok().map(|(m, dests)| (m.publication, dests.as_slice()))).collect();
         let started = std::time::Instant::now();
         let mut read = self.service.store().load_many(&loads).into_iter();
         let took = started.elapsed();
