@@ -1,6 +1,6 @@
 //! Receipts — daemon-signed statements of a publication's state — and the
 //! digests that bind a manifest and a restore to them. The daemon signs and
-//! verifies receipts (`pdstor::protocol::Signer`); everyone reads them.
+//! verifies receipts (`pdstor_daemon::protocol::Signer`); everyone reads them.
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -22,7 +22,7 @@ use crate::superblock::{SUPERBLOCK_BYTES, Superblock};
 use crate::wire::{AdoptRequest, LoadedChunk};
 
 /// Who judges each chunk's read: the provenance probes, in `pdstor`
-/// (`pdstor::provenance::ProbeJudge`), which this crate does not link.
+/// (`pdstor_daemon::provenance::ProbeJudge`), which this crate does not link.
 pub trait Judge {
     /// The verdict on the transfer `transfer` that moved a chunk on `path`
     /// from a target of kind `target` (`native`, `fallback(…)`,
@@ -127,7 +127,7 @@ impl RemoteReader {
     }
 
     /// Judges every later load's chunk reads with `judge` — the provenance
-    /// probes attached to this process (`pdstor::provenance::ProbeJudge`) —
+    /// probes attached to this process (`pdstor_daemon::provenance::ProbeJudge`) —
     /// as the daemon judges its own ([`RemoteReader::verdicts`]). On a
     /// fabric-attached namespace `native` means what it means on a local one —
     /// a fixed read from the registered buffer, block requests issued for it,

@@ -5,7 +5,7 @@
 //! writes a step's line before it lets anyone act on the step (the daemon
 //! before it answers), so a later line never describes a cause of an earlier
 //! one. This is the timeline's vocabulary and its writer, shared by the daemon
-//! and its clients; `pdstor::timeline` checks, merges, mutates and draws it.
+//! and its clients; `pdstor_proof::timeline` checks, merges, mutates and draws it.
 
 use std::fs::File;
 use std::io::Write;

@@ -1,6 +1,6 @@
 //! TLS for a client of the control plane over TCP: the PEM files it reads
 //! (the daemon's CA, its own certificate and key), shared with the daemon's
-//! side (`pdstor::api::tls`), and the client configuration.
+//! side (`pdstor_daemon::api::tls`), and the client configuration.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -9,16 +9,16 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use pdstor::admission::CancelToken;
-use pdstor::protocol::Clock;
-use pdstor::protocol::identity::Caller;
-use pdstor::protocol::service::{ProtocolError, Service};
-use pdstor::store::{self, ChunkSource, FormatOptions, Phase, Store, StoreBatch, StoreOptions};
 use pdstor_client::code::RefusalCode;
 use pdstor_client::layout::Layout;
 use pdstor_client::receipt::Receipt;
 use pdstor_client::receipt::manifest_digest;
 use pdstor_client::wire::{AdoptRequest, ClaimRequest};
+use pdstor_daemon::admission::CancelToken;
+use pdstor_daemon::protocol::Clock;
+use pdstor_daemon::protocol::identity::Caller;
+use pdstor_daemon::protocol::service::{ProtocolError, Service};
+use pdstor_daemon::store::{self, ChunkSource, FormatOptions, Phase, Store, StoreBatch, StoreOptions};
 use pdstor_engine::Buffer;
 use pdstor_engine::io::BufferOffset;
 

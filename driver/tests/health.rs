@@ -4,9 +4,9 @@
 //! The device is failed by the store's fault plan, in this process: the
 //! test sends SIGTERM to itself, which the daemon's handler takes.
 
-use pdstor::store::FaultPlan;
 use pdstor_client::layout::Layout;
 use pdstor_client::{ClientError, Writer};
+use pdstor_daemon::store::FaultPlan;
 
 mod common;
 

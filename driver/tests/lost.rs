@@ -11,9 +11,9 @@ use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::time::{Duration, Instant};
 
-use pdstor::store::{FaultPlan, Phase};
 use pdstor_client::layout::Layout;
 use pdstor_client::{ClientError, Writer};
+use pdstor_daemon::store::{FaultPlan, Phase};
 
 mod common;
 
@@ -76,7 +76,7 @@ fn an_owner_fenced_by_a_takeover_acknowledges_nothing_more_and_says_so() {
     // its io_uring's teardown ends, a moment after the daemon returned.)
     let deadline = Instant::now() + Duration::from_secs(10);
     let seen = loop {
-        match pdstor::store::inspect(&target) {
+        match pdstor_daemon::store::inspect(&target) {
             Err(e) if e.to_string().contains("lock") && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(20))
             }

@@ -10,12 +10,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use pdstor::admission::CancelToken;
-use pdstor::protocol::identity::Caller;
-use pdstor::protocol::service::Service;
-use pdstor::store::{self, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor_client::layout::Layout;
 use pdstor_client::timeline::Timeline;
+use pdstor_daemon::admission::CancelToken;
+use pdstor_daemon::protocol::identity::Caller;
+use pdstor_daemon::protocol::service::Service;
+use pdstor_daemon::store::{self, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor_engine::Buffer;
 use pdstor_engine::io::BufferOffset;
 

@@ -55,13 +55,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use pdstor::admission::{CancelToken, WaitClock};
-use pdstor::protocol::service::{ProtocolError, Service};
-use pdstor::store::{self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreOptions};
 use pdstor_client::layout::Layout;
 use pdstor_client::receipt::Receipt;
 use pdstor_client::receipt::restore_digest;
 use pdstor_client::wire::Prepared;
+use pdstor_daemon::admission::{CancelToken, WaitClock};
+use pdstor_daemon::protocol::service::{ProtocolError, Service};
+use pdstor_daemon::store::{
+    self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreOptions,
+};
 use pdstor_engine::{Buffer, payload};
 
 const SLOT: u64 = 16 << 10;
@@ -74,7 +76,7 @@ const STEPS: usize = 60;
 #[derive(Debug)]
 struct SimClock(AtomicU64);
 
-impl pdstor::protocol::Clock for SimClock {
+impl pdstor_daemon::protocol::Clock for SimClock {
     fn now_unix_ms(&self) -> u64 {
         self.0.load(Ordering::SeqCst)
     }
@@ -123,8 +125,8 @@ impl Rng {
 }
 
 /// The simulation drives the service as the daemon itself (admin).
-fn me() -> pdstor::protocol::identity::Caller {
-    pdstor::protocol::identity::Caller::in_process()
+fn me() -> pdstor_daemon::protocol::identity::Caller {
+    pdstor_daemon::protocol::identity::Caller::in_process()
 }
 
 fn layout() -> Layout {
@@ -211,7 +213,7 @@ fn options(plan: &Arc<FaultPlan>, clock: &Arc<SimClock>) -> StoreOptions {
         queue_depth: 8,
         // Back-to-back chunks merge as in the daemon: faults then land on
         // merged commands too.
-        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
+        merge_bytes: pdstor_daemon::store::DEFAULT_MERGE_BYTES,
         verify_threads: 2,
         // The daemon's maximum; each prepare asks for its own, in simulated time.
         admission_timeout: Duration::from_secs(3600),
@@ -246,7 +248,7 @@ impl Sim {
         .map_err(|e| e.to_string())?;
         let plan = FaultPlan::simulated(&path).map_err(|e| e.to_string())?;
         let clock = Arc::new(SimClock(AtomicU64::new(1_700_000_000_000)));
-        let sim_clock: Arc<dyn pdstor::protocol::Clock> = clock.clone();
+        let sim_clock: Arc<dyn pdstor_daemon::protocol::Clock> = clock.clone();
         let (store, _) = Store::open(&path, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
         let store = Arc::new(store);
         let (writer, reader) = (shared(&store), shared(&store));
@@ -883,7 +885,7 @@ impl Sim {
             old.store().lost().ok_or("the old owner, refused by the target, does not say its namespace is lost")?;
         self.note(format!("TAKEOVER: the old owner refused {} steps ({lost})", tried.len()));
         drop(old);
-        self.recover(pdstor::store::PowerLoss::default(), "TAKEOVER")
+        self.recover(pdstor_daemon::store::PowerLoss::default(), "TAKEOVER")
     }
 
     /// A restart whose recovery meets a medium error: the device fails the
@@ -916,7 +918,7 @@ impl Sim {
 
     /// Opens the store again (a restart after a power loss, or a new owner
     /// after a takeover) and checks what it recovered against the model.
-    fn recover(&mut self, loss: pdstor::store::PowerLoss, what: &str) -> Result<(), String> {
+    fn recover(&mut self, loss: pdstor_daemon::store::PowerLoss, what: &str) -> Result<(), String> {
         if self.rng.chance(30) {
             let read = self.rng.below(3);
             self.recovery_read_fails(read, what)?;
@@ -932,7 +934,7 @@ impl Sim {
         self.service = Some(Arc::new(Service::new(store.clone()).with_clock(self.clock.clone())));
         store.check_quiescent().map_err(|e| format!("after recovery: {e}"))?;
 
-        let live: BTreeMap<u64, pdstor::store::Publication> =
+        let live: BTreeMap<u64, pdstor_daemon::store::Publication> =
             store.publications().into_iter().map(|p| (p.id, p)).collect();
         let corrupt_ok = loss.misdirected > 0;
         for p in live.values() {

@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use pdstor::admission::AdmitError;
-use pdstor::store::{
+use pdstor_client::superblock::Superblock;
+use pdstor_daemon::admission::AdmitError;
+use pdstor_daemon::store::{
     self, AbortOutcome, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreError,
     StoreOptions, journal,
 };
-use pdstor_client::superblock::Superblock;
 use pdstor_engine::io::{BufferId, BufferOffset};
 use pdstor_engine::{Buffer, payload};
 use rand::rngs::SmallRng;
@@ -221,11 +221,11 @@ fn a_standby_reads_whose_the_namespace_is_even_with_copy_a_torn() {
     let want = s.superblock();
     drop(s);
     let before = std::fs::read(&path).unwrap();
-    let sb = pdstor::api::owner::read_superblock(&path).unwrap();
+    let sb = pdstor_daemon::api::owner::read_superblock(&path).unwrap();
     assert_eq!((sb.uuid, sb.epoch, sb.owner_key), (want.uuid, want.epoch, 0x5d0e));
     assert!(std::fs::read(&path).unwrap() == before, "reading the superblock wrote the target");
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(&[0xa5; 4096], 0).unwrap();
-    let sb = pdstor::api::owner::read_superblock(&path).unwrap();
+    let sb = pdstor_daemon::api::owner::read_superblock(&path).unwrap();
     assert_eq!((sb.uuid, sb.owner_key), (want.uuid, 0x5d0e));
 }
 
@@ -237,7 +237,7 @@ fn eviction_releases_only_unread_publications_it_may_oldest_first_and_durably() 
     let b = shared(&s, 1);
     let owner = |tenant: &str| store::Owner { tenant: tenant.into(), principal: format!("uid:{}", tenant.len()) };
     let put_as = |req: &str, tenant: &str| {
-        let cancel = pdstor::admission::CancelToken::new();
+        let cancel = pdstor_daemon::admission::CancelToken::new();
         let (o, l) = (owner(tenant), layout());
         let ask = store::Ask { owner: Some(&o), ..store::Ask::new(req, "writer", &l, 1) };
         let p = s.prepare_with(&ask, Duration::from_secs(1), &cancel);
@@ -1033,8 +1033,11 @@ fn a_sparse_target_file_is_allocated_before_it_is_used() {
     let len = 2 * 4096 + 2 * (256 << 10) + 32 * SLOT;
     std::fs::File::create(&path).unwrap().set_len(len).unwrap();
     assert!(std::fs::metadata(&path).unwrap().blocks() * 512 < len, "the file starts sparse");
-    pdstor::store::format(&path, &FormatOptions { slot_size: SLOT, journal_half: 256 << 10, ..Default::default() })
-        .unwrap();
+    pdstor_daemon::store::format(
+        &path,
+        &FormatOptions { slot_size: SLOT, journal_half: 256 << 10, ..Default::default() },
+    )
+    .unwrap();
     let md = std::fs::metadata(&path).unwrap();
     assert!(md.blocks() * 512 >= md.len(), "every byte has its blocks: {} of {}", md.blocks() * 512, md.len());
     // Holes punched later (by someone else) are filled again when the store opens.

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::layout;
-use pdstor::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
+use pdstor_daemon::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor_engine::io::{BufferOffset, WriteCache};
 use pdstor_engine::{Buffer, payload};
 

@@ -3,7 +3,7 @@
 //! that target as its only registered file, and the buffers payloads move
 //! between (host memory, memfds, DMA-BUFs). It knows transfers, paths and
 //! segments; it knows nothing of publications, receipts or the daemon — the
-//! `pdstor` crate builds those on top. Its design is `docs/paths.md`.
+//! `pdstor-daemon` crate builds those on top. Its design is `docs/paths.md`.
 #![deny(clippy::unwrap_used)]
 
 pub mod buffer;

@@ -72,52 +72,7 @@ pub(crate) fn put_many(
     let mut outcomes: Vec<Result<Option<Prepared>, ClientError>> =
         conn.control.prepare_many(asks)?.into_iter().map(|r| r.map(Some)).collect();
 
-    // Every prepared item's chunks in one data-plane frame.
-    let stored = {
-        let mut data = lock(&conn.data);
-        let mut asked = Vec::new();
-        let mut refused = Vec::new();
-        for (i, (item, outcome)) in items.iter().zip(&outcomes).enumerate() {
-            let Ok(Some(p)) = outcome else { continue };
-            let chunks = item
-                .chunks
-                .iter()
-                .enumerate()
-                .map(|(index, (b, offset, len))| {
-                    b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-                    let buffer = data.id_of(b)?;
-                    // The daemon checksums every chunk it stores from memory
-                    // it maps, a shm file its owner may shrink included (in
-                    // place, a shrink caught), as each write completes and
-                    // while the others are in flight: the writer declares none.
-                    Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c: None })
-                })
-                .collect::<Result<Vec<_>, ClientError>>();
-            match chunks {
-                Ok(chunks) => {
-                    let total_chunks = chunks.len() as u32;
-                    asked.push(StoreItem { prepared: p, chunks, is_last_batch: true, total_chunks });
-                }
-                Err(e) => refused.push((i, e)),
-            }
-        }
-        let answers = if asked.is_empty() { Vec::new() } else { data.with(|d| d.store_many(asked))? };
-        // An item refused here answers its own error where its store would have.
-        let mut answers = answers.into_iter();
-        let mut refused = refused.into_iter().peekable();
-        let mut stored = Vec::new();
-        for (i, outcome) in outcomes.iter().enumerate() {
-            if !matches!(outcome, Ok(Some(_))) {
-                continue;
-            }
-            match refused.next_if(|(at, _)| *at == i) {
-                Some((_, e)) => stored.push(Err(e)),
-                None => stored
-                    .push(answers.next().unwrap_or_else(|| Err(ClientError::Data("store answered no result".into())))),
-            }
-        }
-        stored
-    };
+    let stored = store_prepared(conn, &items, &outcomes)?;
     let mut stored = stored.into_iter();
     let mut give_back = Vec::new();
     for outcome in outcomes.iter_mut() {
@@ -165,6 +120,60 @@ pub(crate) fn put_many(
         let _ = conn.control.batch(give_back);
     }
     Ok(out)
+}
+
+/// Every prepared item's chunks in one data-plane frame: an answer for each
+/// prepared item, in order (an item whose chunks are refused here answers its
+/// own error where its store would have).
+fn store_prepared(
+    conn: &Conn,
+    items: &[PutItem],
+    outcomes: &[Result<Option<Prepared>, ClientError>],
+) -> Result<Vec<Result<DataResponse, ClientError>>, ClientError> {
+    let mut data = lock(&conn.data);
+    let mut asked = Vec::new();
+    let mut refused = Vec::new();
+    for (i, (item, outcome)) in items.iter().zip(outcomes).enumerate() {
+        let Ok(Some(p)) = outcome else { continue };
+        let chunks = item
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(index, (b, offset, len))| {
+                b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+                let buffer = data.id_of(b)?;
+                // The daemon checksums every chunk it stores from memory
+                // it maps, a shm file its owner may shrink included (in
+                // place, a shrink caught), as each write completes and
+                // while the others are in flight: the writer declares none.
+                Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c: None })
+            })
+            .collect::<Result<Vec<_>, ClientError>>();
+        match chunks {
+            Ok(chunks) => {
+                let total_chunks = chunks.len() as u32;
+                asked.push(StoreItem { prepared: p, chunks, is_last_batch: true, total_chunks });
+            }
+            Err(e) => refused.push((i, e)),
+        }
+    }
+    let answers = if asked.is_empty() { Vec::new() } else { data.with(|d| d.store_many(asked))? };
+    // An item refused here answers its own error where its store would have.
+    let mut answers = answers.into_iter();
+    let mut refused = refused.into_iter().peekable();
+    let mut stored = Vec::new();
+    for (i, outcome) in outcomes.iter().enumerate() {
+        if !matches!(outcome, Ok(Some(_))) {
+            continue;
+        }
+        match refused.next_if(|(at, _)| *at == i) {
+            Some((_, e)) => stored.push(Err(e)),
+            None => {
+                stored.push(answers.next().unwrap_or_else(|| Err(ClientError::Data("store answered no result".into()))))
+            }
+        }
+    }
+    Ok(stored)
 }
 
 /// Where one item of a get stands.

@@ -287,3 +287,19 @@ pub fn tree_files(dir: &Path) -> Vec<PathBuf> {
     out.sort();
     out
 }
+
+/// The repository's crates, as folders: the workspace's members (the root
+/// `Cargo.toml`'s `members`) and the Python crate, which builds in its own
+/// workspace. A new crate is in every check that walks the crates the day it
+/// joins the workspace.
+pub fn crate_folders(root: &Path) -> Vec<String> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).expect("reading the workspace's Cargo.toml");
+    let members = manifest
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("members = ["))
+        .and_then(|l| l.strip_suffix(']'))
+        .expect("the workspace's members, on one line");
+    let mut out: Vec<String> = members.split(',').map(|m| m.trim().trim_matches('"').to_owned()).collect();
+    out.push("python".to_owned());
+    out
+}

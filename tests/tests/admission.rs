@@ -318,7 +318,7 @@ fn unread_publications_make_room_only_where_the_operator_opted_in() {
     let evicted: Vec<&str> =
         events.iter().filter(|e| e.event == "evict").map(|e| e.req_id.as_deref().unwrap_or("?")).collect();
     assert_eq!(evicted, ["u-1", "u-2", "u-3", "n-1"]);
-    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     let evict_lines: Vec<usize> =
         lines.iter().filter(|(_, e)| e.as_ref().is_ok_and(|e| e.event == "evict")).map(|(l, _)| *l).collect();
     assert!(

@@ -44,7 +44,7 @@ fn setup_skipping(test: &str, runs: SkipRuns) -> Option<(std::sync::MutexGuard<'
 }
 
 fn open_direct(path: &Path) -> File {
-    pdstor::harness::probe_load::open_direct(path).unwrap()
+    pdstor_proof::harness::probe_load::open_direct(path).unwrap()
 }
 
 /// An io_uring with one registered buffer of `len` bytes (payload-filled).
@@ -305,13 +305,13 @@ fn verdicts_stand_on_their_second_witness_when_runs_are_skipped() {
 /// blk-mq then dispatches from kblockd, and the scheduler from whichever task
 /// runs the queue), a CPU hog beside them: 1,000 writes and 1,000 reads, each
 /// judged as it is at queue depth 1, each with every request it issued
-/// completed once and exactly its own bytes (`pdstor::harness::probe_load`).
+/// completed once and exactly its own bytes (`pdstor_proof::harness::probe_load`).
 #[test]
 fn under_load_every_transfer_keeps_its_requests_and_its_verdict() {
     const TEST: &str = "under_load_every_transfer_keeps_its_requests_and_its_verdict";
     let Some((_serial, probes)) = setup(TEST) else { return };
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let opts = pdstor::harness::probe_load::LoadOptions {
+    let opts = pdstor_proof::harness::probe_load::LoadOptions {
         target: std::path::PathBuf::new(),
         offset: 0,
         threads: 8,
@@ -326,8 +326,8 @@ fn under_load_every_transfer_keeps_its_requests_and_its_verdict() {
     // Eight requests a transfer, 64 transfers in flight a thread, 128 tags.
     lo.set_queue("max_sectors_kb", "64").unwrap_or_else(|e| panic!("{e}"));
     lo.set_queue("scheduler", "mq-deadline").unwrap_or_else(|e| panic!("{e}"));
-    let opts = pdstor::harness::probe_load::LoadOptions { target: lo.path.clone(), ..opts };
-    let report = pdstor::harness::probe_load::run(&probes, &opts).unwrap();
+    let opts = pdstor_proof::harness::probe_load::LoadOptions { target: lo.path.clone(), ..opts };
+    let report = pdstor_proof::harness::probe_load::run(&probes, &opts).unwrap();
     eprintln!("{TEST}: {report:?}");
     assert_eq!(report.transfers, 2000);
     assert_eq!(report.reference, "native", "at queue depth 1: {report:?}");

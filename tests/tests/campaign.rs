@@ -120,7 +120,7 @@ fn a_claim_whose_answer_was_lost_is_answered_again() {
     // The repeat is no second claim, and names the first's receipt (this
     // reader writes no timeline of its own, and no probes judge the paths:
     // the checker's other findings are not this test's).
-    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::Host);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::Host);
     let about_the_claim: Vec<_> = report
         .violations
         .iter()

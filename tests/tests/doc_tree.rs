@@ -36,9 +36,11 @@ const SOURCE_EXTENSIONS: &[&str] = &["rs", "py", "pyi", "c", "h", "cu", "cpp", "
 /// The source files the architecture must name, one by one.
 fn named_sources() -> Vec<String> {
     let dirs = [
+        "cli/src",
         "client/src",
         "driver/src",
         "engine/src",
+        "proof/src",
         "ebpf/src",
         "vmtest/src",
         "vmtest/spec/src",

@@ -45,7 +45,7 @@ fn check_generated(rel: &str, generated: &str) {
 
 /// Every source file under the repository's code folders.
 fn sources() -> Vec<PathBuf> {
-    ["driver", "engine", "client", "ebpf", "tests", "vmtest", "xtask", "python"]
+    pdstor_tests::crate_folders(&root())
         .iter()
         .flat_map(|d| pdstor_tests::tree_files(&root().join(d)))
         .filter(|p| p.extension().is_some_and(|e| ["rs", "c", "h", "py"].iter().any(|x| e == *x)))
@@ -279,12 +279,12 @@ fn http_reference(doc: &Value) -> String {
 
 #[test]
 fn the_checked_in_openapi_document_is_the_generated_one() {
-    check_generated("driver/openapi.json", &pdstor::api::openapi::document_text());
+    check_generated("driver/openapi.json", &pdstor_daemon::api::openapi::document_text());
 }
 
 #[test]
 fn the_http_reference_is_the_openapi_document() {
-    let doc = pdstor::api::openapi::document();
+    let doc = pdstor_daemon::api::openapi::document();
     let md = http_reference(&doc);
     for route in ["/storage-pd/prepare", "/storage-pd/ack", "/storage-pd/lookup", "/healthz"] {
         assert!(md.contains(route), "the HTTP reference has no {route}");

@@ -687,7 +687,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         let checked = e.checked.as_deref().unwrap_or_default();
         assert!(checked.starts_with("daemon, in place in the reader's buffer, on the CPU ("), "{e:?}");
     }
-    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     let kinds: Vec<(&str, usize)> = report.violations.iter().map(|v| (v.kind, v.line)).collect();
     assert_eq!(
         kinds,
@@ -717,7 +717,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let nodes: std::collections::BTreeSet<String> = lines.iter().map(|(_, e)| e.clone().unwrap().node).collect();
     assert_eq!(nodes.len(), 2, "{nodes:?}");
-    let report = pdstor::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
     assert!(report.violations.iter().all(|v| v.kind != "out_of_order"), "{:#?}", report.violations);
     assert!(report.violations.iter().all(|v| v.line <= 10 || v.kind == "not_native"), "{:#?}", report.violations);
     assert_eq!(p2.manifest.chunks.len(), 1);
@@ -1003,7 +1003,7 @@ fn a_direct_readers_timeline_merges_with_the_owners_and_checks() {
     let d = Daemon::start_with(&target, dir.path(), &["--provenance", "--timeline", owner_tl.to_str().unwrap()]);
     let p = put(&d, "two-hosts", 61, 4);
     let t = std::sync::Arc::new(pdstor_client::timeline::Timeline::open(&reader_tl, "remote-reader").unwrap());
-    let judge = pdstor::provenance::ProbeJudge::attach().unwrap();
+    let judge = pdstor_daemon::provenance::ProbeJudge::attach().unwrap();
     let mut r = RemoteReader::open(&d.server, &target).unwrap().with_judge(Box::new(judge)).with_timeline(t);
     let claim = r.claim(&p.receipt, "decode-remote", "s-two", 60_000).unwrap();
     let restored = r.get(&claim, &layout()).unwrap();

@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use pdstor::timeline::mutate;
-use pdstor::timeline::render::{FALLBACK_RED, HEADER, HOST_ORANGE, render};
+use pdstor_proof::timeline::mutate;
+use pdstor_proof::timeline::render::{FALLBACK_RED, HEADER, HOST_ORANGE, render};
 use pdstor_testkit::skip;
 
 fn chromium() -> Option<&'static str> {

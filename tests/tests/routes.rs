@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use pdstor::api::openapi::{ROUTES, document_text};
+use pdstor_daemon::api::openapi::{ROUTES, document_text};
 use pdstor_tests::Daemon;
 
 /// One HTTP/1.1 exchange; the status and the body.

@@ -31,11 +31,11 @@ const STEPS: &[Step] = &[
     Step { title: "cargo fmt --check", run: fmt },
     Step { title: "cargo clippy --all-targets -- -D warnings", run: clippy },
     Step {
-        title: "cargo clippy -p pdstor-engine -p pdstor --features cuda (builds with no CUDA toolkit: the driver is loaded at run time)",
+        title: "cargo clippy -p pdstor-engine -p pdstor-proof -p pdstor --features cuda (builds with no CUDA toolkit: the driver is loaded at run time)",
         run: clippy_cuda,
     },
     Step {
-        title: "cargo doc -p pdstor-engine -p pdstor (every public item documented: missing_docs, links resolve)",
+        title: "cargo doc -p pdstor-engine -p pdstor-daemon -p pdstor-proof (every public item documented: missing_docs, links resolve)",
         run: api_docs,
     },
     Step { title: "the book (mdbook build docs/, every internal link checked)", run: |sh, _| docs::build(sh) },
@@ -120,13 +120,16 @@ fn clippy(sh: &Shell, _: &mut Run) -> Result<()> {
 }
 
 fn clippy_cuda(sh: &Shell, _: &mut Run) -> Result<()> {
-    cmd!(sh, "cargo clippy -p pdstor-engine -p pdstor --features cuda --all-targets --quiet -- -D warnings")
-        .run()
-        .context("clippy found problems in the cuda feature")
+    cmd!(
+        sh,
+        "cargo clippy -p pdstor-engine -p pdstor-proof -p pdstor --features cuda --all-targets --quiet -- -D warnings"
+    )
+    .run()
+    .context("clippy found problems in the cuda feature")
 }
 
 fn api_docs(sh: &Shell, _: &mut Run) -> Result<()> {
-    cmd!(sh, "cargo doc -p pdstor-engine -p pdstor --no-deps --features cuda --quiet")
+    cmd!(sh, "cargo doc -p pdstor-engine -p pdstor-daemon -p pdstor-proof --no-deps --features cuda --quiet")
         .env("RUSTDOCFLAGS", "-D warnings")
         .run()
         .context("the pdstor API docs have warnings: document every public item (see the output above)")

@@ -129,7 +129,8 @@ fn main() -> Result<()> {
         Command::Docs(args) => docs::run(&sh, &args),
         Command::Fresh(args) => fresh::run(&sh, &args),
         Command::Sim { seed, seeds, first } => {
-            let mut run = cmd!(sh, "cargo test --release --quiet -p pdstor --test sim -- --nocapture --test-threads 1");
+            let mut run =
+                cmd!(sh, "cargo test --release --quiet -p pdstor-daemon --test sim -- --nocapture --test-threads 1");
             run = match seed {
                 Some(s) => run.env("PDSTOR_SIM_SEED", s.to_string()),
                 None => run.env("PDSTOR_SIM_SEEDS", seeds.to_string()).env("PDSTOR_SIM_FIRST", first.to_string()),

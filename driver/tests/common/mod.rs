@@ -18,7 +18,7 @@ pub fn layout() -> pdstor_client::layout::Layout {
     }
 }
 
-/// A real daemon run in this process (`pdstor::api::serve` on a thread) on a
+/// A real daemon run in this process (`pdstor_daemon::api::serve` on a thread) on a
 /// 16 MiB file target of 1 MiB slots, its control plane on plaintext
 /// loopback TCP, its device failing as `fault` says. Its tests stop it by
 /// sending SIGTERM to their own process, so each lives alone in its file.
@@ -30,12 +30,12 @@ pub struct InProcess {
     pub daemon: std::thread::JoinHandle<anyhow::Result<()>>,
 }
 
-pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPlan>) -> InProcess {
+pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor_daemon::store::FaultPlan>) -> InProcess {
     use std::time::{Duration, Instant};
     let target = dir.join("ns.img");
-    pdstor::store::format(
+    pdstor_daemon::store::format(
         &target,
-        &pdstor::store::FormatOptions {
+        &pdstor_daemon::store::FormatOptions {
             slot_size: 1 << 20,
             journal_half: 256 << 10,
             force: false,
@@ -45,12 +45,12 @@ pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPl
     .expect("format");
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let socket = dir.join("data.sock");
-    let cfg = pdstor::api::ServeConfig {
+    let cfg = pdstor_daemon::api::ServeConfig {
         target: target.clone(),
-        listen: pdstor::api::Listen::Tcp(format!("127.0.0.1:{port}").parse().unwrap()),
+        listen: pdstor_daemon::api::Listen::Tcp(format!("127.0.0.1:{port}").parse().unwrap()),
         data_socket: socket.clone(),
         queue_depth: 8,
-        merge_bytes: pdstor::store::DEFAULT_MERGE_BYTES,
+        merge_bytes: pdstor_daemon::store::DEFAULT_MERGE_BYTES,
         verify_threads: 0,
         admission_timeout: Duration::from_secs(2),
         provenance: false,
@@ -68,7 +68,7 @@ pub fn serve_in_process(dir: &Path, fault: std::sync::Arc<pdstor::store::FaultPl
         reload_check: None,
         tls: None,
     };
-    let daemon = std::thread::spawn(move || pdstor::api::serve(cfg));
+    let daemon = std::thread::spawn(move || pdstor_daemon::api::serve(cfg));
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() || !socket.exists() {
         assert!(Instant::now() < deadline, "the daemon did not come up");

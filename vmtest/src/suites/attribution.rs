@@ -148,7 +148,7 @@ pub fn requeue(_: &Ctx) -> Checked {
     )
 }
 
-/// The load test on the NVMe namespace (`pdstor::harness::probe_load`):
+/// The load test on the NVMe namespace (`pdstor_proof::harness::probe_load`):
 /// 8 submitters at queue depth 64, a CPU hog, 1,000 writes and 1,000 reads
 /// of 128 KiB, each split into four requests at a 32 KiB limit; every
 /// transfer judged as at depth 1, nothing lost, nothing double-counted.
@@ -157,7 +157,7 @@ pub fn under_load(ctx: &Ctx) -> Checked {
     let name = dev.file_name().ok_or("a /dev path")?.to_string_lossy().into_owned();
     let _limit = Setting::set(Path::new("/sys/block").join(name).join("queue/max_sectors_kb"), "32")?;
     let probes = super::attach_probes()?;
-    let opts = pdstor::harness::probe_load::LoadOptions {
+    let opts = pdstor_proof::harness::probe_load::LoadOptions {
         target: dev,
         // Past what the other probes tests write (64 and 96 MiB).
         offset: 256 << 20,
@@ -168,7 +168,7 @@ pub fn under_load(ctx: &Ctx) -> Checked {
         hog: true,
         first_id: 600_000,
     };
-    let report = pdstor::harness::probe_load::run(&probes, &opts)?;
+    let report = pdstor_proof::harness::probe_load::run(&probes, &opts)?;
     println!("probe load on the NVMe namespace: {report:?}");
     if report.reference == "native" && report.clean() {
         return Ok(());

@@ -96,7 +96,7 @@ pub(super) fn handoff_reader() -> Checked {
         let _ = std::fs::remove_file(tl);
         let timeline = pdstor_client::timeline::Timeline::open(Path::new(tl), "remote-reader-host")
             .map_err(|e| format!("the reader host's timeline: {e}"))?;
-        let judge = pdstor::provenance::ProbeJudge::attach()?;
+        let judge = pdstor_daemon::provenance::ProbeJudge::attach()?;
         let mut r = RemoteReader::open(&server, &dev)
             .map_err(|e| e.to_string())?
             .with_judge(Box::new(judge))

@@ -25,7 +25,7 @@ where
 pub struct Server {
     /// The daemon's control plane (`pdstor serve --listen`): `unix:/path/control.sock`, or
     /// `http://host:port` for a daemon serving plaintext TCP.
-    #[arg(long, env = "PDSTOR_SERVER", default_value_t = pdstor::api::hygiene::default_server())]
+    #[arg(long, env = "PDSTOR_SERVER", default_value_t = pdstor_daemon::api::hygiene::default_server())]
     pub server: String,
 }
 
@@ -34,11 +34,11 @@ pub struct Server {
 pub struct Daemon {
     /// The daemon's control plane (`pdstor serve --listen`): `unix:/path/control.sock`, or
     /// `http://host:port` for a daemon serving plaintext TCP.
-    #[arg(long, env = "PDSTOR_SERVER", default_value_t = pdstor::api::hygiene::default_server())]
+    #[arg(long, env = "PDSTOR_SERVER", default_value_t = pdstor_daemon::api::hygiene::default_server())]
     pub server: String,
     /// The daemon's data-plane Unix socket (`pdstor serve --data-socket`): buffers are shared over
     /// it, only with a daemon running as root or as this user (or as PDSTOR_DAEMON_UID).
-    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor::api::hygiene::default_data_socket())]
+    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor_daemon::api::hygiene::default_data_socket())]
     pub data_socket: PathBuf,
 }
 
@@ -72,7 +72,7 @@ pub fn refuse_signature(target: &Path, force: bool) -> anyhow::Result<()> {
     if force || !target.exists() {
         return Ok(());
     }
-    if let Some(sig) = pdstor::store::signature_of(target)? {
+    if let Some(sig) = pdstor_daemon::store::signature_of(target)? {
         anyhow::bail!(
             "target {} holds {sig}; this command overwrites it: pass --force if that is what you want",
             target.display()

@@ -1,5 +1,7 @@
 //! The `pdstor` command line: one verb per variant of [`Command`], each an
-//! args struct with its own `run`, grouped by what the verb works on.
+//! args struct with its own `run`, grouped by what the verb works on. The
+//! daemon's verbs run `pdstor-daemon`, the proof's `pdstor-proof`.
+#![deny(clippy::unwrap_used)]
 
 mod bench_crc;
 mod client;
@@ -14,6 +16,9 @@ mod timeline;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use pdstor_client::ClientError;
 
 #[derive(Parser)]
@@ -146,7 +151,7 @@ const EXIT_USAGE: u8 = 64;
 
 /// Parses the command line, runs the verb, and turns its outcome into the
 /// exit status: 0 done, 2 refused by the daemon, 3 failed, 64 usage, 1 other.
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
@@ -163,7 +168,7 @@ pub fn main() -> ExitCode {
                 // A 4xx is the daemon refusing a step (nothing changed); a 5xx is it failing one.
                 let verb = if (400..500).contains(&body.status) { "refused" } else { "failed" };
                 eprintln!("pdstor: {verb}: {} {} ({}): {}", body.status, body.code, body.field, body.message);
-                ExitCode::from(pdstor::api::error::exit_code(body))
+                ExitCode::from(pdstor_daemon::api::error::exit_code(body))
             }
             Some(other) => {
                 eprintln!("pdstor: error: {other}");

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use pdstor::units::parse_size;
+use pdstor_daemon::units::parse_size;
 
-// What one client may hold or take (see `pdstor::api::Limits`).
+// What one client may hold or take (see `pdstor_daemon::api::Limits`).
 #[derive(clap::Args, Clone, Copy)]
 pub struct LimitArgs {
     /// Largest control-plane request body; a larger one is 413.
@@ -55,8 +55,8 @@ pub struct LimitArgs {
 }
 
 impl LimitArgs {
-    fn limits(self) -> pdstor::api::Limits {
-        pdstor::api::Limits {
+    fn limits(self) -> pdstor_daemon::api::Limits {
+        pdstor_daemon::api::Limits {
             max_body_bytes: self.max_body as usize,
             body_timeout: Duration::from_millis(self.body_timeout_ms),
             header_timeout: Duration::from_millis(self.header_timeout_ms),
@@ -81,8 +81,8 @@ pub struct ServeArgs {
     /// Control plane: `unix:/path` (mode 0600, or 0660 for the config's socket group; a file
     /// there that is not a stale socket is refused, never replaced) or `host:port` (plaintext
     /// TCP: only with --insecure-tcp).
-    #[arg(long, default_value_t = pdstor::api::Listen::Unix(pdstor::api::hygiene::default_control_socket()), conflicts_with = "listen_unix")]
-    listen: pdstor::api::Listen,
+    #[arg(long, default_value_t = pdstor_daemon::api::Listen::Unix(pdstor_daemon::api::hygiene::default_control_socket()), conflicts_with = "listen_unix")]
+    listen: pdstor_daemon::api::Listen,
     /// Serve the control plane in plaintext TCP (warned at every start): whoever reaches the
     /// address is taken to be the config's `plaintext` principal (without a config: this
     /// daemon's own user).
@@ -117,7 +117,7 @@ pub struct ServeArgs {
     config: Option<PathBuf>,
     /// The data-plane Unix socket clients share their buffers over (mode 0600, or 0660 for the
     /// config's socket group, in a directory no other user can write; created 0750 if missing).
-    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor::api::hygiene::default_data_socket())]
+    #[arg(long, env = "PDSTOR_DATA_SOCKET", default_value_os_t = pdstor_daemon::api::hygiene::default_data_socket())]
     data_socket: PathBuf,
     /// Serve a target other users can read (its KV bytes and receipt key), warned at start.
     #[arg(long)]
@@ -129,7 +129,7 @@ pub struct ServeArgs {
     /// (16-64 KiB per-layer layouts) go to the device as one command of up to this many bytes,
     /// each still checksummed on its own; 0 sends every chunk alone. Off with --provenance
     /// (verdicts are per chunk).
-    #[arg(long, default_value = "1M", value_parser = pdstor::units::parse_size)]
+    #[arg(long, default_value = "1M", value_parser = pdstor_daemon::units::parse_size)]
     merge: u64,
     /// Threads that checksum payloads beside the I/O thread; 0 (the default): one per CPU the
     /// daemon may run on. A large chunk is spread over all of them.
@@ -185,15 +185,15 @@ impl ServeArgs {
     pub fn run(self) -> anyhow::Result<()> {
         tracing_subscriber::fmt()
             .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-            .with_writer(pdstor::api::log::LogWriter)
+            .with_writer(pdstor_daemon::api::log::LogWriter)
             // Colours for a terminal only: a log file (journald, a test's
             // serve.log) gets plain lines, and the daemon skips their escapes.
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init();
-        pdstor::api::serve(pdstor::api::ServeConfig {
+        pdstor_daemon::api::serve(pdstor_daemon::api::ServeConfig {
             target: self.target,
             listen: match self.listen_unix {
-                Some(p) => pdstor::api::Listen::Unix(p),
+                Some(p) => pdstor_daemon::api::Listen::Unix(p),
                 None => self.listen,
             },
             data_socket: self.data_socket,
@@ -206,7 +206,7 @@ impl ServeArgs {
             timeline: self.timeline,
             reservation_key: self.reservation_key,
             owner_check: Duration::from_millis(self.owner_check_ms.max(10)),
-            standby: self.standby.then(|| pdstor::api::standby::StandbyConfig {
+            standby: self.standby.then(|| pdstor_daemon::api::standby::StandbyConfig {
                 owner: self.owner.clone(),
                 takeover_after: Duration::from_millis(self.takeover_after_ms),
                 check_every: Duration::from_millis(self.owner_check_ms.max(10)),
@@ -215,11 +215,11 @@ impl ServeArgs {
             limits: self.limits.limits(),
             allow_readable_target: self.allow_readable_target,
             insecure_tcp: self.insecure_tcp,
-            config: pdstor::api::config::ConfigSource { path: self.config, evict_unread: self.evict_unread },
+            config: pdstor_daemon::api::config::ConfigSource { path: self.config, evict_unread: self.evict_unread },
             reload_check: (self.reload_check_ms > 0).then(|| Duration::from_millis(self.reload_check_ms)),
             tls: match (self.tls_cert, self.tls_key, self.tls_client_ca) {
                 (Some(cert), Some(key), Some(client_ca)) => {
-                    Some(pdstor::api::tls::TlsFiles { cert, key, client_ca, crls: self.tls_crl })
+                    Some(pdstor_daemon::api::tls::TlsFiles { cert, key, client_ca, crls: self.tls_crl })
                 }
                 _ => None,
             },

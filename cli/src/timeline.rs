@@ -77,7 +77,7 @@ impl TimelineCmd {
 
 fn check(file: &std::path::Path, require_path: PayloadPath, json: bool) -> anyhow::Result<()> {
     let lines = pdstor_client::timeline::read(file)?;
-    let report = pdstor::timeline::check::check(&lines, require_path);
+    let report = pdstor_proof::timeline::check::check(&lines, require_path);
     if json {
         print_json(&report)?;
     } else {
@@ -110,7 +110,7 @@ fn merge(files: &[PathBuf], output: Option<&std::path::Path>) -> anyhow::Result<
     for f in files {
         inputs.push((f.display().to_string(), pdstor_client::timeline::read(f)?));
     }
-    let merged = pdstor::timeline::merge::merge(&inputs)?;
+    let merged = pdstor_proof::timeline::merge::merge(&inputs)?;
     let mut text = String::new();
     for e in &merged {
         text.push_str(&serde_json::to_string(e)?);
@@ -134,7 +134,7 @@ fn render(file: &std::path::Path, output: &std::path::Path, title: Option<String
     }
     let events: Vec<_> = lines.into_iter().filter_map(|(_, e)| e.ok()).collect();
     let title = title.unwrap_or_else(|| file.display().to_string());
-    let svg = pdstor::timeline::render::render(&events, &title);
+    let svg = pdstor_proof::timeline::render::render(&events, &title);
     std::fs::write(output, svg).map_err(|e| anyhow::anyhow!("writing {}: {e}", output.display()))?;
     println!("{}: {} events drawn", output.display(), events.len());
     Ok(())
@@ -144,9 +144,9 @@ fn render(file: &std::path::Path, output: &std::path::Path, title: Option<String
 #[derive(serde::Serialize)]
 struct Fate {
     #[serde(flatten)]
-    mutant: pdstor::timeline::mutate::Mutant,
+    mutant: pdstor_proof::timeline::mutate::Mutant,
     /// The violation that caught it, if any.
-    caught: Option<pdstor::timeline::check::Violation>,
+    caught: Option<pdstor_proof::timeline::check::Violation>,
 }
 
 fn mutate(
@@ -155,7 +155,7 @@ fn mutate(
     out: Option<&std::path::Path>,
     json: bool,
 ) -> anyhow::Result<()> {
-    use pdstor::timeline::{check, mutate};
+    use pdstor_proof::timeline::{check, mutate};
     let lines = pdstor_client::timeline::read(file)?;
     let clean = check::check(&lines, require_path);
     if !clean.ok() {

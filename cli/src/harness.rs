@@ -1,15 +1,15 @@
-//! The verbs that run a harness (`pdstor::harness`) and print what it
+//! The verbs that run a harness (`pdstor_proof::harness`) and print what it
 //! measured or proved: bench, bench-store, bench-handoff, handoff,
 //! roundtrip, ladder, qualify.
 
 use std::path::PathBuf;
 
-use pdstor::harness::bench::store::StoreBenchConfig;
-use pdstor::harness::bench::{self, BenchConfig, Pattern};
-use pdstor::harness::roundtrip::{self, RoundtripConfig};
-use pdstor::harness::{ladder, qualify};
-use pdstor::units::parse_size;
+use pdstor_daemon::units::parse_size;
 use pdstor_engine::PayloadPath;
+use pdstor_proof::harness::bench::store::StoreBenchConfig;
+use pdstor_proof::harness::bench::{self, BenchConfig, Pattern};
+use pdstor_proof::harness::roundtrip::{self, RoundtripConfig};
+use pdstor_proof::harness::{ladder, qualify};
 
 use super::common::{BufferArgs, Daemon, PATHS, one_of, print_report, read_json, refuse_signature};
 use super::process_handoff;
@@ -395,7 +395,7 @@ impl QualifyArgs {
             path: self.path,
             provenance: !self.no_provenance,
             corrupt_via: self.corrupt_via,
-            model: pdstor::model::Config { seed: self.seed, ..Default::default() },
+            model: pdstor_proof::model::Config { seed: self.seed, ..Default::default() },
         };
         let report = qualify::run(&cfg)?;
         print!("{}", report.markdown());

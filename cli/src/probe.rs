@@ -35,7 +35,7 @@ pub enum ProbeCmd {
         #[arg(long)]
         target: std::path::PathBuf,
         /// Where on TARGET the transfers start (a multiple of 4 KiB).
-        #[arg(long, default_value = "0", value_parser = pdstor::units::parse_size)]
+        #[arg(long, default_value = "0", value_parser = pdstor_daemon::units::parse_size)]
         offset: u64,
         /// Submitter threads, each with its own io_uring.
         #[arg(long, default_value_t = 8)]
@@ -47,7 +47,7 @@ pub enum ProbeCmd {
         #[arg(long, default_value_t = 64)]
         depth: u32,
         /// Bytes per transfer (a multiple of 4 KiB).
-        #[arg(long, default_value = "128K", value_parser = pdstor::units::parse_size)]
+        #[arg(long, default_value = "128K", value_parser = pdstor_daemon::units::parse_size)]
         chunk: u64,
         /// No CPU hog beside the submitters.
         #[arg(long)]
@@ -80,7 +80,7 @@ impl ProbeCmd {
                 anyhow::ensure!(threads > 0 && transfers >= threads, "--transfers must be at least --threads (>= 1)");
                 let len = u32::try_from(chunk).map_err(|_| anyhow::anyhow!("--chunk {chunk} is over 4 GiB"))?;
                 let p = pdstor_probes::Probes::attach(std::process::id())?;
-                let opts = pdstor::harness::probe_load::LoadOptions {
+                let opts = pdstor_proof::harness::probe_load::LoadOptions {
                     target,
                     offset,
                     threads,
@@ -90,7 +90,7 @@ impl ProbeCmd {
                     hog: !no_hog,
                     first_id: 1,
                 };
-                let report = pdstor::harness::probe_load::run(&p, &opts).map_err(anyhow::Error::msg)?;
+                let report = pdstor_proof::harness::probe_load::run(&p, &opts).map_err(anyhow::Error::msg)?;
                 print_json(&report)?;
                 anyhow::ensure!(report.clean(), "transfers misjudged under load (see the report above)");
                 Ok(())

@@ -1,7 +1,7 @@
 //! `pdstor bench-crc`: CRC-32C implementations against a plain read.
 
-use pdstor::harness::bench::crc::{self, CrcBenchConfig};
-use pdstor::units::parse_size;
+use pdstor_daemon::units::parse_size;
+use pdstor_proof::harness::bench::crc::{self, CrcBenchConfig};
 
 use super::common::print_report;
 

@@ -302,7 +302,7 @@ pub fn run(cfg: &HandoffBenchConfig) -> Result<HandoffBenchReport, ClientError> 
     w.buffer().write_at(0, &payload).map_err(|e| ClientError::Data(e.to_string()))?;
     let mut r = Reader::new(&cfg.server, &cfg.data_socket)?;
     r.set_verify(cfg.verify);
-    let run_id = crate::protocol::now_unix_ms();
+    let run_id = pdstor_daemon::protocol::now_unix_ms();
     // Warm-up: first-touch of the reader's buffer pages is not the protocol's cost.
     handoff(&mut w, &mut r, &format!("bench-{run_id}-warm"), cfg.bytes, cfg.chunk)?;
     let mut round_steps_us: Vec<BTreeMap<String, u64>> = Vec::new();

@@ -473,9 +473,14 @@ pub fn run(cfg: &QualifyConfig) -> anyhow::Result<QualifyReport> {
     }
     let chunk = kv::chunk_bytes(&cfg.model, cfg.chunk_tokens) as u64;
     let create = (!cfg.target.exists()).then_some(cfg.size);
-    crate::store::format(
+    pdstor_daemon::store::format(
         &cfg.target,
-        &crate::store::FormatOptions { slot_size: chunk, journal_half: 1 << 20, force: true, create_len: create },
+        &pdstor_daemon::store::FormatOptions {
+            slot_size: chunk,
+            journal_half: 1 << 20,
+            force: true,
+            create_len: create,
+        },
     )?;
     let timeline_path = cfg.out.join("timeline.jsonl");
     let _ = std::fs::remove_file(&timeline_path);

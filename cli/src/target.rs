@@ -3,8 +3,8 @@
 
 use std::path::PathBuf;
 
-use pdstor::store::{self, FormatOptions};
-use pdstor::units::parse_size;
+use pdstor_daemon::store::{self, FormatOptions};
+use pdstor_daemon::units::parse_size;
 use pdstor_engine::io::{Engine, EngineOptions, Target, TargetOptions};
 
 use super::common::print_json;

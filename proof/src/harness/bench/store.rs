@@ -11,8 +11,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor_client::layout::Layout;
+use pdstor_daemon::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::BufferOffset;
 

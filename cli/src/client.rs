@@ -7,8 +7,8 @@ use std::time::Instant;
 use pdstor_client::layout::Layout;
 use pdstor_client::receipt::Receipt;
 
-use pdstor::units::parse_size;
 use pdstor_client::{Client, Reader, Writer};
+use pdstor_daemon::units::parse_size;
 
 use super::common::{BufferArgs, Daemon, STATES, Server, print_json, read_json};
 use pdstor_client::timeline::Event;

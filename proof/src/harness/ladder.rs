@@ -268,7 +268,7 @@ impl LadderReport {
 pub fn run(cfg: &LadderConfig) -> anyhow::Result<LadderReport> {
     let target = open_checked(cfg)?;
     let kind = target.kind();
-    let class = crate::provenance::target_class(kind);
+    let class = pdstor_daemon::provenance::target_class(kind);
     let (memory, exporter_detail) = ladder_memory(cfg)?;
     let probes = pdstor_probes::Probes::attach(std::process::id());
     if let Ok(p) = &probes {
@@ -359,7 +359,7 @@ fn open_checked(cfg: &LadderConfig) -> anyhow::Result<Target> {
         bail!("--bytes must be a positive multiple of --chunk, and --chunk a multiple of 4096");
     }
     if !cfg.force
-        && let Some(sig) = crate::store::signature_of(&cfg.target)?
+        && let Some(sig) = pdstor_daemon::store::signature_of(&cfg.target)?
     {
         bail!(
             "{} holds {sig}: the ladder overwrites its target; give a scratch target, or --force to overwrite it",
@@ -473,7 +473,9 @@ impl RungCtx<'_> {
         for r in requests {
             let v = match self.reader {
                 None => pdstor_probes::Verdict::Unverifiable("probes not attached".into()),
-                Some(reader) => reader.verdict(r.transfer.0, crate::provenance::declared(self.rung.path), self.class),
+                Some(reader) => {
+                    reader.verdict(r.transfer.0, pdstor_daemon::provenance::declared(self.rung.path), self.class)
+                }
             };
             *self.rung.verdicts.entry(v.to_string()).or_default() += 1;
         }
