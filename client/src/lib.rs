@@ -30,6 +30,7 @@ use pdstor_engine::{Buffer, PayloadPath};
 pub mod code;
 pub mod frame;
 pub mod layout;
+pub mod many;
 pub mod private;
 pub mod read;
 pub mod receipt;
@@ -40,16 +41,22 @@ pub mod wire;
 
 mod batch;
 mod http1;
+mod reader;
 mod remote;
 mod step_de;
+mod verify;
+mod writer;
 
 use crate::frame::{read_frame, write_frame};
 use crate::layout::{Layout, Manifest};
-use crate::receipt::{Receipt, manifest_digest, restore_digest};
+use crate::receipt::{Receipt, manifest_digest};
 use crate::wire::*;
 
 pub use batch::{Outcomes, StoreItem};
+pub use reader::{Reader, Restored};
 pub use remote::{Judge, RemoteReader};
+pub use verify::{LoadChecks, Verify, reported_checksums};
+pub use writer::Writer;
 
 /// What a client call failed on.
 #[derive(Debug, thiserror::Error)]
@@ -273,8 +280,18 @@ fn not_the_owner(path: &str, status: u16, body: &[u8]) -> Option<String> {
     if path == "/healthz" && status == 200 && body.starts_with(b"standby") {
         return Some("standby".into());
     }
+    let passes = |code: &str| matches!(code, "standby" | "namespace_lost" | "namespace_mismatch");
+    if path == "/storage-pd/batch" && status == 200 {
+        // A batch every step of which was refused so did nothing either: a
+        // batch of one is how a single step goes, and it fails over as the
+        // step's own route would.
+        let answer: BatchResponse = serde_json::from_slice(body).ok()?;
+        let codes: Vec<&str> =
+            answer.results.iter().map(|r| r.error.as_ref().map_or("", |e| e.code.as_str())).collect();
+        return (!codes.is_empty() && codes.iter().all(|c| passes(c))).then(|| codes[0].to_owned());
+    }
     let b: ErrorBody = serde_json::from_slice(body).ok()?;
-    matches!(b.code.as_str(), "standby" | "namespace_lost" | "namespace_mismatch").then_some(b.code)
+    passes(&b.code).then_some(b.code)
 }
 
 impl Client {
@@ -846,361 +863,6 @@ impl BufferSpec {
             Exporter::DmaHeap => Buffer::dma_heap("system", len),
         };
         b.map_err(|e| ClientError::Data(e.to_string()))
-    }
-}
-
-/// The prefill side: one shared buffer, registered once.
-pub struct Writer {
-    /// The control-plane client.
-    pub client: Client,
-    data: DataConn,
-    buffer: Buffer,
-    buffer_id: u32,
-    chunk_size: u64,
-    /// Who this writer is, recorded with each publication it prepares.
-    writer_id: String,
-    /// Whether it publishes cache publications (read by many).
-    cache: bool,
-}
-
-impl Writer {
-    /// A writer with a memfd buffer of `chunks` × `chunk_size` bytes on `host_fixed`.
-    pub fn new(server: &str, data_socket: &Path, chunk_size: u64, chunks: u32) -> Result<Writer, ClientError> {
-        Self::with_buffer(server, data_socket, chunk_size, chunks, BufferSpec::default())
-    }
-
-    /// A writer whose buffer comes from `spec.exporter` and moves on `spec.path`.
-    pub fn with_buffer(
-        server: &str,
-        data_socket: &Path,
-        chunk_size: u64,
-        chunks: u32,
-        spec: BufferSpec,
-    ) -> Result<Writer, ClientError> {
-        let client = Client::new(server);
-        let mut data = DataConn::connect(data_socket)?;
-        let buffer = spec.allocate("pdstor-writer", (chunk_size * chunks as u64) as usize)?;
-        let buffer_id = data.register_for(&buffer, spec.path)?;
-        Ok(Writer { client, data, buffer, buffer_id, chunk_size, writer_id: "writer".into(), cache: false })
-    }
-
-    /// Names this writer (default `writer`): the identity recorded with every
-    /// publication it prepares, shown by `publications`.
-    pub fn with_writer_id(mut self, id: &str) -> Writer {
-        self.writer_id = id.into();
-        self
-    }
-
-    /// Publishes cache publications from now on: each READY for any
-    /// reader of the namespace ([`Reader::get_cached`]) until released.
-    pub fn publishing_cache(mut self) -> Writer {
-        self.cache = true;
-        self
-    }
-
-    /// The writer's shared buffer.
-    pub fn buffer(&self) -> &Buffer {
-        &self.buffer
-    }
-
-    /// prepare → store in `batch` chunks per batch → publish. `payload` is the
-    /// whole KV set; the last chunk may be short (padded to 4 KiB on media).
-    pub fn put(
-        &mut self,
-        req_id: &str,
-        layout: &Layout,
-        payload: &[u8],
-        batch: u32,
-        first_token: Option<u32>,
-    ) -> Result<Published, ClientError> {
-        let cs = self.chunk_size as usize;
-        let total = payload.len().div_ceil(cs) as u32;
-        if total as usize * cs > self.buffer.len() {
-            return Err(ClientError::Data(format!(
-                "{} bytes do not fit the {}-byte writer buffer",
-                payload.len(),
-                self.buffer.len()
-            )));
-        }
-        if !payload.len().is_multiple_of(4096) {
-            return Err(ClientError::Data(format!("{} bytes is not a multiple of 4096 (direct I/O)", payload.len())));
-        }
-        self.buffer.write_at(0, payload).map_err(|e| ClientError::Data(e.to_string()))?;
-        self.put_in_place(req_id, layout, payload.len() as u64, batch, first_token)
-    }
-
-    /// Like [`Writer::put`] for `len` bytes already in the writer's buffer
-    /// (where the engine wrote its KV cache).
-    pub fn put_in_place(
-        &mut self,
-        req_id: &str,
-        layout: &Layout,
-        len: u64,
-        batch: u32,
-        first_token: Option<u32>,
-    ) -> Result<Published, ClientError> {
-        let total = len.div_ceil(self.chunk_size) as u32;
-        let p = self.client.prepare_request(&PrepareRequest {
-            req_id: req_id.into(),
-            layout: layout.clone(),
-            total_chunks: total,
-            writer: self.writer_id.clone(),
-            timeout_ms: None,
-            unread_release_ms: None,
-            cache: self.cache,
-        })?;
-        let chunks: Vec<DataChunk> = (0..total)
-            .map(|i| {
-                let off = i as u64 * self.chunk_size;
-                let len = (len - off).min(self.chunk_size);
-                DataChunk { index: i, buffer: self.buffer_id, offset: off, len, crc32c: None }
-            })
-            .collect();
-        for (n, group) in chunks.chunks(batch.max(1) as usize).enumerate() {
-            let last = (n + 1) * batch.max(1) as usize >= chunks.len();
-            if let Err(e) = self.data.store(p.publication, &p.writer_token, group.to_vec(), last, total) {
-                let _ = self.client.abort(p.publication, &p.writer_token);
-                return Err(e);
-            }
-        }
-        self.client.publish(p.publication, &p.writer_token, first_token)
-    }
-}
-
-/// Who checksums the chunks a reader loads.
-///
-/// The daemon checksums every chunk it loads in place in the reader's own
-/// buffer, through its mapping of that memory, once the chunk's transfer has
-/// completed, and fails the load on a mismatch with the crc32c journaled at
-/// store: that is the end-to-end check (the bytes the reader will use against
-/// the bytes the writer stored). The reader checks those reported checksums
-/// against its manifest (the one its claim signed), and checksums itself only
-/// what the daemon could not (memory it cannot map, listed as `unverified`).
-/// A second pass in the reader over the same bytes, against the same stored
-/// crc32c, would check the same thing twice: [`Verify::Local`] does it
-/// anyway, for a reader that wants a check independent of the daemon's code.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Verify {
-    /// The daemon's in-place check (one checksum per byte).
-    #[default]
-    Daemon,
-    /// Every chunk checksummed again in this process.
-    Local,
-    /// Nothing checked, by anyone: the reader's buffer is registered
-    /// `unchecked` (the daemon answers its chunks `unverified`) and this
-    /// reader takes the manifest's crc32c for what it read. Only to measure
-    /// what verification costs (`pdstor bench-handoff --no-verify`); no
-    /// name parses to it.
-    None,
-}
-
-impl std::str::FromStr for Verify {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "daemon" => Ok(Verify::Daemon),
-            "local" => Ok(Verify::Local),
-            _ => Err(format!("unknown verification {s:?}: expected daemon or local")),
-        }
-    }
-}
-
-/// The crc32c the daemon reported for each chunk of a load (`requested`, in
-/// request order), by chunk index: what it read in place in the reader's
-/// buffer. Chunks it listed as `unverified` are absent, and so is every chunk
-/// if the answer's counts do not add up: the reader checksums those itself.
-pub fn reported_checksums(requested: &[u32], answer: &DataResponse) -> std::collections::HashMap<u32, u32> {
-    let checked: Vec<u32> = requested.iter().copied().filter(|i| !answer.unverified.contains(i)).collect();
-    if checked.len() != answer.crc32c.len() {
-        return Default::default();
-    }
-    checked.into_iter().zip(answer.crc32c.iter().copied()).collect()
-}
-
-/// The checks of one load's chunks against the manifest: each chunk's
-/// crc32c as the daemon reported it, or, where it did not (or with
-/// [`Verify::Local`]), computed here in place in the buffer.
-pub struct LoadChecks {
-    reported: std::collections::HashMap<u32, u32>,
-    /// [`Verify::None`]: the manifest's word is taken.
-    trusted: bool,
-}
-
-impl LoadChecks {
-    /// For a load of `requested` (in request order) that the daemon answered.
-    pub fn new(verify: Verify, requested: &[u32], answer: &DataResponse) -> LoadChecks {
-        let reported = match verify {
-            Verify::Daemon => reported_checksums(requested, answer),
-            Verify::Local | Verify::None => Default::default(),
-        };
-        LoadChecks { reported, trusted: verify == Verify::None }
-    }
-
-    /// Chunk `index` (`len` bytes at `offset` of `buffer`) against the
-    /// manifest's `want`; its crc32c, or the mismatch as a `Verify` error.
-    pub fn check(&self, index: u32, buffer: &Buffer, offset: u64, len: u64, want: u32) -> Result<u32, ClientError> {
-        if self.trusted {
-            return Ok(want);
-        }
-        let (crc, by) = match self.reported.get(&index) {
-            Some(&crc) => (crc, "the daemon read"),
-            None => (
-                buffer.crc32c(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?,
-                "this reader computed",
-            ),
-        };
-        if crc != want {
-            return Err(ClientError::Verify {
-                chunk: index,
-                what: format!("{by} crc32c {crc:#010x}, the manifest says {want:#010x}"),
-            });
-        }
-        Ok(crc)
-    }
-}
-
-/// The decode side. Its buffer is sized by the first manifest it adopts,
-/// registered once, and reused while large enough.
-pub struct Reader {
-    /// The control-plane client.
-    pub client: Client,
-    data: DataConn,
-    buffer: Option<(Buffer, u32)>,
-    spec: BufferSpec,
-    verify: Verify,
-}
-
-/// What a reader restored: the bytes are in the reader's buffer
-/// ([`Reader::restored_bytes`]), verified.
-#[derive(Debug)]
-pub struct Restored {
-    /// The manifest restored.
-    pub manifest: Manifest,
-    /// Bytes restored.
-    pub len: u64,
-    /// SHA-256 over the restored chunks' crc32c (what `ack` takes).
-    pub restore_digest: String,
-}
-
-impl Reader {
-    /// A reader with a memfd buffer on `host_fixed`.
-    pub fn new(server: &str, data_socket: &Path) -> Result<Reader, ClientError> {
-        Self::with_buffer(server, data_socket, BufferSpec::default())
-    }
-
-    /// A reader whose buffers come from `spec.exporter` and move on `spec.path`.
-    pub fn with_buffer(server: &str, data_socket: &Path, spec: BufferSpec) -> Result<Reader, ClientError> {
-        Ok(Reader {
-            client: Client::new(server),
-            data: DataConn::connect(data_socket)?,
-            buffer: None,
-            spec,
-            verify: Verify::default(),
-        })
-    }
-
-    /// Who checksums what this reader loads (see [`Verify`]); before its
-    /// first load (its buffer is registered then, checked or not).
-    pub fn set_verify(&mut self, verify: Verify) {
-        self.verify = verify;
-    }
-
-    /// The daemon's process id, from the data connection (`SO_PEERCRED`).
-    pub fn daemon_pid(&self) -> std::io::Result<i32> {
-        self.data.daemon_pid()
-    }
-
-    /// A registered buffer of at least `len` bytes (page-rounded: DMA-BUF
-    /// exporters allocate whole pages).
-    fn buffer_for(&mut self, len: u64) -> Result<(&Buffer, u32), ClientError> {
-        if self.buffer.as_ref().is_none_or(|(b, _)| (b.len() as u64) < len) {
-            let b = self.spec.allocate("pdstor-reader", len.max(4096).next_multiple_of(4096) as usize)?;
-            let id = self.data.register_checked(&b, self.spec.path, self.verify != Verify::None)?;
-            self.buffer = Some((b, id));
-        }
-        let (b, id) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("no reader buffer".into()))?;
-        Ok((b, *id))
-    }
-
-    /// adopt (every field from the claim) → load → verify each chunk's
-    /// crc32c here, from the bytes this process sees. Strict: any mismatch,
-    /// missing chunk or short manifest is an error, never a partial result.
-    pub fn get(&mut self, claim: &Receipt, layout: &Layout) -> Result<Restored, ClientError> {
-        let manifest = self.adopt(claim, layout)?;
-        self.load(claim, manifest)
-    }
-
-    /// Adopts a claimed publication; checks the manifest is the one claimed.
-    pub fn adopt(&mut self, claim: &Receipt, layout: &Layout) -> Result<Manifest, ClientError> {
-        self.client.adopt_claim(claim, layout)
-    }
-
-    /// Loads the chunks `which` (indices into the manifest) of an adopted
-    /// publication into this reader's buffer, at their places in the whole.
-    pub fn load_chunks(&mut self, claim: &Receipt, manifest: &Manifest, which: &[u32]) -> Result<(), ClientError> {
-        self.load_answered(claim, manifest, which).map(drop)
-    }
-
-    /// [`Reader::load_chunks`], returning the daemon's answer.
-    fn load_answered(
-        &mut self,
-        claim: &Receipt,
-        manifest: &Manifest,
-        which: &[u32],
-    ) -> Result<DataResponse, ClientError> {
-        let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
-        let (_, buffer_id) = self.buffer_for(total)?;
-        let mut offsets = Vec::with_capacity(manifest.chunks.len());
-        let mut off = 0u64;
-        for c in &manifest.chunks {
-            offsets.push(off);
-            off += c.len;
-        }
-        let chunks = which
-            .iter()
-            .map(|&i| {
-                let at = offsets.get(i as usize).copied().ok_or_else(|| ClientError::Verify {
-                    chunk: i,
-                    what: format!("the manifest has {} chunks", manifest.chunks.len()),
-                })?;
-                Ok(DataChunk { index: i, buffer: buffer_id, offset: at, len: 0, crc32c: None })
-            })
-            .collect::<Result<Vec<_>, ClientError>>()?;
-        self.data.load(claim, chunks)
-    }
-
-    /// Loads every chunk of an adopted publication (again, for a warm
-    /// repeat) into this reader's buffer, each at its place in the whole, and
-    /// checks each one's crc32c against the manifest
-    /// ([`DataConn::load_verified`]).
-    pub fn load(&mut self, claim: &Receipt, manifest: Manifest) -> Result<Restored, ClientError> {
-        let total: u64 = manifest.chunks.iter().map(|c| c.len).sum();
-        self.buffer_for(total)?;
-        let (buffer, buffer_id) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("no buffer".into()))?;
-        let mut places = Vec::with_capacity(manifest.chunks.len());
-        let mut offset = 0u64;
-        for m in &manifest.chunks {
-            places.push(Place { index: m.index, buffer, buffer_id: *buffer_id, offset, len: m.len });
-            offset += m.len;
-        }
-        let crcs: Vec<u32> =
-            self.data.load_verified(claim, &manifest, &places, self.verify)?.into_iter().map(|(_, crc)| crc).collect();
-        let nonce = manifest.restore_nonce.clone().unwrap_or_default();
-        Ok(Restored { restore_digest: restore_digest(&nonce, &crcs), manifest, len: total })
-    }
-
-    /// The buffer this reader loads into, once it has one (a benchmark
-    /// copies restored chunks out of it).
-    pub fn buffer(&self) -> Option<&Buffer> {
-        self.buffer.as_ref().map(|(b, _)| b)
-    }
-
-    /// A copy of the first `len` restored bytes.
-    pub fn restored_bytes(&self, len: u64) -> Result<Vec<u8>, ClientError> {
-        let (b, _) = self.buffer.as_ref().ok_or_else(|| ClientError::Data("nothing restored yet".into()))?;
-        let mut out = vec![0u8; len as usize];
-        b.read_at(0, &mut out).map_err(|e| ClientError::Data(e.to_string()))?;
-        Ok(out)
     }
 }
 

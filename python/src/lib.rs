@@ -7,21 +7,23 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_int;
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdstor_client::code::RefusalCode;
 use pdstor_client::layout::{Layout, Manifest};
+use pdstor_client::many::get::{Finish, Getter, Got, Place as Destination, adopt_many, read_many, restore_many};
+use pdstor_client::many::put::{Asked, PutItem, put_many};
+use pdstor_client::many::staged::{StagedChunk, load_staged};
+use pdstor_client::many::{BufferRef, DataPlane, next_key};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{ClaimRequest, PrepareRequest, Prepared};
-use pdstor_client::{ClientError, DataConn, Place, Verify};
+use pdstor_client::{ClientError, Place, Verify};
+use pdstor_engine::PayloadPath;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-mod many;
 mod staged;
 mod timeline;
 
@@ -109,8 +111,6 @@ fn byte_view(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<pyo3::buffer::PyBuf
     pyo3::buffer::PyBuffer::<u8>::get(&bytes).map_err(|e| PyTypeError::new_err(format!("{what}: {e}")))
 }
 
-static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
-
 /// Memory the daemon reads stores from and loads into: a memfd, mapped here
 /// and shared with the daemon once over the data socket.
 ///
@@ -145,7 +145,7 @@ impl Buffer {
         }
         let b = pdstor_engine::Buffer::memfd(name, size)
             .map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
-        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), staging })
+        Ok(Buffer { inner: Arc::new(b), id: next_key(), staging })
     }
 
     /// Whether loads into it are checked as they are copied out (see `Buffer`).
@@ -172,7 +172,7 @@ impl Buffer {
             None => usize::try_from(file.metadata().map_err(|e| what(&e))?.len()).map_err(|e| what(&e))?,
         };
         let b = pdstor_engine::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
-        Ok(Buffer { inner: Arc::new(b), id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed), staging: false })
+        Ok(Buffer { inner: Arc::new(b), id: next_key(), staging: false })
     }
 
     fn __len__(&self) -> usize {
@@ -359,55 +359,9 @@ struct Conn {
     server: String,
 }
 
-struct DataPlane {
-    conn: Option<DataConn>,
-    socket: PathBuf,
-    /// Buffer id (ours) → (the buffer, kept alive while registered; its id on this connection).
-    registered: HashMap<u64, (Arc<pdstor_engine::Buffer>, u32)>,
-}
-
-impl DataPlane {
-    fn conn(&mut self) -> Result<&mut DataConn, ClientError> {
-        if self.conn.is_none() {
-            self.conn = Some(DataConn::connect(&self.socket)?);
-            self.registered.clear();
-        }
-        self.conn.as_mut().ok_or_else(|| ClientError::Data("no data connection".into()))
-    }
-
-    /// The connection's id of `b`, registering it the first time.
-    fn id_of(&mut self, b: &BufferRef) -> Result<u32, ClientError> {
-        if let Some((_, id)) = self.registered.get(&b.id) {
-            return Ok(*id);
-        }
-        let id = self.conn()?.register_checked(&b.inner, pdstor_engine::PayloadPath::HostFixed, !b.staging)?;
-        self.registered.insert(b.id, (b.inner.clone(), id));
-        Ok(id)
-    }
-
-    /// Runs `f` on the connection; a connection that failed under it is
-    /// dropped, so the next call reconnects (and registers again).
-    fn with<T>(&mut self, f: impl FnOnce(&mut DataConn) -> Result<T, ClientError>) -> Result<T, ClientError> {
-        let r = f(self.conn()?);
-        if let Err(ClientError::Data(_)) = &r {
-            self.conn = None;
-            self.registered.clear();
-        }
-        r
-    }
-}
-
-/// A buffer as a call uses it, outside the GIL.
-#[derive(Clone)]
-struct BufferRef {
-    inner: Arc<pdstor_engine::Buffer>,
-    id: u64,
-    staging: bool,
-}
-
 impl From<&Buffer> for BufferRef {
     fn from(b: &Buffer) -> Self {
-        BufferRef { inner: b.inner.clone(), id: b.id, staging: b.staging }
+        BufferRef { inner: b.inner.clone(), key: b.id, unchecked: b.staging, path: PayloadPath::HostFixed }
     }
 }
 
@@ -424,7 +378,7 @@ impl Client {
     #[new]
     #[pyo3(signature = (server = "unix:/run/pdstor/control.sock", data_socket = "/run/pdstor/data.sock"))]
     fn new(server: &str, data_socket: &str) -> Self {
-        let data = DataPlane { conn: None, socket: PathBuf::from(data_socket), registered: HashMap::new() };
+        let data = DataPlane::new(std::path::Path::new(data_socket));
         Client {
             conn: Arc::new(Conn {
                 control: pdstor_client::Client::new(server),
@@ -435,7 +389,7 @@ impl Client {
     }
 
     fn __repr__(&self) -> String {
-        format!("pdstor.Client({:?}, {:?})", self.conn.server, lock(&self.conn.data).socket)
+        format!("pdstor.Client({:?}, {:?})", self.conn.server, lock(&self.conn.data).socket())
     }
 
     /// Raises unless the daemon answers and its store has not failed.
@@ -777,33 +731,21 @@ impl Writer {
                     item.repr().map(|r| r.to_string()).unwrap_or_default()
                 ))
             })?;
-            let index = u32::try_from(i).map_err(|_| PyValueError::new_err("put: too many chunks"))?;
-            list.push(StoreChunk { index, buffer: BufferRef::from(&*buffer), offset, len });
+            u32::try_from(i).map_err(|_| PyValueError::new_err("put: too many chunks"))?;
+            list.push((BufferRef::from(&*buffer), offset, len));
         }
         if list.is_empty() {
             return Err(PyValueError::new_err("put: a publication needs at least one chunk"));
         }
-        let total = u32::try_from(list.len()).map_err(|_| PyValueError::new_err("put: too many chunks"))?;
-        let (c, writer) = (self.conn.clone(), self.writer_id.clone());
-        let batch = batch.max(1);
+        // A put of one: the same path as put_many's, its chunks stored `batch` per store request.
+        let c = self.conn.clone();
+        let asked =
+            Asked { writer: self.writer_id.clone(), first_token, timeout_ms, batch: Some(batch), ..Asked::default() };
         let r = py.detach(move || {
-            let p = c.control.prepare_request(&PrepareRequest {
-                req_id,
-                layout,
-                total_chunks: total,
-                writer,
-                timeout_ms,
-                unread_release_ms: None,
-                cache: false,
-            })?;
-            let groups: Vec<&[StoreChunk]> = list.chunks(batch).collect();
-            for (n, group) in groups.iter().enumerate() {
-                if let Err(e) = store_batch(&c, &p, group, n + 1 == groups.len(), total) {
-                    let _ = c.control.abort(p.publication, &p.writer_token);
-                    return Err(e);
-                }
-            }
-            c.control.publish(p.publication, &p.writer_token, first_token)
+            put_many(&c.control, &c.data, &layout, vec![PutItem { req_id, chunks: list }], &asked)?
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| Err(ClientError::Data("a put of one answered nothing".into())))
         });
         r.map(|p| Receipt { inner: p.receipt }).map_err(|e| to_py(py, e.into()))
     }
@@ -849,22 +791,15 @@ impl Writer {
                 let (buffer, offset, len): (PyRef<'_, Buffer>, u64, u64) = c?.extract().map_err(|_| bad())?;
                 places.push((BufferRef::from(&*buffer), offset, len));
             }
-            list.push(many::PutItem { req_id, chunks: places });
+            list.push(PutItem { req_id, chunks: places });
         }
-        let (c, writer) = (self.conn.clone(), self.writer_id.clone());
-        let done = py
-            .detach(move || {
-                many::put_many(
-                    &c,
-                    &writer,
-                    &layout,
-                    list,
-                    many::Asked { first_token, timeout_ms, unread_release_ms, cache },
-                )
-            })
-            .map_err(|e| to_py(py, e.into()))?;
+        let c = self.conn.clone();
+        let asked =
+            Asked { writer: self.writer_id.clone(), first_token, timeout_ms, unread_release_ms, cache, batch: None };
+        let done =
+            py.detach(move || put_many(&c.control, &c.data, &layout, list, &asked)).map_err(|e| to_py(py, e.into()))?;
         done.into_iter()
-            .map(|r| entry(py, r, |receipt| Ok(Bound::new(py, Receipt { inner: receipt })?.into_any())))
+            .map(|r| entry(py, r, |p| Ok(Bound::new(py, Receipt { inner: p.receipt })?.into_any())))
             .collect()
     }
 }
@@ -876,7 +811,7 @@ struct Adopted {
     /// against the manifest.
     verified: BTreeMap<u32, u32>,
     /// Chunks loaded into a staging buffer, to check as they are copied out.
-    staged: BTreeMap<u32, staged::StagedChunk>,
+    staged: BTreeMap<u32, StagedChunk>,
 }
 
 /// The decode side: `claim` → `adopt` → `load` (each chunk's crc32c, taken
@@ -959,8 +894,7 @@ impl Reader {
     #[pyo3(signature = (client, reader_id = "python", session = None, verify = "daemon"))]
     fn new(client: PyRef<'_, Client>, reader_id: &str, session: Option<String>, verify: &str) -> PyResult<Self> {
         let verify: Verify = verify.parse().map_err(PyValueError::new_err)?;
-        let session = session
-            .unwrap_or_else(|| format!("py-{}-{}", std::process::id(), NEXT_BUFFER.fetch_add(1, Ordering::Relaxed)));
+        let session = session.unwrap_or_else(|| format!("py-{}-{}", std::process::id(), next_key()));
         Ok(Reader { conn: client.conn.clone(), reader_id: reader_id.into(), session, adopted: HashMap::new(), verify })
     }
 
@@ -1074,11 +1008,11 @@ impl Reader {
         };
         let (c, r, m) = (self.conn.clone(), claim.inner.clone(), adopted.manifest.clone());
         let verify = self.verify;
-        let (to_stage, places): (Vec<_>, Vec<_>) = places.into_iter().partition(|(_, b, _)| b.staging);
+        let (to_stage, places): (Vec<_>, Vec<_>) = places.into_iter().partition(|(_, b, _)| b.unchecked);
         let (verified, staged) = py
             .detach(move || -> Result<_, ClientError> {
                 let verified = if places.is_empty() { Vec::new() } else { load_verified(&c, &r, &m, &places, verify)? };
-                let staged = if to_stage.is_empty() { Vec::new() } else { staged::load_staged(&c, &r, &m, to_stage)? };
+                let staged = if to_stage.is_empty() { Vec::new() } else { load_staged(&c.data, &r, &m, to_stage)? };
                 Ok((verified, staged))
             })
             .map_err(|e| to_py(py, e.into()))?;
@@ -1224,39 +1158,17 @@ impl Reader {
         let (c, r) = (self.conn.clone(), ready.inner.clone());
         let (reader, session, b) = (self.reader_id.clone(), self.session.clone(), BufferRef::from(&*buffer));
         let verify = self.verify;
+        // A get of one: the same path as get_many's (claim with adopt, one
+        // load, the ack with it or after it; a failure reported, RETAINED).
         let manifest = py
             .detach(move || -> Result<Manifest, ClientError> {
-                // Claimed and adopted in one round trip.
-                let (claim, adopted) = c.control.claim_and_adopt(&r, &reader, &session, lease_ms, &layout)?;
-                let loaded = (|| -> Result<_, ClientError> {
-                    let manifest = adopted?;
-                    let mut at = offset;
-                    let places: Vec<(u32, BufferRef, u64)> = manifest
-                        .chunks
-                        .iter()
-                        .map(|ch| {
-                            let place = (ch.index, b.clone(), at);
-                            at += ch.len;
-                            place
-                        })
-                        .collect();
-                    Ok((load_verified(&c, &claim, &manifest, &places, verify)?, manifest))
-                })();
-                match loaded {
-                    Ok((v, manifest)) => {
-                        let crcs: Vec<u32> = v.into_iter().map(|(_, crc)| crc).collect();
-                        let digest = restore_digest(manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs);
-                        c.control.ack(&claim, &digest)?;
-                        Ok(manifest)
-                    }
-                    Err(e) => {
-                        // Refused at adopt, or a failed load: the claim is
-                        // reported failed and the bytes kept RETAINED —
-                        // never reused while someone may still read them.
-                        let _ = c.control.fail(&claim, &e.to_string());
-                        Err(e)
-                    }
-                }
+                let who = Getter { reader: &reader, session: &session, layout: &layout, lease_ms };
+                let got = adopt_many(&c.control, &who, std::slice::from_ref(&r))?;
+                let place = Ok(Destination { buffer: b, offset, into: None });
+                restore_many(&c.control, &c.data, verify, vec![place], got, Finish::Ack)?
+                    .into_iter()
+                    .next()
+                    .unwrap_or_else(|| Err(ClientError::Data("a get of one answered nothing".into())))
             })
             .map_err(|e| to_py(py, e.into()))?;
         manifest_dict(py, &manifest)
@@ -1337,15 +1249,15 @@ impl Reader {
                     ))
                 })?;
             readies.push(ready.inner.clone());
-            places.push(Ok(many::Place { buffer: BufferRef::from(&*buffer), offset, into: None }));
+            places.push(Ok(Destination { buffer: BufferRef::from(&*buffer), offset, into: None }));
         }
         let (c, reader, session, verify) =
             (self.conn.clone(), self.reader_id.clone(), self.session.clone(), self.verify);
-        let who = many::Getter { reader: &reader, session: &session, layout: &layout, lease_ms };
+        let who = Getter { reader: &reader, session: &session, layout: &layout, lease_ms };
         let (got, finish) = if cache {
-            (py.detach(|| many::read_many(&c, &who, &readies)), many::Finish::EndRead)
+            (py.detach(|| read_many(&c.control, &who, &readies)), Finish::EndRead)
         } else {
-            (py.detach(|| many::adopt_many(&c, &who, &readies)), many::Finish::Ack)
+            (py.detach(|| adopt_many(&c.control, &who, &readies)), Finish::Ack)
         };
         let got = got.map_err(|e| to_py(py, e.into()))?;
         let mut interrupted = None;
@@ -1439,15 +1351,15 @@ impl Reader {
         for (read, buffer, offset) in &items {
             let manifest = self.adopted.remove(&read.inner.signature).map(|a| a.manifest);
             got.push(match manifest {
-                Some(manifest) => many::Got::Adopted { claim: read.inner.clone(), manifest },
-                None => many::Got::Failed {
+                Some(manifest) => Got::Adopted { claim: read.inner.clone(), manifest },
+                None => Got::Failed {
                     claim: None,
                     error: ClientError::Data("finish_reads: a receipt this reader's read_many did not answer".into()),
                 },
             });
-            places.push(Ok(many::Place { buffer: BufferRef::from(&**buffer), offset: *offset, into: None }));
+            places.push(Ok(Destination { buffer: BufferRef::from(&**buffer), offset: *offset, into: None }));
         }
-        restore(py, &self.conn.clone(), self.verify, got, places, into, many::Finish::EndRead)
+        restore(py, &self.conn.clone(), self.verify, got, places, into, Finish::EndRead)
     }
 
     /// The manifest of a claim this reader adopted, or of a read it holds.
@@ -1487,15 +1399,15 @@ impl Reader {
 /// The end of a get or read of many: with `into`, each item's destination
 /// checked (writable, exactly its bytes, overlapping nothing) and held
 /// until the copies are done; then every item loaded, checked and ended as
-/// `finish` says ([`many::restore_many`]).
+/// `finish` says ([`restore_many`]).
 fn restore<'py>(
     py: Python<'py>,
     c: &Arc<Conn>,
     verify: Verify,
-    got: Vec<many::Got>,
-    mut places: Vec<Result<many::Place, ClientError>>,
+    got: Vec<Got>,
+    mut places: Vec<Result<Destination, ClientError>>,
     into: Option<&Bound<'py, PyAny>>,
-    finish: many::Finish,
+    finish: Finish,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
     // Held until the copies are done: each item's destination.
     let mut dests: Vec<staged::Dest> = Vec::new();
@@ -1525,19 +1437,19 @@ fn restore<'py>(
     // Reads a failed call leaves are given up, not left held (one it had
     // already ended answers read_ended, harmlessly).
     let reads: Vec<RustReceipt> = match finish {
-        many::Finish::EndRead => got
+        Finish::EndRead => got
             .iter()
             .filter_map(|g| match g {
-                many::Got::Adopted { claim, .. } => Some(claim.clone()),
+                Got::Adopted { claim, .. } => Some(claim.clone()),
                 _ => None,
             })
             .collect(),
-        many::Finish::Ack => Vec::new(),
+        Finish::Ack | Finish::Keep => Vec::new(),
     };
     let c = c.clone();
     let done = py
         .detach(move || {
-            many::restore_many(&c, verify, places, got, finish).inspect_err(|e| {
+            restore_many(&c.control, &c.data, verify, places, got, finish).inspect_err(|e| {
                 let why = format!("the restore failed: {e}");
                 let ends: Vec<_> =
                     reads.iter().map(|r| (r, pdstor_client::read::End::Abandoned(why.as_str()))).collect();
@@ -1551,8 +1463,8 @@ fn restore<'py>(
 
 /// Where `into` copies an adopted item's bytes (`into(manifest) -> dest`):
 /// writable, C-contiguous, exactly the publication's bytes.
-fn dest_of(py: Python<'_>, into: &Bound<'_, PyAny>, got: &many::Got) -> Result<staged::Dest, ClientError> {
-    let many::Got::Adopted { manifest, .. } = got else {
+fn dest_of(py: Python<'_>, into: &Bound<'_, PyAny>, got: &Got) -> Result<staged::Dest, ClientError> {
+    let Got::Adopted { manifest, .. } = got else {
         return Err(ClientError::Data("not adopted".into()));
     };
     let bytes: u64 = manifest.chunks.iter().map(|c| c.len).sum();
@@ -1572,15 +1484,15 @@ fn dest_of(py: Python<'_>, into: &Bound<'_, PyAny>, got: &many::Got) -> Result<s
 
 /// Where `place` puts an adopted item (`place(manifest) -> (buffer,
 /// offset)`); an item not adopted goes nowhere.
-fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result<many::Place, ClientError> {
-    let many::Got::Adopted { manifest, .. } = got else {
+fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &Got) -> Result<Destination, ClientError> {
+    let Got::Adopted { manifest, .. } = got else {
         return Err(ClientError::Data("not adopted".into()));
     };
     let answer = manifest_dict(py, manifest)
         .and_then(|m| place.call1((m,)))
         .and_then(|a| a.extract::<(PyRef<'_, Buffer>, u64)>().map(|(b, offset)| (BufferRef::from(&*b), offset)));
     match answer {
-        Ok((buffer, offset)) => Ok(many::Place { buffer, offset, into: None }),
+        Ok((buffer, offset)) => Ok(Destination { buffer, offset, into: None }),
         Err(e) => Err(ClientError::Data(format!("get_many: place(manifest) gave no (buffer, offset): {e}"))),
     }
 }
@@ -1591,12 +1503,12 @@ fn place_of(py: Python<'_>, place: &Bound<'_, PyAny>, got: &many::Got) -> Result
 fn places_of(
     py: Python<'_>,
     place_many: &Bound<'_, PyAny>,
-    got: &[many::Got],
-) -> PyResult<Vec<Result<many::Place, ClientError>>> {
+    got: &[Got],
+) -> PyResult<Vec<Result<Destination, ClientError>>> {
     let manifests = got
         .iter()
         .map(|g| match g {
-            many::Got::Adopted { manifest, .. } => manifest_dict(py, manifest),
+            Got::Adopted { manifest, .. } => manifest_dict(py, manifest),
             _ => Ok(py.None().into_bound(py)),
         })
         .collect::<PyResult<Vec<_>>>()?;
@@ -1613,7 +1525,7 @@ fn places_of(
         .into_iter()
         .zip(got)
         .map(|(a, g)| {
-            if !matches!(g, many::Got::Adopted { .. }) {
+            if !matches!(g, Got::Adopted { .. }) {
                 return Err(ClientError::Data("not adopted".into()));
             }
             if a.is_none() || a.is_instance_of::<pyo3::exceptions::PyBaseException>() {
@@ -1621,7 +1533,7 @@ fn places_of(
                 return Err(ClientError::Data(format!("get_many: place_many gave this item no place: {why}")));
             }
             a.extract::<(PyRef<'_, Buffer>, u64)>()
-                .map(|(b, offset)| many::Place { buffer: BufferRef::from(&*b), offset, into: None })
+                .map(|(b, offset)| Destination { buffer: BufferRef::from(&*b), offset, into: None })
                 .map_err(|e| ClientError::Data(format!("get_many: place_many gave no (buffer, offset): {e}")))
         })
         .collect())

@@ -1,79 +1,16 @@
-//! Loads into a staging buffer (`pdstor.Buffer(size, staging=True)`),
-//! checked as they are copied out.
-//!
-//! A reader that stages a load copies the bytes out anyway: into LMCache's
-//! memory object, into the paged cache's blocks. The daemon does not
-//! checksum loads into a staging buffer (it is registered unchecked);
-//! instead each chunk's crc32c is taken by the copy out of it
-//! ([`pdstor_engine::Buffer::copy_out_checked`]) and compared with the
-//! manifest before the chunk counts as restored: one pass over the bytes
-//! where a check in place and then a copy made two. A chunk loaded into
-//! staging and never copied out is never acknowledged.
+//! Where a copy out of a staging buffer (`pdstor.Buffer(size,
+//! staging=True)`) goes: Python objects' memory, held, checked writable,
+//! in order and overlapping nothing. The loads and their checks are the
+//! client's (`pdstor_client::many::staged`).
 
-use pdstor_client::ClientError;
-use pdstor_client::layout::Manifest;
-use pdstor_client::receipt::Receipt as RustReceipt;
-use pdstor_client::wire::DataChunk;
 use pdstor_engine::buffer::Piece;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::{BufferRef, Conn, byte_view, lock};
+use pdstor_client::many::BufferRef;
 
-/// A chunk loaded into a staging buffer, not yet copied out and checked.
-pub(crate) struct StagedChunk {
-    pub buffer: BufferRef,
-    pub offset: u64,
-    pub len: u64,
-    /// The manifest's crc32c.
-    pub want: u32,
-}
-
-impl StagedChunk {
-    /// Copies `pieces` out of the chunk (offsets within it), checksumming
-    /// the whole chunk in the same pass; its crc32c, or the mismatch.
-    pub fn copy_out(&self, index: u32, pieces: &mut [Piece<'_>]) -> Result<u32, ClientError> {
-        let crc = self
-            .buffer
-            .inner
-            .copy_out_checked(self.offset, self.len as usize, pieces)
-            .map_err(|e| ClientError::Data(format!("chunk {index}: {e}")))?;
-        if crc != self.want {
-            return Err(ClientError::Verify {
-                chunk: index,
-                what: format!(
-                    "this reader computed crc32c {crc:#010x} as it copied the chunk out of staging, the manifest says {:#010x}",
-                    self.want
-                ),
-            });
-        }
-        Ok(crc)
-    }
-}
-
-/// Loads `places` (`(index, staging buffer, offset)`) of an adopted claim
-/// in one frame, unchecked by the daemon: each chunk to copy out and check.
-pub(crate) fn load_staged(
-    conn: &Conn,
-    claim: &RustReceipt,
-    manifest: &Manifest,
-    places: Vec<(u32, BufferRef, u64)>,
-) -> Result<Vec<(u32, StagedChunk)>, ClientError> {
-    let mut data = lock(&conn.data);
-    let mut wire = Vec::with_capacity(places.len());
-    let mut staged = Vec::with_capacity(places.len());
-    for (index, buffer, offset) in places {
-        let entry = manifest.chunks.get(index as usize).filter(|c| c.index == index).ok_or_else(|| {
-            ClientError::Verify { chunk: index, what: format!("the manifest has {} chunks", manifest.chunks.len()) }
-        })?;
-        buffer.inner.check_range(offset, entry.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-        wire.push(DataChunk { index, buffer: data.id_of(&buffer)?, offset, len: 0, crc32c: None });
-        staged.push((index, StagedChunk { buffer, offset, len: entry.len, want: entry.crc32c }));
-    }
-    data.with(|d| d.load(claim, wire))?;
-    Ok(staged)
-}
+use super::byte_view;
 
 /// Where a copy out goes: a held, writable, C-contiguous view of a Python
 /// object's memory.

@@ -168,8 +168,10 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "client/src",
         &[
+            &["writer", "reader"],
+            &["many"],
             &["remote", "batch"],
-            &["step_de"],
+            &["step_de", "verify"],
             &["wire"],
             &["read"],
             &["timeline"],
@@ -194,7 +196,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     ),
     ("testkit/src", &[]),
     ("tests/src", &[&["mallory"]]),
-    ("python/src", &[&["many", "staged", "timeline"]]),
+    ("python/src", &[&["staged", "timeline"]]),
 ];
 
 /// The crates, top first: a crate may depend (normally, for its build or its

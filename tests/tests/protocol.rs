@@ -1184,8 +1184,9 @@ fn metrics_carry_every_family_and_the_latency_of_each_step_and_transfer() {
     assert!(m.contains(&moved), "two chunks stored and loaded: {moved}\n{m}");
     // Each step (every answer, refusals too), both transfers, with their counts.
     for (series, n) in [
-        ("pdstor_step_seconds_count{step=\"prepare\"}", 1),
-        ("pdstor_step_seconds_count{step=\"publish\"}", 1),
+        // A put is a batch of one: its prepare and publish are timed as steps of a batch.
+        ("pdstor_step_seconds_count{step=\"prepare\",via=\"batch\"}", 1),
+        ("pdstor_step_seconds_count{step=\"publish\",via=\"batch\"}", 1),
         ("pdstor_step_seconds_count{step=\"claim\"}", 1),
         ("pdstor_step_seconds_count{step=\"adopt\"}", 1),
         ("pdstor_step_seconds_count{step=\"ack\"}", 2), // the refused second one too

@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 use super::error::from_protocol;
 use super::listing;
 use super::metrics::{Metrics, exposition};
-use super::steps::{Answer, names, run_batch, take};
+use super::steps::{Answer, Told, names, run_batch, take};
 use super::wire::*;
 use crate::admission::CancelToken;
 use crate::protocol::identity::{Caller, Role};
@@ -547,7 +547,9 @@ async fn batch(State(s): State<Shared>, Extension(who): Extension<Caller>, b: Bo
             note_refusal(&service, &caller, publication, req_id, e);
         };
         // One write for the batch's audit lines.
-        let results = super::log::gathered(|| run_batch(&service, &caller, r.steps, &watch.token, &prepared, &refused));
+        let took = |step: &str, took: std::time::Duration| metrics.step_in_batch(step, took);
+        let told = Told { prepared: &prepared, refused: &refused, took: &took };
+        let results = super::log::gathered(|| run_batch(&service, &caller, r.steps, &watch.token, &told));
         metrics.reconcile(service.store());
         BatchResponse { results }
     })

@@ -110,6 +110,13 @@ impl Metrics {
         self.latencies.steps.get_or_create(&vec![("step", step.to_owned())]).observe(took.as_secs_f64());
     }
 
+    /// Observes how long a step taken in a batch took (its series carries
+    /// `via="batch"`, apart from the step's own route's).
+    pub fn step_in_batch(&self, step: &str, took: std::time::Duration) {
+        let labels = vec![("step", step.to_owned()), ("via", "batch".to_owned())];
+        self.latencies.steps.get_or_create(&labels).observe(took.as_secs_f64());
+    }
+
     /// Observes how long a data-plane transfer (`store` or `load`) on `path` took.
     pub fn transfer(&self, op: &str, path: &str, took: std::time::Duration) {
         let labels = vec![("op", op.to_owned()), ("path", path.to_owned())];
@@ -266,7 +273,7 @@ pub(super) fn exposition(store: &Store, metrics: &Metrics) -> Response {
     m.gauge("pdstor_epoch", "Daemon epoch.", store.epoch());
     m.0.register(
         "pdstor_step_seconds",
-        "Control-plane steps, from the request to the answer, by step",
+        "Control-plane steps, from the request to the answer, by step; a step taken in a batch has via=\"batch\" and runs from its run's start to its commit",
         metrics.latencies.steps.clone(),
     );
     m.0.register(

@@ -130,17 +130,37 @@ pub fn names(step: &BatchStep) -> (Option<u64>, Option<String>) {
     }
 }
 
-/// Runs a batch's steps (see the module): one result per step, in order.
-/// `prepared` is told of each publication a prepare made, as it is made (so
-/// a client that went away has it orphaned); `refused` of each refusal.
+/// What a batch tells its caller as its steps are taken.
+pub struct Told<'a> {
+    /// Each publication a prepare made, as it is made (so a client that
+    /// went away has it orphaned).
+    pub prepared: &'a dyn Fn(&str, &Prepared),
+    /// Each refusal.
+    pub refused: &'a dyn Fn(&BatchStep, &ErrorBody),
+    /// Each step's latency, under its route's name ([`route_of`]): a step
+    /// that shares a commit, from its run's start to the commit; else its own.
+    pub took: &'a dyn Fn(&str, std::time::Duration),
+}
+
+/// The name of a step's own route (`/storage-pd/read/end` → `read/end`),
+/// which a step taken in a batch is timed under too.
+pub fn route_of(step: &BatchStep) -> &'static str {
+    match step {
+        BatchStep::EndRead(_) => "read/end",
+        other => other.name(),
+    }
+}
+
+/// Runs a batch's steps (see the module): one result per step, in order,
+/// each told to `told` as it is taken.
 pub fn run_batch(
     svc: &Service,
     who: &Caller,
     steps: Vec<BatchStep>,
     cancel: &CancelToken,
-    prepared: &dyn Fn(&str, &Prepared),
-    refused: &dyn Fn(&BatchStep, &ErrorBody),
+    told: &Told<'_>,
 ) -> Vec<BatchResult> {
+    let Told { prepared, refused, took } = *told;
     let one = |step: &BatchStep| -> BatchResult {
         let answer = take(svc, who, step, cancel);
         if let (BatchStep::Prepare(r), Ok(Answer::Prepared(p))) = (step, &answer) {
@@ -168,11 +188,19 @@ pub fn run_batch(
         }
         // Reads journal nothing: no commit to share.
         if matches!(run[0], BatchStep::Prepare(_) | BatchStep::Cancel(_) | BatchStep::Read(_) | BatchStep::EndRead(_)) {
-            results.extend(run.iter().map(one));
+            results.extend(run.iter().map(|step| {
+                let started = std::time::Instant::now();
+                let answer = one(step);
+                took(route_of(step), started.elapsed());
+                answer
+            }));
             continue;
         }
+        let started = std::time::Instant::now();
         let (mut taken, committed): (Vec<BatchResult>, _) =
             svc.store().with_one_commit(|| run.iter().map(one).collect());
+        let elapsed = started.elapsed();
+        run.iter().for_each(|step| took(route_of(step), elapsed));
         if let Err(e) = committed {
             // Nothing the run did is durable: every step of it failed.
             let body = from_store(&e);

@@ -1,191 +1,64 @@
-//! Many publications at once, in a constant number of round trips whatever
-//! their number: a put of many requests is one `prepare` batch, one
-//! data-plane `many` frame of stores and one `publish` batch (one commit); a
-//! get of many READY receipts is one `claim` batch, one `adopt` batch, one
-//! `many` frame of loads (each chunk checked against its manifest as for
-//! one get) and one `ack` batch. Each item answers on its own: one refused
-//! or failed item leaves the others alone, and what it had taken is given
-//! back in the same few round trips (aborted before READY, `fail`ed —
-//! RETAINED — once claimed).
+//! The reader's half: every READY receipt claimed and adopted (or, for
+//! cache publications, read) in one batch; every adopted item loaded to its
+//! place in one `many` frame, each chunk checked against its manifest; what
+//! was restored acknowledged (with its load where the daemon checks the
+//! chunks, else in one batch after it), what failed once claimed reported
+//! failed (RETAINED).
 
-use pdstor_client::layout::{Layout, Manifest};
-use pdstor_client::read::{End, EndReadRequest, ReadRequest};
-use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
-use pdstor_client::wire::{
-    AbortRequest, BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest, PrepareRequest, Prepared,
-};
-use pdstor_client::{ClientError, LoadChecks, Outcomes, StoreItem, Verify};
+use std::sync::Mutex;
+
 use pdstor_engine::buffer::Piece;
 
 use super::staged::StagedChunk;
-use super::{BufferRef, Conn, lock};
-
-/// One request to put: its id and its chunks, `(buffer, offset, length)`
-/// each, chunk 0 first.
-pub(crate) struct PutItem {
-    pub req_id: String,
-    pub chunks: Vec<(BufferRef, u64, u64)>,
-}
+use super::{BufferRef, DataPlane, lock};
+use crate::layout::{Layout, Manifest};
+use crate::read::{End, EndReadRequest, ReadRequest};
+use crate::receipt::{Receipt, restore_digest};
+use crate::wire::{BatchStep, ClaimRequest, DataChunk, DataResponse, FailRequest};
+use crate::{Client, ClientError, LoadChecks, Outcomes, Verify};
 
 /// What a reader asks of every item of a get.
-pub(crate) struct Getter<'a> {
+pub struct Getter<'a> {
+    /// Who reads.
     pub reader: &'a str,
+    /// The reader's session (closing it fences every claim of it).
     pub session: &'a str,
+    /// The layout the reader expects; a publication of another is refused.
     pub layout: &'a Layout,
+    /// How long each claim holds before another reader may be granted it.
     pub lease_ms: u64,
 }
 
-/// What a put asks of every item.
-pub(crate) struct Asked {
-    /// The token a reader continues from.
-    pub first_token: Option<u32>,
-    /// How long a prepare waits for capacity.
-    pub timeout_ms: Option<u64>,
-    /// Release each item unread after this long with no reader (cache: no read).
-    pub unread_release_ms: Option<u64>,
-    /// Cache publications (read by many) instead of handoffs.
-    pub cache: bool,
-}
-
-/// Puts every item: its READY receipt, or why it is not stored (then
-/// nothing of it is left prepared).
-pub(crate) fn put_many(
-    conn: &Conn,
-    writer: &str,
-    layout: &Layout,
-    items: Vec<PutItem>,
-    asked: Asked,
-) -> Result<Outcomes<RustReceipt>, ClientError> {
-    let Asked { first_token, timeout_ms, unread_release_ms, cache } = asked;
-    let asks = items
-        .iter()
-        .map(|i| PrepareRequest {
-            req_id: i.req_id.clone(),
-            layout: layout.clone(),
-            total_chunks: i.chunks.len() as u32,
-            writer: writer.into(),
-            timeout_ms,
-            unread_release_ms,
-            cache,
-        })
-        .collect();
-    let mut outcomes: Vec<Result<Option<Prepared>, ClientError>> =
-        conn.control.prepare_many(asks)?.into_iter().map(|r| r.map(Some)).collect();
-
-    let stored = store_prepared(conn, &items, &outcomes)?;
-    let mut stored = stored.into_iter();
-    let mut give_back = Vec::new();
-    for outcome in outcomes.iter_mut() {
-        let Ok(Some(p)) = outcome else { continue };
-        match stored.next() {
-            Some(Ok(s)) if s.publishable == Some(true) => {}
-            other => {
-                give_back.push(BatchStep::Abort(AbortRequest {
-                    publication: p.publication,
-                    writer_token: p.writer_token.clone(),
-                }));
-                *outcome = Err(match other {
-                    Some(Err(e)) => e,
-                    _ => ClientError::Data(format!("publication {}: stored, but not every chunk", p.publication)),
-                });
-            }
-        }
-    }
-
-    // Every stored item published in one batch (one commit).
-    let ready: Vec<(&Prepared, Option<u32>)> =
-        outcomes.iter().filter_map(|o| o.as_ref().ok().and_then(Option::as_ref)).map(|p| (p, first_token)).collect();
-    let mut published = if ready.is_empty() { Vec::new() } else { conn.control.publish_many(&ready)? }.into_iter();
-    let mut out = Vec::with_capacity(outcomes.len());
-    for outcome in outcomes {
-        out.push(match outcome {
-            Ok(Some(p)) => match published.next() {
-                Some(Ok(r)) => Ok(r.receipt),
-                Some(Err(e)) => {
-                    give_back.push(BatchStep::Abort(AbortRequest {
-                        publication: p.publication,
-                        writer_token: p.writer_token,
-                    }));
-                    Err(e)
-                }
-                None => Err(ClientError::Data("publish answered no result".into())),
-            },
-            Ok(None) => Err(ClientError::Data("no publication".into())),
-            Err(e) => Err(e),
-        });
-    }
-    if !give_back.is_empty() {
-        // Best effort: what a refusal already rolled back answers
-        // unknown_publication, and the reaper takes what this misses.
-        let _ = conn.control.batch(give_back);
-    }
-    Ok(out)
-}
-
-/// Every prepared item's chunks in one data-plane frame: an answer for each
-/// prepared item, in order (an item whose chunks are refused here answers its
-/// own error where its store would have).
-fn store_prepared(
-    conn: &Conn,
-    items: &[PutItem],
-    outcomes: &[Result<Option<Prepared>, ClientError>],
-) -> Result<Vec<Result<DataResponse, ClientError>>, ClientError> {
-    let mut data = lock(&conn.data);
-    let mut asked = Vec::new();
-    let mut refused = Vec::new();
-    for (i, (item, outcome)) in items.iter().zip(outcomes).enumerate() {
-        let Ok(Some(p)) = outcome else { continue };
-        let chunks = item
-            .chunks
-            .iter()
-            .enumerate()
-            .map(|(index, (b, offset, len))| {
-                b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-                let buffer = data.id_of(b)?;
-                // The daemon checksums every chunk it stores from memory
-                // it maps, a shm file its owner may shrink included (in
-                // place, a shrink caught), as each write completes and
-                // while the others are in flight: the writer declares none.
-                Ok(DataChunk { index: index as u32, buffer, offset: *offset, len: *len, crc32c: None })
-            })
-            .collect::<Result<Vec<_>, ClientError>>();
-        match chunks {
-            Ok(chunks) => {
-                let total_chunks = chunks.len() as u32;
-                asked.push(StoreItem { prepared: p, chunks, is_last_batch: true, total_chunks });
-            }
-            Err(e) => refused.push((i, e)),
-        }
-    }
-    let answers = if asked.is_empty() { Vec::new() } else { data.with(|d| d.store_many(asked))? };
-    // An item refused here answers its own error where its store would have.
-    let mut answers = answers.into_iter();
-    let mut refused = refused.into_iter().peekable();
-    let mut stored = Vec::new();
-    for (i, outcome) in outcomes.iter().enumerate() {
-        if !matches!(outcome, Ok(Some(_))) {
-            continue;
-        }
-        match refused.next_if(|(at, _)| *at == i) {
-            Some((_, e)) => stored.push(Err(e)),
-            None => {
-                stored.push(answers.next().unwrap_or_else(|| Err(ClientError::Data("store answered no result".into()))))
-            }
-        }
-    }
-    Ok(stored)
-}
-
 /// Where one item of a get stands.
-pub(crate) enum Got {
-    /// Refused or failed; `claim` if it had been claimed.
-    Failed { claim: Option<RustReceipt>, error: ClientError },
-    /// Claimed and adopted: its manifest.
-    Adopted { claim: RustReceipt, manifest: Manifest },
-    /// Every chunk loaded and verified: the digest its ack takes.
-    Restored { claim: RustReceipt, manifest: Manifest, digest: String },
+pub enum Got {
+    /// Refused or failed.
+    Failed {
+        /// Its claim (or read), if it had been claimed.
+        claim: Option<Receipt>,
+        /// Why.
+        error: ClientError,
+    },
+    /// Claimed and adopted.
+    Adopted {
+        /// The claim (or read) receipt.
+        claim: Receipt,
+        /// The manifest it adopted.
+        manifest: Manifest,
+    },
+    /// Every chunk loaded and verified.
+    Restored {
+        /// The claim (or read) receipt.
+        claim: Receipt,
+        /// The manifest restored.
+        manifest: Manifest,
+        /// The restore digest its ack takes.
+        digest: String,
+    },
     /// Loaded, checked by the daemon and acknowledged with its load.
-    Acked { manifest: Manifest },
+    Acked {
+        /// The manifest restored.
+        manifest: Manifest,
+    },
 }
 
 /// Whether an item's load can acknowledge its claim in the same request
@@ -197,7 +70,7 @@ fn acks_with_load(verify: Verify, finish: Finish, place: &Place) -> bool {
     finish == Finish::Ack
         && matches!(verify, Verify::Daemon)
         && place.into.is_none()
-        && !place.buffer.staging
+        && !place.buffer.unchecked
         && place.buffer.inner.dmabuf().is_none()
 }
 
@@ -205,9 +78,12 @@ fn acks_with_load(verify: Verify, finish: Finish, place: &Place) -> bool {
 /// `buffer`; with `into`, on from there into that memory (`(address,
 /// length)`, exactly the item's bytes, held by the caller until the restore
 /// returns and shared with no other item), each chunk checked in that copy.
-pub(crate) struct Place {
+pub struct Place {
+    /// The buffer the chunks are loaded into.
     pub buffer: BufferRef,
+    /// Where in it the item's first chunk goes.
     pub offset: u64,
+    /// Memory the chunks are copied on into, checked in that copy.
     pub into: Option<(usize, usize)>,
 }
 
@@ -217,13 +93,12 @@ pub(crate) struct Place {
 /// holds, so the caller can place them) or `Failed` — with its claim
 /// where the claim was made and the adopt refused (reported failed later,
 /// RETAINED, as any item that fails once claimed).
-pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) -> Result<Vec<Got>, ClientError> {
+pub fn adopt_many(control: &Client, who: &Getter<'_>, readies: &[Receipt]) -> Result<Vec<Got>, ClientError> {
     let claims = readies
         .iter()
         .map(|ready| ClaimRequest::new(ready, who.reader, who.session, who.lease_ms, Some(who.layout.clone()), true))
         .collect();
-    Ok(conn
-        .control
+    Ok(control
         .claim_and_adopt_many(claims)?
         .into_iter()
         .map(|c| match c {
@@ -237,7 +112,7 @@ pub(crate) fn adopt_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt])
 /// The first half of a read of many cache publications: every READY
 /// receipt read (each naming the layout), in one round trip — each item
 /// `Adopted` under its read receipt, or `Failed`.
-pub(crate) fn read_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) -> Result<Vec<Got>, ClientError> {
+pub fn read_many(control: &Client, who: &Getter<'_>, readies: &[Receipt]) -> Result<Vec<Got>, ClientError> {
     let asks = readies
         .iter()
         .map(|ready| ReadRequest {
@@ -248,8 +123,7 @@ pub(crate) fn read_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) 
             layout: Some(who.layout.clone()),
         })
         .collect();
-    Ok(conn
-        .control
+    Ok(control
         .read_many(asks)?
         .into_iter()
         .map(|a| match a {
@@ -261,12 +135,16 @@ pub(crate) fn read_many(conn: &Conn, who: &Getter<'_>, readies: &[RustReceipt]) 
 
 /// How the items of a restore end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Finish {
+pub enum Finish {
     /// Claims: acknowledged; one that failed reported failed (RETAINED).
     Ack,
     /// Reads of cache publications: ended done; one that failed abandoned
     /// (the publication stays READY for the next reader).
     EndRead,
+    /// Nothing acknowledged or reported: each item restored answers the
+    /// digest its ack takes ([`Got::Restored`]), for a reader that acks
+    /// when it is done with the bytes.
+    Keep,
 }
 
 /// The second half: every adopted item loaded to its place in one
@@ -274,10 +152,12 @@ pub(crate) enum Finish {
 /// after its claim reported failed (RETAINED, its bytes kept), what was
 /// restored acknowledged: with its load where the daemon checks the chunks
 /// itself (`load` with `ack`, so the frame of loads is the last round trip),
-/// else in one batch after it. `places[i]` is where
-/// item `i` goes, or why it has nowhere to go (then it fails, RETAINED).
-pub(crate) fn restore_many(
-    conn: &Conn,
+/// else in one batch after it; with [`Finish::Keep`], neither. `places[i]`
+/// is where item `i` goes, or why it has nowhere to go (then it fails,
+/// RETAINED).
+pub fn restore_many(
+    control: &Client,
+    data: &Mutex<DataPlane>,
     verify: Verify,
     places: Vec<Result<Place, ClientError>>,
     mut got: Vec<Got>,
@@ -294,29 +174,30 @@ pub(crate) fn restore_many(
             (Err(_), _) => placed.push(None),
         }
     }
-    load_all(conn, (verify, finish), &placed, &mut got)?;
+    load_all(data, (verify, finish), &placed, &mut got)?;
 
     // What was claimed and then failed is reported failed (RETAINED, its
     // bytes kept for a retry), all in one batch.
     let fails: Vec<BatchStep> = got
         .iter()
         .filter_map(|g| match g {
-            Got::Failed { claim: Some(c), error } if finish == Finish::Ack => {
-                Some(BatchStep::Fail(FailRequest { receipt: c.clone(), reason: error.to_string() }))
-            }
-            Got::Failed { claim: Some(c), error } => Some(BatchStep::EndRead(EndReadRequest {
-                receipt: c.clone(),
-                restore_digest: None,
-                reason: Some(error.to_string()),
-            })),
+            Got::Failed { claim: Some(c), error } => match finish {
+                Finish::Ack => Some(BatchStep::Fail(FailRequest { receipt: c.clone(), reason: error.to_string() })),
+                Finish::EndRead => Some(BatchStep::EndRead(EndReadRequest {
+                    receipt: c.clone(),
+                    restore_digest: None,
+                    reason: Some(error.to_string()),
+                })),
+                Finish::Keep => None,
+            },
             _ => None,
         })
         .collect();
     if !fails.is_empty() {
-        conn.control.batch(fails)?;
+        control.batch(fails)?;
     }
     // Every restored item acknowledged in one batch (one commit).
-    let acks: Vec<(&RustReceipt, &str)> = got
+    let acks: Vec<(&Receipt, &str)> = got
         .iter()
         .filter_map(|g| match g {
             Got::Restored { claim, digest, .. } => Some((claim, digest.as_str())),
@@ -325,10 +206,11 @@ pub(crate) fn restore_many(
         .collect();
     let mut acked = match finish {
         _ if acks.is_empty() => Vec::new(),
-        Finish::Ack => conn.control.ack_many(&acks)?,
+        Finish::Keep => Vec::new(),
+        Finish::Ack => control.ack_many(&acks)?,
         Finish::EndRead => {
-            let ends: Vec<(&RustReceipt, End<'_>)> = acks.iter().map(|(r, d)| (*r, End::Done(d))).collect();
-            conn.control.end_read_many(&ends)?
+            let ends: Vec<(&Receipt, End<'_>)> = acks.iter().map(|(r, d)| (*r, End::Done(d))).collect();
+            control.end_read_many(&ends)?
         }
     }
     .into_iter();
@@ -336,6 +218,7 @@ pub(crate) fn restore_many(
         .into_iter()
         .map(|g| match g {
             Got::Acked { manifest } => Ok(manifest),
+            Got::Restored { manifest, .. } if finish == Finish::Keep => Ok(manifest),
             Got::Restored { manifest, .. } => match acked.next() {
                 Some(Ok(())) => Ok(manifest),
                 Some(Err(e)) => Err(e),
@@ -350,28 +233,17 @@ pub(crate) fn restore_many(
 /// Loads every adopted item's chunks in one data-plane frame, each checked
 /// against its manifest as a single get checks it: an item restored becomes
 /// `Restored`, one that failed `Failed`.
-fn load_all(
-    conn: &Conn,
+pub fn load_all(
+    data: &Mutex<DataPlane>,
     (verify, finish): (Verify, Finish),
     places: &[Option<Place>],
     got: &mut [Got],
 ) -> Result<(), ClientError> {
-    let mut data = lock(&conn.data);
+    let mut data = lock(data);
     let mut asked: Vec<(usize, Vec<DataChunk>)> = Vec::new();
     for (i, place) in places.iter().enumerate() {
         let (Got::Adopted { claim, manifest }, Some(place)) = (&got[i], place) else { continue };
-        let mut at = place.offset;
-        let chunks = manifest
-            .chunks
-            .iter()
-            .map(|c| {
-                place.buffer.inner.check_range(at, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-                let chunk =
-                    DataChunk { index: c.index, buffer: data.id_of(&place.buffer)?, offset: at, len: 0, crc32c: None };
-                at += c.len;
-                Ok(chunk)
-            })
-            .collect::<Result<Vec<_>, ClientError>>();
+        let chunks = chunks_of(&mut data, place, manifest);
         match chunks {
             Ok(chunks) => asked.push((i, chunks)),
             Err(error) => got[i] = Got::Failed { claim: Some(claim.clone()), error },
@@ -381,7 +253,7 @@ fn load_all(
         return Ok(());
     }
     let ack = |i: usize| places[i].as_ref().is_some_and(|p| acks_with_load(verify, finish, p));
-    let loads: Vec<(&RustReceipt, Vec<DataChunk>, bool)> = asked
+    let loads: Vec<(&Receipt, Vec<DataChunk>, bool)> = asked
         .iter()
         .filter_map(|(i, chunks)| match &got[*i] {
             Got::Adopted { claim, .. } => Some((claim, chunks.clone(), ack(*i))),
@@ -444,6 +316,30 @@ fn load_all(
         .collect();
     settle(got, outcomes);
     Ok(())
+}
+
+/// The chunks of an item's load, laid one after another from its place.
+fn chunks_of(data: &mut DataPlane, place: &Place, manifest: &Manifest) -> Result<Vec<DataChunk>, ClientError> {
+    let mut at = place.offset;
+    manifest
+        .chunks
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            // Entry k is chunk k: the checks after the load find each chunk's entry by its index.
+            if c.index as usize != k {
+                return Err(ClientError::Verify {
+                    chunk: c.index,
+                    what: format!("the manifest lists it as entry {k}: a manifest lists chunk k at entry k"),
+                });
+            }
+            place.buffer.inner.check_range(at, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let chunk =
+                DataChunk { index: c.index, buffer: data.id_of(&place.buffer)?, offset: at, len: 0, crc32c: None };
+            at += c.len;
+            Ok(chunk)
+        })
+        .collect::<Result<Vec<_>, ClientError>>()
 }
 
 /// An item's load: its index, whether the daemon acknowledged it with the
