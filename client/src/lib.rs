@@ -17,15 +17,11 @@
 //!   namespace itself, from another host.
 #![deny(clippy::unwrap_used)]
 
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-
-use pdstor_engine::buffer::BufferKind;
-use pdstor_engine::{Buffer, PayloadPath};
 
 pub mod code;
 pub mod frame;
@@ -40,21 +36,26 @@ pub mod tls;
 pub mod wire;
 
 mod batch;
+mod data;
 mod http1;
 mod reader;
 mod remote;
+mod spec;
 mod step_de;
+mod transport;
 mod verify;
 mod writer;
 
-use crate::frame::{read_frame, write_frame};
 use crate::layout::{Layout, Manifest};
 use crate::receipt::{Receipt, manifest_digest};
 use crate::wire::*;
+use transport::{Daemon, Failed, Transport, host_port, not_the_owner};
 
 pub use batch::{Outcomes, StoreItem};
+pub use data::{DataConn, Place};
 pub use reader::{Reader, Restored};
 pub use remote::{Judge, RemoteReader};
+pub use spec::{BufferSpec, Exporter};
 pub use verify::{LoadChecks, Verify, reported_checksums};
 pub use writer::Writer;
 
@@ -120,37 +121,6 @@ pub(crate) fn trusted_daemon(stream: &UnixStream, path: &Path) -> Result<(), Str
     ))
 }
 
-/// How the client reaches the control plane.
-enum Transport {
-    /// `unix:/run/pdstor/control.sock`, its connections kept alive.
-    Unix(http1::UnixPool),
-    /// `https://host:port`: mutual TLS (or why its files could not be read).
-    Tls { host: String, port: u16, config: Result<std::sync::Arc<rustls::ClientConfig>, String> },
-    /// `http://host:port` (a daemon run with `--insecure-tcp`).
-    Http(ureq::Agent),
-}
-
-/// The TLS files `https://` uses: `PDSTOR_TLS_CA` (the daemon's CA), and
-/// `PDSTOR_TLS_CERT` with `PDSTOR_TLS_KEY` (this client's certificate).
-fn tls_from_env() -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
-    let var = |n: &str| std::env::var_os(n).filter(|v| !v.is_empty()).map(std::path::PathBuf::from);
-    let ca = var("PDSTOR_TLS_CA")
-        .ok_or("an https:// server needs PDSTOR_TLS_CA, the CA that signed the daemon's certificate")?;
-    match (var("PDSTOR_TLS_CERT"), var("PDSTOR_TLS_KEY")) {
-        (Some(c), Some(k)) => crate::tls::client_config(&ca, Some((&c, &k))),
-        (None, None) => crate::tls::client_config(&ca, None),
-        _ => Err("PDSTOR_TLS_CERT and PDSTOR_TLS_KEY go together: give both, or neither".into()),
-    }
-}
-
-/// `host:port` of an `https://` URL.
-fn host_port(rest: &str) -> Result<(String, u16), String> {
-    let authority = rest.split('/').next().unwrap_or_default();
-    let (host, port) = authority.rsplit_once(':').ok_or_else(|| format!("https://{authority} names no port"))?;
-    let port = port.parse().map_err(|_| format!("https://{authority}: {port:?} is not a port"))?;
-    Ok((host.trim_start_matches('[').trim_end_matches(']').to_owned(), port))
-}
-
 /// The HTTP control plane: one daemon, or the daemons that may own the
 /// namespace (see [`Client::new`]).
 pub struct Client {
@@ -158,140 +128,6 @@ pub struct Client {
     /// The daemon that answered as the owner last (with several).
     current: std::sync::atomic::AtomicUsize,
     base: String,
-}
-
-/// One daemon's address and how it is reached.
-struct Daemon {
-    transport: Transport,
-    base: String,
-}
-
-/// A request that failed: whether it provably never reached the daemon (no
-/// connection was made), so it may go to another.
-enum Failed {
-    NotSent(ClientError),
-    Unknown(ClientError),
-}
-
-impl Daemon {
-    fn new(base: &str, several: bool) -> Daemon {
-        let base = base.trim().trim_end_matches('/').to_owned();
-        let transport = if let Some(path) = base.strip_prefix("unix:") {
-            Transport::Unix(http1::UnixPool::new(path.trim_start_matches("//").into()))
-        } else if let Some(rest) = base.strip_prefix("https://") {
-            match host_port(rest) {
-                Ok((host, port)) => Transport::Tls { host, port, config: tls_from_env() },
-                Err(e) => Transport::Tls { host: String::new(), port: 0, config: Err(e) },
-            }
-        } else {
-            // Idle connections are dropped well before the daemon closes them
-            // (`--header-timeout-ms`, 10 s by default), so a pooled connection
-            // is never one the daemon has already forgotten. Among several
-            // owners nothing is pooled: a host that lost its power and booted
-            // again within seconds (its standby took over meanwhile) answers
-            // a step sent on an old connection with a reset, whose fate the
-            // client cannot know, whereas a new connection to it is refused —
-            // provably never sent — and the step goes on to the next address.
-            // There a silent host's connect gives up after 3 s.
-            let (idle, per_host) = if several { (0, 0) } else { (10, 3) };
-            let config = ureq::Agent::config_builder()
-                .http_status_as_error(false)
-                .max_idle_age(std::time::Duration::from_secs(4))
-                .max_idle_connections(idle)
-                .max_idle_connections_per_host(per_host)
-                .timeout_connect(several.then(|| std::time::Duration::from_secs(3)))
-                .build();
-            Transport::Http(config.into())
-        };
-        Daemon { transport, base }
-    }
-
-    /// Sends one request; answers the status and body.
-    fn exchange(&self, method: &str, path: &str, json: Option<&[u8]>) -> Result<(u16, Vec<u8>), Failed> {
-        let url = format!("{}{path}", self.base);
-        let transport = |message: String| {
-            // Every transport says "connecting to …" when no connection was made.
-            let e = ClientError::Transport { url: url.clone(), message: message.clone() };
-            if message.starts_with("connecting to") { Failed::NotSent(e) } else { Failed::Unknown(e) }
-        };
-        match &self.transport {
-            Transport::Unix(pool) => {
-                let a = pool.request(method, path, json).map_err(transport)?;
-                Ok((a.status, a.body))
-            }
-            Transport::Tls { host, port, config } => {
-                let config = config
-                    .as_ref()
-                    .map_err(|e| Failed::NotSent(ClientError::Transport { url: url.clone(), message: e.clone() }))?;
-                let a = http1::tls(config, host, *port, method, path, json).map_err(|f| match f {
-                    http1::TlsFailed::Other(message) => transport(message),
-                    // Final: the handshake failed before the request was read.
-                    http1::TlsFailed::CertificateRefused(why) => Failed::Unknown(ClientError::Api(ErrorBody::new(
-                        crate::code::RefusalCode::Unauthenticated,
-                        "certificate",
-                        format!(
-                            "the daemon at {} refused this client's certificate in the TLS handshake: {why}; nothing was done. Ask its operator for a certificate it accepts (PDSTOR_TLS_CERT, PDSTOR_TLS_KEY)",
-                            self.base
-                        ),
-                    ))),
-                })?;
-                Ok((a.status, a.body))
-            }
-            Transport::Http(agent) => {
-                let resp = match json {
-                    Some(body) => agent.post(&url).content_type("application/json").send(body),
-                    None => agent.get(&url).call(),
-                };
-                let mut resp = resp.map_err(|e| {
-                    let not_sent = match &e {
-                        ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => true,
-                        ureq::Error::Timeout(t) => matches!(t, ureq::Timeout::Connect | ureq::Timeout::Resolve),
-                        ureq::Error::Io(io) => matches!(
-                            io.kind(),
-                            std::io::ErrorKind::ConnectionRefused
-                                | std::io::ErrorKind::HostUnreachable
-                                | std::io::ErrorKind::NetworkUnreachable
-                        ),
-                        _ => false,
-                    };
-                    match not_sent {
-                        true => transport(format!("connecting to {}: {e}", self.base)),
-                        false => transport(e.to_string()),
-                    }
-                })?;
-                let status = resp.status().as_u16();
-                let body = resp
-                    .body_mut()
-                    .with_config()
-                    .limit(256 << 20)
-                    .read_to_vec()
-                    .map_err(|e| transport(e.to_string()))?;
-                Ok((status, body))
-            }
-        }
-    }
-}
-
-/// Why a daemon's answer says it is not the namespace's owner now: a
-/// standby, an owner that lost the namespace, or a daemon that serves
-/// another namespace than the receipt's — each refused before doing
-/// anything, so the step may go to the next address.
-fn not_the_owner(path: &str, status: u16, body: &[u8]) -> Option<String> {
-    if path == "/healthz" && status == 200 && body.starts_with(b"standby") {
-        return Some("standby".into());
-    }
-    let passes = |code: &str| matches!(code, "standby" | "namespace_lost" | "namespace_mismatch");
-    if path == "/storage-pd/batch" && status == 200 {
-        // A batch every step of which was refused so did nothing either: a
-        // batch of one is how a single step goes, and it fails over as the
-        // step's own route would.
-        let answer: BatchResponse = serde_json::from_slice(body).ok()?;
-        let codes: Vec<&str> =
-            answer.results.iter().map(|r| r.error.as_ref().map_or("", |e| e.code.as_str())).collect();
-        return (!codes.is_empty() && codes.iter().all(|c| passes(c))).then(|| codes[0].to_owned());
-    }
-    let b: ErrorBody = serde_json::from_slice(body).ok()?;
-    passes(&b.code).then_some(b.code)
 }
 
 impl Client {
@@ -597,287 +433,5 @@ impl Client {
     /// `/metrics`, as Prometheus text.
     pub fn metrics(&self) -> Result<String, ClientError> {
         self.get_text("/metrics")
-    }
-}
-
-/// A data-plane connection.
-pub struct DataConn {
-    stream: UnixStream,
-    /// The socket, to connect again while nothing is registered.
-    path: std::path::PathBuf,
-    /// Whether a buffer was registered on this connection (the daemon closes
-    /// one holding none after `--data-idle-timeout-ms` without a request).
-    registered: bool,
-}
-
-impl DataConn {
-    /// Connects to the daemon's data socket at `path`.
-    ///
-    /// The daemon must run as root, as this user, or as `PDSTOR_DAEMON_UID`
-    /// (`SO_PEERCRED`): a buffer is never handed to whoever squats a socket path.
-    pub fn connect(path: &Path) -> Result<DataConn, ClientError> {
-        let stream = UnixStream::connect(path).map_err(|e| {
-            ClientError::Data(format!("connecting to {}: {e} (is `pdstor serve` running?)", path.display()))
-        })?;
-        trusted_daemon(&stream, path).map_err(ClientError::Data)?;
-        Ok(DataConn { stream, path: path.into(), registered: false })
-    }
-
-    /// The daemon's process id (`SO_PEERCRED`), e.g. to read its CPU time.
-    pub fn daemon_pid(&self) -> std::io::Result<i32> {
-        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-        getsockopt(&self.stream, PeerCredentials).map(|c| c.pid()).map_err(std::io::Error::from)
-    }
-
-    /// Whether the daemon hung up on this idle connection: with no request
-    /// outstanding, anything to read (its last word, or the end) says so.
-    fn hung_up(&self) -> bool {
-        use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-        use std::os::fd::AsFd;
-        let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
-        poll(&mut fds, PollTimeout::ZERO).is_ok_and(|n| n > 0)
-    }
-
-    fn call(&mut self, req: &DataRequest, fds: &[i32]) -> Result<DataResponse, ClientError> {
-        // Nothing registered, nothing lost: a connection the daemon closed as
-        // idle is replaced before the request goes out.
-        if !self.registered && self.hung_up() {
-            *self = DataConn::connect(&self.path)?;
-        }
-        let body = serde_json::to_vec(req).map_err(|e| ClientError::Data(e.to_string()))?;
-        if let Err(e) = write_frame(&mut self.stream, &body, fds) {
-            // A daemon that hung up (over a limit, or this connection idle
-            // too long) says why first: that answer, if it came, is the error.
-            let _ = self.stream.set_read_timeout(Some(std::time::Duration::from_secs(1)));
-            let said = read_frame(&mut self.stream).ok().flatten();
-            let why = said.and_then(|(b, _)| serde_json::from_slice::<DataResponse>(&b).ok()).and_then(|r| r.error);
-            let _ = self.stream.set_read_timeout(None);
-            return Err(why.map_or_else(|| ClientError::Data(format!("sending: {e}")), ClientError::Api));
-        }
-        let (resp, _) = read_frame(&mut self.stream)
-            .map_err(|e| ClientError::Data(format!("receiving: {e}")))?
-            .ok_or_else(|| ClientError::Data("the daemon closed the data socket".into()))?;
-        let resp: DataResponse = serde_json::from_slice(&resp).map_err(|e| ClientError::Data(e.to_string()))?;
-        match resp.error {
-            Some(e) => Err(ClientError::Api(e)),
-            None => Ok(resp),
-        }
-    }
-
-    /// Shares a buffer with the daemon for `host_fixed`; returns its id on
-    /// this connection. One over 1 GiB (a whole LMCache pool, say) is
-    /// registered in 1 GiB windows, each a table entry of the daemon's.
-    pub fn register(&mut self, buffer: &Buffer) -> Result<u32, ClientError> {
-        self.register_for(buffer, PayloadPath::HostFixed)
-    }
-
-    /// Shares a buffer with the daemon for `path`: a memfd buffer sends its
-    /// memfd, a shm file buffer its file; a DMA-BUF sends the DMA-BUF and, for a udmabuf, the memfd behind
-    /// it (so host paths can map it). The daemon refuses, holding nothing, if
-    /// the path cannot take the buffer.
-    pub fn register_for(&mut self, buffer: &Buffer, path: PayloadPath) -> Result<u32, ClientError> {
-        self.register_checked(buffer, path, true)
-    }
-
-    /// [`DataConn::register_for`]; with `checked` false, the daemon does not
-    /// checksum loads into it (it answers their chunks `unverified`): a
-    /// staging buffer whose reader checks each chunk as it copies it out
-    /// ([`Buffer::copy_out_checked`]: one pass over the bytes, not two), or
-    /// a benchmark's [`Verify::None`]. Stores from it are checked as ever.
-    pub fn register_checked(&mut self, buffer: &Buffer, path: PayloadPath, checked: bool) -> Result<u32, ClientError> {
-        let (kind, fds) = match (buffer.dmabuf(), buffer.memfd_fd()) {
-            (None, Some(m)) if buffer.kind() == BufferKind::ShmFile => (SharedKind::Shm, vec![m.as_raw_fd()]),
-            (Some(d), backing) => {
-                let mut fds = vec![d.fd().as_raw_fd()];
-                fds.extend(backing.map(|m| m.as_raw_fd()));
-                (SharedKind::Dmabuf, fds)
-            }
-            (None, Some(m)) => (SharedKind::Memfd, vec![m.as_raw_fd()]),
-            (None, None) => {
-                return Err(ClientError::Data(
-                    "a private host buffer cannot be shared: use a memfd or a DMA-BUF buffer".into(),
-                ));
-            }
-        };
-        let r = self.call(
-            &DataRequest::Register { len: buffer.len() as u64, kind, path: Some(path), unchecked: !checked },
-            &fds,
-        )?;
-        let id = r.buffer.ok_or_else(|| ClientError::Data("register answered no buffer id".into()))?;
-        self.registered = true;
-        Ok(id)
-    }
-
-    /// One store batch from registered buffers, with the writer's token
-    /// the publication's `prepare` answered.
-    pub fn store(
-        &mut self,
-        publication: u64,
-        writer_token: &str,
-        chunks: Vec<DataChunk>,
-        is_last_batch: bool,
-        total_chunks: u32,
-    ) -> Result<DataResponse, ClientError> {
-        let writer_token = writer_token.into();
-        self.call(&DataRequest::Store { publication, writer_token, chunks, is_last_batch, total_chunks }, &[])
-    }
-
-    /// Loads chunks of an adopted publication into registered buffers.
-    pub fn load(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
-        self.call(&DataRequest::Load { receipt: claim.clone(), chunks, ack: false }, &[])
-    }
-
-    /// Loads the last chunks of an adopted claim and acknowledges it in the
-    /// same request ([`DataConn::load_and_ack_many`] for one claim).
-    pub fn load_and_ack(&mut self, claim: &Receipt, chunks: Vec<DataChunk>) -> Result<DataResponse, ClientError> {
-        self.call(&DataRequest::Load { receipt: claim.clone(), chunks, ack: true }, &[])
-    }
-
-    /// Stores `chunks` of a prepared publication as one batch, each from its
-    /// place in a registered buffer (checked to lie inside that buffer
-    /// before anything is sent).
-    pub fn store_from(
-        &mut self,
-        prepared: &Prepared,
-        chunks: &[Place<'_>],
-        is_last_batch: bool,
-        total_chunks: u32,
-    ) -> Result<DataResponse, ClientError> {
-        let mut wire = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            c.buffer.check_range(c.offset, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-            wire.push(DataChunk { index: c.index, buffer: c.buffer_id, offset: c.offset, len: c.len, crc32c: None });
-        }
-        self.store(prepared.publication, &prepared.writer_token, wire, is_last_batch, total_chunks)
-    }
-
-    /// Loads chunks of an adopted claim to their places and checks each
-    /// one's crc32c against `manifest` ([`LoadChecks`]: as the daemon read it
-    /// in place in the buffer, or computed here for what the daemon could not
-    /// read and for every chunk with [`Verify::Local`]). A place's `len` is
-    /// taken from the manifest. Returns each chunk's crc32c, in `places`
-    /// order; any mismatch or unknown chunk is an error, never a partial
-    /// result.
-    pub fn load_verified(
-        &mut self,
-        claim: &Receipt,
-        manifest: &Manifest,
-        places: &[Place<'_>],
-        verify: Verify,
-    ) -> Result<Vec<(u32, u32)>, ClientError> {
-        let mut wire = Vec::with_capacity(places.len());
-        let mut lens = Vec::with_capacity(places.len());
-        for p in places {
-            let entry = manifest.chunks.get(p.index as usize).filter(|c| c.index == p.index).ok_or_else(|| {
-                ClientError::Verify {
-                    chunk: p.index,
-                    what: format!("the manifest has {} chunks", manifest.chunks.len()),
-                }
-            })?;
-            p.buffer.check_range(p.offset, entry.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-            wire.push(DataChunk { index: p.index, buffer: p.buffer_id, offset: p.offset, len: 0, crc32c: None });
-            lens.push((entry.len, entry.crc32c));
-        }
-        let requested: Vec<u32> = wire.iter().map(|c| c.index).collect();
-        let answer = self.load(claim, wire)?;
-        let checks = LoadChecks::new(verify, &requested, &answer);
-        places
-            .iter()
-            .zip(lens)
-            .map(|(p, (len, want))| Ok((p.index, checks.check(p.index, p.buffer, p.offset, len, want)?)))
-            .collect()
-    }
-}
-
-/// One chunk's place in a registered buffer: where a store takes its bytes
-/// from, or a load puts them.
-pub struct Place<'a> {
-    /// The chunk's index in its publication.
-    pub index: u32,
-    /// The buffer, as this process maps it (for range checks and checksums).
-    pub buffer: &'a Buffer,
-    /// The id the data connection registered it under.
-    pub buffer_id: u32,
-    /// Where in the buffer the chunk starts.
-    pub offset: u64,
-    /// Its length in bytes (a store's; a load takes the manifest's).
-    pub len: u64,
-}
-
-/// Who provides a client's buffer memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Exporter {
-    /// A memfd (shared memory).
-    #[default]
-    Memfd,
-    /// A udmabuf made from a sealed memfd (`/dev/udmabuf`).
-    Udmabuf,
-    /// The system DMA heap (`/dev/dma_heap/system`).
-    DmaHeap,
-}
-
-impl std::str::FromStr for Exporter {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "memfd" => Ok(Exporter::Memfd),
-            "udmabuf" => Ok(Exporter::Udmabuf),
-            "dma-heap" => Ok(Exporter::DmaHeap),
-            _ => Err(format!("unknown buffer exporter {s:?}: expected memfd, udmabuf or dma-heap")),
-        }
-    }
-}
-
-impl std::fmt::Display for Exporter {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Exporter::Memfd => "memfd",
-            Exporter::Udmabuf => "udmabuf",
-            Exporter::DmaHeap => "dma-heap",
-        })
-    }
-}
-
-/// A client buffer: whose memory, and the path the daemon moves it on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BufferSpec {
-    /// Whose memory.
-    pub exporter: Exporter,
-    /// The path the daemon moves it on.
-    pub path: PayloadPath,
-}
-
-impl Default for BufferSpec {
-    fn default() -> Self {
-        BufferSpec { exporter: Exporter::Memfd, path: PayloadPath::HostFixed }
-    }
-}
-
-impl BufferSpec {
-    /// Allocates `len` bytes from the exporter.
-    pub fn allocate(&self, name: &str, len: usize) -> Result<Buffer, ClientError> {
-        let b = match self.exporter {
-            Exporter::Memfd => Buffer::memfd(name, len),
-            Exporter::Udmabuf => Buffer::udmabuf(name, len),
-            Exporter::DmaHeap => Buffer::dma_heap("system", len),
-        };
-        b.map_err(|e| ClientError::Data(e.to_string()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn reported_checksums_skip_unverified_chunks_and_distrust_a_short_answer() {
-        let answer = DataResponse { crc32c: vec![0xa, 0xc], unverified: vec![5], ..Default::default() };
-        let got = reported_checksums(&[4, 5, 6], &answer);
-        assert_eq!(got, [(4, 0xa), (6, 0xc)].into_iter().collect());
-        let short = DataResponse { crc32c: vec![0xa], ..Default::default() };
-        assert!(reported_checksums(&[4, 5], &short).is_empty(), "a count that does not add up: check everything here");
-        assert_eq!("local".parse::<Verify>(), Ok(Verify::Local));
-        assert!("maybe".parse::<Verify>().is_err());
     }
 }

@@ -96,3 +96,20 @@ impl LoadChecks {
         Ok(crc)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::DataResponse;
+
+    #[test]
+    fn reported_checksums_skip_unverified_chunks_and_distrust_a_short_answer() {
+        let answer = DataResponse { crc32c: vec![0xa, 0xc], unverified: vec![5], ..Default::default() };
+        let got = reported_checksums(&[4, 5, 6], &answer);
+        assert_eq!(got, [(4, 0xa), (6, 0xc)].into_iter().collect());
+        let short = DataResponse { crc32c: vec![0xa], ..Default::default() };
+        assert!(reported_checksums(&[4, 5], &short).is_empty(), "a count that does not add up: check everything here");
+        assert_eq!("local".parse::<Verify>(), Ok(Verify::Local));
+        assert!("maybe".parse::<Verify>().is_err());
+    }
+}

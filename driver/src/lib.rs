@@ -9,6 +9,7 @@
 
 pub mod admission;
 pub mod api;
+pub mod owner;
 pub mod protocol;
 pub mod provenance;
 pub mod store;

@@ -221,11 +221,11 @@ fn a_standby_reads_whose_the_namespace_is_even_with_copy_a_torn() {
     let want = s.superblock();
     drop(s);
     let before = std::fs::read(&path).unwrap();
-    let sb = pdstor_daemon::api::owner::read_superblock(&path).unwrap();
+    let sb = pdstor_daemon::owner::read_superblock(&path).unwrap();
     assert_eq!((sb.uuid, sb.epoch, sb.owner_key), (want.uuid, want.epoch, 0x5d0e));
     assert!(std::fs::read(&path).unwrap() == before, "reading the superblock wrote the target");
     std::fs::OpenOptions::new().write(true).open(&path).unwrap().write_all_at(&[0xa5; 4096], 0).unwrap();
-    let sb = pdstor_daemon::api::owner::read_superblock(&path).unwrap();
+    let sb = pdstor_daemon::owner::read_superblock(&path).unwrap();
     assert_eq!((sb.uuid, sb.owner_key), (want.uuid, 0x5d0e));
 }
 

@@ -1,8 +1,8 @@
 //! The code's layers, checked from its source: in every crate, each folder
 //! imports only the folders of the layers declared below it ([`LAYERS`]), no
 //! file imports a sibling that imports it back, and each crate depends only
-//! on the crates below it ([`CRATES`]); and the size rules (no file of
-//! the daemon, the proof crate or the binary over 600 lines, no function outside tests over 100 in any
+//! on the crates below it ([`CRATES`]); and the size rules (no source file
+//! of any crate over 600 lines, no function outside tests over 100 in any
 //! crate's `src`).
 //!
 //! A reference is any `crate::a::…` path (in a `use` or inline) and, inside a
@@ -153,7 +153,7 @@ fn graphs(src: &Path) -> (Graph, BTreeMap<String, Graph>) {
 /// not above). A folder left out of its crate's list is an error too: say
 /// where a new one stands.
 const LAYERS: &[(&str, &[&[&str]])] = &[
-    ("driver/src", &[&["api"], &["protocol"], &["provenance"], &["store"], &["admission"], &["units"]]),
+    ("driver/src", &[&["api"], &["protocol", "owner"], &["provenance"], &["store"], &["admission"], &["units"]]),
     (
         "cli/src",
         &[
@@ -171,7 +171,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
             &["writer", "reader"],
             &["many"],
             &["remote", "batch"],
-            &["step_de", "verify"],
+            &["step_de", "verify", "data", "spec", "transport"],
             &["wire"],
             &["read"],
             &["timeline"],
@@ -196,7 +196,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     ),
     ("testkit/src", &[]),
     ("tests/src", &[&["mallory"]]),
-    ("python/src", &[&["staged", "timeline"]]),
+    ("python/src", &[&["writer", "reader"], &["restore"], &["client"], &["buffer", "staged", "timeline"]]),
 ];
 
 /// The crates, top first: a crate may depend (normally, for its build or its
@@ -358,10 +358,10 @@ fn the_loop_finder_finds_a_loop() {
 }
 
 #[test]
-fn no_file_of_the_daemon_or_above_is_over_600_lines() {
-    let long: Vec<String> = ["driver/src", "proof/src", "cli/src"]
+fn no_source_file_of_any_crate_is_over_600_lines() {
+    let long: Vec<String> = LAYERS
         .iter()
-        .flat_map(|dir| rust_files(&root().join(dir)))
+        .flat_map(|(dir, _)| rust_files(&root().join(dir)))
         .filter_map(|f| {
             let lines = std::fs::read_to_string(&f).ok()?.lines().count();
             (lines > 600).then(|| format!("{} ({lines} lines)", f.strip_prefix(root()).unwrap_or(&f).display()))

@@ -502,7 +502,7 @@ fn steps() -> Router<Shared> {
         .route(
             "/storage-pd/admin/takeover",
             post(|State(s): S, _: Bytes| async move {
-                error_response(&s, super::owner::takeover_asked_of_owner(s.service.store()))
+                error_response(&s, crate::owner::takeover_asked_of_owner(s.service.store()))
             }),
         )
 }

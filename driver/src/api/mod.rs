@@ -11,9 +11,9 @@ pub mod hygiene;
 mod listen;
 mod listing;
 pub mod log;
+mod lost;
 pub mod metrics;
 pub mod openapi;
-pub mod owner;
 pub mod peer;
 pub mod reload;
 pub mod routes;
@@ -202,7 +202,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
     if let Some(held) = held {
         let key = held.key;
         service = service.with_reservations(held.reservations, key);
-        watcher = Some(owner::watch(store.clone(), &cfg.target, key, cfg.owner_check)?);
+        watcher = Some(crate::owner::watch(store.clone(), &cfg.target, key, cfg.owner_check)?);
         tracing::info!(
             key = format!("{key:#x}"),
             "holding the namespace's reservation (exclusive access, all registrants)"
@@ -241,7 +241,7 @@ pub fn serve(cfg: ServeConfig) -> anyhow::Result<()> {
         limits: cfg.limits,
         prepares: Default::default(),
     }))
-    .layer(axum::middleware::from_fn_with_state(store.clone(), owner::refuse_when_lost));
+    .layer(axum::middleware::from_fn_with_state(store.clone(), lost::refuse_when_lost));
     rt.block_on(control_plane(cfg.listen.clone(), live, app, cfg.limits, signalled()))?;
     reaper_stop.store(true, std::sync::atomic::Ordering::SeqCst);
     let _ = reaper.join();
@@ -267,7 +267,7 @@ fn own(
     cfg: &ServeConfig,
     live: &Arc<reload::Live>,
     rt: &tokio::runtime::Runtime,
-) -> anyhow::Result<Option<(Option<owner::Held>, Store)>> {
+) -> anyhow::Result<Option<(Option<crate::owner::Held>, Store)>> {
     let (held, store, report) = match (&cfg.standby, cfg.reservation_key) {
         (Some(sb), Some(key)) => match standby::run(cfg, sb, key, live, rt)? {
             Some((held, store, report)) => (Some(held), store, report),
@@ -277,7 +277,8 @@ fn own(
             "--standby needs --reservation-key: a standby takes a namespace over by preempting its owner's key with its own"
         ),
         (None, Some(key)) => {
-            let held = owner::hold(&cfg.target, key, false).map_err(|e| anyhow::anyhow!("--reservation-key: {e:#}"))?;
+            let held =
+                crate::owner::hold(&cfg.target, key, false).map_err(|e| anyhow::anyhow!("--reservation-key: {e:#}"))?;
             let (store, report) = open_store(cfg, key)?;
             (Some(held), store, report)
         }

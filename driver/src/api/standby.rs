@@ -21,9 +21,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use tokio::sync::{mpsc, oneshot};
 
-use super::owner::{self, Held};
 use super::wire::{ErrorBody, TakeoverAnswer};
 use super::{ServeConfig, open_store};
+use crate::owner::{self, Held};
 use crate::protocol::identity::{Caller, Role};
 use crate::store::{RecoveryReport, Store};
 use pdstor_client::code::RefusalCode;

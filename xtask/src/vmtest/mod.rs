@@ -9,8 +9,10 @@
 
 mod initramfs;
 mod kernel;
+mod matrix;
 mod qemu;
 pub mod series;
+mod topology;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -24,6 +26,8 @@ use pdstor_vmtest_spec::{
 use xshell::{Shell, cmd};
 
 use qemu::{Accel, Vm};
+
+pub use matrix::{Kernel, run_matrix};
 
 /// Modules the guest needs that Debian builds as modules (sd_mod and
 /// scsi_debug: the probes suite's disk of queue depth 1 and injected requeues).
@@ -97,94 +101,6 @@ pub enum KernelCmd {
         #[arg(long)]
         src: PathBuf,
     },
-}
-
-/// Which kernel a guest of the matrix boots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernel {
-    /// Debian's 6.12 (`cargo xtask kernel fetch`).
-    Debian,
-    /// Debian's linux-source-7.2 with the rw-dmabuf series (`cargo xtask kernel build`).
-    Series,
-}
-
-/// One run of CI's vmtest matrix: a kernel, the suites (none: all but
-/// `topology`), and what goes on the guest's command line. How many guests
-/// boot is the suites' own: `topology` boots two on a private network.
-pub struct Cell {
-    pub kernel: Kernel,
-    pub suites: &'static [&'static str],
-    pub append: Option<&'static str>,
-    /// Why this cell is in the matrix.
-    pub why: &'static str,
-}
-
-/// CI's vmtest matrix, kernel by kernel.
-pub const MATRIX: &[Cell] = &[
-    Cell { kernel: Kernel::Debian, suites: &[], append: None, why: "every suite on every disk" },
-    Cell {
-        kernel: Kernel::Debian,
-        suites: &["swiotlb"],
-        append: Some("swiotlb=force"),
-        why: "the probes catch every bounce through the software IOTLB",
-    },
-    Cell {
-        kernel: Kernel::Debian,
-        suites: &["topology"],
-        append: None,
-        why: "a storage guest and a reader guest over NVMe/TCP",
-    },
-    Cell { kernel: Kernel::Series, suites: &[], append: None, why: "every suite, rw-dmabuf native" },
-    Cell {
-        kernel: Kernel::Series,
-        suites: &["swiotlb"],
-        append: Some("swiotlb=force"),
-        why: "the bounces, with the series",
-    },
-    Cell { kernel: Kernel::Series, suites: &["topology"], append: None, why: "its nvmet has persistent reservations" },
-];
-
-impl Cell {
-    /// The `cargo xtask vmtest` line that runs this cell by hand.
-    pub fn command(&self) -> String {
-        let mut c = String::from("cargo xtask vmtest");
-        if self.kernel == Kernel::Series {
-            c.push_str(" --kernel-series …");
-        }
-        if !self.suites.is_empty() {
-            c.push_str(&format!(" --suite {}", self.suites.join(",")));
-        }
-        if let Some(a) = self.append {
-            c.push_str(&format!(" --append {a}"));
-        }
-        c
-    }
-
-    /// The run's arguments; `series` is the patch series a Series cell's
-    /// kernel is built from.
-    pub fn args(&self, series: Option<PathBuf>) -> VmtestArgs {
-        VmtestArgs {
-            suites: self.suites.iter().map(|s| (*s).to_owned()).collect(),
-            fs: Vec::new(),
-            kernel: None,
-            kernel_series: if self.kernel == Kernel::Series { series } else { None },
-            jobs: std::thread::available_parallelism().map_or(2, |n| n.get()),
-            accel: std::env::var("PDSTOR_VM_ACCEL").unwrap_or_else(|_| "auto".into()),
-            keep: false,
-            timeout: 900,
-            append: self.append.map(str::to_owned),
-        }
-    }
-}
-
-/// Runs every cell of the matrix on `kernel`, each a step of its own (so CI
-/// says where the time went cell by cell).
-pub fn run_matrix(sh: &Shell, kernel: Kernel, series: Option<PathBuf>) -> Result<()> {
-    for cell in MATRIX.iter().filter(|c| c.kernel == kernel) {
-        crate::step(&format!("{} ({})", cell.command(), cell.why));
-        run(sh, &cell.args(series.clone()))?;
-    }
-    Ok(())
 }
 
 fn spinner(msg: &str) -> ProgressBar {
@@ -270,7 +186,7 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
         pb.finish_and_clear();
         let accel = if args.accel == "kvm" { Accel::Kvm } else { Accel::Tcg };
         let append = args.append.clone().unwrap_or_default();
-        return run_topology(
+        return topology::run_topology(
             &kernel.vmlinuz,
             &initrd,
             disks,
@@ -516,167 +432,11 @@ fn build_initramfs(
     a.write(out)
 }
 
-/// Prints the results table and decides the exit status.
-/// A topology: the storage guest (all disks; it exports the raw one over
-/// NVMe/TCP and hosts the writer) and the reader guest (no disks), joined by
-/// a private QEMU socket network on the host's loopback and nothing else.
-/// Both boot together; when one ends, the other gets 90 s before it is
-/// stopped. A guest that asks for its power cut is killed at once and
-/// booted again (on the same disks) at the test that asked. Each guest's
-/// results are reported; the run fails if either fails.
-fn run_topology(
-    kernel: &Path,
-    initrd: &Path,
-    disks: Vec<(pdstor_vmtest_spec::DiskSpec, PathBuf)>,
-    (dir, append): (&Path, &str),
-    timeout: Duration,
-    accel: Accel,
-    started: Instant,
-) -> Result<()> {
-    use pdstor_vmtest_spec::{KILL_ME, POWER_CUT_ME};
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicBool, Ordering};
-    // Two free loopback ports for the two QEMUs' network: UDP, connectionless,
-    // so that a guest booted again after a power cut joins its peer again.
-    let free_udp = || -> Result<u16> { Ok(std::net::UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port()) };
-    let (sport, rport) = (free_udp()?, free_udp()?);
-    let dirs = ["storage", "storage-reborn", "reader", "reader-reborn"].map(|d| dir.join(d));
-    for d in &dirs {
-        std::fs::create_dir_all(d)?;
-    }
-    let (stop_storage, stop_reader) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-    let storage_net = format!("socket,udp=127.0.0.1:{rport},localaddr=127.0.0.1:{sport}");
-    let reader_net = format!("socket,udp=127.0.0.1:{sport},localaddr=127.0.0.1:{rport}");
-    // A guest of each role, booted first (`resume` None) or again after its
-    // power cut, its console in `dirs[d]`.
-    let storage = |d: usize, resume: Option<&str>| Vm {
-        kernel,
-        initrd,
-        disks: disks.clone(),
-        dir: &dirs[d],
-        extra_append: format!("{append} pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24{}", resume_arg(resume)),
-        netdev: Some(storage_net.clone()),
-        abort: Some(stop_storage.clone()),
-        kill_markers: if resume.is_none() { &[POWER_CUT_ME] } else { &[] },
-    };
-    let reader = |d: usize, resume: Option<&str>| Vm {
-        kernel,
-        initrd,
-        disks: Vec::new(),
-        dir: &dirs[d],
-        extra_append: format!(
-            "{append} pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1{}",
-            resume_arg(resume)
-        ),
-        netdev: Some(reader_net.clone()),
-        abort: Some(stop_reader.clone()),
-        kill_markers: if resume.is_none() { &[KILL_ME, POWER_CUT_ME] } else { &[KILL_ME] },
-    };
-    println!(
-        "vmtest topology: storage guest {STORAGE_ADDR} and reader guest {READER_ADDR} on UDP 127.0.0.1:{sport}/{rport} ({})",
-        accel.name()
-    );
-    // When one guest ends, its peer has 90 s more (it may be reporting, or
-    // fencing the reader host that just died).
-    let grace = |peer: Arc<AtomicBool>| {
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_secs(90));
-            peer.store(true, Ordering::Relaxed);
-        });
-    };
-    // A guest whose kernel panics in its own early boot, before /init ran
-    // (seen under TCG on a loaded host), boots once more, as a single guest does.
-    let boot = |vm: &Vm, name: &str| -> Result<qemu::VmRun> {
-        let r = vm.run(accel, timeout, None, |p| println!("  {name}: {p}"))?;
-        if panicked_in_early_boot(&r) {
-            println!("  {name}: the kernel panicked during early boot, before /init ran; booting it once more");
-            return vm.run(accel, timeout, None, |p| println!("  {name}: {p}"));
-        }
-        Ok(r)
-    };
-    let ((srun, reborn), (rrun, rreborn)) = std::thread::scope(|s| -> Result<_> {
-        let st = s.spawn(|| {
-            let r = life(&boot, storage(0, None), |t| storage(1, Some(t)), "storage");
-            grace(stop_reader.clone());
-            r
-        });
-        let rt = s.spawn(|| {
-            let r = life(&boot, reader(2, None), |t| reader(3, Some(t)), "reader");
-            grace(stop_storage.clone());
-            r
-        });
-        let srun = st.join().map_err(|_| anyhow::anyhow!("the storage guest's thread panicked"))?;
-        let rrun = rt.join().map_err(|_| anyhow::anyhow!("the reader guest's thread panicked"))?;
-        Ok((srun?, rrun?))
-    })?;
-    report_topology([("storage", &srun, reborn.as_ref()), ("reader", &rrun, rreborn.as_ref())], &dirs, started)
-}
-
-/// A guest's life: booted, and booted again (`again`) at the test where it
-/// asked for its power cut.
-fn life<'a>(
-    boot: &dyn Fn(&Vm<'a>, &str) -> Result<qemu::VmRun>,
-    first: Vm<'a>,
-    again: impl Fn(&str) -> Vm<'a>,
-    name: &str,
-) -> Result<(qemu::VmRun, Option<qemu::VmRun>)> {
-    let run = boot(&first, name)?;
-    let reborn = match resume_point(&run) {
-        Some(test) => {
-            println!("  {name}: power cut, as it asked; booting it again at {test}");
-            Some(boot(&again(&test), &format!("{name} (booted again)"))?)
-        }
-        None => None,
-    };
-    Ok((run, reborn))
-}
-
-/// The kernel command line's resume point for a guest booted again.
-fn resume_arg(resume: Option<&str>) -> String {
-    resume.map(|t| format!(" pdstor.resume={t}")).unwrap_or_default()
-}
-
-/// Where a guest that asked for its power cut resumes: the test
-/// named after the marker on its kill line.
-fn resume_point(first: &qemu::VmRun) -> Option<String> {
-    first
-        .kill_line
-        .as_deref()
-        .and_then(|l| l.split(pdstor_vmtest_spec::POWER_CUT_ME).nth(1))
-        .map(|t| t.trim().to_owned())
-}
-
 /// A panic before /init printed its boot marker: the kernel's own early boot
 /// under emulation (seen under TCG with swiotlb=force and on a loaded host,
 /// in an initcall), before anything of pdstor ran.
 fn panicked_in_early_boot(r: &qemu::VmRun) -> bool {
     !r.booted && std::fs::read_to_string(&r.console_file).is_ok_and(|c| c.contains("Kernel panic"))
-}
-
-/// Each guest's reports (and its report booted again after a power cut),
-/// and where their consoles are.
-fn report_topology(
-    guests: [(&str, &qemu::VmRun, Option<&qemu::VmRun>); 2],
-    dirs: &[PathBuf; 4],
-    started: Instant,
-) -> Result<()> {
-    let mut outcome = Ok(());
-    for (name, run, reborn) in guests {
-        println!("\n{name} guest:");
-        outcome = outcome.and(report(run, started.elapsed()));
-        if let Some(reborn) = reborn {
-            println!("\n{name} guest, booted again after its power cut:");
-            outcome = outcome.and(report(reborn, started.elapsed()));
-        }
-    }
-    for d in dirs {
-        println!(
-            "logs ({}): {}",
-            d.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
-            d.join("console.log").display()
-        );
-    }
-    outcome
 }
 
 /// The console from the first line of the kernel's report (what died and
@@ -783,16 +543,5 @@ mod tests {
         assert!(excerpt.contains("Kernel panic"), "{excerpt}");
         assert!(!excerpt.contains("booting"));
         assert_eq!(oops("no report at all\n"), "no report at all");
-    }
-
-    /// The series kernel runs the same matrix as Debian's (CI's help says so).
-    #[test]
-    fn the_series_kernel_runs_the_same_matrix() {
-        use super::{Kernel, MATRIX};
-        let cells = |k: Kernel| -> Vec<(Vec<&str>, Option<&str>)> {
-            MATRIX.iter().filter(|c| c.kernel == k).map(|c| (c.suites.to_vec(), c.append)).collect()
-        };
-        assert_eq!(cells(Kernel::Debian), cells(Kernel::Series));
-        assert_eq!(MATRIX[1].command(), "cargo xtask vmtest --suite swiotlb --append swiotlb=force");
     }
 }

@@ -118,7 +118,7 @@ impl Service {
 
     /// Fences direct readers by preempting their keys at the target, as
     /// the holder of the namespace's Exclusive Access — All Registrants
-    /// reservation with `key` (taken by [`crate::api::owner::hold`]).
+    /// reservation with `key` (taken by [`crate::owner::hold`]).
     pub fn with_reservations(
         mut self,
         r: pdstor_engine::io::persistent_reservation::Reservations,
