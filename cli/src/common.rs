@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pdstor_engine::PayloadPath;
+use pdstor_engine::io::PayloadPath;
 
 /// The payload paths, as `--path` takes them.
 pub const PATHS: &[&str] = &["host", "host_fixed", "dmabuf_fixed"];

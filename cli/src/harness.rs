@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use pdstor_daemon::units::parse_size;
-use pdstor_engine::PayloadPath;
+use pdstor_engine::io::PayloadPath;
 use pdstor_proof::harness::bench::store::StoreBenchConfig;
 use pdstor_proof::harness::bench::{self, BenchConfig, Pattern};
 use pdstor_proof::harness::roundtrip::{self, RoundtripConfig};

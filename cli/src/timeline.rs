@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use pdstor_engine::PayloadPath;
+use pdstor_engine::io::PayloadPath;
 
 use super::common::{PATHS, one_of, print_json};
 

@@ -6,7 +6,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 
 use pdstor_engine::buffer::BufferKind;
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 
 use crate::frame::{read_frame, write_frame};
 use crate::layout::Manifest;

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 
 use crate::layout::{Layout, Manifest};
 use crate::many::get::{Finish, Got, Place, load_all};

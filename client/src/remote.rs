@@ -13,7 +13,7 @@ use std::path::Path;
 use pdstor_engine::io::{
     BufferId, BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
 };
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 
 use super::{Client, ClientError, Restored};
 use crate::layout::{Layout, Manifest};

@@ -1,6 +1,6 @@
 //! Where a client's buffer memory comes from, and the path it moves on.
 
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 
 use crate::ClientError;
 

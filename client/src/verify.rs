@@ -1,6 +1,6 @@
 //! What a reader checks of the chunks it loads, and who checksums them.
 
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 
 use crate::ClientError;
 use crate::wire::DataResponse;

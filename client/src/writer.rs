@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 
 use crate::layout::Layout;
 use crate::many::put::{Asked, PutItem, put_many};

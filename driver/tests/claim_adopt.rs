@@ -19,7 +19,7 @@ use pdstor_daemon::protocol::Clock;
 use pdstor_daemon::protocol::identity::Caller;
 use pdstor_daemon::protocol::service::{ProtocolError, Service};
 use pdstor_daemon::store::{self, ChunkSource, FormatOptions, Phase, Store, StoreBatch, StoreOptions};
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::BufferOffset;
 
 const SLOT: u64 = 64 * 1024;

@@ -16,7 +16,7 @@ use pdstor_daemon::admission::CancelToken;
 use pdstor_daemon::protocol::identity::Caller;
 use pdstor_daemon::protocol::service::Service;
 use pdstor_daemon::store::{self, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::BufferOffset;
 
 const SLOT: u64 = 64 * 1024;

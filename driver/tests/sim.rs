@@ -64,7 +64,7 @@ use pdstor_daemon::protocol::service::{ProtocolError, Service};
 use pdstor_daemon::store::{
     self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreOptions,
 };
-use pdstor_engine::{Buffer, payload};
+use pdstor_engine::{buffer::Buffer, payload};
 
 const SLOT: u64 = 16 << 10;
 const SLOTS: u64 = 12;

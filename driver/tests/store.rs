@@ -19,7 +19,7 @@ use pdstor_daemon::store::{
     StoreOptions, journal,
 };
 use pdstor_engine::io::{BufferId, BufferOffset};
-use pdstor_engine::{Buffer, payload};
+use pdstor_engine::{buffer::Buffer, payload};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::layout;
 use pdstor_daemon::store::{self, ChunkDest, ChunkSource, FormatOptions, Store, StoreBatch, StoreOptions};
 use pdstor_engine::io::{BufferOffset, WriteCache};
-use pdstor_engine::{Buffer, payload};
+use pdstor_engine::{buffer::Buffer, payload};
 
 const SLOT: u64 = 64 * 1024;
 const JOURNAL: u64 = 256 * 1024;

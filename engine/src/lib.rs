@@ -10,6 +10,3 @@ pub mod buffer;
 pub mod crc32c;
 pub mod io;
 pub mod payload;
-
-pub use buffer::{Buffer, BufferKind};
-pub use io::{Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target, TargetOptions, TransferId};

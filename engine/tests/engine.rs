@@ -8,7 +8,7 @@ use std::path::Path;
 use pdstor_engine::io::{
     BufferId, Engine, EngineOptions, IoError, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId,
 };
-use pdstor_engine::{Buffer, PayloadPath, payload};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath, payload};
 use pdstor_testkit::{Filesystem, LoopDevice, Zram, dd_direct, skip};
 
 const CHUNK: u64 = 256 * 1024;

@@ -11,7 +11,7 @@ use super::*;
 /// you use the view.
 #[pyclass(module = "pdstor", frozen)]
 pub(crate) struct Buffer {
-    pub(crate) inner: Arc<pdstor_engine::Buffer>,
+    pub(crate) inner: Arc<pdstor_engine::buffer::Buffer>,
     /// Unique for the process's life, so a registration is never mistaken
     /// for one of a freed buffer at the same address.
     pub(crate) id: u64,
@@ -34,7 +34,7 @@ impl Buffer {
                 "Buffer({size}): the size must be a positive multiple of 4096 (direct I/O moves whole pages)"
             )));
         }
-        let b = pdstor_engine::Buffer::memfd(name, size)
+        let b = pdstor_engine::buffer::Buffer::memfd(name, size)
             .map_err(|e| PyValueError::new_err(format!("Buffer({size}): {e}")))?;
         Ok(Buffer { inner: Arc::new(b), id: next_key(), staging })
     }
@@ -62,7 +62,7 @@ impl Buffer {
             Some(n) => n,
             None => usize::try_from(file.metadata().map_err(|e| what(&e))?.len()).map_err(|e| what(&e))?,
         };
-        let b = pdstor_engine::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
+        let b = pdstor_engine::buffer::Buffer::from_shm_file(file.into(), len, true).map_err(|e| what(&e))?;
         Ok(Buffer { inner: Arc::new(b), id: next_key(), staging: false })
     }
 

@@ -18,7 +18,7 @@ use pdstor_client::many::{BufferRef, DataPlane, next_key};
 use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
 use pdstor_client::wire::{ClaimRequest, PrepareRequest, Prepared};
 use pdstor_client::{ClientError, Place, Verify};
-use pdstor_engine::PayloadPath;
+use pdstor_engine::io::PayloadPath;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;

@@ -192,8 +192,8 @@ pub fn run(attack: Attack) -> Outcome {
         Attack::Cancel { server, req } => Outcome::of(Client::new(&server).cancel(&req)),
         Attack::StoreAndVanish { server: _, data, publication, token } => Outcome::of((|| {
             let mut conn = DataConn::connect(&data)?;
-            let evil =
-                pdstor_engine::Buffer::memfd("evil", SLOT as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+            let evil = pdstor_engine::buffer::Buffer::memfd("evil", SLOT as usize)
+                .map_err(|e| ClientError::Data(e.to_string()))?;
             let b = conn.register(&evil)?;
             let chunk = DataChunk { index: 1, buffer: b, offset: 0, len: SLOT, crc32c: None };
             conn.store(publication, &token, vec![chunk], true, 2)
@@ -211,7 +211,7 @@ pub fn run(attack: Attack) -> Outcome {
         })),
         Attack::Load { data, receipt } => Outcome::of((|| {
             let mut conn = DataConn::connect(&data)?;
-            let into = pdstor_engine::Buffer::memfd("loot", 2 * SLOT as usize)
+            let into = pdstor_engine::buffer::Buffer::memfd("loot", 2 * SLOT as usize)
                 .map_err(|e| ClientError::Data(e.to_string()))?;
             let b = conn.register(&into)?;
             let chunks =
@@ -241,7 +241,7 @@ pub fn run(attack: Attack) -> Outcome {
 /// Holds as many data connections, each with a buffer registered, as the
 /// daemon lets it; prints `HOARDING` once it has them all.
 fn hoard(data: &Path, n: usize, secs: u64) -> Outcome {
-    let buf = match pdstor_engine::Buffer::memfd("hoard", 4096) {
+    let buf = match pdstor_engine::buffer::Buffer::memfd("hoard", 4096) {
         Ok(b) => b,
         Err(e) => return Outcome { ok: false, code: None, detail: e.to_string() },
     };

@@ -172,7 +172,7 @@ fn a_short_or_inconsistent_stream_is_rolled_back() {
     let d = Daemon::format_and_start(dir.path(), 10, SLOT);
     let c = Client::new(&d.server);
     let mut data = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("short", 4 * SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("short", 4 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = |i: u32| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };
     let p = c.prepare("short", &layout(), 4, "w").unwrap();
@@ -300,7 +300,7 @@ fn unread_publications_make_room_only_where_the_operator_opted_in() {
     let n1 = c.prepare_request(&request("n-1", 1, None)).unwrap();
     let token = n1.writer_token;
     let mut data = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("evict", SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("evict", SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
     data.store(n1.publication, &token, vec![chunk], true, 1).unwrap();
@@ -318,7 +318,7 @@ fn unread_publications_make_room_only_where_the_operator_opted_in() {
     let evicted: Vec<&str> =
         events.iter().filter(|e| e.event == "evict").map(|e| e.req_id.as_deref().unwrap_or("?")).collect();
     assert_eq!(evicted, ["u-1", "u-2", "u-3", "n-1"]);
-    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::io::PayloadPath::HostFixed);
     let evict_lines: Vec<usize> =
         lines.iter().filter(|(_, e)| e.as_ref().is_ok_and(|e| e.event == "evict")).map(|(l, _)| *l).collect();
     assert!(
@@ -355,7 +355,7 @@ fn a_batchs_first_prepares_are_not_idle_while_its_last_waits_for_room() {
     assert!(answers[1].is_ok(), "last prepared once room was made: {:?}", answers[1]);
     assert_eq!(metric(&c, "pdstor_prepared_reaped_total"), 0, "nothing aborted while the batch was answered");
     let mut data = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("batch", SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("batch", SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
     data.store(first.publication, &first.writer_token, vec![chunk], true, 1).expect("first is still PREPARED");

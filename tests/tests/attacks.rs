@@ -72,7 +72,7 @@ fn another_tenant_can_neither_write_nor_read_nor_see_what_is_not_its_own() {
     let p = c.prepare("victim", &layout(), 2, "writer-a").expect("prepare");
     let mut writer = DataConn::connect(&d.data_socket).expect("the data plane");
     let kv: Vec<u8> = (0..2).flat_map(|i| pdstor_engine::payload::chunk(9, i, SLOT as usize)).collect();
-    let buf = pdstor_engine::Buffer::memfd("victim", kv.len()).expect("a memfd");
+    let buf = pdstor_engine::buffer::Buffer::memfd("victim", kv.len()).expect("a memfd");
     buf.write_at(0, &kv).expect("writing the payload");
     let b = writer.register(&buf).expect("register");
     let chunk = |i: u32| DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: SLOT, crc32c: None };

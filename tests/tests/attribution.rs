@@ -11,7 +11,7 @@ use std::path::Path;
 use std::process::Command;
 
 use io_uring::{IoUring, opcode, squeue, types};
-use pdstor_engine::{Buffer, payload};
+use pdstor_engine::{buffer::Buffer, payload};
 use pdstor_probes::{Declared, Probes, Signals, SkipRuns, TargetClass, Verdict, judge};
 use pdstor_testkit::{LoopDevice, is_root, skip};
 

@@ -7,7 +7,7 @@ use pdstor_client::layout::Layout;
 use pdstor_client::receipt::restore_digest;
 use pdstor_client::wire::{AdoptRequest, BatchStep, ClaimRequest, DataChunk, PrepareRequest, Prepared};
 use pdstor_client::{Client, ClientError, DataConn, StoreItem};
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::PayloadPath;
 use pdstor_engine::payload;
 use pdstor_tests::Daemon;

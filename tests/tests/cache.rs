@@ -106,7 +106,7 @@ fn two_readers_share_a_cache_publication_that_no_release_takes_while_read() {
     assert_eq!(steps.iter().filter(|s| *s == "read").count(), 3, "{steps:?}");
     assert_eq!(steps.iter().filter(|s| *s == "read_done").count(), 2, "{steps:?}");
     assert_eq!(steps.iter().filter(|s| *s == "read_end").count(), 1, "{steps:?}");
-    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::io::PayloadPath::HostFixed);
     let kinds: Vec<&str> = report.violations.iter().map(|v| v.kind).filter(|k| *k != "not_native").collect();
     assert!(kinds.is_empty(), "{:#?}", report.violations);
 }
@@ -198,7 +198,7 @@ fn an_operator_ends_the_reads_a_dead_reader_left() {
         .filter(|e| e.event == "read_end" && e.detail.as_deref().is_some_and(|d| d.contains("decode host died")))
         .count();
     assert_eq!(operator, 2, "each ended read on the timeline with the operator's reason");
-    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::io::PayloadPath::HostFixed);
     let kinds: Vec<&str> = report.violations.iter().map(|v| v.kind).filter(|k| *k != "not_native").collect();
     assert!(kinds.is_empty(), "{:#?}", report.violations);
 }

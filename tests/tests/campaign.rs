@@ -120,7 +120,7 @@ fn a_claim_whose_answer_was_lost_is_answered_again() {
     // The repeat is no second claim, and names the first's receipt (this
     // reader writes no timeline of its own, and no probes judge the paths:
     // the checker's other findings are not this test's).
-    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::Host);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::io::PayloadPath::Host);
     let about_the_claim: Vec<_> = report
         .violations
         .iter()
@@ -450,7 +450,7 @@ fn idle_and_trickling_data_connections_are_closed_and_their_threads_come_back() 
     let mut answer = Vec::new();
     trickle.read_to_end(&mut answer).expect("the trickler is closed");
     assert!(String::from_utf8_lossy(&answer).contains("body_timeout"), "{}", String::from_utf8_lossy(&answer));
-    let buf = pdstor_engine::Buffer::memfd("late", 4096).expect("a memfd");
+    let buf = pdstor_engine::buffer::Buffer::memfd("late", 4096).expect("a memfd");
     late.register(&buf).expect("the late registration, on a connection the daemon closed as idle");
     drop(late);
     let (receipt, _) = ready(&d, "after-the-flood", 1);
@@ -687,7 +687,7 @@ fn a_load_into_overlapping_places_names_the_overlap() {
     let mut r = Reader::new(&d.server, &d.data_socket).expect("a reader");
     let manifest = r.adopt(&claim, &layout()).expect("adopt");
     let mut conn = pdstor_client::DataConn::connect(&d.data_socket).expect("a data connection");
-    let into = pdstor_engine::Buffer::memfd("into", 2 * SLOT as usize).expect("a memfd");
+    let into = pdstor_engine::buffer::Buffer::memfd("into", 2 * SLOT as usize).expect("a memfd");
     let b = conn.register(&into).expect("register");
     let at =
         |index: u32, offset: u64| pdstor_client::wire::DataChunk { index, buffer: b, offset, len: 0, crc32c: None };
@@ -802,7 +802,7 @@ fn after_each_hostile_client_the_daemon_holds_what_it_held_before() {
     {
         let p = c.prepare("vanishing", &layout(), 2, "w").expect("prepare");
         let mut conn = pdstor_client::DataConn::connect(&d.data_socket).expect("a data connection");
-        let buf = pdstor_engine::Buffer::memfd("vanishing", 2 * SLOT as usize).expect("a memfd");
+        let buf = pdstor_engine::buffer::Buffer::memfd("vanishing", 2 * SLOT as usize).expect("a memfd");
         let b = conn.register(&buf).expect("register");
         let chunk = pdstor_client::wire::DataChunk { index: 0, buffer: b, offset: 0, len: SLOT, crc32c: None };
         conn.store(p.publication, &p.writer_token, vec![chunk], false, 2).expect("store one chunk");
@@ -813,12 +813,13 @@ fn after_each_hostile_client_the_daemon_holds_what_it_held_before() {
     settled("a writer that vanished mid-store");
     {
         let mut conn = pdstor_client::DataConn::connect(&d.data_socket).expect("a data connection");
-        let bufs: Vec<_> =
-            (0..16).map(|i| pdstor_engine::Buffer::memfd(&format!("b{i}"), 1 << 20).expect("a memfd")).collect();
+        let bufs: Vec<_> = (0..16)
+            .map(|i| pdstor_engine::buffer::Buffer::memfd(&format!("b{i}"), 1 << 20).expect("a memfd"))
+            .collect();
         for b in &bufs {
             conn.register(b).expect("register");
         }
-        let extra = pdstor_engine::Buffer::memfd("extra", 1 << 20).expect("a memfd");
+        let extra = pdstor_engine::buffer::Buffer::memfd("extra", 1 << 20).expect("a memfd");
         match conn.register(&extra) {
             Err(ClientError::Api(e)) => assert_eq!(e.code, "too_many_buffers", "{}", e.message),
             other => panic!("a 17th buffer: {other:?}"),

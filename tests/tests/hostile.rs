@@ -142,7 +142,7 @@ fn client_numbers_are_refused_with_a_reason() {
     // the buffer: the client's mistakes, 422, not the daemon's 500.
     let mut reader = pdstor_client::Reader::new(&d.server, &d.data_socket).unwrap();
     let manifest = reader.adopt(&claim, &layout()).unwrap();
-    let b = pdstor_engine::Buffer::memfd("dest", SLOT as usize).unwrap();
+    let b = pdstor_engine::buffer::Buffer::memfd("dest", SLOT as usize).unwrap();
     let mut data = DataConn::connect(&d.data_socket).unwrap();
     let id = data.register(&b).unwrap();
     let chunk = |index, offset| DataChunk { index, buffer: id, offset, len: 0, crc32c: None };
@@ -323,7 +323,7 @@ fn the_data_plane_bounds_connections_buffers_and_idle_prepares() {
 #[test]
 fn a_shm_file_its_owner_shrinks_fails_transfers_not_the_daemon() {
     use pdstor_client::wire::AdoptRequest;
-    use pdstor_engine::{Buffer, PayloadPath};
+    use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);

@@ -27,7 +27,9 @@ fn rust_files(dir: &Path) -> Vec<PathBuf> {
 
 /// The code of a file without comments and without its unit tests.
 fn code(text: &str) -> String {
-    let body = match text.find("#[cfg(test)]\nmod tests") {
+    // An inline test module ends the code; `#[cfg(test)] mod tests;` (its
+    // own file) does not.
+    let body = match text.find("#[cfg(test)]\nmod tests {") {
         Some(at) => &text[..at],
         None => text,
     };
@@ -324,6 +326,46 @@ fn no_crate_gives_another_crates_items_a_second_path() {
     );
 }
 
+/// The `pub use`s of `code` that give an item of one of its own public
+/// modules a second path (`pub mod io;` with `pub use io::Engine;` names it
+/// both `io::Engine` and `Engine`). A `pub use` out of a private module is
+/// the item's one path.
+fn own_second_names(code: &str) -> Vec<String> {
+    let public: Vec<&str> = code.lines().filter_map(|l| l.trim().strip_prefix("pub mod ")?.strip_suffix(';')).collect();
+    code.lines()
+        .map(str::trim)
+        .filter(|l| {
+            l.strip_prefix("pub use ")
+                .map(|path| path.trim_start_matches("self::"))
+                .and_then(|path| path.split("::").next())
+                .is_some_and(|module| public.contains(&module))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn no_module_gives_its_public_modules_items_a_second_path() {
+    let mut found = Vec::new();
+    for (dir, _) in LAYERS {
+        for f in rust_files(&root().join(dir)) {
+            let text = code(&std::fs::read_to_string(&f).expect("reading a source file"));
+            for line in own_second_names(&text) {
+                found.push(format!("{}: {line}", f.strip_prefix(root()).unwrap_or(&f).display()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "re-exports of a public module's items: name them by their module, or make the module private\n{}",
+        found.join("\n")
+    );
+    assert_eq!(
+        own_second_names("pub mod io;\nmod ring;\npub use io::Engine;\npub use ring::Ring;"),
+        ["pub use io::Engine;"]
+    );
+}
+
 #[test]
 fn the_layer_check_finds_an_upward_import() {
     let layers: &[&[&str]] = &[&["api"], &["protocol", "timeline"], &["store"]];
@@ -416,7 +458,7 @@ fn code_lines(text: &str) -> Vec<&str> {
     let lines: Vec<&str> = text.lines().collect();
     let end = lines
         .windows(2)
-        .position(|w| w[0].starts_with("#[cfg(test)]") && w[1].trim_start().starts_with("mod "))
+        .position(|w| w[0].starts_with("#[cfg(test)]") && w[1].trim_start().starts_with("mod ") && w[1].ends_with('{'))
         .unwrap_or(lines.len());
     lines[..end].to_vec()
 }

@@ -9,7 +9,7 @@ use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::receipt::Receipt;
 use pdstor_client::wire::DataChunk;
 use pdstor_client::{Client, ClientError, DataConn, Writer};
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::PayloadPath;
 use pdstor_engine::payload;
 use pdstor_tests::Daemon;

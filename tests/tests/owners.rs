@@ -41,7 +41,7 @@ fn only_the_writer_stores_publishes_or_aborts_its_publication() {
     // The writer prepares and stores its two chunks.
     let p = c.prepare("victim", &layout(), 2, "writer-a").unwrap();
     let mut writer = DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("victim", 2 * SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("victim", 2 * SLOT as usize).unwrap();
     buf.write_at(0, &pdstor_engine::payload::chunk(5, 0, SLOT as usize)).unwrap();
     buf.write_at(SLOT, &pdstor_engine::payload::chunk(5, 1, SLOT as usize)).unwrap();
     let b = writer.register(&buf).unwrap();
@@ -55,7 +55,7 @@ fn only_the_writer_stores_publishes_or_aborts_its_publication() {
     // Storing into it on its own connection, then vanishing (the daemon aborts
     // what a vanished connection stored into — its own, never another's).
     let mut attacker = DataConn::connect(&d.data_socket).unwrap();
-    let evil = pdstor_engine::Buffer::memfd("evil", SLOT as usize).unwrap();
+    let evil = pdstor_engine::buffer::Buffer::memfd("evil", SLOT as usize).unwrap();
     let eb = attacker.register(&evil).unwrap();
     let evil_chunk = DataChunk { index: 1, buffer: eb, offset: 0, len: SLOT, crc32c: None };
     assert_eq!(code(attacker.store(p.publication, &forged, vec![evil_chunk], true, 2)), (403, "not_owner".into()));

@@ -4,7 +4,7 @@
 use std::os::fd::AsRawFd;
 
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor_engine::{Buffer, PayloadPath, payload};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath, payload};
 use pdstor_probes::{Declared, Probes, TargetClass, Verdict, judge};
 
 use pdstor_testkit::{is_root, skip};

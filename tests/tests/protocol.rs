@@ -191,7 +191,7 @@ fn the_refusal_matrix_leaves_state_unchanged() {
     // Publish before the last batch; store after publish.
     let prep = c.prepare("m2", &layout(), 2, "w").unwrap();
     let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("t", 2 * SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("t", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk = |i: u32| pdstor_client::wire::DataChunk {
         index: i,
@@ -468,7 +468,7 @@ fn pressure_and_disconnects_leave_no_slot_behind() {
                         let p = c.prepare(&format!("drop-{t}-{i}"), &layout(), chunks, "w");
                         if let Ok(p) = p {
                             let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
-                            let buf = pdstor_engine::Buffer::memfd("t", SLOT as usize).unwrap();
+                            let buf = pdstor_engine::buffer::Buffer::memfd("t", SLOT as usize).unwrap();
                             let b = data.register(&buf).unwrap();
                             let chunk = pdstor_client::wire::DataChunk {
                                 index: 0,
@@ -562,7 +562,7 @@ fn dmabuf_registrations_that_cannot_work_are_refused_and_hold_nothing() {
     use std::os::fd::AsRawFd;
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
-    let memfd = pdstor_engine::Buffer::memfd("not-a-dmabuf", SLOT as usize).unwrap();
+    let memfd = pdstor_engine::buffer::Buffer::memfd("not-a-dmabuf", SLOT as usize).unwrap();
     let fd = memfd.memfd_fd().unwrap().as_raw_fd();
     let refused = |body: serde_json::Value, fds: &[i32], code: &str, says: &str| {
         let r = raw_register(&d, body.clone(), fds);
@@ -597,7 +597,7 @@ fn a_chunk_beyond_its_buffer_is_refused_before_anything_is_written() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let d = Daemon::format_and_start(dir.path(), 8, SLOT);
     let c = Client::new(&d.server);
-    let b = pdstor_engine::Buffer::memfd("small", SLOT as usize).unwrap();
+    let b = pdstor_engine::buffer::Buffer::memfd("small", SLOT as usize).unwrap();
     let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
     let id = data.register(&b).unwrap();
     let p = c.prepare("beyond", &layout(), 2, "w").unwrap();
@@ -687,7 +687,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
         let checked = e.checked.as_deref().unwrap_or_default();
         assert!(checked.starts_with("daemon, in place in the reader's buffer, on the CPU ("), "{e:?}");
     }
-    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::io::PayloadPath::HostFixed);
     let kinds: Vec<(&str, usize)> = report.violations.iter().map(|v| (v.kind, v.line)).collect();
     assert_eq!(
         kinds,
@@ -717,7 +717,7 @@ fn the_daemon_writes_a_causal_timeline_that_the_checker_reads() {
     let lines = pdstor_client::timeline::read(&timeline).unwrap();
     let nodes: std::collections::BTreeSet<String> = lines.iter().map(|(_, e)| e.clone().unwrap().node).collect();
     assert_eq!(nodes.len(), 2, "{nodes:?}");
-    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::PayloadPath::HostFixed);
+    let report = pdstor_proof::timeline::check::check(&lines, pdstor_engine::io::PayloadPath::HostFixed);
     assert!(report.violations.iter().all(|v| v.kind != "out_of_order"), "{:#?}", report.violations);
     assert!(report.violations.iter().all(|v| v.line <= 10 || v.kind == "not_native"), "{:#?}", report.violations);
     assert_eq!(p2.manifest.chunks.len(), 1);
@@ -754,7 +754,7 @@ fn a_fenced_claim_can_no_longer_adopt_load_or_ack() {
     );
     assert_eq!(code(c.ack(&claim, &digest)).1, "fenced");
     let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("fenced", 2 * SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("fenced", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk =
         |i: u32| pdstor_client::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
@@ -807,7 +807,7 @@ fn an_ack_without_a_load_is_refused() {
     assert_eq!(state(&c, claim.publication).as_deref(), Some("ADOPTED"), "the refusal changed nothing");
 
     let mut data = pdstor_client::DataConn::connect(&d.data_socket).unwrap();
-    let buf = pdstor_engine::Buffer::memfd("restore", 2 * SLOT as usize).unwrap();
+    let buf = pdstor_engine::buffer::Buffer::memfd("restore", 2 * SLOT as usize).unwrap();
     let b = data.register(&buf).unwrap();
     let chunk =
         |i: u32| pdstor_client::wire::DataChunk { index: i, buffer: b, offset: i as u64 * SLOT, len: 0, crc32c: None };
@@ -868,11 +868,11 @@ fn a_reader_on_the_shared_namespace_loads_it_directly() {
     )
     .unwrap();
     let mut e = pdstor_engine::io::Engine::new(t, Default::default()).unwrap();
-    let id = e.register(pdstor_engine::Buffer::memfd("ro", 4096).unwrap()).unwrap();
+    let id = e.register(pdstor_engine::buffer::Buffer::memfd("ro", 4096).unwrap()).unwrap();
     let w = pdstor_engine::io::IoRequest {
         transfer: pdstor_engine::io::TransferId(9),
         op: pdstor_engine::io::Op::Write,
-        path: pdstor_engine::PayloadPath::HostFixed,
+        path: pdstor_engine::io::PayloadPath::HostFixed,
         buffer: id,
         buffer_offset: pdstor_engine::io::BufferOffset(0),
         target_offset: pdstor_engine::io::TargetOffset(0),

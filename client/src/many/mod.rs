@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::PayloadPath;
 
 use crate::{ClientError, DataConn};

@@ -4,7 +4,7 @@
 //! A reader that stages a load copies the bytes out anyway: into LMCache's
 //! memory object, into the paged cache's blocks. The daemon does not
 //! checksum loads into a staging buffer; instead each chunk's crc32c is
-//! taken by the copy out of it ([`pdstor_engine::Buffer::copy_out_checked`])
+//! taken by the copy out of it ([`pdstor_engine::buffer::Buffer::copy_out_checked`])
 //! and compared with the manifest before the chunk counts as restored: one
 //! pass over the bytes where a check in place and then a copy made two. A
 //! chunk loaded into staging and never copied out is never acknowledged.

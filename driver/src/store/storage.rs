@@ -9,7 +9,7 @@
 //! used by the simulation and the crash tests through the same seam
 //! (`super::fault`).
 
-use pdstor_engine::Buffer;
+use pdstor_engine::buffer::Buffer;
 use pdstor_engine::io::{Completion, Engine, IoError, IoRequest};
 
 use super::error::WorkerError;

@@ -168,7 +168,7 @@ fn combined(pieces: Vec<(u64, Crc)>) -> Crc {
     let Some(mut crc) = first? else { return Ok(None) };
     for (len, piece) in pieces {
         let Some(c) = piece? else { return Ok(None) };
-        crc = crc32c::combine(crc, c, len);
+        crc = crc32c::gf2::combine(crc, c, len);
     }
     Ok(Some(crc))
 }

@@ -23,7 +23,7 @@ mod x86;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-pub use gf2::combine;
+use gf2::combine;
 
 /// `crc32c(prefix ‖ data)` from `crc32c(prefix)`: the signature every
 /// implementation shares (start from 0 for a whole buffer).

@@ -39,7 +39,6 @@ use io_uring::{IoUring, squeue, types};
 
 pub use dmabuf_rw::DmabufRw;
 pub use error::IoError;
-pub use nvme::NvmeStatus;
 pub use request::{BufferId, BufferOffset, Completion, IoRequest, Op, PayloadPath, TargetOffset, TransferId};
 pub use ring::{MAX_TRANSFER_ID, SEGMENT_BITS};
 pub use target::{DeviceIds, Geometry, Target, TargetKind, TargetOptions};

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use io_uring::{IoUring, opcode, squeue, types};
 use pdstor_probes::{Declared, Probes, Signals, TargetClass, Verdict, judge};
 
-use pdstor_engine::{Buffer, payload};
+use pdstor_engine::{buffer::Buffer, payload};
 
 /// What to run.
 #[derive(Debug, Clone)]

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 use pdstor_probes::{Declared, Probes, Signals, TargetClass, Verdict, judge};
 
 use super::{Checked, skip};

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetKind, TargetOptions, TransferId};
-use pdstor_engine::{Buffer, PayloadPath, payload};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath, payload};
 
 use super::{Checked, Suite, Test};
 use crate::machine::{Ctx, sh};

@@ -10,7 +10,7 @@
 use pdstor_engine::io::{
     BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId,
 };
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use super::probes::{expect, fixed_write_verdict};

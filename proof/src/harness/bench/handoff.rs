@@ -217,7 +217,12 @@ fn reloads(
 /// Copies every chunk of `manifest` out of `b` (laid one after another)
 /// into `dest`: with `check`, each checked against the manifest in the
 /// copy; without, a plain copy.
-fn copy_out(b: &pdstor_engine::Buffer, manifest: &Manifest, dest: &mut [u8], check: bool) -> Result<(), ClientError> {
+fn copy_out(
+    b: &pdstor_engine::buffer::Buffer,
+    manifest: &Manifest,
+    dest: &mut [u8],
+    check: bool,
+) -> Result<(), ClientError> {
     let mut at = 0usize;
     for c in &manifest.chunks {
         let len = c.len as usize;

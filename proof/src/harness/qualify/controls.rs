@@ -202,7 +202,7 @@ fn corrupt(path: &Path, offset: u64) -> anyhow::Result<()> {
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .with_context(|| format!("opening {} to corrupt a chunk", path.display()))?;
-    let b = pdstor_engine::Buffer::host(4096)?;
+    let b = pdstor_engine::buffer::Buffer::host(4096)?;
     b.write_at(0, &[0xa5; 4096])?;
     let addr = b.slice(0, 4096)?.ptr_guard().as_ptr();
     // SAFETY: `b` owns 4096 page-aligned bytes at `addr` for the call.

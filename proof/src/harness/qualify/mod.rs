@@ -183,9 +183,9 @@ impl QualifyReport {
 /// The buffer memory a path takes: a udmabuf for `dmabuf_fixed` (its DMA-BUF
 /// moves the bytes; its memfd is how the model reads and writes them), a
 /// memfd otherwise.
-pub(crate) fn exporter_for(path: pdstor_engine::PayloadPath) -> Exporter {
+pub(crate) fn exporter_for(path: pdstor_engine::io::PayloadPath) -> Exporter {
     match path {
-        pdstor_engine::PayloadPath::DmabufFixed => Exporter::Udmabuf,
+        pdstor_engine::io::PayloadPath::DmabufFixed => Exporter::Udmabuf,
         _ => Exporter::Memfd,
     }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use pdstor_client::wire::DataChunk;
 use pdstor_client::{Client, ClientError, DataConn};
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 
 use crate::machine::{Ctx, expects_rw_dmabuf, sh};
 use crate::suites::Checked;

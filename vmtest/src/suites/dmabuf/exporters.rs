@@ -7,7 +7,7 @@ use std::os::unix::fs::OpenOptionsExt;
 
 use pdstor_engine::buffer::dmabuf::{Access, DmaBuf};
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use crate::machine::{Ctx, expects_rw_dmabuf, sh};

@@ -8,7 +8,7 @@ use std::path::Path;
 use pdstor_client::{Client, ClientError, DataConn};
 use pdstor_engine::buffer::dmabuf::DmaBuf;
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 
 use crate::machine::{Ctx, expects_rw_dmabuf, sh};
 use crate::suites::io::{dd_direct, nvme_read};

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use pdstor_engine::buffer::dmabuf::{Access, DmaBuf};
 use pdstor_engine::io::{Engine, EngineOptions, IoRequest, Op, Target, TargetOptions, TransferId};
-use pdstor_engine::{Buffer, PayloadPath};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath};
 use pdstor_probes::{Declared, TargetClass, Verdict};
 
 use crate::machine::Ctx;

@@ -5,7 +5,7 @@
 use pdstor_engine::io::{
     BufferOffset, Engine, EngineOptions, IoRequest, Op, Target, TargetOffset, TargetOptions, TransferId,
 };
-use pdstor_engine::{Buffer, PayloadPath, payload};
+use pdstor_engine::{buffer::Buffer, io::PayloadPath, payload};
 
 use crate::machine::{Ctx, console, sh};
 use crate::suites::Checked;

@@ -134,7 +134,7 @@ pub(super) fn store_unpublished(
     let n = (payload.len() as u64 / HANDOFF_CHUNK) as u32;
     let p = c.prepare(req_id, &kv_layout(), n, "w-topology").map_err(api("prepare"))?;
     let mut data = pdstor_client::DataConn::connect(Path::new(DATA_SOCKET)).map_err(api("the data plane"))?;
-    let buf = pdstor_engine::Buffer::memfd(req_id, payload.len()).map_err(|e| e.to_string())?;
+    let buf = pdstor_engine::buffer::Buffer::memfd(req_id, payload.len()).map_err(|e| e.to_string())?;
     buf.write_at(0, payload).map_err(|e| e.to_string())?;
     let id = data.register(&buf).map_err(api("registering"))?;
     let chunks = (0..n)
