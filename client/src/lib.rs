@@ -23,6 +23,7 @@ use std::path::Path;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+pub mod adoptions;
 pub mod code;
 pub mod frame;
 pub mod layout;

@@ -5,17 +5,17 @@
 //! and message.
 #![deny(clippy::unwrap_used)]
 
-use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use pdstor_client::adoptions::Adoptions;
 use pdstor_client::code::RefusalCode;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::many::get::{Finish, Getter, Got, Place as Destination, adopt_many, read_many, restore_many};
 use pdstor_client::many::put::{Asked, PutItem, put_many};
-use pdstor_client::many::staged::{StagedChunk, load_staged};
+use pdstor_client::many::staged::load_staged;
 use pdstor_client::many::{BufferRef, DataPlane, next_key};
-use pdstor_client::receipt::{Receipt as RustReceipt, restore_digest};
+use pdstor_client::receipt::Receipt as RustReceipt;
 use pdstor_client::wire::{ClaimRequest, PrepareRequest, Prepared};
 use pdstor_client::{ClientError, Place, Verify};
 use pdstor_engine::io::PayloadPath;

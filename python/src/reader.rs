@@ -2,16 +2,6 @@
 
 use super::*;
 
-/// What a reader verified of one adopted claim.
-pub(crate) struct Adopted {
-    pub(crate) manifest: Manifest,
-    /// Chunk index → crc32c of the bytes this process received, checked
-    /// against the manifest.
-    pub(crate) verified: BTreeMap<u32, u32>,
-    /// Chunks loaded into a staging buffer, to check as they are copied out.
-    pub(crate) staged: BTreeMap<u32, StagedChunk>,
-}
-
 /// The decode side: `claim` → `adopt` → `load` (each chunk's crc32c, taken
 /// in place in this process's buffer, checked against the manifest) → `ack`; or `get` for all of it. A failed load is never
 /// a silent miss: it raises, and `fail` keeps the publication RETAINED for a
@@ -21,35 +11,11 @@ pub(crate) struct Reader {
     pub(crate) conn: Arc<Conn>,
     pub(crate) reader_id: String,
     pub(crate) session: String,
-    /// Claim signature → what was adopted and verified.
-    pub(crate) adopted: HashMap<String, Adopted>,
+    /// What was adopted and verified of each claim or read (the client's
+    /// step-at-a-time state).
+    pub(crate) adoptions: Adoptions,
     /// Who checksums what this reader loads.
     pub(crate) verify: Verify,
-}
-
-impl Reader {
-    /// The restore digest of the claim or read `sig` for `step` (ack,
-    /// end_read): every chunk loaded and checked here, none left staged.
-    fn restored(&self, step: &str, sig: &str) -> Result<String, Failure> {
-        let Some(a) = self.adopted.get(sig) else {
-            return Err(Failure::Usage(format!("{step}: this receipt is not adopted or read by this reader")));
-        };
-        if !a.staged.is_empty() {
-            let staged: Vec<u32> = a.staged.keys().copied().collect();
-            return Err(Failure::Usage(format!(
-                "{step}: chunks {staged:?} were loaded into a staging buffer and not copied out: scatter() them (each is checked as it is copied)"
-            )));
-        }
-        let missing: Vec<u32> =
-            a.manifest.chunks.iter().map(|c| c.index).filter(|i| !a.verified.contains_key(i)).collect();
-        if !missing.is_empty() {
-            return Err(Failure::Usage(format!(
-                "{step}: chunks {missing:?} were not loaded and verified: load() them first"
-            )));
-        }
-        let crcs: Vec<u32> = a.verified.values().copied().collect();
-        Ok(restore_digest(a.manifest.restore_nonce.as_deref().unwrap_or_default(), &crcs))
-    }
 }
 
 #[pymethods]
@@ -64,7 +30,13 @@ impl Reader {
     fn new(client: PyRef<'_, Client>, reader_id: &str, session: Option<String>, verify: &str) -> PyResult<Self> {
         let verify: Verify = verify.parse().map_err(PyValueError::new_err)?;
         let session = session.unwrap_or_else(|| format!("py-{}-{}", std::process::id(), next_key()));
-        Ok(Reader { conn: client.conn.clone(), reader_id: reader_id.into(), session, adopted: HashMap::new(), verify })
+        Ok(Reader {
+            conn: client.conn.clone(),
+            reader_id: reader_id.into(),
+            session,
+            adoptions: Adoptions::default(),
+            verify,
+        })
     }
 
     /// This reader's session id.
@@ -143,10 +115,7 @@ impl Reader {
         let (c, r) = (self.conn.clone(), claim.inner.clone());
         let manifest = py.detach(move || c.control.adopt_claim(&r, &layout)).map_err(|e| to_py(py, e.into()))?;
         let dict = manifest_dict(py, &manifest)?;
-        self.adopted.insert(
-            claim.inner.signature.clone(),
-            Adopted { manifest, verified: BTreeMap::new(), staged: BTreeMap::new() },
-        );
+        self.adoptions.adopt(&claim.inner, manifest);
         Ok(dict)
     }
 
@@ -168,14 +137,13 @@ impl Reader {
             })?;
             places.push((index, BufferRef::from(&*buffer), offset));
         }
-        let sig = claim.inner.signature.clone();
-        let Some(adopted) = self.adopted.get(&sig) else {
+        let Some(manifest) = self.adoptions.manifest(&claim.inner) else {
             return Err(to_py(
                 py,
                 Failure::Usage("load: this claim is not adopted by this reader: adopt() it first".into()),
             ));
         };
-        let (c, r, m) = (self.conn.clone(), claim.inner.clone(), adopted.manifest.clone());
+        let (c, r, m) = (self.conn.clone(), claim.inner.clone(), manifest.clone());
         let verify = self.verify;
         let (to_stage, places): (Vec<_>, Vec<_>) = places.into_iter().partition(|(_, b, _)| b.unchecked);
         let (verified, staged) = py
@@ -185,16 +153,7 @@ impl Reader {
                 Ok((verified, staged))
             })
             .map_err(|e| to_py(py, e.into()))?;
-        if let Some(a) = self.adopted.get_mut(&sig) {
-            for (index, _) in &verified {
-                a.staged.remove(index);
-            }
-            a.verified.extend(verified);
-            for (index, chunk) in staged {
-                a.verified.remove(&index);
-                a.staged.insert(index, chunk);
-            }
-        }
+        self.adoptions.loaded(&claim.inner, verified, staged);
         Ok(())
     }
 
@@ -212,45 +171,25 @@ impl Reader {
         index: u32,
         pieces: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let Some(a) = self.adopted.get_mut(&claim.inner.signature) else {
-            return Err(to_py(py, Failure::Usage("scatter: this claim is not adopted by this reader".into())));
-        };
-        let Some(chunk) = a.staged.get(&index) else {
-            return Err(to_py(
-                py,
-                Failure::Usage(format!(
-                    "scatter: chunk {index} was not loaded into a staging buffer (or was copied out already): load() it into a Buffer(..., staging=True) first"
-                )),
-            ));
-        };
+        let chunk = self.adoptions.staged(&claim.inner, index).map_err(|e| to_py(py, Failure::Usage(e.to_string())))?;
         // The pieces are checked before the chunk is taken: a wrong argument
         // leaves it staged for a corrected call.
         let dests = staged::dests(pieces, "scatter")?;
         staged::in_order(&dests, chunk.len, "scatter")?;
         staged::disjoint(&dests.iter().map(|(_, d)| d).collect::<Vec<_>>(), &[&chunk.buffer])?;
-        match py.detach(|| chunk.copy_out(index, &mut staged::pieces(&dests))) {
-            Ok(crc) => {
-                a.staged.remove(&index);
-                a.verified.insert(index, crc);
-                Ok(())
-            }
-            // Its bytes do not match the manifest: never restored.
-            Err(e @ ClientError::Verify { .. }) => {
-                a.staged.remove(&index);
-                Err(to_py(py, e.into()))
-            }
-            Err(e) => Err(to_py(py, e.into())),
-        }
+        let copied = py.detach(|| chunk.copy_out(index, &mut staged::pieces(&dests)));
+        self.adoptions.copied_out(&claim.inner, index, &copied);
+        copied.map(drop).map_err(|e| to_py(py, e.into()))
     }
 
     /// Acknowledges the restore: every chunk must have been loaded and
     /// verified by this reader; the slots free.
     fn ack(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>) -> PyResult<()> {
-        let sig = claim.inner.signature.clone();
-        let digest = self.restored("ack", &sig).map_err(|e| to_py(py, e))?;
+        let digest =
+            self.adoptions.restore_digest("ack", &claim.inner).map_err(|e| to_py(py, Failure::Usage(e.to_string())))?;
         let (c, r) = (self.conn.clone(), claim.inner.clone());
         py.detach(move || c.control.ack(&r, &digest)).map_err(|e| to_py(py, e.into()))?;
-        self.adopted.remove(&sig);
+        self.adoptions.forget(&claim.inner);
         Ok(())
     }
 
@@ -273,19 +212,20 @@ impl Reader {
         let answer = py
             .detach(move || c.control.read(&r, &reader, &session, layout.as_ref()))
             .map_err(|e| to_py(py, e.into()))?;
-        let adopted = Adopted { manifest: answer.manifest, verified: BTreeMap::new(), staged: BTreeMap::new() };
-        self.adopted.insert(answer.receipt.signature.clone(), adopted);
+        self.adoptions.adopt(&answer.receipt, answer.manifest);
         Ok(Receipt { inner: answer.receipt })
     }
 
     /// Ends the read `read` (from `read`) once every chunk was loaded and
     /// checked here, with its restore digest; the publication stays READY.
     fn end_read(&mut self, py: Python<'_>, read: PyRef<'_, Receipt>) -> PyResult<()> {
-        let sig = read.inner.signature.clone();
-        let digest = self.restored("end_read", &sig).map_err(|e| to_py(py, e))?;
+        let digest = self
+            .adoptions
+            .restore_digest("end_read", &read.inner)
+            .map_err(|e| to_py(py, Failure::Usage(e.to_string())))?;
         let (c, r) = (self.conn.clone(), read.inner.clone());
         py.detach(move || c.control.end_read(&r, &digest)).map_err(|e| to_py(py, e.into()))?;
-        self.adopted.remove(&sig);
+        self.adoptions.forget(&read.inner);
         Ok(())
     }
 
@@ -294,7 +234,7 @@ impl Reader {
     fn abandon_read(&mut self, py: Python<'_>, read: PyRef<'_, Receipt>, reason: String) -> PyResult<()> {
         let (c, r) = (self.conn.clone(), read.inner.clone());
         py.detach(move || c.control.abandon_read(&r, &reason)).map_err(|e| to_py(py, e.into()))?;
-        self.adopted.remove(&read.inner.signature);
+        self.adoptions.forget(&read.inner);
         Ok(())
     }
 
@@ -303,7 +243,7 @@ impl Reader {
     fn fail(&mut self, py: Python<'_>, claim: PyRef<'_, Receipt>, reason: String) -> PyResult<()> {
         let (c, r) = (self.conn.clone(), claim.inner.clone());
         py.detach(move || c.control.fail(&r, &reason)).map_err(|e| to_py(py, e.into()))?;
-        self.adopted.remove(&claim.inner.signature);
+        self.adoptions.forget(&claim.inner);
         Ok(())
     }
 
@@ -495,8 +435,7 @@ impl Reader {
         let mut out = Vec::with_capacity(done.len());
         for r in done {
             out.push(entry(py, r, |a| {
-                let adopted = Adopted { manifest: a.manifest, verified: BTreeMap::new(), staged: BTreeMap::new() };
-                self.adopted.insert(a.receipt.signature.clone(), adopted);
+                self.adoptions.adopt(&a.receipt, a.manifest);
                 Ok(Bound::new(py, Receipt { inner: a.receipt })?.into_any())
             })?);
         }
@@ -518,7 +457,7 @@ impl Reader {
         let mut got = Vec::with_capacity(items.len());
         let mut places = Vec::with_capacity(items.len());
         for (read, buffer, offset) in &items {
-            let manifest = self.adopted.remove(&read.inner.signature).map(|a| a.manifest);
+            let manifest = self.adoptions.forget(&read.inner);
             got.push(match manifest {
                 Some(manifest) => Got::Adopted { claim: read.inner.clone(), manifest },
                 None => Got::Failed {
@@ -533,8 +472,8 @@ impl Reader {
 
     /// The manifest of a claim this reader adopted, or of a read it holds.
     fn manifest<'py>(&self, py: Python<'py>, receipt: PyRef<'_, Receipt>) -> PyResult<Bound<'py, PyAny>> {
-        match self.adopted.get(&receipt.inner.signature) {
-            Some(a) => manifest_dict(py, &a.manifest),
+        match self.adoptions.manifest(&receipt.inner) {
+            Some(manifest) => manifest_dict(py, manifest),
             None => {
                 Err(to_py(py, Failure::Usage("manifest: this receipt is not adopted or read by this reader".into())))
             }
@@ -551,7 +490,7 @@ impl Reader {
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let owned: Vec<RustReceipt> = reads.iter().map(|r| r.inner.clone()).collect();
         for r in &owned {
-            self.adopted.remove(&r.signature);
+            self.adoptions.forget(r);
         }
         let c = self.conn.clone();
         let done = py

@@ -170,7 +170,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "client/src",
         &[
-            &["writer", "reader"],
+            &["writer", "reader", "adoptions"],
             &["many"],
             &["remote", "batch"],
             &["step_de", "verify", "data", "spec", "transport"],
