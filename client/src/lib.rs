@@ -26,6 +26,7 @@ use serde::de::DeserializeOwned;
 pub mod adoptions;
 pub mod code;
 pub mod frame;
+pub mod handoff;
 pub mod layout;
 pub mod many;
 pub mod private;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use pdstor_client::adoptions::Adoptions;
 use pdstor_client::code::RefusalCode;
+use pdstor_client::handoff::Open;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::many::get::{Finish, Getter, Got, Place as Destination, adopt_many, read_many, restore_many};
 use pdstor_client::many::put::{Asked, PutItem, put_many};
@@ -123,17 +124,13 @@ fn byte_view(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<pyo3::buffer::PyBuf
 }
 
 /// A [`Writer.handoff`] token: the prepared publication and its total.
-fn parse_handoff(what: &str, handoff: &str) -> PyResult<(Prepared, u32)> {
-    let bad = |e: String| {
+fn parse_handoff(what: &str, handoff: &str) -> PyResult<Open> {
+    Open::resume(handoff).map_err(|e| {
         PyValueError::new_err(format!(
-            "{what}: not a Writer.handoff() token ({e}): pass exactly what handoff() returned"
+            "{what}: not a Writer.handoff() token ({}): pass exactly what handoff() returned",
+            e.0
         ))
-    };
-    let mut v: serde_json::Value = serde_json::from_str(handoff).map_err(|e| bad(e.to_string()))?;
-    let total = v.get("total_chunks").and_then(serde_json::Value::as_u64).and_then(|t| u32::try_from(t).ok());
-    let total = total.ok_or_else(|| bad("no total_chunks".into()))?;
-    let prepared: Prepared = serde_json::from_value(v["prepared"].take()).map_err(|e| bad(format!("prepared: {e}")))?;
-    Ok((prepared, total))
+    })
 }
 
 /// One entry of a `*_many` answer: the value, or the exception it failed with.

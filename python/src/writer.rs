@@ -56,7 +56,7 @@ pub(crate) struct Writer {
     pub(crate) conn: Arc<Conn>,
     pub(crate) writer_id: String,
     /// The publication prepared and not yet published or aborted, with its total.
-    pub(crate) current: Option<(Prepared, u32)>,
+    pub(crate) current: Option<Open>,
 }
 
 #[pymethods]
@@ -88,7 +88,7 @@ impl Writer {
         unread_release_ms: Option<u64>,
         cache: bool,
     ) -> PyResult<u64> {
-        if let Some((p, _)) = &self.current {
+        if let Some(Open { prepared: p, .. }) = &self.current {
             return Err(to_py(
                 py,
                 Failure::Usage(format!(
@@ -102,7 +102,7 @@ impl Writer {
         let r = PrepareRequest { req_id, layout, total_chunks, writer, timeout_ms, unread_release_ms, cache };
         let p = py.detach(move || c.control.prepare_request(&r)).map_err(|e| to_py(py, e.into()))?;
         let id = p.publication;
-        self.current = Some((p, total_chunks));
+        self.current = Some(Open { prepared: p, total_chunks });
         Ok(id)
     }
 
@@ -114,7 +114,7 @@ impl Writer {
     #[pyo3(signature = (chunks, last = false))]
     fn store(&mut self, py: Python<'_>, chunks: &Bound<'_, PyAny>, last: bool) -> PyResult<()> {
         let chunks = store_chunks(chunks)?;
-        let Some((p, total)) = self.current.clone() else {
+        let Some(Open { prepared: p, total_chunks: total }) = self.current.clone() else {
             return Err(to_py(
                 py,
                 Failure::Usage("store: nothing prepared on this writer: call prepare() first".into()),
@@ -140,7 +140,7 @@ impl Writer {
     /// and returns its READY receipt.
     #[pyo3(signature = (first_token = None))]
     fn publish(&mut self, py: Python<'_>, first_token: Option<u32>) -> PyResult<Receipt> {
-        let Some((p, _)) = self.current.clone() else {
+        let Some(Open { prepared: p, .. }) = self.current.clone() else {
             return Err(to_py(py, Failure::Usage("publish: nothing prepared on this writer".into())));
         };
         let c = self.conn.clone();
@@ -156,7 +156,7 @@ impl Writer {
     /// Rolls back the open publication (its slots free); answers
     /// `"aborted"`, `"pending"` or `"none"` when nothing was open.
     fn abort(&mut self, py: Python<'_>) -> PyResult<String> {
-        let Some((p, _)) = self.current.take() else { return Ok("none".into()) };
+        let Some(Open { prepared: p, .. }) = self.current.take() else { return Ok("none".into()) };
         let c = self.conn.clone();
         let r = py.detach(move || c.control.abort(p.publication, &p.writer_token)).map_err(|e| to_py(py, e.into()))?;
         Ok(r.outcome)
@@ -165,7 +165,7 @@ impl Writer {
     /// The open publication's number, if one is prepared.
     #[getter]
     fn publication(&self) -> Option<u64> {
-        self.current.as_ref().map(|(p, _)| p.publication)
+        self.current.as_ref().map(|o| o.prepared.publication)
     }
 
     /// The open publication as a token another process of the same engine
@@ -175,14 +175,13 @@ impl Writer {
     /// publication, so it travels only inside one trust domain, never to a
     /// reader.
     fn handoff(&self, py: Python<'_>) -> PyResult<String> {
-        let Some((p, total)) = &self.current else {
+        let Some(open) = &self.current else {
             return Err(to_py(
                 py,
                 Failure::Usage("handoff: nothing prepared on this writer: call prepare() first".into()),
             ));
         };
-        let v = serde_json::json!({ "prepared": p, "total_chunks": total });
-        Ok(v.to_string())
+        Ok(open.token())
     }
 
     /// A writer on `client` holding the publication another writer prepared
@@ -210,7 +209,7 @@ impl Writer {
     ) -> PyResult<Vec<Bound<'py, PyAny>>> {
         let prepared = items
             .iter()
-            .map(|(handoff, token)| Ok((parse_handoff("Writer.publish_many", handoff)?.0, *token)))
+            .map(|(handoff, token)| Ok((parse_handoff("Writer.publish_many", handoff)?.prepared, *token)))
             .collect::<PyResult<Vec<(Prepared, Option<u32>)>>>()?;
         let c = client.conn.clone();
         let done = py

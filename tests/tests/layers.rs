@@ -173,7 +173,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
             &["writer", "reader", "adoptions"],
             &["many"],
             &["remote", "batch"],
-            &["step_de", "verify", "data", "spec", "transport"],
+            &["step_de", "verify", "data", "spec", "transport", "handoff"],
             &["wire"],
             &["read"],
             &["timeline"],
