@@ -147,24 +147,6 @@ impl DataConn {
         self.call(&DataRequest::Load { receipt: claim.clone(), chunks, ack: true }, &[])
     }
 
-    /// Stores `chunks` of a prepared publication as one batch, each from its
-    /// place in a registered buffer (checked to lie inside that buffer
-    /// before anything is sent).
-    pub fn store_from(
-        &mut self,
-        prepared: &Prepared,
-        chunks: &[Place<'_>],
-        is_last_batch: bool,
-        total_chunks: u32,
-    ) -> Result<DataResponse, ClientError> {
-        let mut wire = Vec::with_capacity(chunks.len());
-        for c in chunks {
-            c.buffer.check_range(c.offset, c.len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-            wire.push(DataChunk { index: c.index, buffer: c.buffer_id, offset: c.offset, len: c.len, crc32c: None });
-        }
-        self.store(prepared.publication, &prepared.writer_token, wire, is_last_batch, total_chunks)
-    }
-
     /// Loads chunks of an adopted claim to their places and checks each
     /// one's crc32c against `manifest` ([`LoadChecks`]: as the daemon read it
     /// in place in the buffer, or computed here for what the daemon could not

@@ -122,6 +122,12 @@ class Writer:
     @staticmethod
     def publish_many(client: Client, items: Sequence[tuple[str, int | None]]) -> list[Receipt | Error]:
         """Each `(handoff, first_token)` published, in one round trip and one commit."""
+    @staticmethod
+    def store_many(
+        client: Client, items: Iterable[tuple[str, Iterable[tuple[int, Buffer, int, int]], bool]]
+    ) -> list[Error | None]:
+        """A store of each `(handoff, chunks, last)`, in one data-plane frame;
+        a refused one's publication is rolled back."""
     def put(
         self,
         req_id: str,

@@ -13,11 +13,11 @@ use pdstor_client::code::RefusalCode;
 use pdstor_client::handoff::Open;
 use pdstor_client::layout::{Layout, Manifest};
 use pdstor_client::many::get::{Finish, Getter, Got, Place as Destination, adopt_many, read_many, restore_many};
-use pdstor_client::many::put::{Asked, PutItem, put_many};
+use pdstor_client::many::put::{Asked, PutItem, Storing, put_many, store_each};
 use pdstor_client::many::staged::load_staged;
 use pdstor_client::many::{BufferRef, DataPlane, next_key};
 use pdstor_client::receipt::Receipt as RustReceipt;
-use pdstor_client::wire::{ClaimRequest, PrepareRequest, Prepared};
+use pdstor_client::wire::{AbortRequest, BatchStep, ClaimRequest, PrepareRequest, Prepared};
 use pdstor_client::{ClientError, Place, Verify};
 use pdstor_engine::io::PayloadPath;
 use pyo3::exceptions::{PyTypeError, PyValueError};
@@ -130,6 +130,13 @@ fn parse_handoff(what: &str, handoff: &str) -> PyResult<Open> {
             "{what}: not a Writer.handoff() token ({}): pass exactly what handoff() returned",
             e.0
         ))
+    })
+}
+
+/// `item` as `T`, or a `TypeError` saying what was `expected` and what came.
+fn extract_as<'a, 'py, T: FromPyObject<'a, 'py>>(item: &'a Bound<'py, PyAny>, expected: &str) -> PyResult<T> {
+    item.extract().map_err(|_| {
+        PyTypeError::new_err(format!("{expected}, not {}", item.repr().map(|r| r.to_string()).unwrap_or_default()))
     })
 }
 

@@ -129,12 +129,8 @@ impl Reader {
         let mut places = Vec::new();
         for item in chunks.try_iter()? {
             let item = item?;
-            let (index, buffer, offset): (u32, PyRef<'_, Buffer>, u64) = item.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "a load chunk is (index: int, buffer: pdstor.Buffer, offset: int), not {}",
-                    item.repr().map(|r| r.to_string()).unwrap_or_default()
-                ))
-            })?;
+            let (index, buffer, offset): (u32, PyRef<'_, Buffer>, u64) =
+                extract_as(&item, "a load chunk is (index: int, buffer: pdstor.Buffer, offset: int)")?;
             places.push((index, BufferRef::from(&*buffer), offset));
         }
         let Some(manifest) = self.adoptions.manifest(&claim.inner) else {
@@ -341,22 +337,13 @@ impl Reader {
         for item in items.try_iter()? {
             let item = item?;
             if place.is_some() || place_many.is_some() {
-                let ready: PyRef<'_, Receipt> = item.extract().map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "get_many with place: an item is a pdstor.Receipt (READY), not {}",
-                        item.repr().map(|r| r.to_string()).unwrap_or_default()
-                    ))
-                })?;
+                let ready: PyRef<'_, Receipt> =
+                    extract_as(&item, "get_many with place: an item is a pdstor.Receipt (READY)")?;
                 readies.push(ready.inner.clone());
                 continue;
             }
             let (ready, buffer, offset): (PyRef<'_, Receipt>, PyRef<'_, Buffer>, u64) =
-                item.extract().map_err(|_| {
-                    PyTypeError::new_err(format!(
-                        "get_many: an item is (ready: pdstor.Receipt, buffer: pdstor.Buffer, offset: int), not {}",
-                        item.repr().map(|r| r.to_string()).unwrap_or_default()
-                    ))
-                })?;
+                extract_as(&item, "get_many: an item is (ready: pdstor.Receipt, buffer: pdstor.Buffer, offset: int)")?;
             readies.push(ready.inner.clone());
             places.push(Ok(Destination { buffer: BufferRef::from(&*buffer), offset, into: None }));
         }

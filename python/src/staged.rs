@@ -5,12 +5,12 @@
 
 use pdstor_engine::buffer::Piece;
 use pyo3::buffer::PyBuffer;
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use pdstor_client::many::BufferRef;
 
-use super::byte_view;
+use super::{byte_view, extract_as};
 
 /// Where a copy out goes: a held, writable, C-contiguous view of a Python
 /// object's memory.
@@ -45,12 +45,8 @@ pub(crate) fn dests(pieces: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<(usiz
     let mut out = Vec::new();
     for item in pieces.try_iter()? {
         let item = item?;
-        let (at, dest): (usize, Bound<'_, PyAny>) = item.extract().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "{what}: a piece is (at: int, dest: a writable buffer), not {}",
-                item.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        })?;
+        let (at, dest): (usize, Bound<'_, PyAny>) =
+            extract_as(&item, &format!("{what}: a piece is (at: int, dest: a writable buffer)"))?;
         out.push((at, Dest::of(&dest, &format!("{what}: dest"))?));
     }
     Ok(out)

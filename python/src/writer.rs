@@ -14,39 +14,50 @@ pub(crate) fn store_chunks(chunks: &Bound<'_, PyAny>) -> PyResult<Vec<StoreChunk
     let mut out = Vec::new();
     for item in chunks.try_iter()? {
         let item = item?;
-        let (index, buffer, offset, len): (u32, PyRef<'_, Buffer>, u64, u64) = item.extract().map_err(|_| {
-            PyTypeError::new_err(format!(
-                "a store chunk is (index: int, buffer: pdstor.Buffer, offset: int, length: int), not {}",
-                item.repr().map(|r| r.to_string()).unwrap_or_default()
-            ))
-        })?;
+        let (index, buffer, offset, len): (u32, PyRef<'_, Buffer>, u64, u64) =
+            extract_as(&item, "a store chunk is (index: int, buffer: pdstor.Buffer, offset: int, length: int)")?;
         out.push(StoreChunk { index, buffer: BufferRef::from(&*buffer), offset, len });
     }
     Ok(out)
 }
 
-/// Stores one batch through the data plane ([`DataConn::store_from`]).
-pub(crate) fn store_batch(
+/// Stores each `(publication, chunks, last)` in one data-plane frame
+/// ([`store_each`]): one store of one publication is a batch of one. A
+/// store refused (here, before it was sent, or by the daemon, which rolls
+/// its publication back) has its publication aborted, so nothing stays
+/// PREPARED behind a forgotten token; should the frame fail as a whole,
+/// every publication is, and the error is the outer one.
+pub(crate) fn store_all(
     conn: &Conn,
-    p: &Prepared,
-    chunks: &[StoreChunk],
-    last: bool,
-    total: u32,
-) -> Result<(), ClientError> {
-    let mut data = lock(&conn.data);
-    let ids = chunks.iter().map(|c| data.id_of(&c.buffer)).collect::<Result<Vec<u32>, ClientError>>()?;
-    let places: Vec<Place<'_>> = chunks
+    items: &[(Open, Vec<StoreChunk>, bool)],
+) -> Result<Vec<Result<(), ClientError>>, ClientError> {
+    let asked: Vec<Storing<'_>> = items
         .iter()
-        .zip(ids)
-        .map(|(c, buffer_id)| Place {
-            index: c.index,
-            buffer: &c.buffer.inner,
-            buffer_id,
-            offset: c.offset,
-            len: c.len,
+        .map(|(open, chunks, last)| Storing {
+            prepared: &open.prepared,
+            chunks: chunks.iter().map(|c| (c.index, &c.buffer, c.offset, c.len)).collect(),
+            last: *last,
+            total: open.total_chunks,
         })
         .collect();
-    data.with(|d| d.store_from(p, &places, last, total)).map(drop)
+    let abort = |open: &Open| {
+        let p = &open.prepared;
+        BatchStep::Abort(AbortRequest { publication: p.publication, writer_token: p.writer_token.clone() })
+    };
+    let answers = match store_each(&conn.data, &asked) {
+        Ok(answers) => answers,
+        Err(e) => {
+            // Best effort: what the daemon rolled back answers unknown_publication.
+            let _ = conn.control.batch(items.iter().map(|(open, ..)| abort(open)).collect());
+            return Err(e);
+        }
+    };
+    let refused: Vec<BatchStep> =
+        items.iter().zip(&answers).filter(|(_, a)| a.is_err()).map(|((open, ..), _)| abort(open)).collect();
+    if !refused.is_empty() {
+        let _ = conn.control.batch(refused);
+    }
+    Ok(answers.into_iter().map(|a| a.map(drop)).collect())
 }
 
 /// The prefill side of one publication at a time:
@@ -121,13 +132,10 @@ impl Writer {
             ));
         };
         let c = self.conn.clone();
+        let open = Open { prepared: p, total_chunks: total };
         let r = py.detach(move || {
-            store_batch(&c, &p, &chunks, last, total).inspect_err(|_| {
-                // The daemon rolls back a refused batch's publication; a
-                // batch refused before it reached the daemon is rolled back
-                // here, so nothing stays PREPARED behind a forgotten token.
-                let _ = c.control.abort(p.publication, &p.writer_token);
-            })
+            let answer = store_all(&c, &[(open, chunks, last)])?.pop();
+            answer.unwrap_or_else(|| Err(ClientError::Data("store answered no result".into())))
         });
         if let Err(e) = r {
             self.current = None;
@@ -223,6 +231,30 @@ impl Writer {
             .collect()
     }
 
+    /// Stores a batch of each of many handed-off publications in one
+    /// data-plane frame (a serving engine's step's worth): `items` is a list
+    /// of `(handoff, chunks, last)`, `chunks` as [`Writer.store`] takes
+    /// them. Answers one entry per item, in order: `None`, or the
+    /// `pdstor.Error` that refused its store (that publication rolled back,
+    /// as a refused `store` rolls it back); one refusal never raises.
+    #[staticmethod]
+    fn store_many<'py>(
+        py: Python<'py>,
+        client: PyRef<'_, Client>,
+        items: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut asked = Vec::new();
+        for item in items.try_iter()? {
+            let item = item?;
+            let (handoff, chunks, last): (String, Bound<'py, PyAny>, bool) =
+                extract_as(&item, "a Writer.store_many item is (handoff: str, chunks: list, last: bool)")?;
+            asked.push((parse_handoff("Writer.store_many", &handoff)?, store_chunks(&chunks)?, last));
+        }
+        let c = client.conn.clone();
+        let done = py.detach(move || store_all(&c, &asked)).map_err(|e| to_py(py, e.into()))?;
+        done.into_iter().map(|r| entry(py, r, |()| Ok(py.None().into_bound(py)))).collect()
+    }
+
     /// prepare → store (`batch` chunks per request) → publish, in one call:
     /// `chunks` is a list of `(buffer, offset, length)`, chunk 0 first.
     /// Anything refused on the way aborts the publication and raises.
@@ -245,12 +277,8 @@ impl Writer {
         let mut list = Vec::new();
         for (i, item) in chunks.try_iter()?.enumerate() {
             let item = item?;
-            let (buffer, offset, len): (PyRef<'_, Buffer>, u64, u64) = item.extract().map_err(|_| {
-                PyTypeError::new_err(format!(
-                    "put: a chunk is (buffer: pdstor.Buffer, offset: int, length: int), not {}",
-                    item.repr().map(|r| r.to_string()).unwrap_or_default()
-                ))
-            })?;
+            let (buffer, offset, len): (PyRef<'_, Buffer>, u64, u64) =
+                extract_as(&item, "put: a chunk is (buffer: pdstor.Buffer, offset: int, length: int)")?;
             u32::try_from(i).map_err(|_| PyValueError::new_err("put: too many chunks"))?;
             list.push((BufferRef::from(&*buffer), offset, len));
         }

@@ -1,8 +1,9 @@
 """The connector's mover — the worker's one thread that stores, publishes,
 claims and restores — takes every job queued since its last round and
-batches what it can: a step's publishes go in one batch (one round trip,
-one commit), as do the claims of the restores handed over together; a
-publication is still made READY before the stores queued after its end."""
+batches what it can: a step's stores go in one data-plane frame, its
+publishes in one batch (one round trip, one commit), as do the claims of
+the restores handed over together; a publication is still made READY
+before the stores queued after its end."""
 
 from __future__ import annotations
 
@@ -11,29 +12,39 @@ import time
 
 import pytest
 
+import pdstor
+
 pytest.importorskip("vllm", reason="SKIP: vLLM is not installed (cargo xtask python installs vllm==0.33.0)")
 
 from test_vllm import consumer, daemon, decode_request, model, producer, prompt  # noqa: E402, F401
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 
-def daemon_batches(daemon) -> int:
-    """The daemon's count of `POST /storage-pd/batch` requests."""
+def metric(daemon, name: str) -> int:
+    """A counter of the daemon's, as its metrics read now."""
     for line in daemon.client().metrics().splitlines():
-        if line.startswith('pdstor_step_seconds_count{step="batch"} '):
+        if line.startswith(f"{name} "):
             return int(float(line.split()[-1]))
     return 0
 
 
-def test_a_steps_publishes_and_its_claims_each_go_in_one_batch(model, daemon):
-    """Three requests that finish in one step are published READY in one
-    batch (one round trip, one commit); handed over together, they are
-    claimed in one batch; every restore byte for byte. (A step's budget
+def daemon_batches(daemon) -> int:
+    """The daemon's count of `POST /storage-pd/batch` requests."""
+    return metric(daemon, 'pdstor_step_seconds_count{step="batch"}')
+
+
+def test_a_steps_stores_publishes_and_claims_each_go_together(model, daemon):
+    """Three requests that finish in one step are stored in one data-plane
+    frame (their chunks one submission to the device) and published READY
+    in one batch (one round trip, one commit); handed over together, they
+    are claimed in one batch; every restore byte for byte. (A step's budget
     that holds all three prompts: they finish, and are handed over, in one
     step each side.)"""
     p = producer(model, daemon, batched=256)
     prompts = {f"b{i}": prompt(64, 60 + i) for i in range(3)}
     before = daemon_batches(daemon)
+    submissions = metric(daemon, "pdstor_payload_submissions_total")
+    chunks = metric(daemon, "pdstor_payload_chunks_total")
     for rid, toks in prompts.items():
         p.add(rid, toks, max_tokens=1)
     # Each asks for its prepare, on the pool; none is scheduled before its
@@ -48,6 +59,9 @@ def test_a_steps_publishes_and_its_claims_each_go_in_one_batch(model, daemon):
     handed = {rid: p.finished[rid].params for rid in prompts}
     assert all("error" not in h["pdstor"] for h in handed.values()), handed
     assert daemon_batches(daemon) - before == 1, "one publish batch for the step's three"
+    stored = metric(daemon, "pdstor_payload_chunks_total") - chunks
+    assert stored >= 3, stored
+    assert metric(daemon, "pdstor_payload_submissions_total") - submissions == 1, f"{stored} chunks of three requests"
     assert sorted(x["state"] for x in daemon.client().publications()) == ["READY"] * 3
     c = consumer(model, daemon, batched=256)
     before = daemon_batches(daemon)
@@ -70,16 +84,16 @@ def test_a_publication_behind_a_busy_mover_is_made_ready_before_the_stores_queue
     p = producer(model, daemon)
     side = p.worker.worker_side
     entered, gate, calls = threading.Event(), threading.Event(), []
-    save_one, publish_all = side.save_one, side.publish_all
+    save_all, publish_all = side.save_all, side.publish_all
     mover = side._mover()
     do_all = mover._do_all
 
-    def held_save(spec):
-        calls.append(("store", spec.req_id))
+    def held_save(specs):
+        calls.extend(("store", spec.req_id) for spec in specs)
         if not entered.is_set():
             entered.set()
             assert gate.wait(30)
-        save_one(spec)
+        save_all(specs)
 
     def recorded_publish(specs):
         calls.append(("publish", *sorted(s.req_id for s in specs)))
@@ -89,7 +103,7 @@ def test_a_publication_behind_a_busy_mover_is_made_ready_before_the_stores_queue
         calls.append(("round", [(type(j).__name__, j.req_id) for j in jobs]))
         do_all(jobs)
 
-    side.save_one, side.publish_all, mover._do_all = held_save, recorded_publish, recorded_round
+    side.save_all, side.publish_all, mover._do_all = held_save, recorded_publish, recorded_round
     p.add("first", prompt(20, 70), max_tokens=1)
     p.step_until(entered.is_set)  # the mover inside the first round: what follows is the next one's
     p.add("short", prompt(20, 71), max_tokens=1)
@@ -113,3 +127,33 @@ def test_a_publication_behind_a_busy_mover_is_made_ready_before_the_stores_queue
     published = next(i for i, c in enumerate(done) if c[0] == "publish" and "short" in c)
     assert ("store", "long") in done[published:], done
     assert sorted(x["state"] for x in daemon.client().publications()) == ["READY"] * 3
+
+
+def test_a_store_refused_in_a_steps_frame_rolls_back_only_its_own_publication(model, daemon):
+    """Two requests stored in one frame, one of whose publications is gone
+    by then (aborted behind the connector's back): its store is refused and
+    its publication ends rolled back (nothing left PREPARED); the
+    other is published READY and restores byte for byte."""
+    p = producer(model, daemon, batched=256)
+    side = p.worker.worker_side
+    save_all, aborted = side.save_all, []
+
+    def abort_first(specs):
+        if not aborted:
+            gone = next(s for s in specs if s.req_id == "gone")
+            aborted.append(pdstor.Writer.resume(daemon.client(), side.handoff(gone)).abort())
+        save_all(specs)
+
+    side.save_all = abort_first
+    prompts = {"gone": prompt(64, 80), "kept": prompt(64, 81)}
+    for rid, toks in prompts.items():
+        p.add(rid, toks, max_tokens=1)
+    p.run()
+    assert aborted and side.failed_saves == {}, (aborted, side.failed_saves)
+    (kept,) = daemon.client().publications()
+    assert kept["state"] == "READY" and kept["req_id"].endswith("kept"), kept
+    c = consumer(model, daemon)
+    decode_request(c, "kept", prompts["kept"], p.finished["kept"].params, max_tokens=2)
+    c.run()
+    assert c.restored_checked["kept"] == len(prompts["kept"])
+    assert daemon.client().publications() == []

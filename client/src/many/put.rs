@@ -108,12 +108,68 @@ fn abort(p: &Prepared) -> BatchStep {
 }
 
 /// A store request's answer, or why the item was not asked.
-type Stored = Result<DataResponse, ClientError>;
+pub type Stored = Result<DataResponse, ClientError>;
+
+/// One store request of a prepared publication: its chunks, `(index,
+/// buffer, offset, length)` each.
+pub struct Storing<'a> {
+    /// The publication, as prepared (its writer's token goes with the request).
+    pub prepared: &'a Prepared,
+    /// The chunks and where their bytes are.
+    pub chunks: Vec<(u32, &'a BufferRef, u64, u64)>,
+    /// The writer sends no store of this publication after this one.
+    pub last: bool,
+    /// The publication's total, as prepared.
+    pub total: u32,
+}
+
+/// Stores every item in one data-plane frame, whatever the publications:
+/// a put's round, a serving engine's step (several requests' chunks), or
+/// one store of one publication (a batch of one). Answers each item's
+/// store, in order; an item whose chunks are refused here (a range outside
+/// its buffer) answers its own error without being sent, and its
+/// publication is left as it was. The outer error is a frame that failed as
+/// a whole.
+pub fn store_each(data: &Mutex<DataPlane>, items: &[Storing<'_>]) -> Result<Vec<Stored>, ClientError> {
+    let mut data = lock(data);
+    let mut asked = Vec::new();
+    let mut answers: Vec<Option<Stored>> = Vec::with_capacity(items.len());
+    for item in items {
+        let chunks = item
+            .chunks
+            .iter()
+            .map(|&(index, b, offset, len)| {
+                b.inner.check_range(offset, len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
+                // The daemon checksums every chunk it stores from memory
+                // it maps, a shm file its owner may shrink included (in
+                // place, a shrink caught), as each write completes and
+                // while the others are in flight: the writer declares none.
+                Ok(DataChunk { index, buffer: data.id_of(b)?, offset, len, crc32c: None })
+            })
+            .collect::<Result<Vec<_>, ClientError>>();
+        match chunks {
+            Ok(chunks) => {
+                let (prepared, is_last_batch, total_chunks) = (item.prepared, item.last, item.total);
+                asked.push(StoreItem { prepared, chunks, is_last_batch, total_chunks });
+                answers.push(None);
+            }
+            Err(e) => answers.push(Some(Err(e))),
+        }
+    }
+    let mut stored = if asked.is_empty() { Vec::new() } else { data.with(|d| d.store_many(asked))? }.into_iter();
+    Ok(answers
+        .into_iter()
+        .map(|refused| {
+            refused.unwrap_or_else(|| {
+                stored.next().unwrap_or_else(|| Err(ClientError::Data("store answered no result".into())))
+            })
+        })
+        .collect())
+}
 
 /// Round `round` of the stores: batch `round` of every item prepared and
-/// not failed that has one, in one data-plane frame. Answers `(item, its
-/// store's answer)`; an item whose chunks are refused here (a range outside
-/// its buffer) answers its own error where its store would have.
+/// not failed that has one, in one data-plane frame ([`store_each`]).
+/// Answers `(item, its store's answer)`.
 fn store_round(
     data: &Mutex<DataPlane>,
     items: &[PutItem],
@@ -121,44 +177,19 @@ fn store_round(
     round: usize,
     batch: usize,
 ) -> Result<Vec<(usize, Stored)>, ClientError> {
-    let mut data = lock(data);
+    let mut which = Vec::new();
     let mut asked = Vec::new();
-    let mut answers: Vec<(usize, Option<Stored>)> = Vec::new();
     for (i, (item, outcome)) in items.iter().zip(outcomes).enumerate() {
-        let Ok(p) = outcome else { continue };
+        let Ok(prepared) = outcome else { continue };
         let n = item.chunks.len();
         let start = round.saturating_mul(batch);
         if start >= n && !(round == 0 && n == 0) {
             continue;
         }
         let end = start.saturating_add(batch).min(n);
-        let chunks = (start..end)
-            .map(|index| {
-                let (b, offset, len) = &item.chunks[index];
-                b.inner.check_range(*offset, *len as usize).map_err(|e| ClientError::Data(e.to_string()))?;
-                // The daemon checksums every chunk it stores from memory
-                // it maps, a shm file its owner may shrink included (in
-                // place, a shrink caught), as each write completes and
-                // while the others are in flight: the writer declares none.
-                Ok(DataChunk { index: index as u32, buffer: data.id_of(b)?, offset: *offset, len: *len, crc32c: None })
-            })
-            .collect::<Result<Vec<_>, ClientError>>();
-        match chunks {
-            Ok(chunks) => {
-                asked.push(StoreItem { prepared: p, chunks, is_last_batch: end == n, total_chunks: n as u32 });
-                answers.push((i, None));
-            }
-            Err(e) => answers.push((i, Some(Err(e)))),
-        }
+        let chunks = (start..end).map(|k| (k as u32, &item.chunks[k].0, item.chunks[k].1, item.chunks[k].2)).collect();
+        asked.push(Storing { prepared, chunks, last: end == n, total: n as u32 });
+        which.push(i);
     }
-    let mut stored = if asked.is_empty() { Vec::new() } else { data.with(|d| d.store_many(asked))? }.into_iter();
-    Ok(answers
-        .into_iter()
-        .map(|(i, refused)| {
-            let answer = refused.unwrap_or_else(|| {
-                stored.next().unwrap_or_else(|| Err(ClientError::Data("store answered no result".into())))
-            });
-            (i, answer)
-        })
-        .collect())
+    Ok(which.into_iter().zip(store_each(data, &asked)?).collect())
 }

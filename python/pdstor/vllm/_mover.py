@@ -123,25 +123,34 @@ class Mover:
 
     def _do_all(self, jobs: list[object]) -> None:
         """One round's jobs, in the order the engine handed them over, but
-        for the ends of publications and the restores between two stores (a
-        step's): those publications are published together — one round
-        trip, one commit — before the next store, and those restores start
-        then, their claims together. An end always follows the stores queued
-        before it. Whatever a job raises is logged and it still ends as vLLM
+        together where they can be: the stores queued back to back (several
+        steps', several requests') in one data-plane frame per staging-full;
+        the ends of publications and the restores between two stores
+        published together — one round trip, one commit — before the next
+        store, and those restores started then, their claims together. An
+        end always follows the stores queued before it. Whatever a job raises is logged and it still ends as vLLM
         needs it to (blocks released, a restore reported failed)."""
+        saves: list[SaveSpec] = []
         ends: list[EndSpec] = []
         loads: list[LoadSpec] = []
         for job in jobs:
             if isinstance(job, SaveSpec):
                 if ends or loads:
+                    self._store(saves)
                     self._flush(ends, loads)
-                    ends, loads = [], []
-                self._guarded(job, functools.partial(self.side.save_one, job))
+                    saves, ends, loads = [], [], []
+                saves.append(job)
             elif isinstance(job, EndSpec):
                 ends.append(job)
             elif isinstance(job, LoadSpec):
                 loads.append(job)
+        self._store(saves)
         self._flush(ends, loads)
+
+    def _store(self, saves: list[SaveSpec]) -> None:
+        """The stores of consecutive steps, together (``save_all``)."""
+        if saves:
+            self._guarded(saves[0], functools.partial(self.side.save_all, saves))
 
     def _flush(self, ends: list[EndSpec], loads: list[LoadSpec]) -> None:
         """Ends `ends` (rolled back, or published in one batch), then starts

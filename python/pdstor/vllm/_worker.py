@@ -65,11 +65,9 @@ class WorkerSide:
         self.staging: Staging | None = None
         self.slots = 0
         self.scales = NO_SCALES
-        # Request id -> (the handoff token of its open publication, its writer):
-        # a preempted request's next publication comes with a new token.
-        self.writers: dict[str, tuple[str, pdstor.Writer]] = {}
         self.invalid: set[int] = set()
-        # Request id -> (the handoff token whose stores failed, why).
+        # Request id -> (the handoff token whose stores failed, why): a
+        # preempted request's next publication comes with a new token.
         self.failed_saves: dict[str, tuple[str, str]] = {}
         self.restored = 0
         self.failed_loads = 0
@@ -152,53 +150,82 @@ class WorkerSide:
         if meta.saves:
             self._mover().submit(*meta.saves)
 
-    def save_one(self, spec: SaveSpec) -> None:
-        handoff = self.handoff(spec)
-        try:
-            self._save_one(spec, handoff)
-        except Exception as e:  # noqa: BLE001 - reported; the publication is rolled back at its end
-            self.writers.pop(spec.req_id, None)
-            self.failed_saves[spec.req_id] = (handoff, str(e))
-            log.error("pdstor.vllm: storing request %s failed (its publication is rolled back): %s", spec.req_id, e)
+    def save_all(self, specs: list[SaveSpec]) -> None:
+        """A round's stores, every request's together: their blocks
+        gathered into the staging slots in request order and stored in one
+        data-plane frame per slots-full (``Writer.store_many``), whatever the
+        requests. A request whose store is refused is remembered (its
+        publication rolled back, its later chunks not sent) and ends rolled
+        back; the others go on."""
+        pieces: list[tuple[SaveSpec, str, int, int]] = []
+        for spec in specs:
+            try:
+                handoff = self.handoff(spec)
+            except RuntimeError as e:
+                log.error("pdstor.vllm: request %s is not stored: %s", spec.req_id, e)
+                continue
+            if not self._failed(spec, handoff):
+                pieces.extend((spec, handoff, index, block) for index, block in spec.chunks)
+        for start in range(0, len(pieces), self.slots):
+            window = [p for p in pieces[start : start + self.slots] if not self._failed(p[0], p[1])]
+            try:
+                if window:
+                    self._store_window(window)
+            except Exception as e:  # noqa: BLE001 - each request ends rolled back, none left owed
+                log.exception("pdstor.vllm: a store of %d chunks failed: %s", len(window), e)
+                for spec, handoff, *_ in window:
+                    self.failed_saves[spec.req_id] = (handoff, str(e))
 
-    def _save_one(self, spec: SaveSpec, handoff: str) -> None:
+    def _failed(self, spec: SaveSpec, handoff: str) -> bool:
         failed = self.failed_saves.get(spec.req_id)
-        if failed is not None and failed[0] == handoff:
-            return
-        held = self.writers.get(spec.req_id)
-        if held is None or held[0] != handoff:
-            held = (handoff, pdstor.Writer.resume(self.client, handoff, self.cfg.writer_id))
-            self.writers[spec.req_id] = held
-        w = held[1]
+        return failed is not None and failed[0] == handoff
+
+    def _store_window(self, window: list[tuple[SaveSpec, str, int, int]]) -> None:
+        """One frame: `window`'s blocks gathered into slots 0.., each
+        request's chunks one store of its publication."""
         staging = self._staging()
-        for start in range(0, len(spec.chunks), self.slots):
-            batch = spec.chunks[start : start + self.slots]
-            staging.gather([block for _, block in batch], spec.after)
-            stores = []
-            for slot, (index, _) in enumerate(batch):
-                at = staging.offset(slot)
-                staging.buffer.write(at, header(self.shape, index, spec.prompt_tokens, spec.digest, self.scales))
-                stores.append((index, staging.buffer, at, self.shape.chunk_bytes))
-            final = spec.last and start + len(batch) == len(spec.chunks)
-            began = time.monotonic()
-            w.store(stores, last=final)
-            self.ctx.stats.time("store", time.monotonic() - began)
-            self.ctx.stats.count("stored_chunks", len(stores))
-            self.ctx.stats.count("stored_bytes", len(stores) * self.shape.chunk_bytes)
+        # The latest step's event: the forward passes behind it ran on the same stream.
+        after = next((spec.after for spec, *_ in reversed(window) if spec.after is not None), None)
+        staging.gather([block for *_, block in window], after)
+        # Per publication: its chunks here, and whether the last of them ends
+        # it (several steps' stores of one request are one store).
+        items: dict[str, tuple[SaveSpec, list[tuple[int, pdstor.Buffer, int, int]], list[bool]]] = {}
+        for slot, (spec, handoff, index, _) in enumerate(window):
+            at = staging.offset(slot)
+            staging.buffer.write(at, header(self.shape, index, spec.prompt_tokens, spec.digest, self.scales))
+            _, stores, last = items.setdefault(handoff, (spec, [], [False]))
+            stores.append((index, staging.buffer, at, self.shape.chunk_bytes))
+            last[0] = spec.last and index == spec.chunks[-1][0]
+        asked = [(handoff, stores, last[0]) for handoff, (_, stores, last) in items.items()]
+        began = time.monotonic()
+        answers: list[pdstor.Error | None]
+        try:
+            answers = pdstor.Writer.store_many(self.client, asked)
+        except pdstor.Error as e:
+            answers = [e] * len(asked)
+        self.ctx.stats.time("store", time.monotonic() - began)
+        for (handoff, (spec, stores, _)), refused in zip(items.items(), answers):
+            if refused is None:
+                self.ctx.stats.count("stored_chunks", len(stores))
+                self.ctx.stats.count("stored_bytes", len(stores) * self.shape.chunk_bytes)
+                continue
+            self.failed_saves[spec.req_id] = (handoff, str(refused))
+            log.error(
+                "pdstor.vllm: storing request %s failed (its publication is rolled back): %s", spec.req_id, refused
+            )
 
     def end(self, spec: EndSpec) -> bool:
         """A publication's end, after every store queued before it: rolled
         back now, or True where it is to be published READY with the
         producer's first token (`publish_all`, with the round's others)."""
         handoff = self.handoff(spec)
-        held = self.writers.pop(spec.req_id, None)
         failed = self.failed_saves.pop(spec.req_id, None)
         if failed is not None and failed[0] != handoff:
             failed = None
         if spec.first_token is not None and failed is None:
             return True
         why = spec.why if failed is None else f"its stores failed: {failed[1]}"
-        self._roll_back(spec, why, held[1] if held is not None and held[0] == handoff else None)
+        self._roll_back(spec, why)
         return False
 
     def publish_all(self, publish: list[EndSpec]) -> None:
@@ -219,12 +246,11 @@ class WorkerSide:
                 self.ctx.note("publish", receipt=ready)
             else:
                 log.error("pdstor.vllm: request %s: its publish was refused: %s", spec.req_id, ready)
-                self._roll_back(spec, f"its publish was refused: {ready}", None)
+                self._roll_back(spec, f"its publish was refused: {ready}")
 
-    def _roll_back(self, spec: EndSpec, why: str, w: pdstor.Writer | None) -> None:
+    def _roll_back(self, spec: EndSpec, why: str) -> None:
         try:
-            if w is None:
-                w = pdstor.Writer.resume(self.client, self.handoff(spec), self.cfg.writer_id)
+            w = pdstor.Writer.resume(self.client, self.handoff(spec), self.cfg.writer_id)
             log.info("pdstor.vllm: request %s: publication rolled back (%s): %s", spec.req_id, why, w.abort())
         except pdstor.Error as e:
             log.error("pdstor.vllm: request %s: rolling its publication back was refused: %s", spec.req_id, e)
