@@ -4,9 +4,12 @@
 //! duplicate request ids, stores split into out-of-order batches, protocol
 //! violations, publish, claim, adopt, load, ack, release, abort, fail,
 //! session close and reclaim, idle reaping, checkpoints — on a namespace
-//! with a small journal, and cuts the power at random points. The simulated
-//! device ([`FaultPlan::simulated`]) keeps a volatile write cache: a power
-//! loss loses, tears or misdirects any write since the last flush.
+//! with a small journal, and cuts the power at random points. The store runs
+//! on memory ([`Store::open_memory`]: no io_uring, no file), through the
+//! same storage seam as on a target; the simulated device
+//! ([`FaultPlan::simulated_in`]) keeps a volatile write cache: a power loss
+//! loses, tears or misdirects any write since the last flush, and three
+//! restarts in ten meet a medium error on one of recovery's reads.
 //!
 //! And a standby takes the namespace over at random points (issue 35): the
 //! old owner is fenced as a preempt fences it ([`FaultPlan::fence`]: the
@@ -49,7 +52,6 @@
 //! `tests/tests/crash.rs`).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::thread::JoinHandle;
@@ -62,7 +64,7 @@ use pdstor_client::wire::Prepared;
 use pdstor_daemon::admission::{CancelToken, WaitClock};
 use pdstor_daemon::protocol::service::{ProtocolError, Service};
 use pdstor_daemon::store::{
-    self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Phase, Store, StoreBatch, StoreOptions,
+    self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Memory, Phase, Store, StoreBatch, StoreOptions,
 };
 use pdstor_engine::{buffer::Buffer, payload};
 
@@ -185,9 +187,8 @@ impl Req {
 
 struct Sim {
     rng: Rng,
-    /// Holds the namespace file; removed with the simulation.
-    _dir: tempfile::TempDir,
-    path: std::path::PathBuf,
+    /// The device's media, read back independently of the store.
+    memory: Memory,
     plan: Arc<FaultPlan>,
     clock: Arc<SimClock>,
     service: Option<Arc<Service>>,
@@ -234,28 +235,21 @@ fn shared(store: &Store) -> (Buffer, pdstor_engine::io::BufferId) {
 
 impl Sim {
     fn new(seed: u64) -> Result<Sim, String> {
-        let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).map_err(|e| e.to_string())?;
-        let path = dir.path().join("sim.img");
-        store::format(
-            &path,
-            &FormatOptions {
-                slot_size: SLOT,
-                journal_half: JOURNAL,
-                force: false,
-                create_len: Some(2 * 4096 + 2 * JOURNAL + SLOTS * SLOT),
-            },
+        let memory = Memory::zeroed(2 * 4096 + 2 * JOURNAL + SLOTS * SLOT);
+        store::format_memory(
+            &memory,
+            &FormatOptions { slot_size: SLOT, journal_half: JOURNAL, force: false, create_len: None },
         )
         .map_err(|e| e.to_string())?;
-        let plan = FaultPlan::simulated(&path).map_err(|e| e.to_string())?;
+        let plan = FaultPlan::simulated_in(&memory);
         let clock = Arc::new(SimClock(AtomicU64::new(1_700_000_000_000)));
         let sim_clock: Arc<dyn pdstor_daemon::protocol::Clock> = clock.clone();
-        let (store, _) = Store::open(&path, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
+        let (store, _) = Store::open_memory(&memory, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
         let store = Arc::new(store);
         let (writer, reader) = (shared(&store), shared(&store));
         Ok(Sim {
             rng: Rng(seed),
-            _dir: dir,
-            path,
+            memory,
             plan,
             clock,
             service: Some(Arc::new(Service::new(store).with_clock(sim_clock))),
@@ -894,15 +888,14 @@ impl Sim {
     /// the next open (`recover`) must find everything as if it had not
     /// happened. An open that made fewer reads is a restart like any other.
     fn recovery_read_fails(&mut self, read: u64, what: &str) -> Result<(), String> {
-        let before = std::fs::read(&self.path).map_err(|e| e.to_string())?;
-        let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
+        let before = self.memory.to_vec();
+        let plan = FaultPlan::simulated_in(&self.memory);
         plan.fail_metadata_read(read);
-        let opened = Store::open(&self.path, options(&plan, &self.clock));
+        let opened = Store::open_memory(&self.memory, options(&plan, &self.clock));
         match (opened, plan.metadata_read_faults()) {
             (Err(e), 1) => {
                 self.note(format!("{what}: recovery read {read} fails -> {e}"));
-                let after = std::fs::read(&self.path).map_err(|e| e.to_string())?;
-                if after != before {
+                if self.memory.to_vec() != before {
                     return Err(format!("an open whose recovery read {read} failed changed the target ({e})"));
                 }
                 Ok(())
@@ -923,9 +916,9 @@ impl Sim {
             let read = self.rng.below(3);
             self.recovery_read_fails(read, what)?;
         }
-        let plan = FaultPlan::simulated(&self.path).map_err(|e| e.to_string())?;
-        let (store, report) =
-            Store::open(&self.path, options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;
+        let plan = FaultPlan::simulated_in(&self.memory);
+        let (store, report) = Store::open_memory(&self.memory, options(&plan, &self.clock))
+            .map_err(|e| format!("recovery failed: {e}"))?;
         self.note(format!("{what} {loss:?} -> recovery {report:?}"));
         self.plan = plan;
         let store = Arc::new(store);
@@ -959,8 +952,7 @@ impl Sim {
             let manifest = p.manifest.as_ref().ok_or(format!("publication {id} has no manifest"))?;
             for c in &manifest.chunks {
                 let mut got = vec![0u8; c.len as usize];
-                let file = std::fs::File::open(&self.path).map_err(|e| e.to_string())?;
-                file.read_exact_at(&mut got, c.offset.0).map_err(|e| e.to_string())?;
+                self.memory.read_at(c.offset.0, &mut got);
                 let want = payload::chunk(r.seed, c.index as u64, SLOT as usize);
                 if got != want {
                     if (corrupt_ok || self.corrupted.contains(id)) && crc32c::crc32c(&got) != c.crc32c {

@@ -9,10 +9,12 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
+use super::device::{self, Device, Inspect};
 use super::error::WorkerError;
-use super::storage::{Inspect, Media, Storage};
+use super::memory::Memory;
+use super::storage::{Media, Storage};
 use super::worker::JOURNAL_BLOCK;
-use pdstor_engine::io::{Completion, Engine, IoError, IoRequest, Op};
+use pdstor_engine::io::{Completion, IoError, IoRequest, Op};
 
 /// Kills the device after `writes` more writes (payload, journal or superblock).
 #[derive(Debug)]
@@ -32,11 +34,58 @@ pub struct FaultPlan {
 }
 
 /// Writes the device has acknowledged but not yet flushed, oldest first:
-/// where, and the bytes there before and after.
+/// where, and the bytes there before and after; and the media they went to.
 #[derive(Debug)]
 struct WriteCache {
-    file: std::fs::File,
+    media: Medium,
     unflushed: Vec<(u64, Vec<u8>, Vec<u8>)>,
+}
+
+/// The media a simulated plan reads what a write overwrote from, and puts
+/// back what a power loss undid: the target file, or the memory of an
+/// in-memory device.
+#[derive(Debug)]
+enum Medium {
+    File(std::fs::File),
+    Memory(Memory),
+}
+
+impl Medium {
+    /// Bytes at `offset..offset + len` as they are now (zeros past the end).
+    fn read_now(&self, offset: u64, len: u64) -> Vec<u8> {
+        use std::os::unix::fs::FileExt;
+        let mut b = vec![0u8; len as usize];
+        match self {
+            Medium::File(f) => {
+                let _ = f.read_exact_at(&mut b, offset);
+            }
+            Medium::Memory(m) => m.read_at(offset, &mut b),
+        }
+        b
+    }
+
+    fn write_at(&self, data: &[u8], offset: u64) {
+        use std::os::unix::fs::FileExt;
+        match self {
+            Medium::File(f) => {
+                let _ = f.write_all_at(data, offset);
+            }
+            Medium::Memory(m) => m.write_at(offset, data),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Medium::File(f) => f.metadata().map_or(0, |m| m.len()),
+            Medium::Memory(m) => m.len(),
+        }
+    }
+
+    fn sync(&self) {
+        if let Medium::File(f) = self {
+            let _ = f.sync_all();
+        }
+    }
 }
 
 /// What a simulated power loss did to the unflushed writes.
@@ -72,15 +121,25 @@ impl FaultPlan {
     /// can undo, tear or misdirect them.
     pub fn simulated(path: &std::path::Path) -> std::io::Result<Arc<FaultPlan>> {
         let file = std::fs::File::options().read(true).write(true).open(path)?;
-        Ok(Arc::new(FaultPlan {
+        Ok(Self::simulating(Medium::File(file)))
+    }
+
+    /// [`simulated`](Self::simulated) for a store on `memory`
+    /// ([`Store::open_memory`](super::Store::open_memory)).
+    pub fn simulated_in(memory: &Memory) -> Arc<FaultPlan> {
+        Self::simulating(Medium::Memory(memory.clone()))
+    }
+
+    fn simulating(media: Medium) -> Arc<FaultPlan> {
+        Arc::new(FaultPlan {
             writes_left: AtomicI64::new(i64::MAX),
             reads_before_fault: AtomicI64::new(-1),
             read_faults: AtomicI64::new(0),
             torn: false,
             dead: AtomicBool::new(false),
             fenced: AtomicBool::new(false),
-            cache: Some(std::sync::Mutex::new(WriteCache { file, unflushed: Vec::new() })),
-        }))
+            cache: Some(std::sync::Mutex::new(WriteCache { media, unflushed: Vec::new() })),
+        })
     }
 
     /// The power goes: every later write and flush fails.
@@ -113,7 +172,7 @@ impl FaultPlan {
     /// Before a write: remember what it overwrites.
     fn before_write(&self, offset: u64, len: u64) {
         if let Some(mut c) = self.cache() {
-            let before = Self::read_now_file(&c.file, offset, len);
+            let before = c.media.read_now(offset, len);
             c.unflushed.push((offset, before, Vec::new()));
         }
     }
@@ -124,17 +183,9 @@ impl FaultPlan {
         if let Some(mut c) = self.cache() {
             let c = &mut *c;
             for (offset, before, after) in c.unflushed.iter_mut().filter(|w| w.2.is_empty()) {
-                *after = Self::read_now_file(&c.file, *offset, before.len() as u64);
+                *after = c.media.read_now(*offset, before.len() as u64);
             }
         }
-    }
-
-    /// Bytes at `offset..offset + len` of the target as they are now.
-    fn read_now_file(file: &std::fs::File, offset: u64, len: u64) -> Vec<u8> {
-        use std::os::unix::fs::FileExt;
-        let mut b = vec![0u8; len as usize];
-        let _ = file.read_exact_at(&mut b, offset);
-        b
     }
 
     /// A write with Force Unit Access completed: its bytes are on the media
@@ -143,7 +194,7 @@ impl FaultPlan {
     fn written_through(&self, offset: u64, len: u64) {
         if let Some(mut c) = self.cache() {
             let c = &mut *c;
-            let now = Self::read_now_file(&c.file, offset, len);
+            let now = c.media.read_now(offset, len);
             for (at, before, after) in c.unflushed.iter_mut() {
                 let (start, end) = ((*at).max(offset), (*at + before.len() as u64).min(offset + len));
                 if start < end {
@@ -173,32 +224,31 @@ impl FaultPlan {
     /// away, at the rates `misdirect_ok` allows. Call after [`kill`](Self::kill)
     /// and after the store is gone.
     pub fn power_loss(&self, choose: &mut dyn FnMut(u64) -> u64, misdirect_ok: bool) -> PowerLoss {
-        use std::os::unix::fs::FileExt;
         let Some(mut c) = self.cache() else { return PowerLoss::default() };
         let writes = std::mem::take(&mut c.unflushed);
         let mut report = PowerLoss { unflushed: writes.len(), ..Default::default() };
         // Back to the state before any unflushed write, newest first...
         for (offset, before, _) in writes.iter().rev() {
-            let _ = c.file.write_all_at(before, *offset);
+            c.media.write_at(before, *offset);
         }
         // ...then replay, oldest first, the writes the cache got out.
-        let len = c.file.metadata().map_or(0, |m| m.len());
+        let len = c.media.len();
         for (offset, _, after) in &writes {
             match choose(16) {
                 0..=7 => {
-                    let _ = c.file.write_all_at(after, *offset);
+                    c.media.write_at(after, *offset);
                 }
                 8..=11 => report.lost += 1,
                 12..=14 => {
                     let sectors = after.len() as u64 / 512;
                     let keep = if sectors > 1 { choose(sectors - 1) + 1 } else { 0 } as usize * 512;
-                    let _ = c.file.write_all_at(&after[..keep], *offset);
+                    c.media.write_at(&after[..keep], *offset);
                     report.torn += 1;
                 }
                 _ if misdirect_ok => {
                     let to = if choose(2) == 0 { offset.checked_sub(4096) } else { Some(offset + 4096) };
                     if let Some(to) = to.filter(|t| t + after.len() as u64 <= len) {
-                        let _ = c.file.write_all_at(after, to);
+                        c.media.write_at(after, to);
                         report.misdirected += 1;
                     } else {
                         report.lost += 1;
@@ -207,7 +257,7 @@ impl FaultPlan {
                 _ => report.lost += 1,
             }
         }
-        let _ = c.file.sync_all();
+        c.media.sync();
         report
     }
     /// The device lets `reads` more metadata reads through (superblock
@@ -249,7 +299,7 @@ fn dead_device() -> std::io::Error {
 impl Storage for FaultPlan {
     fn payload(
         &self,
-        engine: &mut Engine,
+        device: &mut dyn Device,
         commands: &[IoRequest],
         inspect: Inspect,
     ) -> Result<Vec<Completion>, IoError> {
@@ -262,7 +312,7 @@ impl Storage for FaultPlan {
         for w in run.iter().filter(|r| r.op.writes()) {
             self.before_write(w.target_offset.0, w.len);
         }
-        let done = Media.payload(engine, &run, &mut |i, c, b| inspect(index[i], c, b));
+        let done = Media.payload(device, &run, &mut |i, c, b| inspect(index[i], c, b));
         self.after_writes();
         let mut done = done?.into_iter();
         let out = commands
@@ -286,7 +336,7 @@ impl Storage for FaultPlan {
         Ok(out)
     }
 
-    fn write(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError> {
+    fn write(&self, device: &mut dyn Device, request: IoRequest) -> Result<(), IoError> {
         match self.admit_write() {
             Ok(true) => {}
             Ok(false) => {
@@ -294,26 +344,26 @@ impl Storage for FaultPlan {
                 let len = request.len;
                 let half = (len / 2) - (len / 2) % JOURNAL_BLOCK.min(len);
                 if half > 0 {
-                    let _ = engine.execute_all(&[IoRequest { len: half, ..request }]);
+                    let _ = device::execute_all(device, &[IoRequest { len: half, ..request }]);
                 }
                 return Err(self.refused(&IoRequest { len: 0, ..request }));
             }
             Err(()) => return Err(self.refused(&IoRequest { len: 0, ..request })),
         }
         if request.op == Op::WriteFua {
-            let r = Media.write(engine, request);
+            let r = Media.write(device, request);
             if r.is_ok() {
                 self.written_through(request.target_offset.0, request.len);
             }
             return r;
         }
         self.before_write(request.target_offset.0, request.len);
-        let r = Media.write(engine, request);
+        let r = Media.write(device, request);
         self.after_writes();
         r
     }
 
-    fn read(&self, engine: &mut Engine, request: IoRequest) -> Result<(), IoError> {
+    fn read(&self, device: &mut dyn Device, request: IoRequest) -> Result<(), IoError> {
         if self.is_dead() {
             return Err(self.refused(&request));
         }
@@ -329,17 +379,17 @@ impl Storage for FaultPlan {
                 source,
             });
         }
-        Media.read(engine, request)
+        Media.read(device, request)
     }
 
-    fn flush(&self, engine: &mut Engine) -> Result<(), WorkerError> {
+    fn flush(&self, device: &mut dyn Device) -> Result<(), WorkerError> {
         if self.fenced.load(Ordering::SeqCst) {
             return Err(WorkerError::Fenced);
         }
         if self.is_dead() {
             return Err(WorkerError::DeviceDead);
         }
-        Media.flush(engine)?;
+        Media.flush(device)?;
         self.flushed();
         Ok(())
     }

@@ -5,9 +5,12 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::StoreError;
+use super::backing::Backing;
+use super::device::{Device, read_to_vec_by, write_from_slice};
 use super::error::WorkerError;
+use super::memory::Memory;
 use super::superblock::{self, FORMAT_VERSION, SUPERBLOCK_BYTES, Superblock};
-use pdstor_engine::io::{Engine, EngineOptions, IoError, Target, TargetOptions};
+use pdstor_engine::io::{IoError, Target, TargetOptions};
 
 /// Journal half sizes `format` accepts (powers of two, so a reader that lost
 /// superblock copy A can still find copy B).
@@ -115,22 +118,44 @@ pub fn format(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreEr
 }
 
 fn format_in_place(path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
+    check(opts)?;
+    let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true, read_only: false })?;
+    let mut device = Backing::Target(target).open(8, 4)?;
+    write_namespace(&mut *device, path, opts)
+}
+
+/// Formats `memory` as [`format()`] formats a target (`create_len` has no
+/// use: the memory's size is the device's), for a store opened with
+/// [`Store::open_memory`](super::Store::open_memory).
+pub fn format_memory(memory: &Memory, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
+    check(opts)?;
+    let mut device = Backing::Memory(memory.clone()).open(8, 4)?;
+    write_namespace(&mut *device, Path::new(super::MEMORY), opts)
+}
+
+/// The options' own refusals, before anything is opened.
+fn check(opts: &FormatOptions) -> Result<(), StoreError> {
     if opts.slot_size == 0 || !opts.slot_size.is_multiple_of(4096) {
         return Err(StoreError::SlotSize { slot_size: opts.slot_size });
     }
     if !JOURNAL_HALF_CHOICES.contains(&opts.journal_half) {
         return Err(StoreError::JournalHalf { journal_half: opts.journal_half });
     }
-    let target = Target::open(path, &TargetOptions { create_len: opts.create_len, allocate: true, read_only: false })?;
-    let capacity = target.geometry().capacity;
-    let block_size = target.geometry().logical_block;
+    Ok(())
+}
+
+/// The journal halves and both superblock copies of a fresh namespace on
+/// `device` (`path` names it), unless it holds something recognisable and
+/// `force` is not set.
+fn write_namespace(device: &mut dyn Device, path: &Path, opts: &FormatOptions) -> Result<FormatReport, StoreError> {
+    let capacity = device.capacity();
+    let block_size = device.block_size();
     let data_offset = 2 * SUPERBLOCK_BYTES as u64 + 2 * opts.journal_half;
     let minimum = data_offset + opts.slot_size;
     if capacity < minimum {
         return Err(StoreError::TooSmall { path: path.into(), capacity, minimum });
     }
-    let mut engine = Engine::new(target, EngineOptions { queue_depth: 8, buffer_slots: 4, ..Default::default() })?;
-    let head = engine.read_to_vec(0, (68 << 10).min(capacity))?;
+    let head = read_to_vec_by(device, 0, (68 << 10).min(capacity), |d, r| super::device::execute_all(d, &[r]))?;
     let found = signature(&head);
     if let Some(sig) = &found
         && !opts.force
@@ -157,20 +182,20 @@ fn format_in_place(path: &Path, opts: &FormatOptions) -> Result<FormatReport, St
         owner_key: 0,
     };
     // Old superblocks go first, so a crash mid-format leaves no stale namespace.
-    engine.write_from_slice(0, &[0u8; SUPERBLOCK_BYTES])?;
+    write_from_slice(device, 0, &[0u8; SUPERBLOCK_BYTES])?;
     let zeros = vec![0u8; (1 << 20).min(opts.journal_half) as usize];
     for half in 0..2u8 {
         let mut off = 0;
         while off < opts.journal_half {
-            engine.write_from_slice(sb.journal_offset(half) + off, &zeros)?;
+            write_from_slice(device, sb.journal_offset(half) + off, &zeros)?;
             off += zeros.len() as u64;
         }
     }
-    engine.flush()?;
-    engine.write_from_slice(sb.copy_b_offset(), &sb.encode())?;
-    engine.flush()?;
-    engine.write_from_slice(0, &sb.encode())?;
-    engine.flush()?;
+    device.flush()?;
+    write_from_slice(device, sb.copy_b_offset(), &sb.encode())?;
+    device.flush()?;
+    write_from_slice(device, 0, &sb.encode())?;
+    device.flush()?;
     Ok(FormatReport {
         target: path.into(),
         uuid: sb.uuid.to_string(),

@@ -13,12 +13,13 @@ use std::sync::mpsc::{Sender, channel};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+use super::backing::Backing;
 use super::error::{StoreError, WorkerError};
 use super::storage::Storage;
 use super::superblock::{self, Superblock};
 use super::worker::{CommitReply, Job, PayloadCounters, PayloadResults, Worker};
 use pdstor_engine::buffer::Buffer;
-use pdstor_engine::io::{BufferId, DmabufRw, IoRequest, PayloadPath, Target, TargetKind};
+use pdstor_engine::io::{BufferId, DmabufRw, IoRequest, PayloadPath, TargetKind};
 
 /// What the I/O thread read while opening the target.
 pub(super) struct Opened {
@@ -57,25 +58,25 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl IoThread {
-    /// Starts the I/O thread on `target`: it reads both superblock copies,
+    /// Starts the I/O thread on `backing`: it reads both superblock copies,
     /// chooses one, and reads the active journal half. Appends wait until
     /// [`resume`](Self::resume) says where they continue.
     pub fn start(
         path: &Path,
-        target: Target,
+        backing: Backing,
         queue_depth: u32,
         merge_bytes: u64,
         verify_threads: usize,
         storage: Arc<dyn Storage>,
     ) -> Result<(IoThread, Opened), StoreError> {
-        let target_kind = target.kind();
+        let target_kind = backing.kind();
         let (tx, rx) = channel::<Job>();
         let (otx, orx) = channel::<Result<(Opened, DmabufRw, Arc<PayloadCounters>), StoreError>>();
         let path = path.to_path_buf();
         let handle = std::thread::Builder::new()
             .name("pdstor-store-io".into())
             .spawn(move || {
-                let opened = Self::open_on_thread(&path, target, (queue_depth, merge_bytes, verify_threads), storage);
+                let opened = Self::open_on_thread(&path, backing, (queue_depth, merge_bytes, verify_threads), storage);
                 let worker = match opened {
                     Ok((worker, opened)) => {
                         let _ = otx.send(Ok((opened, worker.dmabuf_rw(), worker.counters())));
@@ -110,11 +111,11 @@ impl IoThread {
     /// The opening half of the thread's life, on the thread itself.
     fn open_on_thread(
         path: &Path,
-        target: Target,
+        backing: Backing,
         (queue_depth, merge_bytes, verify_threads): (u32, u64, usize),
         storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Opened), StoreError> {
-        let (mut worker, a, b) = Worker::open(target, queue_depth, merge_bytes, verify_threads, storage)?;
+        let (mut worker, a, b) = Worker::open(backing, queue_depth, merge_bytes, verify_threads, storage)?;
         let (superblock, note) = superblock::choose(Superblock::decode(&a), Superblock::decode(&b))
             .map_err(|source| StoreError::Superblock { path: path.into(), source })?;
         let journal = worker.load_journal(&superblock)?;

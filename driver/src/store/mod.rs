@@ -21,8 +21,10 @@
 //! above it.
 
 mod admit;
+mod backing;
 mod batch;
 mod coalesce;
+mod device;
 mod error;
 mod evict;
 mod fault;
@@ -30,6 +32,7 @@ mod format;
 mod io_thread;
 pub mod journal;
 mod many;
+mod memory;
 mod presence;
 mod publication;
 mod read;
@@ -60,15 +63,20 @@ pub use batch::{BatchOutcome, ChunkDest, ChunkSource, StoreBatch};
 pub use error::{Invariant, StateError, StoreError, WorkerError};
 pub use evict::Evicted;
 pub use fault::{FaultPlan, PowerLoss};
-pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, signature_of};
+pub use format::{FormatOptions, FormatReport, JOURNAL_HALF_CHOICES, format, format_memory, signature_of};
 use journal::Record;
+pub use memory::Memory;
 pub use publication::{ClaimInfo, Owner, Phase, Publication};
 pub use recovery::{Inspection, inspect};
 pub use stats::StoreStats;
 pub use worker::CommitInfo;
 
+use backing::Backing;
 use batch::Batches;
 use io_thread::IoThread;
+
+/// The name a store on [`Memory`] goes by where a target's path would be.
+const MEMORY: &str = "(memory)";
 
 /// The live publication `id`, if it is in one of `allowed` phases; otherwise
 /// the refusal that names its phase and `what` would have been allowed.
@@ -222,14 +230,31 @@ impl Store {
     /// slots, bumps and persists the epoch.
     pub fn open(path: &Path, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
         let target = Target::open(path, &TargetOptions { create_len: None, allocate: true, read_only: false })?;
+        let presence = presence::Presence::at(path, target.write_cache_probe());
+        Self::open_on(path, Backing::Target(target), presence, opts)
+    }
+
+    /// [`open`](Self::open) on `memory` ([`format_memory`]): no io_uring, no
+    /// file. Its every read and write goes through the same seam, so a
+    /// [`FaultPlan::simulated_in`] the memory fails, tears and loses them as
+    /// it would a target's; the simulation runs on it.
+    pub fn open_memory(memory: &Memory, opts: StoreOptions) -> Result<(Store, RecoveryReport), StoreError> {
+        Self::open_on(Path::new(MEMORY), Backing::Memory(memory.clone()), presence::Presence::nowhere(), opts)
+    }
+
+    fn open_on(
+        path: &Path,
+        backing: Backing,
+        presence: presence::Presence,
+        opts: StoreOptions,
+    ) -> Result<(Store, RecoveryReport), StoreError> {
         // The device itself, or the faulty one the simulation and crash tests give.
         let storage: Arc<dyn storage::Storage> = match opts.fault.clone() {
             Some(plan) => plan,
             None => Arc::new(storage::Media),
         };
-        let write_cache = target.write_cache_probe();
         let (io, opened) =
-            IoThread::start(path, target, opts.queue_depth, opts.merge_bytes, opts.verify_threads, storage)?;
+            IoThread::start(path, backing, opts.queue_depth, opts.merge_bytes, opts.verify_threads, storage)?;
         let replayed = recovery::replay(path, &opened)?;
         io.resume(replayed.journal_end)?;
         let sb = opened.superblock;
@@ -258,7 +283,7 @@ impl Store {
             opts,
             last_commit: Mutex::new(CommitInfo::default()),
             loads_done: std::sync::Condvar::new(),
-            presence: presence::Presence::at(path, write_cache),
+            presence,
             windowed: windowed.into(),
         };
         let mut report = replayed.report;
@@ -413,7 +438,6 @@ impl Store {
         Ok(id)
     }
 
-    /// What kind of target the store is on.
     /// The target's path, as the daemon opened it.
     pub fn path(&self) -> &Path {
         &self.path

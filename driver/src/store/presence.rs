@@ -41,6 +41,11 @@ impl Presence {
         }
     }
 
+    /// A store on memory: at no path, never gone, its write cache not probed.
+    pub(super) fn nowhere() -> Presence {
+        Presence { opened: None, said: AtomicBool::new(false), lost: Mutex::new(None), write_cache: None }
+    }
+
     /// Why the target at `path` is not the one opened, if it is not.
     pub(super) fn gone(&self, path: &Path) -> Option<String> {
         let (dev, ino) = self.opened?;

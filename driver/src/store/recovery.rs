@@ -5,7 +5,9 @@
 //! request is served.
 
 use std::path::Path;
+use std::sync::Arc;
 
+use super::backing::Backing;
 use super::batch::Batches;
 use super::error::StoreError;
 use super::io_thread::Opened;
@@ -109,7 +111,7 @@ pub fn inspect(path: &Path) -> Result<Inspection, StoreError> {
     use pdstor_engine::io::{Target, TargetOptions};
     let target = Target::open(path, &TargetOptions { create_len: None, allocate: false, read_only: false })?;
     let (io, opened) =
-        super::io_thread::IoThread::start(path, target, 8, 0, 1, std::sync::Arc::new(super::storage::Media))?;
+        super::io_thread::IoThread::start(path, Backing::Target(target), 8, 0, 1, Arc::new(super::storage::Media))?;
     // The thread waits for a resume it will never get: stopping it writes nothing.
     io.stop(false);
     let replayed = replay(path, &opened)?;

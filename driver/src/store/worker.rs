@@ -1,6 +1,6 @@
-//! The store's I/O thread. It owns the [`Engine`] (which must stay on one
-//! thread), the in-memory image of the active journal half, and the device
-//! flushes. Group commit: every `Commit` waiting in the queue when the thread
+//! The store's I/O thread. It owns the [`Device`] (the engine, which must
+//! stay on one thread, or memory), the in-memory image of the active
+//! journal half, and the device flushes. Group commit: every `Commit` waiting in the queue when the thread
 //! gets to one is served by a single "flush payload → write journal tail →
 //! flush" sequence, so concurrent publishers share flushes.
 //!
@@ -12,12 +12,11 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
 
 use pdstor_engine::buffer::Buffer;
-use pdstor_engine::io::{
-    BufferId, BufferOffset, Completion, Engine, EngineOptions, IoError, IoRequest, Op, PayloadPath, Target,
-    TargetOffset, TransferId,
-};
+use pdstor_engine::io::{BufferId, Completion, IoError, IoRequest, Op, PayloadPath};
 
+use super::backing::Backing;
 use super::coalesce::{Run, coalesce};
+use super::device::{Device, request};
 use super::error::WorkerError;
 use super::storage::{Storage, read_to_vec};
 use super::superblock::{SUPERBLOCK_BYTES, Superblock};
@@ -94,7 +93,7 @@ pub struct CommitInfo {
 }
 
 pub(crate) struct Worker {
-    engine: Engine,
+    device: Box<dyn Device>,
     sb: Superblock,
     image: BufferId,
     image_len: u64,
@@ -113,16 +112,15 @@ impl Worker {
     /// Reads both superblock copies and, once the caller has chosen one, the
     /// active journal half.
     pub fn open(
-        target: Target,
+        backing: Backing,
         queue_depth: u32,
         merge_bytes: u64,
         verify_threads: usize,
         storage: Arc<dyn Storage>,
     ) -> Result<(Worker, Vec<u8>, Vec<u8>), WorkerError> {
-        let mut engine =
-            Engine::new(target, EngineOptions { queue_depth, buffer_slots: BUFFER_TABLE, ..Default::default() })?;
-        let a = read_to_vec(&*storage, &mut engine, 0, SUPERBLOCK_BYTES as u64)?;
-        let capacity = engine.geometry().capacity;
+        let mut device = backing.open(queue_depth, BUFFER_TABLE)?;
+        let a = read_to_vec(&*storage, &mut *device, 0, SUPERBLOCK_BYTES as u64)?;
+        let capacity = device.capacity();
         // Copy B sits after the journal, whose size copy A gives. If A is
         // unreadable, try every size `format` can choose (powers of two).
         let b_offsets: Vec<u64> = match Superblock::decode(&a) {
@@ -131,7 +129,7 @@ impl Worker {
         };
         let mut b = Vec::new();
         for off in b_offsets.into_iter().filter(|o| o + SUPERBLOCK_BYTES as u64 <= capacity) {
-            let bytes = read_to_vec(&*storage, &mut engine, off, SUPERBLOCK_BYTES as u64)?;
+            let bytes = read_to_vec(&*storage, &mut *device, off, SUPERBLOCK_BYTES as u64)?;
             if Superblock::decode(&bytes).is_ok_and(|sb| sb.copy_b_offset() == off) || b.is_empty() {
                 let found = Superblock::decode(&bytes).is_ok();
                 b = bytes;
@@ -141,10 +139,10 @@ impl Worker {
             }
         }
         let sb = Superblock::decode(&a).or_else(|_| Superblock::decode(&b)).unwrap_or_else(|_| blank_superblock());
-        let image = engine.register(Buffer::host(JOURNAL_BLOCK as usize)?)?;
+        let image = device.register(Buffer::host(JOURNAL_BLOCK as usize)?)?;
         Ok((
             Worker {
-                engine,
+                device,
                 sb,
                 image,
                 image_len: JOURNAL_BLOCK,
@@ -167,14 +165,14 @@ impl Worker {
         self.sb = sb.clone();
         let old = self.image;
         let buffer = Buffer::host(sb.journal_half as usize)?;
-        self.image = self.engine.register(buffer)?;
+        self.image = self.device.register(buffer)?;
         self.image_len = sb.journal_half;
-        let _ = self.engine.remove(old);
+        let _ = self.device.remove(old);
         let off = sb.journal_offset(sb.active_half);
         let read = request(Op::Read, self.image, 0, off, sb.journal_half);
-        self.storage.read(&mut self.engine, read).map_err(|source| WorkerError::ReadJournal { source })?;
+        self.storage.read(&mut *self.device, read).map_err(|source| WorkerError::ReadJournal { source })?;
         let mut bytes = vec![0u8; sb.journal_half as usize];
-        self.engine.buffer(self.image)?.read_at(0, &mut bytes)?;
+        self.device.buffer(self.image)?.read_at(0, &mut bytes)?;
         Ok(bytes)
     }
 
@@ -182,7 +180,7 @@ impl Worker {
     pub fn set_journal_end(&mut self, end: u64) -> Result<(), WorkerError> {
         assert!(end <= self.image_len, "journal end {end} beyond the {}-byte image", self.image_len);
         let zeros = vec![0u8; (self.image_len - end) as usize];
-        self.engine.buffer(self.image)?.write_at(end, &zeros)?;
+        self.device.buffer(self.image)?.write_at(end, &zeros)?;
         self.end = end;
         // The block holding `end` must be rewritten whole at the next commit.
         self.durable_end = end - end % JOURNAL_BLOCK;
@@ -263,7 +261,7 @@ impl Worker {
     /// Holds `buffer` for `host_fixed`, as a `Register` job does.
     #[cfg(test)]
     pub(super) fn register_for_test(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
-        self.engine.register(buffer)
+        self.device.register(buffer)
     }
 
     fn finish_commits(&mut self, commits: &mut Vec<Sender<CommitReply>>) {
@@ -281,8 +279,8 @@ impl Worker {
         CommitInfo {
             journal_used: self.end,
             journal_half: self.image_len,
-            flushes: self.engine.stats().flushes,
-            flushes_elided: self.engine.stats().flushes_elided,
+            flushes: self.device.flushes().0,
+            flushes_elided: self.device.flushes().1,
             commit_groups: self.groups,
         }
     }
@@ -291,13 +289,13 @@ impl Worker {
         match job {
             Job::Register(buffer, path, reply) => {
                 let _ = reply.send(match path {
-                    PayloadPath::Host => self.engine.add(buffer),
-                    PayloadPath::HostFixed => self.engine.register(buffer),
-                    PayloadPath::DmabufFixed => self.engine.register_dmabuf(buffer),
+                    PayloadPath::Host => self.device.add(buffer),
+                    PayloadPath::HostFixed => self.device.register(buffer),
+                    PayloadPath::DmabufFixed => self.device.register_dmabuf(buffer),
                 });
             }
             Job::Unregister(id, reply) => {
-                let _ = reply.send(self.engine.remove(id).map(drop));
+                let _ = reply.send(self.device.remove(id).map(drop));
             }
             Job::Io(requests, reply) => {
                 let _ = reply.send(self.payload(&requests));
@@ -307,7 +305,7 @@ impl Worker {
                 // checkpoint; an append never wraps back over live records.
                 let end = self.end.checked_add(frame.len() as u64).filter(|e| *e <= self.image_len);
                 let written =
-                    end.is_some() && self.engine.buffer(self.image).is_ok_and(|b| b.write_at(self.end, &frame).is_ok());
+                    end.is_some() && self.device.buffer(self.image).is_ok_and(|b| b.write_at(self.end, &frame).is_ok());
                 self.end = match end {
                     Some(e) if written => e,
                     // Reported by the next commit: the journal cannot take it.
@@ -325,7 +323,7 @@ impl Worker {
     }
 
     fn flush(&mut self) -> Result<(), WorkerError> {
-        self.storage.flush(&mut self.engine)
+        self.storage.flush(&mut *self.device)
     }
 
     /// Flush payload (if any was written) → write the journal tail with
@@ -361,7 +359,7 @@ impl Worker {
             return Err(WorkerError::CheckpointTooLarge { bytes: frame.len() as u64, half: self.image_len });
         }
         // Build the new half in the image: the frame, then zeros.
-        let b = self.engine.buffer(self.image)?;
+        let b = self.device.buffer(self.image)?;
         b.write_at(0, frame)?;
         let zeros = vec![0u8; (self.image_len - frame.len() as u64) as usize];
         b.write_at(frame.len() as u64, &zeros)?;
@@ -380,9 +378,9 @@ impl Worker {
     /// Copy A, flush, copy B, flush: one valid copy survives any crash.
     fn write_superblock(&mut self, sb: &Superblock) -> Result<(), WorkerError> {
         let bytes = sb.encode();
-        let tmp = self.engine.register(Buffer::host(SUPERBLOCK_BYTES)?)?;
+        let tmp = self.device.register(Buffer::host(SUPERBLOCK_BYTES)?)?;
         let result = (|| {
-            self.engine.buffer(tmp)?.write_at(0, &bytes)?;
+            self.device.buffer(tmp)?.write_at(0, &bytes)?;
             for offset in [0, sb.copy_b_offset()] {
                 self.write_guarded(Op::Write, tmp, 0, offset, SUPERBLOCK_BYTES as u64)
                     .map_err(|source| WorkerError::WriteSuperblock { offset, source })?;
@@ -390,7 +388,7 @@ impl Worker {
             }
             Ok(())
         })();
-        let _ = self.engine.remove(tmp);
+        let _ = self.device.remove(tmp);
         if result.is_ok() {
             self.sb = sb.clone();
         }
@@ -406,7 +404,7 @@ impl Worker {
         target_offset: u64,
         len: u64,
     ) -> Result<(), IoError> {
-        self.storage.write(&mut self.engine, request(op, buffer, buffer_offset, target_offset, len))
+        self.storage.write(&mut *self.device, request(op, buffer, buffer_offset, target_offset, len))
     }
 
     fn payload(&mut self, requests: &[IoRequest]) -> PayloadReply {
@@ -463,14 +461,14 @@ impl Worker {
             .map(|r| {
                 // A lone command only when it is large enough to spread.
                 (r.len >= Verifier::MIN_LEN && (submitted.len() > 1 || r.len >= 2 * Verifier::PIECE))
-                    .then(|| self.engine.shared_buffer(r.buffer).ok())
+                    .then(|| self.device.shared_buffer(r.buffer).ok())
                     .flatten()
                     .filter(|b| super::verifier::checked_here(b, r.op) && b.dmabuf().is_none())
             })
             .collect();
-        let Worker { engine, verifier, storage, .. } = self;
+        let Worker { device, verifier, storage, .. } = self;
         let mut handed = 0usize;
-        let done = storage.payload(engine, submitted, &mut |i, c, buffer| {
+        let done = storage.payload(&mut **device, submitted, &mut |i, c, buffer| {
             if let (Ok(()), Some(b)) = (&c.result, buffer)
                 && b.dmabuf().is_none()
             {
@@ -504,7 +502,7 @@ impl Worker {
     /// this process cannot map (device memory): the client's checksum has to
     /// do.
     fn crc(&mut self, r: &IoRequest) -> Result<Option<u32>, IoError> {
-        let b = self.engine.buffer(r.buffer)?;
+        let b = self.device.buffer(r.buffer)?;
         crc_of(b, r)
     }
 
@@ -513,20 +511,7 @@ impl Worker {
     }
 
     pub(super) fn dmabuf_rw(&self) -> pdstor_engine::io::DmabufRw {
-        self.engine.dmabuf_rw().clone()
-    }
-}
-
-/// One request on the host path: how the worker's metadata moves.
-fn request(op: Op, buffer: BufferId, buffer_offset: u64, target_offset: u64, len: u64) -> IoRequest {
-    IoRequest {
-        transfer: TransferId(0),
-        op,
-        path: PayloadPath::HostFixed,
-        buffer,
-        buffer_offset: BufferOffset(buffer_offset),
-        target_offset: TargetOffset(target_offset),
-        len,
+        self.device.dmabuf_rw()
     }
 }
 

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::sync::mpsc::channel;
 
+use super::backing::Backing;
 use super::storage::Media;
 use super::worker::{Job, PayloadReply, Worker};
 use pdstor_engine::buffer::Buffer;
@@ -34,7 +35,7 @@ fn run_queued(jobs: Vec<Vec<IoRequest>>, fill: &[u8]) -> (Vec<PayloadReply>, u64
     let path = dir.path().join("target.img");
     let target =
         Target::open(&path, &TargetOptions { create_len: Some(4 << 20), allocate: true, read_only: false }).unwrap();
-    let (mut worker, _, _) = Worker::open(target, 8, 0, 0, Arc::new(Media)).unwrap();
+    let (mut worker, _, _) = Worker::open(Backing::Target(target), 8, 0, 0, Arc::new(Media)).unwrap();
     let buffer = Buffer::host(fill.len()).unwrap();
     buffer.write_at(0, fill).unwrap();
     let id = worker.register_for_test(buffer).unwrap();
