@@ -14,7 +14,7 @@
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
@@ -190,6 +190,75 @@ pub fn watch(
     Ok((stop, handle))
 }
 
+/// A standby's start: registers its key (a registrant may read), reads
+/// whose the namespace is, and refuses what a takeover could not make safe —
+/// a target without persistent reservations, an owner that holds none.
+/// Answers the superblock it read.
+pub fn stand_by(path: &Path, key: u64) -> anyhow::Result<Superblock> {
+    let r = Reservations::open(path)?;
+    r.register(key).map_err(|e| {
+        anyhow::anyhow!(
+            "--standby: {e}: a standby takes a namespace over by preempting its owner's reservation, which this target cannot do"
+        )
+    })?;
+    let sb = read_superblock(path)?;
+    match sb.owner_key {
+        0 => bail!(
+            "--standby: namespace {} (epoch {}) has an owner that holds no reservation, so a standby could not fence it: serve the owner with --reservation-key",
+            sb.uuid,
+            sb.epoch
+        ),
+        k if k == key => tracing::warn!(
+            key = format!("{key:#x}"),
+            "the namespace's last owner held this standby's own key (this host owned it before): a takeover preempts nothing"
+        ),
+        _ => {}
+    }
+    Ok(sb)
+}
+
+/// A standby's judgement of its owner's health checks: a run of failures as
+/// long as `takeover_after` means the owner is gone, and it is time to take
+/// the namespace over.
+#[derive(Debug)]
+pub struct OwnerHealth {
+    takeover_after: Duration,
+    failing_since: Option<Instant>,
+}
+
+impl OwnerHealth {
+    /// No check failed yet.
+    pub fn new(takeover_after: Duration) -> OwnerHealth {
+        OwnerHealth { takeover_after, failing_since: None }
+    }
+
+    /// One check of the owner at `owner` answered `health`: why to take
+    /// over now, if the failures have run long enough.
+    pub fn checked(&mut self, owner: &str, health: Result<(), String>) -> Option<String> {
+        let why = match health {
+            Ok(()) => {
+                if self.failing_since.take().is_some() {
+                    tracing::info!(owner = %owner, "the owner answers again");
+                }
+                return None;
+            }
+            Err(why) => why,
+        };
+        let since = *self.failing_since.get_or_insert_with(|| {
+            tracing::warn!(owner = %owner, error = %why, "the owner's health check failed");
+            Instant::now()
+        });
+        (since.elapsed() >= self.takeover_after).then(|| {
+            format!("the owner at {owner} failed its health checks for {} ms ({why})", since.elapsed().as_millis())
+        })
+    }
+
+    /// A takeover was tried and failed: the owner's failures count from now.
+    pub fn takeover_failed(&mut self) {
+        self.failing_since = Some(Instant::now());
+    }
+}
+
 /// `POST /storage-pd/admin/takeover` asked of the owner itself: refused
 /// 409 `takeover_failed`, naming its namespace and epoch (a takeover is a
 /// standby's).
@@ -203,4 +272,23 @@ pub fn takeover_asked_of_owner(store: &Store) -> pdstor_client::wire::ErrorBody 
             sb.uuid, sb.epoch
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owner_is_taken_over_only_after_a_whole_run_of_failed_checks() {
+        let mut patient = OwnerHealth::new(Duration::from_secs(3600));
+        assert_eq!(patient.checked("o", Err("refused".into())), None, "one failure is not a run");
+        assert_eq!(patient.checked("o", Ok(())), None);
+        assert!(patient.failing_since.is_none(), "an answer ends the run");
+        let mut eager = OwnerHealth::new(Duration::ZERO);
+        assert_eq!(eager.checked("o", Ok(())), None, "a healthy owner is never taken over");
+        let why = eager.checked("http://owner:1", Err("connection refused".into())).expect("the run is long enough");
+        assert!(why.contains("http://owner:1") && why.contains("connection refused"), "{why}");
+        eager.takeover_failed();
+        assert!(eager.failing_since.is_some(), "a failed takeover keeps counting the owner's failures");
+    }
 }

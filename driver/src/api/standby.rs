@@ -79,7 +79,7 @@ pub(super) fn run(
         let mut signals = std::pin::pin!(super::signalled());
         let mut tick = tokio::time::interval(standby.check_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut failing_since: Option<Instant> = None;
+        let mut health = owner::OwnerHealth::new(standby.takeover_after);
         let mut check: Option<tokio::task::JoinHandle<Result<(), String>>> = None;
         let outcome = loop {
             tokio::select! {
@@ -111,25 +111,14 @@ pub(super) fn run(
                             pdstor_client::Client::new(&o).healthz().map_err(|e| e.to_string())
                         }));
                     }
-                    match healthy {
-                        Some(Ok(())) => answers_again(&mut failing_since, &owner),
-                        Some(Err(why)) => {
-                            let since = *failing_since.get_or_insert_with(|| {
-                                tracing::warn!(owner = %owner, error = %why, "the owner's health check failed");
-                                Instant::now()
-                            });
-                            if since.elapsed() >= standby.takeover_after {
-                                let by = format!("the owner at {owner} failed its health checks for {} ms ({why})", since.elapsed().as_millis());
-                                match take_over(cfg, key, &by).await {
-                                    Ok((_, taken)) => break Some(taken),
-                                    Err(e) => {
-                                        tracing::error!(error = %e, "taking over failed; standing by");
-                                        failing_since = Some(Instant::now());
-                                    }
-                                }
+                    if let Some(by) = healthy.and_then(|h| health.checked(&owner, h)) {
+                        match take_over(cfg, key, &by).await {
+                            Ok((_, taken)) => break Some(taken),
+                            Err(e) => {
+                                tracing::error!(error = %e, "taking over failed; standing by");
+                                health.takeover_failed();
                             }
                         }
-                        None => {}
                     }
                 }
             }
@@ -140,37 +129,10 @@ pub(super) fn run(
     })
 }
 
-/// The owner answered its health check: a failing run of checks ends.
-fn answers_again(failing_since: &mut Option<Instant>, owner: &str) {
-    if failing_since.take().is_some() {
-        tracing::info!(owner = %owner, "the owner answers again");
-    }
-}
-
-/// Registers the standby's key (a registrant may read), reads whose the
-/// namespace is, refuses what a takeover could not make safe, and answers
-/// what the standby says of itself.
+/// Stands by ([`owner::stand_by`]) and answers what the standby says of
+/// itself.
 fn stand(cfg: &ServeConfig, standby: &StandbyConfig, key: u64) -> anyhow::Result<String> {
-    let r = pdstor_engine::io::persistent_reservation::Reservations::open(&cfg.target)?;
-    // A registrant may read: the superblock says whose the namespace is.
-    r.register(key).map_err(|e| {
-        anyhow::anyhow!(
-            "--standby: {e}: a standby takes a namespace over by preempting its owner's reservation, which this target cannot do"
-        )
-    })?;
-    let sb = owner::read_superblock(&cfg.target)?;
-    match sb.owner_key {
-        0 => anyhow::bail!(
-            "--standby: namespace {} (epoch {}) has an owner that holds no reservation, so a standby could not fence it: serve the owner with --reservation-key",
-            sb.uuid,
-            sb.epoch
-        ),
-        k if k == key => tracing::warn!(
-            key = format!("{key:#x}"),
-            "the namespace's last owner held this standby's own key (this host owned it before): a takeover preempts nothing"
-        ),
-        _ => {}
-    }
+    let sb = owner::stand_by(&cfg.target, key)?;
     let about = format!(
         "this daemon is a standby for namespace {} (epoch {}, owner key {:#x}{}): it serves no step until it takes over; ask the owner",
         sb.uuid,
