@@ -197,7 +197,7 @@ pub fn run(sh: &Shell, args: &VmtestArgs) -> Result<()> {
         );
     }
     let vm = Vm {
-        netdev: None,
+        nic: None,
         abort: None,
         kill_markers: &[],
         kernel: &kernel.vmlinuz,

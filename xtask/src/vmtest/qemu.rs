@@ -33,14 +33,23 @@ pub struct Vm<'a> {
     pub disks: Vec<(DiskSpec, PathBuf)>,
     pub dir: &'a Path,
     pub extra_append: String,
-    /// A virtio-net card on this QEMU `-netdev` (a topology's private
-    /// network: `socket,listen=…` on one guest, `socket,connect=…` on the other).
-    pub netdev: Option<String>,
+    /// A virtio-net card (a topology's private network).
+    pub nic: Option<Nic>,
     /// Set by another thread to stop this guest (its peer in a topology failed).
     pub abort: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// Console lines at which the guest asks to be killed, as a host that
     /// dies does: QEMU is killed at once, nothing shut down.
     pub kill_markers: &'static [&'static str],
+}
+
+/// A guest's network card on a QEMU `-netdev`.
+pub struct Nic {
+    /// The `-netdev` (a topology's: `socket,udp=…,localaddr=…`, the two
+    /// guests each other's peer).
+    pub netdev: String,
+    /// Its MAC address: each guest of a network its own (QEMU would give
+    /// every guest the same one).
+    pub mac: &'static str,
 }
 
 pub struct VmRun {
@@ -164,8 +173,9 @@ impl Vm<'_> {
     /// The topology's private network card, if any; `-nodefaults` gives the
     /// guest no other.
     fn net_args(&self) -> Vec<String> {
-        let Some(netdev) = &self.netdev else { return Vec::new() };
-        vec!["-netdev".into(), format!("{netdev},id=net0"), "-device".into(), "virtio-net-pci,netdev=net0".into()]
+        let Some(Nic { netdev, mac }) = &self.nic else { return Vec::new() };
+        let device = format!("virtio-net-pci,netdev=net0,mac={mac}");
+        vec!["-netdev".into(), format!("{netdev},id=net0"), "-device".into(), device]
     }
 
     fn command(&self, accel: Accel) -> Result<Command> {

@@ -3,6 +3,7 @@
 //! rebooted where a test cuts its power.
 
 use super::*;
+use qemu::Nic;
 
 /// A topology: the storage guest (all disks; it exports the raw one over
 /// NVMe/TCP and hosts the writer) and the reader guest (no disks), joined by
@@ -42,7 +43,7 @@ pub(super) fn run_topology(
         disks: disks.clone(),
         dir: &dirs[d],
         extra_append: format!("{append} pdstor.role=storage pdstor.ip={STORAGE_ADDR}/24{}", resume_arg(resume)),
-        netdev: Some(storage_net.clone()),
+        nic: Some(Nic { netdev: storage_net.clone(), mac: "52:54:00:77:00:01" }),
         abort: Some(stop_storage.clone()),
         kill_markers: if resume.is_none() { &[POWER_CUT_ME] } else { &[] },
     };
@@ -55,7 +56,7 @@ pub(super) fn run_topology(
             "{append} pdstor.role=reader pdstor.ip={READER_ADDR}/24 pdstor.nodisks=1{}",
             resume_arg(resume)
         ),
-        netdev: Some(reader_net.clone()),
+        nic: Some(Nic { netdev: reader_net.clone(), mac: "52:54:00:77:00:02" }),
         abort: Some(stop_reader.clone()),
         kill_markers: if resume.is_none() { &[KILL_ME, POWER_CUT_ME] } else { &[KILL_ME] },
     };
@@ -150,11 +151,33 @@ pub(super) fn report_topology(
         }
     }
     for d in dirs {
-        println!(
-            "logs ({}): {}",
-            d.file_name().map(|n| n.to_string_lossy()).unwrap_or_default(),
-            d.join("console.log").display()
-        );
+        let name = d.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let console = d.join("console.log");
+        println!("logs ({name}): {}", console.display());
+        if outcome.is_err() {
+            // Into the log: CI removes its clone, and the console files with it.
+            print_evidence(&name, &console);
+        }
     }
     outcome
+}
+
+/// Kernel lines a failed topology is read by: the fabric (nvme, nvmet),
+/// the network card, warnings and traces, lockups.
+const EVIDENCE: [&str; 11] =
+    ["nvme", "virtio_net", "eth0", "WARNING", "Call Trace", "watchdog", "timed out", "lockup", "BUG", "hung", "RIP:"];
+
+/// `console`'s evidence lines (at most 80) and its last 20 lines.
+fn print_evidence(name: &str, console: &Path) {
+    let Ok(text) = std::fs::read_to_string(console) else { return };
+    let lines: Vec<&str> = text.lines().collect();
+    let evidence: Vec<&str> = lines.iter().copied().filter(|l| EVIDENCE.iter().any(|e| l.contains(e))).collect();
+    println!("--- {name}: {} kernel lines of the fabric, network and warnings (the last 80) ---", evidence.len());
+    for l in &evidence[evidence.len().saturating_sub(80)..] {
+        println!("  {l}");
+    }
+    println!("--- {name}: its last 20 lines ---");
+    for l in &lines[lines.len().saturating_sub(20)..] {
+        println!("  {l}");
+    }
 }
