@@ -6,10 +6,12 @@
 //! session close and reclaim, idle reaping, checkpoints — on a namespace
 //! with a small journal, and cuts the power at random points. The store runs
 //! on memory ([`Store::open_memory`]: no io_uring, no file), through the
-//! same storage seam as on a target; the simulated device
-//! ([`FaultPlan::simulated_in`]) keeps a volatile write cache: a power loss
-//! loses, tears or misdirects any write since the last flush, and three
-//! restarts in ten meet a medium error on one of recovery's reads.
+//! same storage seam as on a target — one seed in twenty on a file, through
+//! io_uring, so that the engine's own checks are simulated too; the
+//! simulated device ([`FaultPlan::simulated_in`], [`FaultPlan::simulated`])
+//! keeps a volatile write cache: a power loss loses, tears or misdirects any
+//! write since the last flush, and three restarts in ten meet a medium error
+//! on one of recovery's reads.
 //!
 //! And a standby takes the namespace over at random points (issue 35): the
 //! old owner is fenced as a preempt fences it ([`FaultPlan::fence`]: the
@@ -64,7 +66,7 @@ use pdstor_client::wire::Prepared;
 use pdstor_daemon::admission::{CancelToken, WaitClock};
 use pdstor_daemon::protocol::service::{ProtocolError, Service};
 use pdstor_daemon::store::{
-    self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Memory, Phase, Store, StoreBatch, StoreOptions,
+    self, ChunkDest, ChunkSource, FaultPlan, FormatOptions, Memory, Phase, Store, StoreBatch, StoreError, StoreOptions,
 };
 use pdstor_engine::{buffer::Buffer, payload};
 
@@ -188,7 +190,7 @@ impl Req {
 struct Sim {
     rng: Rng,
     /// The device's media, read back independently of the store.
-    memory: Memory,
+    media: Media,
     plan: Arc<FaultPlan>,
     clock: Arc<SimClock>,
     service: Option<Arc<Service>>,
@@ -233,23 +235,81 @@ fn shared(store: &Store) -> (Buffer, pdstor_engine::io::BufferId) {
     (mine, id)
 }
 
+/// Where a simulation's namespace lives: memory, or (one seed in twenty) a
+/// file the store reaches through io_uring.
+enum Media {
+    Memory(Memory),
+    File { _dir: tempfile::TempDir, path: std::path::PathBuf },
+}
+
+impl Media {
+    /// The namespace of seed `seed`, formatted.
+    fn formatted(seed: u64) -> Result<Media, String> {
+        let len = 2 * 4096 + 2 * JOURNAL + SLOTS * SLOT;
+        let opts = FormatOptions { slot_size: SLOT, journal_half: JOURNAL, force: false, create_len: None };
+        let media = if seed.is_multiple_of(20) {
+            let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).map_err(|e| e.to_string())?;
+            let path = dir.path().join("sim.img");
+            store::format(&path, &FormatOptions { create_len: Some(len), ..opts }).map_err(|e| e.to_string())?;
+            Media::File { _dir: dir, path }
+        } else {
+            let memory = Memory::zeroed(len);
+            store::format_memory(&memory, &opts).map_err(|e| e.to_string())?;
+            Media::Memory(memory)
+        };
+        Ok(media)
+    }
+
+    /// A simulated device over the media, with nothing unflushed yet.
+    fn plan(&self) -> Result<Arc<FaultPlan>, String> {
+        match self {
+            Media::Memory(m) => Ok(FaultPlan::simulated_in(m)),
+            Media::File { path, .. } => FaultPlan::simulated(path).map_err(|e| e.to_string()),
+        }
+    }
+
+    fn open(&self, opts: StoreOptions) -> Result<(Store, pdstor_daemon::store::RecoveryReport), StoreError> {
+        match self {
+            Media::Memory(m) => Store::open_memory(m, opts),
+            Media::File { path, .. } => Store::open(path, opts),
+        }
+    }
+
+    /// Every byte, read outside the store.
+    fn bytes(&self) -> Result<Vec<u8>, String> {
+        match self {
+            Media::Memory(m) => Ok(m.to_vec()),
+            Media::File { path, .. } => std::fs::read(path).map_err(|e| e.to_string()),
+        }
+    }
+
+    /// `out.len()` bytes at `offset`, read outside the store; an error past the end.
+    fn read_at(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        use std::os::unix::fs::FileExt;
+        let len = out.len();
+        let past = || format!("{len} bytes at {offset} lie past the end of the media");
+        match self {
+            Media::Memory(m) if m.read_at(offset, out) => Ok(()),
+            Media::Memory(_) => Err(past()),
+            Media::File { path, .. } => std::fs::File::open(path)
+                .and_then(|f| f.read_exact_at(out, offset))
+                .map_err(|e| format!("{}: {e}", past())),
+        }
+    }
+}
+
 impl Sim {
     fn new(seed: u64) -> Result<Sim, String> {
-        let memory = Memory::zeroed(2 * 4096 + 2 * JOURNAL + SLOTS * SLOT);
-        store::format_memory(
-            &memory,
-            &FormatOptions { slot_size: SLOT, journal_half: JOURNAL, force: false, create_len: None },
-        )
-        .map_err(|e| e.to_string())?;
-        let plan = FaultPlan::simulated_in(&memory);
+        let media = Media::formatted(seed)?;
+        let plan = media.plan()?;
         let clock = Arc::new(SimClock(AtomicU64::new(1_700_000_000_000)));
         let sim_clock: Arc<dyn pdstor_daemon::protocol::Clock> = clock.clone();
-        let (store, _) = Store::open_memory(&memory, options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
+        let (store, _) = media.open(options(&plan, &clock)).map_err(|e| format!("open: {e}"))?;
         let store = Arc::new(store);
         let (writer, reader) = (shared(&store), shared(&store));
         Ok(Sim {
             rng: Rng(seed),
-            memory,
+            media,
             plan,
             clock,
             service: Some(Arc::new(Service::new(store).with_clock(sim_clock))),
@@ -888,14 +948,14 @@ impl Sim {
     /// the next open (`recover`) must find everything as if it had not
     /// happened. An open that made fewer reads is a restart like any other.
     fn recovery_read_fails(&mut self, read: u64, what: &str) -> Result<(), String> {
-        let before = self.memory.to_vec();
-        let plan = FaultPlan::simulated_in(&self.memory);
+        let before = self.media.bytes()?;
+        let plan = self.media.plan()?;
         plan.fail_metadata_read(read);
-        let opened = Store::open_memory(&self.memory, options(&plan, &self.clock));
+        let opened = self.media.open(options(&plan, &self.clock));
         match (opened, plan.metadata_read_faults()) {
             (Err(e), 1) => {
                 self.note(format!("{what}: recovery read {read} fails -> {e}"));
-                if self.memory.to_vec() != before {
+                if self.media.bytes()? != before {
                     return Err(format!("an open whose recovery read {read} failed changed the target ({e})"));
                 }
                 Ok(())
@@ -916,9 +976,9 @@ impl Sim {
             let read = self.rng.below(3);
             self.recovery_read_fails(read, what)?;
         }
-        let plan = FaultPlan::simulated_in(&self.memory);
-        let (store, report) = Store::open_memory(&self.memory, options(&plan, &self.clock))
-            .map_err(|e| format!("recovery failed: {e}"))?;
+        let plan = self.media.plan()?;
+        let (store, report) =
+            self.media.open(options(&plan, &self.clock)).map_err(|e| format!("recovery failed: {e}"))?;
         self.note(format!("{what} {loss:?} -> recovery {report:?}"));
         self.plan = plan;
         let store = Arc::new(store);
@@ -952,7 +1012,7 @@ impl Sim {
             let manifest = p.manifest.as_ref().ok_or(format!("publication {id} has no manifest"))?;
             for c in &manifest.chunks {
                 let mut got = vec![0u8; c.len as usize];
-                self.memory.read_at(c.offset.0, &mut got);
+                self.media.read_at(c.offset.0, &mut got)?;
                 let want = payload::chunk(r.seed, c.index as u64, SLOT as usize);
                 if got != want {
                     if (corrupt_ok || self.corrupted.contains(id)) && crc32c::crc32c(&got) != c.crc32c {

@@ -59,7 +59,9 @@ impl Medium {
             Medium::File(f) => {
                 let _ = f.read_exact_at(&mut b, offset);
             }
-            Medium::Memory(m) => m.read_at(offset, &mut b),
+            Medium::Memory(m) => {
+                m.read_at(offset, &mut b);
+            }
         }
         b
     }

@@ -1,9 +1,11 @@
 //! A device whose media is memory: the simulation's. It moves bytes between
 //! the buffers it holds and a [`Memory`] — shared with the fault plan, which
 //! remembers what unflushed writes overwrote, and with the simulation,
-//! which reads the media back — and checks each command as the engine does
-//! (a held buffer, a range inside it and inside the media, a length, a path
-//! it can serve) before any of a batch runs. No io_uring, no file: a store
+//! which reads the media back — and checks each command as the engine
+//! checks one for a direct-I/O target of 4 KiB blocks (a transfer id that
+//! fits, a held buffer registered for the path asked, a range inside it and
+//! inside the media, a length, every address, offset and length aligned)
+//! before any of a batch runs. No io_uring, no file: a store
 //! opened on it ([`Store::open_memory`](super::Store::open_memory)) runs its
 //! journal, recovery and payloads exactly as on a target, through the same
 //! [`Storage`](super::storage::Storage) seam.
@@ -12,7 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use pdstor_engine::buffer::Buffer;
-use pdstor_engine::io::{BufferId, Completion, DmabufRw, IoError, IoRequest, Op, PayloadPath};
+use pdstor_engine::io::{BufferId, Completion, DmabufRw, IoError, IoRequest, MAX_TRANSFER_ID, Op, PayloadPath};
 
 use super::device::{Device, Inspect};
 
@@ -40,12 +42,14 @@ impl Memory {
         self.len() == 0
     }
 
-    /// Fills `out` from `offset`; what lies past the end is left as it was.
-    pub fn read_at(&self, offset: u64, out: &mut [u8]) {
+    /// Fills `out` from `offset`; what lies past the end is left as it
+    /// was. Whether all of it lay inside.
+    pub fn read_at(&self, offset: u64, out: &mut [u8]) -> bool {
         let bytes = self.bytes();
         let start = (offset as usize).min(bytes.len());
         let n = out.len().min(bytes.len() - start);
         out[..n].copy_from_slice(&bytes[start..start + n]);
+        n == out.len()
     }
 
     /// Writes `data` at `offset`; what would lie past the end is dropped.
@@ -62,29 +66,46 @@ impl Memory {
     }
 }
 
+/// The alignment the device asks of buffer addresses, target offsets and
+/// lengths: a 4 KiB-block target's, which the store keeps on every target.
+const ALIGN: u64 = 4096;
+
+/// A buffer the device holds: registered (`host_fixed`), or not (`host`).
+struct Held {
+    buffer: Arc<Buffer>,
+    registered: bool,
+}
+
 /// The device over a [`Memory`]: its buffer table and its flush count.
 pub(crate) struct MemoryDevice {
     memory: Memory,
-    table: Vec<Option<Arc<Buffer>>>,
+    table: Vec<Option<Held>>,
     flushes: u64,
 }
 
 impl MemoryDevice {
     /// A device over `memory` with room for `buffers` held buffers.
     pub fn new(memory: Memory, buffers: u32) -> MemoryDevice {
-        MemoryDevice { memory, table: vec![None; buffers as usize], flushes: 0 }
+        MemoryDevice { memory, table: (0..buffers).map(|_| None).collect(), flushes: 0 }
     }
 
-    fn hold(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
+    fn hold(&mut self, buffer: Buffer, registered: bool) -> Result<BufferId, IoError> {
         let free = self.table.iter().position(Option::is_none);
         let slot = free.ok_or(IoError::BufferTableFull { slots: self.table.len() as u32 })?;
-        self.table[slot] = Some(Arc::new(buffer));
+        self.table[slot] = Some(Held { buffer: Arc::new(buffer), registered });
         Ok(BufferId(slot as u32))
+    }
+
+    fn held(&self, id: BufferId) -> Result<&Held, IoError> {
+        self.table.get(id.0 as usize).and_then(Option::as_ref).ok_or(IoError::UnknownBuffer(id))
     }
 
     /// The error that refuses `r` before anything of its batch runs, if any.
     fn refuse(&self, r: &IoRequest) -> Result<(), IoError> {
         let transfer = r.transfer;
+        if transfer.0 > MAX_TRANSFER_ID {
+            return Err(IoError::TransferIdTooLarge { transfer });
+        }
         if r.op == Op::Flush {
             let why = "a flush moves no payload";
             return Err(IoError::PathUnavailable { transfer, path: r.path, why, hint: "call flush instead" });
@@ -96,8 +117,25 @@ impl MemoryDevice {
         if r.len == 0 {
             return Err(IoError::EmptyRequest { transfer });
         }
-        let buffer = self.buffer(r.buffer)?;
-        buffer.check_range(r.buffer_offset.0, r.len as usize).map_err(|what| IoError::Buffer { transfer, what })?;
+        let held = self.held(r.buffer)?;
+        held.buffer
+            .check_range(r.buffer_offset.0, r.len as usize)
+            .map_err(|what| IoError::Buffer { transfer, what })?;
+        if r.path == PayloadPath::HostFixed && !held.registered {
+            let why = "the buffer's memory is not registered";
+            return Err(IoError::PathUnavailable {
+                transfer,
+                path: r.path,
+                why,
+                hint: "register it, or declare path host",
+            });
+        }
+        let addr = held.buffer.addr().map_err(|what| IoError::Buffer { transfer, what })? + r.buffer_offset.0;
+        for (field, value) in [("buffer address", addr), ("target offset", r.target_offset.0), ("length", r.len)] {
+            if !value.is_multiple_of(ALIGN) {
+                return Err(IoError::Unaligned { transfer, field, value, align: ALIGN as u32 });
+            }
+        }
         let capacity = self.memory.len();
         if r.target_offset.0.checked_add(r.len).is_none_or(|end| end > capacity) {
             return Err(IoError::BeyondTarget { transfer, offset: r.target_offset.0, len: r.len, capacity });
@@ -130,11 +168,11 @@ impl Device for MemoryDevice {
     }
 
     fn add(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
-        self.hold(buffer)
+        self.hold(buffer, false)
     }
 
     fn register(&mut self, buffer: Buffer) -> Result<BufferId, IoError> {
-        self.hold(buffer)
+        self.hold(buffer, true)
     }
 
     fn register_dmabuf(&mut self, _buffer: Buffer) -> Result<BufferId, IoError> {
@@ -144,15 +182,15 @@ impl Device for MemoryDevice {
     }
 
     fn remove(&mut self, id: BufferId) -> Result<Arc<Buffer>, IoError> {
-        self.table.get_mut(id.0 as usize).and_then(Option::take).ok_or(IoError::UnknownBuffer(id))
+        self.table.get_mut(id.0 as usize).and_then(Option::take).map(|h| h.buffer).ok_or(IoError::UnknownBuffer(id))
     }
 
     fn buffer(&self, id: BufferId) -> Result<&Buffer, IoError> {
-        self.table.get(id.0 as usize).and_then(Option::as_deref).ok_or(IoError::UnknownBuffer(id))
+        self.held(id).map(|h| &*h.buffer)
     }
 
     fn shared_buffer(&self, id: BufferId) -> Result<Arc<Buffer>, IoError> {
-        self.table.get(id.0 as usize).and_then(Option::clone).ok_or(IoError::UnknownBuffer(id))
+        self.held(id).map(|h| Arc::clone(&h.buffer))
     }
 
     fn execute_inspect(&mut self, commands: &[IoRequest], inspect: Inspect) -> Result<Vec<Completion>, IoError> {
@@ -208,13 +246,14 @@ mod tests {
     fn writes_reach_the_shared_memory_and_reads_come_back_from_it() {
         let memory = Memory::zeroed(64 << 10);
         let mut device = MemoryDevice::new(memory.clone(), 4);
-        write_from_slice(&mut device, 8192, b"pdstor").unwrap();
+        write_from_slice(&mut device, 8192, &[b"pdstor".as_slice(), &[0u8; 4090]].concat()).unwrap();
         let mut seen = [0u8; 6];
         memory.read_at(8192, &mut seen);
         assert_eq!(&seen, b"pdstor", "the write is in the memory the simulation reads");
         memory.write_at(12288, b"media");
-        let got = read_to_vec_by(&mut device, 12288, 5, |d, r| execute_all(d, &[r])).unwrap();
-        assert_eq!(got, b"media");
+        let got = read_to_vec_by(&mut device, 12288, 4096, |d, r| execute_all(d, &[r])).unwrap();
+        assert_eq!(&got[..5], b"media");
+        assert!(!memory.read_at((64 << 10) - 2, &mut seen), "a read past the end says so");
         assert!(device.table.iter().all(Option::is_none), "the buffers held for the I/O are let go");
         device.flush().unwrap();
         assert_eq!(device.flushes(), (1, 0));
@@ -223,16 +262,21 @@ mod tests {
     #[test]
     fn a_batch_with_one_bad_command_is_refused_before_any_of_it_runs() {
         let memory = Memory::zeroed(16 << 10);
-        let mut device = MemoryDevice::new(memory.clone(), 2);
+        let mut device = MemoryDevice::new(memory.clone(), 3);
         let buffer = Buffer::host(4096).unwrap();
         buffer.write_at(0, &[9u8; 4096]).unwrap();
         let id = device.register(buffer).unwrap();
+        let unregistered = device.add(Buffer::host(4096).unwrap()).unwrap();
         let good = command(Op::Write, id, 0, 4096);
         for (bad, want) in [
             (command(Op::Write, id, 16 << 10, 4096), "beyond the target"),
-            (command(Op::Write, BufferId(1), 0, 4096), "not held"),
+            (command(Op::Write, BufferId(2), 0, 4096), "not held"),
             (command(Op::Write, id, 0, 0), "0 bytes"),
             (command(Op::Write, id, 0, 8192), "buffer"),
+            (command(Op::Write, id, 512, 4096), "not a multiple of 4096"),
+            (command(Op::Write, id, 0, 512), "not a multiple of 4096"),
+            (command(Op::Write, unregistered, 0, 4096), "not registered"),
+            (IoRequest { transfer: TransferId(MAX_TRANSFER_ID + 1), ..good }, "id is above"),
             (IoRequest { path: PayloadPath::DmabufFixed, ..good }, "DMA-BUF"),
             (command(Op::Flush, id, 0, 4096), "flush"),
         ] {
@@ -246,6 +290,6 @@ mod tests {
         assert!(device.register_dmabuf(Buffer::host(4096).unwrap()).is_err());
         assert!(device.register(Buffer::host(4096).unwrap()).is_ok());
         let full = device.register(Buffer::host(4096).unwrap()).unwrap_err();
-        assert!(matches!(full, IoError::BufferTableFull { slots: 2 }), "{full}");
+        assert!(matches!(full, IoError::BufferTableFull { slots: 3 }), "{full}");
     }
 }

@@ -156,7 +156,21 @@ class WorkerSide:
         data-plane frame per slots-full (``Writer.store_many``), whatever the
         requests. A request whose store is refused is remembered (its
         publication rolled back, its later chunks not sent) and ends rolled
-        back; the others go on."""
+        back; the others go on. Should the round itself fail, every request
+        in it ends rolled back."""
+        try:
+            self._save_all(specs)
+        except Exception as e:  # noqa: BLE001 - none may end READY with chunks unstored
+            log.exception("pdstor.vllm: a round of %d stores failed: %s", len(specs), e)
+            for spec in specs:
+                try:
+                    handoff = self.handoff(spec)
+                except RuntimeError:
+                    continue
+                if not self._failed(spec, handoff):
+                    self.failed_saves[spec.req_id] = (handoff, str(e))
+
+    def _save_all(self, specs: list[SaveSpec]) -> None:
         pieces: list[tuple[SaveSpec, str, int, int]] = []
         for spec in specs:
             try:

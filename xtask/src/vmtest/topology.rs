@@ -169,7 +169,9 @@ const EVIDENCE: [&str; 11] =
 
 /// `console`'s evidence lines (at most 80) and its last 20 lines.
 fn print_evidence(name: &str, console: &Path) {
-    let Ok(text) = std::fs::read_to_string(console) else { return };
+    // Bytes, not text: a guest killed mid-line may leave half a character.
+    let Ok(bytes) = std::fs::read(console) else { return };
+    let text = String::from_utf8_lossy(&bytes);
     let lines: Vec<&str> = text.lines().collect();
     let evidence: Vec<&str> = lines.iter().copied().filter(|l| EVIDENCE.iter().any(|e| l.contains(e))).collect();
     println!("--- {name}: {} kernel lines of the fabric, network and warnings (the last 80) ---", evidence.len());
