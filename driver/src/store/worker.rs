@@ -1,8 +1,9 @@
 //! The store's I/O thread. It owns the [`Device`] (the engine, which must
 //! stay on one thread, or memory), the in-memory image of the active
-//! journal half, and the device flushes. Group commit: every `Commit` waiting in the queue when the thread
-//! gets to one is served by a single "flush payload → write journal tail →
-//! flush" sequence, so concurrent publishers share flushes.
+//! journal half, and the device flushes. Group commit: every `Commit`
+//! waiting in the queue when the thread gets to one is served by a single
+//! "flush payload → write journal tail → flush" sequence, so concurrent
+//! publishers share flushes.
 //!
 //! Every payload batch, metadata write and flush goes through the
 //! [`Storage`] it was opened on: the device itself, or a simulated faulty one

@@ -1,6 +1,6 @@
-//! Plain bytes in and out of the target, each through a temporary
-//! registered buffer (metadata-sized I/O: superblocks, signatures,
-//! journals), and the flush that makes completed writes durable.
+//! Plain bytes out of the target, through a temporary registered buffer
+//! (metadata-sized I/O: a superblock), and the flush that makes completed
+//! writes durable.
 
 use super::*;
 
@@ -8,17 +8,6 @@ impl Engine {
     /// Reads `len` bytes at `offset` through a temporary registered buffer
     /// (metadata-sized I/O: superblocks, signatures, journals).
     pub fn read_to_vec(&mut self, offset: u64, len: u64) -> Result<Vec<u8>, IoError> {
-        self.read_to_vec_by(offset, len, |engine, req| engine.execute_all(&[req]).map(drop))
-    }
-
-    /// [`read_to_vec`](Self::read_to_vec) with the read itself done by
-    /// `read` (a caller's seam over the device, which may fail it).
-    pub fn read_to_vec_by(
-        &mut self,
-        offset: u64,
-        len: u64,
-        read: impl FnOnce(&mut Engine, IoRequest) -> Result<(), IoError>,
-    ) -> Result<Vec<u8>, IoError> {
         let transfer = TransferId(0);
         let buffer = Buffer::host(len as usize).map_err(|what| IoError::Buffer { transfer, what })?;
         let id = self.register(buffer)?;
@@ -31,32 +20,12 @@ impl Engine {
             target_offset: TargetOffset(offset),
             len,
         };
-        let result = read(self, req);
+        let result = self.execute_all(&[req]);
         let buffer = self.remove(id)?;
         result?;
         let mut out = vec![0u8; len as usize];
         buffer.read_at(0, &mut out).map_err(|what| IoError::Buffer { transfer, what })?;
         Ok(out)
-    }
-
-    /// Writes `data` at `offset` through a temporary registered buffer.
-    pub fn write_from_slice(&mut self, offset: u64, data: &[u8]) -> Result<(), IoError> {
-        let transfer = TransferId(0);
-        let buffer = Buffer::host(data.len()).map_err(|what| IoError::Buffer { transfer, what })?;
-        buffer.write_at(0, data).map_err(|what| IoError::Buffer { transfer, what })?;
-        let id = self.register(buffer)?;
-        let req = IoRequest {
-            transfer,
-            op: Op::Write,
-            path: PayloadPath::HostFixed,
-            buffer: id,
-            buffer_offset: BufferOffset(0),
-            target_offset: TargetOffset(offset),
-            len: data.len() as u64,
-        };
-        let result = self.execute_all(&[req]);
-        self.remove(id)?;
-        result.map(drop)
     }
 
     /// Makes everything written so far durable: NVMe Flush, else `fdatasync` (through
